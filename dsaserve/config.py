@@ -1,0 +1,449 @@
+"""The frozen configuration tree.
+
+Every component receives only the part it uses. Configs are validated once, when built, and never
+mutated afterwards. `ModelConfig.from_hf` reads a Hugging Face `config.json` in any of the layouts found
+in the wild (legacy `rope_theta` + `rope_scaling`, or `rope_parameters`; optional keys absent).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the field."""
+
+
+# Defaults of the Hugging Face config classes (transformers 5.23) for keys a config.json may omit.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "glm_moe_dsa": dict(
+        vocab_size=154880, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_hidden_layers=78, num_attention_heads=64, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=2048, qk_rope_head_dim=64,
+        v_head_dim=256, qk_nope_head_dim=192, n_group=1, topk_group=1, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=202752, rms_norm_eps=1e-5, bos_token_id=0,
+        eos_token_id=1, tie_word_embeddings=False, index_topk=2048, index_head_dim=128,
+        index_n_heads=32, first_k_dense_replace=3, topk_method="noaux_tc", scoring_func="sigmoid",
+        # GLM uses interleaved RoPE in the indexer (HF hard-wires it; the config key says so too).
+        indexer_rope_interleave=True, index_skip_topk_offset=2, index_topk_freq=1,
+        num_nextn_predict_layers=0, index_share_for_mtp_iteration=False, hidden_act="silu",
+    ),
+    "deepseek_v32": dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, n_shared_experts=1, n_routed_experts=256,
+        routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4, num_experts_per_tok=8,
+        norm_topk_prob=True, max_position_embeddings=163840, rms_norm_eps=1e-6, bos_token_id=0,
+        eos_token_id=1, tie_word_embeddings=False, index_topk=2048, index_head_dim=128,
+        index_n_heads=64, first_k_dense_replace=3, topk_method="noaux_tc", scoring_func="sigmoid",
+        # DeepSeek-V3.2's indexer uses NeoX (half-split) RoPE; its MLA uses interleaved.
+        indexer_rope_interleave=False, index_skip_topk_offset=2, index_topk_freq=1,
+        num_nextn_predict_layers=0, index_share_for_mtp_iteration=False, hidden_act="silu",
+    ),
+}
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE frequencies; `rope_type` is "default" or "yarn" (DeepSeek's variant)."""
+
+    rope_type: str = "default"
+    theta: float = _DEFAULT_ROPE_THETA
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+    @staticmethod
+    def from_hf(raw: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
+        params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"rope_parameters: expected an object, got {type(params).__name__}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = float(params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+        if rope_type == "default":
+            return RopeConfig(theta=theta)
+        if rope_type != "yarn":
+            raise ConfigError(f"rope_parameters.rope_type: unsupported value {rope_type!r}")
+        orig = params.get("original_max_position_embeddings")
+        if orig is None:
+            raise ConfigError("rope_parameters.original_max_position_embeddings is required for yarn")
+        factor = params.get("factor") or max_position_embeddings / orig
+        return RopeConfig(
+            rope_type="yarn", theta=theta, factor=float(factor),
+            original_max_position_embeddings=int(orig),
+            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 1.0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        )
+
+    @property
+    def softmax_scale_multiplier(self) -> float:
+        """YaRN's m² correction of the attention softmax scale (1.0 without YaRN)."""
+        if self.rope_type != "yarn" or not self.mscale_all_dim or self.factor <= 1:
+            return 1.0
+        m = 0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0
+        return m * m
+
+
+@dataclass(frozen=True)
+class FP8WeightConfig:
+    """Block-quantized FP8 weights (`weight_scale_inv` per 128×128 block)."""
+
+    block_size: tuple[int, int] = (128, 128)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a DSA model (both families share it); see MODEL_SPEC.md §1–2."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    mlp_layer_types: tuple[str, ...]  # "dense" | "sparse" per layer
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_types: tuple[str, ...]  # "full" | "shared" per layer
+    indexer_rope_interleave: bool
+    num_nextn_predict_layers: int
+    index_share_for_mtp_iteration: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    tie_word_embeddings: bool
+    torch_dtype: str = "bfloat16"
+    fp8_weights: FP8WeightConfig | None = None
+    # Epsilon of q_a_layernorm / kv_a_layernorm: HF and the DeepSeek reference use 1e-6 regardless of
+    # rms_norm_eps (vLLM uses rms_norm_eps); we follow the independent references.
+    latent_norm_eps: float = 1e-6
+    # LayerNorm eps of the indexer's k_norm (hard-coded 1e-6 everywhere).
+    index_k_norm_eps: float = 1e-6
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_width(self) -> int:
+        """Width of one cached MLA row: latent + RoPE key (576 for the real models)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """1/sqrt(nope + rope) times YaRN's m² (not 1/sqrt(576))."""
+        return self.qk_head_dim**-0.5 * self.rope.softmax_scale_multiplier
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.num_nextn_predict_layers > 0
+
+    @property
+    def mtp_layer_index(self) -> int:
+        return self.num_hidden_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        if layer >= self.num_hidden_layers:  # the MTP layer is a MoE layer
+            return True
+        return self.mlp_layer_types[layer] == "sparse"
+
+    def has_indexer(self, layer: int) -> bool:
+        """Whether `layer` runs its own indexer and keeps an index-key cache (the MTP layer does)."""
+        if layer >= self.num_hidden_layers:
+            return True
+        return self.indexer_types[layer] == "full"
+
+    @property
+    def full_indexer_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if self.has_indexer(i))
+
+    # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def from_hf(raw: dict[str, Any]) -> ModelConfig:
+        """Build from a parsed Hugging Face config.json; missing optional keys take HF's defaults."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type: {model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})"
+            )
+        d = dict(_HF_DEFAULTS[model_type])
+        d.update({k: v for k, v in raw.items() if v is not None or k in ("q_lora_rank",)})
+
+        def need_int(key: str, minimum: int = 1) -> int:
+            v = d.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+                raise ConfigError(f"{key}: expected an integer >= {minimum}, got {v!r}")
+            return v
+
+        n_layers = need_int("num_hidden_layers")
+        if d.get("q_lora_rank") is None:
+            raise ConfigError("q_lora_rank: models without q-LoRA are not supported")
+        mlp_types = d.get("mlp_layer_types")
+        if mlp_types is None:
+            n_dense = min(need_int("first_k_dense_replace", 0), n_layers)
+            mlp_types = ["dense"] * n_dense + ["sparse"] * (n_layers - n_dense)
+        if len(mlp_types) != n_layers or any(t not in ("dense", "sparse") for t in mlp_types):
+            raise ConfigError(f"mlp_layer_types: expected {n_layers} of 'dense'/'sparse'")
+        indexer_types = _indexer_types(d, n_layers)
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        max_pos = need_int("max_position_embeddings")
+        quant = d.get("quantization_config")
+        fp8 = None
+        if quant:
+            method = quant.get("quant_method", quant.get("dtype"))
+            if method != "fp8":
+                raise ConfigError(f"quantization_config.quant_method: unsupported {method!r}")
+            fp8 = FP8WeightConfig(tuple(quant.get("weight_block_size", (128, 128))))
+        cfg = ModelConfig(
+            model_type=model_type,
+            vocab_size=need_int("vocab_size"),
+            hidden_size=need_int("hidden_size"),
+            intermediate_size=need_int("intermediate_size"),
+            moe_intermediate_size=need_int("moe_intermediate_size"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=need_int("num_attention_heads"),
+            q_lora_rank=need_int("q_lora_rank"),
+            kv_lora_rank=need_int("kv_lora_rank"),
+            qk_nope_head_dim=need_int("qk_nope_head_dim"),
+            qk_rope_head_dim=need_int("qk_rope_head_dim"),
+            v_head_dim=need_int("v_head_dim"),
+            n_routed_experts=need_int("n_routed_experts"),
+            n_shared_experts=need_int("n_shared_experts", 0),
+            num_experts_per_tok=need_int("num_experts_per_tok"),
+            n_group=need_int("n_group"),
+            topk_group=need_int("topk_group"),
+            routed_scaling_factor=float(d["routed_scaling_factor"]),
+            norm_topk_prob=bool(d["norm_topk_prob"]),
+            mlp_layer_types=tuple(mlp_types),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            rope=RopeConfig.from_hf(raw, max_pos),
+            max_position_embeddings=max_pos,
+            index_n_heads=need_int("index_n_heads"),
+            index_head_dim=need_int("index_head_dim"),
+            index_topk=need_int("index_topk"),
+            indexer_types=indexer_types,
+            indexer_rope_interleave=bool(d["indexer_rope_interleave"]),
+            num_nextn_predict_layers=need_int("num_nextn_predict_layers", 0),
+            index_share_for_mtp_iteration=bool(d["index_share_for_mtp_iteration"]),
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+            tie_word_embeddings=bool(d["tie_word_embeddings"]),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"),
+            fp8_weights=fp8,
+        )
+        cfg._validate(d)
+        return cfg
+
+    @staticmethod
+    def from_file(path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError as e:
+            raise ConfigError(f"config.json not found at {path}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: invalid JSON ({e})") from e
+        return ModelConfig.from_hf(raw)
+
+    def _validate(self, d: dict[str, Any]) -> None:
+        if d.get("topk_method", "noaux_tc") != "noaux_tc":
+            raise ConfigError(f"topk_method: only 'noaux_tc' is supported, got {d['topk_method']!r}")
+        if d.get("scoring_func", "sigmoid") != "sigmoid":
+            raise ConfigError(f"scoring_func: only 'sigmoid' is supported, got {d['scoring_func']!r}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act: only 'silu' is supported, got {d['hidden_act']!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError("qk_rope_head_dim: must be even")
+        if self.index_head_dim < self.qk_rope_head_dim:
+            raise ConfigError("index_head_dim: must be at least qk_rope_head_dim")
+        if self.n_routed_experts % self.n_group:
+            raise ConfigError("n_group: must divide n_routed_experts")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ConfigError("topk_group: must be between 1 and n_group")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ConfigError("num_experts_per_tok: larger than n_routed_experts")
+        if self.indexer_types and self.indexer_types[0] != "full":
+            raise ConfigError("indexer_types[0]: the first layer must be 'full' (nothing to share)")
+
+
+def _indexer_types(d: dict[str, Any], n_layers: int) -> tuple[str, ...]:
+    """IndexShare schedule: explicit list first, then the F/S pattern, then freq/offset (HF's rule)."""
+    types = d.get("indexer_types")
+    if types is None:
+        pattern = d.get("index_topk_pattern")
+        if pattern is not None:
+            try:
+                types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+            except KeyError as e:
+                raise ConfigError(f"index_topk_pattern: unexpected letter {e}") from None
+        else:
+            freq = max(int(d.get("index_topk_freq", 1)), 1)
+            offset = int(d.get("index_skip_topk_offset", 2))
+            types = [
+                "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)
+            ]
+    types = tuple(types)
+    if len(types) != n_layers or any(t not in ("full", "shared") for t in types):
+        raise ConfigError(f"indexer_types: expected {n_layers} entries of 'full'/'shared'")
+    return types
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine-side configs
+# ------------------------------------------------------------------------------------------------
+KVCacheDType = Literal["auto", "fp8_ds_mla"]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache. `auto` stores latent+RoPE rows in the model dtype (and indexer keys likewise);
+    `fp8_ds_mla` stores 656-byte rows and 132-byte FP8 indexer keys, as FlashMLA / DeepGEMM expect."""
+
+    block_size: int = 64
+    kv_cache_dtype: KVCacheDType = "auto"
+    num_gpu_blocks: int | None = None  # None: sized from gpu_memory_utilization (CPU: a fixed budget)
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"--block-size: must be a positive power of two, got {self.block_size}")
+        if self.kv_cache_dtype not in ("auto", "fp8_ds_mla"):
+            raise ConfigError(
+                f"--kv-cache-dtype: expected 'auto' or 'fp8_ds_mla', got {self.kv_cache_dtype!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("--gpu-memory-utilization: must be in (0, 1]")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ConfigError("--num-gpu-blocks: must be >= 1")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_cache_dtype == "fp8_ds_mla"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "--max-num-batched-tokens: must be >= --max-model-len without chunked prefill"
+            )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """`--attention-config` JSON. `sparse_mla_force_mqa` makes every token use the absorbed sparse
+    path; when off, prompts whose queries all see <= top-k keys take the dense path."""
+
+    backend: str = "reference"
+    sparse_mla_force_mqa: bool = False
+
+    @staticmethod
+    def from_json(text: str | None, backend: str = "reference") -> AttentionConfig:
+        if not text:
+            return AttentionConfig(backend=backend)
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--attention-config: invalid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError("--attention-config: expected a JSON object")
+        known = {"backend", "sparse_mla_force_mqa"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"--attention-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        force = raw.get("sparse_mla_force_mqa", False)
+        if not isinstance(force, bool):
+            raise ConfigError("--attention-config: sparse_mla_force_mqa must be true or false")
+        return AttentionConfig(backend=str(raw.get("backend", backend)), sparse_mla_force_mqa=force)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """world = dp × pcp × tp; dcp is a view over pcp (or tp) ranks, never extra ranks."""
+
+    tensor_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    dcp_comm_backend: Literal["ag_rs", "a2a"] = "ag_rs"
+    cp_kv_cache_interleave_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "prefill_context_parallel_size",
+                     "decode_context_parallel_size", "data_parallel_size",
+                     "cp_kv_cache_interleave_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
+            raise ConfigError("--dcp-comm-backend: expected 'ag_rs' or 'a2a'")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine replica (DP replicas are separate engines)."""
+        return self.prefill_context_parallel_size * self.tensor_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; built once by the CLI or the tests."""
+
+    model_path: str
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ConfigError(f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len: {self.scheduler.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.model.max_position_embeddings}"
+            )

@@ -1,0 +1,162 @@
+"""The vocabulary shared by the engine core, the workers and the server.
+
+Everything that crosses a module or process boundary is one of these dataclasses; no ad-hoc dicts.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """Bad input from a client; the message is safe to return as an HTTP 400."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; validated on construction (a bad value raises RequestError)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class Request:
+    """A request as the engine core tracks it.
+
+    The scheduler speaks tokens: `num_computed_tokens` catches up with `len(all_token_ids)`; a prefill,
+    a chunk of one, a prefix hit and a decode step are all "how many tokens this step".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    cache_salt: str | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit length at first scheduling; -1 = not yet
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine core → model runner: a typed diff per step
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen (or must rebuild after preemption): sent in full."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # every known token (prompt + outputs so far)
+    sampling_params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A running request: only what changed since the last step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]  # tokens sampled last step that the runner must now feed
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    num_scheduled_tokens: dict[str, int]  # request id → tokens computed this step
+    finished_request_ids: tuple[str, ...]  # the runner drops their state
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """Per scheduled request: the sampled token, or None while a prefill chunk is still partial."""
+
+    sampled_token_ids: dict[str, int | None]
+    logprobs: dict[str, float] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine → client
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
