@@ -160,3 +160,22 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for metrics and tests (token counts, not block counts, for prefix-cache figures)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found cached
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        if self.num_total_blocks == 0:
+            return 0.0
+        return 1.0 - self.num_free_blocks / self.num_total_blocks

@@ -112,6 +112,11 @@ DEEPSEEK_V3_2: dict[str, Any] = {
 }
 
 _TINY_COMMON: dict[str, Any] = {
+    # The tiny tokenizer (dsaserve.tokenizer) has 512 entries; ids 0..3 are its special tokens.
+    "vocab_size": 512,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
     "hidden_size": 128,
     "intermediate_size": 256,
     "moe_intermediate_size": 64,
