@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.parallel.dcp import lse_merge, local_topk_candidates, merge_topk_candidates
+from dsaserve.parallel.dcp import local_topk_candidates, lse_merge, merge_topk_candidates
 
 
 def _attend(q, k, v):

@@ -1,0 +1,218 @@
+"""Engine flags shared by `dsaserve generate` and `dsaserve serve`, with vLLM's names and defaults.
+
+Flags are validated where the message is clearest: argparse `type=` validators reject malformed
+values (`argument --max-num-seqs: expected an integer >= 1, got '0'`), and the frozen configs reject
+combinations (their ConfigError messages start with the flag's name). Users who know vLLM's command
+line can therefore start dsaserve with the same flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dsaserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from dsaserve.model.presets import DEFAULT_MODEL, TINY_PRESETS
+
+CACHE_DIR_ENV = "DSASERVE_CACHE_DIR"
+
+
+# ------------------------------------------------------------------------------------------------
+# argparse `type=` validators: the message argparse prints is "argument --flag: <message>"
+# ------------------------------------------------------------------------------------------------
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    """A float in (0, 1] (memory fractions)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value
+
+
+def _attention_config_json(text: str) -> str:
+    """Validated here so a typo is reported at parse time; built for real with the backend flag."""
+    try:
+        AttentionConfig.from_json(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--attention-config: ")) from None
+    return text
+
+
+def _device(text: str) -> str:
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# Flags
+# ------------------------------------------------------------------------------------------------
+def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the engine flags (vLLM's names and defaults) to `parser`; returns it for chaining."""
+    pos = int_at_least(1)
+    g = parser.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=pos, default=4096,
+                   help="longest prompt + output, in tokens (default: %(default)s)")
+    g.add_argument("--max-num-seqs", type=pos, default=64,
+                   help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-num-batched-tokens", type=pos, default=2048,
+                   help="most tokens computed in one step; longer prefills are chunked "
+                        "(default: %(default)s)")
+    g.add_argument("--block-size", type=pos, default=64,
+                   help="tokens per KV block, a power of two (default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "fp8_ds_mla"), default="auto",
+                   help="auto: the model dtype; fp8_ds_mla: FlashMLA's 656-byte rows")
+    g.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9,
+                   help="fraction of device memory for weights + KV (default: %(default)s)")
+    g.add_argument("--num-gpu-blocks-override", type=pos, default=None,
+                   help="fixed number of KV blocks instead of sizing from memory")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse KV blocks of identical prompt prefixes (default: on)")
+    g.add_argument("--seed", type=int_at_least(0), default=0,
+                   help="engine seed for sampling (default: %(default)s)")
+    g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                   help="weight / activation dtype; auto: the checkpoint's")
+    g.add_argument("--attention-config", type=_attention_config_json, default=None,
+                   help='JSON object, e.g. \'{"sparse_mla_force_mqa": true}\'')
+    g.add_argument("--attention-backend", choices=("reference", "triton"), default="reference",
+                   help="attention kernels (default: %(default)s)")
+    g.add_argument("--device", type=_device, default=None,
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+
+    p = parser.add_argument_group("parallel (vLLM names)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=pos, default=1)
+    p.add_argument("-pcp", "--prefill-context-parallel-size", type=pos, default=1)
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=pos, default=1,
+                   help="shards the KV cache over the PCP (or TP) ranks; not extra ranks")
+    p.add_argument("-dp", "--data-parallel-size", type=pos, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--dcp-comm-backend", choices=("ag_rs", "a2a"), default="ag_rs")
+    p.add_argument("--cp-kv-cache-interleave-size", type=pos, default=1,
+                   help="tokens per round-robin unit of KV ownership under DCP (default: 1)")
+    return parser
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfig:
+    """Resolve `model` and build the frozen config tree from parsed engine flags.
+
+    Raises ConfigError whose message starts with the offending flag; command-line front ends turn it
+    into an argparse-style usage error (exit status 2).
+    """
+    path = resolve_model(model)
+    try:
+        model_config = ModelConfig.from_file(path)
+    except ConfigError as e:
+        raise ConfigError(f"--model: {path}: {e}") from e
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
+        dcp_comm_backend=args.dcp_comm_backend,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
+    )
+    # DCP is a view over the PCP × TP ranks, so it must divide them (DESIGN §3).
+    if parallel.world_size % parallel.decode_context_parallel_size:
+        raise ConfigError(
+            f"--decode-context-parallel-size: {parallel.decode_context_parallel_size} must divide "
+            f"--prefill-context-parallel-size × --tensor-parallel-size = {parallel.world_size}"
+        )
+    return EngineConfig(
+        model_path=str(path),
+        model=model_config,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            num_gpu_blocks=args.num_gpu_blocks_override,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+        attention=AttentionConfig.from_json(args.attention_config, backend=args.attention_backend),
+        parallel=parallel,
+        dtype=args.dtype,
+        device=args.device or _default_device(),
+        seed=args.seed,
+    )
+
+
+def _default_device() -> str:
+    import torch  # deferred: argument parsing and --help stay fast
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+def models_cache_dir() -> Path:
+    """Where built-in presets are built: `$DSASERVE_CACHE_DIR`, else `~/.cache/dsaserve/models`."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dsaserve" / "models"
+
+
+def resolve_model(name_or_path: str = DEFAULT_MODEL) -> Path:
+    """A model directory: an existing directory as is, or a tiny preset built once into the cache.
+
+    Presets are built into a temporary sibling directory and renamed into place, so a directory
+    under the cache is always complete and concurrent processes (parallel test runs) never see half
+    a model: the loser of a race discards its copy and uses the winner's.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if name_or_path not in TINY_PRESETS:
+        raise ConfigError(
+            f"--model: {name_or_path!r} is neither a model directory nor a built-in preset "
+            f"(presets: {', '.join(sorted(TINY_PRESETS))})"
+        )
+    final = models_cache_dir() / name_or_path
+    if final.is_dir():
+        return final
+    from dsaserve.model.make_model import make_model  # deferred: imports torch
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name_or_path}.", dir=final.parent))
+    try:
+        make_model(name_or_path, tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left after a successful rename
+    return final

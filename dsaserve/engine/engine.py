@@ -1,0 +1,86 @@
+"""The step loop of one engine: scheduler (CPU, tokenizer-free) → model runner → scheduler.
+
+    add_request ─► Scheduler.schedule() ─► SchedulerOutput (typed diff)
+                        ▲                          │
+                        │                          ▼
+    RequestOutput ◄─ Scheduler.update_from_output ◄─ ModelRunner.execute() ─► ModelRunnerOutput
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from dsaserve.config import EngineConfig
+from dsaserve.core import EngineStats, Request, RequestOutput, SamplingParams
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.scheduler import Scheduler
+from dsaserve.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Single-rank engine. Not thread-safe: one owner thread calls every method."""
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer | None) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks,
+                                   dcp_size=config.parallel.decode_context_parallel_size)
+        eos = set(config.model.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        if config.parallel.world_size > 1 or config.parallel.data_parallel_size > 1:
+            raise ValueError("parallel layouts run through dsaserve.parallel (not in this engine)")
+        runner = ModelRunner(config)
+        try:
+            tokenizer = Tokenizer.from_pretrained(config.model_path)
+        except (OSError, ValueError):
+            tokenizer = None  # token-id-only use (benchmarks, tests) needs none
+        return cls(config, runner, tokenizer)
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    *, cache_salt: str | None = None) -> None:
+        """Queue a request; raises RequestError (a client's mistake) before anything is allocated."""
+        self.scheduler.add_request(Request(
+            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+            arrival_time=time.monotonic(), cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
+        ))
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_requests([request_id])
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # ---- offline convenience ----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+                 *, cache_salt: str | None = None) -> list[list[int]]:
+        """Run prompts to completion; returns the output token ids of each, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in outputs:
+                    outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[rid] for rid in ids]

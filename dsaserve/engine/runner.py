@@ -1,0 +1,208 @@
+"""The model runner: one per rank. It owns the weights, the paged caches and the per-request token
+state, applies the scheduler's typed diff, runs the model on the flattened batch and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dsaserve.config import EngineConfig, ModelConfig
+from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from dsaserve.engine.sampler import make_generator, sample
+from dsaserve.kernels import formats
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.registry import get_backend
+from dsaserve.kv import layout
+from dsaserve.model.dsa import DsaForCausalLM, LayerCache
+from dsaserve.model.loader import checkpoint_has_mtp, load_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_CPU_KV_BUDGET_BYTES = 2 << 30  # CPU has no "free HBM"; cap the default pool at 2 GiB
+
+
+def resolve_dtype(requested: str, model: ModelConfig) -> torch.dtype:
+    name = model.torch_dtype if requested == "auto" else requested
+    if name not in _DTYPES:
+        raise ValueError(f"--dtype: unsupported dtype {name!r}")
+    return _DTYPES[name]
+
+
+def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, fp8: bool,
+                          dtype: torch.dtype) -> int:
+    """Bytes of one physical page over every cache layer (MLA rows + indexer keys where owned)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    if fp8:
+        mla = formats.mla_row_bytes(model.kv_lora_rank, model.qk_rope_head_dim)
+        index = model.index_head_dim + 4
+    else:
+        mla = model.kv_cache_width * elem
+        index = model.index_head_dim * elem
+    n_index = sum(model.has_indexer(i) for i in range(num_layers))
+    return block_size * (num_layers * mla + n_index * index)
+
+
+@dataclass
+class _ReqState:
+    token_ids: list[int]
+    block_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    num_computed_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, *, dcp_rank: int = 0) -> None:
+        self.config = config
+        self.model_cfg = config.model
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, config.model)
+        self.block_size = config.cache.block_size
+        self.dcp_size = config.parallel.decode_context_parallel_size
+        self.dcp_rank = dcp_rank
+        self.interleave = config.parallel.cp_kv_cache_interleave_size
+        torch.manual_seed(config.seed)
+        path = Path(config.model_path)
+        with_mtp = checkpoint_has_mtp(path, self.model_cfg)
+        self.model = DsaForCausalLM.build(
+            self.model_cfg, with_mtp=with_mtp, backend=get_backend(config.attention.backend),
+            dtype=self.dtype, device=self.device,
+        )
+        load_weights(self.model, path, self.model_cfg, self.dtype)
+        self.num_blocks = self._num_blocks()
+        self.caches = self._allocate_caches(self.num_blocks)
+        self.requests: dict[str, _ReqState] = {}
+        self._seed_counter = config.seed
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        per_block = cache_bytes_per_block(self.model_cfg, self.model.num_cache_layers,
+                                          self.block_size, cfg.cache.fp8, self.dtype)
+        if cfg.cache.num_gpu_blocks is not None:
+            return cfg.cache.num_gpu_blocks
+        tokens_per_block = self.block_size * self.dcp_size
+        blocks_per_seq = -(-cfg.scheduler.max_model_len // tokens_per_block)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1.0 - cfg.cache.gpu_memory_utilization)
+        else:
+            budget = min(_CPU_KV_BUDGET_BYTES, per_block * blocks_per_seq * cfg.scheduler.max_num_seqs)
+        num = int(budget // per_block)
+        if num < blocks_per_seq:
+            raise ValueError(
+                f"--gpu-memory-utilization: room for {num} KV blocks but one request of "
+                f"--max-model-len {cfg.scheduler.max_model_len} needs {blocks_per_seq}"
+            )
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num, tokens_per_block,
+                    num * per_block / 2**20)
+        return num
+
+    def _allocate_caches(self, num_blocks: int) -> list[LayerCache]:
+        m, b, fp8 = self.model_cfg, self.block_size, self.config.cache.fp8
+        caches = []
+        for i in range(self.model.num_cache_layers):
+            if fp8:
+                row = formats.mla_row_bytes(m.kv_lora_rank, m.qk_rope_head_dim)
+                kv = torch.zeros(num_blocks, b, row, dtype=torch.uint8, device=self.device)
+                index = torch.zeros(num_blocks, b * (m.index_head_dim + 4), dtype=torch.uint8,
+                                    device=self.device)
+            else:
+                kv = torch.zeros(num_blocks, b, m.kv_cache_width, dtype=self.dtype, device=self.device)
+                index = torch.zeros(num_blocks, b, m.index_head_dim, dtype=self.dtype,
+                                    device=self.device)
+            caches.append(LayerCache(kv=kv, index=index if m.has_indexer(i) else None))
+        return caches
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # 1. apply the diff
+        self._apply_diff(so)
+        if so.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+
+        # 2. the flattened batch and its attention metadata
+        req_ids = list(so.num_scheduled_tokens)
+        input_ids, meta, last_rows = self._prepare(req_ids, so.num_scheduled_tokens)
+
+        # 3. forward, then logits only for requests whose every known token is now computed
+        hidden = self.model(input_ids, meta, self.caches)  # [N, hidden]
+        sampled: dict[str, int | None] = dict.fromkeys(req_ids)
+        logprobs: dict[str, float] = {}
+        done = [(rid, row) for rid, row in zip(req_ids, last_rows, strict=True) if row is not None]
+        if done:
+            logits = self.model.compute_logits(hidden[[row for _, row in done]])  # [M, V]
+            states = [self.requests[rid] for rid, _ in done]
+            tokens, lps = sample(logits, [s.params for s in states], [s.generator for s in states])
+            for (rid, _), tok, lp in zip(done, tokens, lps, strict=True):
+                sampled[rid], logprobs[rid] = tok, lp
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def execute_all_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Like execute, but returns the logits of every scheduled token ([n, V] per request) and
+        samples nothing: what reference comparisons need."""
+        self._apply_diff(so)
+        req_ids = list(so.num_scheduled_tokens)
+        input_ids, meta, _ = self._prepare(req_ids, so.num_scheduled_tokens)
+        logits = self.model.compute_logits(self.model(input_ids, meta, self.caches))
+        return {rid: logits[meta.query_range(r)[0] : meta.query_range(r)[1]]
+                for r, rid in enumerate(req_ids)}
+
+    def _apply_diff(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in so.new_requests:
+            self._seed_counter += 1
+            self.requests[new.request_id] = _ReqState(
+                token_ids=list(new.token_ids), block_ids=list(new.block_ids),
+                params=new.sampling_params,
+                generator=make_generator(new.sampling_params, self.device, self._seed_counter),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for cached in so.cached_requests:
+            st = self.requests[cached.request_id]
+            st.token_ids.extend(cached.new_token_ids)
+            st.block_ids.extend(cached.new_block_ids)
+            st.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare(self, req_ids: list[str], num_scheduled: dict[str, int]
+                 ) -> tuple[torch.Tensor, AttentionMetadata, list[int | None]]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        req_index: list[int] = []
+        qsl = [0]
+        seq_lens: list[int] = []
+        last_rows: list[int | None] = []
+        for r, rid in enumerate(req_ids):
+            st = self.requests[rid]
+            start, n = st.num_computed_tokens, num_scheduled[rid]
+            tokens += st.token_ids[start : start + n]
+            positions += range(start, start + n)
+            req_index += [r] * n
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            last_rows.append(qsl[-1] - 1 if start + n == len(st.token_ids) else None)
+        width = max(len(self.requests[rid].block_ids) for rid in req_ids)
+        table = torch.full((len(req_ids), width), -1, dtype=torch.int32)
+        for r, rid in enumerate(req_ids):
+            ids = self.requests[rid].block_ids
+            table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        dev = self.device
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        req_t = torch.tensor(req_index, dtype=torch.int64)
+        slots = layout.slot_mapping(pos_t, req_t, table, self.block_size, self.dcp_size,
+                                    self.dcp_rank, self.interleave)
+        force_mqa = self.config.attention.sparse_mla_force_mqa
+        meta = AttentionMetadata(
+            positions=pos_t.to(dev), req_indices=req_t.to(dev), slot_mapping=slots.to(dev),
+            block_table=table.to(dev), query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens),
+            block_size=self.block_size,
+            use_dense=not force_mqa and max(seq_lens) <= self.model_cfg.index_topk,
+            dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, interleave=self.interleave,
+        )
+        return torch.tensor(tokens, dtype=torch.int64, device=dev), meta, last_rows

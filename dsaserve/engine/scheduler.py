@@ -1,0 +1,371 @@
+"""The scheduler: decides, each step, how many tokens of which requests the runner computes.
+
+It speaks tokens, not phases. Every request has `num_computed_tokens` catching up with
+`num_tokens`; a prefill, a chunk of one, a prefix hit and a decode are all "n tokens this step":
+
+    tokens      | prompt ............................ | out out |
+    computed    |==== prefix hit ====|== earlier ==|   ← num_computed_tokens
+    this step                                      |-- n --|   n = min(remaining, budget)
+
+A step (`schedule`): running requests first, oldest first, each capped by the token budget; when
+the KV pool runs dry, the newest running request is preempted (blocks freed, recomputed later
+from scratch, usually hitting its own cached blocks) and the allocation retried. Then waiting
+requests in FIFO order, while budget and `max_num_seqs` allow. The result is a typed diff for the
+runner: new requests in full, running ones as changes. `update_from_output` then advances the
+computed counts, appends sampled tokens, applies the stop rules and frees what finished.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from dsaserve.config import CacheConfig, ConfigError, SchedulerConfig
+from dsaserve.core import (
+    CachedRequestData,
+    EngineStats,
+    ModelRunnerOutput,
+    NewRequestData,
+    Request,
+    RequestError,
+    RequestOutput,
+    RequestStatus,
+    SchedulerOutput,
+)
+from dsaserve.kv.manager import KVCacheManager, cdiv
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        dcp_size: int = 1,
+    ) -> None:
+        if dcp_size < 1:
+            raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size * dcp_size  # the scheduler (virtual) block
+        needed = cdiv(scheduler_config.max_model_len, self.block_size)
+        if num_blocks < needed:
+            # Otherwise a lone request could outgrow the pool and preempt itself forever.
+            raise ConfigError(
+                f"--num-gpu-blocks: {num_blocks} blocks of {self.block_size} tokens cannot hold "
+                f"one request of --max-model-len {scheduler_config.max_model_len} "
+                f"(needs {needed})"
+            )
+        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every live (waiting or running) request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; preemption takes from the tail
+        self.num_preemptions = 0
+        # What the runner holds per request: how many tokens and blocks it was sent.
+        self._runner_num_tokens: dict[str, int] = {}
+        self._runner_num_blocks: dict[str, int] = {}
+        self._finished_ids: list[str] = []  # the runner must drop these at the next step
+        self._aborted_outputs: list[RequestOutput] = []
+
+    # ---- intake ---------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A prompt must leave room for one output token within max_model_len;
+        generation then stops at max_model_len with reason "length"."""
+        max_len = self.config.max_model_len
+        if not request.prompt_token_ids:
+            raise RequestError(f"request {request.request_id!r}: prompt is empty")
+        if request.num_prompt_tokens >= max_len:
+            raise RequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len}"
+            )
+        if request.request_id in self.requests:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
+        if not fresh or request.block_ids:
+            raise RequestError(f"request {request.request_id!r} is not a fresh request")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str] | tuple[str, ...]) -> None:
+        """End waiting or running requests now; unknown or already finished ids are ignored.
+        Their outputs (reason "abort") come with the next `update_from_output` or from
+        `take_aborted_outputs`; the runner learns through `finished_request_ids`."""
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._release(req)
+            self._aborted_outputs.append(self._make_output(req, ()))
+
+    def take_aborted_outputs(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        return outputs
+
+    # ---- the step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """One step's work: at most max_num_batched_tokens tokens over at most max_num_seqs
+        requests, never 0 tokens for a scheduled request; requests that ended or were preempted
+        since the last call are listed in finished_request_ids for the runner to drop."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        num_preempted_before = self.num_preemptions
+
+        # 1. running requests, oldest first; KV shortage preempts the newest
+        cached: list[CachedRequestData] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id!r} has nothing to compute"
+            if not self._allocate_or_preempt(req, n):
+                break  # req itself was preempted: it was the newest, nothing follows it
+            num_scheduled[req.request_id] = n
+            budget -= n
+            cached.append(self._cached_request_data(req))
+            i += 1
+
+        # 2. waiting requests, FIFO; none in a step that had to preempt (memory is short)
+        new: list[NewRequestData] = []
+        if self.num_preemptions == num_preempted_before:
+            while (self.waiting and budget > 0
+                   and len(self.running) < self.config.max_num_seqs):
+                req = self.waiting[0]
+                n = self._admit(req, budget)
+                if n == 0:
+                    break  # head of line blocks: FIFO order is kept
+                num_scheduled[req.request_id] = n
+                budget -= n
+                new.append(self._new_request_data(req))
+
+        # 3. the diff
+        finished, self._finished_ids = tuple(self._finished_ids), []
+        return SchedulerOutput(
+            new_requests=tuple(new),
+            cached_requests=tuple(cached),
+            num_scheduled_tokens=num_scheduled,
+            finished_request_ids=finished,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Advance the requests of `scheduler_output` by what the runner computed; one output per
+        request that got a token or finished (aborted ones included)."""
+        outputs = self.take_aborted_outputs()
+        for request_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted after schedule(); its output is already in `outputs`
+            # 1. the scheduled tokens are now in the KV cache
+            req.num_computed_tokens += n
+            if req.num_computed_tokens > req.num_tokens:
+                raise RuntimeError(
+                    f"request {request_id!r}: {req.num_computed_tokens} tokens computed of "
+                    f"{req.num_tokens}"
+                )
+            # 2. a token is sampled exactly when every known token is computed
+            token = runner_output.sampled_token_ids.get(request_id)
+            new_tokens: tuple[int, ...] = ()
+            if req.num_computed_tokens == req.num_tokens:
+                if token is None:
+                    raise RuntimeError(
+                        f"runner output: no sampled token for request {request_id!r}, "
+                        "all of whose tokens are computed"
+                    )
+                req.output_token_ids.append(token)
+                new_tokens = (token,)
+                self._check_stop(req)
+            elif token is not None:
+                raise RuntimeError(
+                    f"runner output: a token for request {request_id!r} mid-prefill "
+                    f"({req.num_computed_tokens} of {req.num_tokens} computed)"
+                )
+            # 3. full computed blocks become findable; finished requests give back their blocks
+            self.kv.cache_full_blocks(req)
+            if req.is_finished:
+                self.running.remove(req)
+                self._release(req)
+            if new_tokens or req.is_finished:
+                outputs.append(self._make_output(req, new_tokens))
+        return outputs
+
+    # ---- helpers of the step --------------------------------------------------------------------
+    def _allocate_or_preempt(self, req: Request, n: int) -> bool:
+        """Allocate KV for `n` more tokens of running `req`, preempting the newest running
+        requests until it fits; False if `req` itself had to go."""
+        while self.kv.allocate_slots(req, n) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Free all of `req`'s KV; it returns to the FRONT of the queue and later recomputes its
+        prompt and its outputs so far (its cached full blocks usually survive as prefix hits)."""
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._forget_in_runner(req.request_id)
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Try to start waiting `req`: prefix lookup, allocation; the tokens scheduled, 0 if not."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        remaining = req.num_tokens - num_hit_tokens  # >= 1: a hit never covers the last token
+        n = min(remaining, budget)
+        if n < remaining and not self.config.enable_chunked_prefill:
+            return 0
+        if self.kv.allocate_slots(req, n, hits) is None:
+            return 0
+        self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        return n
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        token_ids = tuple(req.all_token_ids)
+        self._runner_num_tokens[req.request_id] = len(token_ids)
+        self._runner_num_blocks[req.request_id] = len(req.block_ids)
+        return NewRequestData(
+            request_id=req.request_id,
+            token_ids=token_ids,
+            sampling_params=req.sampling_params,
+            block_ids=tuple(req.block_ids),
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
+    def _cached_request_data(self, req: Request) -> CachedRequestData:
+        known_tokens = self._runner_num_tokens[req.request_id]
+        known_blocks = self._runner_num_blocks[req.request_id]
+        self._runner_num_tokens[req.request_id] = req.num_tokens
+        self._runner_num_blocks[req.request_id] = len(req.block_ids)
+        return CachedRequestData(
+            request_id=req.request_id,
+            new_token_ids=_tokens_from(req, known_tokens),
+            new_block_ids=tuple(req.block_ids[known_blocks:]),
+            num_computed_tokens=req.num_computed_tokens,
+        )
+
+    def _check_stop(self, req: Request) -> None:
+        """Stop rules after a token is appended: EOS / stop ids (not before min_tokens) give
+        "stop"; max_tokens or reaching max_model_len give "length"."""
+        params = req.sampling_params
+        num_output = len(req.output_token_ids)
+        last = req.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+            if last in params.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return
+        if num_output >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+
+    def _release(self, req: Request) -> None:
+        """A finished or aborted request leaves: blocks freed, the runner told."""
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._forget_in_runner(req.request_id)
+
+    def _forget_in_runner(self, request_id: str) -> None:
+        if self._runner_num_tokens.pop(request_id, None) is not None:
+            del self._runner_num_blocks[request_id]
+            self._finished_ids.append(request_id)
+
+    @staticmethod
+    def _make_output(req: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+        finished = req.is_finished
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=new_tokens,
+            finished=finished,
+            finish_reason=req.status.value if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            num_output_tokens=len(req.output_token_ids),
+        )
+
+    # ---- introspection --------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError on any broken invariant: pool bookkeeping, exact reference counts
+        over live requests, queue membership and per-request token/block consistency, and — once
+        no request is live — every block free (nothing leaked)."""
+        live = list(self.requests.values())
+        self.kv.check_integrity(live)
+        running_ids = [r.request_id for r in self.running]
+        waiting_ids = [r.request_id for r in self.waiting]
+        if sorted(running_ids + waiting_ids) != sorted(self.requests):
+            raise AssertionError(
+                f"scheduler: running {running_ids} + waiting {waiting_ids} != live requests "
+                f"{sorted(self.requests)}"
+            )
+        if len(self.running) > self.config.max_num_seqs:
+            raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
+        for req in self.running:
+            if req.status != RequestStatus.RUNNING:
+                raise AssertionError(f"scheduler: {req.request_id!r} running with {req.status}")
+            if not 0 <= req.num_computed_tokens < req.num_tokens:
+                raise AssertionError(
+                    f"scheduler: {req.request_id!r} computed {req.num_computed_tokens} of "
+                    f"{req.num_tokens} tokens"
+                )
+            if len(req.block_ids) < cdiv(req.num_computed_tokens, self.block_size):
+                raise AssertionError(
+                    f"scheduler: {req.request_id!r} has {len(req.block_ids)} blocks for "
+                    f"{req.num_computed_tokens} computed tokens"
+                )
+        for req in self.waiting:
+            if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                raise AssertionError(f"scheduler: {req.request_id!r} waiting with {req.status}")
+            if req.block_ids or req.num_computed_tokens:
+                raise AssertionError(
+                    f"scheduler: waiting {req.request_id!r} holds {len(req.block_ids)} blocks "
+                    f"and {req.num_computed_tokens} computed tokens"
+                )
+        if not self._runner_num_tokens.keys() <= self.requests.keys():
+            raise AssertionError("scheduler: the runner view names requests that ended")
+        if not live and self.kv.num_free_blocks != self.kv.num_blocks:
+            raise AssertionError(
+                f"scheduler: no live request but {self.kv.num_blocks - self.kv.num_free_blocks} "
+                "blocks are in use (leaked)"
+            )
+
+
+def _tokens_from(req: Request, start: int) -> tuple[int, ...]:
+    """req.all_token_ids[start:] without copying the (possibly 1M-token) prompt."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return tuple(req.output_token_ids[start - num_prompt :])
+    return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids)

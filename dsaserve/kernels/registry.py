@@ -1,0 +1,111 @@
+"""Attention backends, chosen by name: the hot path never branches on which one is in use.
+
+A backend implements the four per-layer operations the model needs from the paged caches. The
+"reference" backend is plain PyTorch (CPU and GPU); faster ones (the "triton" backend) register under
+their own name and must agree with it within stated tolerances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from dsaserve.kernels import formats, reference
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kv import layout
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
+                 k_pe: torch.Tensor) -> None:
+        """Store latent c [N, L] and RoPE key k_pe [N, R] at slots [N] (−1: skip)."""
+
+    def write_index_k(self, index_cache: torch.Tensor, slots: torch.Tensor,
+                      k: torch.Tensor) -> None:
+        """Store indexer keys k [N, D] at slots [N] (−1: skip)."""
+
+    def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                   scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] in q's dtype, lse [T, H] fp32."""
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                     meta: AttentionMetadata, topk: int) -> torch.Tensor:
+        """q [T, Hi, D], weights [T, Hi] (all scales folded in) → [T, topk] int32 request-local
+        token positions of the best keys visible to each query (−1 padded)."""
+
+
+class ReferenceBackend:
+    """Plain PyTorch over the byte formats of dsaserve.kernels.formats; the oracle for the others."""
+
+    name = "reference"
+
+    def write_kv(self, kv_cache, slots, c, k_pe):
+        formats.write_mla_cache(kv_cache, slots, c, k_pe)
+
+    def write_index_k(self, index_cache, slots, k):
+        formats.write_index_cache(index_cache, slots, k)
+
+    def sparse_mla(self, q, kv_cache, slot_indices, scale, kv_lora_rank):
+        rope_dim = q.shape[-1] - kv_lora_rank
+        o, lse = reference.sparse_mla_paged(
+            q, kv_cache, slot_indices, scale, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim
+        )
+        return o.to(q.dtype), lse
+
+    def indexer_topk(self, q, weights, index_cache, meta, topk):
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
+        head_dim = q.shape[-1]
+        for r in range(meta.num_reqs):
+            start, end = meta.query_range(r)
+            if start == end:
+                continue
+            # This rank's keys of the request, in position order (all of them without DCP).
+            key_slots, key_pos = layout.context_slots(
+                meta.seq_lens[r], meta.block_table[r], meta.block_size,
+                meta.dcp_size, meta.dcp_rank, meta.interleave,
+            )
+            key_slots = key_slots.to(index_cache.device)
+            keys, key_scales = formats.read_index_cache(index_cache, key_slots, head_dim=head_dim)
+            if key_scales is None:
+                logits = reference.indexer_logits(q[start:end].float(), weights[start:end], keys)
+            else:
+                q8, q_scale = formats.quantize_index_q(q[start:end])
+                logits = reference.indexer_logits_fp8(q8, q_scale, weights[start:end], keys,
+                                                      key_scales)
+            # Key j is eligible for query t iff its position is ≤ t's position.
+            limits = torch.searchsorted(key_pos.to(q.device), meta.positions[start:end],
+                                        right=True)
+            local = reference.topk_causal(logits, limits, topk)  # [n, topk] indices into keys
+            pos = key_pos.to(q.device)[local.clamp(min=0).long()]
+            out[start:end] = torch.where(local >= 0, pos, -1).to(torch.int32)
+        return out
+
+
+_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend}
+
+
+def register_backend(name: str, factory: Callable[[], AttentionBackend]) -> None:
+    _REGISTRY[name] = factory
+
+
+def _load_triton() -> AttentionBackend:
+    from dsaserve.kernels.triton.backend import TritonBackend  # imports triton: GPU machines only
+
+    return TritonBackend()
+
+
+register_backend("triton", _load_triton)
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"--attention-backend: unknown backend {name!r}; known: {available_backends()}")
+    return _REGISTRY[name]()

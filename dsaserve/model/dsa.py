@@ -1,0 +1,406 @@
+"""The DSA model (GLM-5.x `glm_moe_dsa` and DeepSeek-V3.2 `deepseek_v32` share it): MLA attention with
+q-LoRA, the lightning indexer with IndexShare, sparse attention over the selected rows, the noaux_tc
+MoE, and the MTP layer. MODEL_SPEC.md §2 and §5 are the maths; the names of parameters are the
+checkpoint's (routed experts are stacked: `mlp.experts.w13` [E, 2I, H], `mlp.experts.w2` [E, H, I]).
+
+All tokens of a step are flattened ([N, hidden]); `AttentionMetadata` says which request each token
+belongs to and where its KV goes. Each layer:
+
+    1. q latent (q_a → RMSNorm) → q heads; latent KV c (kv_a → RMSNorm) and RoPE key k_pe
+    2. write c, k_pe (and the indexer key) at the tokens' slots   — all ranks compute, the owner writes
+    3. indices: own indexer (full layers) or the previous full layer's (shared layers)
+    4. attention: absorbed MQA over the selected rows (576 → 512), or the dense MHA path for batches
+       where every query sees ≤ top-k keys (only when sparse_mla_force_mqa is off)
+    5. W_UV up-projection, o_proj; then the FFN (dense SwiGLU or MoE)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsaserve.config import ModelConfig
+from dsaserve.kernels import formats
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.registry import AttentionBackend
+from dsaserve.kv import layout
+from dsaserve.model.rope import RotaryTable, apply_rope
+
+
+@dataclass
+class LayerCache:
+    """One layer's paged caches on this rank."""
+
+    kv: torch.Tensor  # [num_blocks, B, L+R] model dtype, or [num_blocks, B, 656] uint8 (fp8_ds_mla)
+    index: torch.Tensor | None  # [num_blocks, B, D] or [num_blocks, B·(D+4)] uint8; None: shared layer
+
+
+def _fp32_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)  # HF order: cast, then scale
+
+
+class LayerNormFP32(nn.Module):
+    """The indexer's k_norm: a real LayerNorm with bias, computed and stored in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
+        self.bias = _fp32_param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def _linear(n_in: int, n_out: int) -> nn.Linear:
+    layer = nn.Linear(n_in, n_out, bias=False)
+    layer.weight.requires_grad_(False)
+    return layer
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (MODEL_SPEC.md §2.4). Keys are written to the index cache every step;
+    scores are `Σ_h w[t,h]·ReLU(q_h·k)` with every positive scale folded into w."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.index_n_heads
+        self.head_dim = cfg.index_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.interleaved = cfg.indexer_rope_interleave
+        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = _linear(cfg.hidden_size, self.head_dim)
+        self.k_norm = LayerNormFP32(self.head_dim, cfg.index_k_norm_eps)
+        self.weights_proj = _linear(cfg.hidden_size, self.n_heads).float()  # fp32, as the reference
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The RoPE part is the FIRST rope_dim dims here (in MLA q it is the last).
+        rot = apply_rope(x[..., : self.rope_dim], cos, sin, self.interleaved)
+        return torch.cat((rot, x[..., self.rope_dim :].to(rot.dtype)), dim=-1)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] → keys [N, D] fp32 (LayerNorm, then RoPE)."""
+        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+
+    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """qr [N, q_lora] → queries [N, Hi, D] in the model dtype."""
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
+        return self._rope(q, cos, sin)
+
+    def weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] → per-head weights [N, Hi] fp32 with nh^-1/2 and D^-1/2 folded in."""
+        w = self.weights_proj(x.float())
+        return w * (self.n_heads**-0.5 * self.head_dim**-0.5)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.scale = cfg.softmax_scale
+        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
+        self.q_b_proj = _linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_cache_width)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps)
+        self.kv_b_proj = _linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim))
+        self.o_proj = _linear(self.num_heads * self.v_dim, cfg.hidden_size)
+        self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj viewed per head: W_UK [H, nope, L], W_UV [H, v, L]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [N, hidden], normalised
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [N, rope/2]
+        meta: AttentionMetadata,
+        cache: LayerCache,
+        backend: AttentionBackend,
+        prev_topk: torch.Tensor | None,  # [N, topk] from the previous full layer
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = x.shape[0]
+        cos, sin = rope
+        # 1. projections
+        qr = self.q_a_layernorm(self.q_a_proj(x))  # [N, q_lora]
+        q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope], apply_rope(q[..., self.nope :], cos, sin, True)
+        kv = self.kv_a_proj_with_mqa(x)  # [N, L+R]
+        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [N, L]
+        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [N, R]
+
+        # 2. cache writes (all ranks compute; the slot mapping is −1 where this rank is not owner)
+        backend.write_kv(cache.kv, meta.slot_mapping, c, k_pe)
+        if self.indexer is not None:
+            backend.write_index_k(cache.index, meta.slot_mapping, self.indexer.keys(x, cos, sin))
+
+        # 3. attention
+        w_uk, w_uv = self._w_uk_uv()
+        topk = prev_topk
+        if meta.use_dense:
+            o = self._dense_attention(q_nope, q_pe, meta, cache, w_uk, w_uv)  # [N, H, v]
+        else:
+            if self.indexer is not None:
+                iq = self.indexer.queries(qr, cos, sin)
+                topk = backend.indexer_topk(iq, self.indexer.weights(x), cache.index, meta,
+                                            self.cfg.index_topk)
+            if topk is None:
+                raise RuntimeError(f"layer {self.layer_idx}: a shared layer needs earlier top-k")
+            q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)  # [N, H, L] absorbed query
+            q_full = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)  # [N, H, L+R]
+            slot_indices = layout.logical_to_slots(
+                topk, meta.req_indices, meta.block_table, meta.block_size,
+                meta.dcp_size, meta.dcp_rank, meta.interleave,
+            )  # [N, topk]
+            o_lat, _lse = backend.sparse_mla(q_full, cache.kv, slot_indices, self.scale,
+                                             self.kv_lora_rank)  # [N, H, L]
+            o = torch.einsum("nhl,hvl->nhv", o_lat.to(w_uv.dtype), w_uv)  # [N, H, v]
+        return self.o_proj(o.reshape(n, self.num_heads * self.v_dim)), topk
+
+    def _dense_attention(self, q_nope, q_pe, meta, cache, w_uk, w_uv) -> torch.Tensor:
+        """MHA form over the request's whole cached context (each query sees ≤ top-k keys, so this
+        equals sparse attention over the indexer's choice); computed in fp32."""
+        out = torch.empty(q_nope.shape[0], self.num_heads, self.v_dim, dtype=q_nope.dtype,
+                          device=q_nope.device)
+        for r in range(meta.num_reqs):
+            s, e = meta.query_range(r)
+            if s == e:
+                continue
+            slots, key_pos = layout.context_slots(meta.seq_lens[r], meta.block_table[r],
+                                                  meta.block_size)
+            rows = formats.read_mla_cache(cache.kv, slots.to(q_nope.device), self.kv_lora_rank,
+                                          self.rope_dim)  # [S, L+R] fp32
+            c, k_pe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
+            k_nope = torch.einsum("sl,hdl->hsd", c, w_uk.float())  # [H, S, nope]
+            v = torch.einsum("sl,hvl->hsv", c, w_uv.float())  # [H, S, v]
+            qn = q_nope[s:e].float().transpose(0, 1)  # [H, n, nope]
+            qp = q_pe[s:e].float().transpose(0, 1)  # [H, n, R]
+            scores = (qn @ k_nope.transpose(1, 2) + qp @ k_pe.T) * self.scale  # [H, n, S]
+            visible = key_pos.to(q_nope.device)[None, :] <= meta.positions[s:e, None]  # [n, S]
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[s:e] = (scores.softmax(-1) @ v).transpose(0, 1).to(out.dtype)
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.gate_proj = _linear(hidden, inter)
+        self.up_proj = _linear(hidden, inter)
+        self.down_proj = _linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid noaux_tc routing (MODEL_SPEC.md §2.6), in fp32."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = _fp32_param(cfg.n_routed_experts, cfg.hidden_size)
+        self.e_score_correction_bias = _fp32_param(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] → (expert ids [N, k] int64, weights [N, k] fp32)."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight).sigmoid()  # [N, E]
+        choice = scores + self.e_score_correction_bias  # the bias steers selection only
+        if cfg.n_group > 1:
+            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], 1), float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * cfg.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts, stacked. Expert parallelism later shards the leading dimension."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.inter = i
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h), requires_grad=False)  # [gate; up]
+        self.w2 = nn.Parameter(torch.zeros(e, h, i), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden], ids/weights [N, k] → Σ_k w·expert(x) [N, hidden] (fp32 accumulation)."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        token_of = order // ids.shape[1]
+        w_sorted = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tok = token_of[start : start + count]
+            gate, up = F.linear(x[tok], self.w13[expert]).split(self.inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.w2[expert])
+            out.index_add_(0, tok, y.float() * w_sorted[start : start + count, None])
+            start += count
+        return out.to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            if cfg.n_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        y = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(cfg, layer_idx)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size,
+                                                                       cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, rope, meta, cache, backend, prev_topk):
+        attn, topk = self.self_attn(self.input_layernorm(h), rope, meta, cache, backend, prev_topk)
+        h = h + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, topk
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """The next-n prediction layer (MODEL_SPEC.md §5.1): a full DSA decoder layer fed with
+    eh_proj([enorm(embed(next token)) | hnorm(h_prev)])."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = _linear(2 * cfg.hidden_size, cfg.hidden_size)
+        self.shared_head = SharedHead(cfg)
+
+
+class DsaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, with_mtp: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
+        if with_mtp:
+            layers.append(MTPLayer(cfg, cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DsaForCausalLM(nn.Module):
+    """Forward over a flattened batch; returns final-norm hidden states (what sampling and the MTP
+    layer consume)."""
+
+    def __init__(self, cfg: ModelConfig, *, with_mtp: bool, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.with_mtp = with_mtp
+        self.backend = backend
+        self.model = DsaModel(cfg, with_mtp)
+        self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary: RotaryTable | None = None
+
+    @property
+    def num_cache_layers(self) -> int:
+        """Layers that own a KV cache: the decoder layers plus the MTP layer when present."""
+        return self.cfg.num_hidden_layers + int(self.with_mtp)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rotary is None or self.rotary.inv_freq.device != positions.device:
+            self.rotary = RotaryTable(self.cfg.rope, self.cfg.qk_rope_head_dim, positions.device)
+        return self.rotary.cos_sin(positions)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                caches: list[LayerCache]) -> torch.Tensor:
+        """input_ids [N] → hidden [N, hidden] after the final norm."""
+        rope = self._rope(meta.positions)
+        h = self.model.embed_tokens(input_ids)
+        topk = None
+        for i in range(self.cfg.num_hidden_layers):
+            h, topk = self.model.layers[i](h, rope, meta, caches[i], self.backend, topk)
+        return self.model.norm(h)
+
+    @torch.inference_mode()
+    def forward_mtp(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                    meta: AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+        """One MTP step: input_ids [N] are the *next* tokens, prev_hidden [N, hidden] the target's
+        post-norm states at the same positions → MTP hidden [N, hidden] after shared_head.norm."""
+        if not self.with_mtp:
+            raise RuntimeError("this checkpoint has no MTP layer; speculative decoding is unavailable")
+        mtp: MTPLayer = self.model.layers[self.cfg.num_hidden_layers]
+        rope = self._rope(meta.positions)
+        e = self.model.embed_tokens(input_ids)
+        e = e.masked_fill((meta.positions == 0)[:, None], 0.0)  # position 0 carries no input (vLLM)
+        u = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(prev_hidden)), dim=-1))
+        h, _ = mtp(u, rope, meta, caches[self.cfg.num_hidden_layers], self.backend, None)
+        return mtp.shared_head.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] → logits [M, vocab] fp32."""
+        return self.lm_head(hidden).float()
+
+    # ---- construction ---------------------------------------------------------------------------
+    @staticmethod
+    def build(cfg: ModelConfig, *, with_mtp: bool, backend: AttentionBackend,
+              dtype: torch.dtype, device: torch.device | str) -> DsaForCausalLM:
+        """Allocate on `device` in `dtype`; router, indexer weights_proj and k_norm stay fp32."""
+        with torch.device(device):
+            model = DsaForCausalLM(cfg, with_mtp=with_mtp, backend=backend)
+        keep_fp32 = {id(p) for m in model.modules() if isinstance(m, (Router, LayerNormFP32))
+                     for p in m.parameters()}
+        keep_fp32 |= {id(m.weights_proj.weight) for m in model.modules() if isinstance(m, Indexer)}
+        for p in model.parameters():
+            if id(p) not in keep_fp32:
+                p.data = p.data.to(dtype)
+        return model.eval()

@@ -1,0 +1,128 @@
+"""Process groups of one engine, built once at start-up and asked for by name.
+
+Rank layout of an engine with world = PCP × TP (DP replicas are separate engines):
+
+    rank = pcp_rank · TP + tp_rank
+
+    PCP=2, TP=2:   rank 0 (pcp 0, tp 0)  rank 1 (pcp 0, tp 1)
+                   rank 2 (pcp 1, tp 0)  rank 3 (pcp 1, tp 1)
+    tp groups  {0,1} {2,3}    pcp groups {0,2} {1,3}    ep: every rank
+
+DCP is a view, never extra ranks: the PCP group when PCP > 1 (dcp = pcp), else the TP group (tp = dcp).
+Layers receive a `ParallelGroups` and never read environment variables or globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsaserve.config import ConfigError, ParallelConfig
+
+
+def validate_layout(p: ParallelConfig) -> None:
+    """The rules vLLM enforces for these models, with the rule that failed in the message."""
+    pcp, dcp, tp = (p.prefill_context_parallel_size, p.decode_context_parallel_size,
+                    p.tensor_parallel_size)
+    if dcp > 1:
+        if pcp > 1 and dcp != pcp:
+            raise ConfigError(
+                f"--decode-context-parallel-size: with PCP the DCP group is the PCP group, so dcp "
+                f"must equal --prefill-context-parallel-size ({pcp}), got {dcp}")
+        if pcp > 1 and p.dcp_comm_backend != "ag_rs":
+            raise ConfigError("--dcp-comm-backend: PCP × DCP supports only 'ag_rs'")
+        if pcp == 1 and dcp != tp:
+            raise ConfigError(
+                f"--decode-context-parallel-size: without PCP, DCP reuses the TP ranks, so dcp "
+                f"must equal --tensor-parallel-size ({tp}), got {dcp}")
+    if p.cp_kv_cache_interleave_size > 1 and dcp == 1:
+        raise ConfigError("--cp-kv-cache-interleave-size: only meaningful with DCP > 1")
+
+
+@dataclass
+class Group:
+    """One process group as seen from this rank (size 1 groups never communicate)."""
+
+    name: str
+    ranks: tuple[int, ...]
+    rank_in_group: int
+    pg: dist.ProcessGroup | None
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, ...] on every rank → [size, n, ...] (rank-major). Shapes must be rank-invariant."""
+        if self.size == 1:
+            return x[None]
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(out, x.contiguous(), group=self.pg)
+        return torch.stack(out)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x, group=self.pg)
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size·n, ...] → this rank's summed slice [n, ...]."""
+        if self.size == 1:
+            return x
+        n = x.shape[0] // self.size
+        if x.device.type == "cpu":  # gloo has no reduce_scatter: all-reduce, then slice
+            x = x.clone()
+            dist.all_reduce(x, group=self.pg)
+            return x[self.rank_in_group * n : (self.rank_in_group + 1) * n]
+        out = torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=self.pg)
+        return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """x [size, n, ...] (row i goes to rank i) → [size, n, ...] (row i came from rank i)."""
+        if self.size == 1:
+            return x
+        if x.device.type == "cpu":  # gloo lacks all_to_all: gather everything, keep our column
+            return self.all_gather(x)[:, self.rank_in_group]
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.pg)
+        return out
+
+
+@dataclass
+class ParallelGroups:
+    rank: int
+    world_size: int
+    pcp: Group
+    tp: Group
+    dcp: Group
+    ep: Group
+
+    @staticmethod
+    def single() -> ParallelGroups:
+        one = Group("single", (0,), 0, None)
+        return ParallelGroups(0, 1, one, one, one, one)
+
+    @staticmethod
+    def build(p: ParallelConfig, rank: int) -> ParallelGroups:
+        """Call on every rank after dist.init_process_group(world = pcp × tp)."""
+        validate_layout(p)
+        pcp, tp = p.prefill_context_parallel_size, p.tensor_parallel_size
+        world = pcp * tp
+        mine: dict[str, Group] = {}
+        # new_group must be called by every rank for every group, in the same order.
+        layouts = {
+            "tp": [tuple(a * tp + b for b in range(tp)) for a in range(pcp)],
+            "pcp": [tuple(a * tp + b for a in range(pcp)) for b in range(tp)],
+            "ep": [tuple(range(world))],
+        }
+        for name, groups in layouts.items():
+            for ranks in groups:
+                pg = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                if rank in ranks:
+                    mine[name] = Group(name, ranks, ranks.index(rank), pg)
+        dcp_src = mine["pcp"] if pcp > 1 else mine["tp"]
+        dcp = dcp_src if p.decode_context_parallel_size > 1 else Group("dcp", (rank,), 0, None)
+        return ParallelGroups(rank, world, mine["pcp"], mine["tp"], dcp, mine["ep"])

@@ -1,0 +1,465 @@
+"""The arithmetic a deployment rests on, from `ModelConfig`: pure functions, frozen results.
+
+Conventions (docs/plan.md derives each DESIGN.md §2 number from them):
+
+* KV bytes per token: every MLA layer stores one 576-wide row (`fp8_ds_mla`: 512 e4m3 + 4 fp32 tile
+  scales + 64 bf16 RoPE = 656 B; `bf16`: 1152 B); only layers that run an indexer store an index key
+  (FP8: 128 e4m3 + 1 fp32 scale = 132 B; bf16: 256 B); each MTP layer stores both.
+* Sparse MLA per query token per layer (absorbed form): each of the top-k rows is read once for
+  all heads of the GPU, with its 4-byte int32 index; each head reads its 576-wide bf16 query and
+  writes its 512-wide bf16 latent output. Per row and head: 2·576 FLOP (q·k) + 2·512 FLOP (p·v).
+* Indexer per (query, key) pair on an indexer layer: 2·n_heads·head_dim for the dot products plus
+  2·n_heads for weighting each head's ReLU score and summing over heads. Projections are left out
+  of both FLOP counts (they are linear in the prompt and the same in every layout).
+* Per-GPU prefill work: PCP splits query rows (the indexer and MLA both divide by pcp); TP splits
+  MLA heads but every TP rank runs the whole indexer (replicated), so only MLA divides by tp. DCP
+  changes where KV lives, not FLOPs.
+* Weights: FP8 block-quantized matrices cost 1 B per value plus one fp32 scale per 128×128 block;
+  norms, router, embedding, lm_head and indexer `weights_proj` stay bf16; the router's correction
+  bias is fp32. TP shards the attention up/out projections, dense and shared-expert MLPs,
+  embedding and lm_head; EP shards routed experts over every GPU of the engine (without EP they
+  are TP-sharded); PCP and DCP replicate weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+
+KVDType = Literal["fp8_ds_mla", "bf16"]
+WeightDType = Literal["fp8", "bf16"]
+KV_DTYPES: tuple[KVDType, ...] = ("fp8_ds_mla", "bf16")
+
+FP8_TILE = 128  # fp8_ds_mla quantizes the latent in tiles of 128 values, one fp32 scale each
+TOPK_INDEX_BYTES = 4  # int32 row index read with every selected row
+BF16 = 2
+FP32 = 4
+# Pages of 64 tokens each request keeps resident per MLA layer while it reads the rest from the host
+# pool (the write tail: the page being filled and the one before it).
+HISPARSE_TAIL_PAGES = 2
+PAGE_TOKENS = 64
+
+
+# ---- parallel layout -----------------------------------------------------------------------------
+def num_gpus(par: ParallelConfig) -> int:
+    """GPUs of one engine: DP × PCP × TP (DCP is a view over those ranks, never extra ones)."""
+    return par.data_parallel_size * par.prefill_context_parallel_size * par.tensor_parallel_size
+
+
+def expert_shards(par: ParallelConfig) -> int:
+    """How many ways routed experts are split: EP spans every GPU of the engine; without EP the
+    experts are TP-sharded like the dense MLPs."""
+    return num_gpus(par) if par.enable_expert_parallel else par.tensor_parallel_size
+
+
+def check_layout(model: ModelConfig, par: ParallelConfig) -> None:
+    """Reject layouts the cost model cannot express; the message names the offending flag."""
+    tp, pcp, dcp = (par.tensor_parallel_size, par.prefill_context_parallel_size,
+                    par.decode_context_parallel_size)
+    if model.num_attention_heads % tp:
+        raise ConfigError(
+            f"--tp: {tp} does not divide the model's {model.num_attention_heads} attention heads"
+        )
+    if (pcp * tp) % dcp:
+        raise ConfigError(f"--dcp: {dcp} must divide pcp × tp = {pcp * tp} (DCP adds no ranks)")
+
+
+# ---- KV bytes per token --------------------------------------------------------------------------
+def mla_row_bytes(model: ModelConfig, kv_dtype: KVDType) -> int:
+    """Bytes of one cached MLA row (one token, one layer).
+
+    fp8_ds_mla, for kv_lora_rank 512 and qk_rope_head_dim 64:
+        [0, 512) e4m3 latent | [512, 528) 4 × fp32 tile scales | [528, 656) 64 × bf16 RoPE key
+    """
+    if kv_dtype == "bf16":
+        return BF16 * model.kv_cache_width
+    if kv_dtype != "fp8_ds_mla":
+        raise ConfigError(f"--kv-cache-dtype: expected one of {KV_DTYPES}, got {kv_dtype!r}")
+    if model.kv_lora_rank % FP8_TILE:
+        raise ConfigError(
+            f"kv_lora_rank: {model.kv_lora_rank} is not a multiple of {FP8_TILE}, "
+            "so it has no fp8_ds_mla layout"
+        )
+    scales = FP32 * (model.kv_lora_rank // FP8_TILE)
+    return model.kv_lora_rank + scales + BF16 * model.qk_rope_head_dim
+
+
+def indexer_key_bytes(model: ModelConfig, kv_dtype: KVDType) -> int:
+    """Bytes of one cached indexer key: FP8 values plus one fp32 scale per token, or bf16."""
+    if kv_dtype == "bf16":
+        return BF16 * model.index_head_dim
+    return model.index_head_dim + FP32
+
+
+@dataclass(frozen=True)
+class KVBytesPerToken:
+    """KV cache bytes one token costs in every layer that keeps KV, by component."""
+
+    kv_dtype: KVDType
+    mla_row: int  # one MLA layer
+    indexer_key: int  # one indexer layer
+    num_layers: int  # MLA layers of the main model (all of them store rows)
+    num_indexer_layers: int  # main-model layers that run their own indexer
+    num_mtp_layers: int  # each stores one MLA row and one indexer key
+
+    @property
+    def mla(self) -> int:
+        return self.num_layers * self.mla_row
+
+    @property
+    def indexer(self) -> int:
+        return self.num_indexer_layers * self.indexer_key
+
+    @property
+    def mtp(self) -> int:
+        return self.num_mtp_layers * (self.mla_row + self.indexer_key)
+
+    @property
+    def total(self) -> int:
+        return self.mla + self.indexer + self.mtp
+
+    @property
+    def mla_all_layers(self) -> int:
+        """MLA rows of every layer including MTP: what a HiSparse host pool holds per token."""
+        return (self.num_layers + self.num_mtp_layers) * self.mla_row
+
+    @property
+    def indexer_all_layers(self) -> int:
+        """Indexer keys of every layer including MTP: what stays on GPU under HiSparse."""
+        return (self.num_indexer_layers + self.num_mtp_layers) * self.indexer_key
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: KVDType) -> KVBytesPerToken:
+    return KVBytesPerToken(
+        kv_dtype=kv_dtype,
+        mla_row=mla_row_bytes(model, kv_dtype),
+        indexer_key=indexer_key_bytes(model, kv_dtype),
+        num_layers=model.num_hidden_layers,
+        num_indexer_layers=len(model.full_indexer_layers),
+        num_mtp_layers=model.num_nextn_predict_layers,
+    )
+
+
+def request_kv_bytes_per_gpu(kv: KVBytesPerToken, context: int, dcp: int) -> int:
+    """KV bytes one request of `context` tokens holds on one GPU: DCP N stores ceil(context/N)
+    tokens per rank (each token's owner keeps it); without DCP every rank keeps all of them."""
+    return -(-context // dcp) * kv.total
+
+
+# ---- weights -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightBytes:
+    """Checkpoint bytes by how a layout divides them."""
+
+    replicated: int  # norms, q_a/kv_a projections, indexer, router, MTP eh_proj: on every GPU
+    tp_sharded: int  # q_b/kv_b/o projections, dense and shared-expert MLPs, embedding, lm_head
+    routed_experts: int  # divided by EP size (all GPUs of the engine), else by TP
+    num_params: int  # values, not counting FP8 scales
+
+    @property
+    def total(self) -> int:
+        return self.replicated + self.tp_sharded + self.routed_experts
+
+
+def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> WeightBytes:
+    """Count every checkpoint tensor (main and MTP layers, embedding, lm_head) exactly."""
+    if weight_dtype not in ("fp8", "bf16"):
+        raise ConfigError(f"--weights: expected 'fp8' or 'bf16', got {weight_dtype!r}")
+    fp8 = weight_dtype == "fp8"
+    bo, bi = model.fp8_weights.block_size if model.fp8_weights else (128, 128)
+    params = 0
+
+    def matrix(rows: int, cols: int, quantized: bool = True, count: int = 1) -> int:
+        """`count` [rows, cols] matrices."""
+        nonlocal params
+        params += count * rows * cols
+        if quantized and fp8:  # 1 B per value + one fp32 weight_scale_inv per block
+            return count * (rows * cols + FP32 * -(-rows // bo) * -(-cols // bi))
+        return count * BF16 * rows * cols
+
+    def vector(n: int, nbytes: int = BF16) -> int:
+        nonlocal params
+        params += n
+        return nbytes * n
+
+    h, heads = model.hidden_size, model.num_attention_heads
+    rep = tp = experts = 0
+    num_mtp = model.num_nextn_predict_layers
+    for layer in range(model.num_hidden_layers + num_mtp):
+        # attention: q/kv down-projections and norms are replicated; up/out projections TP-sharded
+        rep += matrix(model.q_lora_rank, h) + matrix(model.kv_cache_width, h)
+        rep += vector(model.q_lora_rank) + vector(model.kv_lora_rank) + vector(2 * h)
+        tp += matrix(heads * model.qk_head_dim, model.q_lora_rank)
+        tp += matrix(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)
+        tp += matrix(h, heads * model.v_head_dim)
+        if model.has_indexer(layer):
+            d, nh = model.index_head_dim, model.index_n_heads
+            rep += matrix(nh * d, model.q_lora_rank) + matrix(d, h)  # wq_b, wk
+            rep += vector(2 * d) + matrix(nh, h, quantized=False)  # k_norm (w, b), weights_proj
+        if model.is_moe_layer(layer):
+            e, width = model.n_routed_experts, model.moe_intermediate_size
+            # router weight (bf16) and e_score_correction_bias (fp32)
+            rep += matrix(e, h, quantized=False) + vector(e, FP32)
+            tp += matrix(width, h, count=3 * model.n_shared_experts)  # gate, up, down
+            experts += matrix(width, h, count=3 * e)
+        else:
+            tp += matrix(model.intermediate_size, h, count=3)
+        if layer >= model.num_hidden_layers:  # MTP: enorm, hnorm, shared_head.norm, eh_proj
+            rep += vector(3 * h) + matrix(h, 2 * h)
+    tp += matrix(model.vocab_size, h, quantized=False)  # embedding
+    if not model.tie_word_embeddings:
+        tp += matrix(model.vocab_size, h, quantized=False)  # lm_head
+    rep += vector(h)  # final norm
+    return WeightBytes(replicated=rep, tp_sharded=tp, routed_experts=experts, num_params=params)
+
+
+def weight_bytes_per_gpu(w: WeightBytes, par: ParallelConfig) -> int:
+    tp = par.tensor_parallel_size
+    return w.replicated + -(-w.tp_sharded // tp) + -(-w.routed_experts // expert_shards(par))
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """HBM of one GPU: what is left for KV after weights and the activation reserve."""
+
+    hbm_bytes: int
+    utilization: float
+    weights: int
+    activation_reserve: int
+
+    @property
+    def usable(self) -> int:
+        return int(self.hbm_bytes * self.utilization)
+
+    @property
+    def kv_room(self) -> int:
+        """Bytes for KV; negative when the weights alone do not fit."""
+        return self.usable - self.weights - self.activation_reserve
+
+
+def max_context_tokens(kv_room: int, kv: KVBytesPerToken, dcp: int) -> int:
+    """Longest single request whose KV fits in `kv_room` bytes per GPU (DCP N stores 1/N of it)."""
+    if kv_room <= 0:
+        return 0
+    return kv_room // kv.total * dcp
+
+
+# ---- sparse MLA per query token ------------------------------------------------------------------
+def mla_flops_per_row_head(model: ModelConfig) -> int:
+    """2·576 (q·k over latent + RoPE) + 2·512 (p·v over the latent) = 2,176 for the real models."""
+    return 2 * model.kv_cache_width + 2 * model.kv_lora_rank
+
+
+@dataclass(frozen=True)
+class SparseMLACost:
+    """Per query token, per layer, per GPU: one decode step's sparse attention."""
+
+    topk: int
+    heads: int  # heads on this GPU
+    row_bytes: int  # cached row + its int32 index
+    per_head_bytes: int  # bf16 absorbed query in + bf16 latent output out
+    flops_per_row_head: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.topk * self.row_bytes
+
+    @property
+    def bytes(self) -> int:
+        return self.kv_bytes + self.heads * self.per_head_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.topk * self.heads * self.flops_per_row_head
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per HBM byte; compare with GPUSpec.ridge_flop_per_byte."""
+        return self.flops / self.bytes
+
+
+def sparse_mla_cost(model: ModelConfig, kv_dtype: KVDType, heads: int) -> SparseMLACost:
+    return SparseMLACost(
+        topk=model.index_topk,
+        heads=heads,
+        row_bytes=mla_row_bytes(model, kv_dtype) + TOPK_INDEX_BYTES,
+        per_head_bytes=BF16 * (model.kv_cache_width + model.kv_lora_rank),
+        flops_per_row_head=mla_flops_per_row_head(model),
+    )
+
+
+# ---- prefill FLOPs: indexer against sparse MLA ---------------------------------------------------
+def indexer_flops_per_pair(model: ModelConfig) -> int:
+    """One (query, key) score on one indexer layer: per head a dot product (2·head_dim) plus the
+    weight multiply and the sum over heads of the ReLU'd score (2)."""
+    return 2 * model.index_n_heads * (model.index_head_dim + 1)
+
+
+@dataclass(frozen=True)
+class PrefillFlops:
+    """Per-GPU prefill FLOPs of one prompt, attention scoring only, main-model layers.
+
+    Query at position p (0-based) sees p + 1 keys (causal, itself included):
+        indexer(L) = a · Σ_{p<L} (p + 1)            = a · L(L+1)/2
+        mla(L)     = b · Σ_{p<L} min(p + 1, K)      = b · (K·L − K(K−1)/2)   for L ≥ K
+    with a = pair FLOPs · indexer layers / pcp and b = 2,176 · heads/tp · layers / pcp.
+    """
+
+    indexer_per_key: float  # a: FLOPs per (query, key) pair per GPU, all indexer layers
+    mla_per_row: float  # b: FLOPs per (query, selected row) per GPU, all layers
+    topk: int  # K
+
+    def indexer(self, length: int) -> float:
+        return self.indexer_per_key * length * (length + 1) / 2
+
+    def mla(self, length: int) -> float:
+        k = self.topk
+        rows = length * (length + 1) // 2 if length <= k else k * length - k * (k - 1) // 2
+        return self.mla_per_row * rows
+
+    @property
+    def asymptotic_crossover(self) -> float:
+        """Where a·L²/2 = b·K·L: the crossover if every query read K rows (2·K·b/a)."""
+        return 2 * self.topk * self.mla_per_row / self.indexer_per_key
+
+    @property
+    def crossover(self) -> int:
+        """Smallest prompt length whose cumulative indexer FLOPs reach the sparse-MLA FLOPs.
+
+        Below K both grow as L(L+1)/2 (ratio a/b); above K solve a·L(L+1)/2 = b·(K·L − K(K−1)/2),
+        i.e. a·L² + (a − 2bK)·L + bK(K−1) = 0, larger root, then step to the exact integer.
+        """
+        a, b, k = self.indexer_per_key, self.mla_per_row, self.topk
+        if a >= b:
+            return 1
+        c1 = a - 2 * b * k
+        disc = c1 * c1 - 4 * a * b * k * (k - 1)
+        length = max(k, math.floor((-c1 + math.sqrt(max(disc, 0.0))) / (2 * a)) - 1)
+        while self.indexer(length) < self.mla(length):
+            length += 1
+        while length > 1 and self.indexer(length - 1) >= self.mla(length - 1):
+            length -= 1
+        return length
+
+
+def prefill_flops(model: ModelConfig, par: ParallelConfig) -> PrefillFlops:
+    pcp, tp = par.prefill_context_parallel_size, par.tensor_parallel_size
+    heads_per_gpu = model.num_attention_heads // tp
+    return PrefillFlops(
+        # the indexer is replicated across TP: every TP rank scores all its query rows
+        indexer_per_key=indexer_flops_per_pair(model) * len(model.full_indexer_layers) / pcp,
+        mla_per_row=mla_flops_per_row_head(model) * heads_per_gpu * model.num_hidden_layers / pcp,
+        topk=model.index_topk,
+    )
+
+
+# ---- DCP all-gather during prefill ---------------------------------------------------------------
+@dataclass(frozen=True)
+class DCPGatherCost:
+    """Per prefill step: each layer all-gathers the DCP shards of the cached context into a full
+    temporary copy (rows as stored in the cache). Each GPU receives the N−1 shards it does not own:
+
+        rank:     0      1     ...   N-1
+        shard:  [S_0]  [S_1]   ...  [S_N-1]     S = ceil(context / N) rows each
+        rank r receives (N − 1)·S rows per layer
+
+    Time is the received bytes at the GPU's per-direction link bandwidth (a ring or switch
+    all-gather moves each byte into a rank once)."""
+
+    dcp: int
+    context: int
+    mla_layer_bytes: int  # received per GPU per MLA layer
+    indexer_layer_bytes: int  # received per GPU per indexer layer
+    num_mla_layers: int  # every layer with KV, MTP included
+    num_indexer_layers: int
+    link_bytes_per_s: float
+
+    @property
+    def step_bytes(self) -> int:
+        return (self.num_mla_layers * self.mla_layer_bytes
+                + self.num_indexer_layers * self.indexer_layer_bytes)
+
+    @property
+    def mla_layer_seconds(self) -> float:
+        return self.mla_layer_bytes / self.link_bytes_per_s
+
+    @property
+    def indexer_layer_seconds(self) -> float:
+        return self.indexer_layer_bytes / self.link_bytes_per_s
+
+    @property
+    def step_seconds(self) -> float:
+        return self.step_bytes / self.link_bytes_per_s
+
+
+def dcp_gather_cost(
+    kv: KVBytesPerToken, context: int, dcp: int, link_gbps: float
+) -> DCPGatherCost:
+    received_rows = (dcp - 1) * -(-context // dcp)
+    return DCPGatherCost(
+        dcp=dcp,
+        context=context,
+        mla_layer_bytes=received_rows * kv.mla_row,
+        indexer_layer_bytes=received_rows * kv.indexer_key,
+        num_mla_layers=kv.num_layers + kv.num_mtp_layers,
+        num_indexer_layers=kv.num_indexer_layers + kv.num_mtp_layers,
+        link_bytes_per_s=link_gbps * 1e9,
+    )
+
+
+# ---- HiSparse decode concurrency -----------------------------------------------------------------
+@dataclass(frozen=True)
+class HiSparseConcurrency:
+    """Requests of `context` tokens one decode replica (DCP 1) can hold.
+
+    All-HBM: each request keeps its whole KV on GPU. HiSparse: the MLA rows of every layer live in
+    the pinned host pool (admission reserves the whole request there); the GPU keeps all indexer
+    keys, a hot buffer of `hot_rows` rows per MLA layer and the write-tail pages."""
+
+    context: int
+    kv_room: int  # GPU bytes for KV
+    host_pool_bytes: int
+    hot_rows: int
+    gpu_bytes_full: int  # per request, everything on GPU
+    host_bytes: int  # per request, MLA rows of every layer in the host pool
+    gpu_bytes_hisparse: int  # per request under HiSparse
+
+    @property
+    def by_hbm_full(self) -> int:
+        return max(self.kv_room, 0) // self.gpu_bytes_full
+
+    @property
+    def by_host(self) -> int:
+        return self.host_pool_bytes // self.host_bytes
+
+    @property
+    def by_hbm_hisparse(self) -> int:
+        return max(self.kv_room, 0) // self.gpu_bytes_hisparse
+
+    @property
+    def hisparse(self) -> int:
+        return min(self.by_host, self.by_hbm_hisparse)
+
+    @property
+    def bound(self) -> str:
+        return "host memory" if self.by_host <= self.by_hbm_hisparse else "HBM"
+
+
+def hisparse_concurrency(
+    kv: KVBytesPerToken, context: int, kv_room: int, host_pool_bytes: int, hot_rows: int
+) -> HiSparseConcurrency:
+    mla_layers = kv.num_layers + kv.num_mtp_layers
+    gpu_rows_per_layer = min(context, hot_rows + HISPARSE_TAIL_PAGES * PAGE_TOKENS)
+    return HiSparseConcurrency(
+        context=context,
+        kv_room=kv_room,
+        host_pool_bytes=host_pool_bytes,
+        hot_rows=hot_rows,
+        gpu_bytes_full=context * kv.total,
+        host_bytes=context * kv.mla_all_layers,
+        gpu_bytes_hisparse=context * kv.indexer_all_layers
+        + gpu_rows_per_layer * mla_layers * kv.mla_row,
+    )

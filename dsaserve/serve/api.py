@@ -1,0 +1,470 @@
+"""The OpenAI-compatible HTTP front: chat and text completions (streaming or not), models, health,
+metrics. One app serves one model through one AsyncEngine.
+
+A request's life here:
+    1. authenticate (/v1/*), parse and type-check the body (pydantic; bad input → 400);
+    2. render the chat template / tokenize off the event loop; build SamplingParams (→ 400);
+    3. admission by the engine core (prompt too long → 400; engine dead → 503);
+    4. outputs → incremental detokenization → stop strings → SSE chunks or one JSON body;
+    5. leaving early (client gone, stop string) aborts the request, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dsaserve.config import ConfigError
+from dsaserve.core import RequestError, SamplingParams
+from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from dsaserve.serve.metrics import RequestTracker, ServerMetrics
+from dsaserve.serve.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+)
+from dsaserve.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# OpenAI's default for /v1/completions; chat completions default to the rest of the context.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of `dsaserve serve` (the engine has its own EngineConfig)."""
+
+    served_model_name: str
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Agent sessions idle between turns for minutes; a short keep-alive would cut their connections.
+    timeout_keep_alive_s: int = 3600
+
+
+class APIError(Exception):
+    """A failure reported to the client as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
+    kind = _ERROR_TYPES.get(status, "Error")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param).model_dump(), status_code=status)
+
+
+# ------------------------------------------------------------------------------------------------
+# Stop strings (pure): matched on the detokenized text, never released to the client
+# ------------------------------------------------------------------------------------------------
+def find_stop(text: str, stop: Sequence[str]) -> int:
+    """Start of the earliest stop string in `text`, or -1."""
+    found = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(found, default=-1)
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many trailing characters of `text` could be the start of a stop string: they are held
+    back until the next output shows whether the stop string completes.
+
+        text = "... the answer is ST"   stop = ["STOP"]   → 2 ("ST" may become "STOP")
+        text = "... the answer is"      stop = ["STOP"]   → 0
+    """
+    longest = 0
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
+# ------------------------------------------------------------------------------------------------
+# One generation: engine outputs → text deltas
+# ------------------------------------------------------------------------------------------------
+class Generation:
+    """Consumes one request's outputs and yields its text in pieces, applying stop strings.
+
+    Invariant: the pieces concatenate to the detokenized output cut before the first stop string.
+    Each step's new text is searched together with the text held back from earlier steps, which
+    never holds a complete stop string (it was searched already), so a stop string that straddles
+    two steps is found:
+
+        step k:    "... is ST"      → release "... is ",  hold "ST"
+        step k+1:  "ST" + "OP now"  → "STOP" found at 0: release nothing, finish with "stop"
+
+    `close()` is idempotent and runs on every exit path: it aborts the request in the engine if it
+    has not finished (client gone, stop string) and records the request's metrics.
+    """
+
+    def __init__(self, stream: RequestStream, tokenizer: Tokenizer, prompt_token_ids: list[int],
+                 stop: tuple[str, ...], tracker: RequestTracker) -> None:
+        self.stream = stream
+        self.stop = stop
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._tracker = tracker
+        self._held = ""  # text that may be the start of a stop string
+        self._closed = False
+
+    @property
+    def usage(self) -> Usage:
+        return Usage.of(self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        try:
+            async for out in self.stream:
+                self._tracker.on_tokens(len(out.new_token_ids))
+                self.num_output_tokens += len(out.new_token_ids)
+                self.num_prompt_tokens = out.num_prompt_tokens
+                self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
+                text = self._held + "".join(self._detok.push(t) for t in out.new_token_ids)
+                if out.finished:
+                    text += self._detok.flush()
+                    self.finish_reason = out.finish_reason
+                if self.stop and (i := find_stop(text, self.stop)) >= 0:
+                    text = text[:i]
+                    self.finish_reason = "stop"
+                    self.stream.abort()  # the engine would otherwise keep generating
+                keep = 0 if self.finish_reason is not None else held_back(text, self.stop)
+                self._held = text[len(text) - keep:]
+                if piece := text[:len(text) - keep]:
+                    yield piece
+                if self.finish_reason is not None:
+                    return
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        dead = self.finish_reason is None and self.stream.finished  # ended by EngineDeadError
+        self.stream.abort()
+        reason = self.finish_reason or ("error" if dead else "abort")
+        self._tracker.on_finish(reason, self.num_prompt_tokens)
+
+
+# ------------------------------------------------------------------------------------------------
+# Request → prompt ids + SamplingParams
+# ------------------------------------------------------------------------------------------------
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             chat_template=template)
+    except jinja2.TemplateError as e:
+        raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from e
+    return tokenizer.encode(text)
+
+
+def _completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any], vocab_size: int) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if all(isinstance(t, int) for t in prompt):
+        # Client-supplied ids index the embedding table: an id outside it would fail a whole step.
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary "
+                           f"[0, {vocab_size})", param="prompt")
+        return list(prompt)
+    raise APIError(400, f"prompt: batches of {len(prompt)} prompts are not supported; "
+                   "send one request per prompt", param="prompt")
+
+
+def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
+                     num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    if body.n != 1:
+        raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name}: penalties are not supported (must be 0)", param=name)
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only allowed when stream is true",
+                       param="stream_options")
+    if max_tokens is None:  # the rest of the context, as vLLM does (the engine caps the total)
+        max_tokens = max(max_model_len - num_prompt_tokens, 1)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            seed=body.seed,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            min_tokens=body.min_tokens,
+        )
+    except RequestError as e:
+        raise APIError(400, str(e)) from e
+
+
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise APIError(400, "stop: stop strings must be non-empty", param="stop")
+    return stops
+
+
+# ------------------------------------------------------------------------------------------------
+# The app
+# ------------------------------------------------------------------------------------------------
+def _sse(obj: BaseModel) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+_SSE_DONE = "data: [DONE]\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it if the client disconnects first (→ None).
+
+    Streaming responses are cancelled by Starlette itself; a non-streaming handler is not, so this
+    watches the connection to free the KV blocks of a request nobody waits for.
+    """
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if not task.cancelled() else None
+
+
+class _APIKeyMiddleware:
+    """401 for /v1/* without `Authorization: Bearer <key>` (checked before the body is parsed)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
+                await error_response(401, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
+    """The FastAPI app for one AsyncEngine; the caller owns the engine (and shuts it down)."""
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ConfigError(f"--model: {engine.config.model_path} has no tokenizer.json; "
+                          "the server needs a tokenizer")
+    model_name = config.served_model_name
+    max_model_len = engine.config.scheduler.max_model_len
+    metrics = ServerMetrics(model_name, engine.stats)
+    app = FastAPI(title="dsaserve", version="0.1.0")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    if config.api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+
+    # ---- errors --------------------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        parts: list[str] = []
+        param = None
+        for err in e.errors():
+            if err["type"] == "json_invalid":
+                reason = err.get("ctx", {}).get("error", err["msg"])
+                return error_response(400, f"malformed JSON body: {reason}")
+            loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
+            param = param or loc
+            part = f"{loc}: {err['msg']}"
+            if part not in parts:
+                parts.append(part)
+        return error_response(400, "; ".join(parts[:4]), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return error_response(e.status_code, str(e.detail))
+
+    # ---- plain endpoints -----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_alive:
+            return Response(status_code=200)
+        return error_response(503, f"engine is not running: {engine.dead_reason}")
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        card = ModelCard(id=model_name, root=engine.config.model_path, max_model_len=max_model_len)
+        return ModelList(data=[card])
+
+    # ---- completions ---------------------------------------------------------------------------
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(404, f"The model '{model}' does not exist (this server serves "
+                           f"'{model_name}').", param="model")
+
+    async def start(request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    stops: tuple[str, ...], cache_salt: str | None) -> Generation:
+        tracker = metrics.track()
+        try:
+            stream = await engine.add_request(request_id, prompt_ids, params,
+                                              cache_salt=cache_salt)
+        except RequestError as e:
+            raise APIError(400, str(e)) from e
+        except EngineDeadError as e:
+            raise APIError(503, f"engine is not running: {e}") from e
+        return Generation(stream, tokenizer, prompt_ids, stops, tracker)
+
+    def streaming(gen: Generation, frames: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for frame in frames:
+                    yield frame
+            except EngineDeadError as e:
+                yield _sse(error_body(500, f"engine failed: {e}"))
+            yield _SSE_DONE
+
+        # Starlette cancels the body when the client disconnects, then runs the background task.
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 background=BackgroundTask(gen.close))
+
+    async def collect(gen: Generation) -> str:
+        return "".join([piece async for piece in gen.deltas()])
+
+    async def complete(request: Request, gen: Generation) -> str | None:
+        try:
+            return await _unless_disconnected(request, collect(gen))
+        except EngineDeadError as e:
+            raise APIError(500, f"engine failed: {e}") from e
+        finally:
+            gen.close()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        stops = _stop_strings(body.stop)
+        try:
+            prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages)
+        except ValueError as e:  # TokenizerError: a malformed message
+            raise APIError(400, str(e), param="messages") from e
+        max_tokens = body.max_tokens if body.max_completion_tokens is None \
+            else body.max_completion_tokens
+        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
+        request_id = new_id("chatcmpl")
+        gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
+
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
+            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            return _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[choice]))
+
+        async def frames() -> AsyncIterator[str]:
+            yield chunk(DeltaMessage(role="assistant", content=""))
+            async for piece in gen.deltas():
+                yield chunk(DeltaMessage(content=piece))
+            yield chunk(DeltaMessage(), gen.finish_reason)
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[],
+                                               usage=gen.usage))
+
+        if body.stream:
+            return streaming(gen, frames())
+        text = await complete(request, gen)
+        if text is None:
+            return Response(status_code=499)  # the client left; nobody reads this
+        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason)
+        return JSONResponse(ChatCompletionResponse(
+            id=request_id, model=model_name, choices=[choice], usage=gen.usage).model_dump())
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo: not supported", param="echo")
+        stops = _stop_strings(body.stop)
+        prompt_ids = await asyncio.to_thread(_completion_prompt, tokenizer, body.prompt,
+                                             engine.config.model.vocab_size)
+        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
+        request_id = new_id("cmpl")
+        gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
+
+        def chunk(text: str, finish_reason: str | None = None) -> str:
+            choice = CompletionChoice(text=text, finish_reason=finish_reason)
+            return _sse(CompletionResponse(id=request_id, model=model_name, choices=[choice]))
+
+        async def frames() -> AsyncIterator[str]:
+            async for piece in gen.deltas():
+                yield chunk(piece)
+            yield chunk("", gen.finish_reason)
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[],
+                                              usage=gen.usage))
+
+        if body.stream:
+            return streaming(gen, frames())
+        text = await complete(request, gen)
+        if text is None:
+            return Response(status_code=499)
+        choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
+        return JSONResponse(CompletionResponse(
+            id=request_id, model=model_name, choices=[choice], usage=gen.usage).model_dump())
+
+    return app

@@ -1,0 +1,105 @@
+"""`dsaserve serve [MODEL]`: the OpenAI-compatible server, started with vLLM's flag names.
+
+    dsaserve serve                      # the built-in tiny model on 127.0.0.1:8000
+    dsaserve serve /models/glm-5.3 --served-model-name glm-5.3 --max-model-len 131072 \\
+        --kv-cache-dtype fp8_ds_mla --api-key "$KEY" --host 0.0.0.0
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from dsaserve.config import ConfigError
+from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
+from dsaserve.model.presets import DEFAULT_MODEL
+from dsaserve.serve.api import ServerConfig
+
+_PROG = "dsaserve serve"
+
+
+def _port(text: str) -> int:
+    port = int_at_least(0)(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, 65535], got {text!r}")
+    return port
+
+
+def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
+                   help=f"model directory or built-in preset (default: {DEFAULT_MODEL})")
+    p.add_argument("--model", default=None, help="same as MODEL")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; 0.0.0.0 exposes it)")
+    s.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: MODEL as given)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1/* requests")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `serve` on the top-level CLI; unknown or abbreviated flags are errors."""
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description=__doc__.splitlines()[0], allow_abbrev=False)
+    return _configure(p)
+
+
+def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfig:
+    return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
+                        host=args.host, port=args.port)
+
+
+def model_from_args(args: argparse.Namespace) -> str:
+    """MODEL and --model name the same thing; giving two different ones is an error."""
+    if args.model_positional and args.model and args.model_positional != args.model:
+        raise ConfigError(f"--model: {args.model!r} contradicts MODEL {args.model_positional!r}")
+    return args.model_positional or args.model or DEFAULT_MODEL
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine, serve until interrupted, then stop the engine core. Raises ConfigError for
+    a bad flag combination (the top-level CLI prints it as a usage error)."""
+    import uvicorn
+
+    from dsaserve.engine.engine import LLMEngine
+    from dsaserve.serve.api import create_app
+    from dsaserve.serve.async_engine import AsyncEngine
+
+    model = model_from_args(args)
+    engine_config = engine_config_from_args(args, model)
+    server_config = server_config_from_args(args, model)
+    engine = AsyncEngine(LLMEngine.from_config(engine_config))
+    try:
+        app = create_app(engine, server_config)
+        print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
+              f"on http://{server_config.host}:{server_config.port}", file=sys.stderr)
+        uvicorn.run(app, host=server_config.host, port=server_config.port,
+                    timeout_keep_alive=server_config.timeout_keep_alive_s, log_level="warning")
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dsaserve.serve.cli [MODEL] [flags]`: the same as `dsaserve serve`."""
+    parser = _configure(argparse.ArgumentParser(prog=_PROG, description=__doc__.splitlines()[0],
+                                                allow_abbrev=False))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except ConfigError as e:
+        parser.error(str(e))
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

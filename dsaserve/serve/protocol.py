@@ -1,0 +1,169 @@
+"""OpenAI request and response bodies (pydantic), plus vLLM's extensions that benchmarks send.
+
+Requests accept unknown fields (clients send many we do not use) but type-check every field we read;
+values are range-checked once, by `SamplingParams`, so the messages match offline use.
+Responses mirror OpenAI's JSON so the official client parses them unmodified.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None  # optional, as in vLLM: the served model
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extension
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension
+    min_tokens: int = 0  # vLLM extension
+    cache_salt: str | None = None  # vLLM extension: isolates this tenant's prefix-cache entries
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's successor of max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Responses
+# ------------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int  # every prompt token, cached ones included
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @staticmethod
+    def of(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return Usage(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """Both the whole response and each streamed chunk (OpenAI uses one shape for both)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=now_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now_s)
+    owned_by: str = "dsaserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,219 @@
+"""Engine and server flags: vLLM's names and defaults, rejections that name the flag, and model
+resolution (directories, presets built once and atomically, unknown names)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from dsaserve import cli as top_cli
+from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.engine.args import (
+    CACHE_DIR_ENV,
+    add_engine_args,
+    engine_config_from_args,
+    models_cache_dir,
+    resolve_model,
+)
+from dsaserve.model.presets import DEFAULT_MODEL, preset_config
+from dsaserve.serve import cli as serve_cli
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsaserve")
+    serve_cli.add_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def parse_serve(*argv: str) -> argparse.Namespace:
+    return serve_parser().parse_args(["serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["tiny-glm5"]
+
+
+def test_defaults_are_vllm_defaults(model_dir: Path) -> None:
+    args = parse_serve()
+    assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+    assert serve_cli.model_from_args(args) == DEFAULT_MODEL
+    config = engine_config_from_args(args, str(model_dir))
+    assert config.model_path == str(model_dir)
+    assert (config.scheduler.max_model_len, config.scheduler.max_num_seqs,
+            config.scheduler.max_num_batched_tokens) == (4096, 64, 2048)
+    assert (config.cache.block_size, config.cache.kv_cache_dtype,
+            config.cache.gpu_memory_utilization, config.cache.enable_prefix_caching,
+            config.cache.num_gpu_blocks) == (64, "auto", 0.9, True, None)
+    assert (config.dtype, config.seed, config.attention.backend) == ("auto", 0, "reference")
+    assert config.attention.sparse_mla_force_mqa is False
+    assert config.device in ("cpu", "cuda")
+    assert config.parallel.world_size == 1
+
+
+def test_every_flag_reaches_the_config(model_dir: Path) -> None:
+    args = parse_serve(
+        str(model_dir), "--served-model-name", "glm", "--host", "0.0.0.0", "--port", "9001",
+        "--api-key", "k", "--max-model-len", "1024", "--max-num-seqs", "8",
+        "--max-num-batched-tokens", "256", "--block-size", "32", "--kv-cache-dtype", "fp8_ds_mla",
+        "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "99",
+        "--no-enable-prefix-caching", "--seed", "3", "--dtype", "bfloat16", "--attention-config",
+        '{"sparse_mla_force_mqa": true}', "--attention-backend", "triton", "--device", "cuda:1",
+        "-tp", "2", "-pcp", "4", "-dcp", "8", "-dp", "2", "--enable-expert-parallel",
+        "--dcp-comm-backend", "a2a", "--cp-kv-cache-interleave-size", "32")
+    model = serve_cli.model_from_args(args)
+    server = serve_cli.server_config_from_args(args, model)
+    assert (server.served_model_name, server.host, server.port, server.api_key) == (
+        "glm", "0.0.0.0", 9001, "k")
+    assert server.timeout_keep_alive_s > 300  # long agent sessions keep their connection
+    c = engine_config_from_args(args, model)
+    assert (c.scheduler.max_model_len, c.scheduler.max_num_seqs,
+            c.scheduler.max_num_batched_tokens) == (1024, 8, 256)
+    assert (c.cache.block_size, c.cache.kv_cache_dtype, c.cache.gpu_memory_utilization,
+            c.cache.num_gpu_blocks, c.cache.enable_prefix_caching) == (
+        32, "fp8_ds_mla", 0.5, 99, False)
+    assert (c.seed, c.dtype, c.device) == (3, "bfloat16", "cuda:1")
+    assert (c.attention.backend, c.attention.sparse_mla_force_mqa) == ("triton", True)
+    p = c.parallel
+    assert (p.tensor_parallel_size, p.prefill_context_parallel_size,
+            p.decode_context_parallel_size, p.data_parallel_size, p.enable_expert_parallel,
+            p.dcp_comm_backend, p.cp_kv_cache_interleave_size) == (2, 4, 8, 2, True, "a2a", 32)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-num-seqs", "0"], "argument --max-num-seqs: expected an integer >= 1, got '0'"),
+    (["--max-model-len", "4k"], "argument --max-model-len: expected an integer >= 1, got '4k'"),
+    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: expected a number"),
+    (["--kv-cache-dtype", "fp16"], "argument --kv-cache-dtype: invalid choice: 'fp16'"),
+    (["--dtype", "int8"], "argument --dtype: invalid choice"),
+    (["--attention-config", "{bad"], "argument --attention-config: invalid JSON"),
+    (["--attention-config", '{"force": 1}'], "argument --attention-config: unknown keys ['force']"),
+    (["--attention-config", '{"sparse_mla_force_mqa": 1}'],
+     "argument --attention-config: sparse_mla_force_mqa must be true or false"),
+    (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
+    (["-tp", "0"], "argument -tp/--tensor-parallel-size: expected an integer >= 1"),
+    (["--dcp-comm-backend", "nccl"], "argument --dcp-comm-backend: invalid choice"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--max-model", "10"], "unrecognized arguments: --max-model"),  # no abbreviations
+])
+def test_bad_flags_exit_naming_the_flag(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_serve(*argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-size", "48"], "--block-size: must be a positive power of two, got 48"),
+    (["--max-model-len", "99999"],
+     "--max-model-len: 99999 exceeds the model's max_position_embeddings 4096"),
+    (["-pcp", "2", "-dcp", "3"], "--decode-context-parallel-size: 3 must divide"),
+])
+def test_bad_combinations_name_the_flag(model_dir: Path, argv, message, capsys) -> None:
+    with pytest.raises(ConfigError, match=message):
+        engine_config_from_args(parse_serve(*argv), str(model_dir))
+    # The sub-command's entry point turns it into a usage error (exit 2), before any engine.
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), *argv])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_top_level_cli_routes_serve(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        top_cli.main(["serve", "--max-num-seqs", "-3"])
+    assert e.value.code == 2
+    assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_model_positional_and_flag_must_agree() -> None:
+    assert serve_cli.model_from_args(parse_serve("--model", "tiny-dsv32")) == "tiny-dsv32"
+    assert serve_cli.model_from_args(parse_serve("tiny-dsv32")) == "tiny-dsv32"
+    with pytest.raises(ConfigError, match="--model: 'tiny-glm5' contradicts MODEL 'tiny-dsv32'"):
+        serve_cli.model_from_args(parse_serve("tiny-dsv32", "--model", "tiny-glm5"))
+
+
+def test_engine_args_work_on_any_parser(model_dir: Path) -> None:
+    """`generate` shares the flags: add_engine_args composes with a parser's own arguments."""
+    parser = add_engine_args(argparse.ArgumentParser())
+    parser.add_argument("--prompt")
+    args = parser.parse_args(["--prompt", "x", "--block-size", "16"])
+    assert engine_config_from_args(args, str(model_dir)).cache.block_size == 16
+
+
+# ------------------------------------------------------------------------------------------------
+# resolve_model
+# ------------------------------------------------------------------------------------------------
+def test_resolve_model_directory_and_unknown(model_dir: Path, tmp_path: Path) -> None:
+    assert resolve_model(str(model_dir)) == model_dir
+    with pytest.raises(ConfigError, match="--model: 'no-such-model' is neither"):
+        resolve_model("no-such-model")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="--model"):
+        resolve_model(str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="--model: .*config.json not found"):
+        engine_config_from_args(parse_serve(), str(tmp_path))
+
+
+def test_cache_dir_default_and_override(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(CACHE_DIR_ENV, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert models_cache_dir() == tmp_path / ".cache" / "dsaserve" / "models"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "elsewhere"))
+    assert models_cache_dir() == tmp_path / "elsewhere"
+
+
+def test_preset_is_built_once_into_the_cache(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    from dsaserve.model import make_model as make_model_module
+
+    calls: list[Path] = []
+    real = make_model_module.make_model
+
+    def counting(preset: str, out_dir: Path) -> Path:
+        calls.append(Path(out_dir))
+        return real(preset, out_dir)
+
+    monkeypatch.setattr(make_model_module, "make_model", counting)
+    path = resolve_model("tiny-dsv32")
+    assert path == tmp_path / "tiny-dsv32"
+    assert ModelConfig.from_file(path).model_type == "deepseek_v32"
+    assert (path / "tokenizer.json").is_file()
+    assert resolve_model("tiny-dsv32") == path
+    assert len(calls) == 1 and calls[0].parent == tmp_path and calls[0] != path
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-dsv32"]  # no temp dir left
+
+
+def test_losing_a_build_race_uses_the_winner(monkeypatch, tmp_path: Path) -> None:
+    """Another process renames its build into place while ours runs: ours is discarded."""
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    from dsaserve.model import make_model as make_model_module
+
+    def racing(preset: str, out_dir: Path) -> Path:
+        winner = tmp_path / preset
+        winner.mkdir()
+        (winner / "config.json").write_text(json.dumps(preset_config(preset)))
+        (Path(out_dir) / "config.json").write_text("{}")  # our (different) copy
+        return Path(out_dir)
+
+    monkeypatch.setattr(make_model_module, "make_model", racing)
+    path = resolve_model("tiny-glm5")
+    assert ModelConfig.from_file(path).model_type == "glm_moe_dsa"  # the winner's files
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-glm5"]
+
+
+def test_failed_build_leaves_nothing(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    from dsaserve.model import make_model as make_model_module
+
+    def broken(preset: str, out_dir: Path) -> Path:
+        (Path(out_dir) / "half").write_text("x")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(make_model_module, "make_model", broken)
+    with pytest.raises(OSError, match="disk full"):
+        resolve_model("tiny-glm5")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,160 @@
+"""The engine-core thread: typed messages, admission, shutdown, and what clients see when the engine
+dies mid-flight (an SSE error event then [DONE], a 500, /health 503; nothing hangs)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server_harness import MODEL_NAME, serve, server_engine_config
+
+from dsaserve.core import RequestError, SamplingParams
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError
+
+pytestmark = pytest.mark.server
+
+CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 400, "ignore_eos": True}
+
+
+def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_core_blocks_while_idle(make_async_engine) -> None:
+    """No busy loop: with nothing to do, the core waits on its inbox and never polls the engine."""
+    engine = make_async_engine()
+    calls = 0
+    real = engine._engine.has_unfinished_requests
+
+    def counting() -> bool:
+        nonlocal calls
+        calls += 1
+        return real()
+
+    engine.call_in_core(lambda e: setattr(e, "has_unfinished_requests", counting))
+    engine.call_in_core(lambda e: None)  # one more round trip: the core is now idle
+    before = calls
+    time.sleep(0.3)
+    assert calls == before
+    engine.call_in_core(lambda e: None)  # a message wakes it up
+    assert calls > before
+
+
+def test_admission_rejection_and_shutdown(make_async_engine) -> None:
+    engine = make_async_engine()
+    params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        with pytest.raises(RequestError, match="prompt has 600 tokens; max_model_len is 512"):
+            await engine.add_request("too-long", [5] * 600, params)
+        stream = await engine.add_request("r1", [5, 6, 7], params)
+        with pytest.raises(RequestError, match="already in use"):
+            await engine.add_request("r1", [5, 6, 7], params)
+        first = await anext(aiter(stream))
+        assert len(first.new_token_ids) == 1 and not first.finished
+        await asyncio.to_thread(engine.shutdown)  # stops after the current step
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.add_request("r2", [5, 6, 7], params)
+
+    asyncio.run(scenario())
+    assert not engine.is_alive
+    with pytest.raises(EngineDeadError):
+        engine.call_in_core(lambda e: None)
+
+
+def test_outputs_reach_the_loop_that_added_each_request(make_async_engine) -> None:
+    """Two event loops (two servers on one engine) each get exactly their own requests' outputs."""
+    engine = make_async_engine()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    results: dict[str, list[int]] = {}
+
+    def run_loop(request_id: str, prompt: list[int]) -> None:
+        async def go() -> None:
+            stream = await engine.add_request(request_id, prompt, params)
+            results[request_id] = [t async for out in stream for t in out.new_token_ids]
+
+        asyncio.run(go())
+
+    threads = [threading.Thread(target=run_loop, args=(f"loop{i}", [10 + i, 11, 12]))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    reference = engine.call_in_core(
+        lambda e: e.generate([[10, 11, 12], [11, 11, 12]], params))
+    assert [results["loop0"], results["loop1"]] == reference
+    engine.call_in_core(lambda e: e.check_integrity())
+
+
+@pytest.fixture
+def failing_engine(make_async_engine, tiny_model_dir: Path) -> tuple[AsyncEngine, threading.Event]:
+    """An engine whose step() raises once `fail` is set (a model crash, a device error, ...)."""
+    llm = LLMEngine.from_config(server_engine_config(tiny_model_dir))
+    fail = threading.Event()
+    real_step = llm.step
+
+    def step():
+        if fail.is_set():
+            raise RuntimeError("injected device failure")
+        return real_step()
+
+    llm.step = step
+    return make_async_engine(engine=llm), fail
+
+
+def test_engine_death_fails_in_flight_requests_and_health(failing_engine) -> None:
+    engine, fail = failing_engine
+    with serve(engine) as server, ThreadPoolExecutor(1) as pool:
+        url = f"{server.url}/v1/chat/completions"
+        with httpx.stream("POST", url, json=CHAT | {"stream": True}, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk: admitted
+            blocking = pool.submit(httpx.post, url, json=CHAT, timeout=30)
+            _wait_for(lambda: engine.stats().num_running == 2, "both requests to run")
+            fail.set()
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 500 and "injected device failure" in error["message"]
+        response = blocking.result(timeout=30)
+        assert response.status_code == 500
+        assert "injected device failure" in response.json()["error"]["message"]
+
+        health = httpx.get(f"{server.url}/health")
+        assert health.status_code == 503 and "injected" in health.json()["error"]["message"]
+        late = httpx.post(url, json=CHAT)
+        assert late.status_code == 503
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"])
+        assert e.value.status_code == 503
+
+
+def test_openai_client_raises_on_a_stream_cut_by_engine_death(failing_engine) -> None:
+    engine, fail = failing_engine
+    with serve(engine) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=CHAT["messages"],
+                                                max_tokens=400, stream=True,
+                                                extra_body={"ignore_eos": True})
+        with pytest.raises(openai.APIError, match="injected device failure"):
+            for i, _ in enumerate(stream):
+                if i == 2:
+                    fail.set()

@@ -1,0 +1,167 @@
+"""Pure pieces of the server: stop-string matching and hold-back against brute force, the metric
+tracker against hand-computed histograms, and the response shapes the openai client parses."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import openai.types
+import openai.types.chat
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dsaserve.core import EngineStats, RequestOutput
+from dsaserve.serve.api import Generation, find_stop, held_back
+from dsaserve.serve.async_engine import RequestStream
+from dsaserve.serve.metrics import ServerMetrics
+from dsaserve.serve.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    CompletionChoice,
+    CompletionResponse,
+    DeltaMessage,
+    Usage,
+)
+from dsaserve.tokenizer import Tokenizer
+
+
+def brute_find(text: str, stop: list[str]) -> int:
+    hits = [i for i in range(len(text)) for s in stop if text.startswith(s, i)]
+    return min(hits, default=-1)
+
+
+def brute_held(text: str, stop: list[str]) -> int:
+    return max((k for s in stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+def test_stop_matching_and_hold_back_equal_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 12)))
+        stop = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4)))
+                for _ in range(rng.randint(1, 3))]
+        assert held_back(text, stop) == brute_held(text, stop), (text, stop)
+        assert find_stop(text, stop) == brute_find(text, stop), (text, stop)
+
+
+def test_stop_examples() -> None:
+    assert find_stop("abcSTOPxSTOP", ["STOP", "x"]) == 3  # earliest wins
+    assert find_stop("abc", ["STOP"]) == -1
+    assert held_back("the answer is ST", ["STOP"]) == 2
+    assert held_back("the answer is", ["STOP"]) == 0
+    assert held_back("", ["STOP"]) == 0
+
+
+def run_generation(tok: Tokenizer, text: str, stop: tuple[str, ...], finish_reason: str = "length"
+                   ) -> tuple[list[str], Generation, list[str]]:
+    """Feed `text` one character (one byte-level token) per engine output through a Generation."""
+    ids = [i for ch in text for i in tok.encode(ch)]
+    assert len(ids) == len(text)  # ASCII: one token per character, so stops straddle outputs
+
+    async def go() -> tuple[list[str], Generation, list[str]]:
+        aborted: list[str] = []
+        stream = RequestStream("r", SimpleNamespace(_abort=aborted.append),
+                               asyncio.get_running_loop())
+        for k, t in enumerate(ids):
+            last = k == len(ids) - 1
+            stream.queue.put_nowait(RequestOutput("r", (t,), last, finish_reason if last else None,
+                                                  num_prompt_tokens=3, num_cached_tokens=0,
+                                                  num_output_tokens=k + 1))
+        metrics = ServerMetrics("tiny", lambda: stats())
+        gen = Generation(stream, tok, [5, 6, 7], stop, metrics.track())
+        return [p async for p in gen.deltas()], gen, aborted
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def tok(model_dirs: dict[str, Path]) -> Tokenizer:
+    return Tokenizer.from_pretrained(model_dirs["tiny-glm5"])
+
+
+def test_generation_cuts_a_stop_string_that_straddles_outputs(tok: Tokenizer) -> None:
+    pieces, gen, aborted = run_generation(tok, "the answer is STOP and more", ("STOP", "xyz"))
+    assert "".join(pieces) == "the answer is "
+    assert not any("S" in p for p in pieces)  # the held-back "S", "ST", "STO" never leaked
+    assert gen.finish_reason == "stop" and aborted == ["r"]  # the engine is told to stop
+    assert gen.usage.completion_tokens == len("the answer is STOP")
+
+
+def test_generation_releases_held_text_at_the_end(tok: Tokenizer) -> None:
+    pieces, gen, aborted = run_generation(tok, "ends with ST", ("STOP",))
+    assert "".join(pieces) == "ends with ST" and pieces[-1].endswith("ST")
+    assert gen.finish_reason == "length" and aborted == []
+    pieces, _, _ = run_generation(tok, "no stops at all", ())
+    assert pieces == list("no stops at all")  # one piece per output: nothing delayed
+
+
+def stats(**kw: int) -> EngineStats:
+    base = dict(num_running=0, num_waiting=0, num_free_blocks=10, num_total_blocks=10,
+                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+    return EngineStats(**(base | kw))
+
+
+def samples(m: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    text = m.exposition().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_tracker_records_ttft_itl_e2e_and_counters() -> None:
+    m = ServerMetrics("tiny", lambda: stats())
+    t = m.track(arrival_time=100.0)
+    t.on_tokens(1, now=100.25)  # TTFT 0.25
+    t.on_tokens(0, now=100.3)  # a chunk with no token: nothing
+    t.on_tokens(1, now=100.3)  # ITL 0.05
+    t.on_tokens(2, now=100.5)  # ITL 0.2 (two tokens in one output, e.g. speculative decoding)
+    t.on_finish("length", num_prompt_tokens=7, now=101.0)
+    t.on_finish("abort", num_prompt_tokens=7, now=102.0)  # once only
+    s = samples(m)
+    lab = (("model_name", "tiny"),)
+    assert s[("vllm:time_to_first_token_seconds_count", lab)] == 1
+    assert abs(s[("vllm:time_to_first_token_seconds_sum", lab)] - 0.25) < 1e-9
+    assert s[("vllm:inter_token_latency_seconds_count", lab)] == 2
+    assert abs(s[("vllm:inter_token_latency_seconds_sum", lab)] - 0.25) < 1e-9
+    assert s[("vllm:e2e_request_latency_seconds_count", lab)] == 1
+    assert abs(s[("vllm:e2e_request_latency_seconds_sum", lab)] - 1.0) < 1e-9
+    assert s[("vllm:generation_tokens_total", lab)] == 4
+    assert s[("vllm:prompt_tokens_total", lab)] == 7
+    success = (("finished_reason", "length"), ("model_name", "tiny"))
+    assert s[("vllm:request_success_total", success)] == 1
+    assert ("vllm:request_success_total", (("finished_reason", "abort"), lab[0])) not in s
+
+
+def test_engine_stats_are_read_at_scrape_time() -> None:
+    current = [stats()]
+    m = ServerMetrics("tiny", lambda: current[0])
+    lab = (("model_name", "tiny"),)
+    assert samples(m)[("vllm:kv_cache_usage_perc", lab)] == 0.0
+    current[0] = stats(num_running=3, num_waiting=2, num_free_blocks=4, prefix_cache_queries=96,
+                       prefix_cache_hits=64, num_preemptions=1)
+    s = samples(m)
+    assert s[("vllm:num_requests_running", lab)] == 3
+    assert s[("vllm:num_requests_waiting", lab)] == 2
+    assert abs(s[("vllm:kv_cache_usage_perc", lab)] - 0.6) < 1e-9
+    assert s[("vllm:prefix_cache_queries_total", lab)] == 96
+    assert s[("vllm:prefix_cache_hits_total", lab)] == 64
+    assert s[("vllm:num_preemptions_total", lab)] == 1
+    # Each app has its own registry: a second one starts from zero.
+    assert samples(ServerMetrics("other", lambda: stats()))[
+        ("vllm:num_requests_running", (("model_name", "other"),))] == 0
+
+
+def test_response_shapes_parse_as_openai_types() -> None:
+    usage = Usage.of(prompt_tokens=10, completion_tokens=3, cached_tokens=8)
+    chunk = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[ChatChunkChoice(
+        delta=DeltaMessage(content="hi"))], usage=usage)
+    parsed = openai.types.chat.ChatCompletionChunk.model_validate_json(chunk.model_dump_json())
+    assert parsed.choices[0].delta.content == "hi"
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 8
+    assert parsed.usage.total_tokens == 13
+    completion = CompletionResponse(id="cmpl-1", model="m", choices=[CompletionChoice(
+        text="x", finish_reason="stop")])
+    parsed_c = openai.types.Completion.model_validate_json(completion.model_dump_json())
+    assert parsed_c.choices[0].text == "x" and parsed_c.choices[0].finish_reason == "stop"

@@ -1,0 +1,355 @@
+"""`dsaserve plan`: DESIGN.md §2 numbers from the GLM-5.3 config, references, CLI behaviour."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+from dsaserve.model.presets import preset_config
+from dsaserve.plan import cli
+from dsaserve.plan import costmodel as cm
+from dsaserve.plan.hardware import GIB, MIB, gpu_spec
+
+if TYPE_CHECKING:
+    import torch
+
+N_1M = 1_048_576
+
+
+@pytest.fixture(scope="module")
+def glm() -> ModelConfig:
+    return ModelConfig.from_hf(preset_config("glm-5.3"))
+
+
+def _layout(
+    tp: int = 1, pcp: int = 1, dcp: int = 1, dp: int = 1, ep: bool = False
+) -> ParallelConfig:
+    return ParallelConfig(
+        tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+        decode_context_parallel_size=dcp, data_parallel_size=dp, enable_expert_parallel=ep,
+    )
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    rc = cli.main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    rc, out, err = _run([*argv, "--json"], capsys)
+    assert rc == 0, err
+    return json.loads(out)
+
+
+# ---- KV bytes and request memory --------------------------------------------------------------
+def test_kv_bytes_per_token_glm53(glm: ModelConfig) -> None:
+    fp8 = cm.kv_bytes_per_token(glm, "fp8_ds_mla")
+    assert (fp8.mla_row, fp8.indexer_key) == (656, 132)
+    assert (fp8.num_layers, fp8.num_indexer_layers, fp8.num_mtp_layers) == (78, 21, 1)
+    assert (fp8.mla, fp8.indexer, fp8.mtp) == (78 * 656, 21 * 132, 656 + 132)
+    assert fp8.total == 54_728
+    bf16 = cm.kv_bytes_per_token(glm, "bf16")
+    assert (bf16.mla_row, bf16.indexer_key) == (576 * 2, 128 * 2)
+    assert bf16.total == 78 * 1152 + 21 * 256 + 1152 + 256
+
+
+def test_one_million_token_request(glm: ModelConfig) -> None:
+    kv = cm.kv_bytes_per_token(glm, "fp8_ds_mla")
+    whole = cm.request_kv_bytes_per_gpu(kv, N_1M, dcp=1)
+    assert whole == 54_728 * MIB
+    assert round(whole / GIB, 1) == 53.4
+    per_gpu = cm.request_kv_bytes_per_gpu(kv, N_1M, dcp=8)
+    assert per_gpu * 8 == whole and round(per_gpu / GIB, 1) == 6.7
+    # an odd context: the owner of the most tokens holds ceil(N / 8) of them
+    assert cm.request_kv_bytes_per_gpu(kv, 17, dcp=8) == 3 * 54_728
+
+
+def test_max_context_per_layout(glm: ModelConfig) -> None:
+    kv = cm.kv_bytes_per_token(glm, "fp8_ds_mla")
+    room = 15 * GIB
+    assert cm.max_context_tokens(room, kv, dcp=1) == room // 54_728
+    assert cm.max_context_tokens(room, kv, dcp=8) == 8 * (room // 54_728)
+    assert cm.max_context_tokens(-1, kv, dcp=8) == 0
+    fits = cm.max_context_tokens(room, kv, dcp=8)
+    assert cm.request_kv_bytes_per_gpu(kv, fits, 8) <= room
+    assert cm.request_kv_bytes_per_gpu(kv, fits + 8, 8) > room
+
+
+# ---- sparse MLA roofline ----------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("heads", "nbytes", "flops", "mb", "intensity"),
+    [(8, 1_369_088, 35_651_584, 1.37, 26), (64, 1_490_944, 285_212_672, 1.49, 191)],
+)
+def test_sparse_mla_intensity(
+    glm: ModelConfig, heads: int, nbytes: int, flops: int, mb: float, intensity: int
+) -> None:
+    c = cm.sparse_mla_cost(glm, "fp8_ds_mla", heads)
+    assert c.kv_bytes == 2048 * 660 and round(c.kv_bytes / 1e6, 2) == 1.35
+    assert c.flops_per_row_head == 2 * 576 + 2 * 512 == 2176
+    assert (c.bytes, c.flops) == (nbytes, flops)
+    assert round(c.bytes / 1e6, 2) == mb
+    assert round(c.intensity) == intensity
+
+
+def test_ridge_points() -> None:
+    assert round(gpu_spec("h200").ridge_flop_per_byte) == 206
+    assert gpu_spec("H100").ridge_flop_per_byte == pytest.approx(989 / 3.35)
+    assert gpu_spec("b200").ridge_flop_per_byte == pytest.approx(2250 / 8)
+    with pytest.raises(ConfigError, match="--gpu"):
+        gpu_spec("a100")
+
+
+# ---- prefill FLOPs and the crossover ----------------------------------------------------------
+def _reference_crossover(model: ModelConfig, tp: int, pcp: int, limit: int) -> int:
+    """Sum per-query FLOPs position by position (no closed forms) and find the first crossing."""
+    p = np.arange(limit, dtype=np.float64)  # [limit] query positions
+    idx = np.cumsum((p + 1) * 2 * 32 * (128 + 1) * 21 / pcp)
+    mla = np.cumsum(np.minimum(p + 1, 2048) * 2176 * (64 // tp) * 78 / pcp)
+    return int(np.argmax(idx >= mla)) + 1
+
+
+@pytest.mark.parametrize(("tp", "pcp", "approx"), [(8, 1, 32_000), (1, 8, 256_000)])
+def test_crossover_tp8_vs_pcp8(glm: ModelConfig, tp: int, pcp: int, approx: int) -> None:
+    f = cm.prefill_flops(glm, _layout(tp=tp, pcp=pcp, dcp=pcp))
+    assert f.indexer_per_key == 2 * 32 * 129 * 21 / pcp
+    assert f.crossover == _reference_crossover(glm, tp, pcp, limit=300_000)
+    assert f.indexer(f.crossover) >= f.mla(f.crossover)
+    assert f.indexer(f.crossover - 1) < f.mla(f.crossover - 1)
+    # DESIGN.md's "≈32K at TP8, ≈256K at PCP8" is the asymptotic form 2·K·b/a.
+    assert abs(f.asymptotic_crossover - approx) < 0.01 * approx
+    assert abs(f.crossover - approx) < 0.04 * approx
+
+
+def test_crossover_depends_on_tp_only(glm: ModelConfig) -> None:
+    """PCP divides both curves; TP divides only MLA (the indexer is replicated)."""
+    base = cm.prefill_flops(glm, _layout()).crossover
+    assert cm.prefill_flops(glm, _layout(pcp=8, dcp=8)).crossover == base
+    assert cm.prefill_flops(glm, _layout(pcp=4, dcp=1, dp=2)).crossover == base
+    assert cm.prefill_flops(glm, _layout(tp=8)).crossover < base // 7
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def _checkpoint_bytes_fp8(model: torch.nn.Module) -> int:
+    """FP8 checkpoint bytes of an HF model by MODEL_SPEC.md §1.3's naming rule: norms, router,
+    embedding, lm_head and weights_proj stay bf16; other matrices are e4m3 + fp32 block scales."""
+    keep_bf16 = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "weights_proj")
+    total = 0
+    for name, p in model.named_parameters():
+        shapes = [tuple(p.shape)]
+        if p.dim() == 3:  # HF fuses experts: [E, out, in]; checkpoints store one matrix each
+            e, rows, cols = p.shape
+            n = 2 if name.endswith("gate_up_proj") else 1
+            shapes = [(rows // n, cols)] * (e * n)
+        for shape in shapes:
+            if len(shape) == 1 or any(k in name for k in keep_bf16):
+                total += 2 * math.prod(shape)
+            else:
+                rows, cols = shape
+                total += rows * cols + 4 * math.ceil(rows / 128) * math.ceil(cols / 128)
+    return total
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+def test_weights_match_transformers(preset: str) -> None:
+    """HF drops the MTP layer, so compare without it; the fp32 router bias is an HF buffer."""
+    transformers = pytest.importorskip("transformers")
+    raw = preset_config(preset)
+    raw["num_nextn_predict_layers"] = 0
+    cls = {"tiny-glm5": "GlmMoeDsa", "tiny-dsv32": "DeepseekV32"}[preset]
+    hf_cfg = getattr(transformers, f"{cls}Config")(
+        **{k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
+    )
+    model = getattr(transformers, f"{cls}ForCausalLM")(hf_cfg)
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    ours = cm.weight_bytes(ModelConfig.from_hf(raw), "fp8")
+    assert ours.num_params == sum(p.numel() for p in model.parameters()) + bias
+    assert ours.total == _checkpoint_bytes_fp8(model) + 4 * bias
+
+
+def test_param_count_matches_published_totals() -> None:
+    # GLM-5 (indexer on every layer, MTP excluded) is published as 744B parameters.
+    raw = preset_config("glm-5.3")
+    raw.pop("indexer_types")
+    raw.update(index_topk_freq=1, num_nextn_predict_layers=0)
+    assert round(cm.weight_bytes(ModelConfig.from_hf(raw)).num_params / 1e9) == 744
+    # DeepSeek-V3.2 is published as 685B with the MTP layer and its embedding/head copies.
+    ds = ModelConfig.from_hf(preset_config("deepseek-v3.2"))
+    copies = 2 * ds.vocab_size * ds.hidden_size
+    assert round((cm.weight_bytes(ds).num_params + copies) / 1e9) == 685
+
+
+def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
+    fp8, bf16 = cm.weight_bytes(glm, "fp8"), cm.weight_bytes(glm, "bf16")
+    assert fp8.num_params == bf16.num_params
+    moe_layers = sum(glm.is_moe_layer(i) for i in range(79))
+    # bf16: 2 B per value, except the fp32 router bias (4 B)
+    assert bf16.total == 2 * bf16.num_params + 2 * moe_layers * glm.n_routed_experts
+    # fp8 experts: 1 B per value + one fp32 scale per 128×128 block (2048×6144 → 16×48 blocks)
+    assert fp8.routed_experts == moe_layers * 256 * 3 * (2048 * 6144 + 4 * 16 * 48)
+    w = fp8
+    assert cm.weight_bytes_per_gpu(w, _layout(pcp=8, dcp=8, ep=True)) == (
+        w.replicated + w.tp_sharded + w.routed_experts // 8)
+    assert cm.weight_bytes_per_gpu(w, _layout(tp=8)) == (
+        w.replicated + -(-w.tp_sharded // 8) + w.routed_experts // 8)
+    assert cm.weight_bytes_per_gpu(w, _layout(dp=8, ep=True)) == (
+        w.replicated + w.tp_sharded + w.routed_experts // 8)
+    assert cm.weight_bytes_per_gpu(w, _layout(pcp=8, dcp=8)) == w.total  # PCP replicates
+
+
+# ---- DCP gather and HiSparse ------------------------------------------------------------------
+def test_dcp_gather_bytes(glm: ModelConfig) -> None:
+    kv = cm.kv_bytes_per_token(glm, "fp8_ds_mla")
+    g = cm.dcp_gather_cost(kv, N_1M, dcp=8, link_gbps=450)
+    assert g.mla_layer_bytes == 7 * (N_1M // 8) * 656
+    assert g.indexer_layer_bytes == 7 * (N_1M // 8) * 132
+    assert g.step_bytes == 79 * g.mla_layer_bytes + 22 * g.indexer_layer_bytes
+    assert g.mla_layer_seconds == pytest.approx(g.mla_layer_bytes / 450e9)
+    assert cm.dcp_gather_cost(kv, N_1M, dcp=1, link_gbps=450).step_bytes == 0
+
+
+def test_hisparse_concurrency(glm: ModelConfig) -> None:
+    kv = cm.kv_bytes_per_token(glm, "fp8_ds_mla")
+    ctx, room = 131_072, 18 * GIB
+    h = cm.hisparse_concurrency(kv, ctx, room, host_pool_bytes=48 * GIB, hot_rows=10_240)
+    assert h.host_bytes == ctx * 79 * 656
+    assert h.gpu_bytes_hisparse == ctx * 22 * 132 + (10_240 + 128) * 79 * 656
+    assert (h.by_host, h.by_hbm_full) == (48 * GIB // h.host_bytes, room // (ctx * 54_728))
+    assert (h.by_host, h.by_hbm_hisparse, h.by_hbm_full) == (7, 21, 2)
+    assert h.hisparse == 7 and h.bound == "host memory"
+    big = cm.hisparse_concurrency(kv, ctx, room, host_pool_bytes=512 * GIB, hot_rows=10_240)
+    assert big.hisparse == big.by_hbm_hisparse == 21 and big.bound == "HBM"
+
+
+# ---- the CLI ----------------------------------------------------------------------------------
+PCP8 = ["--model", "glm-5.3", "--gpu", "h200", "--pcp", "8", "--dcp", "8", "--ep"]
+TP8 = ["--model", "glm-5.3", "--gpu", "h200", "--tp", "8", "--ep"]
+
+
+def test_cli_json_reference_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    p = _json(PCP8, capsys)
+    assert p["kv"]["total"] == {"fp8_ds_mla": 54_728, "bf16": 96_640}
+    assert p["inputs"]["context"] == N_1M and p["inputs"]["num_gpus"] == 8
+    assert p["memory"]["request_kv"] == 54_728 * MIB
+    assert p["memory"]["request_kv_per_gpu"] == 54_728 * MIB // 8
+    assert p["memory"]["kv_room"] == (
+        int(141 * GIB * 0.9) - p["memory"]["weights_per_gpu"] - 4 * GIB)
+    assert p["memory"]["max_context"] == p["memory"]["kv_room"] // 54_728 * 8
+    assert (p["sparse_mla"]["heads_per_gpu"], p["sparse_mla"]["bytes"]) == (64, 1_490_944)
+    assert round(p["sparse_mla"]["intensity"]) == 191 and round(p["sparse_mla"]["ridge"]) == 206
+    assert p["prefill"]["crossover"] == 255_600
+    assert p["dcp"]["mla_layer"]["bytes"] == 7 * 131_072 * 656
+    t = _json(TP8, capsys)
+    assert (t["sparse_mla"]["heads_per_gpu"], t["sparse_mla"]["bytes"]) == (8, 1_369_088)
+    assert round(t["sparse_mla"]["intensity"]) == 26
+    assert t["prefill"]["crossover"] == 31_020
+    assert t["memory"]["request_kv_per_gpu"] == 54_728 * MIB and t["dcp"]["step"]["bytes"] == 0
+
+
+def test_cli_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(preset_config("glm-5.3")))
+    for model in (str(path), str(tmp_path)):  # the file or its directory
+        p = _json(["--model", model, "--tp", "8"], capsys)
+        assert p["kv"]["total"]["fp8_ds_mla"] == 54_728 and p["prefill"]["crossover"] == 31_020
+    # DeepSeek-V3.2 keeps an indexer on every layer: 61·656 + 61·132 + 788
+    path.write_text(json.dumps(preset_config("deepseek-v3.2")))
+    p = _json(["--model", str(path)], capsys)
+    assert p["kv"]["total"]["fp8_ds_mla"] == 61 * 788 + 788
+    assert p["inputs"]["context"] == 163_840
+
+
+def test_cli_table_lines_are_documented_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, table, _ = _run(PCP8, capsys)
+    assert rc == 0
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for line in table.splitlines()[1:]:
+        label = line[2: 2 + cli._LABEL_WIDTH].strip() if line.startswith("  ") else line
+        assert label in help_text, f"undocumented output line {label!r}"
+    assert "54,728 B" in table and "53.45 GiB (54,728 MiB)" in table and "6.68 GiB" in table
+
+
+def test_cli_hardware_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    base = _json(PCP8, capsys)
+    p = _json([*PCP8, "--hbm-gib", "100", "--link-gbps", "900", "--hbm-tbps", "9.6"], capsys)
+    assert p["inputs"]["gpu"]["hbm_bytes"] == 100 * GIB
+    usable_drop = int(141 * GIB * 0.9) - int(100 * GIB * 0.9)
+    assert p["memory"]["kv_room"] == base["memory"]["kv_room"] - usable_drop
+    assert p["dcp"]["step"]["seconds"] == pytest.approx(base["dcp"]["step"]["seconds"] / 2)
+    assert p["sparse_mla"]["ridge"] == pytest.approx(base["sparse_mla"]["ridge"] / 2)
+    q = _json([*PCP8, "--fp8-tflops", "1000", "--bf16-tflops", "500"], capsys)["prefill"]
+    assert q["indexer_at_context"]["flops"] == base["prefill"]["indexer_at_context"]["flops"]
+    idx, mla = q["indexer_at_context"], q["mla_at_context"]
+    assert idx["seconds"] == pytest.approx(idx["flops"] / 1e15)
+    assert mla["seconds"] == pytest.approx(mla["flops"] / 5e14)
+
+
+def test_cli_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-5.3 FP8 needs 105 GiB per GPU under EP8 without TP: more than an H100 has."""
+    p = _json(["--gpu", "h100", "--pcp", "8", "--dcp", "8", "--ep"], capsys)
+    assert p["memory"]["kv_room"] < 0
+    assert p["memory"]["max_context"] == p["memory"]["requests_per_gpu"] == 0
+    assert p["hisparse"]["concurrency"] == p["hisparse"]["by_hbm_full"] == 0
+    rc, table, _ = _run(["--gpu", "h100", "--pcp", "8", "--dcp", "8", "--ep"], capsys)
+    assert rc == 0 and "the weights do not fit" in table
+
+
+def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "flops.png"
+    rc, _, err = _run([*TP8, "--plot", str(out)], capsys)
+    assert rc == 0, err
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rc, _, err = _run([*TP8, "--plot", str(tmp_path / "missing" / "x.png")], capsys)
+    assert rc == 2 and "--plot" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--pcp", "0"], "--pcp"), (["--gpu", "a100"], "--gpu"), (["--context", "-5"], "--context"),
+     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")],
+)
+def test_cli_bad_flags_exit_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [(["--model", "/nonexistent/config.json"], "--model"), (["--pcp", "8", "--dcp", "3"], "--dcp"),
+     (["--tp", "3"], "--tp")],
+)
+def test_cli_bad_values_return_2_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc, out, err = _run(argv, capsys)
+    assert rc == 2 and out == "" and err.startswith("dsaserve plan: error: " + flag)
+
+
+def test_add_parser_wires_run() -> None:
+    parser = argparse.ArgumentParser(prog="dsaserve")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--tp", "8", "--json"])
+    assert args.func is cli.run and args.tp == 8 and args.json
+
+
+def test_module_entry_point() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsaserve.plan.cli", *TP8, "--json"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    assert json.loads(proc.stdout)["prefill"]["crossover"] == 31_020
