@@ -18,6 +18,7 @@ from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
+from dsaserve.parallel.groups import ParallelGroups
 
 logger = logging.getLogger(__name__)
 
@@ -57,14 +58,19 @@ class _ReqState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, *, dcp_rank: int = 0) -> None:
+    """One rank's runner. `groups` are this rank's process groups (single-rank when None); `device`
+    overrides config.device (each worker process passes its own GPU)."""
+
+    def __init__(self, config: EngineConfig, *, groups: ParallelGroups | None = None,
+                 device: torch.device | str | None = None) -> None:
         self.config = config
         self.model_cfg = config.model
-        self.device = torch.device(config.device)
+        self.groups = groups or ParallelGroups.single()
+        self.device = torch.device(device if device is not None else config.device)
         self.dtype = resolve_dtype(config.dtype, config.model)
         self.block_size = config.cache.block_size
-        self.dcp_size = config.parallel.decode_context_parallel_size
-        self.dcp_rank = dcp_rank
+        self.dcp_size = self.groups.dcp.size
+        self.dcp_rank = self.groups.dcp.rank_in_group
         self.interleave = config.parallel.cp_kv_cache_interleave_size
         torch.manual_seed(config.seed)
         path = Path(config.model_path)
