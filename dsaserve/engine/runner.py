@@ -13,12 +13,14 @@ from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from dsaserve.engine.sampler import make_generator, sample
 from dsaserve.kernels import formats
-from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
+from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
+from dsaserve.parallel.tp import shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +82,8 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         load_weights(self.model, path, self.model_cfg, self.dtype)
+        if self.groups.world_size > 1:
+            shard_model(self.model, self.groups, config.parallel)
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
         self.requests: dict[str, _ReqState] = {}
@@ -156,8 +160,11 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         input_ids, meta, _ = self._prepare(req_ids, so.num_scheduled_tokens)
         logits = self.model.compute_logits(self.model(input_ids, meta, self.caches))
-        return {rid: logits[meta.query_range(r)[0] : meta.query_range(r)[1]]
-                for r, rid in enumerate(req_ids)}
+        out, start = {}, 0  # the model returns every row of the global batch, in order
+        for rid in req_ids:
+            out[rid] = logits[start : start + so.num_scheduled_tokens[rid]]
+            start += so.num_scheduled_tokens[rid]
+        return out
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
@@ -201,14 +208,33 @@ class ModelRunner:
         dev = self.device
         pos_t = torch.tensor(positions, dtype=torch.int64)
         req_t = torch.tensor(req_index, dtype=torch.int64)
+        tok_t = torch.tensor(tokens, dtype=torch.int64)
         slots = layout.slot_mapping(pos_t, req_t, table, self.block_size, self.dcp_size,
                                     self.dcp_rank, self.interleave)
-        force_mqa = self.config.attention.sparse_mla_force_mqa
+        # The dense path reads a request's whole context from the local cache: only without DCP.
+        use_dense = (not self.config.attention.sparse_mla_force_mqa and self.dcp_size == 1
+                     and max(seq_lens) <= self.model_cfg.index_topk)
+        pcp_meta = None
+        if self.groups.pcp.size > 1:
+            # This rank computes only its share of the rows (replicated requests: all of them).
+            query_lens = [qsl[r + 1] - qsl[r] for r in range(len(req_ids))]
+            part = pcp.partition(query_lens, self.groups.pcp.size)
+            local = part.local_index_tensor(self.groups.pcp.rank_in_group)
+            counts = torch.bincount(req_t[local], minlength=len(req_ids)).tolist()
+            qsl = [0]
+            for c in counts:
+                qsl.append(qsl[-1] + c)
+            pcp_meta = PcpMetadata(
+                local_index=local.to(dev), restore_index=part.restore_index.to(dev),
+                padded_len=part.padded_len, write_slots=slots.to(dev),
+                replicated=part.replicated,
+            )
+            tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
         meta = AttentionMetadata(
             positions=pos_t.to(dev), req_indices=req_t.to(dev), slot_mapping=slots.to(dev),
             block_table=table.to(dev), query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens),
-            block_size=self.block_size,
-            use_dense=not force_mqa and max(seq_lens) <= self.model_cfg.index_topk,
+            block_size=self.block_size, use_dense=use_dense,
             dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, interleave=self.interleave,
+            pcp=pcp_meta,
         )
-        return torch.tensor(tokens, dtype=torch.int64, device=dev), meta, last_rows
+        return tok_t.to(dev), meta, last_rows

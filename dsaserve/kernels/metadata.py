@@ -16,6 +16,20 @@ import torch
 
 
 @dataclass(frozen=True)
+class PcpMetadata:
+    """Prefill context parallelism: this rank computes only some rows of the global batch.
+
+    New KV rows are all-gathered (rank-major, each rank padded to `padded_len` rows) and restored
+    to the global order, then written at `write_slots` (the owner's slots of every global token)."""
+
+    local_index: torch.Tensor  # [n_local] global token index of each local row
+    restore_index: torch.Tensor  # [N_global] row of the gathered [pcp·padded_len] layout
+    padded_len: int
+    write_slots: torch.Tensor  # [N_global] int64 slots (−1: not owned by this rank)
+    replicated: tuple[bool, ...]  # per request: computed by every rank (decode, short prefill)
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     positions: torch.Tensor  # [N] int64, true token positions
     req_indices: torch.Tensor  # [N] int64, row of block_table for each token
@@ -28,6 +42,37 @@ class AttentionMetadata:
     dcp_size: int = 1
     dcp_rank: int = 0
     interleave: int = 1
+    pcp: PcpMetadata | None = None  # None: this rank computes every row of the batch
+
+    def shared_requests(self) -> tuple[bool, ...]:
+        """Per request: are its rows identical on every rank of the DCP group (so partial results
+        can be merged across the group)? Always without PCP (the group shares the batch)."""
+        if self.pcp is None:
+            return (True,) * self.num_reqs
+        return self.pcp.replicated
+
+    def select(self, requests: list[int]) -> tuple[AttentionMetadata, torch.Tensor]:
+        """Metadata restricted to some requests, and the rows [n_sel] it keeps (index into ours)."""
+        rows = [torch.arange(*self.query_range(r)) for r in requests]
+        row_index = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+        qsl = [0]
+        for r in requests:
+            qsl.append(qsl[-1] + self.query_range(r)[1] - self.query_range(r)[0])
+        dev = self.positions.device
+        idx = row_index.to(dev)
+        sub = AttentionMetadata(
+            positions=self.positions[idx],
+            req_indices=torch.repeat_interleave(
+                torch.arange(len(requests), device=dev),
+                torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(requests))], device=dev)),
+            slot_mapping=self.slot_mapping[idx] if self.slot_mapping.numel() else self.slot_mapping,
+            block_table=self.block_table[torch.tensor(requests, dtype=torch.int64, device=dev)],
+            query_start_loc=tuple(qsl),
+            seq_lens=tuple(self.seq_lens[r] for r in requests),
+            block_size=self.block_size, use_dense=self.use_dense, dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank, interleave=self.interleave, pcp=None,
+        )
+        return sub, idx
 
     @property
     def num_reqs(self) -> int:

@@ -33,9 +33,11 @@ class AttentionBackend(Protocol):
         """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] in q's dtype, lse [T, H] fp32."""
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
-                     meta: AttentionMetadata, topk: int) -> torch.Tensor:
-        """q [T, Hi, D], weights [T, Hi] (all scales folded in) → [T, topk] int32 request-local
-        token positions of the best keys visible to each query (−1 padded)."""
+                     meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hi, D], weights [T, Hi] (all scales folded in) → (scores [T, topk] fp32,
+        positions [T, topk] int32): the best keys *this rank stores* that each query may see, as
+        request-local token positions, best first, padded with (−inf, −1). Without DCP that is the
+        answer; under DCP the callers merge every rank's candidates."""
 
 
 class ReferenceBackend:
@@ -57,6 +59,7 @@ class ReferenceBackend:
         return o.to(q.dtype), lse
 
     def indexer_topk(self, q, weights, index_cache, meta, topk):
+        scores = torch.full((q.shape[0], topk), float("-inf"), device=q.device)
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
         head_dim = q.shape[-1]
         for r in range(meta.num_reqs):
@@ -68,7 +71,9 @@ class ReferenceBackend:
                 meta.seq_lens[r], meta.block_table[r], meta.block_size,
                 meta.dcp_size, meta.dcp_rank, meta.interleave,
             )
-            key_slots = key_slots.to(index_cache.device)
+            if key_pos.numel() == 0:  # this DCP rank stores none of the request's tokens yet
+                continue
+            key_slots, key_pos = key_slots.to(index_cache.device), key_pos.to(q.device)
             keys, key_scales = formats.read_index_cache(index_cache, key_slots, head_dim=head_dim)
             if key_scales is None:
                 logits = reference.indexer_logits(q[start:end].float(), weights[start:end], keys)
@@ -77,12 +82,13 @@ class ReferenceBackend:
                 logits = reference.indexer_logits_fp8(q8, q_scale, weights[start:end], keys,
                                                       key_scales)
             # Key j is eligible for query t iff its position is ≤ t's position.
-            limits = torch.searchsorted(key_pos.to(q.device), meta.positions[start:end],
-                                        right=True)
+            limits = torch.searchsorted(key_pos, meta.positions[start:end], right=True)
             local = reference.topk_causal(logits, limits, topk)  # [n, topk] indices into keys
-            pos = key_pos.to(q.device)[local.clamp(min=0).long()]
-            out[start:end] = torch.where(local >= 0, pos, -1).to(torch.int32)
-        return out
+            found = local >= 0
+            safe = local.clamp(min=0).long()
+            scores[start:end] = torch.where(found, logits.gather(1, safe), float("-inf"))
+            out[start:end] = torch.where(found, key_pos[safe], -1).to(torch.int32)
+        return scores, out
 
 
 _REGISTRY: dict[str, Callable[[], AttentionBackend]] = {"reference": ReferenceBackend}

@@ -28,6 +28,8 @@ from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend
 from dsaserve.kv import layout
 from dsaserve.model.rope import RotaryTable, apply_rope
+from dsaserve.parallel import cp_attention, ep
+from dsaserve.parallel.groups import Group, ParallelGroups
 
 
 @dataclass
@@ -127,6 +129,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim))
         self.o_proj = _linear(self.num_heads * self.v_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
+        # Set by dsaserve.parallel.tp.shard_model when the engine has several ranks.
+        self.groups = ParallelGroups.single()
+        self.comm_backend = "ag_rs"
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj viewed per head: W_UK [H, nope, L], W_UV [H, v, L]."""
@@ -135,50 +140,99 @@ class MLAAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,  # [N, hidden], normalised
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [N, rope/2]
+        x: torch.Tensor,  # [n, hidden], normalised (this rank's rows)
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [n, rope/2]
         meta: AttentionMetadata,
         cache: LayerCache,
         backend: AttentionBackend,
-        prev_topk: torch.Tensor | None,  # [N, topk] from the previous full layer
+        prev_topk: torch.Tensor | None,  # [n, topk] from the previous full layer
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = x.shape[0]
         cos, sin = rope
-        # 1. projections
-        qr = self.q_a_layernorm(self.q_a_proj(x))  # [N, q_lora]
+        # 1. projections (this rank's heads under TP; the latent and the indexer are replicated)
+        qr = self.q_a_layernorm(self.q_a_proj(x))  # [n, q_lora]
         q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], apply_rope(q[..., self.nope :], cos, sin, True)
-        kv = self.kv_a_proj_with_mqa(x)  # [N, L+R]
-        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [N, L]
-        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [N, R]
+        kv = self.kv_a_proj_with_mqa(x)  # [n, L+R]
+        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [n, L]
+        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [n, R]
+        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [n, D]
 
-        # 2. cache writes (all ranks compute; the slot mapping is −1 where this rank is not owner)
-        backend.write_kv(cache.kv, meta.slot_mapping, c, k_pe)
-        if self.indexer is not None:
-            backend.write_index_k(cache.index, meta.slot_mapping, self.indexer.keys(x, cos, sin))
+        # 2. cache writes: all ranks compute, the owner writes (PCP: gather every rank's rows first)
+        slots = meta.slot_mapping
+        if meta.pcp is not None:
+            pcp = self.groups.pcp
+            c, k_pe = cp_attention.gather_new_rows(c, meta, pcp), \
+                cp_attention.gather_new_rows(k_pe, meta, pcp)
+            if idx_k is not None:
+                idx_k = cp_attention.gather_new_rows(idx_k, meta, pcp)
+            slots = meta.pcp.write_slots
+        backend.write_kv(cache.kv, slots, c, k_pe)
+        if idx_k is not None:
+            backend.write_index_k(cache.index, slots, idx_k)
 
-        # 3. attention
+        # 3. attention → o [n, heads of this rank, v]
         w_uk, w_uv = self._w_uk_uv()
-        topk = prev_topk
         if meta.use_dense:
-            o = self._dense_attention(q_nope, q_pe, meta, cache, w_uk, w_uv)  # [N, H, v]
+            o, topk = self._dense_attention(q_nope, q_pe, meta, cache, w_uk, w_uv), prev_topk
         else:
+            q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)  # [n, H, L] absorbed query
+            q_full = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)  # [n, H, L+R]
             if self.indexer is not None:
-                iq = self.indexer.queries(qr, cos, sin)
-                topk = backend.indexer_topk(iq, self.indexer.weights(x), cache.index, meta,
-                                            self.cfg.index_topk)
-            if topk is None:
-                raise RuntimeError(f"layer {self.layer_idx}: a shared layer needs earlier top-k")
-            q_lat = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)  # [N, H, L] absorbed query
-            q_full = torch.cat((q_lat, q_pe.to(q_lat.dtype)), dim=-1)  # [N, H, L+R]
-            slot_indices = layout.logical_to_slots(
-                topk, meta.req_indices, meta.block_table, meta.block_size,
-                meta.dcp_size, meta.dcp_rank, meta.interleave,
-            )  # [N, topk]
-            o_lat, _lse = backend.sparse_mla(q_full, cache.kv, slot_indices, self.scale,
-                                             self.kv_lora_rank)  # [N, H, L]
-            o = torch.einsum("nhl,hvl->nhv", o_lat.to(w_uv.dtype), w_uv)  # [N, H, v]
-        return self.o_proj(o.reshape(n, self.num_heads * self.v_dim)), topk
+                q_idx, w_idx = self.indexer.queries(qr, cos, sin), self.indexer.weights(x)
+            else:
+                q_idx = w_idx = None
+            if meta.dcp_size > 1:
+                o_lat, topk = self._context_parallel(q_full, q_idx, w_idx, prev_topk, meta, cache,
+                                                     backend)
+            else:
+                topk = prev_topk
+                if q_idx is not None:
+                    _, topk = backend.indexer_topk(q_idx, w_idx, cache.index, meta,
+                                                   self.cfg.index_topk)
+                if topk is None:
+                    raise RuntimeError(f"layer {self.layer_idx}: a shared layer needs earlier top-k")
+                slot_indices = layout.logical_to_slots(topk, meta.req_indices, meta.block_table,
+                                                       meta.block_size)  # [n, topk]
+                o_lat, _lse = backend.sparse_mla(q_full, cache.kv, slot_indices, self.scale,
+                                                 self.kv_lora_rank)  # [n, H, L]
+            o = torch.einsum("nhl,hvl->nhv", o_lat.to(w_uv.dtype), w_uv)  # [n, H, v]
+        out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
+        return self.groups.tp.all_reduce(out), topk
+
+    def _context_parallel(self, q_full, q_idx, w_idx, prev_topk, meta, cache, backend):
+        """DCP: shared rows merge partial results over the group; PCP-split rows attend over a
+        temporary full copy of their context (parallel/cp_attention.py)."""
+        dcp = self.groups.dcp
+        # DCP over the TP ranks (no PCP): the group's ranks hold different heads of one query.
+        heads_split = self.groups.pcp.size == 1 and self.groups.tp.size > 1
+        n = q_full.shape[0]
+        o = q_full.new_zeros(n, self.num_heads, self.kv_lora_rank)
+        topk = q_full.new_full((n, self.cfg.index_topk), -1, dtype=torch.int32)
+        shared = meta.shared_requests()
+        groups = [[r for r in range(meta.num_reqs) if shared[r]]]
+        groups += [[r] for r in range(meta.num_reqs) if not shared[r]]
+        for i, reqs in enumerate(groups):
+            if not reqs:
+                continue
+            sub, rows = meta.select(reqs)
+            qi = q_idx[rows] if q_idx is not None else None
+            wi = w_idx[rows] if w_idx is not None else None
+            prev = prev_topk[rows] if prev_topk is not None else None
+            if i > 0:  # one PCP-split request: its own rows only
+                o[rows], topk[rows] = cp_attention.own_rows_attention(
+                    self, qi, wi, q_full[rows], prev, sub, cache, backend, dcp)
+                continue
+            top = prev if qi is None else cp_attention.distributed_topk(
+                qi, wi, cache, sub, backend, dcp, self.cfg.index_topk)
+            q_all = q_full[rows]
+            if heads_split:  # gather every head's query over the group (rank-major = head order)
+                q_all = dcp.all_gather(q_all).permute(1, 0, 2, 3).flatten(1, 2)
+            o[rows] = cp_attention.merged_sparse_attention(
+                q_all, top, sub, cache, backend, self.scale, self.kv_lora_rank, dcp,
+                self.comm_backend, heads_split)
+            topk[rows] = top
+        return o, topk
 
     def _dense_attention(self, q_nope, q_pe, meta, cache, w_uk, w_uv) -> torch.Tensor:
         """MHA form over the request's whole cached context (each query sees ≤ top-k keys, so this
@@ -211,9 +265,11 @@ class MLP(nn.Module):
         self.gate_proj = _linear(hidden, inter)
         self.up_proj = _linear(hidden, inter)
         self.down_proj = _linear(inter, hidden)
+        self.reduce: Group | None = None  # TP: the intermediate is sharded, outputs are summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.reduce.all_reduce(out) if self.reduce is not None else out
 
 
 class Router(nn.Module):
@@ -244,33 +300,39 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stacked. Expert parallelism later shards the leading dimension."""
+    """Routed experts, stacked. Under EP this rank holds experts [first, first + count) only; under
+    TP without EP every expert's intermediate dimension is sharded instead."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.inter = i
+        self.first = 0
         self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h), requires_grad=False)  # [gate; up]
         self.w2 = nn.Parameter(torch.zeros(e, h, i), requires_grad=False)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], ids/weights [N, k] → Σ_k w·expert(x) [N, hidden] (fp32 accumulation)."""
+        """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
+        local = ids - self.first  # experts held elsewhere fall outside [0, count)
+        count = self.w13.shape[0]
+        flat = local.flatten()
+        held = (flat >= 0) & (flat < count)
+        order = torch.nonzero(held)[:, 0]
+        order = order[flat[order].argsort(stable=True)]
+        counts = torch.bincount(flat[order], minlength=count).tolist()
         token_of = order // ids.shape[1]
         w_sorted = weights.flatten()[order]
         start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
+        for expert, n in enumerate(counts):
+            if n == 0:
                 continue
-            tok = token_of[start : start + count]
+            tok = token_of[start : start + n]
             gate, up = F.linear(x[tok], self.w13[expert]).split(self.inter, dim=-1)
             y = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, tok, y.float() * w_sorted[start : start + count, None])
-            start += count
-        return out.to(x.dtype)
+            out.index_add_(0, tok, y.float() * w_sorted[start : start + n, None])
+            start += n
+        return out
 
 
 class MoE(nn.Module):
@@ -282,13 +344,21 @@ class MoE(nn.Module):
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
             if cfg.n_shared_experts else None
         )
+        # Set by dsaserve.parallel.tp.shard_model: sum partial outputs over TP (no EP), or
+        # dispatch tokens to the experts' ranks over EP.
+        self.reduce: Group | None = None
+        self.ep: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights)
+        if self.ep is not None:
+            y = ep.dispatch_combine(x, self.gate, self.experts, self.ep)
+        else:
+            y = self.experts(x, *self.gate(x))
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y
+            y = y + self.shared_experts(x).float()
+        if self.reduce is not None:
+            y = self.reduce.all_reduce(y)
+        return y.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -349,6 +419,7 @@ class DsaForCausalLM(nn.Module):
         self.model = DsaModel(cfg, with_mtp)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary: RotaryTable | None = None
+        self.groups = ParallelGroups.single()
 
     @property
     def num_cache_layers(self) -> int:
@@ -369,7 +440,10 @@ class DsaForCausalLM(nn.Module):
         topk = None
         for i in range(self.cfg.num_hidden_layers):
             h, topk = self.model.layers[i](h, rope, meta, caches[i], self.backend, topk)
-        return self.model.norm(h)
+        h = self.model.norm(h)
+        if meta.pcp is not None:  # every rank samples from the whole batch, in global order
+            h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
+        return h
 
     @torch.inference_mode()
     def forward_mtp(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor,

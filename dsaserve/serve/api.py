@@ -50,7 +50,12 @@ from dsaserve.serve.protocol import (
     Usage,
     new_id,
 )
-from dsaserve.tokenizer import DEFAULT_CHAT_TEMPLATE, IncrementalDetokenizer, Tokenizer
+from dsaserve.tokenizer import (
+    DEFAULT_CHAT_TEMPLATE,
+    ChatTemplateError,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,7 +201,9 @@ def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[i
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              chat_template=template)
-    except jinja2.TemplateError as e:
+    except ChatTemplateError as e:  # already names the message or the template's complaint
+        raise APIError(400, str(e), param="messages") from e
+    except jinja2.TemplateError as e:  # the template failed on these messages' shape
         raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from e
     return tokenizer.encode(text)
 
@@ -280,7 +287,8 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
         watcher.cancel()
         if not task.done():
             task.cancel()
-    return task.result() if not task.cancelled() else None
+    await asyncio.wait({task})  # a cancelled task finishes cancelling (its cleanup runs) here
+    return None if task.cancelled() else task.result()
 
 
 class _APIKeyMiddleware:
@@ -310,8 +318,6 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     max_model_len = engine.config.scheduler.max_model_len
     metrics = ServerMetrics(model_name, engine.stats)
     app = FastAPI(title="dsaserve", version="0.1.0")
-    app.state.engine = engine
-    app.state.metrics = metrics
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
 
@@ -338,6 +344,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error in a request handler")
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     # ---- plain endpoints -----------------------------------------------------------------------
     @app.get("/health")
@@ -401,10 +412,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         stops = _stop_strings(body.stop)
-        try:
-            prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages)
-        except ValueError as e:  # TokenizerError: a malformed message
-            raise APIError(400, str(e), param="messages") from e
+        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
         params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)

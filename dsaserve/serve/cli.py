@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
               f"on http://{server_config.host}:{server_config.port}", file=sys.stderr)
         uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    timeout_keep_alive=server_config.timeout_keep_alive_s, log_level="warning")
+                    timeout_keep_alive=server_config.timeout_keep_alive_s,
+                    timeout_graceful_shutdown=30, log_level="warning")
     finally:
         engine.shutdown()
     return 0

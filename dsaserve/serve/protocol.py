@@ -30,7 +30,8 @@ class _SamplingFields(_Request):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None  # vLLM extension
-    seed: int | None = None
+    # The range a torch generator takes: a larger seed must be a 400, not a failed engine step.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension

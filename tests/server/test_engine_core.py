@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -36,21 +37,34 @@ def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -
 def test_core_blocks_while_idle(make_async_engine) -> None:
     """No busy loop: with nothing to do, the core waits on its inbox and never polls the engine."""
     engine = make_async_engine()
+    blocked = threading.Event()
     calls = 0
-    real = engine._engine.has_unfinished_requests
 
-    def counting() -> bool:
+    class WatchedInbox(queue.Queue):
+        def get(self, block: bool = True, timeout: float | None = None):
+            if block:
+                blocked.set()
+            return super().get(block, timeout)
+
+    def install(e: LLMEngine) -> None:  # runs on the core thread, between two loop iterations
         nonlocal calls
-        calls += 1
-        return real()
+        real = e.has_unfinished_requests
 
-    engine.call_in_core(lambda e: setattr(e, "has_unfinished_requests", counting))
-    engine.call_in_core(lambda e: None)  # one more round trip: the core is now idle
+        def counting() -> bool:
+            nonlocal calls
+            calls += 1
+            return real()
+
+        e.has_unfinished_requests = counting
+        engine._inbox = WatchedInbox()
+
+    engine.call_in_core(install)
+    assert blocked.wait(10)  # the core went back to waiting on its (new) inbox
     before = calls
     time.sleep(0.3)
-    assert calls == before
-    engine.call_in_core(lambda e: None)  # a message wakes it up
-    assert calls > before
+    assert calls == before  # not a single poll while idle
+    engine.call_in_core(lambda e: None)  # and a message still wakes it up
+    _wait_for(lambda: calls > before, "the core to look at the engine again")
 
 
 def test_admission_rejection_and_shutdown(make_async_engine) -> None:
