@@ -45,6 +45,9 @@ class ReferenceBackend:
 
     name = "reference"
 
+    def __init__(self) -> None:
+        self.indexer_rows_scored = 0  # query rows this rank ran the indexer for (tests, metrics)
+
     def write_kv(self, kv_cache, slots, c, k_pe):
         formats.write_mla_cache(kv_cache, slots, c, k_pe)
 
@@ -66,6 +69,7 @@ class ReferenceBackend:
             start, end = meta.query_range(r)
             if start == end:
                 continue
+            self.indexer_rows_scored += end - start
             # This rank's keys of the request, in position order (all of them without DCP).
             key_slots, key_pos = layout.context_slots(
                 meta.seq_lens[r], meta.block_table[r], meta.block_size,

@@ -75,7 +75,8 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
         result = run_schedule(runner, tokens, steps)
         written = sum(int((c.kv.view(-1, c.kv.shape[-1]).abs().sum(-1) > 0).sum())
                       for c in runner.caches[:1])
-        torch.save({"logits": result, "rows_written_layer0": written}, f"{out_path}.{rank}")
+        torch.save({"logits": result, "rows_written_layer0": written,
+                    "indexer_rows": runner.model.backend.indexer_rows_scored}, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -157,6 +158,26 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
         total = 70 + 6 + 5 + 65
         for res in results:
             assert abs(res["rows_written_layer0"] - total / dcp) <= 4 * 16
+
+
+def test_pcp_ranks_score_only_their_own_query_rows(model_dirs, engine_config_module):
+    """With PCP the indexer is never replicated: split rows are scored by one rank each, and only
+    replicated (decode / short) rows by every rank."""
+    from dsaserve.parallel.pcp import partition
+
+    n = 2
+    cfg = engine_config_module(model_dirs["tiny-glm5"], prefill_context_parallel_size=n)
+    tokens, steps = _schedule(cfg.model.vocab_size)
+    layers = len(cfg.model.full_indexer_layers)
+    want = [0] * n
+    for step in steps:
+        part = partition(list(step.values()), n)
+        for r in range(n):
+            want[r] += layers * len(part.local_indices[r])
+    results = run_parallel(cfg, n)
+    assert [res["indexer_rows"] for res in results] == want
+    total_rows = sum(sum(s.values()) for s in steps)
+    assert sum(want) < n * layers * total_rows  # strictly less work than replicating the indexer
 
 
 def test_pcp_dcp_with_fp8_cache(model_dirs, engine_config_module, single):
