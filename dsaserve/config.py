@@ -346,7 +346,7 @@ class CacheConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("--gpu-memory-utilization: must be in (0, 1]")
         if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
-            raise ConfigError("--num-gpu-blocks: must be >= 1")
+            raise ConfigError("--num-gpu-blocks-override: must be >= 1")
 
     @property
     def fp8(self) -> bool:
@@ -418,11 +418,33 @@ class ParallelConfig:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):
             raise ConfigError("--dcp-comm-backend: expected 'ag_rs' or 'a2a'")
+        self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        """The layout rules (as vLLM enforces them for these models); the message names the rule."""
+        pcp, dcp, tp = (self.prefill_context_parallel_size, self.decode_context_parallel_size,
+                        self.tensor_parallel_size)
+        if dcp > 1 and pcp > 1 and dcp != pcp:
+            raise ConfigError(
+                f"--decode-context-parallel-size: with PCP the DCP group is the PCP group, so dcp "
+                f"must equal --prefill-context-parallel-size ({pcp}), got {dcp}")
+        if dcp > 1 and pcp > 1 and self.dcp_comm_backend != "ag_rs":
+            raise ConfigError("--dcp-comm-backend: PCP × DCP supports only 'ag_rs'")
+        if dcp > 1 and pcp == 1 and dcp != tp:
+            raise ConfigError(
+                f"--decode-context-parallel-size: without PCP, DCP reuses the TP ranks, so dcp "
+                f"must equal --tensor-parallel-size ({tp}), got {dcp}")
+        if self.cp_kv_cache_interleave_size > 1 and dcp == 1:
+            raise ConfigError("--cp-kv-cache-interleave-size: only meaningful with DCP > 1")
 
     @property
     def world_size(self) -> int:
-        """Ranks of one engine replica (DP replicas are separate engines)."""
+        """Ranks of ONE engine replica (pcp × tp); the deployment has data_parallel_size of them."""
         return self.prefill_context_parallel_size * self.tensor_parallel_size
+
+    @property
+    def total_ranks(self) -> int:
+        return self.world_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)
@@ -440,6 +462,11 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        interleave = self.parallel.cp_kv_cache_interleave_size
+        if self.cache.block_size % interleave:
+            raise ConfigError(
+                f"--cp-kv-cache-interleave-size: {interleave} must divide --block-size "
+                f"{self.cache.block_size}")
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
             raise ConfigError(f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

@@ -35,6 +35,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
 

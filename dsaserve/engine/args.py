@@ -140,12 +140,6 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         dcp_comm_backend=args.dcp_comm_backend,
         cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
     )
-    # DCP is a view over the PCP × TP ranks, so it must divide them (DESIGN §3).
-    if parallel.world_size % parallel.decode_context_parallel_size:
-        raise ConfigError(
-            f"--decode-context-parallel-size: {parallel.decode_context_parallel_size} must divide "
-            f"--prefill-context-parallel-size × --tensor-parallel-size = {parallel.world_size}"
-        )
     return EngineConfig(
         model_path=str(path),
         model=model_config,

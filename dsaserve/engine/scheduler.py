@@ -50,7 +50,7 @@ class Scheduler:
         if num_blocks < needed:
             # Otherwise a lone request could outgrow the pool and preempt itself forever.
             raise ConfigError(
-                f"--num-gpu-blocks: {num_blocks} blocks of {self.block_size} tokens cannot hold "
+                f"--num-gpu-blocks-override: {num_blocks} blocks of {self.block_size} tokens cannot hold "
                 f"one request of --max-model-len {scheduler_config.max_model_len} "
                 f"(needs {needed})"
             )

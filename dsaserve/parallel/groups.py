@@ -19,26 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dsaserve.config import ConfigError, ParallelConfig
-
-
-def validate_layout(p: ParallelConfig) -> None:
-    """The rules vLLM enforces for these models, with the rule that failed in the message."""
-    pcp, dcp, tp = (p.prefill_context_parallel_size, p.decode_context_parallel_size,
-                    p.tensor_parallel_size)
-    if dcp > 1:
-        if pcp > 1 and dcp != pcp:
-            raise ConfigError(
-                f"--decode-context-parallel-size: with PCP the DCP group is the PCP group, so dcp "
-                f"must equal --prefill-context-parallel-size ({pcp}), got {dcp}")
-        if pcp > 1 and p.dcp_comm_backend != "ag_rs":
-            raise ConfigError("--dcp-comm-backend: PCP × DCP supports only 'ag_rs'")
-        if pcp == 1 and dcp != tp:
-            raise ConfigError(
-                f"--decode-context-parallel-size: without PCP, DCP reuses the TP ranks, so dcp "
-                f"must equal --tensor-parallel-size ({tp}), got {dcp}")
-    if p.cp_kv_cache_interleave_size > 1 and dcp == 1:
-        raise ConfigError("--cp-kv-cache-interleave-size: only meaningful with DCP > 1")
+from dsaserve.config import ParallelConfig
 
 
 @dataclass
@@ -108,7 +89,6 @@ class ParallelGroups:
     @staticmethod
     def build(p: ParallelConfig, rank: int) -> ParallelGroups:
         """Call on every rank after dist.init_process_group(world = pcp × tp)."""
-        validate_layout(p)
         pcp, tp = p.prefill_context_parallel_size, p.tensor_parallel_size
         world = pcp * tp
         mine: dict[str, Group] = {}

@@ -62,8 +62,8 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "99",
         "--no-enable-prefix-caching", "--seed", "3", "--dtype", "bfloat16", "--attention-config",
         '{"sparse_mla_force_mqa": true}', "--attention-backend", "triton", "--device", "cuda:1",
-        "-tp", "2", "-pcp", "4", "-dcp", "8", "-dp", "2", "--enable-expert-parallel",
-        "--dcp-comm-backend", "a2a", "--cp-kv-cache-interleave-size", "32")
+        "-tp", "2", "-pcp", "4", "-dcp", "4", "-dp", "2", "--enable-expert-parallel",
+        "--dcp-comm-backend", "ag_rs", "--cp-kv-cache-interleave-size", "32")
     model = serve_cli.model_from_args(args)
     server = serve_cli.server_config_from_args(args, model)
     assert (server.served_model_name, server.host, server.port, server.api_key) == (
@@ -80,7 +80,7 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
     p = c.parallel
     assert (p.tensor_parallel_size, p.prefill_context_parallel_size,
             p.decode_context_parallel_size, p.data_parallel_size, p.enable_expert_parallel,
-            p.dcp_comm_backend, p.cp_kv_cache_interleave_size) == (2, 4, 8, 2, True, "a2a", 32)
+            p.dcp_comm_backend, p.cp_kv_cache_interleave_size) == (2, 4, 4, 2, True, "ag_rs", 32)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -111,7 +111,10 @@ def test_bad_flags_exit_naming_the_flag(argv, message, capsys) -> None:
     (["--block-size", "48"], "--block-size: must be a positive power of two, got 48"),
     (["--max-model-len", "99999"],
      "--max-model-len: 99999 exceeds the model's max_position_embeddings 4096"),
-    (["-pcp", "2", "-dcp", "3"], "--decode-context-parallel-size: 3 must divide"),
+    (["-pcp", "2", "-dcp", "3"], "--decode-context-parallel-size: with PCP the DCP group is the PCP"),
+    (["-tp", "2", "-dcp", "2", "--dcp-comm-backend", "a2a", "-pcp", "2"],
+     "--dcp-comm-backend: PCP × DCP supports only 'ag_rs'"),
+    (["-tp", "4", "-dcp", "2"], "without PCP, DCP reuses the TP ranks"),
 ])
 def test_bad_combinations_name_the_flag(model_dir: Path, argv, message, capsys) -> None:
     with pytest.raises(ConfigError, match=message):

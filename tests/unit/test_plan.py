@@ -330,7 +330,8 @@ def test_cli_bad_flags_exit_naming_the_flag(
 
 @pytest.mark.parametrize(
     ("argv", "flag"),
-    [(["--model", "/nonexistent/config.json"], "--model"), (["--pcp", "8", "--dcp", "3"], "--dcp"),
+    [(["--model", "/nonexistent/config.json"], "--model"), (["--pcp", "8", "--dcp", "3"],
+      "--decode-context-parallel-size"),
      (["--tp", "3"], "--tp")],
 )
 def test_cli_bad_values_return_2_naming_the_flag(
