@@ -1,7 +1,7 @@
 """The frozen configuration tree.
 
 Every component receives only the part it uses. Configs are validated once, when built, and never
-mutated afterwards. `ModelConfig.from_hf` reads a Hugging Face `config.json` in any of the layouts found
+mutated afterwards. `ModelConfig.from_hf` reads a Hugging Face `config.json` in any layout found
 in the wild (legacy `rope_theta` + `rope_scaling`, or `rope_parameters`; optional keys absent).
 """
 
@@ -76,12 +76,17 @@ class RopeConfig:
             raise ConfigError(f"rope_parameters.rope_type: unsupported value {rope_type!r}")
         orig = params.get("original_max_position_embeddings")
         if orig is None:
-            raise ConfigError("rope_parameters.original_max_position_embeddings is required for yarn")
+            raise ConfigError(
+                "rope_parameters.original_max_position_embeddings is required for yarn"
+            )
         factor = params.get("factor") or max_position_embeddings / orig
         return RopeConfig(
-            rope_type="yarn", theta=theta, factor=float(factor),
+            rope_type="yarn",
+            theta=theta,
+            factor=float(factor),
             original_max_position_embeddings=int(orig),
-            beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
             mscale=float(params.get("mscale") or 1.0),
             mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
         )
@@ -141,8 +146,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     torch_dtype: str = "bfloat16"
     fp8_weights: FP8WeightConfig | None = None
-    # Epsilon of q_a_layernorm / kv_a_layernorm: HF and the DeepSeek reference use 1e-6 regardless of
-    # rms_norm_eps (vLLM uses rms_norm_eps); we follow the independent references.
+    # Epsilon of q_a_layernorm / kv_a_layernorm: HF and the DeepSeek reference use 1e-6 whatever
+    # rms_norm_eps says (vLLM uses rms_norm_eps); we follow the independent references.
     latent_norm_eps: float = 1e-6
     # LayerNorm eps of the indexer's k_norm (hard-coded 1e-6 everywhere).
     index_k_norm_eps: float = 1e-6
@@ -176,7 +181,7 @@ class ModelConfig:
         return self.mlp_layer_types[layer] == "sparse"
 
     def has_indexer(self, layer: int) -> bool:
-        """Whether `layer` runs its own indexer and keeps an index-key cache (the MTP layer does)."""
+        """Whether `layer` runs its own indexer and keeps index keys (the MTP layer does)."""
         if layer >= self.num_hidden_layers:
             return True
         return self.indexer_types[layer] == "full"
@@ -188,11 +193,12 @@ class ModelConfig:
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
     def from_hf(raw: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed Hugging Face config.json; missing optional keys take HF's defaults."""
+        """Build from a parsed HF config.json; missing optional keys take HF's defaults."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type: {model_type!r} is not supported (expected one of {SUPPORTED_MODEL_TYPES})"
+                f"model_type: {model_type!r} is not supported "
+                f"(expected one of {SUPPORTED_MODEL_TYPES})"
             )
         d = dict(_HF_DEFAULTS[model_type])
         d.update({k: v for k, v in raw.items() if v is not None or k in ("q_lora_rank",)})
@@ -278,9 +284,13 @@ class ModelConfig:
 
     def _validate(self, d: dict[str, Any]) -> None:
         if d.get("topk_method", "noaux_tc") != "noaux_tc":
-            raise ConfigError(f"topk_method: only 'noaux_tc' is supported, got {d['topk_method']!r}")
+            raise ConfigError(
+                f"topk_method: only 'noaux_tc' is supported, got {d['topk_method']!r}"
+            )
         if d.get("scoring_func", "sigmoid") != "sigmoid":
-            raise ConfigError(f"scoring_func: only 'sigmoid' is supported, got {d['scoring_func']!r}")
+            raise ConfigError(
+                f"scoring_func: only 'sigmoid' is supported, got {d['scoring_func']!r}"
+            )
         if d.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act: only 'silu' is supported, got {d['hidden_act']!r}")
         if self.qk_rope_head_dim % 2:
@@ -298,7 +308,7 @@ class ModelConfig:
 
 
 def _indexer_types(d: dict[str, Any], n_layers: int) -> tuple[str, ...]:
-    """IndexShare schedule: explicit list first, then the F/S pattern, then freq/offset (HF's rule)."""
+    """IndexShare schedule: explicit list, else the F/S pattern, else freq/offset (HF's rule)."""
     types = d.get("indexer_types")
     if types is None:
         pattern = d.get("index_topk_pattern")
@@ -327,18 +337,21 @@ KVCacheDType = Literal["auto", "fp8_ds_mla"]
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache. `auto` stores latent+RoPE rows in the model dtype (and indexer keys likewise);
-    `fp8_ds_mla` stores 656-byte rows and 132-byte FP8 indexer keys, as FlashMLA / DeepGEMM expect."""
+    """Paged KV cache. `auto` stores latent+RoPE rows (and indexer keys) in the model dtype;
+    `fp8_ds_mla` stores 656-byte rows and 132-byte FP8 indexer keys, as FlashMLA and DeepGEMM
+    expect."""
 
     block_size: int = 64
     kv_cache_dtype: KVCacheDType = "auto"
-    num_gpu_blocks: int | None = None  # None: sized from gpu_memory_utilization (CPU: a fixed budget)
+    num_gpu_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"--block-size: must be a positive power of two, got {self.block_size}")
+            raise ConfigError(
+                f"--block-size: must be a positive power of two, got {self.block_size}"
+            )
         if self.kv_cache_dtype not in ("auto", "fp8_ds_mla"):
             raise ConfigError(
                 f"--kv-cache-dtype: expected 'auto' or 'fp8_ds_mla', got {self.kv_cache_dtype!r}"
@@ -391,7 +404,9 @@ class AttentionConfig:
         known = {"backend", "sparse_mla_force_mqa"}
         unknown = set(raw) - known
         if unknown:
-            raise ConfigError(f"--attention-config: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(
+                f"--attention-config: unknown keys {sorted(unknown)}; known: {sorted(known)}"
+            )
         force = raw.get("sparse_mla_force_mqa", False)
         if not isinstance(force, bool):
             raise ConfigError("--attention-config: sparse_mla_force_mqa must be true or false")
@@ -411,9 +426,13 @@ class ParallelConfig:
     cp_kv_cache_interleave_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "prefill_context_parallel_size",
-                     "decode_context_parallel_size", "data_parallel_size",
-                     "cp_kv_cache_interleave_size"):
+        for name in (
+            "tensor_parallel_size",
+            "prefill_context_parallel_size",
+            "decode_context_parallel_size",
+            "data_parallel_size",
+            "cp_kv_cache_interleave_size",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):
@@ -422,18 +441,23 @@ class ParallelConfig:
 
     def _validate_layout(self) -> None:
         """The layout rules (as vLLM enforces them for these models); the message names the rule."""
-        pcp, dcp, tp = (self.prefill_context_parallel_size, self.decode_context_parallel_size,
-                        self.tensor_parallel_size)
+        pcp, dcp, tp = (
+            self.prefill_context_parallel_size,
+            self.decode_context_parallel_size,
+            self.tensor_parallel_size,
+        )
         if dcp > 1 and pcp > 1 and dcp != pcp:
             raise ConfigError(
                 f"--decode-context-parallel-size: with PCP the DCP group is the PCP group, so dcp "
-                f"must equal --prefill-context-parallel-size ({pcp}), got {dcp}")
+                f"must equal --prefill-context-parallel-size ({pcp}), got {dcp}"
+            )
         if dcp > 1 and pcp > 1 and self.dcp_comm_backend != "ag_rs":
             raise ConfigError("--dcp-comm-backend: PCP × DCP supports only 'ag_rs'")
         if dcp > 1 and pcp == 1 and dcp != tp:
             raise ConfigError(
                 f"--decode-context-parallel-size: without PCP, DCP reuses the TP ranks, so dcp "
-                f"must equal --tensor-parallel-size ({tp}), got {dcp}")
+                f"must equal --tensor-parallel-size ({tp}), got {dcp}"
+            )
         if self.cp_kv_cache_interleave_size > 1 and dcp == 1:
             raise ConfigError("--cp-kv-cache-interleave-size: only meaningful with DCP > 1")
 
@@ -466,9 +490,12 @@ class EngineConfig:
         if self.cache.block_size % interleave:
             raise ConfigError(
                 f"--cp-kv-cache-interleave-size: {interleave} must divide --block-size "
-                f"{self.cache.block_size}")
+                f"{self.cache.block_size}"
+            )
         if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
-            raise ConfigError(f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}")
+            raise ConfigError(
+                f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
+            )
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len: {self.scheduler.max_model_len} exceeds the model's "

@@ -34,7 +34,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise RequestError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
+            raise RequestError(
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
+            )
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
@@ -66,8 +68,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """A request as the engine core tracks it.
 
-    The scheduler speaks tokens: `num_computed_tokens` catches up with `len(all_token_ids)`; a prefill,
-    a chunk of one, a prefix hit and a decode step are all "how many tokens this step".
+    The scheduler speaks tokens: `num_computed_tokens` catches up with `len(all_token_ids)`; a
+    prefill, a chunk of one, a prefix hit and a decode step are all "how many tokens this step".
     """
 
     request_id: str
@@ -166,7 +168,7 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot for metrics and tests (token counts, not block counts, for prefix-cache figures)."""
+    """A snapshot for metrics and tests (prefix-cache figures count tokens, not blocks)."""
 
     num_running: int
     num_waiting: int

@@ -102,15 +102,20 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - cfg.cache.gpu_memory_utilization)
         else:
-            budget = min(_CPU_KV_BUDGET_BYTES, per_block * blocks_per_seq * cfg.scheduler.max_num_seqs)
+            need = per_block * blocks_per_seq * cfg.scheduler.max_num_seqs
+            budget = min(_CPU_KV_BUDGET_BYTES, need)
         num = int(budget // per_block)
         if num < blocks_per_seq:
             raise ValueError(
                 f"--gpu-memory-utilization: room for {num} KV blocks but one request of "
                 f"--max-model-len {cfg.scheduler.max_model_len} needs {blocks_per_seq}"
             )
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num, tokens_per_block,
-                    num * per_block / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num,
+            tokens_per_block,
+            num * per_block / 2**20,
+        )
         return num
 
     def _allocate_caches(self, num_blocks: int) -> list[LayerCache]:
@@ -120,16 +125,21 @@ class ModelRunner:
             if fp8:
                 row = formats.mla_row_bytes(m.kv_lora_rank, m.qk_rope_head_dim)
                 kv = torch.zeros(num_blocks, b, row, dtype=torch.uint8, device=self.device)
-                index = torch.zeros(num_blocks, b * (m.index_head_dim + 4), dtype=torch.uint8,
-                                    device=self.device)
+                index = torch.zeros(
+                    num_blocks, b * (m.index_head_dim + 4), dtype=torch.uint8, device=self.device
+                )
             else:
-                kv = torch.zeros(num_blocks, b, m.kv_cache_width, dtype=self.dtype, device=self.device)
-                index = torch.zeros(num_blocks, b, m.index_head_dim, dtype=self.dtype,
-                                    device=self.device)
+                kv = torch.zeros(
+                    num_blocks, b, m.kv_cache_width, dtype=self.dtype, device=self.device
+                )
+                index = torch.zeros(
+                    num_blocks, b, m.index_head_dim, dtype=self.dtype, device=self.device
+                )
             caches.append(LayerCache(kv=kv, index=index if m.has_indexer(i) else None))
         return caches
 
-    # ---- the step ---------------------------------------------------------------------------------
+    # ---- the step
+    # ---------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # 1. apply the diff
         self._apply_diff(so)
@@ -172,7 +182,8 @@ class ModelRunner:
         for new in so.new_requests:
             self._seed_counter += 1
             self.requests[new.request_id] = _ReqState(
-                token_ids=list(new.token_ids), block_ids=list(new.block_ids),
+                token_ids=list(new.token_ids),
+                block_ids=list(new.block_ids),
                 params=new.sampling_params,
                 generator=make_generator(new.sampling_params, self.device, self._seed_counter),
                 num_computed_tokens=new.num_computed_tokens,
@@ -183,8 +194,9 @@ class ModelRunner:
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare(self, req_ids: list[str], num_scheduled: dict[str, int]
-                 ) -> tuple[torch.Tensor, AttentionMetadata, list[int | None]]:
+    def _prepare(
+        self, req_ids: list[str], num_scheduled: dict[str, int]
+    ) -> tuple[torch.Tensor, AttentionMetadata, list[int | None]]:
         tokens: list[int] = []
         positions: list[int] = []
         req_index: list[int] = []
@@ -209,11 +221,15 @@ class ModelRunner:
         pos_t = torch.tensor(positions, dtype=torch.int64)
         req_t = torch.tensor(req_index, dtype=torch.int64)
         tok_t = torch.tensor(tokens, dtype=torch.int64)
-        slots = layout.slot_mapping(pos_t, req_t, table, self.block_size, self.dcp_size,
-                                    self.dcp_rank, self.interleave)
+        slots = layout.slot_mapping(
+            pos_t, req_t, table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
+        )
         # The dense path reads a request's whole context from the local cache: only without DCP.
-        use_dense = (not self.config.attention.sparse_mla_force_mqa and self.dcp_size == 1
-                     and max(seq_lens) <= self.model_cfg.index_topk)
+        use_dense = (
+            not self.config.attention.sparse_mla_force_mqa
+            and self.dcp_size == 1
+            and max(seq_lens) <= self.model_cfg.index_topk
+        )
         pcp_meta = None
         if self.groups.pcp.size > 1:
             # This rank computes only its share of the rows (replicated requests: all of them).
@@ -225,16 +241,25 @@ class ModelRunner:
             for c in counts:
                 qsl.append(qsl[-1] + c)
             pcp_meta = PcpMetadata(
-                local_index=local.to(dev), restore_index=part.restore_index.to(dev),
-                padded_len=part.padded_len, write_slots=slots.to(dev),
+                local_index=local.to(dev),
+                restore_index=part.restore_index.to(dev),
+                padded_len=part.padded_len,
+                write_slots=slots.to(dev),
                 replicated=part.replicated,
             )
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
         meta = AttentionMetadata(
-            positions=pos_t.to(dev), req_indices=req_t.to(dev), slot_mapping=slots.to(dev),
-            block_table=table.to(dev), query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens),
-            block_size=self.block_size, use_dense=use_dense,
-            dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, interleave=self.interleave,
+            positions=pos_t.to(dev),
+            req_indices=req_t.to(dev),
+            slot_mapping=slots.to(dev),
+            block_table=table.to(dev),
+            query_start_loc=tuple(qsl),
+            seq_lens=tuple(seq_lens),
+            block_size=self.block_size,
+            use_dense=use_dense,
+            dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
+            interleave=self.interleave,
             pcp=pcp_meta,
         )
         return tok_t.to(dev), meta, last_rows

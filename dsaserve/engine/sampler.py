@@ -7,7 +7,9 @@ import torch
 from dsaserve.core import SamplingParams
 
 
-def make_generator(params: SamplingParams, device: torch.device, fallback_seed: int) -> torch.Generator:
+def make_generator(
+    params: SamplingParams, device: torch.device, fallback_seed: int
+) -> torch.Generator:
     """A request's own generator: a given seed makes its samples reproducible whatever the batch."""
     g = torch.Generator(device=device)
     g.manual_seed(params.seed if params.seed is not None else fallback_seed)

@@ -50,7 +50,8 @@ class Scheduler:
         if num_blocks < needed:
             # Otherwise a lone request could outgrow the pool and preempt itself forever.
             raise ConfigError(
-                f"--num-gpu-blocks-override: {num_blocks} blocks of {self.block_size} tokens cannot hold "
+                f"--num-gpu-blocks-override: {num_blocks} blocks of {self.block_size} tokens "
+                "cannot hold "
                 f"one request of --max-model-len {scheduler_config.max_model_len} "
                 f"(needs {needed})"
             )
@@ -130,8 +131,7 @@ class Scheduler:
         # 2. waiting requests, FIFO; none in a step that had to preempt (memory is short)
         new: list[NewRequestData] = []
         if self.num_preemptions == num_preempted_before:
-            while (self.waiting and budget > 0
-                   and len(self.running) < self.config.max_num_seqs):
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
                 n = self._admit(req, budget)
                 if n == 0:

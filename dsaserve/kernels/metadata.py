@@ -1,7 +1,7 @@
 """Per-step attention metadata: what every layer's attention needs to address the paged caches.
 
-Built once per step by the model runner (on the CPU, then moved to the device) and read by every layer.
-Tokens of a step are flattened request by request:
+Built once per step by the model runner (on the CPU, then moved to the device) and read by every
+layer. Tokens of a step are flattened request by request:
 
     tokens   | r0: t0 t1 t2 | r1: t0 | r2: t0 t1 |
     qsl      0              3        4          6      (query_start_loc, R+1 entries)

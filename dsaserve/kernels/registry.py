@@ -1,8 +1,8 @@
 """Attention backends, chosen by name: the hot path never branches on which one is in use.
 
 A backend implements the four per-layer operations the model needs from the paged caches. The
-"reference" backend is plain PyTorch (CPU and GPU); faster ones (the "triton" backend) register under
-their own name and must agree with it within stated tolerances.
+"reference" backend is plain PyTorch (CPU and GPU); faster ones (the "triton" backend) register
+under their own name and must agree with it within stated tolerances.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
 
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                    scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] in q's dtype, lse [T, H] fp32."""
+        """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] (q's dtype), lse [T, H]."""
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ class AttentionBackend(Protocol):
 
 
 class ReferenceBackend:
-    """Plain PyTorch over the byte formats of dsaserve.kernels.formats; the oracle for the others."""
+    """Plain PyTorch over the byte formats of kernels/formats.py; the oracle for the others."""
 
     name = "reference"
 
@@ -117,5 +117,6 @@ def available_backends() -> list[str]:
 
 def get_backend(name: str) -> AttentionBackend:
     if name not in _REGISTRY:
-        raise ValueError(f"--attention-backend: unknown backend {name!r}; known: {available_backends()}")
+        known = available_backends()
+        raise ValueError(f"--attention-backend: unknown backend {name!r}; known: {known}")
     return _REGISTRY[name]()

@@ -1,14 +1,15 @@
-"""The DSA model (GLM-5.x `glm_moe_dsa` and DeepSeek-V3.2 `deepseek_v32` share it): MLA attention with
-q-LoRA, the lightning indexer with IndexShare, sparse attention over the selected rows, the noaux_tc
-MoE, and the MTP layer. MODEL_SPEC.md §2 and §5 are the maths; the names of parameters are the
-checkpoint's (routed experts are stacked: `mlp.experts.w13` [E, 2I, H], `mlp.experts.w2` [E, H, I]).
+"""The DSA model (GLM-5.x `glm_moe_dsa` and DeepSeek-V3.2 `deepseek_v32` share it): MLA attention
+with q-LoRA, the lightning indexer with IndexShare, sparse attention over the selected rows, the
+noaux_tc MoE, and the MTP layer. MODEL_SPEC.md §2 and §5 are the maths; parameters carry the
+checkpoint's names (routed experts are stacked: `mlp.experts.w13` [E, 2I, H], `mlp.experts.w2`
+[E, H, I]).
 
 All tokens of a step are flattened ([N, hidden]); `AttentionMetadata` says which request each token
 belongs to and where its KV goes. Each layer:
 
     1. q latent (q_a → RMSNorm) → q heads; latent KV c (kv_a → RMSNorm) and RoPE key k_pe
-    2. write c, k_pe (and the indexer key) at the tokens' slots   — all ranks compute, the owner writes
-    3. indices: own indexer (full layers) or the previous full layer's (shared layers)
+    2. write c, k_pe (and the indexer key) at the tokens' slots   — all ranks compute, the owner
+    writes 3. indices: own indexer (full layers) or the previous full layer's (shared layers)
     4. attention: absorbed MQA over the selected rows (576 → 512), or the dense MHA path for batches
        where every query sees ≤ top-k keys (only when sparse_mla_force_mqa is off)
     5. W_UV up-projection, o_proj; then the FFN (dense SwiGLU or MoE)
@@ -37,7 +38,8 @@ class LayerCache:
     """One layer's paged caches on this rank."""
 
     kv: torch.Tensor  # [num_blocks, B, L+R] model dtype, or [num_blocks, B, 656] uint8 (fp8_ds_mla)
-    index: torch.Tensor | None  # [num_blocks, B, D] or [num_blocks, B·(D+4)] uint8; None: shared layer
+    # [num_blocks, B, D] or [num_blocks, B·(D+4)] uint8; None on shared (IndexShare) layers
+    index: torch.Tensor | None
 
 
 def _fp32_param(*shape: int) -> nn.Parameter:
@@ -162,8 +164,10 @@ class MLAAttention(nn.Module):
         slots = meta.slot_mapping
         if meta.pcp is not None:
             pcp = self.groups.pcp
-            c, k_pe = cp_attention.gather_new_rows(c, meta, pcp), \
-                cp_attention.gather_new_rows(k_pe, meta, pcp)
+            c, k_pe = (
+                cp_attention.gather_new_rows(c, meta, pcp),
+                cp_attention.gather_new_rows(k_pe, meta, pcp),
+            )
             if idx_k is not None:
                 idx_k = cp_attention.gather_new_rows(idx_k, meta, pcp)
             slots = meta.pcp.write_slots
@@ -183,19 +187,25 @@ class MLAAttention(nn.Module):
             else:
                 q_idx = w_idx = None
             if meta.dcp_size > 1:
-                o_lat, topk = self._context_parallel(q_full, q_idx, w_idx, prev_topk, meta, cache,
-                                                     backend)
+                o_lat, topk = self._context_parallel(
+                    q_full, q_idx, w_idx, prev_topk, meta, cache, backend
+                )
             else:
                 topk = prev_topk
                 if q_idx is not None:
-                    _, topk = backend.indexer_topk(q_idx, w_idx, cache.index, meta,
-                                                   self.cfg.index_topk)
+                    _, topk = backend.indexer_topk(
+                        q_idx, w_idx, cache.index, meta, self.cfg.index_topk
+                    )
                 if topk is None:
-                    raise RuntimeError(f"layer {self.layer_idx}: a shared layer needs earlier top-k")
-                slot_indices = layout.logical_to_slots(topk, meta.req_indices, meta.block_table,
-                                                       meta.block_size)  # [n, topk]
-                o_lat, _lse = backend.sparse_mla(q_full, cache.kv, slot_indices, self.scale,
-                                                 self.kv_lora_rank)  # [n, H, L]
+                    raise RuntimeError(
+                        f"layer {self.layer_idx}: a shared layer needs earlier top-k"
+                    )
+                slot_indices = layout.logical_to_slots(
+                    topk, meta.req_indices, meta.block_table, meta.block_size
+                )  # [n, topk]
+                o_lat, _lse = backend.sparse_mla(
+                    q_full, cache.kv, slot_indices, self.scale, self.kv_lora_rank
+                )  # [n, H, L]
             o = torch.einsum("nhl,hvl->nhv", o_lat.to(w_uv.dtype), w_uv)  # [n, H, v]
         out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
         return self.groups.tp.all_reduce(out), topk
@@ -221,32 +231,50 @@ class MLAAttention(nn.Module):
             prev = prev_topk[rows] if prev_topk is not None else None
             if i > 0:  # one PCP-split request: its own rows only
                 o[rows], topk[rows] = cp_attention.own_rows_attention(
-                    self, qi, wi, q_full[rows], prev, sub, cache, backend, dcp)
+                    self, qi, wi, q_full[rows], prev, sub, cache, backend, dcp
+                )
                 continue
-            top = prev if qi is None else cp_attention.distributed_topk(
-                qi, wi, cache, sub, backend, dcp, self.cfg.index_topk)
+            top = (
+                prev
+                if qi is None
+                else cp_attention.distributed_topk(
+                    qi, wi, cache, sub, backend, dcp, self.cfg.index_topk
+                )
+            )
             q_all = q_full[rows]
             if heads_split:  # gather every head's query over the group (rank-major = head order)
                 q_all = dcp.all_gather(q_all).permute(1, 0, 2, 3).flatten(1, 2)
             o[rows] = cp_attention.merged_sparse_attention(
-                q_all, top, sub, cache, backend, self.scale, self.kv_lora_rank, dcp,
-                self.comm_backend, heads_split)
+                q_all,
+                top,
+                sub,
+                cache,
+                backend,
+                self.scale,
+                self.kv_lora_rank,
+                dcp,
+                self.comm_backend,
+                heads_split,
+            )
             topk[rows] = top
         return o, topk
 
     def _dense_attention(self, q_nope, q_pe, meta, cache, w_uk, w_uv) -> torch.Tensor:
         """MHA form over the request's whole cached context (each query sees ≤ top-k keys, so this
         equals sparse attention over the indexer's choice); computed in fp32."""
-        out = torch.empty(q_nope.shape[0], self.num_heads, self.v_dim, dtype=q_nope.dtype,
-                          device=q_nope.device)
+        out = torch.empty(
+            q_nope.shape[0], self.num_heads, self.v_dim, dtype=q_nope.dtype, device=q_nope.device
+        )
         for r in range(meta.num_reqs):
             s, e = meta.query_range(r)
             if s == e:
                 continue
-            slots, key_pos = layout.context_slots(meta.seq_lens[r], meta.block_table[r],
-                                                  meta.block_size)
-            rows = formats.read_mla_cache(cache.kv, slots.to(q_nope.device), self.kv_lora_rank,
-                                          self.rope_dim)  # [S, L+R] fp32
+            slots, key_pos = layout.context_slots(
+                meta.seq_lens[r], meta.block_table[r], meta.block_size
+            )
+            rows = formats.read_mla_cache(
+                cache.kv, slots.to(q_nope.device), self.kv_lora_rank, self.rope_dim
+            )  # [S, L+R] fp32
             c, k_pe = rows[:, : self.kv_lora_rank], rows[:, self.kv_lora_rank :]
             k_nope = torch.einsum("sl,hdl->hsd", c, w_uk.float())  # [H, S, nope]
             v = torch.einsum("sl,hvl->hsv", c, w_uv.float())  # [H, S, v]
@@ -291,7 +319,9 @@ class Router(nn.Module):
             group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
             keep = group_scores.topk(cfg.topk_group, dim=-1).indices
             mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], 1), float("-inf"))
+            choice = choice.masked_fill(
+                ~mask.repeat_interleave(grouped.shape[-1], 1), float("-inf")
+            )
         ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [N, k]
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
@@ -342,7 +372,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = (
             MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-            if cfg.n_shared_experts else None
+            if cfg.n_shared_experts
+            else None
         )
         # Set by dsaserve.parallel.tp.shard_model: sum partial outputs over TP (no EP), or
         # dispatch tokens to the experts' ranks over EP.
@@ -365,8 +396,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(cfg, layer_idx)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size,
-                                                                       cfg.intermediate_size)
+        self.mlp = (
+            MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -408,8 +440,8 @@ class DsaModel(nn.Module):
 
 
 class DsaForCausalLM(nn.Module):
-    """Forward over a flattened batch; returns final-norm hidden states (what sampling and the MTP
-    layer consume)."""
+    """Forward over a flattened batch; returns the final-norm hidden states that sampling and the
+    MTP layer consume."""
 
     def __init__(self, cfg: ModelConfig, *, with_mtp: bool, backend: AttentionBackend) -> None:
         super().__init__()
@@ -432,8 +464,9 @@ class DsaForCausalLM(nn.Module):
         return self.rotary.cos_sin(positions)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                caches: list[LayerCache]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, caches: list[LayerCache]
+    ) -> torch.Tensor:
         """input_ids [N] → hidden [N, hidden] after the final norm."""
         rope = self._rope(meta.positions)
         h = self.model.embed_tokens(input_ids)
@@ -446,12 +479,19 @@ class DsaForCausalLM(nn.Module):
         return h
 
     @torch.inference_mode()
-    def forward_mtp(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
-                    meta: AttentionMetadata, caches: list[LayerCache]) -> torch.Tensor:
+    def forward_mtp(
+        self,
+        input_ids: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[LayerCache],
+    ) -> torch.Tensor:
         """One MTP step: input_ids [N] are the *next* tokens, prev_hidden [N, hidden] the target's
         post-norm states at the same positions → MTP hidden [N, hidden] after shared_head.norm."""
         if not self.with_mtp:
-            raise RuntimeError("this checkpoint has no MTP layer; speculative decoding is unavailable")
+            raise RuntimeError(
+                "this checkpoint has no MTP layer; speculative decoding is unavailable"
+            )
         mtp: MTPLayer = self.model.layers[self.cfg.num_hidden_layers]
         rope = self._rope(meta.positions)
         e = self.model.embed_tokens(input_ids)
@@ -466,13 +506,23 @@ class DsaForCausalLM(nn.Module):
 
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
-    def build(cfg: ModelConfig, *, with_mtp: bool, backend: AttentionBackend,
-              dtype: torch.dtype, device: torch.device | str) -> DsaForCausalLM:
+    def build(
+        cfg: ModelConfig,
+        *,
+        with_mtp: bool,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> DsaForCausalLM:
         """Allocate on `device` in `dtype`; router, indexer weights_proj and k_norm stay fp32."""
         with torch.device(device):
             model = DsaForCausalLM(cfg, with_mtp=with_mtp, backend=backend)
-        keep_fp32 = {id(p) for m in model.modules() if isinstance(m, (Router, LayerNormFP32))
-                     for p in m.parameters()}
+        keep_fp32 = {
+            id(p)
+            for m in model.modules()
+            if isinstance(m, (Router, LayerNormFP32))
+            for p in m.parameters()
+        }
         keep_fp32 |= {id(m.weights_proj.weight) for m in model.modules() if isinstance(m, Indexer)}
         for p in model.parameters():
             if id(p) not in keep_fp32:

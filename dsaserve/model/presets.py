@@ -1,10 +1,10 @@
 """Model presets as Hugging Face `config.json` dicts.
 
 Real shapes (GLM-5.3, DeepSeek-V3.2) serve the cost model and GPU benchmarks; tiny shapes are the
-built-in default model everywhere (`dsaserve make-model --preset tiny-glm5 OUT`). The tiny models keep
-the real attention row widths (512-wide latent, 64-wide RoPE key, 128-wide indexer keys) so that the
-656-byte fp8_ds_mla rows and 132-byte indexer keys are exercised byte for byte, and 16 indexer heads
-so that indexer ties are rare.
+built-in default model everywhere (`dsaserve make-model --preset tiny-glm5 OUT`). The tiny models
+keep the real attention row widths (512-wide latent, 64-wide RoPE key, 128-wide indexer keys) so
+that the 656-byte fp8_ds_mla rows and 132-byte indexer keys are exercised byte for byte, and 16
+indexer heads so that indexer ties are rare.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 MODEL_SPEC.md §2.2. The same table serves MLA and the indexer; only the pairing differs:
 
-    interleaved (GPT-J):  pairs (x[2i], x[2i+1]) rotate by angle i   — MLA (both families), GLM indexer
-    NeoX (half-split):    pairs (x[i],  x[i+d/2]) rotate by angle i  — DeepSeek-V3.2 indexer
+    interleaved (GPT-J):  pairs (x[2i], x[2i+1]) rotate by angle i   — MLA (both families), GLM
+    indexer NeoX (half-split):    pairs (x[i],  x[i+d/2]) rotate by angle i  — DeepSeek-V3.2 indexer
 
 Interleaved outputs stay interleaved (the layout vLLM / FlashMLA caches store); HF returns them
 de-interleaved, a fixed permutation of q and k that leaves every dot product unchanged.
@@ -23,7 +23,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [dim/2] (fp32) and the cos/sin multiplier (1.0 unless YaRN says otherwise)."""
+    """Inverse frequencies [dim/2] (fp32) and the cos/sin multiplier (1.0 unless YaRN sets it)."""
     base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     inv_freq = 1.0 / base  # [dim/2]
     if rope.rope_type != "yarn":
@@ -63,8 +63,10 @@ class RotaryTable:
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """Rotate x [N, ..., dim] by cos/sin [N, dim/2]; returns x's dtype and layout (computed in fp32)."""
+def apply_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
+    """Rotate x [N, ..., dim] by cos/sin [N, dim/2] in fp32; keeps x's dtype and layout."""
     shape = x.shape
     xf = x.float()
     extra = (1,) * (x.dim() - 2)

@@ -9,11 +9,11 @@ Attention under DCP = N (each rank stores 1/N of every request's tokens):
   * shared rows — identical on every rank of the group (every row without PCP; decode rows and
     short prefills with PCP): local indexer scores → local top-k (score, id) → all-gather → exact
     global top-k; attend over the owned part of it → (o, lse) partials merged by log-sum-exp
-    (`ag_rs`: all-gather LSE + reduce-scatter heads; `a2a`: one all-to-all; with PCP every rank keeps
-    all heads, so the partials are all-gathered and merged).
-  * own rows — PCP-split prefill rows that only this rank computes: the request's context shards are
-    all-gathered into a temporary full copy (in the cache's own byte format), attended like a single
-    rank, then freed.
+    (`ag_rs`: all-gather LSE + reduce-scatter heads; `a2a`: one all-to-all; with PCP every rank
+    keeps all heads, so the partials are all-gathered and merged).
+  * own rows — PCP-split prefill rows that only this rank computes: the request's context shards
+    are all-gathered into a temporary full copy (in the cache's own byte format), attended like a
+    single rank, then freed.
 
 Every shape entering a collective is derived from the global batch (same on every rank).
 """
@@ -38,7 +38,8 @@ def gather_new_rows(rows: torch.Tensor, meta: AttentionMetadata, group: Group) -
     return gathered[meta.pcp.restore_index]
 
 
-# ---- temporary full copies of one request's context (own rows under PCP × DCP) ---------------------
+# ---- temporary full copies of one request's context (own rows under PCP × DCP)
+# ---------------------
 def _raw_rows(cache: torch.Tensor, slots: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     """The bytes (or values) of each slot's row, as a [n, W] tensor in the cache's own format.
 
@@ -100,7 +101,8 @@ def own_rows_attention(attn, q_idx, w_idx, q_full, prev_topk, meta: AttentionMet
     return o, topk
 
 
-# ---- shared rows: distributed top-k and LSE merge ----------------------------------------------------
+# ---- shared rows: distributed top-k and LSE merge
+# ----------------------------------------------------
 def distributed_topk(q_idx, w_idx, cache, meta: AttentionMetadata, backend: AttentionBackend,
                      group: Group, topk: int) -> torch.Tensor:
     """Local top-k over this rank's keys → all-gather (score, id) → exact global top-k [T, k]."""
@@ -116,8 +118,8 @@ def merged_sparse_attention(q_full, topk, meta: AttentionMetadata, cache, backen
     """Attend over the owned part of the global top-k and merge the partials over the group.
 
     q_full [T, H_all, L+R] holds every head (gathered over the group first when `heads_split`,
-    i.e. DCP over TP ranks); returns o [T, H_out, L] — this rank's heads when `heads_split`, all
-    heads otherwise."""
+    i.e. DCP over TP ranks); returns o [T, H_out, L]: this rank's heads when `heads_split`, else
+    all heads."""
     slot_indices = layout.logical_to_slots(topk, meta.req_indices, meta.block_table,
                                            meta.block_size, meta.dcp_size, meta.dcp_rank,
                                            meta.interleave)  # −1 where another rank owns the key

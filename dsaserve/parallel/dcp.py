@@ -7,9 +7,9 @@ LSE merge of N shard partials (o_i, lse_i) of one (token, head):
     lse = m + log Σ_i exp(lse_i − m)
     o   = Σ_i exp(lse_i − lse) · o_i       (an empty shard has lse_i = −inf and weight 0, never NaN)
 
-Distributed top-k: a key in the global top-k has at most k−1 keys above it anywhere, hence at most k−1
-on its owner's shard, so it is in its owner's local top-k. Merging the N local top-k lists (score,
-global id) and taking the top k of the union is therefore exact.
+Distributed top-k: a key in the global top-k has at most k−1 keys above it anywhere, hence at most
+k−1 on its owner's shard, so it is in its owner's local top-k. Merging the N local top-k lists
+(score, global id) and taking the top k of the union is therefore exact.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ def lse_merge(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.T
     m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w = torch.exp(lse - m_safe)  # [N, T, H]; exactly 0 for empty shards
     total = w.sum(dim=0)  # [T, H]
-    merged_lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf")))
+    merged_lse = torch.where(
+        total > 0, m_safe + torch.log(total), torch.full_like(m, float("-inf"))
+    )
     weights = torch.where(total > 0, w / total.clamp_min(1e-30), torch.zeros_like(w))
     merged_o = (weights[..., None] * torch.nan_to_num(o.float())).sum(dim=0)
     return merged_o, merged_lse
 
 
-def local_topk_candidates(scores: torch.Tensor, key_ids: torch.Tensor, k: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def local_topk_candidates(
+    scores: torch.Tensor, key_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [T, S_local] (−inf = ineligible), key_ids [S_local] global ids of the local keys
     → (scores [T, k], ids [T, k] int64), padded with (−inf, −1); ready to all-gather and merge."""
     t, s = scores.shape

@@ -8,8 +8,8 @@ Rank layout of an engine with world = PCP × TP (DP replicas are separate engine
                    rank 2 (pcp 1, tp 0)  rank 3 (pcp 1, tp 1)
     tp groups  {0,1} {2,3}    pcp groups {0,2} {1,3}    ep: every rank
 
-DCP is a view, never extra ranks: the PCP group when PCP > 1 (dcp = pcp), else the TP group (tp = dcp).
-Layers receive a `ParallelGroups` and never read environment variables or globals.
+DCP is a view, never extra ranks: the PCP group when PCP > 1 (dcp = pcp), else the TP group (tp =
+dcp). Layers receive a `ParallelGroups` and never read environment variables or globals.
 """
 
 from __future__ import annotations

@@ -6,13 +6,13 @@ A prefill of q tokens is cut into 2N chunks of c = ceil(q / 2N) tokens; rank r t
     N = 2, q = 8:   chunks  | 0 1 | 2 3 | 4 5 | 6 7 |
                     rank    |  0  |  1  |  1  |  0  |
 
-Tokens keep their true positions. A request is *replicated* (every rank computes all its tokens) when
-it cannot fill 2N non-empty chunks — decode rows and short prefills. The partition is a pure function
-of the global batch, so every rank computes the same one without talking.
+Tokens keep their true positions. A request is *replicated* (every rank computes all its tokens)
+when it cannot fill 2N non-empty chunks — decode rows and short prefills. The partition is a pure
+function of the global batch, so every rank computes the same one without talking.
 
 Each rank's rows are padded to the same length P (rank-invariant), so an all-gather of per-rank rows
-gives a rank-major [N·P] layout; `restore_index` maps it back to the global order (a replicated token
-is taken from rank 0's copy):
+gives a rank-major [N·P] layout; `restore_index` maps it back to the global order (a replicated
+token is taken from rank 0's copy):
 
     global      [A B C D E F G]          (A, B: one request, replicated; C..G split)
     gathered    [A B . . | A B . .]  ...  restore_index picks one row per global token

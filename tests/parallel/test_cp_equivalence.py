@@ -6,7 +6,6 @@ logits of every scheduled token must match the single rank within fp32 tolerance
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import tempfile
 
@@ -53,7 +52,9 @@ def run_schedule(runner: ModelRunner, tokens, steps) -> dict[str, torch.Tensor]:
         new, cached = [], []
         for rid in step:
             if rid not in seen:
-                new.append(NewRequestData(rid, tuple(tokens[rid]), SamplingParams(), blocks[rid], 0))
+                new.append(
+                    NewRequestData(rid, tuple(tokens[rid]), SamplingParams(), blocks[rid], 0)
+                )
                 seen.add(rid)
             else:
                 cached.append(CachedRequestData(rid, (), (), done[rid]))
@@ -73,10 +74,17 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
         runner = ModelRunner(config, groups=groups)
         tokens, steps = _schedule(config.model.vocab_size)
         result = run_schedule(runner, tokens, steps)
-        written = sum(int((c.kv.view(-1, c.kv.shape[-1]).abs().sum(-1) > 0).sum())
-                      for c in runner.caches[:1])
-        torch.save({"logits": result, "rows_written_layer0": written,
-                    "indexer_rows": runner.model.backend.indexer_rows_scored}, f"{out_path}.{rank}")
+        written = sum(
+            int((c.kv.view(-1, c.kv.shape[-1]).abs().sum(-1) > 0).sum()) for c in runner.caches[:1]
+        )
+        torch.save(
+            {
+                "logits": result,
+                "rows_written_layer0": written,
+                "indexer_rows": runner.model.backend.indexer_rows_scored,
+            },
+            f"{out_path}.{rank}",
+        )
     finally:
         dist.destroy_process_group()
 
@@ -84,8 +92,13 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
 def run_parallel(config, world: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file, out = os.path.join(tmp, "rdzv"), os.path.join(tmp, "out")
-        mp.start_processes(_worker, args=(world, init_file, config, out), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _worker,
+            args=(world, init_file, config, out),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
         return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
@@ -101,15 +114,22 @@ def single(model_dirs, engine_config_module):
 
 @pytest.fixture(scope="module")
 def engine_config_module():
-    from dsaserve.config import (AttentionConfig, CacheConfig, EngineConfig, ModelConfig,
-                                 SchedulerConfig)
+    from dsaserve.config import (
+        AttentionConfig,
+        CacheConfig,
+        EngineConfig,
+        ModelConfig,
+        SchedulerConfig,
+    )
 
     def build(model_dir, kv="auto", **parallel):
         return EngineConfig(
-            str(model_dir), ModelConfig.from_file(model_dir),
+            str(model_dir),
+            ModelConfig.from_file(model_dir),
             cache=CacheConfig(block_size=16, kv_cache_dtype=kv, num_gpu_blocks=40),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=256,
-                                      max_model_len=128),
+            scheduler=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128
+            ),
             attention=AttentionConfig(sparse_mla_force_mqa=True),
             parallel=ParallelConfig(**parallel),
         )
@@ -123,18 +143,31 @@ CASES = {
     "pcp2": dict(prefill_context_parallel_size=2),
     "pcp2-ep": dict(prefill_context_parallel_size=2, enable_expert_parallel=True),
     "pcp2-dcp2": dict(prefill_context_parallel_size=2, decode_context_parallel_size=2),
-    "pcp2-dcp2-i16": dict(prefill_context_parallel_size=2, decode_context_parallel_size=2,
-                          cp_kv_cache_interleave_size=16),
+    "pcp2-dcp2-i16": dict(
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+        cp_kv_cache_interleave_size=16,
+    ),
     "tp2-dcp2-agrs": dict(tensor_parallel_size=2, decode_context_parallel_size=2),
-    "tp2-dcp2-a2a-i16": dict(tensor_parallel_size=2, decode_context_parallel_size=2,
-                             dcp_comm_backend="a2a", cp_kv_cache_interleave_size=16),
+    "tp2-dcp2-a2a-i16": dict(
+        tensor_parallel_size=2,
+        decode_context_parallel_size=2,
+        dcp_comm_backend="a2a",
+        cp_kv_cache_interleave_size=16,
+    ),
     # N = 4, and PCP × TP with EP over all four ranks
-    "pcp4-dcp4-ep": dict(prefill_context_parallel_size=4, decode_context_parallel_size=4,
-                         enable_expert_parallel=True),
-    "tp4-dcp4-a2a": dict(tensor_parallel_size=4, decode_context_parallel_size=4,
-                         dcp_comm_backend="a2a"),
-    "pcp2-tp2-dcp2-ep": dict(prefill_context_parallel_size=2, tensor_parallel_size=2,
-                             decode_context_parallel_size=2, enable_expert_parallel=True),
+    "pcp4-dcp4-ep": dict(
+        prefill_context_parallel_size=4, decode_context_parallel_size=4, enable_expert_parallel=True
+    ),
+    "tp4-dcp4-a2a": dict(
+        tensor_parallel_size=4, decode_context_parallel_size=4, dcp_comm_backend="a2a"
+    ),
+    "pcp2-tp2-dcp2-ep": dict(
+        prefill_context_parallel_size=2,
+        tensor_parallel_size=2,
+        decode_context_parallel_size=2,
+        enable_expert_parallel=True,
+    ),
 }
 
 
@@ -181,8 +214,12 @@ def test_pcp_ranks_score_only_their_own_query_rows(model_dirs, engine_config_mod
 
 
 def test_pcp_dcp_with_fp8_cache(model_dirs, engine_config_module, single):
-    cfg = engine_config_module(model_dirs["tiny-glm5"], "fp8_ds_mla",
-                               prefill_context_parallel_size=2, decode_context_parallel_size=2)
+    cfg = engine_config_module(
+        model_dirs["tiny-glm5"],
+        "fp8_ds_mla",
+        prefill_context_parallel_size=2,
+        decode_context_parallel_size=2,
+    )
     # Ranks compute a token's latent in a different batch than the single rank does, so fp32
     # results differ in the last bit and an e4m3 rounding can flip: one fp8 ulp, not a layout bug
     # (a misplaced row or scale gives errors of order 1).

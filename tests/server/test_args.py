@@ -107,15 +107,25 @@ def test_bad_flags_exit_naming_the_flag(argv, message, capsys) -> None:
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--block-size", "48"], "--block-size: must be a positive power of two, got 48"),
-    (["--max-model-len", "99999"],
-     "--max-model-len: 99999 exceeds the model's max_position_embeddings 4096"),
-    (["-pcp", "2", "-dcp", "3"], "--decode-context-parallel-size: with PCP the DCP group is the PCP"),
-    (["-tp", "2", "-dcp", "2", "--dcp-comm-backend", "a2a", "-pcp", "2"],
-     "--dcp-comm-backend: PCP × DCP supports only 'ag_rs'"),
-    (["-tp", "4", "-dcp", "2"], "without PCP, DCP reuses the TP ranks"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--block-size", "48"], "--block-size: must be a positive power of two, got 48"),
+        (
+            ["--max-model-len", "99999"],
+            "--max-model-len: 99999 exceeds the model's max_position_embeddings 4096",
+        ),
+        (
+            ["-pcp", "2", "-dcp", "3"],
+            "--decode-context-parallel-size: with PCP the DCP group is the PCP",
+        ),
+        (
+            ["-tp", "2", "-dcp", "2", "--dcp-comm-backend", "a2a", "-pcp", "2"],
+            "--dcp-comm-backend: PCP × DCP supports only 'ag_rs'",
+        ),
+        (["-tp", "4", "-dcp", "2"], "without PCP, DCP reuses the TP ranks"),
+    ],
+)
 def test_bad_combinations_name_the_flag(model_dir: Path, argv, message, capsys) -> None:
     with pytest.raises(ConfigError, match=message):
         engine_config_from_args(parse_serve(*argv), str(model_dir))

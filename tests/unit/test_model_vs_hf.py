@@ -1,8 +1,8 @@
 """The model against the Hugging Face transformers implementation of each model type.
 
 Logits of a full prefill, of chunked prefills of several chunk sizes and of incremental decode must
-match HF's full forward (fp32 weights, model-dtype KV: max relative error ≤ 1e-4). The tiny models have
-16 indexer heads and top-k 16 < 48 tokens, so the indexer's selection is exercised.
+match HF's full forward (fp32 weights, model-dtype KV: max relative error ≤ 1e-4). The tiny models
+have 16 indexer heads and top-k 16 < 48 tokens, so the indexer's selection is exercised.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ def test_dense_path_matches_hf_on_short_prompts(setup, engine_config):
 
 
 def test_fp8_kv_matches_quantisation_simulated_in_hf(setup, engine_config):
-    """fp8_ds_mla rows (e4m3 latent, power-of-two tile scales, bf16 RoPE key) equal HF with the latent
-    quantised the same way, up to the bf16 rounding of k_pe, where every query sees ≤ top-k keys (so
-    the FP8 indexer's choice cannot matter); beyond that the FP8 indexer may pick other near-ties."""
+    """fp8_ds_mla rows (e4m3 latent, power-of-two tile scales, bf16 RoPE key) equal HF with the
+    latent quantised the same way, up to the bf16 rounding of k_pe, where every query sees ≤
+    top-k keys (so the FP8 indexer's choice cannot matter); beyond, it may pick other near-ties."""
     preset, model_dir, ids, ref = setup
     topk = 16
     sim = _hf_logits(model_dir, preset, ids[:topk], simulate_fp8_latent=True)

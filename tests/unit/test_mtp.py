@@ -68,8 +68,12 @@ def _hf_mtp_logits(model_dir, preset, ids, next_ids) -> torch.Tensor:
                     (state[f"model.layers.0.mlp.experts.{i}.gate_proj.weight"],
                      state[f"model.layers.0.mlp.experts.{i}.up_proj.weight"])) for i in range(e_)])
             elif ".mlp.experts.down_proj" in name:
-                merged[name] = torch.stack([state[f"model.layers.0.mlp.experts.{i}.down_proj.weight"]
-                                            for i in range(cfg.n_routed_experts)])
+                merged[name] = torch.stack(
+                    [
+                        state[f"model.layers.0.mlp.experts.{i}.down_proj.weight"]
+                        for i in range(cfg.n_routed_experts)
+                    ]
+                )
         one.load_state_dict(merged, strict=False)
         missing = set(one.state_dict()) - set(merged)
         assert not {m for m in missing if "rotary" not in m}, missing
@@ -85,8 +89,9 @@ def test_mtp_one_step_matches_hf_parts(model_dirs, engine_config, preset):
     runner = ModelRunner(engine_config(model_dir, block_size=16, num_blocks=8))
     assert runner.model.with_mtp
     rid = "r"
-    so = SchedulerOutput((NewRequestData(rid, tuple(ids[:T]), SamplingParams(), (0, 1, 2), 0),),
-                         (), {rid: T}, ())
+    so = SchedulerOutput(
+        (NewRequestData(rid, tuple(ids[:T]), SamplingParams(), (0, 1, 2), 0),), (), {rid: T}, ()
+    )
     runner._apply_diff(so)
     input_ids, meta, _ = runner._prepare([rid], {rid: T})
     hidden = runner.model(input_ids, meta, runner.caches)  # writes the target's caches

@@ -48,7 +48,7 @@ def test_partition_exhaustive():
             for r in range(n):
                 assert list(p.local_indices[r]) == sorted(p.local_indices[r])
             # Balanced: split requests give every rank within one chunk of the same count.
-            split = [q for q, rep in zip(lens, p.replicated) if not rep]
+            split = [q for q, rep in zip(lens, p.replicated, strict=True) if not rep]
             if split and n > 1:
                 sizes = [len(x) for x in p.local_indices]
                 assert max(sizes) - min(sizes) <= 2 * max(-(-q // (2 * n)) for q in split)
