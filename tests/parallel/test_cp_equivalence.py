@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from dsaserve.config import ParallelConfig
 from dsaserve.core import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.kv.layout import dcp_local_seq_len
 from dsaserve.parallel.groups import ParallelGroups
 
 pytestmark = pytest.mark.parallel
@@ -186,11 +187,17 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
     world = cfg.parallel.world_size
     results = run_parallel(cfg, world)
     _check(results, single["auto"])
-    dcp = kwargs.get("decode_context_parallel_size", 1)
-    if dcp > 1:  # each rank holds 1/N of the rows (70+6+5+65 tokens), within one page per request
-        total = 70 + 6 + 5 + 65
-        for res in results:
-            assert abs(res["rows_written_layer0"] - total / dcp) <= 4 * 16
+    # Each DCP rank stores exactly its own tokens: 1/N of every request, ± one interleave run.
+    dcp = cfg.parallel.decode_context_parallel_size
+    lengths = [len(t) for t in _schedule(cfg.model.vocab_size)[0].values()]
+    inter = cfg.parallel.cp_kv_cache_interleave_size
+    for rank, res in enumerate(results):
+        # rank = pcp_rank · tp + tp_rank; the DCP group is the PCP group, else the TP group
+        pcp = cfg.parallel.prefill_context_parallel_size
+        dcp_rank = rank // cfg.parallel.tensor_parallel_size if pcp > 1 else rank % dcp
+        want = sum(dcp_local_seq_len(n, dcp, dcp_rank, inter) for n in lengths)
+        assert res["rows_written_layer0"] == want
+        assert abs(want - sum(lengths) / dcp) <= len(lengths) * inter
 
 
 def test_pcp_ranks_score_only_their_own_query_rows(model_dirs, engine_config_module):
