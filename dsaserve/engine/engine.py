@@ -10,22 +10,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import EngineStats, Request, RequestOutput, SamplingParams
+from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from dsaserve.engine.dp import DataParallelEngine
+
 
 class LLMEngine:
-    """Single-rank engine. Not thread-safe: one owner thread calls every method."""
+    """One engine: a scheduler driving the ranks of one model replica through an executor.
+    Not thread-safe: one owner thread calls every method."""
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | ModelRunner,
+                 tokenizer: Tokenizer | None) -> None:
         self.config = config
-        self.runner = runner
+        if isinstance(executor, ModelRunner):
+            executor = InProcessExecutor(executor)
+        self.executor: Executor = executor
+        # The local runner of a single-process engine (tests inspect it); None with workers.
+        self.runner = executor.runner if isinstance(executor, InProcessExecutor) else None
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config.scheduler, config.cache, runner.num_blocks,
+        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -33,15 +44,24 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(eos))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        if config.parallel.world_size > 1 or config.parallel.data_parallel_size > 1:
-            raise ValueError("parallel layouts run through dsaserve.parallel (not in this engine)")
-        runner = ModelRunner(config)
+    def from_config(cls, config: EngineConfig) -> LLMEngine | DataParallelEngine:
+        """world 1: the runner in this process; world > 1: one worker process per rank;
+        --data-parallel-size > 1: a DataParallelEngine of that many such engines."""
+        if config.parallel.data_parallel_size > 1:
+            from dsaserve.engine.dp import DataParallelEngine  # dp builds on this module
+
+            return DataParallelEngine.from_config(config)
+        executor: Executor = (InProcessExecutor(ModelRunner(config))
+                              if config.parallel.world_size == 1 else MultiprocExecutor(config))
         try:
             tokenizer = Tokenizer.from_pretrained(config.model_path)
         except (OSError, ValueError):
             tokenizer = None  # token-id-only use (benchmarks, tests) needs none
-        return cls(config, runner, tokenizer)
+        try:
+            return cls(config, executor, tokenizer)
+        except BaseException:
+            executor.shutdown()  # no worker outlives a failed start
+            raise
 
     # ---- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -57,7 +77,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute(scheduler_output)
+        runner_output = self.executor.execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

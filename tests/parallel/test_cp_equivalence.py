@@ -194,7 +194,10 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
     for rank, res in enumerate(results):
         # rank = pcp_rank · tp + tp_rank; the DCP group is the PCP group, else the TP group
         pcp = cfg.parallel.prefill_context_parallel_size
-        dcp_rank = rank // cfg.parallel.tensor_parallel_size if pcp > 1 else rank % dcp
+        if dcp == 1:
+            dcp_rank = 0
+        else:
+            dcp_rank = rank // cfg.parallel.tensor_parallel_size if pcp > 1 else rank % dcp
         want = sum(dcp_local_seq_len(n, dcp, dcp_rank, inter) for n in lengths)
         assert res["rows_written_layer0"] == want
         assert abs(want - sum(lengths) / dcp) <= len(lengths) * inter

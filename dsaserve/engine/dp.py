@@ -1,0 +1,171 @@
+"""Data parallelism: several independent engine replicas behind one engine-shaped front.
+
+    DataParallelEngine ── add_request ──► the least loaded replica (the request stays there)
+        │
+        ├─ replica 0: LLMEngine = Scheduler + MultiprocExecutor (workers on devices 0 .. W−1)
+        ├─ replica 1: LLMEngine = Scheduler + MultiprocExecutor (workers on devices W .. 2W−1)
+        └─ ...
+
+Replicas share nothing (no KV, no prefix cache, no collectives): each request is pinned to one
+replica for its whole life, and aborts follow it there. A step schedules every replica, sends every
+step, then collects them all, so the replicas compute concurrently while this process waits.
+The public API is LLMEngine's, so the server and the CLI drive either without knowing which.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+
+from dsaserve.config import EngineConfig
+from dsaserve.core import (
+    EngineStats,
+    ModelRunnerOutput,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.executor import EngineDeadError, MultiprocExecutor
+from dsaserve.tokenizer import Tokenizer
+
+
+def pick_replica(loads: Sequence[tuple[int, int]]) -> int:
+    """The replica for a new request, from each replica's (unfinished requests, used KV blocks):
+    fewest unfinished requests, then fewest used blocks, ties to the lowest index."""
+    return min(range(len(loads)), key=lambda i: (*loads[i], i))
+
+
+class DataParallelEngine:
+    """`data_parallel_size` LLMEngines, each with its own scheduler and worker processes (even at
+    world 1: replicas must run in separate processes to compute at the same time).
+    Not thread-safe: one owner thread calls every method."""
+
+    def __init__(self, config: EngineConfig, replicas: Sequence[LLMEngine],
+                 tokenizer: Tokenizer | None) -> None:
+        self.config = config
+        self.replicas = list(replicas)
+        self.tokenizer = tokenizer
+        # request id → replica index, for every request added and not yet finished or aborted
+        self._owner: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> DataParallelEngine:
+        """Start every replica at once (worker start-up dominates); replica i's workers use the
+        devices from offset i·world."""
+        world, num = config.parallel.world_size, config.parallel.data_parallel_size
+        with ThreadPoolExecutor(num, thread_name_prefix="dp-start") as pool:
+            futures = [pool.submit(MultiprocExecutor, config, device_offset=i * world)
+                       for i in range(num)]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise errors[0]
+        executors = [f.result() for f in futures]
+        try:
+            tokenizer: Tokenizer | None = Tokenizer.from_pretrained(config.model_path)
+        except (OSError, ValueError):
+            tokenizer = None  # token-id-only use (benchmarks, tests) needs none
+        try:
+            replicas = [LLMEngine(config, executor, tokenizer) for executor in executors]
+        except BaseException:
+            for executor in executors:
+                executor.shutdown()
+            raise
+        return cls(config, replicas, tokenizer)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                    *, cache_salt: str | None = None) -> None:
+        """Pin the request to the least loaded replica; raises RequestError like LLMEngine (ids
+        are unique across replicas, not only within one)."""
+        if request_id in self._owner:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        index = pick_replica([self._load(r) for r in self.replicas])
+        self.replicas[index].add_request(request_id, prompt_token_ids, params,
+                                         cache_salt=cache_salt)
+        self._owner[request_id] = index
+
+    def abort_request(self, request_id: str) -> None:
+        """Unknown or finished ids are ignored. The "abort" output comes with a later step."""
+        index = self._owner.pop(request_id, None)
+        if index is not None:
+            self.replicas[index].abort_request(request_id)
+
+    def step(self) -> list[RequestOutput]:
+        try:
+            # 1. schedule every replica (this process, CPU only)
+            scheduled = [r.scheduler.schedule() for r in self.replicas]
+            # 2. start every replica with something to run or forget: they compute concurrently
+            busy = [not so.is_empty or bool(so.finished_request_ids) for so in scheduled]
+            for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
+                if b:
+                    replica.executor.execute_async(so)
+            # 3. collect each, advance its scheduler (aborted requests come out of idle ones too)
+            outputs: list[RequestOutput] = []
+            for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
+                runner_output = (replica.executor.collect() if b
+                                 else ModelRunnerOutput(sampled_token_ids={}))
+                outputs += replica.scheduler.update_from_output(so, runner_output)
+        except EngineDeadError:
+            self.shutdown()  # one dead replica ends the engine: stop the others' workers too
+            raise
+        # 4. finished requests leave their replica (aborted ones left at abort_request, and their
+        #    id may already name a new request)
+        for out in outputs:
+            if out.finished and out.finish_reason != "abort":
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def stats(self) -> EngineStats:
+        """The sum over replicas (kv_cache_usage is then the pooled usage)."""
+        parts = [r.stats() for r in self.replicas]
+        return EngineStats(**{f.name: sum(getattr(p, f.name) for p in parts)
+                              for f in fields(EngineStats)})
+
+    def check_integrity(self) -> None:
+        """Every replica's invariants, and the pinning: each live request of replica i is pinned
+        to i, and every pinned request is live in its replica."""
+        live: dict[str, int] = {}
+        for i, replica in enumerate(self.replicas):
+            replica.check_integrity()
+            for request_id in replica.scheduler.requests:
+                live[request_id] = i
+        if live != self._owner:
+            raise AssertionError(f"data parallel: live requests by replica {live} != pinned "
+                                 f"{self._owner}")
+
+    def shutdown(self) -> None:
+        """Stop every replica's workers (idempotent)."""
+        for replica in self.replicas:
+            replica.executor.shutdown()
+
+    # ---- offline convenience --------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams],
+                 *, cache_salt: str | None = None) -> list[list[int]]:
+        """Run prompts to completion; returns the output token ids of each, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p, cache_salt=cache_salt)
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.request_id in outputs:
+                    outputs[out.request_id].extend(out.new_token_ids)
+        return [outputs[rid] for rid in ids]
+
+    @staticmethod
+    def _load(replica: LLMEngine) -> tuple[int, int]:
+        stats = replica.stats()
+        return (stats.num_running + stats.num_waiting,
+                stats.num_total_blocks - stats.num_free_blocks)

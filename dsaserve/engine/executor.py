@@ -1,0 +1,355 @@
+"""Executors: how the engine core reaches the model runners of its ranks.
+
+The engine core always talks to an executor, never to a runner, so a one-rank engine and a
+world of worker processes look the same to it:
+
+    InProcessExecutor   world 1: the ModelRunner lives in this process (no IPC at all)
+    MultiprocExecutor   world = pcp × tp: one spawned worker process per rank (engine/worker.py)
+
+A step is split in two so that several engines (data-parallel replicas) compute at once:
+`execute_async(so)` hands the step to every rank and returns; `collect()` waits for it.
+
+Failure detection: while waiting, the executor watches every worker's pipe AND its process
+sentinel, so a worker that is killed, crashes or runs out of memory is noticed at once (a rank
+blocked in a collective with a dead peer would otherwise wait forever). The executor then stops
+every other worker and raises EngineDeadError; it is dead from then on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import torch
+
+from dsaserve.config import EngineConfig
+from dsaserve.core import ModelRunnerOutput, SchedulerOutput
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.worker import (
+    CallMethod,
+    CallResult,
+    ExecuteStep,
+    FromWorker,
+    Shutdown,
+    StepDone,
+    ToWorker,
+    WorkerError,
+    WorkerReady,
+    WorkerSpec,
+    encode,
+    recv,
+    run_worker,
+)
+
+_FAILURE_GRACE_S = 0.5  # after one failure, how long peers get to report theirs (the root cause)
+_SHUTDOWN_TIMEOUT_S = 5.0  # graceful exit of every worker, then SIGTERM, then SIGKILL
+_TERMINATE_TIMEOUT_S = 2.0
+
+Reply = TypeVar("Reply", WorkerReady, StepDone, CallResult)
+
+
+class EngineDeadError(RuntimeError):
+    """A worker died or raised: the engine cannot continue. Every worker has been stopped."""
+
+
+class Executor(Protocol):
+    """What the engine core needs from its ranks."""
+
+    world_size: int
+    num_blocks: int  # KV blocks the scheduler may hand out (the minimum over ranks)
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    def collect(self) -> ModelRunnerOutput: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def call(self, name: str, *args: Any) -> list[Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------
+# world 1: the runner in this process
+# ------------------------------------------------------------------------------------------------
+class InProcessExecutor:
+    """Wraps a local ModelRunner; `execute_async` runs the step at once (there is no other process
+    to overlap with) and `collect` hands back its output."""
+
+    world_size = 1
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.num_blocks = runner.num_blocks
+        self._pending: ModelRunnerOutput | None = None
+
+    def execute_async(self, scheduler_output: SchedulerOutput) -> None:
+        if self._pending is not None:
+            raise RuntimeError("execute_async: the previous step was not collected")
+        self._pending = self.runner.execute(scheduler_output)
+
+    def collect(self) -> ModelRunnerOutput:
+        output, self._pending = self._pending, None
+        if output is None:
+            raise RuntimeError("collect: no step in flight (call execute_async first)")
+        return output
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_async(scheduler_output)
+        return self.collect()
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        return [getattr(self.runner, name)(*args)]
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# world > 1 (or a DP replica): one worker process per rank
+# ------------------------------------------------------------------------------------------------
+def worker_device(device: str, rank: int, device_offset: int = 0) -> str:
+    """The device of `rank`: the engine's GPUs are consecutive from the configured one.
+
+        device "cuda:2", device_offset 4 (DP replica 1 of world 4), rank 3  →  "cuda:9"
+        device "cpu"                                                        →  "cpu"
+    """
+    d = torch.device(device)
+    if d.type == "cpu":
+        return "cpu"
+    if d.type != "cuda":
+        raise ValueError(f"--device: workers run on cpu or cuda, got {device!r}")
+    return f"cuda:{(d.index or 0) + device_offset + rank}"
+
+
+def cpu_threads_per_worker(num_workers: int) -> int:
+    """Torch threads per CPU worker so that the workers of every replica share the cores without
+    oversubscription (spin-waiting threads fighting for cores slow everything down)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // num_workers)
+
+
+class MultiprocExecutor:
+    """Spawns `pcp × tp` workers, waits until each has built its runner, then drives them in
+    lock-step. Not thread-safe: one owner thread calls every method.
+
+    `device_offset` shifts the GPUs of this engine (DP replica i uses offset i·world).
+    Workers are stopped by `shutdown()`, when the executor is garbage-collected, at interpreter
+    exit, and when the engine core's process dies (each worker watches its parent).
+    """
+
+    def __init__(self, config: EngineConfig, *, device_offset: int = 0,
+                 poll_interval_s: float = 0.5) -> None:
+        self.world_size = config.parallel.world_size
+        self._poll_interval_s = poll_interval_s
+        self._dead_reason: str | None = None
+        self._in_flight = False  # a step was sent and not yet collected
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="dsaserve-rendezvous-")
+        # Registered before anything starts, holding no reference to self: runs exactly once, on
+        # shutdown(), on garbage collection or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns,
+                                           self._rendezvous_dir)
+        num_replicas = config.parallel.data_parallel_size
+        threads = (cpu_threads_per_worker(self.world_size * num_replicas)
+                   if torch.device(config.device).type == "cpu" else None)
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(self.world_size):
+                spec = WorkerSpec(
+                    config=config, rank=rank, world_size=self.world_size,
+                    rendezvous_file=os.path.join(self._rendezvous_dir, "store"),
+                    device=worker_device(config.device, rank, device_offset), num_threads=threads,
+                )
+                ours, theirs = ctx.Pipe()
+                # daemon: multiprocessing's own exit handler terminates them as a last resort.
+                proc = ctx.Process(target=run_worker, args=(spec, theirs), daemon=True,
+                                   name=f"dsaserve-worker-{device_offset + rank}")
+                proc.start()
+                theirs.close()  # only the child holds it now: its death makes our end read EOF
+                self._procs.append(proc)
+                self._conns.append(ours)
+            ready = self._gather(WorkerReady)
+        except BaseException:
+            self._kill_all()
+            raise
+        self.num_blocks = min(r.num_blocks for r in ready)
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(p.pid for p in self._procs if p.pid is not None)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def execute_async(self, scheduler_output: SchedulerOutput) -> None:
+        """Send the step to every rank; they start at once (in lock-step through collectives)."""
+        self._broadcast(ExecuteStep(scheduler_output))
+        self._in_flight = True
+
+    def collect(self) -> ModelRunnerOutput:
+        """Wait for every rank's answer to the step in flight; rank 0's output is the engine's."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if not self._in_flight:
+            raise RuntimeError("collect: no step in flight (call execute_async first)")
+        self._in_flight = False
+        output = self._gather(StepDone)[0].output
+        assert output is not None, "rank 0 answered a step without its output"
+        return output
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_async(scheduler_output)
+        return self.collect()
+
+    def call(self, name: str, *args: Any) -> list[Any]:
+        """`getattr(runner, name)(*args)` on every rank; the results in rank order. An exception on
+        any rank is fatal, like one in a step (ranks could otherwise diverge)."""
+        self._broadcast(CallMethod(name, tuple(args)))
+        return [reply.value for reply in self._gather(CallResult)]
+
+    def shutdown(self) -> None:
+        """Stop every worker (gracefully, then by signal); idempotent."""
+        if self._dead_reason is None:
+            self._dead_reason = "the engine was shut down"
+        self._finalizer()
+
+    # ---- the control plane -----------------------------------------------------------------------
+    def _broadcast(self, message: ToWorker) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._in_flight:
+            raise RuntimeError(f"{type(message).__name__}: the previous step was not collected")
+        for rank, proc in enumerate(self._procs):  # a rank that died while we were idle
+            if not proc.is_alive():
+                self._fail(rank)
+        data = encode(message)  # pickled once for every rank
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:  # BrokenPipeError: the worker is gone
+                self._fail(rank)
+
+    def _gather(self, kind: type[Reply]) -> list[Reply]:
+        """One `kind` reply from every rank, in rank order. Waits on the pipes and the process
+        sentinels together, so a dead worker ends the wait as surely as an answer does."""
+        replies: list[Reply | None] = [None] * self.world_size
+        while missing := [r for r, reply in enumerate(replies) if reply is None]:
+            wait([self._conns[r] for r in missing] + [self._procs[r].sentinel for r in missing],
+                 timeout=self._poll_interval_s)
+            for rank in missing:
+                conn = self._conns[rank]
+                if conn.poll():  # a message, or EOF
+                    try:
+                        message = recv(conn)
+                    except (EOFError, OSError):
+                        self._fail(rank)
+                    replies[rank] = self._expect(rank, message, kind)
+                elif not self._procs[rank].is_alive():
+                    self._fail(rank)
+        return [reply for reply in replies if reply is not None]
+
+    def _expect(self, rank: int, message: FromWorker, kind: type[Reply]) -> Reply:
+        if isinstance(message, WorkerError):
+            self._fail(rank, message)
+        if not isinstance(message, kind):
+            self._fail(rank, WorkerError(rank, f"protocol error: expected {kind.__name__}, got "
+                                               f"{type(message).__name__}"))
+        return message
+
+    # ---- failure ---------------------------------------------------------------------------------
+    def _fail(self, rank: int, report: WorkerError | None = None) -> NoReturn:
+        """Stop every worker and raise EngineDeadError naming the root cause.
+
+        Failures come in bursts: when one rank is killed, its peers' collectives fail too and they
+        report errors. A rank that exited without a report (killed, crashed, OOM) is the root
+        cause, so it is named first; the grace period lets it surface when a peer's report
+        happened to arrive first.
+        """
+        reports = {rank: report} if report is not None else {}
+        if report is not None:
+            others = [p.sentinel for r, p in enumerate(self._procs) if r != rank]
+            if others:
+                wait(others, timeout=_FAILURE_GRACE_S)  # returns at the first death, if any
+        else:
+            self._procs[rank].join(_FAILURE_GRACE_S)  # reap it, to read its exit code
+        codes = {r: p.exitcode for r, p in enumerate(self._procs)}  # before we stop anyone
+        for r, code in codes.items():
+            if code is not None and r not in reports and (late := _pending_report(self._conns[r])):
+                reports[r] = late
+        self._kill_all()
+        lines = [f"worker rank {r} exited with code {code}" for r, code in codes.items()
+                 if code is not None and r not in reports]
+        by_traceback: dict[str, list[int]] = {}
+        for r in sorted(reports):
+            by_traceback.setdefault(reports[r].traceback, []).append(r)
+        for tb, ranks in by_traceback.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_join(ranks)}"
+            lines.append(f"worker {who} raised:\n{tb.rstrip()}")
+        if not lines:
+            lines = [f"worker rank {rank} closed its pipe"]
+        self._dead_reason = "\n".join(lines)
+        raise EngineDeadError(self._dead_reason)
+
+    def _kill_all(self) -> None:
+        """Survivors may be blocked in a collective with a dead peer: no graceful exit for them."""
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.terminate()
+        _reap(self._procs, _TERMINATE_TIMEOUT_S)
+        if self._dead_reason is None:
+            self._dead_reason = "the engine's workers were stopped"
+        self._finalizer()
+
+
+def _pending_report(conn: Connection) -> WorkerError | None:
+    """The error report a dead worker left in its pipe, if any."""
+    try:
+        if conn.poll():
+            message = recv(conn)
+            return message if isinstance(message, WorkerError) else None
+    except (EOFError, OSError):
+        pass
+    return None
+
+
+def _join(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _reap(procs: Sequence[BaseProcess], timeout_s: float) -> None:
+    """Join `procs` within `timeout_s` overall; SIGKILL whatever is left, then join that."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _stop_workers(procs: list[BaseProcess], conns: list[Connection], rendezvous_dir: str) -> None:
+    """The executor's finalizer: ask the live workers to exit, make sure they did, free the rest."""
+    for proc, conn in zip(procs, conns, strict=True):
+        if proc.is_alive():
+            try:
+                conn.send_bytes(encode(Shutdown()))
+            except OSError:
+                pass
+    deadline = time.monotonic() + _SHUTDOWN_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    _reap(procs, _TERMINATE_TIMEOUT_S)
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)

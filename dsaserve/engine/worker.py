@@ -1,0 +1,195 @@
+"""One worker process per rank: joins the engine's `torch.distributed` world, owns a ModelRunner,
+and obeys the engine core's control-plane messages in lock-step with the other ranks.
+
+    engine core (MultiprocExecutor)                    worker rank r (this module)
+    ───────────────────────────────                    ───────────────────────────
+                                       spawn ──►  init_process_group(file://…, rank r, world)
+                                                  ParallelGroups.build → ModelRunner
+             gather WorkerReady  ◄── WorkerReady(r, num_blocks)
+    ExecuteStep(so) to every rank ──►             runner.execute(so)   (collectives inside)
+             gather StepDone     ◄── StepDone(r, output if r == 0 else None)
+    CallMethod(name, args) ──────►                getattr(runner, name)(*args)
+             gather CallResult   ◄── CallResult(r, value)
+    Shutdown ────────────────────►                destroy the process group, exit 0
+                  any exception  ◄── WorkerError(r, traceback), exit 1
+
+The control plane is a multiprocessing Pipe per rank carrying pickled dataclasses (`send`/`recv`
+below are the only serializer); tensors between ranks travel only through the data plane
+(gloo on CPU, NCCL on GPU). Non-zero ranks answer every step with a small ack so that a rank that
+fails is noticed on the step it fails, not at the next collective.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from multiprocessing import parent_process
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsaserve.config import EngineConfig
+from dsaserve.core import ModelRunnerOutput, SchedulerOutput
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.parallel.groups import ParallelGroups
+
+
+# ------------------------------------------------------------------------------------------------
+# Messages: engine core → worker
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecuteStep:
+    scheduler_output: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class CallMethod:
+    """Run `getattr(runner, name)(*args)` on every rank (tests, metrics, per-rank accounting)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Messages: worker → engine core
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerReady:
+    rank: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class StepDone:
+    rank: int
+    output: ModelRunnerOutput | None  # rank 0's sampled tokens; None (an ack) from other ranks
+
+
+@dataclass(frozen=True)
+class CallResult:
+    rank: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class WorkerError:
+    """The worker raised; it exits with code 1 right after sending this."""
+
+    rank: int
+    traceback: str
+
+
+ToWorker = ExecuteStep | CallMethod | Shutdown
+FromWorker = WorkerReady | StepDone | CallResult | WorkerError
+
+
+def encode(message: ToWorker | FromWorker) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def send(conn: Connection, message: ToWorker | FromWorker) -> None:
+    conn.send_bytes(encode(message))
+
+
+def recv(conn: Connection) -> ToWorker | FromWorker:
+    """Raises EOFError when the other end is gone."""
+    return pickle.loads(conn.recv_bytes())
+
+
+# ------------------------------------------------------------------------------------------------
+# The worker process
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a spawned worker needs (pickled into the child by multiprocessing)."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    rendezvous_file: str  # the file:// store of this engine's world; fresh per engine
+    device: str  # "cpu" or "cuda:N" (the executor resolves the device offset)
+    num_threads: int | None  # torch CPU threads; None keeps torch's default
+
+
+def run_worker(spec: WorkerSpec, conn: Connection) -> None:
+    """Process entry (multiprocessing spawn target). Returns normally only after Shutdown."""
+    # Ctrl-C reaches the whole process group; the engine core decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    try:
+        runner = _start(spec)
+        send(conn, WorkerReady(spec.rank, runner.num_blocks))
+        while True:
+            try:
+                message = recv(conn)
+            except EOFError:
+                os._exit(1)  # the engine core is gone: nobody is left to report to
+            if isinstance(message, Shutdown):
+                break
+            send(conn, _handle(runner, spec.rank, message))
+    except BaseException:
+        try:
+            send(conn, WorkerError(spec.rank, traceback.format_exc()))
+        except OSError:
+            pass
+        # Skip interpreter clean-up: a peer may be dead, and tearing down the process group
+        # could block in a collective. The engine core terminates the surviving ranks.
+        sys.stderr.flush()
+        os._exit(1)
+    _stop_distributed()
+
+
+def _start(spec: WorkerSpec) -> ModelRunner:
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        backend = "gloo"
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    dist.init_process_group(backend, init_method=f"file://{spec.rendezvous_file}",
+                            rank=spec.rank, world_size=spec.world_size)
+    groups = ParallelGroups.build(spec.config.parallel, spec.rank)
+    return ModelRunner(spec.config, groups=groups, device=device)
+
+
+def _handle(runner: ModelRunner, rank: int, message: ToWorker) -> FromWorker:
+    if isinstance(message, ExecuteStep):
+        output = runner.execute(message.scheduler_output)
+        return StepDone(rank, output if rank == 0 else None)
+    if isinstance(message, CallMethod):
+        return CallResult(rank, getattr(runner, message.name)(*message.args))
+    raise TypeError(f"worker rank {rank}: unexpected message {type(message).__name__}")
+
+
+def _stop_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """Exit as soon as the engine core's process dies, even while blocked in a collective (the
+    pipe's EOF is only seen between messages): no worker outlives its engine."""
+    parent = parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -1,0 +1,127 @@
+"""Fixtures of the multi-process tests: engine configs with a parallel layout, the prompts and the
+single-rank reference outputs every layout must reproduce, and checks that no worker is left.
+Helpers are handed out as fixtures (test modules do not import conftest)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from types import FrameType
+
+import pytest
+import torch
+
+from dsaserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
+from dsaserve.core import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+ConfigFactory = Callable[..., EngineConfig]
+
+
+def _build_config(model_dir: Path, *, tp: int = 1, pcp: int = 1, dp: int = 1,
+                 max_num_batched_tokens: int = 512, num_blocks: int = 64) -> EngineConfig:
+    """The tiny engine of tests/conftest.py's `engine_config`, with a parallel layout."""
+    return EngineConfig(
+        model_path=str(model_dir),
+        model=ModelConfig.from_file(model_dir),
+        cache=CacheConfig(block_size=16, num_gpu_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_num_batched_tokens,
+                                  max_model_len=256),
+        attention=AttentionConfig(sparse_mla_force_mqa=True),
+        parallel=ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
+                                data_parallel_size=dp),
+    )
+
+
+def _make_prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (21–99 tokens) with a shared 40-token prefix: prefix hits, sparse top-k
+    (tiny top-k is 16) and, under PCP, both split and replicated prefills happen."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(4, 512, (40,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        tail = torch.randint(4, 512, (3 + 11 * i,), generator=g).tolist()
+        out.append(shared + tail if i % 2 == 0 else tail + shared[:7])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["tiny-glm5"]
+
+
+@pytest.fixture(scope="session")
+def reference_outputs(tiny_dir: Path) -> list[list[int]]:
+    """Greedy outputs of the single-rank, single-process engine: one request at a time, whole
+    prompts, no prefix cache."""
+    from dsaserve.engine.engine import LLMEngine
+
+    config = _build_config(tiny_dir)
+    config = EngineConfig(config.model_path, config.model,
+                          cache=CacheConfig(block_size=16, num_gpu_blocks=64,
+                                            enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=512,
+                                                    max_model_len=256),
+                          attention=config.attention)
+    engine = LLMEngine.from_config(config)
+    return [engine.generate([p], GREEDY)[0] for p in _make_prompts()]
+
+
+def _assert_gone(pids: tuple[int, ...]) -> None:
+    """Every process has exited and been reaped (no orphan, no zombie)."""
+    assert pids, "no worker pids to check"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@contextmanager
+def _hang_guard(seconds: int) -> Iterator[None]:
+    """Turn a hang into a test failure (not a timing assertion: the limit is far above need)."""
+
+    def fail(signum: int, frame: FrameType | None) -> None:
+        raise TimeoutError(f"hung for {seconds} s")
+
+    previous: Callable | int | None = signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="session")
+def greedy() -> SamplingParams:
+    return GREEDY
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    return _make_prompts()
+
+
+@pytest.fixture(scope="session")
+def parallel_config(tiny_dir: Path) -> ConfigFactory:
+    """parallel_config(tp=, pcp=, dp=, max_num_batched_tokens=, num_blocks=) → EngineConfig."""
+    return lambda **kw: _build_config(tiny_dir, **kw)
+
+
+@pytest.fixture(scope="session")
+def assert_gone() -> Callable[[tuple[int, ...]], None]:
+    return _assert_gone
+
+
+@pytest.fixture(scope="session")
+def hang_guard() -> Callable[[int], AbstractContextManager[None]]:
+    return _hang_guard
