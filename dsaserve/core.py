@@ -13,6 +13,11 @@ class RequestError(ValueError):
     """Bad input from a client; the message is safe to return as an HTTP 400."""
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot continue (a worker died or raised, or it was shut down); every worker has
+    been stopped and no request in flight can complete."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens; validated on construction (a bad value raises RequestError)."""

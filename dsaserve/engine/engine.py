@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dsaserve.config import EngineConfig
-from dsaserve.core import EngineStats, Request, RequestOutput, SamplingParams
+from dsaserve.core import EngineStats, Request, RequestError, RequestOutput, SamplingParams
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler
@@ -63,10 +63,15 @@ class LLMEngine:
             executor.shutdown()  # no worker outlives a failed start
             raise
 
-    # ---- requests ---------------------------------------------------------------------------------
+    # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, cache_salt: str | None = None) -> None:
-        """Queue a request; raises RequestError (a client's mistake) before anything is allocated."""
+        """Queue a request; raises RequestError (a client's mistake) before anything is allocated,
+        so a bad request never reaches (and never fails) a step that other requests share."""
+        vocab = self.config.model.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_time=time.monotonic(), cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
@@ -89,8 +94,13 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
-    # ---- offline convenience ----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
+    def shutdown(self) -> None:
+        """Stop the worker processes (nothing to do for an in-process runner)."""
+        self.executor.shutdown()
+
+    # ---- offline convenience ---------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams],
                  *, cache_salt: str | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each, in order."""
         if isinstance(params, SamplingParams):

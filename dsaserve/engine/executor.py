@@ -31,7 +31,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import torch
 
 from dsaserve.config import EngineConfig
-from dsaserve.core import ModelRunnerOutput, SchedulerOutput
+from dsaserve.core import EngineDeadError, ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.worker import (
     CallMethod,
@@ -54,10 +54,6 @@ _SHUTDOWN_TIMEOUT_S = 5.0  # graceful exit of every worker, then SIGTERM, then S
 _TERMINATE_TIMEOUT_S = 2.0
 
 Reply = TypeVar("Reply", WorkerReady, StepDone, CallResult)
-
-
-class EngineDeadError(RuntimeError):
-    """A worker died or raised: the engine cannot continue. Every worker has been stopped."""
 
 
 class Executor(Protocol):

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dsaserve.core import EngineStats, RequestError, RequestOutput, SamplingParams
+from dsaserve.core import EngineDeadError, EngineStats, RequestError, RequestOutput, SamplingParams
 
 if TYPE_CHECKING:
     from dsaserve.config import EngineConfig
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped (it raised, or was shut down); no request can complete."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,6 +223,7 @@ class AsyncEngine:
                 for message in self._receive(block=idle):
                     if isinstance(message, Shutdown):
                         self._die("the engine was shut down")
+                        self._engine.shutdown()  # no worker process outlives the server
                         return
                     self._handle(message)
                 # 1. One scheduling step over everything running (continuous batching).
@@ -239,6 +236,7 @@ class AsyncEngine:
         except Exception as e:
             logger.exception("engine core failed; every request in flight is failed with it")
             self._die(f"engine core failed: {type(e).__name__}: {e}")
+            self._engine.shutdown()
 
     def _receive(self, block: bool) -> list[EngineCoreMessage]:
         """All queued messages; waits for the first one when `block` (the engine is idle)."""

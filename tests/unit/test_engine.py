@@ -109,6 +109,8 @@ def test_bad_requests_are_rejected_without_side_effects(model_dirs, engine_confi
         engine.add_request("too-long", [5] * 80, GREEDY)
     with pytest.raises(RequestError):
         engine.add_request("empty", [], GREEDY)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        engine.add_request("bad-id", [5, 512], GREEDY)
     engine.add_request("ok", [5, 6, 7], GREEDY)
     engine.abort_request("ok")
     while engine.has_unfinished_requests():
