@@ -14,21 +14,21 @@ The public API is LLMEngine's, so the server and the CLI drive either without kn
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
+    EngineDeadError,
     EngineStats,
     ModelRunnerOutput,
     RequestError,
     RequestOutput,
     SamplingParams,
 )
-from dsaserve.engine.engine import LLMEngine
-from dsaserve.engine.executor import EngineDeadError, MultiprocExecutor
+from dsaserve.engine.engine import LLMEngine, run_to_completion
+from dsaserve.engine.executor import MultiprocExecutor
 from dsaserve.tokenizer import Tokenizer
 
 
@@ -145,24 +145,14 @@ class DataParallelEngine:
     def shutdown(self) -> None:
         """Stop every replica's workers (idempotent)."""
         for replica in self.replicas:
-            replica.executor.shutdown()
+            replica.shutdown()
 
     # ---- offline convenience --------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams],
                  *, cache_salt: str | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each, in order."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(rid, prompt, p, cache_salt=cache_salt)
-        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.request_id in outputs:
-                    outputs[out.request_id].extend(out.new_token_ids)
-        return [outputs[rid] for rid in ids]
+        return run_to_completion(self, prompts, params, cache_salt=cache_salt)
 
     @staticmethod
     def _load(replica: LLMEngine) -> tuple[int, int]:

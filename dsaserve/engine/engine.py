@@ -23,6 +23,23 @@ if TYPE_CHECKING:
     from dsaserve.engine.dp import DataParallelEngine
 
 
+def run_to_completion(engine: LLMEngine | DataParallelEngine, prompts: Sequence[Sequence[int]],
+                      params: SamplingParams | Sequence[SamplingParams],
+                      *, cache_salt: str | None = None) -> list[list[int]]:
+    """Add every prompt, step until all finish; the output token ids of each, in order."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(rid, prompt, p, cache_salt=cache_salt)
+    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id in outputs:
+                outputs[out.request_id].extend(out.new_token_ids)
+    return [outputs[rid] for rid in ids]
+
+
 class LLMEngine:
     """One engine: a scheduler driving the ranks of one model replica through an executor.
     Not thread-safe: one owner thread calls every method."""
@@ -103,14 +120,4 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams],
                  *, cache_salt: str | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each, in order."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.add_request(rid, prompt, p, cache_salt=cache_salt)
-        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-        while self.has_unfinished_requests():
-            for out in self.step():
-                if out.request_id in outputs:
-                    outputs[out.request_id].extend(out.new_token_ids)
-        return [outputs[rid] for rid in ids]
+        return run_to_completion(self, prompts, params, cache_salt=cache_salt)
