@@ -245,7 +245,7 @@ class ModelRunner:
                 restore_index=part.restore_index.to(dev),
                 padded_len=part.padded_len,
                 write_slots=slots.to(dev),
-                replicated=part.replicated,
+                replicated=part.replicated, query_lens=tuple(query_lens),
             )
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
         meta = AttentionMetadata(

@@ -27,6 +27,12 @@ class PcpMetadata:
     padded_len: int
     write_slots: torch.Tensor  # [N_global] int64 slots (−1: not owned by this rank)
     replicated: tuple[bool, ...]  # per request: computed by every rank (decode, short prefill)
+    query_lens: tuple[int, ...]  # per request: tokens of the global batch (new tokens this step)
+
+    def global_range(self, r: int) -> tuple[int, int]:
+        """Rows of request r in the global batch (the order of gathered new rows)."""
+        start = sum(self.query_lens[:r])
+        return start, start + self.query_lens[r]
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,7 @@ class MLAAttention(nn.Module):
         cache: LayerCache,
         backend: AttentionBackend,
         prev_topk: torch.Tensor | None,  # [n, topk] from the previous full layer
+        prefetch: cp_attention.ContextPrefetch | None = None,  # PCP × DCP: cached contexts
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = x.shape[0]
         cos, sin = rope
@@ -188,7 +189,8 @@ class MLAAttention(nn.Module):
                 q_idx = w_idx = None
             if meta.dcp_size > 1:
                 o_lat, topk = self._context_parallel(
-                    q_full, q_idx, w_idx, prev_topk, meta, cache, backend
+                    q_full, q_idx, w_idx, prev_topk, meta, cache, backend, (c, k_pe, idx_k),
+                    prefetch,
                 )
             else:
                 topk = prev_topk
@@ -210,9 +212,11 @@ class MLAAttention(nn.Module):
         out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
         return self.groups.tp.all_reduce(out), topk
 
-    def _context_parallel(self, q_full, q_idx, w_idx, prev_topk, meta, cache, backend):
+    def _context_parallel(self, q_full, q_idx, w_idx, prev_topk, meta, cache, backend,
+                          new_rows, prefetch):
         """DCP: shared rows merge partial results over the group; PCP-split rows attend over a
-        temporary full copy of their context (parallel/cp_attention.py)."""
+        temporary full copy of their context (parallel/cp_attention.py). `new_rows` are this
+        step's (c, k_pe, index keys) of the whole batch in global order (gathered under PCP)."""
         dcp = self.groups.dcp
         # DCP over the TP ranks (no PCP): the group's ranks hold different heads of one query.
         heads_split = self.groups.pcp.size == 1 and self.groups.tp.size > 1
@@ -230,8 +234,14 @@ class MLAAttention(nn.Module):
             wi = w_idx[rows] if w_idx is not None else None
             prev = prev_topk[rows] if prev_topk is not None else None
             if i > 0:  # one PCP-split request: its own rows only
+                r = reqs[0]
+                lo, hi = meta.pcp.global_range(r)
+                mine = tuple(t[lo:hi] if t is not None else None for t in new_rows)
+                cached = (None, None) if prefetch is None else (
+                    prefetch.take(self.layer_idx, r, "kv"),
+                    prefetch.take(self.layer_idx, r, "index"))
                 o[rows], topk[rows] = cp_attention.own_rows_attention(
-                    self, qi, wi, q_full[rows], prev, sub, cache, backend, dcp
+                    self, qi, wi, q_full[rows], prev, sub, cache, backend, mine, cached
                 )
                 continue
             top = (
@@ -402,8 +412,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, meta, cache, backend, prev_topk):
-        attn, topk = self.self_attn(self.input_layernorm(h), rope, meta, cache, backend, prev_topk)
+    def forward(self, h, rope, meta, cache, backend, prev_topk, prefetch=None):
+        attn, topk = self.self_attn(self.input_layernorm(h), rope, meta, cache, backend, prev_topk,
+                                    prefetch)
         h = h + attn
         h = h + self.mlp(self.post_attention_layernorm(h))
         return h, topk
@@ -471,8 +482,17 @@ class DsaForCausalLM(nn.Module):
         rope = self._rope(meta.positions)
         h = self.model.embed_tokens(input_ids)
         topk = None
-        for i in range(self.cfg.num_hidden_layers):
-            h, topk = self.model.layers[i](h, rope, meta, caches[i], self.backend, topk)
+        layers = self.cfg.num_hidden_layers
+        prefetch = None
+        if meta.pcp is not None and meta.dcp_size > 1:
+            # PCP × DCP: gather layer i+1's cached context while layer i computes.
+            prefetch = cp_attention.ContextPrefetch(meta, caches, self.groups.dcp_prefetch,
+                                                    self.cfg.index_head_dim)
+            prefetch.start(0)
+        for i in range(layers):
+            if prefetch is not None and i + 1 < layers:
+                prefetch.start(i + 1)
+            h, topk = self.model.layers[i](h, rope, meta, caches[i], self.backend, topk, prefetch)
         h = self.model.norm(h)
         if meta.pcp is not None:  # every rank samples from the whole batch, in global order
             h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
@@ -492,6 +512,8 @@ class DsaForCausalLM(nn.Module):
             raise RuntimeError(
                 "this checkpoint has no MTP layer; speculative decoding is unavailable"
             )
+        if meta.pcp is not None:
+            raise NotImplementedError("MTP drafting under PCP is not supported yet")
         mtp: MTPLayer = self.model.layers[self.cfg.num_hidden_layers]
         rope = self._rope(meta.positions)
         e = self.model.embed_tokens(input_ids)

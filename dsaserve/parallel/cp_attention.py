@@ -26,7 +26,7 @@ from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend
 from dsaserve.kv import layout
 from dsaserve.parallel.dcp import lse_merge, merge_topk_candidates
-from dsaserve.parallel.groups import Group
+from dsaserve.parallel.groups import Group, PendingGather
 
 
 def gather_new_rows(rows: torch.Tensor, meta: AttentionMetadata, group: Group) -> torch.Tensor:
@@ -56,33 +56,97 @@ def _raw_rows(cache: torch.Tensor, slots: torch.Tensor, head_dim: int | None) ->
     return torch.cat((page.gather(1, val_start), page.gather(1, sc_start)), dim=1)
 
 
-def gather_context(cache: torch.Tensor, seq_len: int, block_row: torch.Tensor,
-                   meta: AttentionMetadata, group: Group, head_dim: int | None = None
-                   ) -> torch.Tensor:
-    """All-gather a request's KV shards → a cache of `seq_len` blocks of one token each, in global
-    position order ([L, 1, W] for row caches, [L, D+4] for a uint8 index cache)."""
-    n, rank, inter = group.size, group.rank_in_group, meta.interleave
-    slots, _ = layout.context_slots(seq_len, block_row, meta.block_size, n, rank, inter)
-    rows = _raw_rows(cache, slots.to(cache.device), head_dim)  # [local_len, W]
-    max_len = layout.dcp_local_seq_len(seq_len, n, 0, inter)  # rank 0 holds the most
-    padded = rows.new_zeros((max_len, rows.shape[1]))
-    padded[: rows.shape[0]] = rows
-    gathered = group.all_gather(padded)  # [N, max_len, W]
-    full = rows.new_empty((seq_len, rows.shape[1]))
-    for q in range(n):
-        length = layout.dcp_local_seq_len(seq_len, n, q, inter)
-        pos = layout.dcp_global_position(torch.arange(length), n, q, inter).to(cache.device)
-        full[pos] = gathered[q, :length]
-    return full.view(seq_len, 1, -1) if cache.dim() == 3 else full
+class ContextPrefetch:
+    """The cached context of every PCP-split request, all-gathered one layer ahead.
+
+    Under PCP × DCP a split request's rows need its whole context. The part cached before this
+    step does not change during the step, so layer i+1's shards are gathered (asynchronously, on a
+    communicator of their own) while layer i computes; the step's new rows come from the PCP
+    gather of new KV that every layer does anyway. Only the temporary copies are full-size; the
+    persistent cache stays divided by N.
+    """
+
+    def __init__(self, meta: AttentionMetadata, caches: list, group: Group,
+                 index_head_dim: int) -> None:
+        assert meta.pcp is not None
+        self.meta, self.caches, self.group, self.head_dim = meta, caches, group, index_head_dim
+        # Split requests with a cached part, and that part's length.
+        self.requests = [(r, meta.seq_lens[r] - meta.pcp.query_lens[r])
+                         for r in range(meta.num_reqs) if not meta.pcp.replicated[r]
+                         and meta.seq_lens[r] > meta.pcp.query_lens[r]]
+        self._pending: dict[tuple[int, int, str], tuple[int, PendingGather]] = {}
+
+    def start(self, layer: int) -> None:
+        """Launch layer `layer`'s gathers (every rank calls this at the same point)."""
+        cache = self.caches[layer]
+        for r, cached in self.requests:
+            self._launch(layer, r, "kv", cache.kv, cached, None)
+            if cache.index is not None:
+                head_dim = self.head_dim if cache.index.dtype == torch.uint8 else None
+                self._launch(layer, r, "index", cache.index, cached, head_dim)
+
+    def _launch(self, layer, r, kind, cache, cached, head_dim) -> None:
+        n, rank, inter = self.group.size, self.group.rank_in_group, self.meta.interleave
+        slots, _ = layout.context_slots(cached, self.meta.block_table[r], self.meta.block_size,
+                                        n, rank, inter)
+        rows = _raw_rows(cache, slots.to(cache.device), head_dim)  # [local_len, W]
+        max_len = layout.dcp_local_seq_len(cached, n, 0, inter)  # rank 0 holds the most
+        padded = rows.new_zeros((max_len, rows.shape[1]))
+        padded[: rows.shape[0]] = rows
+        self._pending[(layer, r, kind)] = (cached, self.group.all_gather_async(padded))
+
+    def take(self, layer: int, r: int, kind: str) -> torch.Tensor | None:
+        """The request's cached rows [cached, W] in position order (None: nothing cached)."""
+        item = self._pending.pop((layer, r, kind), None)
+        if item is None:
+            return None
+        cached, pending = item
+        gathered = pending.wait()  # [N, max_len, W]
+        n, inter = self.group.size, self.meta.interleave
+        full = gathered.new_empty((cached, gathered.shape[-1]))
+        for q in range(n):
+            length = layout.dcp_local_seq_len(cached, n, q, inter)
+            pos = layout.dcp_global_position(torch.arange(length), n, q, inter)
+            full[pos.to(full.device)] = gathered[q, :length]
+        return full
+
+
+def _full_copy(cache: torch.Tensor, seq_len: int, cached_rows: torch.Tensor | None
+               ) -> torch.Tensor:
+    """A temporary row cache [L, 1, W] of `seq_len` one-token blocks in `cache`'s format, the
+    cached part filled."""
+    full = cache.new_zeros((seq_len, 1, cache.shape[-1]))
+    if cached_rows is not None:
+        full[: cached_rows.shape[0], 0] = cached_rows
+    return full
+
+
+def _index_copy(cache: torch.Tensor, seq_len: int, cached_rows: torch.Tensor | None,
+                head_dim: int) -> torch.Tensor:
+    """The index-key counterpart of _full_copy: [L, 1, D] float, or [L, D+4] uint8 pages of one
+    token ([values | scale], the page format for a block of one)."""
+    if cache.dtype != torch.uint8:
+        return _full_copy(cache, seq_len, cached_rows)
+    full = cache.new_zeros((seq_len, head_dim + 4))
+    if cached_rows is not None:
+        full[: cached_rows.shape[0]] = cached_rows
+    return full
 
 
 def own_rows_attention(attn, q_idx, w_idx, q_full, prev_topk, meta: AttentionMetadata,
-                       cache, backend: AttentionBackend, group: Group
+                       cache, backend: AttentionBackend, new_rows, cached: tuple
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention for PCP-split rows of one request (meta holds just that request): build the
-    temporary full copy and attend exactly as a single rank would."""
+    """Attention for PCP-split rows of one request (meta holds just that request) over a
+    temporary full copy of its context: the prefetched cached rows plus the step's new rows
+    (`new_rows` = c [q, L], k_pe [q, R], index keys [q, D] or None, in position order), written
+    in the cache's own format, then attended exactly as a single rank would."""
     seq_len = meta.seq_lens[0]
-    kv_full = gather_context(cache.kv, seq_len, meta.block_table[0], meta, group)
+    c, k_pe, idx_k = new_rows
+    if seq_len > c.shape[0] and cached[0] is None:
+        raise RuntimeError("PCP × DCP: a split request's cached context was not prefetched")
+    new_slots = torch.arange(seq_len - c.shape[0], seq_len, device=c.device)
+    kv_full = _full_copy(cache.kv, seq_len, cached[0])
+    backend.write_kv(kv_full, new_slots, c, k_pe)
     full_meta = AttentionMetadata(
         positions=meta.positions, req_indices=torch.zeros_like(meta.req_indices),
         slot_mapping=meta.slot_mapping,
@@ -92,9 +156,8 @@ def own_rows_attention(attn, q_idx, w_idx, q_full, prev_topk, meta: AttentionMet
     )
     topk = prev_topk
     if attn.indexer is not None:
-        head_dim = attn.indexer.head_dim if cache.index.dtype == torch.uint8 else None
-        index_full = gather_context(cache.index, seq_len, meta.block_table[0], meta, group,
-                                    head_dim)
+        index_full = _index_copy(cache.index, seq_len, cached[1], attn.indexer.head_dim)
+        backend.write_index_k(index_full, new_slots, idx_k)
         _, topk = backend.indexer_topk(q_idx, w_idx, index_full, full_meta, attn.cfg.index_topk)
     slot_indices = layout.logical_to_slots(topk, full_meta.req_indices, full_meta.block_table, 1)
     o, _ = backend.sparse_mla(q_full, kv_full, slot_indices, attn.scale, attn.kv_lora_rank)

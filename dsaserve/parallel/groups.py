@@ -43,6 +43,14 @@ class Group:
         dist.all_gather(out, x.contiguous(), group=self.pg)
         return torch.stack(out)
 
+    def all_gather_async(self, x: torch.Tensor) -> PendingGather:
+        """Start an all-gather of x [n, ...]; `.wait()` gives [size, n, ...] (rank-major)."""
+        if self.size == 1:
+            return PendingGather([x], None)
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        return PendingGather(out, dist.all_gather(out, x.contiguous(), group=self.pg,
+                                                  async_op=True))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.pg)
@@ -72,6 +80,16 @@ class Group:
         return out
 
 
+class PendingGather:
+    def __init__(self, parts: list[torch.Tensor], work) -> None:
+        self._parts, self._work = parts, work
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return torch.stack(self._parts)
+
+
 @dataclass
 class ParallelGroups:
     rank: int
@@ -80,11 +98,14 @@ class ParallelGroups:
     tp: Group
     dcp: Group
     ep: Group
+    # The same ranks as `dcp` on a communicator of their own, so that context prefetches (large,
+    # asynchronous) do not queue in front of the layer's own collectives.
+    dcp_prefetch: Group | None = None
 
     @staticmethod
     def single() -> ParallelGroups:
         one = Group("single", (0,), 0, None)
-        return ParallelGroups(0, 1, one, one, one, one)
+        return ParallelGroups(0, 1, one, one, one, one, one)
 
     @staticmethod
     def build(p: ParallelConfig, rank: int) -> ParallelGroups:
@@ -103,6 +124,12 @@ class ParallelGroups:
                 pg = dist.new_group(list(ranks)) if len(ranks) > 1 else None
                 if rank in ranks:
                     mine[name] = Group(name, ranks, ranks.index(rank), pg)
-        dcp_src = mine["pcp"] if pcp > 1 else mine["tp"]
-        dcp = dcp_src if p.decode_context_parallel_size > 1 else Group("dcp", (rank,), 0, None)
-        return ParallelGroups(rank, world, mine["pcp"], mine["tp"], dcp, mine["ep"])
+        single = Group("dcp", (rank,), 0, None)
+        dcp, prefetch = single, single
+        if p.decode_context_parallel_size > 1:
+            dcp = mine["pcp"] if pcp > 1 else mine["tp"]
+            for ranks in layouts["pcp" if pcp > 1 else "tp"]:
+                pg = dist.new_group(list(ranks))
+                if rank in ranks:
+                    prefetch = Group("dcp_prefetch", ranks, ranks.index(rank), pg)
+        return ParallelGroups(rank, world, mine["pcp"], mine["tp"], dcp, mine["ep"], prefetch)
