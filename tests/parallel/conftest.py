@@ -28,7 +28,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ConfigFactory = Callable[..., EngineConfig]
 
 
-def _build_config(model_dir: Path, *, tp: int = 1, pcp: int = 1, dp: int = 1,
+def _build_config(model_dir: Path, *, tp: int = 1, pcp: int = 1, dp: int = 1, dcp: int = 1,
+                 ep: bool = False, dcp_comm_backend: str = "ag_rs", interleave: int = 1,
                  max_num_batched_tokens: int = 512, num_blocks: int = 64) -> EngineConfig:
     """The tiny engine of tests/conftest.py's `engine_config`, with a parallel layout."""
     return EngineConfig(
@@ -39,7 +40,9 @@ def _build_config(model_dir: Path, *, tp: int = 1, pcp: int = 1, dp: int = 1,
                                   max_model_len=256),
         attention=AttentionConfig(sparse_mla_force_mqa=True),
         parallel=ParallelConfig(tensor_parallel_size=tp, prefill_context_parallel_size=pcp,
-                                data_parallel_size=dp),
+                                data_parallel_size=dp, decode_context_parallel_size=dcp,
+                                enable_expert_parallel=ep, dcp_comm_backend=dcp_comm_backend,
+                                cp_kv_cache_interleave_size=interleave),
     )
 
 
@@ -113,7 +116,8 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="session")
 def parallel_config(tiny_dir: Path) -> ConfigFactory:
-    """parallel_config(tp=, pcp=, dp=, max_num_batched_tokens=, num_blocks=) → EngineConfig."""
+    """parallel_config(tp=, pcp=, dp=, dcp=, ep=, dcp_comm_backend=, interleave=,
+    max_num_batched_tokens=, num_blocks=) → EngineConfig."""
     return lambda **kw: _build_config(tiny_dir, **kw)
 
 

@@ -64,27 +64,41 @@ def _engine(config) -> LLMEngine:
     return engine
 
 
-@pytest.fixture(scope="module")
-def tp2(parallel_config, assert_gone) -> Iterator[LLMEngine]:
-    # A 33-token budget: chunked prefills and decodes share steps.
-    engine = _engine(parallel_config(tp=2, max_num_batched_tokens=33))
+def _running(config, assert_gone) -> Iterator[LLMEngine]:
+    """A module-scoped engine whose workers must all be gone after shutdown."""
+    engine = _engine(config)
     yield engine
     pids = engine.executor.pids
     engine.executor.shutdown()
     assert_gone(pids)
+
+
+@pytest.fixture(scope="module")
+def tp2(parallel_config, assert_gone) -> Iterator[LLMEngine]:
+    # A 33-token budget: chunked prefills and decodes share steps.
+    yield from _running(parallel_config(tp=2, max_num_batched_tokens=33), assert_gone)
 
 
 @pytest.fixture(scope="module")
 def pcp2(parallel_config, assert_gone) -> Iterator[LLMEngine]:
     # A 48-token budget: split prefill chunks, replicated short chunks and decodes in one step.
-    engine = _engine(parallel_config(pcp=2, max_num_batched_tokens=48))
-    yield engine
-    pids = engine.executor.pids
-    engine.executor.shutdown()
-    assert_gone(pids)
+    yield from _running(parallel_config(pcp=2, max_num_batched_tokens=48), assert_gone)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pcp2"])
+@pytest.fixture(scope="module")
+def pcp2_dcp2_ep(parallel_config, assert_gone) -> Iterator[LLMEngine]:
+    # The prefill node's layout: KV sharded by whole pages, experts split, chunked prefills.
+    yield from _running(parallel_config(pcp=2, dcp=2, ep=True, interleave=16,
+                                        max_num_batched_tokens=48), assert_gone)
+
+
+@pytest.fixture(scope="module")
+def tp2_dcp2_a2a(parallel_config, assert_gone) -> Iterator[LLMEngine]:
+    yield from _running(parallel_config(tp=2, dcp=2, dcp_comm_backend="a2a",
+                                        max_num_batched_tokens=33), assert_gone)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pcp2", "pcp2_dcp2_ep", "tp2_dcp2_a2a"])
 def test_greedy_matches_single_rank(request, layout, prompts, greedy, reference_outputs) -> None:
     engine: LLMEngine = request.getfixturevalue(layout)
     assert engine.executor.world_size == 2 and engine.runner is None
