@@ -64,7 +64,7 @@ def _engine(config) -> LLMEngine:
     return engine
 
 
-def _running(config, assert_gone) -> Iterator[LLMEngine]:
+def _module_engine(config, assert_gone) -> Iterator[LLMEngine]:
     """A module-scoped engine whose workers must all be gone after shutdown."""
     engine = _engine(config)
     yield engine
@@ -76,25 +76,25 @@ def _running(config, assert_gone) -> Iterator[LLMEngine]:
 @pytest.fixture(scope="module")
 def tp2(parallel_config, assert_gone) -> Iterator[LLMEngine]:
     # A 33-token budget: chunked prefills and decodes share steps.
-    yield from _running(parallel_config(tp=2, max_num_batched_tokens=33), assert_gone)
+    yield from _module_engine(parallel_config(tp=2, max_num_batched_tokens=33), assert_gone)
 
 
 @pytest.fixture(scope="module")
 def pcp2(parallel_config, assert_gone) -> Iterator[LLMEngine]:
     # A 48-token budget: split prefill chunks, replicated short chunks and decodes in one step.
-    yield from _running(parallel_config(pcp=2, max_num_batched_tokens=48), assert_gone)
+    yield from _module_engine(parallel_config(pcp=2, max_num_batched_tokens=48), assert_gone)
 
 
 @pytest.fixture(scope="module")
 def pcp2_dcp2_ep(parallel_config, assert_gone) -> Iterator[LLMEngine]:
     # The prefill node's layout: KV sharded by whole pages, experts split, chunked prefills.
-    yield from _running(parallel_config(pcp=2, dcp=2, ep=True, interleave=16,
+    yield from _module_engine(parallel_config(pcp=2, dcp=2, ep=True, interleave=16,
                                         max_num_batched_tokens=48), assert_gone)
 
 
 @pytest.fixture(scope="module")
 def tp2_dcp2_a2a(parallel_config, assert_gone) -> Iterator[LLMEngine]:
-    yield from _running(parallel_config(tp=2, dcp=2, dcp_comm_backend="a2a",
+    yield from _module_engine(parallel_config(tp=2, dcp=2, dcp_comm_backend="a2a",
                                         max_num_batched_tokens=33), assert_gone)
 
 
