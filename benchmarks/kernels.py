@@ -1,0 +1,389 @@
+"""Kernel benchmark: ceilings, the plain-PyTorch path and the Triton kernels, one table.
+
+    python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--json FILE] [--profile]
+
+(--profile launches each kernel once without timing, for `ncu ... python benchmarks/kernels.py`.)
+
+Measures on the current GPU, in one run:
+  ceilings       device-to-device copy (bytes read + written), bf16 and fp8 8192³ matmuls
+  sparse MLA     prefill from a bf16 workspace (64 heads, top-2048, 128K-token context,
+                 T = 4096 and 16384) and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
+                 against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
+  indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
+                 b = 64 over 64K keys) with and without the top-k (torch.topk)
+  writers        fp8_ds_mla and indexer-key cache writers
+Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
+Inputs are random (never zeros); each Triton configuration is checked against the reference on
+a slice of rows before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from functools import partial
+
+import torch
+import triton
+import triton.testing
+
+from dsaserve.kernels import reference
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
+from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
+
+DEV = "cuda"
+L, R, TOPK, HEADS = 512, 64, 2048, 64
+SCALE = 192**-0.5 * 1.873854
+CONTEXT = 131072  # 128K-token contexts
+FLOP_PER_ROW_HEAD = 2 * (L + R) + 2 * L  # per selected row, per head: q·k and p·v
+
+# Issue 6 / 7 anchors (FlashMLA / DeepGEMM on one H200, same shapes).
+ANCHOR_PREFILL_TFLOPS = 510.0
+ANCHOR_DECODE_US = {(128, 1): 121.7, (128, 4): 450.0, (32, 1): 52.9}
+TARGET_INDEXER_PREFILL_TFLOPS = 900.0
+TARGET_INDEXER_DECODE_TBS = 3.4
+
+
+@dataclass
+class Row:
+    name: str
+    ms: float
+    value: float  # TFLOP/s or TB/s
+    unit: str
+    note: str = ""
+
+
+ROWS: list[Row] = []
+
+
+PROFILE = False  # --profile: run each timed kernel once (for Nsight Compute), report NaN
+
+
+def timed(fn: Callable[[], object], rep_ms: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    if PROFILE:
+        return math.nan
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def add(name: str, ms: float, value: float, unit: str, note: str = "") -> None:
+    ROWS.append(Row(name, ms, value, unit, note))
+    print(f"  {name:<52} {ms * 1e3:>10.1f} us {value:>8.1f} {unit:<7} {note}", flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Ceilings
+# --------------------------------------------------------------------------------------------
+def ceilings() -> dict[str, float]:
+    print("ceilings", flush=True)
+    src = torch.randn(1 << 30, device=DEV, dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = timed(partial(dst.copy_, src))
+    copy_tbs = 2 * src.numel() * 2 / ms / 1e9
+    add("copy d2d (read + write)", ms, copy_tbs, "TB/s")
+    n = 8192
+    a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+    ms = timed(partial(torch.matmul, a, b))
+    bf16 = 2 * n**3 / ms / 1e9
+    add("matmul bf16 8192^3", ms, bf16, "TFLOP/s")
+    a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn)
+    one = torch.ones((), device=DEV)
+    ms = timed(partial(torch._scaled_mm, a8, b8.t(), one, one, out_dtype=torch.bfloat16))
+    fp8 = 2 * n**3 / ms / 1e9
+    add("matmul fp8 8192^3", ms, fp8, "TFLOP/s")
+    return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8}
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+def topk_positions(limits: torch.Tensor, k: int, chunk: int = 1024) -> torch.Tensor:
+    """[T, k] distinct random positions < limits[t] (limits ≥ k here), int64."""
+    out = torch.empty(len(limits), k, dtype=torch.int64, device=DEV)
+    width = int(limits.max())
+    for s in range(0, len(limits), chunk):
+        keys = torch.rand(min(chunk, len(limits) - s), width, device=DEV)
+        keys[torch.arange(width, device=DEV)[None, :] >= limits[s : s + chunk, None]] = -1.0
+        out[s : s + chunk] = keys.topk(k, dim=1).indices
+    return out
+
+
+def fill_mla_cache(cache: torch.Tensor, chunk: int = 1 << 20) -> None:
+    """Random latents through the Triton writer (so the cache holds valid fp8_ds_mla rows)."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    for s in range(0, num_slots, chunk):
+        n = min(chunk, num_slots - s)
+        c = torch.randn(n, L, device=DEV, dtype=torch.bfloat16)
+        k_pe = torch.randn(n, R, device=DEV, dtype=torch.bfloat16)
+        mla_cache.write_mla_cache(cache, torch.arange(s, s + n, device=DEV), c, k_pe)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# --------------------------------------------------------------------------------------------
+# Plain PyTorch paths (what a backend without kernels does: gather, bmm, softmax, bmm)
+# --------------------------------------------------------------------------------------------
+def torch_sparse_mla(q: torch.Tensor, rows_of: Callable[[torch.Tensor], torch.Tensor],
+                     idx: torch.Tensor, chunk: int) -> torch.Tensor:
+    """q [T, H, 576] bf16; rows_of(idx [C, K]) → [C, K, 576] bf16 rows; bf16 bmm, fp32 softmax."""
+    out = torch.empty(q.shape[0], q.shape[1], L, dtype=q.dtype, device=DEV)
+    for s in range(0, q.shape[0], chunk):
+        i = idx[s : s + chunk]
+        kv = rows_of(i)  # [C, K, 576]
+        logits = torch.bmm(q[s : s + chunk], kv.transpose(1, 2)).float() * SCALE
+        logits.masked_fill_((i < 0)[:, None, :], float("-inf"))
+        p = torch.softmax(logits, dim=-1).to(q.dtype)
+        out[s : s + chunk] = torch.bmm(p, kv[..., :L])
+    return out
+
+
+def gather_rows(flat: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    return flat[i.clamp_min(0).long()]  # [C, K, 576]
+
+
+def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    flat = cache.view(-1, cache.shape[-1])
+
+    def rows_of(i: torch.Tensor) -> torch.Tensor:
+        raw = flat[i.clamp_min(0).long()]  # [C, K, 656]
+        vals = raw[..., :L].view(torch.float8_e4m3fn).to(torch.bfloat16)
+        scales = raw[..., L : L + 16].contiguous().view(torch.float32).to(torch.bfloat16)
+        c = (vals.view(*vals.shape[:-1], 4, 128) * scales[..., None]).flatten(-2)
+        return torch.cat((c, raw[..., L + 16 :].contiguous().view(torch.bfloat16)), dim=-1)
+
+    return rows_of
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse MLA
+# --------------------------------------------------------------------------------------------
+# (block_h, block_n, num_warps, num_stages); the first is the backend default.
+PREFILL_CONFIGS = [SparseMlaConfig(64, 64, 8, 3), SparseMlaConfig(64, 64, 8, 2),
+                   SparseMlaConfig(64, 32, 8, 5)]
+DECODE_CONFIGS = [SparseMlaConfig(64, 64, 8, 3), SparseMlaConfig(64, 64, 8, 2),
+                  SparseMlaConfig(64, 32, 8, 5)]
+
+
+def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
+    o, _ = sparse_mla.sparse_mla_fwd(q[:rows], cache, idx[:rows], SCALE, L, cfg)
+    ref, _ = reference.sparse_mla_paged(q[:rows], cache, idx[:rows], SCALE, L, R)
+    err = rel_err(o, ref)
+    if not err <= 1e-2:
+        raise AssertionError(f"config {cfg}: relative error {err:.2e} > 1e-2")
+    return err
+
+
+def best_config(configs, q, cache, idx, flops, label) -> tuple[SparseMlaConfig, float]:
+    best, best_ms = configs[0], math.inf
+    for cfg in configs:
+        try:
+            check_config(q, cache, idx, cfg)
+            ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, cfg))
+        except Exception as e:  # a configuration that does not compile (resources) is skipped
+            print(f"  {label} {cfg}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
+            continue
+        print(f"    {label} block_n={cfg.block_n} stages={cfg.num_stages}: "
+              f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best, best_ms
+
+
+def bench_prefill(quick: bool, sweep: bool) -> None:
+    print("sparse MLA prefill (bf16 workspace, 64 heads, top-2048, 128K context)", flush=True)
+    cache = torch.randn(1, CONTEXT, L + R, device=DEV, dtype=torch.bfloat16)
+    flat = cache.view(CONTEXT, L + R)
+    configs = PREFILL_CONFIGS if sweep else PREFILL_CONFIGS[:1]
+    best = configs[0]
+    for num_tokens in ((4096,) if quick else (4096, 16384)):
+        positions = torch.arange(CONTEXT - num_tokens, CONTEXT, device=DEV)
+        idx = topk_positions(positions + 1, TOPK).int()  # [T, 2048] slots of the workspace
+        q = torch.randn(num_tokens, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
+        flops = num_tokens * HEADS * TOPK * FLOP_PER_ROW_HEAD
+        if num_tokens == 4096:
+            best, ms = best_config(configs, q, cache, idx, flops, f"T={num_tokens}")
+        else:
+            check_config(q, cache, idx, best)
+            ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
+        tflops = flops / ms / 1e9
+        add(f"prefill triton T={num_tokens} (n={best.block_n},st={best.num_stages})", ms, tflops,
+            "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
+        if num_tokens == 4096:
+            torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx, 256),
+                             rep_ms=500)
+            add("prefill plain-PyTorch T=4096", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",
+                f"triton {torch_ms / ms:.1f}x faster")
+
+
+def decode_case(batch: int, s_q: int, pool_pages: int, cache: torch.Tensor):
+    pages_per_req = CONTEXT // 64
+    table = torch.randint(0, pool_pages, (batch, pages_per_req), device=DEV)  # shared pool
+    rows = torch.arange(batch, device=DEV).repeat_interleave(s_q)
+    limits = torch.full((batch * s_q,), CONTEXT, device=DEV)
+    pos = topk_positions(limits, TOPK)
+    idx = (table[rows[:, None], pos // 64] * 64 + pos % 64).int()  # [T, 2048] slots
+    q = torch.randn(batch * s_q, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
+    return q, idx
+
+
+def bench_decode(quick: bool, sweep: bool) -> None:
+    print("sparse MLA FP8 decode (fp8_ds_mla pages of 64, 64 heads, top-2048)", flush=True)
+    pool_pages = 65536  # 4M slots, 2.75 GB; requests map their 128K positions into it randomly
+    cache = torch.empty(pool_pages, 64, 656, dtype=torch.uint8, device=DEV)
+    fill_mla_cache(cache)
+    cases = [(128, 1), (32, 1)] if quick else [(128, 1), (128, 4), (32, 1)]
+    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:1]
+    best = configs[0]
+    for batch, s_q in cases:
+        q, idx = decode_case(batch, s_q, pool_pages, cache)
+        flops = batch * s_q * HEADS * TOPK * FLOP_PER_ROW_HEAD
+        if (batch, s_q) == (128, 1):
+            best, ms = best_config(configs, q, cache, idx, flops, f"b={batch} s_q={s_q}")
+        else:
+            check_config(q, cache, idx, best)
+            ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
+        anchor = ANCHOR_DECODE_US[(batch, s_q)]
+        add(f"decode triton b={batch} s_q={s_q} (n={best.block_n},st={best.num_stages})", ms,
+            flops / ms / 1e9, "TFLOP/s", f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x")
+        if (batch, s_q) == (128, 1):
+            torch_ms = timed(partial(torch_sparse_mla, q, fp8_rows(cache), idx, 32), rep_ms=500)
+            add("decode plain-PyTorch b=128 s_q=1", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",
+                f"triton {torch_ms / ms:.1f}x faster")
+
+
+# --------------------------------------------------------------------------------------------
+# Indexer
+# --------------------------------------------------------------------------------------------
+def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
+    pages = [-(-s // block_size) for s in seq_lens]
+    perm = torch.randperm(sum(pages), device=DEV).int()
+    table = torch.full((len(seq_lens), max(pages)), -1, dtype=torch.int32, device=DEV)
+    start = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = perm[start : start + n]
+        start += n
+    qsl, positions, reqs = [0], [], []
+    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
+        qsl.append(qsl[-1] + n)
+        positions.append(torch.arange(s - n, s, device=DEV))
+        reqs.append(torch.full((n,), r, device=DEV))
+    positions, reqs = torch.cat(positions), torch.cat(reqs)
+    meta = AttentionMetadata(
+        positions=positions, req_indices=reqs, block_table=table,
+        slot_mapping=torch.full_like(positions, -1), query_start_loc=tuple(qsl),
+        seq_lens=tuple(seq_lens), block_size=block_size, use_dense=False,
+    )
+    cache = torch.empty(sum(pages), block_size * 132, dtype=torch.uint8, device=DEV)
+    slots = torch.arange(sum(pages) * block_size, device=DEV)
+    for s in range(0, len(slots), 1 << 20):
+        part = slots[s : s + (1 << 20)]
+        indexer.write_index_cache(cache, part, torch.randn(len(part), 128, device=DEV,
+                                                           dtype=torch.bfloat16))
+    return meta, cache
+
+
+def topk_only(logits: torch.Tensor, limits: torch.Tensor, label: str) -> None:
+    """The top-k stage alone (torch.topk on the logits rows the backend uses)."""
+    nbytes = float(limits.clamp_max(logits.shape[1]).sum()) * 4
+    ms = timed(partial(torch.topk, logits, TOPK, 1))
+    add(f"top-2048 torch.topk {label}", ms, nbytes / ms / 1e9, "TB/s", "one read of the logits")
+
+
+def bench_indexer(quick: bool) -> None:
+    print("FP8 indexer (pages of 64 x 132 B)", flush=True)
+    for heads in ((64,) if quick else (64, 32)):
+        num_tokens = 4096
+        meta, cache = index_meta([CONTEXT], [num_tokens])
+        q = torch.randn(num_tokens, heads, 128, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(num_tokens, heads, device=DEV) * heads**-0.5 * 128**-0.5
+        visible = float((meta.positions + 1).sum())
+        flops = visible * heads * 128 * 2
+        ms = timed(partial(indexer.indexer_logits_paged, q, w, cache, meta))
+        add(f"indexer prefill logits H={heads} T=4096 S=128K", ms, flops / ms / 1e9, "TFLOP/s",
+            f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
+        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK), rep_ms=500)
+        add(f"indexer prefill logits+topk H={heads}", ms, flops / ms / 1e9, "TFLOP/s",
+            "top-k = torch.topk, not fused")
+        if heads == 64:
+            topk_only(*indexer.indexer_logits_paged(q, w, cache, meta), "prefill T=4096 S=128K")
+    batch, keys = 64, 65536
+    for s_q in ((1,) if quick else (1, 4)):
+        meta, cache = index_meta([keys] * batch, [s_q] * batch)
+        q = torch.randn(batch * s_q, 64, 128, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(batch * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
+        nbytes = batch * keys * 132
+        ms = timed(partial(indexer.indexer_logits_paged, q, w, cache, meta))
+        add(f"indexer decode logits b=64 s_q={s_q} 64K keys", ms, nbytes / ms / 1e9, "TB/s",
+            f"target {TARGET_INDEXER_DECODE_TBS}")
+        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK))
+        add(f"indexer decode logits+topk b=64 s_q={s_q}", ms, nbytes / ms / 1e9, "TB/s",
+            "top-k = torch.topk, not fused")
+        if s_q == 1:
+            topk_only(*indexer.indexer_logits_paged(q, w, cache, meta), "decode b=64 S=64K")
+
+
+def bench_writers() -> None:
+    print("cache writers", flush=True)
+    n = 1 << 16
+    cache = torch.empty(4096, 64, 656, dtype=torch.uint8, device=DEV)
+    slots = torch.randperm(cache.shape[0] * 64, device=DEV)[:n]
+    c = torch.randn(n, L, device=DEV, dtype=torch.bfloat16)
+    k_pe = torch.randn(n, R, device=DEV, dtype=torch.bfloat16)
+    ms = timed(partial(mla_cache.write_mla_cache, cache, slots, c, k_pe))
+    add("fp8_ds_mla writer N=65536", ms, n * (2 * (L + R) + 656 + 8) / ms / 1e9, "TB/s")
+    icache = torch.empty(4096, 64 * 132, dtype=torch.uint8, device=DEV)
+    k = torch.randn(n, 128, device=DEV, dtype=torch.bfloat16)
+    ms = timed(partial(indexer.write_index_cache, icache, slots, k))
+    add("indexer key writer N=65536", ms, n * (256 + 132 + 8) / ms / 1e9, "TB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--only", default="ceilings,prefill,decode,indexer,writers")
+    parser.add_argument("--profile", action="store_true",
+                        help="launch each timed kernel once, no timing (run under ncu)")
+    args = parser.parse_args()
+    global PROFILE
+    PROFILE = args.profile
+    torch.manual_seed(int(time.time()))
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"triton {triton.__version__}", flush=True)
+    parts = args.only.split(",")
+    ceil = ceilings() if "ceilings" in parts else {}
+    if "prefill" in parts:
+        bench_prefill(args.quick, args.sweep)
+    if "decode" in parts:
+        bench_decode(args.quick, args.sweep)
+    if "indexer" in parts:
+        bench_indexer(args.quick)
+    if "writers" in parts:
+        bench_writers()
+    print("\n| kernel | time (us) | rate | note |\n|---|---:|---:|---|")
+    for row in ROWS:
+        frac = ""
+        if row.unit == "TFLOP/s" and "matmul" not in row.name and ceil:
+            peak = ceil["fp8_tflops"] if "indexer" in row.name else ceil["bf16_tflops"]
+            frac = f"; {row.value / peak:.0%} of matmul"
+        elif row.unit == "TB/s" and "copy" not in row.name and ceil:
+            frac = f"; {row.value / ceil['copy_tbs']:.0%} of copy"
+        print(f"| {row.name} | {row.ms * 1e3:.1f} | {row.value:.1f} {row.unit} | "
+              f"{row.note}{frac} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceil, "rows": [asdict(r) for r in ROWS]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""The "triton" attention backend: Triton kernels on CUDA tensors, the reference on the CPU.
+
+Decode and prefill rows go through the same sparse MLA kernel: rows are independent given their
+slot indices, and the kernel splits each index row across programs when the batch alone cannot
+fill the GPU (decode), merging the partial (o, lse) itself. Callers need no per-request s_q.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.registry import ReferenceBackend
+from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
+
+
+def _use_kernels(t: torch.Tensor) -> bool:
+    """Kernels run on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1 (tests)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class TritonBackend:
+    """Same operations and byte formats as ReferenceBackend; agrees with it within the stated
+    tolerances (bf16 operands ≤ 1e-2 relative; fp8 caches against the dequantized reference)."""
+
+    name = "triton"
+
+    def __init__(self, mla_config: sparse_mla.SparseMlaConfig | None = None) -> None:
+        self.mla_config = mla_config
+        self._reference = ReferenceBackend()
+
+    def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
+                 k_pe: torch.Tensor) -> None:
+        """c [N, L], k_pe [N, R] → rows at slots [N] (−1 skip); fp8_ds_mla or float cache."""
+        if not _use_kernels(kv_cache):
+            self._reference.write_kv(kv_cache, slots, c, k_pe)
+            return
+        mla_cache.write_mla_cache(kv_cache, slots, c, k_pe)
+
+    def write_index_k(self, index_cache: torch.Tensor, slots: torch.Tensor,
+                      k: torch.Tensor) -> None:
+        """k [N, D] → indexer cache rows at slots [N] (−1 skip); FP8 pages or float rows."""
+        if not _use_kernels(index_cache):
+            self._reference.write_index_k(index_cache, slots, k)
+            return
+        indexer.write_index_cache(index_cache, slots, k)
+
+    def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                   scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] (q's dtype), lse [T, H]."""
+        if not _use_kernels(q):
+            return self._reference.sparse_mla(q, kv_cache, slot_indices, scale, kv_lora_rank)
+        return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices.to(torch.int32), scale,
+                                         kv_lora_rank, self.mla_config)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                     meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hi, D], weights [T, Hi] (scales folded in) → (scores [T, topk] fp32, positions
+        [T, topk] int32) of the best keys this rank stores, best first, (−inf, −1) padded."""
+        if not _use_kernels(q):
+            return self._reference.indexer_topk(q, weights, index_cache, meta, topk)
+        return indexer.indexer_topk(q, weights, index_cache, meta, topk)

@@ -1,0 +1,244 @@
+"""Triton kernels against the PyTorch reference on the GPU, fresh random inputs every run.
+
+Tolerances (stated once, used below):
+  - bf16 operands (q, a bf16 cache, P rounded to bf16): ‖o − ref‖ / ‖ref‖ ≤ 1e-2 and
+    |lse − ref| ≤ 1e-2 · max(1, |ref|), ref computed in fp32 from the same bf16 / fp8 inputs;
+  - fp8 caches: the reference reads the same bytes and dequantizes them (e4m3 · power-of-two
+    scale is exact in bf16), so the same bound holds;
+  - cache writers: byte-exact against dsaserve.kernels.formats;
+  - FP8 indexer logits: ‖Δ‖ / ‖ref‖ ≤ 1e-3 per row (fp8 products are exact, the tensor core
+    accumulates in reduced fp32); top-k: the reference scores of the chosen keys equal the
+    reference top-k scores within that tolerance (tie-tolerant set equality).
+Run on the device machine: `pytest -m gpu tests/gpu/test_kernels_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels import formats, reference
+from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.registry import ReferenceBackend
+from dsaserve.kv import layout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+triton = pytest.importorskip("triton")
+
+from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla  # noqa: E402
+from dsaserve.kernels.triton.backend import TritonBackend  # noqa: E402
+
+DEV = "cuda"
+L, R, TOPK = 512, 64, 2048
+SCALE = 192**-0.5 * 1.873854  # DeepSeek-V3.2's softmax scale
+
+
+@pytest.fixture
+def g() -> torch.Generator:
+    gen = torch.Generator(device=DEV)
+    seed = torch.seed()
+    gen.manual_seed(seed)
+    print(f"seed {seed}")  # shown on failure
+    return gen
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _check_attention(o, lse, ref_o, ref_lse, empty_rows) -> None:
+    assert not bool(o.isnan().any()) and not bool(lse.isnan().any())
+    live = torch.ones(o.shape[0], dtype=torch.bool, device=o.device)
+    live[empty_rows] = False
+    assert _rel(o[live], ref_o[live]) <= 1e-2
+    err = (lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)
+    assert float(err.max()) <= 1e-2
+    assert bool((o[empty_rows] == 0).all()) and bool((lse[empty_rows] == float("-inf")).all())
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_mla_writer_matches_formats(g, kind):
+    num_blocks, block_size, n = 61, 64, 1777
+    slots = torch.randperm(num_blocks * block_size, device=DEV, generator=g)[:n]
+    slots[torch.rand(n, device=DEV, generator=g) < 0.1] = -1
+    magnitude = torch.exp(torch.randn(n, 1, device=DEV, generator=g) * 3)
+    c = (torch.randn(n, L, device=DEV, generator=g) * magnitude).bfloat16()
+    k_pe = torch.randn(n, R, device=DEV, generator=g).bfloat16()
+    fp8 = kind == "fp8"
+    shape = formats.mla_cache_shape(num_blocks, block_size, fp8)
+    if fp8:
+        ours = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=g)
+    else:
+        ours = torch.randn(shape, device=DEV, generator=g).bfloat16()
+    ref = ours.clone()
+    mla_cache.write_mla_cache(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours.view(torch.uint8), ref.view(torch.uint8))
+
+
+def test_index_writer_matches_formats(g):
+    num_blocks, block_size, n, head_dim = 37, 64, 1500, 128
+    slots = torch.randperm(num_blocks * block_size, device=DEV, generator=g)[:n]
+    slots[torch.rand(n, device=DEV, generator=g) < 0.1] = -1
+    k = (torch.randn(n, head_dim, device=DEV, generator=g)
+         * torch.exp(torch.randn(n, 1, device=DEV, generator=g) * 3)).bfloat16()
+    shape = formats.index_cache_shape(num_blocks, block_size, True, head_dim)
+    ours = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=g)
+    ref = ours.clone()
+    indexer.write_index_cache(ours, slots, k)
+    formats.write_index_cache(ref, slots, k)
+    assert torch.equal(ours, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse MLA
+# --------------------------------------------------------------------------------------------
+def _random_cache(g, num_slots: int, block_size: int, fp8: bool) -> torch.Tensor:
+    num_blocks = -(-num_slots // block_size)
+    shape = formats.mla_cache_shape(num_blocks, block_size, fp8)
+    cache = torch.empty(shape, dtype=torch.uint8 if fp8 else torch.bfloat16, device=DEV)
+    slots = torch.arange(num_blocks * block_size, device=DEV)
+    c = torch.randn(len(slots), L, device=DEV, generator=g)
+    k_pe = torch.randn(len(slots), R, device=DEV, generator=g)
+    mla_cache.write_mla_cache(cache, slots, c.bfloat16(), k_pe.bfloat16())
+    return cache
+
+
+def _random_indices(g, num_tokens: int, contexts: torch.Tensor, num_slots: int,
+                    slot_of=None) -> torch.Tensor:
+    """[T, TOPK] int32: up to TOPK distinct positions < contexts[t] (rest −1), random holes."""
+    keys = torch.rand(num_tokens, num_slots, device=DEV, generator=g)
+    keys[torch.arange(num_slots, device=DEV)[None, :] >= contexts[:, None]] = -1.0
+    pos = keys.topk(TOPK, dim=1).indices  # [T, TOPK]
+    visible = torch.arange(TOPK, device=DEV)[None, :] < contexts[:, None]
+    visible &= torch.rand(num_tokens, TOPK, device=DEV, generator=g) > 0.05
+    slots = pos if slot_of is None else slot_of(pos)
+    return torch.where(visible, slots, -1).int()
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_sparse_prefill_matches_reference(g, heads, kind):
+    num_tokens, num_slots = 291, 6007
+    cache = _random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    contexts[:7] = torch.tensor([1, 5, 100, 2047, 2048, 2049, 0], device=DEV)
+    idx = _random_indices(g, num_tokens, contexts, num_slots)  # row 6: no valid index
+    q = torch.randn(num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L)
+    ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
+    assert o.dtype == torch.bfloat16 and o.shape == (num_tokens, heads, L)
+    _check_attention(o, lse, ref_o, ref_lse, empty_rows=[6])
+
+
+@pytest.mark.parametrize("batch,s_q", [(32, 1), (7, 4), (130, 1)])
+def test_fp8_decode_matches_reference(g, batch, s_q):
+    """Paged decode (MTP verify rows share nothing but their request); small batches take the
+    split path and its merge."""
+    block_size, max_ctx, heads = 64, 5000, 64
+    contexts = torch.randint(1, max_ctx, (batch,), device=DEV, generator=g)
+    contexts[0] = 3  # fewer keys than TOPK
+    blocks_per_req = -(-max_ctx // block_size)
+    table = torch.randperm(batch * blocks_per_req, device=DEV, generator=g).view(batch, -1)
+    cache = _random_cache(g, batch * blocks_per_req * block_size, block_size, True)
+    rows = torch.arange(batch, device=DEV).repeat_interleave(s_q)  # [T] request of each row
+
+    def slot_of(pos):  # request-local positions → physical slots
+        return table[rows[:, None], pos // block_size] * block_size + pos % block_size
+
+    idx = _random_indices(g, batch * s_q, contexts[rows], max_ctx, slot_of)
+    q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L)
+    ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
+    _check_attention(o, lse, ref_o, ref_lse, empty_rows=[])
+
+
+def test_backend_tiny_heads(g):
+    """The tiny preset's 4 heads (padded to a 16-row tile) through the registry interface."""
+    cache = _random_cache(g, 4096, 64, True)
+    contexts = torch.randint(1, 4096, (19,), device=DEV, generator=g)
+    idx = _random_indices(g, 19, contexts, 4096)
+    q = torch.randn(19, 4, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = TritonBackend().sparse_mla(q, cache, idx.long(), SCALE, L)
+    ref_o, ref_lse = ReferenceBackend().sparse_mla(q, cache, idx, SCALE, L)
+    assert o.dtype == ref_o.dtype == torch.bfloat16
+    _check_attention(o, lse, ref_o.float(), ref_lse, empty_rows=[])
+
+
+# --------------------------------------------------------------------------------------------
+# Indexer
+# --------------------------------------------------------------------------------------------
+def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
+    """A 300-token prefill chunk over a 4000-token context, and decode rows with s_q 1..4."""
+    block_size, head_dim = 64, 128
+    seq_lens = (4000, 2100, 77, 3001, 2500)
+    new = (300, 1, 4, 2, 3)
+    local = [layout.dcp_local_seq_len(s, dcp[0], dcp[1], 1) for s in seq_lens]
+    need = [-(-n // block_size) for n in local]
+    pages = torch.randperm(sum(need), device=DEV, generator=g).int()
+    table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32, device=DEV)
+    start = 0
+    for r, n in enumerate(need):
+        table[r, :n] = pages[start : start + n]
+        start += n
+    qsl, positions, reqs = [0], [], []
+    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
+        qsl.append(qsl[-1] + n)
+        positions += range(s - n, s)
+        reqs += [r] * n
+    positions = torch.tensor(positions, device=DEV)
+    reqs = torch.tensor(reqs, device=DEV)
+    meta = AttentionMetadata(
+        positions=positions, req_indices=reqs, block_table=table,
+        slot_mapping=layout.slot_mapping(positions, reqs, table, block_size, *dcp),
+        query_start_loc=tuple(qsl), seq_lens=seq_lens, block_size=block_size,
+        use_dense=False, dcp_size=dcp[0], dcp_rank=dcp[1],
+    )
+    cache = torch.zeros(formats.index_cache_shape(sum(need), block_size, True, head_dim),
+                        dtype=torch.uint8, device=DEV)
+    for r, s in enumerate(seq_lens):
+        slots, _ = layout.context_slots(s, table[r], block_size, *dcp)
+        keys = torch.randn(len(slots), head_dim, device=DEV, generator=g).bfloat16()
+        indexer.write_index_cache(cache, slots, keys)
+    q = torch.randn(meta.num_tokens, heads, head_dim, device=DEV, generator=g).bfloat16()
+    w = torch.randn(meta.num_tokens, heads, device=DEV, generator=g) * heads**-0.5 * 128**-0.5
+    return meta, cache, q, w
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
+def test_indexer_logits_and_topk_match_reference(g, heads, dcp):
+    meta, cache, q, w = _indexer_case(g, heads, dcp)
+    logits, limits = indexer.indexer_logits_paged(q, w, cache, meta)
+    scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK)
+    ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, TOPK)
+    assert torch.equal(pos >= 0, ref_pos >= 0)
+    q8, q_scale = formats.quantize_index_q(q)
+    for r in range(meta.num_reqs):
+        a, b = meta.query_range(r)
+        slots, key_pos = layout.context_slots(meta.seq_lens[r], meta.block_table[r],
+                                              meta.block_size, *dcp)
+        k8, k_scale = formats.read_index_cache(cache, slots)
+        ref = reference.indexer_logits_fp8(q8[a:b], q_scale[a:b], w[a:b], k8, k_scale)
+        local_of = torch.full((meta.seq_lens[r],), -1, dtype=torch.long, device=DEV)
+        local_of[key_pos] = torch.arange(len(key_pos), device=DEV)
+        for t in range(a, b):
+            n = int(limits[t])
+            assert n == int((key_pos <= meta.positions[t]).sum())
+            assert _rel(logits[t, :n], ref[t - a, :n]) <= 1e-3
+            assert bool((logits[t, n:] == float("-inf")).all())
+            chosen = pos[t][pos[t] >= 0].long()
+            assert len(chosen) == min(n, TOPK) and len(chosen.unique()) == len(chosen)
+            # Tie-tolerant set equality: the reference scores of our keys are its top-k scores.
+            ours = ref[t - a, local_of[chosen]].sort().values
+            theirs = ref_scores[t, : len(chosen)].sort().values
+            tol = 1e-3 * float(ref[t - a, :n].abs().max())
+            assert float((ours - theirs).abs().max()) <= tol
+            gap = scores[t, : len(chosen)] - ref_scores[t, : len(chosen)]  # both best first
+            assert float(gap.abs().max()) <= tol

@@ -1,0 +1,320 @@
+"""The Triton kernels, run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny fp32 shapes,
+against the PyTorch reference. Skipped when triton is not installed (CI does not install it).
+
+What the interpreter cannot show, the GPU suite (tests/gpu/test_kernels_gpu.py) does: bf16 and
+fp8 rounding (the interpreter truncates fp32→bf16 and drops the carry of fp32→e4m3 rounding),
+tensor-core numerics, and real shapes. So here fp8 payload bytes are compared on data that needs
+no rounding, and everything else exactly or to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# triton decides at import time whether its own helpers (tl.zeros, ...) are interpreted.
+_FRESH = "triton" not in sys.modules
+_saved_env = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton")
+    importlib.import_module("triton.experimental.gluon")  # imported lazily by the first launch
+finally:
+    if _saved_env is None:
+        os.environ.pop("TRITON_INTERPRET")
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved_env
+if not _FRESH and _saved_env != "1":
+    pytest.skip("triton was imported before this module without TRITON_INTERPRET=1",
+                allow_module_level=True)
+
+from dsaserve.kernels import formats, reference  # noqa: E402
+from dsaserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
+from dsaserve.kv import layout  # noqa: E402
+
+_MODULES = ("mla_cache", "sparse_mla", "indexer", "backend")  # reload order: dependencies first
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with int(array) on a size-1 array,
+    which numpy ≥ 2.4 refuses; kernels with a loop bound computed at run time need it."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_size1_index", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._size1_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+def _load(interpret: bool) -> SimpleNamespace:
+    """(Re)import the kernel modules; triton.jit picks interpreted or compiled at import time."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        mods = {}
+        for name in _MODULES:
+            mod = importlib.import_module(f"dsaserve.kernels.triton.{name}")
+            mods[name] = importlib.reload(mod)
+        return SimpleNamespace(**mods)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+@pytest.fixture(scope="module")
+def k():
+    _patch_interpreter_index()
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # read again at launch time by the interpreter
+    try:
+        yield _load(interpret=True)
+    finally:
+        _load(interpret=False)  # leave compiled kernels behind for anything imported later
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+L, R = 128, 16  # one fp8 tile; the smallest rope width a tensor-core dot accepts
+
+
+def _gen(seed_offset: int = 0) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(torch.seed() + seed_offset)  # fresh inputs every run
+    return g
+
+
+# --------------------------------------------------------------------------------------------
+# MLA cache writer
+# --------------------------------------------------------------------------------------------
+def test_mla_writer_fp8_matches_formats(k):
+    g = _gen()
+    num_blocks, block_size, n = 3, 8, 14
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[[2, 9]] = -1
+    k_pe = torch.randn(n, R, generator=g).bfloat16()  # bf16 in: no rounding on the way
+    row_bytes = formats.mla_row_bytes(L, R)
+    # Random latents: scales must match bit for bit (exact power-of-two rule).
+    c = torch.randn(n, L, generator=g) * torch.rand(n, 1, generator=g) * 100
+    ours = torch.full((num_blocks, block_size, row_bytes), 0xAB, dtype=torch.uint8)
+    ref = ours.clone()
+    k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours[..., L:], ref[..., L:]), "scale or k_pe bytes differ"
+    # Latents already on the e4m3 grid of their scale: every payload byte must match too.
+    scale = torch.exp2(torch.randint(-8, 8, (n, 1), generator=g).float())
+    grid = torch.randint(0, 256, (n, L), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    grid = torch.where(grid.float().isnan(), 0.0, grid.float())
+    grid[:, 0] = 448.0  # amax = 448·scale → the scale rule gives back `scale` exactly
+    c = grid * scale
+    ours.fill_(0xAB)
+    ref.fill_(0xAB)
+    k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours, ref)
+
+
+def test_mla_writer_float_cache(k):
+    g = _gen()
+    slots = torch.tensor([5, -1, 0, 17])
+    c, k_pe = torch.randn(4, L, generator=g), torch.randn(4, R, generator=g)
+    ours = torch.full((3, 8, L + R), float("nan"))
+    ref = ours.clone()
+    k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours.nan_to_num(7.0), ref.nan_to_num(7.0))
+
+
+# --------------------------------------------------------------------------------------------
+# Sparse MLA
+# --------------------------------------------------------------------------------------------
+def _mla_case(fp8: bool, g: torch.Generator):
+    num_blocks, block_size, num_tokens, num_heads, topk = 4, 16, 6, 5, 40
+    num_slots = num_blocks * block_size
+    c = torch.randn(num_slots, L, generator=g)
+    k_pe = torch.randn(num_slots, R, generator=g)
+    shape = formats.mla_cache_shape(num_blocks, block_size, fp8, L, R)
+    cache = torch.zeros(shape, dtype=torch.uint8 if fp8 else torch.float32)
+    formats.write_mla_cache(cache, torch.arange(num_slots), c, k_pe)
+    q = torch.randn(num_tokens, num_heads, L + R, generator=g)
+    idx = torch.stack([torch.randperm(num_slots, generator=g)[:topk] for _ in range(num_tokens)])
+    idx[0, ::3] = -1  # scattered skips
+    idx[1] = -1  # a row with no valid slot
+    idx[2, 16:] = -1  # the second split of this row is empty
+    return q, cache, idx.int()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("splits", [1, 2, None])
+def test_sparse_mla_matches_reference(k, fp8, splits):
+    q, cache, idx = _mla_case(fp8, _gen())
+    cfg = k.sparse_mla.SparseMlaConfig(block_n=16, num_splits=splits)
+    o, lse = k.sparse_mla.sparse_mla_fwd(q, cache, idx, 0.125, L, cfg)
+    ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, 0.125, L, R)
+    assert torch.equal(o[1], torch.zeros_like(o[1])) and bool((lse[1] == float("-inf")).all())
+    assert torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Indexer
+# --------------------------------------------------------------------------------------------
+def test_index_writer_fp8_matches_formats(k):
+    g = _gen()
+    head_dim, block_size, n = 32, 8, 11
+    slots = torch.randperm(4 * block_size, generator=g)[:n]
+    slots[4] = -1
+    scale = torch.exp2(torch.randint(-6, 6, (n, 1), generator=g).float())
+    grid = torch.randint(0, 256, (n, head_dim), generator=g, dtype=torch.uint8)
+    grid = grid.view(torch.float8_e4m3fn).float().nan_to_num(0.0)
+    grid[:, 3] = -448.0
+    for keys in (torch.randn(n, head_dim, generator=g) * 30, grid * scale):
+        shape = formats.index_cache_shape(4, block_size, True, head_dim)
+        ours = torch.full(shape, 0xCD, dtype=torch.uint8)
+        ref = ours.clone()
+        k.indexer.write_index_cache(ours, slots, keys)
+        formats.write_index_cache(ref, slots, keys)
+        values, scales = formats._index_page_views(ours, head_dim)
+        ref_values, ref_scales = formats._index_page_views(ref, head_dim)
+        assert torch.equal(scales, ref_scales)
+        if keys is not grid:  # random keys: the interpreter's e4m3 rounding is not RNE
+            continue
+        assert torch.equal(values, ref_values)
+
+
+def _index_meta(g: torch.Generator, dcp_size: int, dcp_rank: int, block_size: int):
+    """Three requests (prefill chunk, decode, MTP-like 2 tokens) over shuffled pages."""
+    seq_lens, new = (67, 9, 41), (6, 1, 2)
+    pages = torch.randperm(16, generator=g).int()
+    block_table = torch.full((3, 5), -1, dtype=torch.int32)
+    start = 0
+    for r, s in enumerate(seq_lens):
+        need = -(-layout.dcp_local_seq_len(s, dcp_size, dcp_rank, 1) // block_size)
+        block_table[r, :need] = pages[start : start + need]
+        start += need
+    qsl, positions, reqs = [0], [], []
+    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
+        qsl.append(qsl[-1] + n)
+        positions += range(s - n, s)
+        reqs += [r] * n
+    positions, reqs = torch.tensor(positions), torch.tensor(reqs)
+    return AttentionMetadata(
+        positions=positions, req_indices=reqs, block_table=block_table,
+        slot_mapping=layout.slot_mapping(positions, reqs, block_table, block_size, dcp_size,
+                                         dcp_rank),
+        query_start_loc=tuple(qsl), seq_lens=seq_lens, block_size=block_size, use_dense=False,
+        dcp_size=dcp_size, dcp_rank=dcp_rank,
+    )
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
+@pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
+def test_indexer_topk_matches_reference(k, fp8, dcp):
+    g = _gen()
+    heads, head_dim, block_size, topk = 16, 32, 16, 8
+    meta = _index_meta(g, *dcp, block_size)
+    cache = torch.zeros(formats.index_cache_shape(16, block_size, fp8, head_dim),
+                        dtype=torch.uint8 if fp8 else torch.float32)
+    for r, s in enumerate(meta.seq_lens):
+        slots, _ = layout.context_slots(s, meta.block_table[r], block_size, *dcp)
+        formats.write_index_cache(cache, slots, torch.randn(len(slots), head_dim, generator=g))
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
+    w = torch.randn(meta.num_tokens, heads, generator=g)
+    scores, pos = k.indexer.indexer_topk(q, w, cache, meta, topk)
+    ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, topk)
+    assert torch.equal(pos >= 0, ref_pos >= 0) and torch.equal(scores > -1e30, pos >= 0)
+    # Same scores, best first (exact ties may pick different keys, never different scores).
+    assert torch.allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta)
+    for t in range(meta.num_tokens):
+        r = int(meta.req_indices[t])
+        _, key_pos = layout.context_slots(meta.seq_lens[r], meta.block_table[r], block_size, *dcp)
+        local = {int(p): j for j, p in enumerate(key_pos)}
+        chosen = [local[int(p)] for p in pos[t] if p >= 0]  # each a visible key of this rank
+        assert len(set(chosen)) == len(chosen) and all(j < int(limits[t]) for j in chosen)
+        assert torch.equal(logits[t, chosen], scores[t, : len(chosen)])
+        assert bool((logits[t, int(limits[t]):] == float("-inf")).all())
+
+
+def test_indexer_logits_match_reference_fp8(k):
+    g = _gen()
+    heads, head_dim, block_size = 16, 32, 16
+    meta = _index_meta(g, 1, 0, block_size)
+    cache = torch.zeros(formats.index_cache_shape(16, block_size, True, head_dim),
+                        dtype=torch.uint8)
+    for r, s in enumerate(meta.seq_lens):
+        slots, _ = layout.context_slots(s, meta.block_table[r], block_size)
+        formats.write_index_cache(cache, slots, torch.randn(s, head_dim, generator=g))
+    q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
+    w = torch.randn(meta.num_tokens, heads, generator=g)
+    logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta)
+    q8, q_scale = formats.quantize_index_q(q)
+    for r in range(meta.num_reqs):
+        a, b = meta.query_range(r)
+        slots, _ = layout.context_slots(meta.seq_lens[r], meta.block_table[r], block_size)
+        k8, k_scale = formats.read_index_cache(cache, slots, head_dim)
+        ref = reference.indexer_logits_fp8(q8[a:b], q_scale[a:b], w[a:b], k8, k_scale)
+        for t in range(a, b):
+            n = int(limits[t])
+            assert n == int(meta.positions[t]) + 1
+            assert torch.allclose(logits[t, :n], ref[t - a, :n], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Backend
+# --------------------------------------------------------------------------------------------
+def test_backend_runs_kernels_under_interpreter(k, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = _gen()
+    q, cache, idx = _mla_case(True, g)
+    backend = k.backend.TritonBackend()
+    o, lse = backend.sparse_mla(q, cache, idx, 0.1, L)
+    ref_o, ref_lse = ReferenceBackend().sparse_mla(q, cache, idx, 0.1, L)
+    assert o.dtype == q.dtype and torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    c = torch.randn(3, L, generator=g).bfloat16()
+    k_pe = torch.randn(3, R, generator=g).bfloat16()
+    slots = torch.tensor([1, -1, 40])
+    ours, ref = cache.clone(), cache.clone()
+    backend.write_kv(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours[..., L:], ref[..., L:])
+
+
+# --------------------------------------------------------------------------------------------
+# Host-side layout helpers
+# --------------------------------------------------------------------------------------------
+def test_local_limits_match_layout(k):
+    positions = torch.arange(200)
+    for dcp_size in (1, 2, 3):
+        for interleave in (1, 2, 4):
+            for rank in range(dcp_size):
+                ours = k.indexer._local_limits(positions, dcp_size, rank, interleave)
+                ref = [layout.dcp_local_seq_len(int(p) + 1, dcp_size, rank, interleave)
+                       for p in positions]
+                assert ours.tolist() == ref
+
+
+def test_tiles_and_splits(k):
+    assert k.indexer._tiles((0, 3, 4, 6), 2) == ([0, 0, 1, 2], [0, 2, 3, 4], [2, 1, 1, 2])
+    assert k.indexer._tiles((0, 0, 5), 4) == ([1, 1], [0, 4], [4, 1])
+    choose = k.sparse_mla.choose_num_splits
+    assert choose(4096, 64, 132) == 1 and choose(128, 64, 132) == 1  # a wave already
+    assert choose(32, 64, 132) == 4 and choose(28, 64, 132) == 4
+    assert choose(1, 64, 132) == 16  # capped so that every split keeps >= 4 blocks
+    assert choose(1, 2, 132) == 1
