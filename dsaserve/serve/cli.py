@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsaserve.config import ConfigError
 from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
 from dsaserve.model.presets import DEFAULT_MODEL
-from dsaserve.serve.api import ServerConfig
+
+if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
+    from dsaserve.serve.api import ServerConfig
 
 _PROG = "dsaserve serve"
 
@@ -52,6 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfig:
+    from dsaserve.serve.api import ServerConfig
+
     return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
                         host=args.host, port=args.port)
 
