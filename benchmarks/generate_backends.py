@@ -46,13 +46,24 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
     engine.add_request("r", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                 ignore_eos=True))
     tokens, times = [], []
+    prof = None
     while engine.has_unfinished_requests():
+        if args.profile and len(times) == 4:  # a few decode steps, after the prefill
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for out in engine.step():
             tokens.extend(out.new_token_ids)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
+        if prof is not None and len(times) == 8:
+            prof.__exit__(None, None, None)
+            print(f"--- {backend}: 4 decode steps", file=sys.stderr)
+            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18),
+                  file=sys.stderr)
+            prof = None
     engine.check_integrity()
     return tokens, times[0], sum(times[1:]) / max(len(times) - 1, 1)
 
@@ -65,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--profile", action="store_true", help="profile 4 decode steps per backend")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(
