@@ -42,7 +42,10 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
         dtype="bfloat16", device="cuda",
     )
     engine = LLMEngine.from_config(cfg)
-    engine.generate([ids[:256]], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+    # Warm-up at the same shapes (compiles every kernel variant), with other tokens so that the
+    # measured request finds nothing in the prefix cache.
+    engine.generate([[(t * 7 + 1) % engine.config.model.vocab_size for t in ids]],
+                    SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     engine.add_request("r", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
                                                 ignore_eos=True))
     tokens, times = [], []
