@@ -39,7 +39,7 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
         scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=args.prompt_len,
                                   max_model_len=args.prompt_len + args.max_tokens + 64),
         attention=AttentionConfig(backend=backend, sparse_mla_force_mqa=True),
-        dtype="bfloat16", device="cuda",
+        dtype=args.dtype, device="cuda",
     )
     engine = LLMEngine.from_config(cfg)
     # Warm-up at the same shapes (compiles every kernel variant), with other tokens so that the
@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="float32 makes the backends comparable token for token: in bf16 a random "
+                        "model's near-tied logits and MoE routes flip under rounding noise")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="profile 4 decode steps per backend")
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = results["reference"][0]
     lines = [
         f"GLM-5.3-shaped, {args.layers} layers, prompt {args.prompt_len} tokens, "
-        f"{args.max_tokens} greedy tokens, {args.kv_cache_dtype} KV, one H200",
+        f"{args.max_tokens} greedy tokens, {args.dtype}, {args.kv_cache_dtype} KV, one H200",
         "",
         "| backend | prefill (ms) | mean decode step (ms) | tokens equal to reference |",
         "|---|---:|---:|---|",
