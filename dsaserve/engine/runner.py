@@ -20,7 +20,7 @@ from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
-from dsaserve.parallel.tp import shard_model
+from dsaserve.parallel.tp import checkpoint_narrower, first_expert, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -77,13 +77,18 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         path = Path(config.model_path)
         with_mtp = checkpoint_has_mtp(path, self.model_cfg)
+        # Cut to this rank's part before anything is allocated or read (parallel/tp.py).
+        sharded = self.groups.world_size > 1
         self.model = DsaForCausalLM.build(
             self.model_cfg, with_mtp=with_mtp, backend=get_backend(config.attention.backend),
             dtype=self.dtype, device=self.device,
+            shard=(lambda m: shard_model(m, self.groups, config.parallel)) if sharded else None,
         )
-        load_weights(self.model, path, self.model_cfg, self.dtype)
-        if self.groups.world_size > 1:
-            shard_model(self.model, self.groups, config.parallel)
+        load_weights(
+            self.model, path, self.model_cfg, self.dtype,
+            narrow=checkpoint_narrower(self.model_cfg, self.groups, config.parallel),
+            first_expert=first_expert(self.model_cfg, self.groups, config.parallel),
+        )
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
         self.requests: dict[str, _ReqState] = {}

@@ -17,6 +17,7 @@ belongs to and where its KV goes. Each layer:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -535,9 +536,12 @@ class DsaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device | str,
+        shard: Callable[[DsaForCausalLM], None] | None = None,
     ) -> DsaForCausalLM:
-        """Allocate on `device` in `dtype`; router, indexer weights_proj and k_norm stay fp32."""
-        with torch.device(device):
+        """Allocate on `device` in `dtype` (router, indexer weights_proj and k_norm stay fp32),
+        uninitialised: the loader fills every parameter. `shard` cuts the parameters to this
+        rank's part first, so only that part is ever allocated."""
+        with torch.device("meta"):
             model = DsaForCausalLM(cfg, with_mtp=with_mtp, backend=backend)
         keep_fp32 = {
             id(p)
@@ -549,4 +553,6 @@ class DsaForCausalLM(nn.Module):
         for p in model.parameters():
             if id(p) not in keep_fp32:
                 p.data = p.data.to(dtype)
-        return model.eval()
+        if shard is not None:
+            shard(model)
+        return model.to_empty(device=device).eval()

@@ -22,7 +22,7 @@ import json
 import logging
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -102,8 +102,11 @@ def dequantize_fp8_blocks(
 class _Targets:
     """The module's tensors by name, and the checkpoint names each one needs."""
 
-    def __init__(self, module: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, module: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                 first_expert: int = 0) -> None:
         self.tensors: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        # Under expert parallelism the stacked experts hold global ids [first, first + count).
+        self.first_expert = first_expert
         # Layers the module holds; those >= num_hidden_layers are MTP layers.
         self.layers = {int(m.group(1)) for m in map(_LAYER_RE.match, self.tensors) if m}
         self.required: set[str] = set()  # checkpoint names that must be loaded
@@ -115,14 +118,21 @@ class _Targets:
                 projs = ("gate", "up") if kind == "w13" else ("down",)
                 if kind == "w13" and t.shape[1] % 2:
                     raise LoadError(f"{name}: expected [E, 2*I, H], got {list(t.shape)}")
-                self.required |= {f"{base}.{e}.{p}_proj.weight" for e in range(t.shape[0])
-                                  for p in projs}
+                first = self.first_expert
+                self.required |= {f"{base}.{e}.{p}_proj.weight"
+                                  for e in range(first, first + t.shape[0]) for p in projs}
             else:
                 self.required.add(name)
 
 
 def _ignore_reason(name: str, cfg: ModelConfig, targets: _Targets) -> str | None:
     """Why a checkpoint tensor is skipped: "drop" (silent), a warning category, or None (load)."""
+    expert = _EXPERT_RE.match(name)
+    if expert is not None and int(expert.group(2)) < cfg.n_routed_experts:
+        stacked = targets.tensors.get(f"{expert.group(1)}.w13")
+        local = int(expert.group(2)) - targets.first_expert
+        if stacked is not None and not 0 <= local < stacked.shape[0]:
+            return "drop"  # another expert-parallel rank holds it
     m = _LAYER_RE.match(name)
     if m is None:
         return None
@@ -192,11 +202,11 @@ def _destination(name: str, targets: _Targets) -> torch.Tensor:
         if name not in targets.tensors:
             raise LoadError(f"{name}: unknown tensor (no such parameter or buffer in the module)")
         return targets.tensors[name]
-    base, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    base, e, proj = m.group(1), int(m.group(2)) - targets.first_expert, m.group(3)
     stacked = targets.tensors.get(f"{base}.{'w2' if proj == 'down' else 'w13'}")
     if stacked is None:
         raise LoadError(f"{name}: unknown tensor (the module has no stacked experts at {base})")
-    if e >= stacked.shape[0]:
+    if not 0 <= e < stacked.shape[0]:
         raise LoadError(f"{name}: expert {e} out of range (module has {stacked.shape[0]} experts)")
     half = stacked.shape[1] // 2
     # w13[e] rows: [0, I) gate, [I, 2I) up. w2[e] is down as is.
@@ -210,8 +220,15 @@ def load_weights(
     dtype: torch.dtype,
     *,
     progress: bool = True,
+    narrow: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    first_expert: int = 0,
 ) -> None:
     """Fill every parameter and persistent buffer of `module` from the checkpoint in `model_dir`.
+
+    A module that holds only this rank's part of the model (tensor or expert parallelism) passes
+    `narrow(checkpoint name, full tensor) → the part it keeps` and, when its stacked experts are
+    global ids [first_expert, first_expert + count), `first_expert`; other experts are skipped, so
+    a rank reads only what it keeps beyond one tensor at a time.
 
     Streams shard by shard (memory: one tensor at a time beyond the module). FP8 weights are
     dequantized with their `weight_scale_inv` in fp32. Each value is copied into the module tensor's
@@ -221,14 +238,15 @@ def load_weights(
     or module tensors the checkpoint lacks.
     """
     with torch.no_grad():
-        _load(module, Path(model_dir), cfg, dtype, progress)
+        _load(module, Path(model_dir), cfg, dtype, progress, narrow, first_expert)
 
 
 def _load(
-    module: torch.nn.Module, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool
+    module: torch.nn.Module, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, progress: bool,
+    narrow: Callable[[str, torch.Tensor], torch.Tensor] | None, first_expert: int,
 ) -> None:
     weight_map = _weight_map(model_dir)
-    targets = _Targets(module, cfg, dtype)
+    targets = _Targets(module, cfg, dtype, first_expert)
     block = cfg.fp8_weights.block_size if cfg.fp8_weights else (128, 128)
 
     # 1. Plan from names alone, so a wrong checkpoint fails before any byte is read.
@@ -259,7 +277,10 @@ def _load(
                      disable=not progress):
         with _ShardReader(weight_map) as reader:
             for name in to_load[path]:
-                _copy(_destination(name, targets), _read_dequantized(reader, name, block), name)
+                value = _read_dequantized(reader, name, block)
+                if narrow is not None:
+                    value = narrow(name, value)
+                _copy(_destination(name, targets), value, name)
 
 
 def _listing(names: Iterable[str]) -> str:

@@ -6,11 +6,17 @@ over the TP group. The latent KV projection and the indexer stay replicated: eve
 the whole latent cache and scores every query, which is why TP scales badly for this model.
 EP gives each rank n_routed_experts / world experts.
 
-The full checkpoint is loaded first and sliced afterwards, which is simple and exact; loading only
-the local slices is the known next step for checkpoints that do not fit one GPU.
+Sharding happens before any weight is read: the model is built on the meta device, `shard_model`
+cuts every parameter to this rank's shape, the model is materialised, and the loader narrows each
+checkpoint tensor with `checkpoint_narrower` (and skips experts other ranks hold), so a rank reads
+and keeps only its own part. The two functions must cut the same way: the equivalence tests
+against a single rank (tests/parallel/) check that they do.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -91,3 +97,53 @@ def _shard_experts_tp(experts: Experts, rank: int, size: int) -> None:
     _slice(experts.w13, torch.cat((gate[:, rows], up[:, rows]), dim=1))
     _slice(experts.w2, experts.w2[:, :, rows])
     experts.inter = inter
+
+
+# Checkpoint names and how TP cuts them: rows or columns, per head (attention) or in equal chunks.
+_HEAD_ROWS = re.compile(r"\.self_attn\.(q_b_proj|kv_b_proj)\.weight$")
+_HEAD_COLS = re.compile(r"\.self_attn\.o_proj\.weight$")
+_DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_SHARED = re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+_ROUTED = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_parallel(groups: ParallelGroups, p: ParallelConfig) -> bool:
+    return p.enable_expert_parallel and groups.ep.size > 1
+
+
+def first_expert(cfg: ModelConfig, groups: ParallelGroups, p: ParallelConfig) -> int:
+    """Global id of the first routed expert this rank holds (0 without EP)."""
+    if not expert_parallel(groups, p):
+        return 0
+    return groups.ep.rank_in_group * (cfg.n_routed_experts // groups.ep.size)
+
+
+def checkpoint_narrower(cfg: ModelConfig, groups: ParallelGroups, p: ParallelConfig
+                        ) -> Callable[[str, torch.Tensor], torch.Tensor] | None:
+    """name, full checkpoint tensor → the part this rank keeps (None: keep everything)."""
+    tp, r = groups.tp.size, groups.tp.rank_in_group
+    if tp == 1:
+        return None
+    use_ep = expert_parallel(groups, p)
+    heads = cfg.num_attention_heads
+
+    def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
+        size = t.shape[dim] // tp
+        return t.narrow(dim, r * size, size)
+
+    def narrow(name: str, t: torch.Tensor) -> torch.Tensor:
+        if _HEAD_ROWS.search(name):
+            return chunk(t.view(heads, -1, t.shape[1]), 0).reshape(-1, t.shape[1])
+        if _HEAD_COLS.search(name):
+            return chunk(t.view(t.shape[0], heads, -1), 1).reshape(t.shape[0], -1)
+        proj = None
+        for pattern, sharded in ((_DENSE, True), (_SHARED, not use_ep), (_ROUTED, not use_ep)):
+            m = pattern.search(name)
+            if m is not None:
+                proj = m.group(1) if sharded else None
+                break
+        if proj is None:
+            return t
+        return chunk(t, 1 if proj == "down_proj" else 0)
+
+    return narrow

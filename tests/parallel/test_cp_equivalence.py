@@ -83,6 +83,8 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
                 "logits": result,
                 "rows_written_layer0": written,
                 "indexer_rows": runner.model.backend.indexer_rows_scored,
+                "experts_held": runner.model.model.layers[1].mlp.experts.w13.shape[0],
+                "q_rows_held": runner.model.model.layers[0].self_attn.q_b_proj.weight.shape[0],
             },
             f"{out_path}.{rank}",
         )
@@ -187,6 +189,12 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
     world = cfg.parallel.world_size
     results = run_parallel(cfg, world)
     _check(results, single["auto"])
+    # Each rank allocated and loaded only its share of the weights.
+    m, p = cfg.model, cfg.parallel
+    for res in results:
+        assert res["experts_held"] == m.n_routed_experts // (world if p.enable_expert_parallel
+                                                              else 1)
+        assert res["q_rows_held"] == m.num_attention_heads // p.tensor_parallel_size * m.qk_head_dim
     # Each DCP rank stores exactly its own tokens: 1/N of every request, ± one interleave run.
     dcp = cfg.parallel.decode_context_parallel_size
     lengths = [len(t) for t in _schedule(cfg.model.vocab_size)[0].values()]
