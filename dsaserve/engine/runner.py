@@ -103,17 +103,20 @@ class ModelRunner:
             return cfg.cache.num_gpu_blocks
         tokens_per_block = self.block_size * self.dcp_size
         blocks_per_seq = -(-cfg.scheduler.max_model_len // tokens_per_block)
+        where = ""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1.0 - cfg.cache.gpu_memory_utilization)
+            where = (f" ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {self.device}, "
+                     f"{cfg.cache.gpu_memory_utilization} of it usable)")
         else:
             need = per_block * blocks_per_seq * cfg.scheduler.max_num_seqs
             budget = min(_CPU_KV_BUDGET_BYTES, need)
         num = int(budget // per_block)
         if num < blocks_per_seq:
             raise ValueError(
-                f"--gpu-memory-utilization: room for {num} KV blocks but one request of "
-                f"--max-model-len {cfg.scheduler.max_model_len} needs {blocks_per_seq}"
+                f"--gpu-memory-utilization: room for {max(num, 0)} KV blocks{where} but one "
+                f"request of --max-model-len {cfg.scheduler.max_model_len} needs {blocks_per_seq}"
             )
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
