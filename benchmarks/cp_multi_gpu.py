@@ -20,6 +20,7 @@ Every engine is a real `LLMEngine` (worker processes, NCCL on GPUs, gloo on CPU)
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import sys
 import tempfile
@@ -80,17 +81,33 @@ def build_model(args: argparse.Namespace, root: Path) -> Path:
 
 def engine_config(args, model_dir: Path, parallel: ParallelConfig, *, max_len: int,
                   chunk: int) -> EngineConfig:
+    # Blocks for the few requests a run holds at once, not a share of HBM: engines of several
+    # layouts live one after another on the same GPUs.
+    blocks = args.num_blocks or 4 * math.ceil(max_len / 64) + 16
     return EngineConfig(
         model_path=str(model_dir), model=ModelConfig.from_file(model_dir),
         cache=CacheConfig(block_size=64, kv_cache_dtype=args.kv_cache_dtype,
-                          gpu_memory_utilization=0.85,
-                          num_gpu_blocks=args.num_blocks),
+                          num_gpu_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk,
                                   max_model_len=max_len),
         attention=AttentionConfig(backend=args.backend, sparse_mla_force_mqa=True),
         parallel=parallel, dtype="bfloat16" if args.device == "cuda" else "float32",
         device=args.device,
     )
+
+
+def with_engine(cfg: EngineConfig, work):
+    """Run `work(engine)` on a fresh engine, then stop its workers and free its memory before the
+    next layout starts on the same GPUs (the engine never outlives this call)."""
+    engine = LLMEngine.from_config(cfg)
+    try:
+        return work(engine)
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def human(tokens: int) -> str:
@@ -165,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         for lay in (layouts(n)[0], layouts(n)[3]):
             cfg = engine_config(args, model_dir, lay.parallel, max_len=max_len,
                                 chunk=args.prefill_chunk)
-            engine = LLMEngine.from_config(cfg)
-            outs[lay.name], _ = timed_steps(engine, ids, 16)
-            engine.shutdown()
+            outs[lay.name] = with_engine(cfg, lambda e: timed_steps(e, ids, 16)[0])
         same = len(set(map(tuple, outs.values()))) == 1
         emit(f"prompt {len(ids)} tokens, 16 greedy tokens: "
              f"{'identical' if same else 'DIFFERENT'} ({', '.join(outs)})")
@@ -181,14 +196,13 @@ def main(argv: list[str] | None = None) -> int:
         for lay in layouts(n):
             cfg = engine_config(args, model_dir, lay.parallel, max_len=max_len,
                                 chunk=args.prefill_chunk)
-            engine = LLMEngine.from_config(cfg)
-            timed_steps(engine, prompt(vocab, warm, seed=2), 1)  # warm-up
-            row = []
-            for i, c in enumerate(contexts):
-                _, times = timed_steps(engine, prompt(vocab, c, seed=10 + i), 1)
-                row.append(sum(times))
-            engine.shutdown()
-            ttft[lay.name] = row
+
+            def ttft_row(engine: LLMEngine) -> list[float]:
+                timed_steps(engine, prompt(vocab, warm, seed=2), 1)  # warm-up
+                return [sum(timed_steps(engine, prompt(vocab, c, seed=10 + i), 1)[1])
+                        for i, c in enumerate(contexts)]
+
+            row = ttft[lay.name] = with_engine(cfg, ttft_row)
             emit(f"| {lay.name} | {lay.gpus} | " + " | ".join(f"{t:.2f}" for t in row) + " |")
         base = ttft[layouts(n)[2].name]
         best = ttft[layouts(n)[0].name]
@@ -205,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         for lay in layouts(n)[:2][::-1]:
             cfg = engine_config(args, model_dir, lay.parallel, max_len=max_len,
                                 chunk=args.dcp_chunk)
-            engine = LLMEngine.from_config(cfg)
-            timed_steps(engine, prompt(vocab, warm, seed=2), 1)
-            step_ms[lay.name] = []
-            for i, c in enumerate(cached):
-                _, times = timed_steps(engine, prompt(vocab, c + args.dcp_chunk, seed=20 + i), 1)
-                step_ms[lay.name].append(times[-1] * 1e3)  # the last chunk: context = c
-            engine.shutdown()
+
+            def chunk_ms(engine: LLMEngine) -> list[float]:
+                timed_steps(engine, prompt(vocab, warm, seed=2), 1)
+                # the last chunk's step: its context is the cached length c
+                return [timed_steps(engine, prompt(vocab, c + args.dcp_chunk, seed=20 + i),
+                                    1)[1][-1] * 1e3 for i, c in enumerate(cached)]
+
+            step_ms[lay.name] = with_engine(cfg, chunk_ms)
         pcp, dcp = (step_ms[lay.name] for lay in layouts(n)[:2][::-1])
         for c, a, b in zip(cached, pcp, dcp, strict=True):
             emit(f"| {human(c)} | {a:.1f} | {b:.1f} | {100 * (b / a - 1):+.1f}% |")
