@@ -112,8 +112,9 @@ class LLMEngine:
         self.scheduler.check_integrity()
 
     def shutdown(self) -> None:
-        """Stop the worker processes (nothing to do for an in-process runner)."""
+        """Stop the worker processes, or release the in-process runner's weights and KV cache."""
         self.executor.shutdown()
+        self.runner = None
 
     # ---- offline convenience ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],

@@ -83,11 +83,13 @@ class InProcessExecutor:
     world_size = 1
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
+        self.runner: ModelRunner | None = runner
         self.num_blocks = runner.num_blocks
         self._pending: ModelRunnerOutput | None = None
 
     def execute_async(self, scheduler_output: SchedulerOutput) -> None:
+        if self.runner is None:
+            raise EngineDeadError("the engine was shut down")
         if self._pending is not None:
             raise RuntimeError("execute_async: the previous step was not collected")
         self._pending = self.runner.execute(scheduler_output)
@@ -103,10 +105,13 @@ class InProcessExecutor:
         return self.collect()
 
     def call(self, name: str, *args: Any) -> list[Any]:
+        if self.runner is None:
+            raise EngineDeadError("the engine was shut down")
         return [getattr(self.runner, name)(*args)]
 
     def shutdown(self) -> None:
-        pass
+        """Drop the runner: its weights and KV cache are freed once nothing else holds them."""
+        self.runner = None
 
 
 # ------------------------------------------------------------------------------------------------
