@@ -10,7 +10,7 @@ Attention under DCP = N (each rank stores 1/N of every request's tokens):
     short prefills with PCP): local indexer scores → local top-k (score, id) → all-gather → exact
     global top-k; attend over the owned part of it → (o, lse) partials merged by log-sum-exp
     (`ag_rs`: all-gather LSE + reduce-scatter heads; `a2a`: one all-to-all; with PCP every rank
-    keeps all heads, so the partials are all-gathered and merged).
+    keeps all heads: all-gather LSE + all-reduce).
   * own rows — PCP-split prefill rows that only this rank computes: the request's context shards
     are all-gathered into a temporary full copy (in the cache's own byte format), attended like a
     single rank, then freed.
@@ -189,20 +189,23 @@ def merged_sparse_attention(q_full, topk, meta: AttentionMetadata, cache, backen
     o, lse = backend.sparse_mla(q_full, cache.kv, slot_indices, scale, kv_lora_rank)
     n = group.size
     t, h = lse.shape
-    if not heads_split:  # PCP × DCP: every rank keeps all heads
-        merged, _ = lse_merge(group.all_gather(o.float()), group.all_gather(lse))
-        return merged.to(q_full.dtype)
-    hl = h // n
-    if comm_backend == "a2a":
+    if comm_backend == "a2a" and heads_split:
+        hl = h // n
         packed = torch.cat((o.float(), lse[..., None]), dim=-1)  # [T, H, L+1]
         packed = packed.view(t, n, hl, -1).transpose(0, 1).contiguous()  # [N, T, Hl, L+1]
         recv = group.all_to_all(packed)  # [N (source), T, Hl, L+1]
         merged, _ = lse_merge(recv[..., :-1], recv[..., -1])
         return merged.to(q_full.dtype)
-    # ag_rs: all-gather the LSEs, rescale the local partial, reduce-scatter over heads.
+    # All-gather the LSEs (small), rescale the local partial by exp(lse_local − lse_global), then
+    # sum: reduce-scatter over heads (`ag_rs`), or all-reduce when every rank keeps every head
+    # (PCP × DCP, vLLM's `ag_ar`).
     all_lse = group.all_gather(lse)  # [N, T, H]
     _, global_lse = lse_merge(torch.zeros(n, t, h, 1, device=lse.device), all_lse)
     weight = torch.exp(lse - global_lse)
     weight = torch.where(torch.isfinite(lse) & torch.isfinite(global_lse), weight, 0.0)
-    scaled = (o.float() * weight[..., None]).view(t, n, hl, -1).transpose(0, 1)  # [N, T, Hl, L]
+    scaled = o.float() * weight[..., None]  # [T, H, L]
+    if not heads_split:
+        return group.all_reduce(scaled).to(q_full.dtype)
+    hl = h // n
+    scaled = scaled.view(t, n, hl, -1).transpose(0, 1)  # [N, T, Hl, L]
     return group.reduce_scatter(scaled.reshape(n * t, hl, -1)).to(q_full.dtype)
