@@ -1,7 +1,7 @@
 """`dsaserve` command line: make-model, generate, serve, plan.
 
-Only the generated text goes to stdout; logs and progress go to stderr, so that
-scripts can use the output.
+Only the generated text goes to stdout; logs and progress go to stderr, so that scripts can use
+the output.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ All tokens of a step are flattened ([N, hidden]); `AttentionMetadata` says which
 belongs to and where its KV goes. Each layer:
 
     1. q latent (q_a → RMSNorm) → q heads; latent KV c (kv_a → RMSNorm) and RoPE key k_pe
-    2. write c, k_pe (and the indexer key) at the tokens' slots   — all ranks compute, the owner
-    writes 3. indices: own indexer (full layers) or the previous full layer's (shared layers)
+    2. write c, k_pe (and the indexer key) at the tokens' slots (all ranks compute, owners write)
+    3. indices: own indexer (full layers) or the previous full layer's (shared layers)
     4. attention: absorbed MQA over the selected rows (576 → 512), or the dense MHA path for batches
        where every query sees ≤ top-k keys (only when sparse_mla_force_mqa is off)
     5. W_UV up-projection, o_proj; then the FFN (dense SwiGLU or MoE)

@@ -2,8 +2,8 @@
 
 MODEL_SPEC.md §2.2. The same table serves MLA and the indexer; only the pairing differs:
 
-    interleaved (GPT-J):  pairs (x[2i], x[2i+1]) rotate by angle i   — MLA (both families), GLM
-    indexer NeoX (half-split):    pairs (x[i],  x[i+d/2]) rotate by angle i  — DeepSeek-V3.2 indexer
+    interleaved (GPT-J):  pairs (x[2i], x[2i+1]) by angle i: MLA (both families), GLM indexer
+    NeoX (half-split):    pairs (x[i], x[i+d/2]) by angle i:  DeepSeek-V3.2 indexer
 
 Interleaved outputs stay interleaved (the layout vLLM / FlashMLA caches store); HF returns them
 de-interleaved, a fixed permutation of q and k that leaves every dot product unchanged.

@@ -11,9 +11,10 @@ Attention under DCP = N (each rank stores 1/N of every request's tokens):
     global top-k; attend over the owned part of it → (o, lse) partials merged by log-sum-exp
     (`ag_rs`: all-gather LSE + reduce-scatter heads; `a2a`: one all-to-all; with PCP every rank
     keeps all heads: all-gather LSE + all-reduce).
-  * own rows — PCP-split prefill rows that only this rank computes: the request's context shards
-    are all-gathered into a temporary full copy (in the cache's own byte format), attended like a
-    single rank, then freed.
+  * own rows — PCP-split prefill rows that only this rank computes: a temporary full copy of the
+    request's context in the cache's own byte format (the part cached before the step prefetched
+    one layer ahead, see ContextPrefetch; the step's new rows from the PCP gather), attended like
+    a single rank, then freed.
 
 Every shape entering a collective is derived from the global batch (same on every rank).
 """
