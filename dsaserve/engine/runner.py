@@ -146,8 +146,7 @@ class ModelRunner:
             caches.append(LayerCache(kv=kv, index=index if m.has_indexer(i) else None))
         return caches
 
-    # ---- the step
-    # ---------------------------------------------------------------------------------
+    # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # 1. apply the diff
         self._apply_diff(so)

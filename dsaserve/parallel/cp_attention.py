@@ -39,8 +39,7 @@ def gather_new_rows(rows: torch.Tensor, meta: AttentionMetadata, group: Group) -
     return gathered[meta.pcp.restore_index]
 
 
-# ---- temporary full copies of one request's context (own rows under PCP × DCP)
-# ---------------------
+# ---- temporary full copies of one request's context (own rows under PCP × DCP) -------------------
 def _raw_rows(cache: torch.Tensor, slots: torch.Tensor, head_dim: int | None) -> torch.Tensor:
     """The bytes (or values) of each slot's row, as a [n, W] tensor in the cache's own format.
 
@@ -165,8 +164,7 @@ def own_rows_attention(attn, q_idx, w_idx, q_full, prev_topk, meta: AttentionMet
     return o, topk
 
 
-# ---- shared rows: distributed top-k and LSE merge
-# ----------------------------------------------------
+# ---- shared rows: distributed top-k and LSE merge ------------------------------------------------
 def distributed_topk(q_idx, w_idx, cache, meta: AttentionMetadata, backend: AttentionBackend,
                      group: Group, topk: int) -> torch.Tensor:
     """Local top-k over this rank's keys → all-gather (score, id) → exact global top-k [T, k]."""
