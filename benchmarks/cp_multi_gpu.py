@@ -42,7 +42,7 @@ from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.runner import cache_bytes_per_block
 from dsaserve.model.make_model import make_model
-from dsaserve.model.presets import preset_config
+from dsaserve.model.presets import glm53_shaped, preset_config
 
 GIB = 2**30
 
@@ -70,11 +70,7 @@ def layouts(n: int) -> list[Layout]:
 def build_model(args: argparse.Namespace, root: Path) -> Path:
     if args.smoke:
         return make_model("tiny-glm5", root / "tiny-glm5")
-    overrides = {
-        "num_hidden_layers": args.layers, "n_routed_experts": max(8, args.gpus),
-        "num_experts_per_tok": 2, "first_k_dense_replace": 1, "vocab_size": 8192,
-        "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
-    }
+    overrides = glm53_shaped(args.layers, num_experts=max(8, args.gpus))
     print(f"building a GLM-5.3-shaped checkpoint ({args.layers} layers) ...", file=sys.stderr)
     return make_model("glm-5.3", root / "glm53-small", overrides=overrides, with_mtp=False)
 

@@ -29,6 +29,7 @@ from dsaserve.config import (
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.model.make_model import make_model
+from dsaserve.model.presets import glm53_shaped
 
 
 def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
@@ -86,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(
-            "glm-5.3", Path(tmp) / "glm53", with_mtp=False, overrides={
-                "num_hidden_layers": args.layers, "n_routed_experts": 8,
-                "num_experts_per_tok": 2, "first_k_dense_replace": 1, "vocab_size": 8192,
-                "torch_dtype": "bfloat16"})
+            "glm-5.3", Path(tmp) / "glm53", with_mtp=False, overrides=glm53_shaped(args.layers))
         vocab = ModelConfig.from_file(model_dir).vocab_size
         ids = torch.randint(4, vocab, (args.prompt_len,),
                             generator=torch.Generator().manual_seed(0)).tolist()

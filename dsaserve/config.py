@@ -466,10 +466,6 @@ class ParallelConfig:
         """Ranks of ONE engine replica (pcp × tp); the deployment has data_parallel_size of them."""
         return self.prefill_context_parallel_size * self.tensor_parallel_size
 
-    @property
-    def total_ranks(self) -> int:
-        return self.world_size * self.data_parallel_size
-
 
 @dataclass(frozen=True)
 class EngineConfig:

@@ -90,7 +90,6 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
-    first_token_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -25,6 +26,25 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
             return cache[preset]
 
     return _Dirs()
+
+
+def _mixed_prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths (21–99 tokens for n = 5) with a shared 40-token prefix over the tiny
+    vocabulary: prefix hits, sparse top-k (tiny top-k is 16) and, under PCP, both split and
+    replicated prefills happen."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(4, 512, (40,), generator=g).tolist()
+    out = []
+    for i in range(n):
+        tail = torch.randint(4, 512, (3 + 11 * i,), generator=g).tolist()
+        out.append(shared + tail if i % 2 == 0 else tail + shared[:7])
+    return out
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts():
+    """mixed_prompts(n=5, seed=0) → prompts (token ids) every engine test can share."""
+    return _mixed_prompts
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ state, applies the scheduler's typed diff, runs the model on the flattened batch
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,7 +56,6 @@ class _ReqState:
     params: SamplingParams
     generator: torch.Generator
     num_computed_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:

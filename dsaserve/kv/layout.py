@@ -81,8 +81,10 @@ def dcp_global_position(
     return (local // interleave) * (dcp_size * interleave) + rank * interleave + local % interleave
 
 
-def dcp_local_seq_len(seq_len: int, dcp_size: int, rank: int, interleave: int) -> int:
-    """How many of positions [0, seq_len) rank `rank` owns. Summed over ranks this is seq_len.
+def dcp_local_seq_len(seq_len: IntOrTensor, dcp_size: int, rank: int,
+                      interleave: int) -> IntOrTensor:
+    """How many of positions [0, seq_len) rank `rank` owns (int, or elementwise on an int64
+    tensor). Summed over ranks this is seq_len.
 
         seq_len = 11, N = 3, I = 2:
         t      0 1 2 3 4 5 | 6 7 8 9 10
@@ -95,8 +97,10 @@ def dcp_local_seq_len(seq_len: int, dcp_size: int, rank: int, interleave: int) -
     _check_dcp(dcp_size, rank)
     round_len = dcp_size * interleave
     base = (seq_len // round_len) * interleave
-    remainder = seq_len % round_len
-    return base + min(max(remainder - rank * interleave, 0), interleave)
+    extra = seq_len % round_len - rank * interleave  # this rank's part of the last partial round
+    if isinstance(extra, torch.Tensor):
+        return base + extra.clamp(0, interleave)
+    return base + min(max(extra, 0), interleave)
 
 
 def slot_mapping(

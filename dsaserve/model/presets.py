@@ -180,6 +180,15 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5, "tiny-dsv32":
 DEFAULT_MODEL = "tiny-glm5"
 
 
+def glm53_shaped(num_layers: int, num_experts: int = 8) -> dict[str, Any]:
+    """Overrides of the glm-5.3 preset for a GPU test model: the real attention and indexer
+    dimensions (64 heads, 576/512 latent, 32 × 128 indexer, top-2048) with few layers and
+    experts, a small vocabulary and no MTP layer (for `make_model(..., overrides=)`)."""
+    return {"num_hidden_layers": num_layers, "n_routed_experts": num_experts,
+            "num_experts_per_tok": 2, "first_k_dense_replace": 1, "vocab_size": 8192,
+            "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16"}
+
+
 def preset_config(name: str) -> dict[str, Any]:
     """A deep copy of a preset's config.json dict (callers may edit it)."""
     table = {**REAL_PRESETS, **TINY_PRESETS}

@@ -12,7 +12,6 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
-import torch
 
 from dsaserve.config import (
     AttentionConfig,
@@ -46,25 +45,13 @@ def _build_config(model_dir: Path, *, tp: int = 1, pcp: int = 1, dp: int = 1, dc
     )
 
 
-def _make_prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths (21–99 tokens) with a shared 40-token prefix: prefix hits, sparse top-k
-    (tiny top-k is 16) and, under PCP, both split and replicated prefills happen."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(4, 512, (40,), generator=g).tolist()
-    out = []
-    for i in range(n):
-        tail = torch.randint(4, 512, (3 + 11 * i,), generator=g).tolist()
-        out.append(shared + tail if i % 2 == 0 else tail + shared[:7])
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_dir(model_dirs: dict[str, Path]) -> Path:
     return model_dirs["tiny-glm5"]
 
 
 @pytest.fixture(scope="session")
-def reference_outputs(tiny_dir: Path) -> list[list[int]]:
+def reference_outputs(tiny_dir: Path, mixed_prompts) -> list[list[int]]:
     """Greedy outputs of the single-rank, single-process engine: one request at a time, whole
     prompts, no prefix cache."""
     from dsaserve.engine.engine import LLMEngine
@@ -77,7 +64,7 @@ def reference_outputs(tiny_dir: Path) -> list[list[int]]:
                                                     max_model_len=256),
                           attention=config.attention)
     engine = LLMEngine.from_config(config)
-    return [engine.generate([p], GREEDY)[0] for p in _make_prompts()]
+    return [engine.generate([p], GREEDY)[0] for p in mixed_prompts()]
 
 
 def _assert_gone(pids: tuple[int, ...]) -> None:
@@ -110,8 +97,8 @@ def greedy() -> SamplingParams:
 
 
 @pytest.fixture(scope="session")
-def prompts() -> list[list[int]]:
-    return _make_prompts()
+def prompts(mixed_prompts) -> list[list[int]]:
+    return mixed_prompts()
 
 
 @pytest.fixture(scope="session")

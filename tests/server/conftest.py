@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from server_harness import server_engine_config
+from server_harness import LiveServer, serve, server_engine_config
 
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.serve.async_engine import AsyncEngine
@@ -31,3 +31,16 @@ def make_async_engine(tiny_model_dir: Path) -> Iterator[Callable[..., AsyncEngin
     yield make
     for e in engines:
         e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(make_async_engine) -> AsyncEngine:
+    """The module's default engine (tiny model, the test flags)."""
+    return make_async_engine()
+
+
+@pytest.fixture(scope="module")
+def server(engine: AsyncEngine) -> Iterator[LiveServer]:
+    """A real uvicorn server on 127.0.0.1 in front of `engine`."""
+    with serve(engine) as s:
+        yield s

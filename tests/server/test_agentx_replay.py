@@ -9,13 +9,12 @@ import json
 import math
 import random
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from openai.types.chat import ChatCompletionChunk
-from server_harness import MODEL_NAME, LiveServer, serve
+from server_harness import MODEL_NAME
 
 from dsaserve.bench.agentx import (
     StreamMeter,
@@ -38,17 +37,6 @@ BLOCK_SIZE = 16  # server_harness.TEST_FLAGS; the workload uses the server's blo
 SPEC = WorkloadSpec(num_sessions=4, num_turns=3, block_size=BLOCK_SIZE, system_tokens=48,
                     tool_tokens=16, task_tokens=32, tool_result_tokens=(16, 48),
                     output_tokens=(4, 8), think_time_s=(0.0, 0.05), seed=11)
-
-
-@pytest.fixture(scope="module")
-def engine(make_async_engine) -> AsyncEngine:
-    return make_async_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine: AsyncEngine) -> Iterator[LiveServer]:
-    with serve(engine) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

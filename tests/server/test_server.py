@@ -27,17 +27,6 @@ BLOCK_SIZE = 16
 
 
 @pytest.fixture(scope="module")
-def engine(make_async_engine) -> AsyncEngine:
-    return make_async_engine()
-
-
-@pytest.fixture(scope="module")
-def server(engine: AsyncEngine) -> Iterator[LiveServer]:
-    with serve(engine) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def offline(tiny_model_dir: Path) -> LLMEngine:
     """The reference: the same checkpoint and flags, driven directly (no server, no threads)."""
     return LLMEngine.from_config(server_engine_config(tiny_model_dir))

@@ -4,23 +4,11 @@ without prefix caching, under preemption and with the fp8 cache; nothing leaks."
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dsaserve.core import RequestError, SamplingParams
 from dsaserve.engine.engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-
-
-def _prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths with a shared 40-token prefix, so prefix hits and sparse top-k both happen."""
-    g = torch.Generator().manual_seed(seed)
-    shared = torch.randint(4, 512, (40,), generator=g).tolist()
-    out = []
-    for i in range(n):
-        tail = torch.randint(4, 512, (3 + 11 * i,), generator=g).tolist()
-        out.append(shared + tail if i % 2 == 0 else tail + shared[:7])
-    return out
 
 
 def _run(engine: LLMEngine, prompts, params=GREEDY):
@@ -33,7 +21,7 @@ def _run(engine: LLMEngine, prompts, params=GREEDY):
 
 
 @pytest.fixture(scope="module")
-def reference_outputs(model_dirs):
+def reference_outputs(model_dirs, mixed_prompts):
     """One request at a time, whole prompt in one step, no prefix cache."""
     from dsaserve.config import (
         AttentionConfig,
@@ -53,53 +41,54 @@ def reference_outputs(model_dirs):
                                                      max_model_len=256),
                            attention=AttentionConfig(sparse_mla_force_mqa=True))
         engine = LLMEngine.from_config(cfg)
-        out[preset] = [_run(engine, [p])[0] for p in _prompts()]
+        out[preset] = [_run(engine, [p])[0] for p in mixed_prompts()]
     return out
 
 
 @pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
 @pytest.mark.parametrize("budget,prefix", [(512, True), (7, False), (16, True), (33, True)])
 def test_greedy_identical_for_every_chunk_size(model_dirs, engine_config, reference_outputs,
-                                               preset, budget, prefix):
+                                               preset, budget, prefix, mixed_prompts):
     engine = LLMEngine.from_config(engine_config(model_dirs[preset], prefix_caching=prefix,
                                                  max_num_batched_tokens=budget))
-    assert _run(engine, _prompts()) == reference_outputs[preset]
+    assert _run(engine, mixed_prompts()) == reference_outputs[preset]
     # A second round hits the prefix cache (when enabled) and must not change anything.
-    assert _run(engine, _prompts()) == reference_outputs[preset]
+    assert _run(engine, mixed_prompts()) == reference_outputs[preset]
     stats = engine.stats()
     assert (stats.prefix_cache_hits > 0) == prefix
 
 
-def test_preemption_recomputes_to_the_same_output(model_dirs, engine_config, reference_outputs):
+def test_preemption_recomputes_to_the_same_output(model_dirs, engine_config, reference_outputs,
+                                                  mixed_prompts):
     # 10 blocks of 16 tokens cannot hold five requests of 21–99 tokens at once: some get preempted.
     engine = LLMEngine.from_config(engine_config(model_dirs["tiny-glm5"], num_blocks=10,
                                                  max_model_len=128, max_num_batched_tokens=64))
-    assert _run(engine, _prompts()) == reference_outputs["tiny-glm5"]
+    assert _run(engine, mixed_prompts()) == reference_outputs["tiny-glm5"]
     assert engine.stats().num_preemptions > 0
 
 
-def test_fp8_cache_runs_and_is_deterministic(model_dirs, engine_config):
+def test_fp8_cache_runs_and_is_deterministic(model_dirs, engine_config, mixed_prompts):
     engine = LLMEngine.from_config(engine_config(model_dirs["tiny-dsv32"],
                                                  kv_cache_dtype="fp8_ds_mla",
                                                  max_num_batched_tokens=16))
-    first = _run(engine, _prompts())
-    assert _run(engine, _prompts()) == first
+    first = _run(engine, mixed_prompts())
+    assert _run(engine, mixed_prompts()) == first
     assert all(len(o) == GREEDY.max_tokens for o in first)
 
 
-def test_dense_and_sparse_paths_agree_on_short_prompts(model_dirs, engine_config):
-    short = [p[:10] for p in _prompts()]
+def test_dense_and_sparse_paths_agree_on_short_prompts(model_dirs, engine_config, mixed_prompts):
+    short = [p[:10] for p in mixed_prompts()]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)  # stays ≤ top-k 16
     outs = [_run(LLMEngine.from_config(engine_config(model_dirs["tiny-glm5"], force_mqa=f)),
                  short, params) for f in (False, True)]
     assert outs[0] == outs[1]
 
 
-def test_seeded_sampling_is_reproducible(model_dirs, engine_config):
+def test_seeded_sampling_is_reproducible(model_dirs, engine_config, mixed_prompts):
     engine = LLMEngine.from_config(engine_config(model_dirs["tiny-glm5"]))
     p = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
-    a = _run(engine, _prompts(2), p)
-    b = _run(engine, _prompts(2), p)
+    a = _run(engine, mixed_prompts(2), p)
+    b = _run(engine, mixed_prompts(2), p)
     assert a == b
 
 

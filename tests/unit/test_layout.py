@@ -45,6 +45,18 @@ def test_ownership_is_a_partition_and_local_index_a_bijection(n: int, i: int, b:
     assert total == seq_len
 
 
+
+def test_local_seq_len_tensor_form_matches_int_form() -> None:
+    """The elementwise tensor form (the GPU indexer's per-query visible local keys) equals the
+    int form."""
+    lengths = torch.arange(1, 201)
+    for n in (1, 2, 3):
+        for i in (1, 2, 4):
+            for r in range(n):
+                ours = layout.dcp_local_seq_len(lengths, n, r, i)
+                assert ours.tolist() == [layout.dcp_local_seq_len(int(x), n, r, i)
+                                         for x in lengths]
+
 @pytest.mark.parametrize("n,i", [(n, i) for n in DCP_SIZES for i in (1, 2, 4)])
 def test_local_seq_len_counts_owned_prefix_positions(n: int, i: int) -> None:
     for seq_len in range(0, 4 * n * i + 3):

@@ -299,17 +299,6 @@ def test_backend_runs_kernels_under_interpreter(k, monkeypatch):
 # --------------------------------------------------------------------------------------------
 # Host-side layout helpers
 # --------------------------------------------------------------------------------------------
-def test_local_limits_match_layout(k):
-    positions = torch.arange(200)
-    for dcp_size in (1, 2, 3):
-        for interleave in (1, 2, 4):
-            for rank in range(dcp_size):
-                ours = k.indexer._local_limits(positions, dcp_size, rank, interleave)
-                ref = [layout.dcp_local_seq_len(int(p) + 1, dcp_size, rank, interleave)
-                       for p in positions]
-                assert ours.tolist() == ref
-
-
 def test_tiles_and_splits(k):
     assert k.indexer._tiles((0, 3, 4, 6), 2) == ([0, 0, 1, 2], [0, 2, 3, 4], [2, 1, 1, 2])
     assert k.indexer._tiles((0, 0, 5), 4) == ([1, 1], [0, 4], [4, 1])

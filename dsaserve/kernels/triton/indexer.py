@@ -176,16 +176,6 @@ def _indexer_logits_kernel(
                  mask=tok_ok[:, None] & (j[None, :] < s_out))
 
 
-def _local_limits(positions: torch.Tensor, dcp_size: int, dcp_rank: int,
-                  interleave: int) -> torch.Tensor:
-    """Keys of this rank's local sequence visible to a query at `positions` [T] (int64): how many
-    of positions [0, pos] the rank owns — layout.dcp_local_seq_len(pos + 1), elementwise."""
-    n = positions.to(torch.int64) + 1
-    round_len = dcp_size * interleave
-    rem = n % round_len - dcp_rank * interleave
-    return (n // round_len) * interleave + rem.clamp(0, interleave)
-
-
 def _tiles(query_start_loc: tuple[int, ...],
            block_t: int) -> tuple[list[int], list[int], list[int]]:
     """Cut each request's tokens into tiles of ≤ block_t consecutive tokens:
@@ -224,8 +214,9 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device) ->
         return _last_plan[2]
     local_lens = [layout.dcp_local_seq_len(s, meta.dcp_size, meta.dcp_rank, meta.interleave)
                   for s in meta.seq_lens]
-    limits = _local_limits(meta.positions.to(device), meta.dcp_size, meta.dcp_rank,
-                           meta.interleave)  # [T]
+    # Keys this rank owns among positions [0, pos] of each query: its visible local keys.
+    limits = layout.dcp_local_seq_len(meta.positions.to(device, torch.int64) + 1, meta.dcp_size,
+                                      meta.dcp_rank, meta.interleave)  # [T]
     lens = torch.tensor([0] + local_lens, device=device)
     limits = torch.minimum(limits, lens[meta.req_indices.to(device) + 1])
     max_len = max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
