@@ -26,8 +26,9 @@ from dsaserve.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from dsaserve.core import SamplingParams
+from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 
@@ -72,6 +73,45 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
     return tokens, times[0], sum(times[1:]) / max(len(times) - 1, 1)
 
 
+def prompt_logits(model_dir: Path, ids: list[int], backend: str, kv: str, dtype: str
+                  ) -> torch.Tensor:
+    """Logits [T, V] of every prompt position, one prefill step on a fresh runner."""
+    cfg = EngineConfig(
+        model_path=str(model_dir), model=ModelConfig.from_file(model_dir),
+        cache=CacheConfig(block_size=64, kv_cache_dtype=kv, num_gpu_blocks=len(ids) // 64 + 16),
+        scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=len(ids),
+                                  max_model_len=len(ids) + 64),
+        attention=AttentionConfig(backend=backend, sparse_mla_force_mqa=True),
+        dtype=dtype, device="cuda",
+    )
+    runner = ModelRunner(cfg)
+    blocks = tuple(range(len(ids) // 64 + 1))
+    so = SchedulerOutput((NewRequestData("r", tuple(ids), SamplingParams(), blocks, 0),), (),
+                         {"r": len(ids)}, ())
+    out = runner.execute_all_logits(so)["r"].float().cpu()
+    del runner
+    torch.cuda.empty_cache()
+    return out
+
+
+def compare_logits(model_dir: Path, ids: list[int], out: Path | None) -> int:
+    """How far each bf16 path is from fp32: a random model's greedy tokens part under any bf16
+    noise, so equal distances (not equal tokens) show that the kernels are right."""
+    ref = prompt_logits(model_dir, ids, "reference", "auto", "float32")
+    lines = [f"prompt logits ({len(ids)} tokens) against the reference backend in fp32", "",
+             "| backend | KV | max relative error | argmax agreement |", "|---|---|---:|---:|"]
+    for backend in ("reference", "triton"):
+        for kv in ("auto", "fp8_ds_mla"):
+            got = prompt_logits(model_dir, ids, backend, kv, "bfloat16")
+            err = ((got - ref).abs().max() / ref.abs().max()).item()
+            agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            lines.append(f"| {backend} | {kv} | {err:.2f} | {100 * agree:.1f}% |")
+    print("\n".join(lines))
+    if out:
+        out.write_text("\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
@@ -79,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="float32 makes the backends comparable token for token: in bf16 a random "
-                        "model's near-tied logits and MoE routes flip under rounding noise")
+                   help="model dtype (the Triton sparse-MLA kernel takes bf16 queries only)")
+    p.add_argument("--compare-logits", action="store_true",
+                   help="instead: the prompt's logits of every bf16 path (backend × KV format) "
+                        "against the reference backend in fp32")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--profile", action="store_true", help="profile 4 decode steps per backend")
@@ -91,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = ModelConfig.from_file(model_dir).vocab_size
         ids = torch.randint(4, vocab, (args.prompt_len,),
                             generator=torch.Generator().manual_seed(0)).tolist()
+        if args.compare_logits:
+            return compare_logits(model_dir, ids, args.out)
         results = {b: run(model_dir, b, args, ids) for b in ("reference", "triton")}
     ref = results["reference"][0]
     lines = [
