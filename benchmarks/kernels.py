@@ -10,7 +10,8 @@ Measures on the current GPU, in one run:
                  T = 4096 and 16384) and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
-                 b = 64 over 64K keys) with and without the top-k (torch.topk)
+                 b = 64 over 64K keys) with and without the top-k, and the top-k stage alone
+                 (row_topk against torch.topk)
   writers        fp8_ds_mla and indexer-key cache writers
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 Inputs are random (never zeros); each Triton configuration is checked against the reference on
@@ -33,7 +34,7 @@ import triton.testing
 
 from dsaserve.kernels import reference
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
+from dsaserve.kernels.triton import indexer, mla_cache, row_topk, sparse_mla
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
 
 DEV = "cuda"
@@ -291,15 +292,48 @@ def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
     return meta, cache
 
 
-def topk_only(logits: torch.Tensor, limits: torch.Tensor, label: str) -> None:
-    """The top-k stage alone (torch.topk on the logits rows the backend uses)."""
+def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor,
+               label: str) -> None:
+    """The top-k stage alone: torch.topk on the logits rows against row_topk (threshold from
+    the group maxima, one pass, torch.topk over the short lists). Checked equal first."""
     nbytes = float(limits.clamp_max(logits.shape[1]).sum()) * 4
-    ms = timed(partial(torch.topk, logits, TOPK, 1))
-    add(f"top-2048 torch.topk {label}", ms, nbytes / ms / 1e9, "TB/s", "one read of the logits")
+    ours = row_topk.topk_rows(logits, group_max, limits, TOPK)
+    ref = torch.topk(logits, TOPK, 1)
+    assert torch.equal(ours[0], ref.values), "row_topk differs from torch.topk"
+    ms_torch = timed(partial(torch.topk, logits, TOPK, 1))
+    add(f"top-2048 torch.topk {label}", ms_torch, nbytes / ms_torch / 1e9, "TB/s",
+        "of logits read")
+    ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK))
+    add(f"top-2048 row_topk {label}", ms, nbytes / ms / 1e9, "TB/s",
+        f"{ms_torch / ms:.1f}x torch.topk")
 
 
-def bench_indexer(quick: bool) -> None:
+def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
+    if not sweep:
+        return [indexer.IndexerConfig()]
+    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, num_stages=st)
+            for r in (128, 256) for p in (16, 32, 64) for st in (3, 4)]
+
+
+def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
+          label: str) -> tuple[float, indexer.IndexerConfig]:
+    best = (math.inf, configs[0])
+    for cfg in configs:
+        ms = timed(partial(fn, config=cfg))
+        if len(configs) > 1:
+            print(f"    {label} rows {cfg.rows_per_tile} pages {cfg.pages_per_prog} "
+                  f"stages {cfg.num_stages}: {ms * 1e3:.1f} us", flush=True)
+        best = min(best, (ms, cfg), key=lambda x: x[0])
+    return best
+
+
+def _label(cfg: indexer.IndexerConfig) -> str:
+    return f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog} pages, {cfg.num_stages} st)"
+
+
+def bench_indexer(quick: bool, sweep: bool) -> None:
     print("FP8 indexer (pages of 64 x 132 B)", flush=True)
+    configs = _indexer_configs(sweep)
     for heads in ((64,) if quick else (64, 32)):
         num_tokens = 4096
         meta, cache = index_meta([CONTEXT], [num_tokens])
@@ -307,28 +341,30 @@ def bench_indexer(quick: bool) -> None:
         w = torch.randn(num_tokens, heads, device=DEV) * heads**-0.5 * 128**-0.5
         visible = float((meta.positions + 1).sum())
         flops = visible * heads * 128 * 2
-        ms = timed(partial(indexer.indexer_logits_paged, q, w, cache, meta))
-        add(f"indexer prefill logits H={heads} T=4096 S=128K", ms, flops / ms / 1e9, "TFLOP/s",
-            f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
-        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK), rep_ms=500)
+        logits = partial(indexer.indexer_logits_paged, q, w, cache, meta)
+        ms, cfg = _best(logits, configs, f"prefill logits H={heads}")
+        add(f"indexer prefill logits H={heads} T=4096 S=128K {_label(cfg)}", ms,
+            flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
+        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg), rep_ms=500)
         add(f"indexer prefill logits+topk H={heads}", ms, flops / ms / 1e9, "TFLOP/s",
-            "top-k = torch.topk, not fused")
+            f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}, top-k by row_topk")
         if heads == 64:
-            topk_only(*indexer.indexer_logits_paged(q, w, cache, meta), "prefill T=4096 S=128K")
+            topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill T=4096 S=128K")
     batch, keys = 64, 65536
-    for s_q in ((1,) if quick else (1, 4)):
+    for s_q in ((1,) if quick else (1, 2, 4)):
         meta, cache = index_meta([keys] * batch, [s_q] * batch)
         q = torch.randn(batch * s_q, 64, 128, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(batch * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
         nbytes = batch * keys * 132
-        ms = timed(partial(indexer.indexer_logits_paged, q, w, cache, meta))
-        add(f"indexer decode logits b=64 s_q={s_q} 64K keys", ms, nbytes / ms / 1e9, "TB/s",
-            f"target {TARGET_INDEXER_DECODE_TBS}")
-        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK))
+        logits = partial(indexer.indexer_logits_paged, q, w, cache, meta)
+        ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}")
+        add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
+            "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
+        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg))
         add(f"indexer decode logits+topk b=64 s_q={s_q}", ms, nbytes / ms / 1e9, "TB/s",
-            "top-k = torch.topk, not fused")
+            f"target {TARGET_INDEXER_DECODE_TBS}, top-k by row_topk")
         if s_q == 1:
-            topk_only(*indexer.indexer_logits_paged(q, w, cache, meta), "decode b=64 S=64K")
+            topk_stage(*indexer._logits(q, w, cache, meta, cfg), "decode b=64 S=64K")
 
 
 def bench_writers() -> None:
@@ -367,7 +403,7 @@ def main() -> None:
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
     if "indexer" in parts:
-        bench_indexer(args.quick)
+        bench_indexer(args.quick, args.sweep)
     if "writers" in parts:
         bench_writers()
     print("\n| kernel | time (us) | rate | note |\n|---|---:|---:|---|")

@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla  # noqa: E402
+from dsaserve.kernels.triton import indexer, mla_cache, row_topk, sparse_mla  # noqa: E402
 from dsaserve.kernels.triton.backend import TritonBackend  # noqa: E402
 
 DEV = "cuda"
@@ -214,10 +214,14 @@ def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
 
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
-def test_indexer_logits_and_topk_match_reference(g, heads, dcp):
+@pytest.mark.parametrize("list_len", [None, TOPK], ids=["torch_topk", "row_topk"])
+def test_indexer_logits_and_topk_match_reference(g, heads, dcp, list_len):
     meta, cache, q, w = _indexer_case(g, heads, dcp)
     logits, limits = indexer.indexer_logits_paged(q, w, cache, meta)
-    scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK)
+    # Rows up to 4000 keys: the default list (4096) sends them to torch.topk, a 2048 list
+    # through row_topk.
+    scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK,
+                                       indexer.IndexerConfig(list_len=list_len))
     ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, TOPK)
     assert torch.equal(pos >= 0, ref_pos >= 0)
     q8, q_scale = formats.quantize_index_q(q)
@@ -243,3 +247,25 @@ def test_indexer_logits_and_topk_match_reference(g, heads, dcp):
             assert float((ours - theirs).abs().max()) <= tol
             gap = scores[t, : len(chosen)] - ref_scores[t, : len(chosen)]  # both best first
             assert float(gap.abs().max()) <= tol
+
+
+def test_row_topk_matches_torch_topk(g):
+    """Long rows (up to 256K keys), every path of row_topk: short rows searched directly, group
+    thresholds, coarsened groups, overflow (ascending rows fill whole groups; ties)."""
+    seq = 262144
+    lens = torch.tensor([0, 100, 2048, 16384, 16385, 40000, 131072, seq, seq, seq, seq],
+                        device=DEV)
+    logits = torch.randn(len(lens), seq, device=DEV, generator=g)
+    logits[-3] = torch.arange(seq, device=DEV, dtype=torch.float32)  # clustered at the end
+    logits[-2] = 0.25  # all tied
+    logits[-1] = torch.randn(seq, device=DEV, generator=g).round()  # heavy ties at the k-th
+    logits.masked_fill_(torch.arange(seq, device=DEV)[None, :] >= lens[:, None], float("-inf"))
+    group_max = logits.view(len(lens), -1, row_topk.GROUP).amax(2)
+    values, idx = row_topk.topk_rows(logits, group_max, lens, TOPK)
+    ref = torch.topk(logits, TOPK, dim=1).values
+    assert torch.equal(values, ref)
+    for t in range(len(lens)):
+        n = min(int(lens[t]), TOPK)
+        assert bool((idx[t, n:] == -1).all()) and bool((idx[t, :n] < lens[t]).all())
+        assert len(idx[t, :n].unique()) == n
+        assert torch.equal(logits[t, idx[t, :n]], values[t, :n])

@@ -1,10 +1,10 @@
 """The Triton kernels, run by Triton's CPU interpreter (TRITON_INTERPRET=1) on tiny fp32 shapes,
 against the PyTorch reference. Skipped when triton is not installed (CI does not install it).
 
-What the interpreter cannot show, the GPU suite (tests/gpu/test_kernels_gpu.py) does: bf16 and
-fp8 rounding (the interpreter truncates fp32→bf16 and drops the carry of fp32→e4m3 rounding),
-tensor-core numerics, and real shapes. So here fp8 payload bytes are compared on data that needs
-no rounding, and everything else exactly or to fp32 tolerance.
+What the interpreter cannot show, the GPU suite (tests/gpu/test_kernels_gpu.py) does: bf16
+rounding (the interpreter truncates fp32→bf16), tensor-core numerics, and real shapes. The fp8
+quantizers round in fp32 themselves (mla_cache.to_e4m3), so their bytes are compared exactly on
+any data; everything else exactly or to fp32 tolerance.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from dsaserve.kernels.metadata import AttentionMetadata  # noqa: E402
 from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
-_MODULES = ("mla_cache", "sparse_mla", "indexer", "backend")  # reload order: dependencies first
+# Reload order: dependencies first.
+_MODULES = ("mla_cache", "sparse_mla", "row_topk", "indexer", "backend")
 
 
 def _patch_interpreter_index() -> None:
@@ -109,13 +110,15 @@ def test_mla_writer_fp8_matches_formats(k):
     slots[[2, 9]] = -1
     k_pe = torch.randn(n, R, generator=g).bfloat16()  # bf16 in: no rounding on the way
     row_bytes = formats.mla_row_bytes(L, R)
-    # Random latents: scales must match bit for bit (exact power-of-two rule).
+    # Random latents (tiny ones too: e4m3 subnormals): every byte, payload included, as the
+    # reference's round-to-nearest-even.
     c = torch.randn(n, L, generator=g) * torch.rand(n, 1, generator=g) * 100
+    c[0, :64] *= 1e-4
     ours = torch.full((num_blocks, block_size, row_bytes), 0xAB, dtype=torch.uint8)
     ref = ours.clone()
     k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
     formats.write_mla_cache(ref, slots, c, k_pe)
-    assert torch.equal(ours[..., L:], ref[..., L:]), "scale or k_pe bytes differ"
+    assert torch.equal(ours, ref)
     # Latents already on the e4m3 grid of their scale: every payload byte must match too.
     scale = torch.exp2(torch.randint(-8, 8, (n, 1), generator=g).float())
     grid = torch.randint(0, 256, (n, L), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
@@ -192,8 +195,6 @@ def test_index_writer_fp8_matches_formats(k):
         values, scales = formats._index_page_views(ours, head_dim)
         ref_values, ref_scales = formats._index_page_views(ref, head_dim)
         assert torch.equal(scales, ref_scales)
-        if keys is not grid:  # random keys: the interpreter's e4m3 rounding is not RNE
-            continue
         assert torch.equal(values, ref_values)
 
 
@@ -273,6 +274,76 @@ def test_indexer_logits_match_reference_fp8(k):
             n = int(limits[t])
             assert n == int(meta.positions[t]) + 1
             assert torch.allclose(logits[t, :n], ref[t - a, :n], rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Exact top-k of long rows (row_topk)
+# --------------------------------------------------------------------------------------------
+def _group_max(logits: torch.Tensor, group: int) -> torch.Tensor:
+    t, s = logits.shape
+    pad = torch.full((t, -s % group), float("-inf"))
+    return torch.cat([logits, pad], 1).view(t, -1, group).amax(2)
+
+
+def _check_topk_rows(k, logits: torch.Tensor, limits: torch.Tensor, topk: int, **kw) -> None:
+    past = torch.arange(logits.shape[1])[None, :] >= limits[:, None]
+    logits = logits.masked_fill(past, float("-inf"))  # the logits kernel's contract
+    rows = k.row_topk.topk_rows(logits, _group_max(logits, k.row_topk.GROUP), limits, topk, **kw)
+    values, idx = rows
+    ref = torch.topk(logits, topk, dim=1).values
+    assert torch.equal(values, ref)  # same scores, best first, (−inf, −1) past the limit
+    for t in range(logits.shape[0]):
+        n = min(int(limits[t]), topk)
+        assert bool((idx[t, n:] == -1).all()) and bool((idx[t, :n] < limits[t]).all())
+        assert len(idx[t, :n].unique()) == n
+        assert torch.equal(logits[t, idx[t, :n]], values[t, :n])
+
+
+@pytest.mark.parametrize("topk", [8, 64])
+def test_topk_rows_random_rows(k, topk):
+    """Rows from empty to far longer than the search array: short rows are searched directly,
+    long ones through their group maxima (coarsened when there are too many)."""
+    g = _gen()
+    na = max(triton.next_power_of_2(k.row_topk.GROUP * topk), 1024)
+    lens = [0, 3, topk, topk + 1, 500, na, na + 1, 3 * na + 5, 20 * na]
+    logits = torch.full((len(lens), max(lens)), float("-inf"))
+    for t, n in enumerate(lens):
+        logits[t, :n] = torch.randn(n, generator=g) * 10 ** float(torch.randn(1, generator=g))
+    logits[4, 100:500] *= -1  # negatives and positives mixed in order
+    _check_topk_rows(k, logits, torch.tensor(lens), topk)
+
+
+def test_topk_rows_overflow_and_ties(k):
+    """More than C keys clear the group threshold: ascending rows (the top keys fill whole
+    groups), all-equal rows (ties), and a row where ties straddle the k-th score."""
+    topk, n = 8, 5000
+    rising = torch.arange(n, dtype=torch.float32)
+    ties = torch.full((n,), 0.5)
+    straddle = torch.zeros(n)
+    straddle[torch.arange(0, n, 7)] = 1.0  # 715 keys tie at 1.0 ...
+    straddle[[11, 4000, 4999]] = 2.0  # ... below three keys: the k-th score is a tie
+    logits = torch.stack([rising, -rising, ties, straddle])
+    _check_topk_rows(k, logits, torch.full((4,), n), topk, list_len=16)
+    _check_topk_rows(k, logits, torch.tensor([n, 1500, 33, n - 1]), topk, list_len=16)
+
+
+def test_e4m3_rounding_is_exact(k):
+    """to_e4m3 (through the MLA writer, scale 1) against torch's round-to-nearest-even cast:
+    every e4m3 value, every midpoint between neighbours (ties to even), subnormals, ±0."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[~grid.isnan()].sort().values
+    x = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.randn(2000) * 100,
+                   torch.rand(1000) * 0.03, torch.tensor([-0.0])])
+    per_row = L - 1
+    x = torch.nn.functional.pad(x, (0, -len(x) % per_row)).view(-1, per_row)
+    c = torch.cat([torch.full((len(x), 1), 448.0), x], 1)  # amax 448: the row's scale is 1
+    slots = torch.arange(len(c))
+    shape = formats.mla_cache_shape(len(c), 1, True, L, R)
+    ours, ref = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+    k_pe = torch.zeros(len(c), R)
+    k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
+    formats.write_mla_cache(ref, slots, c, k_pe)
+    assert torch.equal(ours, ref)
 
 
 # --------------------------------------------------------------------------------------------

@@ -5,16 +5,18 @@ Scores (MODEL_SPEC §2.4 step 7, the DeepGEMM fp8 formula):
     I[t, j] = k_scale[j] · Σ_h ReLU(q8[t, h] · k8[j]) · w[t, h] · q_scale[t, h]
 
 Query rows are grouped into tiles of BLOCK_T consecutive tokens of one request, so that one key
-block read from the paged cache serves BLOCK_T·H rows of the fp8 matmul:
+page read from the paged cache serves BLOCK_T·H rows of the fp8 matmul:
 
     program (tile i, page chunk c)     tile i = (request, first token, n tokens ≤ BLOCK_T)
-      Q   [BLOCK_T·H, D] fp8            loaded once
+      Qᵀ  [D, BLOCK_T·H] fp8           loaded and quantized once
       for each page of chunk c:  K [B, D] fp8 + k_scale [B] (one block-table entry, contiguous)
-        S = Q·Kᵀ (fp32) → ReLU · w → Σ over heads → [BLOCK_T, B] logits
+        S = K·Qᵀ (fp32, keys as the MMA's M) → ReLU · w → Σ over heads → [B, BLOCK_T] logits
+        and the max of every row_topk.GROUP keys (what the top-k's threshold is taken from)
       keys at or past a token's causal limit are written as −inf
 
-Top-k then runs over the logits rows with torch.topk (not fused into the logits kernel;
-docs/kernels.md says what that costs). Keys are this rank's local sequence
+Top-k then runs over the logits rows: row_topk.topk_rows for rows longer than its candidate
+list (a threshold from the group maxima, one pass), torch.topk otherwise. Keys are this rank's
+local sequence
 (layout.context_slots): under DCP a row's keys are the ones this rank owns, and the result is a
 local top-k of (score, global position).
 """
@@ -30,7 +32,8 @@ import triton.language as tl
 
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.triton.mla_cache import pow2_ceil
+from dsaserve.kernels.triton import row_topk
+from dsaserve.kernels.triton.mla_cache import pow2_ceil, to_e4m3
 from dsaserve.kv import layout
 
 
@@ -53,7 +56,7 @@ def _write_index_fp8_kernel(
     offset = slot % BS
     k = tl.load(k_ptr + i * stride_k + tl.arange(0, D)).to(tl.float32)  # [D]
     scale = pow2_ceil(tl.maximum(tl.max(tl.abs(k), axis=0), MIN_AMAX) / FP8_MAX)
-    k8 = tl.clamp(k / scale, -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    k8 = to_e4m3(k / scale, FP8_MAX)
     tl.store(page + offset * D + tl.arange(0, D), k8)
     tl.store((page + BS * D + offset * 4).to(tl.pointer_type(tl.float32)), scale)
 
@@ -114,37 +117,50 @@ def write_index_cache(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor)
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _indexer_logits_kernel(
-    q_ptr,  # [T·H, D] fp8 (or float for a float cache)
-    w_ptr,  # [T·H] fp32, weights · q_scale
+    q_ptr,  # [T·H, D] as given (bf16, fp16 or fp32); quantized here for an fp8 cache
+    w_ptr,  # [T·H] fp32 head weights (softmax and head scales folded in)
     cache_ptr,  # fp8 pages (flat) or float rows [num_slots, D]
     block_table_ptr,  # [R, max_blocks] int32, local block b of a request → physical block
     tile_req_ptr, tile_tok_ptr, tile_len_ptr,  # [num_tiles] int32
     limit_ptr,  # [T] int32: keys j < limit[t] are visible to token t
     out_ptr,  # [T, S_out] fp32
-    stride_bt, stride_out, s_out,
+    gmax_ptr,  # [T, ceil(S_out / GROUP)] fp32: max over each GROUP keys
+    stride_bt, stride_out, stride_gmax, s_out,
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr,
-    BLOCK_T: tl.constexpr, PAGES_PER_PROG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_T: tl.constexpr, PAGES_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
     req = tl.load(tile_req_ptr + tile).to(tl.int64)
     tok0 = tl.load(tile_tok_ptr + tile).to(tl.int64)
     ntok = tl.load(tile_len_ptr + tile)
-    BLOCK_M: tl.constexpr = BLOCK_T * H
+    N: tl.constexpr = BLOCK_T * H  # query rows of the tile: row n = token n // H, head n % H
     tt = tl.arange(0, BLOCK_T)
     tok_ok = tt < ntok
     limit = tl.load(limit_ptr + tok0 + tt, mask=tok_ok, other=0)  # [BLOCK_T]
     max_limit = tl.max(limit, axis=0)
-    rows = tl.arange(0, BLOCK_M)  # row r = token r // H, head r % H
-    row_ok = rows // H < ntok
+    n = tl.arange(0, N)
     d = tl.arange(0, D)
-    o = tl.arange(0, BS)  # token offsets inside a page
-    q = tl.load(q_ptr + (tok0 * H + rows)[:, None] * D + d[None, :], mask=row_ok[:, None],
-                other=0.0)  # [BLOCK_M, D]
-    w = tl.load(w_ptr + tok0 * H + rows, mask=row_ok, other=0.0)  # [BLOCK_M]
-    out_rows = out_ptr + (tok0 + tt)[:, None] * stride_out  # [BLOCK_T, 1]
+    o = tl.arange(0, BS)  # key offsets inside a page
+    q = tl.load(q_ptr + (tok0 * H + n)[:, None] * D + d[None, :], mask=(n // H < ntok)[:, None],
+                other=0.0)  # [N, D]
+    w = tl.load(w_ptr + tok0 * H + n, mask=n // H < ntok, other=0.0)  # [N]
+    if KV_FP8:
+        # One power-of-two scale per (token, head), as formats.quantize_index_q; it is > 0, so
+        # it moves out of the ReLU into the head weight.
+        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_scale = pow2_ceil(tl.maximum(amax, MIN_AMAX) / FP8_MAX)  # [N]
+        q = to_e4m3(q.to(tl.float32) / q_scale[:, None], FP8_MAX)
+        w = w * q_scale
+    q_t = tl.trans(q)  # [D, N]
+    out_cols = out_ptr + (tok0 + tt)[None, :] * stride_out  # [1, BLOCK_T]
+    gmax_cols = gmax_ptr + (tok0 + tt)[None, :] * stride_gmax  # [1, BLOCK_T]
+    NG: tl.constexpr = BS // GROUP
+    num_groups = tl.cdiv(s_out, GROUP)
 
-    # One page of BS keys per step: one block-table entry, then contiguous values and scales.
+    # Keys are the MMA's M dimension and (token, head) its N: the head sum is then a reduction
+    # along N, inside each thread and its quad (no trip through shared memory).
     # Pages [first, first + num_live) hold keys some token of the tile can see; the rest of the
     # chunk is −inf for every token. Two loops keep the loads out of branches (pipelinable).
     first = chunk * PAGES_PER_PROG
@@ -155,6 +171,7 @@ def _indexer_logits_kernel(
     blocks = tl.load(block_table_ptr + req * stride_bt + first + p, mask=p < num_live, other=0)
     for b in range(0, num_live):
         j = (first + b) * BS + o  # [BS] local key indices
+        g = (first + b) * NG + tl.arange(0, NG)
         block = tl.sum(tl.where(p == b, blocks, 0), axis=0).to(tl.int64)
         if KV_FP8:
             page = cache_ptr + block * (BS * (D + 4))
@@ -164,16 +181,22 @@ def _indexer_logits_kernel(
             k = tl.load(cache_ptr + (block * BS + o)[:, None] * D + d[None, :])
             k = k.to(q_ptr.dtype.element_ty)
             k_scale = tl.full([BS], 1.0, tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BS] fp32
-        s = tl.maximum(s, 0.0) * w[:, None]
-        logits = tl.sum(tl.reshape(s, [BLOCK_T, H, BS]), axis=1) * k_scale[None, :]
+        s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BS, N] fp32
+        s = tl.maximum(s, 0.0) * w[None, :]
+        logits = tl.sum(tl.reshape(s, [BS, BLOCK_T, H]), axis=2) * k_scale[:, None]
         # Keys past a token's limit (also unwritten slots of the last page: maybe NaN) → −inf.
-        logits = tl.where(j[None, :] < limit[:, None], logits, float("-inf"))
-        tl.store(out_rows + j[None, :], logits, mask=tok_ok[:, None] & (j[None, :] < s_out))
+        logits = tl.where(j[:, None] < limit[None, :], logits, float("-inf"))  # [BS, BLOCK_T]
+        tl.store(out_cols + j[:, None], logits, mask=tok_ok[None, :] & (j[:, None] < s_out))
+        group_max = tl.max(tl.reshape(logits, [NG, GROUP, BLOCK_T]), axis=1)  # [NG, BLOCK_T]
+        tl.store(gmax_cols + g[:, None], group_max,
+                 mask=tok_ok[None, :] & (g[:, None] < num_groups))
     for b in range(num_live, PAGES_PER_PROG):
         j = (first + b) * BS + o
-        tl.store(out_rows + j[None, :], tl.full([BLOCK_T, BS], float("-inf"), tl.float32),
-                 mask=tok_ok[:, None] & (j[None, :] < s_out))
+        g = (first + b) * NG + tl.arange(0, NG)
+        tl.store(out_cols + j[:, None], tl.full([BS, BLOCK_T], float("-inf"), tl.float32),
+                 mask=tok_ok[None, :] & (j[:, None] < s_out))
+        tl.store(gmax_cols + g[:, None], tl.full([NG, BLOCK_T], float("-inf"), tl.float32),
+                 mask=tok_ok[None, :] & (g[:, None] < num_groups))
 
 
 def _tiles(query_start_loc: tuple[int, ...],
@@ -207,9 +230,10 @@ class _StepPlan:
 _last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
 
 
-def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device) -> _StepPlan:
+def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
+               rows_per_tile: int) -> _StepPlan:
     global _last_plan
-    key = (num_heads, str(device))
+    key = (num_heads, str(device), rows_per_tile)
     if _last_plan is not None and _last_plan[0]() is meta and _last_plan[1] == key:
         return _last_plan[2]
     local_lens = [layout.dcp_local_seq_len(s, meta.dcp_size, meta.dcp_rank, meta.interleave)
@@ -220,8 +244,8 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device) ->
     lens = torch.tensor([0] + local_lens, device=device)
     limits = torch.minimum(limits, lens[meta.req_indices.to(device) + 1])
     max_len = max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
-    # Tiles of up to 256 rows (tokens × heads): one page read serves all of them.
-    block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, 256 // num_heads))
+    # Tiles of up to rows_per_tile (tokens × heads): one page read serves all of them.
+    block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
     reqs, toks, tile_lens = _tiles(meta.query_start_loc, block_t)
     plan = _StepPlan(
         limits=limits, limits_i32=limits.to(torch.int32),
@@ -233,17 +257,25 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device) ->
     return plan
 
 
-def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
-                         meta: AttentionMetadata, *, pages_per_prog: int = 16,
-                         num_stages: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scores of every query row against its request's local keys.
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Launch shape of the logits kernel and size of the top-k candidate list.
 
-    q [T, H, D] (quantized here per token-head when the cache is FP8), weights [T, H] with the
-    softmax and head scales folded in → (logits [T, S_out] fp32, limits [T] int64), where S_out =
-    the longest local key sequence in the batch and logits[t, j] = −inf for j ≥ limits[t].
-    The host-side plan is derived from `meta` once and reused while the same metadata object
-    comes back (the other indexer layers of the step).
+    Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`): 256
+    rows per tile and 32 pages per program are within 4% of the best of 8 configurations for
+    prefill (T = 4096 × 128K keys) and decode (b = 64 × 64K, s_q = 1).
     """
+
+    rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
+    pages_per_prog: int = 32  # key pages per program
+    num_stages: int = 3
+    list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
+
+
+def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+            meta: AttentionMetadata, config: IndexerConfig,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits [T, S_out], group maxima [T, ceil(S_out / row_topk.GROUP)], limits [T] int64)."""
     num_tokens, num_heads, head_dim = q.shape
     if num_heads < 1 or num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"indexer: heads ({num_heads}) and head dim ({head_dim}) must be powers "
@@ -254,51 +286,74 @@ def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, index_cache: to
     device = q.device
     fp8 = index_cache.dtype == torch.uint8
     if fp8:
-        q8, q_scale = formats.quantize_index_q(q)  # [T, H, D] e4m3, [T, H]
-        q_in, w = q8.contiguous(), (weights.float() * q_scale).contiguous()
         cache = index_cache.view(torch.float8_e4m3fn)
         block_size = index_cache.shape[1] // formats.index_token_bytes(head_dim)
     else:
-        q_in, w = q.contiguous(), weights.float().contiguous()
         cache = index_cache
         block_size = index_cache.shape[1]
-    if block_size & (block_size - 1) or block_size < 16:
+    if block_size & (block_size - 1) or block_size < max(16, row_topk.GROUP):
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
-    plan = _step_plan(meta, num_heads, device)
+    plan = _step_plan(meta, num_heads, device, config.rows_per_tile)
     logits = torch.empty(num_tokens, plan.s_out, dtype=torch.float32, device=device)
+    num_groups = triton.cdiv(plan.s_out, row_topk.GROUP)
+    group_max = torch.empty(num_tokens, num_groups, dtype=torch.float32, device=device)
     if num_tokens == 0 or plan.s_out == 0:
-        return logits, plan.limits
-    per_prog = min(pages_per_prog, triton.next_power_of_2(triton.cdiv(plan.s_out, block_size)))
+        return logits, group_max, plan.limits
+    num_pages = triton.cdiv(plan.s_out, block_size)
+    per_prog = min(config.pages_per_prog, triton.next_power_of_2(num_pages))
     grid = (plan.tiles.shape[1], triton.cdiv(plan.s_out, block_size * per_prog))
-    precision = "ieee" if q_in.dtype == torch.float32 else "tf32"
+    q_in = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     _indexer_logits_kernel[grid](
-        q_in, w, cache, plan.block_table, plan.tiles[0], plan.tiles[1], plan.tiles[2],
-        plan.limits_i32, logits, plan.block_table.stride(0), logits.stride(0), plan.s_out,
+        q_in, weights.float().contiguous(), cache, plan.block_table, plan.tiles[0],
+        plan.tiles[1], plan.tiles[2], plan.limits_i32, logits, group_max,
+        plan.block_table.stride(0), logits.stride(0), group_max.stride(0), plan.s_out,
         H=num_heads, D=head_dim, BS=block_size, KV_FP8=fp8, BLOCK_T=plan.block_t,
-        PAGES_PER_PROG=per_prog, DOT_PRECISION=precision,
-        num_warps=4 if plan.block_t * num_heads <= 64 else 8, num_stages=num_stages,
+        PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        FP8_MAX=formats.FP8_MAX, MIN_AMAX=formats.INDEX_MIN_AMAX,
+        num_warps=4, num_stages=config.num_stages,
     )
-    return logits, plan.limits
+    return logits, group_max, plan.limits
+
+
+def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                         meta: AttentionMetadata, config: IndexerConfig = IndexerConfig(),
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores of every query row against its request's local keys.
+
+    q [T, H, D] (quantized in the kernel per token-head when the cache is FP8), weights [T, H]
+    with the softmax and head scales folded in → (logits [T, S_out] fp32, limits [T] int64),
+    where S_out = the longest local key sequence in the batch and logits[t, j] = −inf for
+    j ≥ limits[t]. The host-side plan is derived from `meta` once and reused while the same
+    metadata object comes back (the other indexer layers of the step).
+    """
+    logits, _, limits = _logits(q, weights, index_cache, meta, config)
+    return logits, limits
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
-                 meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best keys this rank stores for each query → (scores [T, topk] fp32, positions [T, topk]
     int32), best first, padded with (−inf, −1).
 
     positions are request-local token positions. Without DCP that is the answer; under DCP it is
     the local top-k, and merging every rank's lists by score gives the global top-k exactly
-    (DESIGN §6).
+    (DESIGN §6). Rows longer than the candidate list go through row_topk.topk_rows (a threshold
+    from the group maxima, one pass, a short list); shorter ones through torch.topk.
     """
-    logits, limits = indexer_logits_paged(q, weights, index_cache, meta)
+    logits, group_max, limits = _logits(q, weights, index_cache, meta, config)
     num_tokens, s_out = logits.shape
     scores = torch.full((num_tokens, topk), float("-inf"), device=q.device)
     positions = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     k = min(topk, s_out)
     if num_tokens == 0 or k == 0:
         return scores, positions
-    # torch.topk (radix select): 3x faster here than a Triton radix kernel (docs/kernels.md).
-    values, local = torch.topk(logits, k, dim=1, sorted=True)  # [T, k]
+    if s_out > (config.list_len or row_topk.list_size(k)):
+        values, local = row_topk.topk_rows(logits, group_max, limits, k,
+                                           list_len=config.list_len)
+    else:
+        values, local = torch.topk(logits, k, dim=1, sorted=True)  # [T, k]
     keep = torch.arange(k, device=q.device)[None, :] < limits.clamp(max=k)[:, None]  # [T, k]
     pos = layout.dcp_global_position(local, meta.dcp_size, meta.dcp_rank, meta.interleave)
     scores[:, :k] = torch.where(keep, values, float("-inf"))

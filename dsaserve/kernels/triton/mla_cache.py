@@ -24,6 +24,24 @@ def pow2_ceil(x):
 
 
 @triton.jit
+def to_e4m3(x, FP8_MAX: tl.constexpr):
+    """fp32 → float8_e4m3fn, saturated at ±FP8_MAX, round to nearest even: the value is rounded
+    in fp32 arithmetic first, so the cast is exact whatever rounding it applies (Triton's
+    interpreter does not round to nearest even). Same bytes as formats._to_e4m3."""
+    x = tl.clamp(x, -FP8_MAX, FP8_MAX)
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal range (|x| ≥ 2^-6): keep 3 of the 23 mantissa bits, ties to even; a carry moves
+    # into the exponent, as it should.
+    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    # Subnormal range: multiples of 2^-9, rounded by the 1.5·2^23 trick on |x|; the sign bit is
+    # put back by hand (Triton's negation is 0 − x, which turns −0.0 into +0.0).
+    sub = ((tl.abs(x) * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) >= 0.015625, normal.to(tl.float32, bitcast=True),
+                    sub).to(tl.float8e4nv)
+
+
+@triton.jit
 def _write_mla_fp8_kernel(
     cache_ptr,  # fp8 view of the uint8 cache, flat [num_slots · ROW_BYTES]
     slots_ptr,  # [N] int64, −1 = skip
@@ -43,7 +61,7 @@ def _write_mla_fp8_kernel(
     c = tl.reshape(c, [NUM_TILES, TILE])
     amax = tl.max(tl.abs(c), axis=1)  # [NUM_TILES]
     scale = pow2_ceil(tl.maximum(amax / FP8_MAX, MIN_SCALE))  # [NUM_TILES], powers of two
-    c8 = tl.clamp(c / scale[:, None], -FP8_MAX, FP8_MAX).to(tl.float8e4nv)  # RNE, saturated
+    c8 = to_e4m3(c / scale[:, None], FP8_MAX)
     tl.store(row + tl.arange(0, L), tl.reshape(c8, [L]))
     scale_ptr = (row + L).to(tl.pointer_type(tl.float32))
     tl.store(scale_ptr + tl.arange(0, NUM_TILES), scale)

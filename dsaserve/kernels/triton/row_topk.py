@@ -1,0 +1,215 @@
+"""Exact top-k of long score rows without sorting them: a threshold, then a short list.
+
+The indexer's logits rows are as long as the context (128K keys and more) and k is 2,048. A
+general top-k (torch.topk) makes several radix passes over every full row; this module makes
+one. The logits kernel also writes the maximum of every GROUP consecutive keys, and:
+
+    1. τ = the k-th largest of a row's group maxima. At least k groups have a maximum ≥ τ, each
+       holds a key ≥ τ, so count(x ≥ τ) ≥ k: the top k keys all score ≥ τ. (A row of at most
+       NA keys is searched directly instead, so τ is its exact k-th score.)
+    2. One pass over the row copies the keys scoring ≥ τ, in key order, into a list of C slots.
+       Typically that is k plus a few: a group whose maximum clears τ rarely has a second key
+       that does.
+    3. torch.topk over the [rows, C] lists (16–32× shorter than the rows) orders the result.
+
+If more than C keys clear τ (clustered or tied scores), the row's exact k-th score is found by
+a bitwise search over the whole row (31 more passes, rare) and the list is cut to exactly k:
+every key above it, then ties by key order. Rows need no host round trip either way.
+
+The k-th largest of an array is found bit by bit over order-preserving int32 keys of the
+floats: 32 counting passes over registers, no sort.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 8  # keys per group maximum written by the logits kernel
+INT_MIN = tl.constexpr(-(2**31))
+
+
+@triton.jit
+def _sortable(x):
+    """fp32 → int32 with the same order (−0.0 just below +0.0); an involution on negatives."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _unsortable(key):
+    """Inverse of _sortable."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest_key(keys, K):
+    """The K-th largest of an int32 tensor (K ≤ its size): the largest v with count(keys ≥ v)
+    ≥ K, decided from the sign bit down."""
+    prefix = tl.where(tl.sum((keys >= 0).to(tl.int32)) >= K, 0, INT_MIN)
+    for bit in tl.static_range(30, -1, -1):
+        cand = prefix | (1 << bit)
+        prefix = tl.where(tl.sum((keys >= cand).to(tl.int32)) >= K, cand, prefix)
+    return prefix
+
+
+@triton.jit
+def _list_key(key, j):
+    """(score key, key index) → one int64, larger = better score, then smaller index: the list
+    entries sort the same whatever order they were written in (deterministic ties)."""
+    return (key.to(tl.int64) << 32) | (0x7FFFFFFF - j.to(tl.int64))
+
+
+@triton.jit
+def _count_row_ge(row_ptr, limit, cand, BLOCK: tl.constexpr):
+    """count(key(row[j]) ≥ cand) over j < limit."""
+    count = 0
+    for start in range(0, limit, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        v = tl.load(row_ptr + j, mask=j < limit, other=float("-inf"))
+        count += tl.sum(((_sortable(v) >= cand) & (j < limit)).to(tl.int32))
+    return count
+
+
+@triton.jit
+def _threshold_kernel(
+    logits_ptr,  # [T, S] fp32, −inf past each row's limit
+    gmax_ptr,  # [T, ceil(S / GROUP)] fp32: max of each GROUP consecutive keys
+    limit_ptr,  # [T] int32: keys j < limit are visible
+    tau_ptr,  # [T] int32 out: the threshold's sortable key
+    count_ptr,  # [T] int32 out: zeroed here, counted by _compact_kernel
+    stride_l, stride_g,
+    K: tl.constexpr, GROUP: tl.constexpr, NA: tl.constexpr,
+):
+    """τ = the K-th largest of the row (≤ NA keys) or of its group maxima, merged r at a time so
+    that at most NA remain (NA ≥ GROUP·K, so a row longer than NA keeps ≥ K of them)."""
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.load(limit_ptr + row)
+    a = tl.arange(0, NA)
+    if limit <= NA:
+        x = tl.load(logits_ptr + row * stride_l + a, mask=a < limit, other=float("-inf"))
+    else:
+        num_groups = tl.cdiv(limit, GROUP)
+        r = tl.cdiv(num_groups, NA)
+        x = tl.full([NA], float("-inf"), tl.float32)
+        for i in range(r):
+            g = a * r + i
+            x = tl.maximum(x, tl.load(gmax_ptr + row * stride_g + g, mask=g < num_groups,
+                                      other=float("-inf")))
+    tl.store(tau_ptr + row, _kth_largest_key(_sortable(x), K))
+    tl.store(count_ptr + row, 0)
+
+
+@triton.jit
+def _compact_kernel(
+    logits_ptr, limit_ptr, tau_ptr,
+    count_ptr,  # [T] int32: list entries claimed so far (may pass C: overflow)
+    list_ptr,  # [T, C] int64 out: _list_key of the keys scoring ≥ τ
+    stride_l, stride_c,
+    C: tl.constexpr, SEG: tl.constexpr,
+):
+    """One segment of SEG keys of one row: its keys ≥ τ go to the row's list at slots claimed
+    with one atomic add (list order is arbitrary; _list_key makes it irrelevant)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * SEG + tl.arange(0, SEG)
+    limit = tl.load(limit_ptr + row)
+    if tl.program_id(1) * SEG >= limit:
+        return
+    key = _sortable(tl.load(logits_ptr + row * stride_l + j, mask=j < limit,
+                            other=float("-inf")))
+    keep = (key >= tl.load(tau_ptr + row)) & (j < limit)
+    n = tl.sum(keep.to(tl.int32))
+    if n == 0:
+        return
+    pos = tl.atomic_add(count_ptr + row, n) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(list_ptr + row * stride_c + pos, _list_key(key, j), mask=keep & (pos < C))
+
+
+@triton.jit
+def _finish_kernel(
+    logits_ptr, limit_ptr, count_ptr, list_ptr, stride_l, stride_c,
+    K: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Pads the row's list after its entries; a row whose keys ≥ τ overflowed the list
+    (clustered or tied scores) is redone exactly: its K-th score by a bitwise search over the
+    whole row (31 more passes), then every key above it and the first ties, K entries."""
+    row = tl.program_id(0).to(tl.int64)
+    limit = tl.load(limit_ptr + row)
+    count = tl.load(count_ptr + row)
+    logits = logits_ptr + row * stride_l
+    out = list_ptr + row * stride_c
+    if count > C:
+        prefix = tl.where(_count_row_ge(logits, limit, 0, BLOCK) >= K, 0, INT_MIN)
+        for bit in tl.static_range(30, -1, -1):
+            cand = prefix | (1 << bit)
+            if _count_row_ge(logits, limit, cand, BLOCK) >= K:
+                prefix = cand
+        count = 0
+        for tie in tl.static_range(2):  # 0: keys above the K-th score; 1: keys equal to it
+            for start in range(0, limit, BLOCK):
+                j = start + tl.arange(0, BLOCK)
+                key = _sortable(tl.load(logits + j, mask=j < limit, other=float("-inf")))
+                keep = (key > prefix) if tie == 0 else (key == prefix)
+                keep = keep & (j < limit)
+                pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+                keep = keep & (pos < K)
+                tl.store(out + pos, _list_key(key, j), mask=keep)
+                count += tl.sum(keep.to(tl.int32))
+    first = tl.minimum(count, C)
+    pad = _list_key(_sortable(tl.full([BLOCK], float("-inf"), tl.float32)),
+                    tl.full([BLOCK], -1, tl.int32))
+    for start in range(first // BLOCK * BLOCK, C, BLOCK):
+        p = start + tl.arange(0, BLOCK)
+        tl.store(out + p, pad, mask=(p >= first) & (p < C))
+
+
+def list_size(k: int) -> int:
+    """Default C: room for 2k keys scoring ≥ τ before a row takes the exact (slow) search."""
+    return triton.next_power_of_2(2 * k)
+
+
+def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor, k: int, *,
+              list_len: int | None = None, segment: int = 4096, block: int = 2048,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of each row's visible prefix.
+
+    logits [T, S] fp32 (−inf at j ≥ limits[t]), group_max [T, ceil(S / GROUP)] (max over keys
+    GROUP·g … GROUP·g + GROUP − 1), limits [T] → (values [T, k] fp32 best first, indices [T, k]
+    int64); rows with fewer than k visible keys end in (−inf, −1). Among equal scores the
+    smaller key index comes first, so the result does not depend on thread timing.
+    """
+    num_rows, seq = logits.shape
+    if group_max.shape != (num_rows, triton.cdiv(seq, GROUP)):
+        raise ValueError(f"topk_rows: group_max must be [{num_rows}, {triton.cdiv(seq, GROUP)}], "
+                         f"got {tuple(group_max.shape)}")
+    if not 0 < k <= seq:
+        raise ValueError(f"topk_rows: k={k} must be in [1, {seq}]")
+    list_len = list_len or list_size(k)
+    if list_len < k or list_len & (list_len - 1):
+        raise ValueError(f"topk_rows: list_len {list_len} must be a power of two >= k = {k}")
+    device = logits.device
+    lists = torch.empty(num_rows, list_len, dtype=torch.int64, device=device)
+    if num_rows:
+        limits = limits.to(torch.int32)
+        tau = torch.empty(num_rows, dtype=torch.int32, device=device)
+        count = torch.empty(num_rows, dtype=torch.int32, device=device)
+        na = max(triton.next_power_of_2(GROUP * k), 1024)
+        _threshold_kernel[(num_rows,)](
+            logits, group_max, limits, tau, count, logits.stride(0), group_max.stride(0),
+            K=k, GROUP=GROUP, NA=na, num_warps=16 if na >= 16384 else 4,
+        )
+        _compact_kernel[(num_rows, triton.cdiv(seq, segment))](
+            logits, limits, tau, count, lists, logits.stride(0), lists.stride(0),
+            C=list_len, SEG=segment, num_warps=4,
+        )
+        _finish_kernel[(num_rows,)](
+            logits, limits, count, lists, logits.stride(0), lists.stride(0),
+            K=k, C=list_len, BLOCK=block, num_warps=4,
+        )
+    best = torch.topk(lists, k, dim=1, sorted=True).values  # [T, k] int64
+    index = 0x7FFFFFFF - (best & 0xFFFFFFFF)
+    key = (best >> 32).to(torch.int32)
+    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.view(torch.float32), index
