@@ -306,6 +306,22 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
     ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK))
     add(f"top-2048 row_topk {label}", ms, nbytes / ms / 1e9, "TB/s",
         f"{ms_torch / ms:.1f}x torch.topk")
+    if not PROFILE:
+        kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
+                     f"row_topk {label}")
+
+
+def kernel_times(fn: Callable[[], object], label: str) -> None:
+    """Per-kernel GPU time of one call (torch.profiler), to see where a multi-kernel op goes."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    parts = ", ".join(f"{e.key[:40]} {e.device_time_total:.0f} us"
+                      for e in sorted(events, key=lambda e: -e.device_time_total)[:6])
+    print(f"    {label} kernels: {parts}", flush=True)
 
 
 def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:

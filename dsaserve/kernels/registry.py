@@ -36,8 +36,9 @@ class AttentionBackend(Protocol):
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, D], weights [T, Hi] (all scales folded in) → (scores [T, topk] fp32,
         positions [T, topk] int32): the best keys *this rank stores* that each query may see, as
-        request-local token positions, best first, padded with (−inf, −1). Without DCP that is the
-        answer; under DCP the callers merge every rank's candidates."""
+        request-local token positions, the chosen keys first in any order (the reference: best
+        first), padded with (−inf, −1). Without DCP that is the answer; under DCP the callers
+        merge every rank's candidates."""
 
 
 class ReferenceBackend:

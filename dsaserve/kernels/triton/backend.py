@@ -58,7 +58,7 @@ class TritonBackend:
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, D], weights [T, Hi] (scales folded in) → (scores [T, topk] fp32, positions
-        [T, topk] int32) of the best keys this rank stores, best first, (−inf, −1) padded."""
+        [T, topk] int32) of the best keys this rank stores, in any order, (−inf, −1) padded."""
         if not _use_kernels(q):
             return self._reference.indexer_topk(q, weights, index_cache, meta, topk)
         return indexer.indexer_topk(q, weights, index_cache, meta, topk)

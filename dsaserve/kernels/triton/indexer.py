@@ -335,12 +335,13 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best keys this rank stores for each query → (scores [T, topk] fp32, positions [T, topk]
-    int32), best first, padded with (−inf, −1).
+    int32): the chosen keys first, in no particular order, then (−inf, −1) padding.
 
     positions are request-local token positions. Without DCP that is the answer; under DCP it is
     the local top-k, and merging every rank's lists by score gives the global top-k exactly
-    (DESIGN §6). Rows longer than the candidate list go through row_topk.topk_rows (a threshold
-    from the group maxima, one pass, a short list); shorter ones through torch.topk.
+    (DESIGN §6). Batches whose rows are longer than row_topk's candidate list go through
+    row_topk.topk_rows (a threshold from the group maxima, one pass, a short list); others
+    through torch.topk.
     """
     logits, group_max, limits = _logits(q, weights, index_cache, meta, config)
     num_tokens, s_out = logits.shape

@@ -1,23 +1,26 @@
 """Exact top-k of long score rows without sorting them: a threshold, then a short list.
 
 The indexer's logits rows are as long as the context (128K keys and more) and k is 2,048. A
-general top-k (torch.topk) makes several radix passes over every full row; this module makes
-one. The logits kernel also writes the maximum of every GROUP consecutive keys, and:
+general top-k (torch.topk) makes several radix passes over every full row and sorts the result;
+this module reads each row once more than the logits kernel writes it, and never sorts. The
+logits kernel also writes the maximum of every GROUP consecutive keys, and three kernels follow:
 
-    1. τ = the k-th largest of a row's group maxima. At least k groups have a maximum ≥ τ, each
-       holds a key ≥ τ, so count(x ≥ τ) ≥ k: the top k keys all score ≥ τ. (A row of at most
-       NA keys is searched directly instead, so τ is its exact k-th score.)
-    2. One pass over the row copies the keys scoring ≥ τ, in key order, into a list of C slots.
-       Typically that is k plus a few: a group whose maximum clears τ rarely has a second key
-       that does.
-    3. torch.topk over the [rows, C] lists (16–32× shorter than the rows) orders the result.
+    _threshold_kernel  (a program per row)
+        τ = the k-th largest of the row's group maxima. At least k groups have a maximum ≥ τ,
+        each holds a key ≥ τ, so count(x ≥ τ) ≥ k: the top k keys all score ≥ τ. (A row of at
+        most NA keys is searched directly instead, so τ is its exact k-th score.)
+    _compact_kernel    (a program per row segment)
+        keys scoring ≥ τ go to the row's list of C slots (one atomic add per segment). Mostly
+        that is k plus a few: a group whose maximum clears τ rarely has a second key that does.
+    _finish_kernel     (a program per row)
+        the exact k best of the list, written in list order. If more than C keys cleared τ
+        (clustered or tied scores), the row's k-th score is first found by a bitwise search
+        over the whole row (31 more passes, rare) and the list rebuilt with exactly k keys.
 
-If more than C keys clear τ (clustered or tied scores), the row's exact k-th score is found by
-a bitwise search over the whole row (31 more passes, rare) and the list is cut to exactly k:
-every key above it, then ties by key order. Rows need no host round trip either way.
-
-The k-th largest of an array is found bit by bit over order-preserving int32 keys of the
-floats: 32 counting passes over registers, no sort.
+List entries are int64 (score key << 32 | inverted key index), so they are distinct, ties go to
+the smaller key index, and the result does not depend on the order atomics filled the list. The
+k-th largest of an array is found bit by bit over order-preserving integer keys of the floats:
+32 (or 64) counting passes over registers, no sort.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 GROUP = 8  # keys per group maximum written by the logits kernel
 INT_MIN = tl.constexpr(-(2**31))
+INT64_MIN = tl.constexpr(-(2**63))
 
 
 @triton.jit
@@ -128,18 +132,33 @@ def _compact_kernel(
 
 
 @triton.jit
+def _kth_largest_key64(keys, K):
+    """The K-th largest of an int64 tensor (K ≤ its size), as _kth_largest_key."""
+    prefix = tl.where(tl.sum((keys >= 0).to(tl.int32)) >= K, 0, INT64_MIN).to(tl.int64)
+    for bit in tl.static_range(62, -1, -1):
+        cand = prefix | (1 << bit)
+        prefix = tl.where(tl.sum((keys >= cand).to(tl.int32)) >= K, cand, prefix)
+    return prefix
+
+
+@triton.jit
 def _finish_kernel(
-    logits_ptr, limit_ptr, count_ptr, list_ptr, stride_l, stride_c,
+    logits_ptr, limit_ptr, count_ptr,
+    list_ptr,  # [T, C] int64: count[t] entries (more than C: overflow)
+    val_ptr, idx_ptr,  # [T, K] fp32 / int64 out
+    stride_l, stride_c, stride_o,
     K: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Pads the row's list after its entries; a row whose keys ≥ τ overflowed the list
-    (clustered or tied scores) is redone exactly: its K-th score by a bitwise search over the
-    whole row (31 more passes), then every key above it and the first ties, K entries."""
+    """The row's K best list entries → (score, key index), in list order, then (−inf, −1).
+
+    A row whose keys ≥ τ overflowed the list (clustered or tied scores) is redone exactly
+    first: its K-th score by a bitwise search over the whole row (31 more passes), then every
+    key above it and the first ties, K entries."""
     row = tl.program_id(0).to(tl.int64)
     limit = tl.load(limit_ptr + row)
     count = tl.load(count_ptr + row)
     logits = logits_ptr + row * stride_l
-    out = list_ptr + row * stride_c
+    entries = list_ptr + row * stride_c
     if count > C:
         prefix = tl.where(_count_row_ge(logits, limit, 0, BLOCK) >= K, 0, INT_MIN)
         for bit in tl.static_range(30, -1, -1):
@@ -155,14 +174,25 @@ def _finish_kernel(
                 keep = keep & (j < limit)
                 pos = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
                 keep = keep & (pos < K)
-                tl.store(out + pos, _list_key(key, j), mask=keep)
+                tl.store(entries + pos, _list_key(key, j), mask=keep)
                 count += tl.sum(keep.to(tl.int32))
-    first = tl.minimum(count, C)
-    pad = _list_key(_sortable(tl.full([BLOCK], float("-inf"), tl.float32)),
-                    tl.full([BLOCK], -1, tl.int32))
-    for start in range(first // BLOCK * BLOCK, C, BLOCK):
-        p = start + tl.arange(0, BLOCK)
-        tl.store(out + p, pad, mask=(p >= first) & (p < C))
+        tl.debug_barrier()  # the list is read back below by other threads
+    # Entries are distinct (they hold the key index), so exactly min(K, count) are ≥ the K-th.
+    p = tl.arange(0, C)
+    live = p < count
+    entry = tl.load(entries + p, mask=live, other=INT64_MIN)
+    keep = live & (entry >= _kth_largest_key64(tl.where(live, entry, INT64_MIN), K))
+    n = tl.minimum(count, K)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    key = (entry >> 32).to(tl.int32)
+    tl.store(val_ptr + row * stride_o + pos, _unsortable(key), mask=keep)
+    tl.store(idx_ptr + row * stride_o + pos, 0x7FFFFFFF - (entry & 0xFFFFFFFF), mask=keep)
+    for start in range(n // BLOCK * BLOCK, K, BLOCK):
+        q = start + tl.arange(0, BLOCK)
+        pad = (q >= n) & (q < K)
+        tl.store(val_ptr + row * stride_o + q, tl.full([BLOCK], float("-inf"), tl.float32),
+                 mask=pad)
+        tl.store(idx_ptr + row * stride_o + q, tl.full([BLOCK], -1, tl.int64), mask=pad)
 
 
 def list_size(k: int) -> int:
@@ -171,14 +201,14 @@ def list_size(k: int) -> int:
 
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor, k: int, *,
-              list_len: int | None = None, segment: int = 4096, block: int = 2048,
+              list_len: int | None = None, segment: int = 4096, block: int = 1024,
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact top-k of each row's visible prefix.
+    """Exact top-k of each row's visible prefix, in no particular order.
 
     logits [T, S] fp32 (−inf at j ≥ limits[t]), group_max [T, ceil(S / GROUP)] (max over keys
-    GROUP·g … GROUP·g + GROUP − 1), limits [T] → (values [T, k] fp32 best first, indices [T, k]
-    int64); rows with fewer than k visible keys end in (−inf, −1). Among equal scores the
-    smaller key index comes first, so the result does not depend on thread timing.
+    GROUP·g … GROUP·g + GROUP − 1), limits [T] → (values [T, k] fp32, indices [T, k] int64):
+    min(k, limits[t]) chosen keys first, then (−inf, −1). Among equal scores the smaller key
+    index wins, so the chosen set does not depend on thread timing.
     """
     num_rows, seq = logits.shape
     if group_max.shape != (num_rows, triton.cdiv(seq, GROUP)):
@@ -190,26 +220,25 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
     if list_len < k or list_len & (list_len - 1):
         raise ValueError(f"topk_rows: list_len {list_len} must be a power of two >= k = {k}")
     device = logits.device
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=device)
+    indices = torch.empty(num_rows, k, dtype=torch.int64, device=device)
+    if num_rows == 0:
+        return values, indices
+    limits = limits.to(torch.int32)
+    tau = torch.empty(num_rows, dtype=torch.int32, device=device)
+    count = torch.empty(num_rows, dtype=torch.int32, device=device)
     lists = torch.empty(num_rows, list_len, dtype=torch.int64, device=device)
-    if num_rows:
-        limits = limits.to(torch.int32)
-        tau = torch.empty(num_rows, dtype=torch.int32, device=device)
-        count = torch.empty(num_rows, dtype=torch.int32, device=device)
-        na = max(triton.next_power_of_2(GROUP * k), 1024)
-        _threshold_kernel[(num_rows,)](
-            logits, group_max, limits, tau, count, logits.stride(0), group_max.stride(0),
-            K=k, GROUP=GROUP, NA=na, num_warps=16 if na >= 16384 else 4,
-        )
-        _compact_kernel[(num_rows, triton.cdiv(seq, segment))](
-            logits, limits, tau, count, lists, logits.stride(0), lists.stride(0),
-            C=list_len, SEG=segment, num_warps=4,
-        )
-        _finish_kernel[(num_rows,)](
-            logits, limits, count, lists, logits.stride(0), lists.stride(0),
-            K=k, C=list_len, BLOCK=block, num_warps=4,
-        )
-    best = torch.topk(lists, k, dim=1, sorted=True).values  # [T, k] int64
-    index = 0x7FFFFFFF - (best & 0xFFFFFFFF)
-    key = (best >> 32).to(torch.int32)
-    bits = torch.where(key >= 0, key, key ^ 0x7FFFFFFF)
-    return bits.view(torch.float32), index
+    na = max(triton.next_power_of_2(GROUP * k), 1024)
+    _threshold_kernel[(num_rows,)](
+        logits, group_max, limits, tau, count, logits.stride(0), group_max.stride(0),
+        K=k, GROUP=GROUP, NA=na, num_warps=16 if na >= 16384 else 4,
+    )
+    _compact_kernel[(num_rows, triton.cdiv(seq, segment))](
+        logits, limits, tau, count, lists, logits.stride(0), lists.stride(0),
+        C=list_len, SEG=segment, num_warps=4,
+    )
+    _finish_kernel[(num_rows,)](
+        logits, limits, count, lists, values, indices, logits.stride(0), lists.stride(0),
+        values.stride(0), K=k, C=list_len, BLOCK=block, num_warps=8,
+    )
+    return values, indices
