@@ -63,13 +63,18 @@ ROWS: list[Row] = []
 
 
 PROFILE = False  # --profile: run each timed kernel once (for Nsight Compute), report NaN
+SWEEP = False  # --sweep: also time other launch shapes
 
 
-def timed(fn: Callable[[], object], rep_ms: int = 200) -> float:
+def timed(fn: Callable[[], object], rep_ms: int = 200, graph: bool = False) -> float:
+    """Median ms of fn. graph=True replays it from a CUDA graph: GPU time without the gaps the
+    host leaves between launches (what an engine running CUDA graphs sees)."""
     fn()
     torch.cuda.synchronize()
     if PROFILE:
         return math.nan
+    if graph:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
@@ -299,13 +304,22 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
     nbytes = float(limits.clamp_max(logits.shape[1]).sum()) * 4
     ours = row_topk.topk_rows(logits, group_max, limits, TOPK)
     ref = torch.topk(logits, TOPK, 1)
-    assert torch.equal(ours[0], ref.values), "row_topk differs from torch.topk"
+    ours_first = ours[0].sort(dim=1, descending=True).values  # row_topk's order is arbitrary
+    assert torch.equal(ours_first, ref.values), "row_topk differs from torch.topk"
     ms_torch = timed(partial(torch.topk, logits, TOPK, 1))
     add(f"top-2048 torch.topk {label}", ms_torch, nbytes / ms_torch / 1e9, "TB/s",
         "of logits read")
     ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK))
     add(f"top-2048 row_topk {label}", ms, nbytes / ms / 1e9, "TB/s",
         f"{ms_torch / ms:.1f}x torch.topk")
+    ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK), graph=True)
+    add(f"top-2048 row_topk {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
+        f"{ms_torch / ms:.1f}x torch.topk")
+    if SWEEP:
+        for segment in (1024, 2048, 8192):
+            ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
+                               segment=segment), graph=True)
+            print(f"    row_topk segment {segment}: {ms * 1e3:.1f} us", flush=True)
     if not PROFILE:
         kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
                      f"row_topk {label}")
@@ -315,7 +329,8 @@ def kernel_times(fn: Callable[[], object], label: str) -> None:
     """Per-kernel GPU time of one call (torch.profiler), to see where a multi-kernel op goes."""
     fn()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    activity = torch.profiler.ProfilerActivity.CUDA
+    with torch.profiler.profile(activities=[activity], acc_events=True) as prof:
         fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
@@ -344,7 +359,7 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
-    return f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog} pages, {cfg.num_stages} st)"
+    return f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, {cfg.num_stages} st)"
 
 
 def bench_indexer(quick: bool, sweep: bool) -> None:
@@ -376,10 +391,15 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
         ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}")
         add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
-        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg))
+        both = partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg)
+        ms = timed(both)
         add(f"indexer decode logits+topk b=64 s_q={s_q}", ms, nbytes / ms / 1e9, "TB/s",
-            f"target {TARGET_INDEXER_DECODE_TBS}, top-k by row_topk")
+            "eager: includes the host's launch gaps")
+        ms = timed(both, graph=True)
+        add(f"indexer decode logits+topk b=64 s_q={s_q}, CUDA graph", ms, nbytes / ms / 1e9,
+            "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
         if s_q == 1:
+            kernel_times(both, "decode logits+topk s_q=1")
             topk_stage(*indexer._logits(q, w, cache, meta, cfg), "decode b=64 S=64K")
 
 
@@ -407,8 +427,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="launch each timed kernel once, no timing (run under ncu)")
     args = parser.parse_args()
-    global PROFILE
-    PROFILE = args.profile
+    global PROFILE, SWEEP
+    PROFILE, SWEEP = args.profile, args.sweep
     torch.manual_seed(int(time.time()))
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}", flush=True)

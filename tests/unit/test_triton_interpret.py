@@ -328,6 +328,11 @@ def test_topk_rows_overflow_and_ties(k):
     logits = torch.stack([rising, -rising, ties, straddle])
     _check_topk_rows(k, logits, torch.full((4,), n), topk, list_len=16)
     _check_topk_rows(k, logits, torch.tensor([n, 1500, 33, n - 1]), topk, list_len=16)
+    # A list long enough for the 718 keys ≥ τ of the last row: the finish kernel breaks the
+    # ties itself (smallest key index first).
+    values, idx = k.row_topk.topk_rows(logits[3:], _group_max(logits[3:], k.row_topk.GROUP),
+                                       torch.tensor([n]), topk, list_len=1024)
+    assert sorted(idx[0].tolist()) == [0, 7, 11, 14, 21, 28, 4000, 4999]
 
 
 def test_e4m3_rounding_is_exact(k):

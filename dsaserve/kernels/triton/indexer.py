@@ -261,13 +261,14 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
 class IndexerConfig:
     """Launch shape of the logits kernel and size of the top-k candidate list.
 
-    Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`): 256
-    rows per tile and 32 pages per program are within 4% of the best of 8 configurations for
-    prefill (T = 4096 × 128K keys) and decode (b = 64 × 64K, s_q = 1).
+    Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`, 12
+    configurations): 256 rows per tile and 3 stages are best for prefill (T = 4096 × 128K
+    keys) and decode (b = 64 × 64K, s_q = 1); pages per program are best at 64 for prefill
+    (many tiles) and 16 for decode (few tiles: more programs per tile fill the GPU).
     """
 
     rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
-    pages_per_prog: int = 32  # key pages per program
+    pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
     num_stages: int = 3
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
 
@@ -300,8 +301,10 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if num_tokens == 0 or plan.s_out == 0:
         return logits, group_max, plan.limits
     num_pages = triton.cdiv(plan.s_out, block_size)
-    per_prog = min(config.pages_per_prog, triton.next_power_of_2(num_pages))
-    grid = (plan.tiles.shape[1], triton.cdiv(plan.s_out, block_size * per_prog))
+    num_tiles = plan.tiles.shape[1]
+    per_prog = config.pages_per_prog or (64 if num_tiles >= 512 else 16)
+    per_prog = min(per_prog, triton.next_power_of_2(num_pages))
+    grid = (num_tiles, triton.cdiv(plan.s_out, block_size * per_prog))
     q_in = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     _indexer_logits_kernel[grid](
         q_in, weights.float().contiguous(), cache, plan.block_table, plan.tiles[0],

@@ -20,7 +20,7 @@ logits kernel also writes the maximum of every GROUP consecutive keys, and three
 List entries are int64 (score key << 32 | inverted key index), so they are distinct, ties go to
 the smaller key index, and the result does not depend on the order atomics filled the list. The
 k-th largest of an array is found bit by bit over order-preserving integer keys of the floats:
-32 (or 64) counting passes over registers, no sort.
+up to 32 counting passes over registers, no sort.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import triton.language as tl
 
 GROUP = 8  # keys per group maximum written by the logits kernel
 INT_MIN = tl.constexpr(-(2**31))
-INT64_MIN = tl.constexpr(-(2**63))
 
 
 @triton.jit
@@ -49,11 +48,12 @@ def _unsortable(key):
 
 
 @triton.jit
-def _kth_largest_key(keys, K):
+def _kth_largest_key(keys, K, BITS: tl.constexpr = 32):
     """The K-th largest of an int32 tensor (K ≤ its size): the largest v with count(keys ≥ v)
-    ≥ K, decided from the sign bit down."""
+    ≥ K, decided from the sign bit down. With BITS < 32 only the top BITS bits are decided: the
+    result is ≤ the K-th largest, within 2^(32 − BITS) of it (count(keys ≥ result) ≥ K holds)."""
     prefix = tl.where(tl.sum((keys >= 0).to(tl.int32)) >= K, 0, INT_MIN)
-    for bit in tl.static_range(30, -1, -1):
+    for bit in tl.static_range(30, 31 - BITS, -1):
         cand = prefix | (1 << bit)
         prefix = tl.where(tl.sum((keys >= cand).to(tl.int32)) >= K, cand, prefix)
     return prefix
@@ -102,7 +102,9 @@ def _threshold_kernel(
             g = a * r + i
             x = tl.maximum(x, tl.load(gmax_ptr + row * stride_g + g, mask=g < num_groups,
                                       other=float("-inf")))
-    tl.store(tau_ptr + row, _kth_largest_key(_sortable(x), K))
+    # 20 bits (sign, exponent, 11 mantissa bits) of the K-th key: τ may sit up to 2^-11
+    # relative below it, which admits a few more keys to the list for 12 fewer passes.
+    tl.store(tau_ptr + row, _kth_largest_key(_sortable(x), K, 20))
     tl.store(count_ptr + row, 0)
 
 
@@ -127,18 +129,10 @@ def _compact_kernel(
     n = tl.sum(keep.to(tl.int32))
     if n == 0:
         return
-    pos = tl.atomic_add(count_ptr + row, n) + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    # Relaxed: only the count itself must be atomic; the list is read by a later kernel.
+    base = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+    pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(list_ptr + row * stride_c + pos, _list_key(key, j), mask=keep & (pos < C))
-
-
-@triton.jit
-def _kth_largest_key64(keys, K):
-    """The K-th largest of an int64 tensor (K ≤ its size), as _kth_largest_key."""
-    prefix = tl.where(tl.sum((keys >= 0).to(tl.int32)) >= K, 0, INT64_MIN).to(tl.int64)
-    for bit in tl.static_range(62, -1, -1):
-        cand = prefix | (1 << bit)
-        prefix = tl.where(tl.sum((keys >= cand).to(tl.int32)) >= K, cand, prefix)
-    return prefix
 
 
 @triton.jit
@@ -177,16 +171,25 @@ def _finish_kernel(
                 tl.store(entries + pos, _list_key(key, j), mask=keep)
                 count += tl.sum(keep.to(tl.int32))
         tl.debug_barrier()  # the list is read back below by other threads
-    # Entries are distinct (they hold the key index), so exactly min(K, count) are ≥ the K-th.
+    # The K best entries: every score above the K-th score, then as many of the ties at it as
+    # fit, smallest key index first (a second search, over the ties' index bits, only when
+    # there are more ties than room: rare).
     p = tl.arange(0, C)
     live = p < count
-    entry = tl.load(entries + p, mask=live, other=INT64_MIN)
-    keep = live & (entry >= _kth_largest_key64(tl.where(live, entry, INT64_MIN), K))
+    entry = tl.load(entries + p, mask=live, other=0)
+    score = tl.where(live, (entry >> 32).to(tl.int32), INT_MIN)
+    inv_index = (entry & 0x7FFFFFFF).to(tl.int32)  # 0x7FFFFFFF − index, ≥ 0 for live entries
+    kth = _kth_largest_key(score, K)
+    above = live & (score > kth)
+    tie = live & (score == kth)
     n = tl.minimum(count, K)
+    room = n - tl.sum(above.to(tl.int32))
+    if tl.sum(tie.to(tl.int32)) > room:
+        tie = tie & (inv_index >= _kth_largest_key(tl.where(tie, inv_index, -1), room))
+    keep = above | tie
     pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    key = (entry >> 32).to(tl.int32)
-    tl.store(val_ptr + row * stride_o + pos, _unsortable(key), mask=keep)
-    tl.store(idx_ptr + row * stride_o + pos, 0x7FFFFFFF - (entry & 0xFFFFFFFF), mask=keep)
+    tl.store(val_ptr + row * stride_o + pos, _unsortable(score), mask=keep)
+    tl.store(idx_ptr + row * stride_o + pos, 0x7FFFFFFF - inv_index.to(tl.int64), mask=keep)
     for start in range(n // BLOCK * BLOCK, K, BLOCK):
         q = start + tl.arange(0, BLOCK)
         pad = (q >= n) & (q < K)
@@ -201,7 +204,7 @@ def list_size(k: int) -> int:
 
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor, k: int, *,
-              list_len: int | None = None, segment: int = 4096, block: int = 1024,
+              list_len: int | None = None, segment: int = 2048, block: int = 1024,
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's visible prefix, in no particular order.
 
