@@ -316,10 +316,14 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
     add(f"top-2048 row_topk {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
         f"{ms_torch / ms:.1f}x torch.topk")
     if SWEEP:
-        for segment in (1024, 2048, 8192):
-            ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
-                               segment=segment), graph=True)
-            print(f"    row_topk segment {segment}: {ms * 1e3:.1f} us", flush=True)
+        for segment in (1024, 2048, 4096):
+            for per_key in (False, True):
+                fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
+                             segment=segment, slot_per_key=per_key)
+                assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
+                ms = timed(fn, graph=True)
+                print(f"    row_topk segment {segment} slot per key {per_key}: "
+                      f"{ms * 1e3:.1f} us", flush=True)
     if not PROFILE:
         kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
                      f"row_topk {label}")

@@ -114,10 +114,12 @@ def _compact_kernel(
     count_ptr,  # [T] int32: list entries claimed so far (may pass C: overflow)
     list_ptr,  # [T, C] int64 out: _list_key of the keys scoring ≥ τ
     stride_l, stride_c,
-    C: tl.constexpr, SEG: tl.constexpr,
+    C: tl.constexpr, SEG: tl.constexpr, SLOT_PER_KEY: tl.constexpr,
 ):
-    """One segment of SEG keys of one row: its keys ≥ τ go to the row's list at slots claimed
-    with one atomic add (list order is arbitrary; _list_key makes it irrelevant)."""
+    """One segment of SEG keys of one row: its keys ≥ τ go to the row's list (list order is
+    arbitrary; _list_key makes it irrelevant). Slots are claimed with one atomic add per
+    segment and a prefix sum, or (SLOT_PER_KEY) one atomic per kept key: a few percent of the
+    keys are kept, and the prefix sum over all of them is what this kernel spends most on."""
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * SEG + tl.arange(0, SEG)
     limit = tl.load(limit_ptr + row)
@@ -126,12 +128,15 @@ def _compact_kernel(
     key = _sortable(tl.load(logits_ptr + row * stride_l + j, mask=j < limit,
                             other=float("-inf")))
     keep = (key >= tl.load(tau_ptr + row)) & (j < limit)
-    n = tl.sum(keep.to(tl.int32))
-    if n == 0:
-        return
-    # Relaxed: only the count itself must be atomic; the list is read by a later kernel.
-    base = tl.atomic_add(count_ptr + row, n, sem="relaxed")
-    pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    # Relaxed atomics: only the count itself must be atomic; the list is read by a later kernel.
+    if SLOT_PER_KEY:
+        pos = tl.atomic_add(count_ptr + row + tl.zeros_like(j), 1, mask=keep, sem="relaxed")
+    else:
+        n = tl.sum(keep.to(tl.int32))
+        if n == 0:
+            return
+        base = tl.atomic_add(count_ptr + row, n, sem="relaxed")
+        pos = base + tl.cumsum(keep.to(tl.int32), axis=0) - 1
     tl.store(list_ptr + row * stride_c + pos, _list_key(key, j), mask=keep & (pos < C))
 
 
@@ -205,6 +210,7 @@ def list_size(k: int) -> int:
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor, k: int, *,
               list_len: int | None = None, segment: int = 2048, block: int = 1024,
+              slot_per_key: bool = False,
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's visible prefix, in no particular order.
 
@@ -238,7 +244,7 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
     )
     _compact_kernel[(num_rows, triton.cdiv(seq, segment))](
         logits, limits, tau, count, lists, logits.stride(0), lists.stride(0),
-        C=list_len, SEG=segment, num_warps=4,
+        C=list_len, SEG=segment, SLOT_PER_KEY=slot_per_key, num_warps=4,
     )
     _finish_kernel[(num_rows,)](
         logits, limits, count, lists, values, indices, logits.stride(0), lists.stride(0),
