@@ -10,8 +10,8 @@ Measures on the current GPU, in one run:
                  T = 4096 and 16384) and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
-                 b = 64 over 64K keys) with and without the top-k, and the top-k stage alone
-                 (row_topk against torch.topk)
+                 b = 64 over 64K keys) with and without the top-k
+  topk           the top-k stage alone on those logits (row_topk against torch.topk)
   writers        fp8_ds_mla and indexer-key cache writers
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 Inputs are random (never zeros); each Triton configuration is checked against the reference on
@@ -300,7 +300,8 @@ def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
 def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor,
                label: str) -> None:
     """The top-k stage alone: torch.topk on the logits rows against row_topk (threshold from
-    the group maxima, one pass, torch.topk over the short lists). Checked equal first."""
+    the group maxima, one compaction pass, selection from the short lists). Checked equal
+    first; --sweep also times other segment sizes and the slot-per-key compaction."""
     nbytes = float(limits.clamp_max(logits.shape[1]).sum()) * 4
     ours = row_topk.topk_rows(logits, group_max, limits, TOPK)
     ref = torch.topk(logits, TOPK, 1)
@@ -346,8 +347,8 @@ def kernel_times(fn: Callable[[], object], label: str) -> None:
 def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
     if not sweep:
         return [indexer.IndexerConfig()]
-    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, num_stages=st)
-            for r in (128, 256) for p in (16, 32, 64) for st in (3, 4)]
+    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, num_stages=3, num_warps=nw)
+            for r in (128, 256) for p in (16, 64) for nw in (4, 8)]
 
 
 def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
@@ -357,13 +358,15 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:
             print(f"    {label} rows {cfg.rows_per_tile} pages {cfg.pages_per_prog} "
-                  f"stages {cfg.num_stages}: {ms * 1e3:.1f} us", flush=True)
+                  f"stages {cfg.num_stages} warps {cfg.num_warps}: {ms * 1e3:.1f} us",
+                  flush=True)
         best = min(best, (ms, cfg), key=lambda x: x[0])
     return best
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
-    return f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, {cfg.num_stages} st)"
+    return (f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
+            f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
 
 def bench_indexer(quick: bool, sweep: bool) -> None:
@@ -383,8 +386,6 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
         ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg), rep_ms=500)
         add(f"indexer prefill logits+topk H={heads}", ms, flops / ms / 1e9, "TFLOP/s",
             f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}, top-k by row_topk")
-        if heads == 64:
-            topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill T=4096 S=128K")
     batch, keys = 64, 65536
     for s_q in ((1,) if quick else (1, 2, 4)):
         meta, cache = index_meta([keys] * batch, [s_q] * batch)
@@ -404,7 +405,21 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
         if s_q == 1:
             kernel_times(both, "decode logits+topk s_q=1")
-            topk_stage(*indexer._logits(q, w, cache, meta, cfg), "decode b=64 S=64K")
+
+
+def bench_topk() -> None:
+    """The top-k stage alone on the indexer's own logits (prefill and decode shapes)."""
+    print("top-2048 of indexer logits rows", flush=True)
+    meta, cache = index_meta([CONTEXT], [4096])
+    q = torch.randn(4096, 64, 128, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(4096, 64, device=DEV) * 64**-0.5 * 128**-0.5
+    cfg = indexer.IndexerConfig()
+    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill T=4096 S=128K")
+    del meta, cache, q, w
+    meta, cache = index_meta([65536] * 64, [1] * 64)
+    q = torch.randn(64, 64, 128, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(64, 64, device=DEV) * 64**-0.5 * 128**-0.5
+    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "decode b=64 S=64K")
 
 
 def bench_writers() -> None:
@@ -427,7 +442,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument("--only", default="ceilings,prefill,decode,indexer,writers")
+    parser.add_argument("--only", default="ceilings,prefill,decode,indexer,topk,writers")
     parser.add_argument("--profile", action="store_true",
                         help="launch each timed kernel once, no timing (run under ncu)")
     args = parser.parse_args()
@@ -444,6 +459,8 @@ def main() -> None:
         bench_decode(args.quick, args.sweep)
     if "indexer" in parts:
         bench_indexer(args.quick, args.sweep)
+    if "topk" in parts:
+        bench_topk()
     if "writers" in parts:
         bench_writers()
     print("\n| kernel | time (us) | rate | note |\n|---|---:|---:|---|")

@@ -275,6 +275,7 @@ class IndexerConfig:
     rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
     pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
     num_stages: int = 3
+    num_warps: int = 4  # 8: two warpgroups split N (each owns whole tokens' heads)
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
 
 
@@ -319,7 +320,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_MAX=formats.FP8_MAX, MIN_AMAX=formats.INDEX_MIN_AMAX,
-        num_warps=4, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return logits, group_max, plan.limits
 
