@@ -225,7 +225,10 @@ def _index_meta(g: torch.Generator, dcp_size: int, dcp_rank: int, block_size: in
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
 @pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
-def test_indexer_topk_matches_reference(k, fp8, dcp):
+@pytest.mark.parametrize("windowed", [False, True], ids=["one_pass", "key_windows"])
+def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
+    """windowed: a logits budget of 32 keys per row, so the keys are scored 32 at a time and
+    each window's top-k merged into the running one."""
     g = _gen()
     heads, head_dim, block_size, topk = 16, 32, 16, 8
     meta = _index_meta(g, *dcp, block_size)
@@ -236,7 +239,9 @@ def test_indexer_topk_matches_reference(k, fp8, dcp):
         formats.write_index_cache(cache, slots, torch.randn(len(slots), head_dim, generator=g))
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
     w = torch.randn(meta.num_tokens, heads, generator=g)
-    scores, pos = k.indexer.indexer_topk(q, w, cache, meta, topk)
+    config = k.indexer.IndexerConfig(max_logits_bytes=4 * meta.num_tokens * 32 if windowed
+                                     else 2**31)
+    scores, pos = k.indexer.indexer_topk(q, w, cache, meta, topk, config)
     ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, topk)
     assert torch.equal(pos >= 0, ref_pos >= 0) and torch.equal(scores > -1e30, pos >= 0)
     # Same scores (in any order; exact ties may pick different keys, never different scores).

@@ -277,12 +277,12 @@ class IndexerConfig:
     num_stages: int = 3
     num_warps: int = 4  # 8: two warpgroups split N (each owns whole tokens' heads)
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
+    max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
 
-def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
-            meta: AttentionMetadata, config: IndexerConfig,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits [T, S_out], group maxima [T, ceil(S_out / row_topk.GROUP)], limits [T] int64)."""
+def _check_inputs(q: torch.Tensor, weights: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"indexer: expected q [T, H, D], got {tuple(q.shape)}")
     num_tokens, num_heads, head_dim = q.shape
     if num_heads < 1 or num_heads & (num_heads - 1) or head_dim & (head_dim - 1) or head_dim < 16:
         raise ValueError(f"indexer: heads ({num_heads}) and head dim ({head_dim}) must be powers "
@@ -290,6 +290,17 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if weights.shape != (num_tokens, num_heads):
         raise ValueError(f"indexer: weights must be [T, H] = [{num_tokens}, {num_heads}], "
                          f"got {tuple(weights.shape)}")
+
+
+def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+            meta: AttentionMetadata, config: IndexerConfig,
+            window: tuple[int, int] | None = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits over the local keys [start, start + length) of `window` (default: all):
+    (logits [T, length], group maxima [T, ceil(length / row_topk.GROUP)], limits [T] int64),
+    columns and limits counted from `start` (a multiple of the block size)."""
+    _check_inputs(q, weights)
+    num_tokens, num_heads, head_dim = q.shape
     device = q.device
     fp8 = index_cache.dtype == torch.uint8
     if fp8:
@@ -301,28 +312,38 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if block_size & (block_size - 1) or block_size < max(16, row_topk.GROUP):
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
     plan = _step_plan(meta, num_heads, device, config.rows_per_tile)
-    logits = torch.empty(num_tokens, plan.s_out, dtype=torch.float32, device=device)
-    num_groups = triton.cdiv(plan.s_out, row_topk.GROUP)
+    start, length = window or (0, plan.s_out)
+    if start % block_size or not 0 <= start <= start + length <= max(plan.s_out, start):
+        raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
+                         f"inside the {plan.s_out} local keys")
+    if window is None:
+        limits, limits_i32, block_table = plan.limits, plan.limits_i32, plan.block_table
+    else:  # the kernel sees the window as a sequence of its own
+        limits = (plan.limits - start).clamp(0, length)
+        limits_i32 = limits.to(torch.int32)
+        block_table = plan.block_table[:, start // block_size:]
+    logits = torch.empty(num_tokens, length, dtype=torch.float32, device=device)
+    num_groups = triton.cdiv(length, row_topk.GROUP)
     group_max = torch.empty(num_tokens, num_groups, dtype=torch.float32, device=device)
-    if num_tokens == 0 or plan.s_out == 0:
-        return logits, group_max, plan.limits
-    num_pages = triton.cdiv(plan.s_out, block_size)
+    if num_tokens == 0 or length == 0:
+        return logits, group_max, limits
+    num_pages = triton.cdiv(length, block_size)
     num_tiles = plan.tiles.shape[1]
     per_prog = config.pages_per_prog or (64 if num_tiles >= 512 else 16)
     per_prog = min(per_prog, triton.next_power_of_2(num_pages))
-    grid = (num_tiles, triton.cdiv(plan.s_out, block_size * per_prog))
+    grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
     q_in = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
     _indexer_logits_kernel[grid](
-        q_in, weights.float().contiguous(), cache, plan.block_table, plan.tiles[0],
-        plan.tiles[1], plan.tiles[2], plan.limits_i32, logits, group_max,
-        plan.block_table.stride(0), logits.stride(0), group_max.stride(0), plan.s_out,
+        q_in, weights.float().contiguous(), cache, block_table, plan.tiles[0],
+        plan.tiles[1], plan.tiles[2], limits_i32, logits, group_max,
+        block_table.stride(0), logits.stride(0), group_max.stride(0), length,
         H=num_heads, D=head_dim, BS=block_size, KV_FP8=fp8, BLOCK_T=plan.block_t,
         PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_MAX=formats.FP8_MAX, MIN_AMAX=formats.INDEX_MIN_AMAX,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return logits, group_max, plan.limits
+    return logits, group_max, limits
 
 
 def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -340,6 +361,32 @@ def indexer_logits_paged(q: torch.Tensor, weights: torch.Tensor, index_cache: to
     return logits, limits
 
 
+def _window_len(num_tokens: int, s_out: int, block_size: int, config: IndexerConfig) -> int:
+    """Keys per pass so that the logits take at most config.max_logits_bytes (whole blocks)."""
+    keys = config.max_logits_bytes // (4 * max(num_tokens, 1))
+    return max(keys // block_size * block_size, block_size) if keys < s_out else s_out
+
+
+def _topk_window(q, weights, index_cache, meta, k: int, config: IndexerConfig,
+                 window: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of one key window → (scores [T, k], local key indices [T, k] int64 from the start
+    of the window, −1 past the row's visible keys); chosen keys first."""
+    logits, group_max, limits = _logits(q, weights, index_cache, meta, config, window)
+    length = logits.shape[1]
+    kk = min(k, length)
+    if length > (config.list_len or row_topk.list_size(kk)):
+        values, local = row_topk.topk_rows(logits, group_max, limits, kk,
+                                           list_len=config.list_len)
+    else:
+        values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
+    keep = torch.arange(kk, device=q.device)[None, :] < limits.clamp(max=kk)[:, None]
+    values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
+    if kk < k:
+        values = torch.nn.functional.pad(values, (0, k - kk), value=float("-inf"))
+        local = torch.nn.functional.pad(local, (0, k - kk), value=-1)
+    return values, local
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                  meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,22 +397,36 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     the local top-k, and merging every rank's lists by score gives the global top-k exactly
     (DESIGN §6). Batches whose rows are longer than row_topk's candidate list go through
     row_topk.topk_rows (a threshold from the group maxima, one pass, a short list); others
-    through torch.topk.
+    through torch.topk. When T × S_out fp32 logits would pass config.max_logits_bytes, the keys
+    are scored in windows and each window's top-k merged into the running one, so the logits
+    never take more than that (a 1M-key context with T = 4096 would need 16 GiB at once).
     """
-    logits, group_max, limits = _logits(q, weights, index_cache, meta, config)
-    num_tokens, s_out = logits.shape
+    _check_inputs(q, weights)
+    num_tokens = q.shape[0]
+    plan = _step_plan(meta, q.shape[1], q.device, config.rows_per_tile)
     scores = torch.full((num_tokens, topk), float("-inf"), device=q.device)
     positions = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
-    k = min(topk, s_out)
-    if num_tokens == 0 or k == 0:
+    if num_tokens == 0 or plan.s_out == 0 or topk == 0:
         return scores, positions
-    if s_out > (config.list_len or row_topk.list_size(k)):
-        values, local = row_topk.topk_rows(logits, group_max, limits, k,
-                                           list_len=config.list_len)
+    block_size = meta.block_size
+    step = _window_len(num_tokens, plan.s_out, block_size, config)
+    if step >= plan.s_out:
+        values, local = _topk_window(q, weights, index_cache, meta, topk, config, None)
     else:
-        values, local = torch.topk(logits, k, dim=1, sorted=True)  # [T, k]
-    keep = torch.arange(k, device=q.device)[None, :] < limits.clamp(max=k)[:, None]  # [T, k]
-    pos = layout.dcp_global_position(local, meta.dcp_size, meta.dcp_rank, meta.interleave)
-    scores[:, :k] = torch.where(keep, values, float("-inf"))
-    positions[:, :k] = torch.where(keep, pos, -1).to(torch.int32)
+        values = local = None
+        for start in range(0, plan.s_out, step):
+            length = min(step, plan.s_out - start)
+            v, i = _topk_window(q, weights, index_cache, meta, topk, config, (start, length))
+            i = torch.where(i >= 0, i + start, -1)
+            if values is None:
+                values, local = v, i
+                continue
+            # Merge: the best k of (running, window); −inf entries sort last.
+            values, pick = torch.topk(torch.cat([values, v], 1), topk, dim=1, sorted=True)
+            local = torch.cat([local, i], 1).gather(1, pick)
+    found = local >= 0
+    pos = layout.dcp_global_position(local.clamp_min(0), meta.dcp_size, meta.dcp_rank,
+                                     meta.interleave)
+    scores[:] = torch.where(found, values, float("-inf"))
+    positions[:] = torch.where(found, pos, -1).to(torch.int32)
     return scores, positions
