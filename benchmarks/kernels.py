@@ -317,7 +317,7 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
     add(f"top-2048 row_topk {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
         f"{ms_torch / ms:.1f}x torch.topk")
     if SWEEP:
-        for segment in (1024, 2048, 4096):
+        for segment in (1024, 2048):
             for per_key in (False, True):
                 fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
                              segment=segment, slot_per_key=per_key)
