@@ -267,15 +267,15 @@ class IndexerConfig:
     """Launch shape of the logits kernel and size of the top-k candidate list.
 
     Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`, 12
-    configurations): 256 rows per tile and 3 stages are best for prefill (T = 4096 × 128K
-    keys) and decode (b = 64 × 64K, s_q = 1); pages per program are best at 64 for prefill
-    (many tiles) and 16 for decode (few tiles: more programs per tile fill the GPU).
+    configurations): 256 rows per tile, 3 stages and 4 warps are best for prefill (T = 4096 ×
+    128K keys) and decode (b = 64 × 64K, s_q = 1); pages per program are best at 64 for
+    prefill (many tiles) and 16 for decode (few tiles: more programs per tile fill the GPU).
     """
 
     rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
     pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
     num_stages: int = 3
-    num_warps: int = 4  # 8: two warpgroups split N (each owns whole tokens' heads)
+    num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
@@ -313,7 +313,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
     plan = _step_plan(meta, num_heads, device, config.rows_per_tile)
     start, length = window or (0, plan.s_out)
-    if start % block_size or not 0 <= start <= start + length <= max(plan.s_out, start):
+    if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
                          f"inside the {plan.s_out} local keys")
     if window is None:
@@ -332,7 +332,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     per_prog = config.pages_per_prog or (64 if num_tiles >= 512 else 16)
     per_prog = min(per_prog, triton.next_power_of_2(num_pages))
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
-    q_in = q if q.stride(2) == 1 and q.stride(1) == head_dim else q.contiguous()
+    q_in = q.contiguous()  # the kernel indexes rows as (token · H + head) · D
     _indexer_logits_kernel[grid](
         q_in, weights.float().contiguous(), cache, block_table, plan.tiles[0],
         plan.tiles[1], plan.tiles[2], limits_i32, logits, group_max,
@@ -367,7 +367,8 @@ def _window_len(num_tokens: int, s_out: int, block_size: int, config: IndexerCon
     return max(keys // block_size * block_size, block_size) if keys < s_out else s_out
 
 
-def _topk_window(q, weights, index_cache, meta, k: int, config: IndexerConfig,
+def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
+                 meta: AttentionMetadata, k: int, config: IndexerConfig,
                  window: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of one key window → (scores [T, k], local key indices [T, k] int64 from the start
     of the window, −1 past the row's visible keys); chosen keys first."""

@@ -10,8 +10,9 @@ logits kernel also writes the maximum of every GROUP consecutive keys, and three
         each holds a key ≥ τ, so count(x ≥ τ) ≥ k: the top k keys all score ≥ τ. (A row of at
         most NA keys is searched directly instead, so τ is its exact k-th score.)
     _compact_kernel    (a program per row segment)
-        keys scoring ≥ τ go to the row's list of C slots (one atomic add per segment). Mostly
-        that is k plus a few: a group whose maximum clears τ rarely has a second key that does.
+        keys scoring ≥ τ go to the row's list of C slots, claimed by atomics on a per-row
+        count. Mostly that is k plus a few: a group whose maximum clears τ rarely has a second
+        key that does.
     _finish_kernel     (a program per row)
         the exact k best of the list, written in list order. If more than C keys cleared τ
         (clustered or tied scores), the row's k-th score is first found by a bitwise search
