@@ -199,10 +199,12 @@ def test_index_writer_fp8_matches_formats(k):
 
 
 def _index_meta(g: torch.Generator, dcp_size: int, dcp_rank: int, block_size: int):
-    """Three requests (prefill chunk, decode, MTP-like 2 tokens) over shuffled pages."""
-    seq_lens, new = (67, 9, 41), (6, 1, 2)
+    """Four requests over shuffled pages: a prefill chunk, a decode, MTP-like 2 tokens, and a
+    first chunk from position 0 (under DCP its first token sees no key of rank 1: an empty
+    row; every token of it sees fewer keys than the top-k)."""
+    seq_lens, new = (67, 9, 41, 5), (6, 1, 2, 5)
     pages = torch.randperm(16, generator=g).int()
-    block_table = torch.full((3, 5), -1, dtype=torch.int32)
+    block_table = torch.full((4, 5), -1, dtype=torch.int32)
     start = 0
     for r, s in enumerate(seq_lens):
         need = -(-layout.dcp_local_seq_len(s, dcp_size, dcp_rank, 1) // block_size)
@@ -249,6 +251,8 @@ def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
     scores, pos = order.values, pos.gather(1, order.indices)
     assert torch.allclose(scores, ref_scores, rtol=1e-5, atol=1e-5)
     logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta)
+    assert int(limits.min()) == (0 if dcp[0] == 2 else 1)  # an empty row under DCP
+    assert bool((pos[limits == 0] == -1).all())
     for t in range(meta.num_tokens):
         r = int(meta.req_indices[t])
         _, key_pos = layout.context_slots(meta.seq_lens[r], meta.block_table[r], block_size, *dcp)
