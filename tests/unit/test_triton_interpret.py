@@ -263,7 +263,8 @@ def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
         assert bool((logits[t, int(limits[t]):] == float("-inf")).all())
 
 
-def test_indexer_logits_match_reference_fp8(k):
+@pytest.mark.parametrize("per_token", [False, True], ids=["one_dot", "dot_per_token"])
+def test_indexer_logits_match_reference_fp8(k, per_token):
     g = _gen()
     heads, head_dim, block_size = 16, 32, 16
     meta = _index_meta(g, 1, 0, block_size)
@@ -274,7 +275,8 @@ def test_indexer_logits_match_reference_fp8(k):
         formats.write_index_cache(cache, slots, torch.randn(s, head_dim, generator=g))
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
     w = torch.randn(meta.num_tokens, heads, generator=g)
-    logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta)
+    config = k.indexer.IndexerConfig(per_token_dots=per_token)
+    logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta, config)
     q8, q_scale = formats.quantize_index_q(q)
     for r in range(meta.num_reqs):
         a, b = meta.query_range(r)

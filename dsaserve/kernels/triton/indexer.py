@@ -121,6 +121,25 @@ def write_index_cache(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor)
 # Logits
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _load_q(q_ptr, w_ptr, row0, row_ok, ROWS: tl.constexpr, D: tl.constexpr,
+            KV_FP8: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    """Query rows row0 … row0 + ROWS − 1 (0 where not row_ok [ROWS]) → (qᵀ [D, ROWS],
+    w [ROWS]), quantized for an fp8 cache: one power-of-two scale per (token, head), as
+    formats.quantize_index_q; it is > 0, so it moves out of the ReLU into the head weight."""
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (row0 + r)[:, None] * D + d[None, :], mask=row_ok[:, None],
+                other=0.0)  # [ROWS, D]
+    w = tl.load(w_ptr + row0 + r, mask=row_ok, other=0.0)  # [ROWS]
+    if KV_FP8:
+        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
+        q_scale = pow2_ceil(tl.maximum(amax, MIN_AMAX) / FP8_MAX)  # [ROWS]
+        q = to_e4m3(q.to(tl.float32) / q_scale[:, None], FP8_MAX)
+        w = w * q_scale
+    return tl.trans(q), w
+
+
+@triton.jit
 def _indexer_logits_kernel(
     q_ptr,  # [T·H, D] as given (bf16, fp16 or fp32); quantized here for an fp8 cache
     w_ptr,  # [T·H] fp32 head weights (softmax and head scales folded in)
@@ -134,6 +153,7 @@ def _indexer_logits_kernel(
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, PAGES_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -145,20 +165,24 @@ def _indexer_logits_kernel(
     tok_ok = tt < ntok
     limit = tl.load(limit_ptr + tok0 + tt, mask=tok_ok, other=0)  # [BLOCK_T]
     max_limit = tl.max(limit, axis=0)
-    n = tl.arange(0, N)
     d = tl.arange(0, D)
     o = tl.arange(0, BS)  # key offsets inside a page
-    q = tl.load(q_ptr + (tok0 * H + n)[:, None] * D + d[None, :], mask=(n // H < ntok)[:, None],
-                other=0.0)  # [N, D]
-    w = tl.load(w_ptr + tok0 * H + n, mask=n // H < ntok, other=0.0)  # [N]
-    if KV_FP8:
-        # One power-of-two scale per (token, head), as formats.quantize_index_q; it is > 0, so
-        # it moves out of the ReLU into the head weight.
-        amax = tl.max(tl.abs(q.to(tl.float32)), axis=1)
-        q_scale = pow2_ceil(tl.maximum(amax, MIN_AMAX) / FP8_MAX)  # [N]
-        q = to_e4m3(q.to(tl.float32) / q_scale[:, None], FP8_MAX)
-        w = w * q_scale
-    q_t = tl.trans(q)  # [D, N]
+    if PER_TOKEN:
+        # One [D, H] operand per token (a tuple, unrolled): BLOCK_T dots of N = H per page, so a
+        # thread holds H/4 accumulators at a time instead of N/4 (no spills at 4 tokens × 64).
+        q_ts = ()
+        w_ts = ()
+        limit_ts = ()
+        for t in tl.static_range(BLOCK_T):
+            q_tt, w_tt = _load_q(q_ptr, w_ptr, (tok0 + t) * H, tl.arange(0, H) * 0 + t < ntok,
+                                 H, D, KV_FP8, FP8_MAX, MIN_AMAX)
+            q_ts = q_ts + (q_tt,)
+            w_ts = w_ts + (w_tt,)
+            limit_ts = limit_ts + (tl.sum(tl.where(tt == t, limit, 0)),)
+    else:
+        n = tl.arange(0, N)
+        q_t, w = _load_q(q_ptr, w_ptr, tok0 * H, n // H < ntok, N, D, KV_FP8, FP8_MAX,
+                         MIN_AMAX)  # [D, N], [N]
     out_cols = out_ptr + (tok0 + tt)[None, :] * stride_out  # [1, BLOCK_T]
     gmax_cols = gmax_ptr + (tok0 + tt)[None, :] * stride_gmax  # [1, BLOCK_T]
     NG: tl.constexpr = BS // GROUP
@@ -186,15 +210,27 @@ def _indexer_logits_kernel(
             k = tl.load(cache_ptr + (block * BS + o)[:, None] * D + d[None, :])
             k = k.to(q_ptr.dtype.element_ty)
             k_scale = tl.full([BS], 1.0, tl.float32)
-        s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BS, N] fp32
-        s = tl.maximum(s, 0.0) * w[None, :]
-        logits = tl.sum(tl.reshape(s, [BS, BLOCK_T, H]), axis=2) * k_scale[:, None]
-        # Keys past a token's limit (also unwritten slots of the last page: maybe NaN) → −inf.
-        logits = tl.where(j[:, None] < limit[None, :], logits, float("-inf"))  # [BS, BLOCK_T]
-        tl.store(out_cols + j[:, None], logits, mask=tok_ok[None, :] & (j[:, None] < s_out))
-        group_max = tl.max(tl.reshape(logits, [NG, GROUP, BLOCK_T]), axis=1)  # [NG, BLOCK_T]
-        tl.store(gmax_cols + g[:, None], group_max,
-                 mask=tok_ok[None, :] & (g[:, None] < num_groups))
+        if PER_TOKEN:
+            for t in tl.static_range(BLOCK_T):
+                s = tl.dot(k, q_ts[t], input_precision=DOT_PRECISION)  # [BS, H] fp32
+                logits = tl.sum(tl.maximum(s, 0.0) * w_ts[t][None, :], axis=1) * k_scale
+                logits = tl.where(j < limit_ts[t], logits, float("-inf"))  # [BS]
+                row_ok = t < ntok
+                tl.store(out_ptr + (tok0 + t) * stride_out + j, logits,
+                         mask=row_ok & (j < s_out))
+                group_max = tl.max(tl.reshape(logits, [NG, GROUP]), axis=1)  # [NG]
+                tl.store(gmax_ptr + (tok0 + t) * stride_gmax + g, group_max,
+                         mask=row_ok & (g < num_groups))
+        else:
+            s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BS, N] fp32
+            s = tl.maximum(s, 0.0) * w[None, :]
+            logits = tl.sum(tl.reshape(s, [BS, BLOCK_T, H]), axis=2) * k_scale[:, None]
+            # Keys past a token's limit (also unwritten slots of the last page: maybe NaN).
+            logits = tl.where(j[:, None] < limit[None, :], logits, float("-inf"))
+            tl.store(out_cols + j[:, None], logits, mask=tok_ok[None, :] & (j[:, None] < s_out))
+            group_max = tl.max(tl.reshape(logits, [NG, GROUP, BLOCK_T]), axis=1)
+            tl.store(gmax_cols + g[:, None], group_max,
+                     mask=tok_ok[None, :] & (g[:, None] < num_groups))
     for b in range(num_live, PAGES_PER_PROG):
         j = (first + b) * BS + o
         g = (first + b) * NG + tl.arange(0, NG)
@@ -276,6 +312,7 @@ class IndexerConfig:
     pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
+    per_token_dots: bool = False  # a dot per token (N = H): fewer registers; not yet timed
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
@@ -341,6 +378,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_MAX=formats.FP8_MAX, MIN_AMAX=formats.INDEX_MIN_AMAX,
+        PER_TOKEN=config.per_token_dots and plan.block_t > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return logits, group_max, limits
