@@ -34,7 +34,7 @@ import triton.testing
 
 from dsaserve.kernels import reference
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.triton import indexer, mla_cache, row_topk, sparse_mla
+from dsaserve.kernels.triton import index_cache, indexer, mla_cache, row_topk, sparse_mla
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
 
 DEV = "cuda"
@@ -292,7 +292,7 @@ def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
     slots = torch.arange(sum(pages) * block_size, device=DEV)
     for s in range(0, len(slots), 1 << 20):
         part = slots[s : s + (1 << 20)]
-        indexer.write_index_cache(cache, part, torch.randn(len(part), 128, device=DEV,
+        index_cache.write_index_cache(cache, part, torch.randn(len(part), 128, device=DEV,
                                                            dtype=torch.bfloat16))
     return meta, cache
 
@@ -433,7 +433,7 @@ def bench_writers() -> None:
     add("fp8_ds_mla writer N=65536", ms, n * (2 * (L + R) + 656 + 8) / ms / 1e9, "TB/s")
     icache = torch.empty(4096, 64 * 132, dtype=torch.uint8, device=DEV)
     k = torch.randn(n, 128, device=DEV, dtype=torch.bfloat16)
-    ms = timed(partial(indexer.write_index_cache, icache, slots, k))
+    ms = timed(partial(index_cache.write_index_cache, icache, slots, k))
     add("indexer key writer N=65536", ms, n * (256 + 132 + 8) / ms / 1e9, "TB/s")
 
 

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsaserve.kernels.triton import indexer, row_topk, sparse_mla
+from dsaserve.kernels.triton import index_cache, indexer, row_topk, sparse_mla
 
 TARGET = GPUTarget("cuda", 90, 64)
 
@@ -135,7 +135,7 @@ def row_topk_builds() -> list[Build]:
 
 
 def writer_builds() -> list[Build]:
-    return [Build("indexer key writer, 16 keys", indexer._write_index_fp8_kernel,
+    return [Build("indexer key writer, 16 keys", index_cache._write_index_fp8_kernel,
                   _sig({"cache_ptr": "*fp8e4nv", "slots_ptr": "*i64", "k_ptr": "*bf16"},
                        ["n", "stride_k"], ["D", "BS", "FP8_MAX", "MIN_AMAX", "TOKENS"]),
                   {"D": 128, "BS": 64, "FP8_MAX": 448.0, "MIN_AMAX": 1e-4, "TOKENS": 16}, 4)]

@@ -29,7 +29,13 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-from dsaserve.kernels.triton import indexer, mla_cache, row_topk, sparse_mla  # noqa: E402
+from dsaserve.kernels.triton import (  # noqa: E402
+    index_cache,
+    indexer,
+    mla_cache,
+    row_topk,
+    sparse_mla,
+)
 from dsaserve.kernels.triton.backend import TritonBackend  # noqa: E402
 
 DEV = "cuda"
@@ -94,7 +100,7 @@ def test_index_writer_matches_formats(g):
     shape = formats.index_cache_shape(num_blocks, block_size, True, head_dim)
     ours = torch.randint(0, 256, shape, dtype=torch.uint8, device=DEV, generator=g)
     ref = ours.clone()
-    indexer.write_index_cache(ours, slots, k)
+    index_cache.write_index_cache(ours, slots, k)
     formats.write_index_cache(ref, slots, k)
     assert torch.equal(ours, ref)
 
@@ -209,7 +215,7 @@ def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
     for r, s in enumerate(seq_lens):
         slots, _ = layout.context_slots(s, table[r], block_size, *dcp)
         keys = torch.randn(len(slots), head_dim, device=DEV, generator=g).bfloat16()
-        indexer.write_index_cache(cache, slots, keys)
+        index_cache.write_index_cache(cache, slots, keys)
     q = torch.randn(meta.num_tokens, heads, head_dim, device=DEV, generator=g).bfloat16()
     w = torch.randn(meta.num_tokens, heads, device=DEV, generator=g) * heads**-0.5 * 128**-0.5
     return meta, cache, q, w

@@ -39,7 +39,7 @@ from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
-_MODULES = ("mla_cache", "sparse_mla", "row_topk", "indexer", "backend")
+_MODULES = ("mla_cache", "index_cache", "sparse_mla", "row_topk", "indexer", "backend")
 
 
 def _patch_interpreter_index() -> None:
@@ -190,7 +190,7 @@ def test_index_writer_fp8_matches_formats(k):
         shape = formats.index_cache_shape(4, block_size, True, head_dim)
         ours = torch.full(shape, 0xCD, dtype=torch.uint8)
         ref = ours.clone()
-        k.indexer.write_index_cache(ours, slots, keys)
+        k.index_cache.write_index_cache(ours, slots, keys)
         formats.write_index_cache(ref, slots, keys)
         values, scales = formats._index_page_views(ours, head_dim)
         ref_values, ref_scales = formats._index_page_views(ref, head_dim)

@@ -14,6 +14,7 @@ import torch
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import ReferenceBackend
 from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
+from dsaserve.kernels.triton.index_cache import write_index_cache
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
@@ -45,7 +46,7 @@ class TritonBackend:
         if not _use_kernels(index_cache):
             self._reference.write_index_k(index_cache, slots, k)
             return
-        indexer.write_index_cache(index_cache, slots, k)
+        write_index_cache(index_cache, slots, k)
 
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                    scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
