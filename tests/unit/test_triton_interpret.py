@@ -263,6 +263,18 @@ def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
         assert bool((logits[t, int(limits[t]):] == float("-inf")).all())
 
 
+def test_window_merge_keeps_the_best_and_breaks_ties_by_index(k):
+    """Key windows are merged by (score, then smaller key index), as row_topk breaks ties, so
+    a windowed top-k picks the same keys every run; −0.0 and +0.0 keep their float order."""
+    values = torch.tensor([[1.0, -2.0, float("-inf"), 1.0, 3.0, -0.0, 0.0, float("-inf")]])
+    index = torch.tensor([[5, 2, -1, 1, 9, 7, 3, -1]])
+    best, best_index = k.indexer._merge_best(values, index, 5)
+    assert best.tolist() == [[3.0, 1.0, 1.0, 0.0, -0.0]]
+    assert best_index.tolist() == [[9, 1, 5, 3, 7]]
+    best, best_index = k.indexer._merge_best(values, index, 8)
+    assert best_index[0, -2:].tolist() == [-1, -1] and best[0, -1] == float("-inf")
+
+
 @pytest.mark.parametrize("per_token", [False, True], ids=["one_dot", "dot_per_token"])
 def test_indexer_logits_match_reference_fp8(k, per_token):
     g = _gen()

@@ -346,6 +346,18 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     return values, local
 
 
+def _merge_best(values: torch.Tensor, index: torch.Tensor, k: int,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [T, n] fp32, index [T, n] int64 (−1: none) → the best k (best first), equal scores
+    by smaller index, as row_topk does: one int64 key per entry (the score's order-preserving
+    bits, then the inverted index), so ties cannot go different ways from run to run."""
+    bits = values.contiguous().view(torch.int32).long()  # [T, n]
+    score = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # same order as the floats
+    key = (score << 32) | (0x7FFFFFFF - index)
+    pick = torch.topk(key, k, dim=1, sorted=True).indices  # [T, k]
+    return values.gather(1, pick), index.gather(1, pick)
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                  meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -380,9 +392,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
             if values is None:
                 values, local = v, i
                 continue
-            # Merge: the best k of (running, window); −inf entries sort last.
-            values, pick = torch.topk(torch.cat([values, v], 1), topk, dim=1, sorted=True)
-            local = torch.cat([local, i], 1).gather(1, pick)
+            values, local = _merge_best(torch.cat([values, v], 1), torch.cat([local, i], 1),
+                                        topk)
     found = local >= 0
     pos = layout.dcp_global_position(local.clamp_min(0), meta.dcp_size, meta.dcp_rank,
                                      meta.interleave)
