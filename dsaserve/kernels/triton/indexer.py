@@ -375,10 +375,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     _check_inputs(q, weights)
     num_tokens = q.shape[0]
     plan = _step_plan(meta, q.shape[1], q.device, config.rows_per_tile)
-    scores = torch.full((num_tokens, topk), float("-inf"), device=q.device)
-    positions = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device)
     if num_tokens == 0 or plan.s_out == 0 or topk == 0:
-        return scores, positions
+        return (torch.full((num_tokens, topk), float("-inf"), device=q.device),
+                torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device))
     block_size = meta.block_size
     step = _window_len(num_tokens, plan.s_out, block_size, config)
     if step >= plan.s_out:
@@ -397,6 +396,4 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     found = local >= 0
     pos = layout.dcp_global_position(local.clamp_min(0), meta.dcp_size, meta.dcp_rank,
                                      meta.interleave)
-    scores[:] = torch.where(found, values, float("-inf"))
-    positions[:] = torch.where(found, pos, -1).to(torch.int32)
-    return scores, positions
+    return torch.where(found, values, float("-inf")), torch.where(found, pos, -1).to(torch.int32)
