@@ -327,10 +327,12 @@ def _check_topk_rows(k, logits: torch.Tensor, limits: torch.Tensor, topk: int, *
 
 @pytest.mark.parametrize("topk", [8, 64])
 @pytest.mark.parametrize("per_key", [False, True], ids=["prefix_sum", "slot_per_key"])
-def test_topk_rows_random_rows(k, topk, per_key):
+@pytest.mark.parametrize("overflow", [False, True], ids=["list", "list_of_k"])
+def test_topk_rows_random_rows(k, topk, per_key, overflow):
     """Rows from empty to far longer than the search array: short rows are searched directly,
     long ones through their group maxima (coarsened when there are too many); both ways of
-    claiming list slots."""
+    claiming list slots. A list of exactly k slots overflows on almost every row, which sends
+    them through the radix select over the whole row."""
     g = _gen()
     na = max(triton.next_power_of_2(k.row_topk.GROUP * topk), 1024)
     lens = [0, 3, topk, topk + 1, 500, na, na + 1, 3 * na + 5, 20 * na]
@@ -338,7 +340,8 @@ def test_topk_rows_random_rows(k, topk, per_key):
     for t, n in enumerate(lens):
         logits[t, :n] = torch.randn(n, generator=g) * 10 ** float(torch.randn(1, generator=g))
     logits[4, 100:500] *= -1  # negatives and positives mixed in order
-    _check_topk_rows(k, logits, torch.tensor(lens), topk, slot_per_key=per_key)
+    _check_topk_rows(k, logits, torch.tensor(lens), topk, slot_per_key=per_key,
+                     list_len=topk if overflow else None)
 
 
 def test_topk_rows_overflow_and_ties(k):

@@ -15,8 +15,8 @@ logits kernel also writes the maximum of every GROUP consecutive keys, and three
         key that does.
     _finish_kernel     (a program per row)
         the exact k best of the list, written in list order. If more than C keys cleared τ
-        (clustered or tied scores), the row's k-th score is first found by a bitwise search
-        over the whole row (31 more passes, rare) and the list rebuilt with exactly k keys.
+        (clustered or tied scores), the row's k-th score is first found by a radix select
+        over the whole row (4 histogram passes) and the list rebuilt with exactly k keys.
 
 List entries are int64 (score key << 32 | inverted key index), so they are distinct, ties go to
 the smaller key index, and the result does not depend on the order atomics filled the list. The
@@ -68,14 +68,28 @@ def _list_key(key, j):
 
 
 @triton.jit
-def _count_row_ge(row_ptr, limit, cand, BLOCK: tl.constexpr):
-    """count(key(row[j]) ≥ cand) over j < limit."""
-    count = 0
-    for start in range(0, limit, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        v = tl.load(row_ptr + j, mask=j < limit, other=float("-inf"))
-        count += tl.sum(((_sortable(v) >= cand) & (j < limit)).to(tl.int32))
-    return count
+def _kth_largest_in_row(row_ptr, limit, K, BLOCK: tl.constexpr):
+    """The K-th largest sortable key of row[:limit] (K ≤ limit), by a radix select over the
+    key's four bytes, most significant first: one 256-bin histogram pass over the row per
+    byte (4 passes, where a bit-by-bit search would take 32)."""
+    prefix = tl.full([], 0, tl.uint32)  # the bytes decided so far (key with its sign flipped)
+    remaining = K  # rank of the wanted key among the keys that share those bytes
+    b = tl.arange(0, 256)
+    for d in tl.static_range(4):  # the byte at bits 24 − 8d … 31 − 8d
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, limit, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            v = tl.load(row_ptr + j, mask=j < limit, other=float("-inf"))
+            u = (_sortable(v) ^ INT_MIN).to(tl.uint32, bitcast=True)  # unsigned, same order
+            ok = j < limit
+            if d > 0:
+                ok = ok & ((u >> (32 - 8 * d)) == (prefix >> (32 - 8 * d)))
+            hist += tl.histogram(((u >> (24 - 8 * d)) & 0xFF).to(tl.int32), 256, mask=ok)
+        above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # [256] keys in higher bins
+        byte = tl.max(tl.where((above < remaining) & (above + hist >= remaining), b, -1))
+        remaining -= tl.sum(tl.where(b == byte, above, 0))
+        prefix = prefix | (byte.to(tl.uint32) << (24 - 8 * d))
+    return prefix.to(tl.int32, bitcast=True) ^ INT_MIN
 
 
 @triton.jit
@@ -152,7 +166,7 @@ def _finish_kernel(
     """The row's K best list entries → (score, key index), in list order, then (−inf, −1).
 
     A row whose keys ≥ τ overflowed the list (clustered or tied scores) is redone exactly
-    first: its K-th score by a bitwise search over the whole row (31 more passes), then every
+    first: its K-th score by a radix select over the whole row (4 histogram passes), then every
     key above it and the first ties, K entries."""
     row = tl.program_id(0).to(tl.int64)
     limit = tl.load(limit_ptr + row)
@@ -160,11 +174,7 @@ def _finish_kernel(
     logits = logits_ptr + row * stride_l
     entries = list_ptr + row * stride_c
     if count > C:
-        prefix = tl.where(_count_row_ge(logits, limit, 0, BLOCK) >= K, 0, INT_MIN)
-        for bit in tl.static_range(30, -1, -1):
-            cand = prefix | (1 << bit)
-            if _count_row_ge(logits, limit, cand, BLOCK) >= K:
-                prefix = cand
+        prefix = _kth_largest_in_row(logits, limit, K, BLOCK)
         count = 0
         for tie in tl.static_range(2):  # 0: keys above the K-th score; 1: keys equal to it
             for start in range(0, limit, BLOCK):
