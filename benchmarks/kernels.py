@@ -33,7 +33,7 @@ import triton
 import triton.testing
 
 from dsaserve.kernels import reference
-from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
 from dsaserve.kernels.triton import index_cache, indexer, mla_cache, row_topk, sparse_mla
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
 
@@ -271,23 +271,8 @@ def bench_decode(quick: bool, sweep: bool) -> None:
 # --------------------------------------------------------------------------------------------
 def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
     pages = [-(-s // block_size) for s in seq_lens]
-    perm = torch.randperm(sum(pages), device=DEV).int()
-    table = torch.full((len(seq_lens), max(pages)), -1, dtype=torch.int32, device=DEV)
-    start = 0
-    for r, n in enumerate(pages):
-        table[r, :n] = perm[start : start + n]
-        start += n
-    qsl, positions, reqs = [0], [], []
-    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
-        qsl.append(qsl[-1] + n)
-        positions.append(torch.arange(s - n, s, device=DEV))
-        reqs.append(torch.full((n,), r, device=DEV))
-    positions, reqs = torch.cat(positions), torch.cat(reqs)
-    meta = AttentionMetadata(
-        positions=positions, req_indices=reqs, block_table=table,
-        slot_mapping=torch.full_like(positions, -1), query_start_loc=tuple(qsl),
-        seq_lens=tuple(seq_lens), block_size=block_size, use_dense=False,
-    )
+    table = scattered_block_table(pages, device=DEV)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
     cache = torch.empty(sum(pages), block_size * 132, dtype=torch.uint8, device=DEV)
     slots = torch.arange(sum(pages) * block_size, device=DEV)
     for s in range(0, len(slots), 1 << 20):

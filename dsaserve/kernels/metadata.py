@@ -10,9 +10,12 @@ layer. Tokens of a step are flattened request by request:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dsaserve.kv import layout
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,32 @@ class AttentionMetadata:
         )
         return sub, idx
 
+    @classmethod
+    def for_requests(cls, seq_lens: Sequence[int], new_tokens: Sequence[int],
+                     block_table: torch.Tensor, block_size: int, *, dcp_size: int = 1,
+                     dcp_rank: int = 0, interleave: int = 1) -> AttentionMetadata:
+        """One step in which request r computes its last new_tokens[r] tokens (positions
+        seq_lens[r] − new_tokens[r] … seq_lens[r] − 1) over block_table [R, max_blocks] (on the
+        device the tensors should live on). Kernel tests and benchmarks build their steps with
+        it; the runner builds its own from the scheduler's output."""
+        qsl, positions, reqs = [0], [], []
+        for r, (s, n) in enumerate(zip(seq_lens, new_tokens, strict=True)):
+            if not 0 <= n <= s:
+                raise ValueError(f"for_requests: request {r} has {n} new tokens of {s}")
+            qsl.append(qsl[-1] + n)
+            positions += range(s - n, s)
+            reqs += [r] * n
+        device = block_table.device
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)  # [N]
+        req = torch.tensor(reqs, dtype=torch.int64, device=device)  # [N]
+        return cls(
+            positions=pos, req_indices=req, block_table=block_table,
+            slot_mapping=layout.slot_mapping(pos, req, block_table, block_size, dcp_size,
+                                             dcp_rank, interleave),
+            query_start_loc=tuple(qsl), seq_lens=tuple(seq_lens), block_size=block_size,
+            use_dense=False, dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave,
+        )
+
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens)
@@ -90,3 +119,18 @@ class AttentionMetadata:
 
     def query_range(self, r: int) -> tuple[int, int]:
         return self.query_start_loc[r], self.query_start_loc[r + 1]
+
+
+def scattered_block_table(pages: Sequence[int], generator: torch.Generator | None = None,
+                          device: torch.device | str | None = None) -> torch.Tensor:
+    """[R, max(pages)] int32: request r owns pages[r] distinct blocks taken from a shuffled pool
+    of sum(pages) blocks, −1 after them; a block table whose pages are out of order, for kernel
+    tests and benchmarks."""
+    pool = torch.randperm(sum(pages), generator=generator, device=device).int()
+    table = torch.full((len(pages), max(pages, default=0)), -1, dtype=torch.int32,
+                       device=device)
+    start = 0
+    for r, n in enumerate(pages):
+        table[r, :n] = pool[start : start + n]
+        start += n
+    return table

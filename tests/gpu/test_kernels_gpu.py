@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dsaserve.kernels import formats, reference
-from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
 from dsaserve.kernels.registry import ReferenceBackend
 from dsaserve.kv import layout
 
@@ -191,25 +191,9 @@ def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
     new = (300, 1, 4, 2, 3)
     local = [layout.dcp_local_seq_len(s, dcp[0], dcp[1], 1) for s in seq_lens]
     need = [-(-n // block_size) for n in local]
-    pages = torch.randperm(sum(need), device=DEV, generator=g).int()
-    table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32, device=DEV)
-    start = 0
-    for r, n in enumerate(need):
-        table[r, :n] = pages[start : start + n]
-        start += n
-    qsl, positions, reqs = [0], [], []
-    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
-        qsl.append(qsl[-1] + n)
-        positions += range(s - n, s)
-        reqs += [r] * n
-    positions = torch.tensor(positions, device=DEV)
-    reqs = torch.tensor(reqs, device=DEV)
-    meta = AttentionMetadata(
-        positions=positions, req_indices=reqs, block_table=table,
-        slot_mapping=layout.slot_mapping(positions, reqs, table, block_size, *dcp),
-        query_start_loc=tuple(qsl), seq_lens=seq_lens, block_size=block_size,
-        use_dense=False, dcp_size=dcp[0], dcp_rank=dcp[1],
-    )
+    table = scattered_block_table(need, g, DEV)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size, dcp_size=dcp[0],
+                                          dcp_rank=dcp[1])
     cache = torch.zeros(formats.index_cache_shape(sum(need), block_size, True, head_dim),
                         dtype=torch.uint8, device=DEV)
     for r, s in enumerate(seq_lens):

@@ -34,7 +34,7 @@ if not _FRESH and _saved_env != "1":
                 allow_module_level=True)
 
 from dsaserve.kernels import formats, reference  # noqa: E402
-from dsaserve.kernels.metadata import AttentionMetadata  # noqa: E402
+from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table  # noqa: E402
 from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
@@ -203,26 +203,11 @@ def _index_meta(g: torch.Generator, dcp_size: int, dcp_rank: int, block_size: in
     first chunk from position 0 (under DCP its first token sees no key of rank 1: an empty
     row; every token of it sees fewer keys than the top-k)."""
     seq_lens, new = (67, 9, 41, 5), (6, 1, 2, 5)
-    pages = torch.randperm(16, generator=g).int()
-    block_table = torch.full((4, 5), -1, dtype=torch.int32)
-    start = 0
-    for r, s in enumerate(seq_lens):
-        need = -(-layout.dcp_local_seq_len(s, dcp_size, dcp_rank, 1) // block_size)
-        block_table[r, :need] = pages[start : start + need]
-        start += need
-    qsl, positions, reqs = [0], [], []
-    for r, (s, n) in enumerate(zip(seq_lens, new, strict=True)):
-        qsl.append(qsl[-1] + n)
-        positions += range(s - n, s)
-        reqs += [r] * n
-    positions, reqs = torch.tensor(positions), torch.tensor(reqs)
-    return AttentionMetadata(
-        positions=positions, req_indices=reqs, block_table=block_table,
-        slot_mapping=layout.slot_mapping(positions, reqs, block_table, block_size, dcp_size,
-                                         dcp_rank),
-        query_start_loc=tuple(qsl), seq_lens=seq_lens, block_size=block_size, use_dense=False,
-        dcp_size=dcp_size, dcp_rank=dcp_rank,
-    )
+    pages = [-(-layout.dcp_local_seq_len(s, dcp_size, dcp_rank, 1) // block_size)
+             for s in seq_lens]
+    table = scattered_block_table(pages, g)
+    return AttentionMetadata.for_requests(seq_lens, new, table, block_size, dcp_size=dcp_size,
+                                          dcp_rank=dcp_rank)
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
