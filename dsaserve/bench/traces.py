@@ -41,7 +41,7 @@ import json
 import math
 import random
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -377,21 +377,22 @@ def load_workload(trace_dir: str | Path) -> Workload:
 # ------------------------------------------------------------------------------------------------
 # Command line
 # ------------------------------------------------------------------------------------------------
-def _int_range(text: str) -> tuple[int, int]:
-    """'N' or 'LOW:HIGH' (inclusive)."""
-    lo, _, hi = text.partition(":")
-    try:
-        return int(lo), int(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or LOW:HIGH, got {text!r}") from None
+def _range(cast: type, example: str) -> Callable[[str], tuple]:
+    """argparse type for 'X' or 'LOW:HIGH' (inclusive), each part parsed by `cast`."""
+
+    def parse(text: str) -> tuple:
+        lo, _, hi = text.partition(":")
+        try:
+            return cast(lo), cast(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {example} or LOW:HIGH, got {text!r}") from None
+
+    return parse
 
 
-def _float_range(text: str) -> tuple[float, float]:
-    lo, _, hi = text.partition(":")
-    try:
-        return float(lo), float(hi or lo)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected X or LOW:HIGH, got {text!r}") from None
+_int_range = _range(int, "N")
+_float_range = _range(float, "X")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -325,15 +325,19 @@ def _join(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _reap(procs: Sequence[BaseProcess], timeout_s: float) -> None:
-    """Join `procs` within `timeout_s` overall; SIGKILL whatever is left, then join that."""
+def _join_within(procs: Sequence[BaseProcess], timeout_s: float) -> list[BaseProcess]:
+    """Join `procs` within `timeout_s` overall → the ones still alive."""
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    return [proc for proc in procs if proc.is_alive()]
+
+
+def _reap(procs: Sequence[BaseProcess], timeout_s: float) -> None:
+    """Join `procs` within `timeout_s` overall; SIGKILL whatever is left, then join that."""
+    for proc in _join_within(procs, timeout_s):
+        proc.kill()
+        proc.join()
 
 
 def _stop_workers(procs: list[BaseProcess], conns: list[Connection], rendezvous_dir: str) -> None:
@@ -344,12 +348,8 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection], rendezvous_
                 conn.send_bytes(encode(Shutdown()))
             except OSError:
                 pass
-    deadline = time.monotonic() + _SHUTDOWN_TIMEOUT_S
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
+    for proc in _join_within(procs, _SHUTDOWN_TIMEOUT_S):
+        proc.terminate()
     _reap(procs, _TERMINATE_TIMEOUT_S)
     for conn in conns:
         conn.close()
