@@ -28,6 +28,22 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return _Dirs()
 
 
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory) -> Path:
+    """The built-in tiny tokenizer, written once per session."""
+    from dsaserve.tokenizer import build_tiny_tokenizer
+
+    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="session")
+def tok(tok_dir: Path):
+    """The tiny tokenizer, loaded."""
+    from dsaserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(tok_dir)
+
+
 def _mixed_prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
     """Mixed lengths (21–99 tokens for n = 5) with a shared 40-token prefix over the tiny
     vocabulary: prefix hits, sparse top-k (tiny top-k is 16) and, under PCP, both split and

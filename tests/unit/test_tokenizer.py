@@ -30,36 +30,26 @@ MULTILINGUAL = (
 )
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tiny_dir)
-
-
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
 
-def test_build_is_deterministic_across_builds_and_processes(tiny_dir: Path, tmp_path: Path) -> None:
+def test_build_is_deterministic_across_builds_and_processes(tok_dir: Path, tmp_path: Path) -> None:
     again = build_tiny_tokenizer(tmp_path / "again")
     # A fresh interpreter: nothing may depend on per-process hash seeds.
     other = tmp_path / "other"
     code = f"import dsaserve.tokenizer as t; t.build_tiny_tokenizer({str(other)!r})"
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert set(_files(tiny_dir)) == {"tokenizer.json", "tokenizer_config.json"}
-    assert _files(again) == _files(tiny_dir)
-    assert _files(other) == _files(tiny_dir)
+    assert set(_files(tok_dir)) == {"tokenizer.json", "tokenizer_config.json"}
+    assert _files(again) == _files(tok_dir)
+    assert _files(other) == _files(tok_dir)
 
 
-def test_vocabulary_layout(tok: Tokenizer, tiny_dir: Path) -> None:
+def test_vocabulary_layout(tok: Tokenizer, tok_dir: Path) -> None:
     assert tok.vocab_size == 512
     assert [tok.token_to_id(t) for t in TINY_SPECIAL_TOKENS] == [0, 1, 2, 3]
     assert tok.eos_token_id == 0 and tok.bos_token_id == 0
-    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     assert config["eos_token"] == config["bos_token"] == config["pad_token"] == "<|endoftext|>"
     assert config["model_max_length"] == 4096
     assert config["chat_template"] == DEFAULT_CHAT_TEMPLATE
@@ -115,10 +105,10 @@ def test_chat_template_errors(tok: Tokenizer) -> None:
         tok.apply_chat_template([], chat_template="{% for %}")
 
 
-def test_matches_transformers(tiny_dir: Path, tok: Tokenizer) -> None:
+def test_matches_transformers(tok_dir: Path, tok: Tokenizer) -> None:
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(tiny_dir)
+    hf = AutoTokenizer.from_pretrained(tok_dir)
     for text in [MULTILINGUAL, "<|system|>\nx<|user|>\ny<|assistant|>\n", " lead and trail  ", ""]:
         assert hf(text)["input_ids"] == tok.encode(text), text
         assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
@@ -130,11 +120,11 @@ def test_matches_transformers(tiny_dir: Path, tok: Tokenizer) -> None:
         assert rendered == tok.apply_chat_template(messages, add_generation_prompt=gen)
 
 
-def test_missing_tokenizer_and_template(tiny_dir: Path, tmp_path: Path) -> None:
+def test_missing_tokenizer_and_template(tok_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(TokenizerError, match="tokenizer.json not found"):
         Tokenizer.from_pretrained(tmp_path)
     # tokenizer.json alone: loads, but has no chat template (and no eos).
-    (tmp_path / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
     bare = Tokenizer.from_pretrained(tmp_path)
     assert bare.eos_token_id is None and bare.chat_template is None
     with pytest.raises(TokenizerError, match="no chat_template"):

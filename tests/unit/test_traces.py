@@ -25,19 +25,9 @@ from dsaserve.bench.traces import (
     write_workload,
 )
 from dsaserve.config import ConfigError
-from dsaserve.tokenizer import Tokenizer, build_tiny_tokenizer
+from dsaserve.tokenizer import Tokenizer
 
 SPEC = WorkloadSpec(num_sessions=3, num_turns=4, seed=5)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-@pytest.fixture(scope="module")
-def tok(tok_dir: Path) -> Tokenizer:
-    return Tokenizer.from_pretrained(tok_dir)
 
 
 @pytest.fixture(scope="module")
