@@ -332,8 +332,8 @@ def kernel_times(fn: Callable[[], object], label: str) -> None:
 def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
     if not sweep:
         return [indexer.IndexerConfig()]
-    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, per_token_dots=pt)
-            for r in (128, 256) for p in (16, 64) for pt in (False, True)]
+    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p)
+            for r in (128, 256) for p in (16, 32, 64)]
 
 
 def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
@@ -343,8 +343,7 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:
             print(f"    {label} rows {cfg.rows_per_tile} pages {cfg.pages_per_prog} "
-                  f"stages {cfg.num_stages} warps {cfg.num_warps} dot per token "
-                  f"{cfg.per_token_dots}: {ms * 1e3:.1f} us", flush=True)
+                  f"stages {cfg.num_stages} warps {cfg.num_warps}: {ms * 1e3:.1f} us", flush=True)
         best = min(best, (ms, cfg), key=lambda x: x[0])
     return best
 

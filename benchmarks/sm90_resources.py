@@ -99,14 +99,13 @@ def indexer_builds() -> list[Build]:
                 "gmax_ptr": "*fp32"},
                ["stride_bt", "stride_out", "stride_gmax", "s_out"],
                ["H", "D", "BS", "KV_FP8", "BLOCK_T", "PAGES_PER_PROG", "GROUP", "DOT_PRECISION",
-                "FP8_MAX", "MIN_AMAX", "PER_TOKEN"])
+                "FP8_MAX", "MIN_AMAX"])
     builds = []
-    for block_t, per_token in ((1, False), (4, False), (4, True)):
+    for block_t in (1, 2, 4):
         consts = {"H": 64, "D": 128, "BS": 64, "KV_FP8": True, "BLOCK_T": block_t,
                   "PAGES_PER_PROG": 32, "GROUP": row_topk.GROUP, "DOT_PRECISION": "tf32",
-                  "FP8_MAX": 448.0, "MIN_AMAX": 1e-4, "PER_TOKEN": per_token}
-        builds.append(Build(f"indexer logits, {block_t} token(s) x 64 heads"
-                            f"{', dot per token' if per_token else ''}",
+                  "FP8_MAX": 448.0, "MIN_AMAX": 1e-4}
+        builds.append(Build(f"indexer logits, {block_t} token(s) x 64 heads",
                             indexer._indexer_logits_kernel, sig, consts, 4))
     return builds
 

@@ -260,8 +260,8 @@ def test_window_merge_keeps_the_best_and_breaks_ties_by_index(k):
     assert best_index[0, -2:].tolist() == [-1, -1] and best[0, -1] == float("-inf")
 
 
-@pytest.mark.parametrize("per_token", [False, True], ids=["one_dot", "dot_per_token"])
-def test_indexer_logits_match_reference_fp8(k, per_token):
+@pytest.mark.parametrize("rows_per_tile", [16, 64], ids=["token_tiles", "4_token_tiles"])
+def test_indexer_logits_match_reference_fp8(k, rows_per_tile):
     g = _gen()
     heads, head_dim, block_size = 16, 32, 16
     meta = _index_meta(g, 1, 0, block_size)
@@ -272,7 +272,7 @@ def test_indexer_logits_match_reference_fp8(k, per_token):
         formats.write_index_cache(cache, slots, torch.randn(s, head_dim, generator=g))
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
     w = torch.randn(meta.num_tokens, heads, generator=g)
-    config = k.indexer.IndexerConfig(per_token_dots=per_token)
+    config = k.indexer.IndexerConfig(rows_per_tile=rows_per_tile)
     logits, limits = k.indexer.indexer_logits_paged(q, w, cache, meta, config)
     q8, q_scale = formats.quantize_index_q(q)
     for r in range(meta.num_reqs):
@@ -300,6 +300,7 @@ def _check_topk_rows(k, logits: torch.Tensor, limits: torch.Tensor, topk: int, *
     logits = logits.masked_fill(past, float("-inf"))  # the logits kernel's contract
     rows = k.row_topk.topk_rows(logits, _group_max(logits, k.row_topk.GROUP), limits, topk, **kw)
     values, idx = rows
+    assert idx.dtype == kw.get("index_dtype", torch.int64)
     ref = torch.topk(logits, topk, dim=1).values
     # The same scores (in any order), (−inf, −1) past the limit.
     assert torch.equal(values.sort(dim=1, descending=True).values, ref)
@@ -341,6 +342,9 @@ def test_topk_rows_overflow_and_ties(k):
     logits = torch.stack([rising, -rising, ties, straddle])
     _check_topk_rows(k, logits, torch.full((4,), n), topk, list_len=16)
     _check_topk_rows(k, logits, torch.tensor([n, 1500, 33, n - 1]), topk, list_len=16)
+    # int32 limits in, int32 indices out (what the indexer's decode path asks for).
+    _check_topk_rows(k, logits, torch.tensor([n, 1500, 33, n - 1], dtype=torch.int32), topk,
+                     list_len=16, index_dtype=torch.int32)
     # A list long enough for the 718 keys ≥ τ of the last row: the finish kernel breaks the
     # ties itself (smallest key index first).
     values, idx = k.row_topk.topk_rows(logits[3:], _group_max(logits[3:], k.row_topk.GROUP),

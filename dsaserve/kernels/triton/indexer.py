@@ -60,6 +60,37 @@ def _load_q(q_ptr, w_ptr, row0, row_ok, ROWS: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
+def _load_page(cache_ptr, blocks, p, b, o, d, D: tl.constexpr, BS: tl.constexpr,
+               KV_FP8: tl.constexpr, dtype: tl.constexpr):
+    """Keys of page b of the chunk (its block id picked out of the chunk's `blocks` [P]) →
+    (k [BS, D] fp8 or `dtype`, k_scale [BS] fp32)."""
+    block = tl.sum(tl.where(p == b, blocks, 0), axis=0).to(tl.int64)
+    if KV_FP8:
+        page = cache_ptr + block * (BS * (D + 4))
+        k = tl.load(page + o[:, None] * D + d[None, :])  # [BS, D] fp8, one 8 KB run
+        k_scale = tl.load((page + BS * D).to(tl.pointer_type(tl.float32)) + o)  # [BS]
+    else:
+        k = tl.load(cache_ptr + (block * BS + o)[:, None] * D + d[None, :]).to(dtype)
+        k_scale = tl.full([BS], 1.0, tl.float32)
+    return k, k_scale
+
+
+@triton.jit
+def _store_page(s, k_scale, w, j, g, limit, tok_ok, out_cols, gmax_cols, s_out, num_groups,
+                BS: tl.constexpr, BLOCK_T: tl.constexpr, H: tl.constexpr, GROUP: tl.constexpr):
+    """S [BS, BLOCK_T·H] of one page → ReLU · w, Σ heads, · k_scale → logits [BS, BLOCK_T] and
+    the max of every GROUP keys, stored; −inf at and past each token's limit."""
+    s = tl.maximum(s, 0.0) * w[None, :]
+    logits = tl.sum(tl.reshape(s, [BS, BLOCK_T, H]), axis=2) * k_scale[:, None]
+    # Keys past a token's limit (also unwritten slots of the last page: maybe NaN).
+    logits = tl.where(j[:, None] < limit[None, :], logits, float("-inf"))
+    tl.store(out_cols + j[:, None], logits, mask=tok_ok[None, :] & (j[:, None] < s_out))
+    NG: tl.constexpr = BS // GROUP
+    group_max = tl.max(tl.reshape(logits, [NG, GROUP, BLOCK_T]), axis=1)
+    tl.store(gmax_cols + g[:, None], group_max, mask=tok_ok[None, :] & (g[:, None] < num_groups))
+
+
+@triton.jit
 def _indexer_logits_kernel(
     q_ptr,  # [T·H, D] as given (bf16, fp16 or fp32); quantized here for an fp8 cache
     w_ptr,  # [T·H] fp32 head weights (softmax and head scales folded in)
@@ -73,7 +104,6 @@ def _indexer_logits_kernel(
     H: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, KV_FP8: tl.constexpr,
     BLOCK_T: tl.constexpr, PAGES_PER_PROG: tl.constexpr, GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    PER_TOKEN: tl.constexpr,
 ):
     tile = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -87,22 +117,10 @@ def _indexer_logits_kernel(
     max_limit = tl.max(limit, axis=0)
     d = tl.arange(0, D)
     o = tl.arange(0, BS)  # key offsets inside a page
-    if PER_TOKEN:
-        # One [D, H] operand per token (a tuple, unrolled): BLOCK_T dots of N = H per page, so a
-        # thread holds H/4 accumulators at a time instead of N/4 (no spills at 4 tokens × 64).
-        q_ts = ()
-        w_ts = ()
-        limit_ts = ()
-        for t in tl.static_range(BLOCK_T):
-            q_tt, w_tt = _load_q(q_ptr, w_ptr, (tok0 + t) * H, tl.arange(0, H) * 0 + t < ntok,
-                                 H, D, KV_FP8, FP8_MAX, MIN_AMAX)
-            q_ts = q_ts + (q_tt,)
-            w_ts = w_ts + (w_tt,)
-            limit_ts = limit_ts + (tl.sum(tl.where(tt == t, limit, 0)),)
-    else:
-        n = tl.arange(0, N)
-        q_t, w = _load_q(q_ptr, w_ptr, tok0 * H, n // H < ntok, N, D, KV_FP8, FP8_MAX,
-                         MIN_AMAX)  # [D, N], [N]
+    n = tl.arange(0, N)
+    q_t, w = _load_q(q_ptr, w_ptr, tok0 * H, n // H < ntok, N, D, KV_FP8, FP8_MAX,
+                     MIN_AMAX)  # [D, N], [N]
+    dtype = q_ptr.dtype.element_ty
     out_cols = out_ptr + (tok0 + tt)[None, :] * stride_out  # [1, BLOCK_T]
     gmax_cols = gmax_ptr + (tok0 + tt)[None, :] * stride_gmax  # [1, BLOCK_T]
     NG: tl.constexpr = BS // GROUP
@@ -119,38 +137,10 @@ def _indexer_logits_kernel(
     p = tl.arange(0, PAGES_PER_PROG)
     blocks = tl.load(block_table_ptr + req * stride_bt + first + p, mask=p < num_live, other=0)
     for b in range(0, num_live):
-        j = (first + b) * BS + o  # [BS] local key indices
-        g = (first + b) * NG + tl.arange(0, NG)
-        block = tl.sum(tl.where(p == b, blocks, 0), axis=0).to(tl.int64)
-        if KV_FP8:
-            page = cache_ptr + block * (BS * (D + 4))
-            k = tl.load(page + o[:, None] * D + d[None, :])  # [BS, D] fp8, one 8 KB run
-            k_scale = tl.load((page + BS * D).to(tl.pointer_type(tl.float32)) + o)  # [BS]
-        else:
-            k = tl.load(cache_ptr + (block * BS + o)[:, None] * D + d[None, :])
-            k = k.to(q_ptr.dtype.element_ty)
-            k_scale = tl.full([BS], 1.0, tl.float32)
-        if PER_TOKEN:
-            for t in tl.static_range(BLOCK_T):
-                s = tl.dot(k, q_ts[t], input_precision=DOT_PRECISION)  # [BS, H] fp32
-                logits = tl.sum(tl.maximum(s, 0.0) * w_ts[t][None, :], axis=1) * k_scale
-                logits = tl.where(j < limit_ts[t], logits, float("-inf"))  # [BS]
-                row_ok = t < ntok
-                tl.store(out_ptr + (tok0 + t) * stride_out + j, logits,
-                         mask=row_ok & (j < s_out))
-                group_max = tl.max(tl.reshape(logits, [NG, GROUP]), axis=1)  # [NG]
-                tl.store(gmax_ptr + (tok0 + t) * stride_gmax + g, group_max,
-                         mask=row_ok & (g < num_groups))
-        else:
-            s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BS, N] fp32
-            s = tl.maximum(s, 0.0) * w[None, :]
-            logits = tl.sum(tl.reshape(s, [BS, BLOCK_T, H]), axis=2) * k_scale[:, None]
-            # Keys past a token's limit (also unwritten slots of the last page: maybe NaN).
-            logits = tl.where(j[:, None] < limit[None, :], logits, float("-inf"))
-            tl.store(out_cols + j[:, None], logits, mask=tok_ok[None, :] & (j[:, None] < s_out))
-            group_max = tl.max(tl.reshape(logits, [NG, GROUP, BLOCK_T]), axis=1)
-            tl.store(gmax_cols + g[:, None], group_max,
-                     mask=tok_ok[None, :] & (g[:, None] < num_groups))
+        k, k_scale = _load_page(cache_ptr, blocks, p, b, o, d, D, BS, KV_FP8, dtype)
+        s = tl.dot(k, q_t, input_precision=DOT_PRECISION)  # [BS, N] fp32
+        _store_page(s, k_scale, w, (first + b) * BS + o, (first + b) * NG + tl.arange(0, NG),
+                    limit, tok_ok, out_cols, gmax_cols, s_out, num_groups, BS, BLOCK_T, H, GROUP)
     for b in range(num_live, PAGES_PER_PROG):
         j = (first + b) * BS + o
         g = (first + b) * NG + tl.arange(0, NG)
@@ -232,7 +222,6 @@ class IndexerConfig:
     pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
-    per_token_dots: bool = False  # a dot per token (N = H): fewer registers; not yet timed
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
@@ -298,7 +287,6 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         FP8_MAX=formats.FP8_MAX, MIN_AMAX=formats.INDEX_MIN_AMAX,
-        PER_TOKEN=config.per_token_dots and plan.block_t > 1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return logits, group_max, limits
@@ -327,23 +315,24 @@ def _window_len(num_tokens: int, s_out: int, block_size: int, config: IndexerCon
 
 def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                  meta: AttentionMetadata, k: int, config: IndexerConfig,
-                 window: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of one key window → (scores [T, k], local key indices [T, k] int64 from the start
-    of the window, −1 past the row's visible keys); chosen keys first."""
+                 window: tuple[int, int] | None,
+                 index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of one key window → (scores [T, k], local key indices [T, k] from the start of the
+    window, −1 past the row's visible keys); chosen keys first."""
     logits, group_max, limits = _logits(q, weights, index_cache, meta, config, window)
     length = logits.shape[1]
     kk = min(k, length)
     if length > (config.list_len or row_topk.list_size(kk)):
-        values, local = row_topk.topk_rows(logits, group_max, limits, kk,
-                                           list_len=config.list_len)
-    else:
-        values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
+        # Already (−inf, −1) past min(k, limit) chosen keys: no masking ops to add.
+        return row_topk.topk_rows(logits, group_max, limits, kk, list_len=config.list_len,
+                                  index_dtype=index_dtype)
+    values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
     keep = torch.arange(kk, device=q.device)[None, :] < limits.clamp(max=kk)[:, None]
     values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
     if kk < k:
         values = torch.nn.functional.pad(values, (0, k - kk), value=float("-inf"))
         local = torch.nn.functional.pad(local, (0, k - kk), value=-1)
-    return values, local
+    return values, local.to(index_dtype)
 
 
 def _merge_best(values: torch.Tensor, index: torch.Tensor, k: int,
@@ -380,6 +369,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                 torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device))
     block_size = meta.block_size
     step = _window_len(num_tokens, plan.s_out, block_size, config)
+    if step >= plan.s_out and meta.dcp_size == 1:
+        # Local positions are the answer, with (−inf, −1) padding already in place: a decode
+        # step under a CUDA graph runs no elementwise kernels after the top-k's own.
+        return _topk_window(q, weights, index_cache, meta, topk, config, None, torch.int32)
     if step >= plan.s_out:
         values, local = _topk_window(q, weights, index_cache, meta, topk, config, None)
     else:
@@ -393,7 +386,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                 continue
             values, local = _merge_best(torch.cat([values, v], 1), torch.cat([local, i], 1),
                                         topk)
-    found = local >= 0
+    found = local >= 0  # values are already −inf where local is −1
     pos = layout.dcp_global_position(local.clamp_min(0), meta.dcp_size, meta.dcp_rank,
                                      meta.interleave)
-    return torch.where(found, values, float("-inf")), torch.where(found, pos, -1).to(torch.int32)
+    return values, torch.where(found, pos, -1).to(torch.int32)
