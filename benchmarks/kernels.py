@@ -310,6 +310,12 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
                 ms = timed(fn, graph=True)
                 print(f"    row_topk segment {segment} slot per key {per_key}: "
                       f"{ms * 1e3:.1f} us", flush=True)
+        for warps in ((4, 4), (8, 4), (8, 8), (16, 4), (16, 8)):
+            fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
+                         threshold_warps=warps[0], finish_warps=warps[1])
+            assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
+            print(f"    row_topk threshold warps {warps[0]} finish warps {warps[1]}: "
+                  f"{timed(fn, graph=True) * 1e3:.1f} us", flush=True)
     if not PROFILE:
         kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
                      f"row_topk {label}")
