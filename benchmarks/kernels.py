@@ -172,11 +172,14 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 # Sparse MLA
 # --------------------------------------------------------------------------------------------
-# (block_h, block_n, num_warps, num_stages); the first is the backend default.
-PREFILL_CONFIGS = [SparseMlaConfig(64, 64, 8, 3), SparseMlaConfig(64, 64, 8, 2),
-                   SparseMlaConfig(64, 32, 8, 5)]
-DECODE_CONFIGS = [SparseMlaConfig(64, 64, 8, 3), SparseMlaConfig(64, 64, 8, 2),
-                  SparseMlaConfig(64, 32, 8, 5)]
+# Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernel;
+# --sweep adds the other Triton shapes.
+MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)]
+MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
+
+
+def _mla_label(cfg: SparseMlaConfig) -> str:
+    return "gluon" if cfg.gluon else f"triton (n={cfg.block_n},st={cfg.num_stages})"
 
 
 def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
@@ -197,8 +200,8 @@ def best_config(configs, q, cache, idx, flops, label) -> tuple[SparseMlaConfig, 
         except Exception as e:  # a configuration that does not compile (resources) is skipped
             print(f"  {label} {cfg}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             continue
-        print(f"    {label} block_n={cfg.block_n} stages={cfg.num_stages}: "
-              f"{ms * 1e3:.1f} us, {flops / ms / 1e9:.1f} TFLOP/s", flush=True)
+        print(f"    {label} {_mla_label(cfg)}: {ms * 1e3:.1f} us, "
+              f"{flops / ms / 1e9:.1f} TFLOP/s", flush=True)
         if ms < best_ms:
             best, best_ms = cfg, ms
     return best, best_ms
@@ -208,7 +211,7 @@ def bench_prefill(quick: bool, sweep: bool) -> None:
     print("sparse MLA prefill (bf16 workspace, 64 heads, top-2048, 128K context)", flush=True)
     cache = torch.randn(1, CONTEXT, L + R, device=DEV, dtype=torch.bfloat16)
     flat = cache.view(CONTEXT, L + R)
-    configs = PREFILL_CONFIGS if sweep else PREFILL_CONFIGS[:1]
+    configs = MLA_CONFIGS + (MLA_SWEEP if sweep else [])
     best = configs[0]
     for num_tokens in ((4096,) if quick else (4096, 16384)):
         positions = torch.arange(CONTEXT - num_tokens, CONTEXT, device=DEV)
@@ -221,13 +224,13 @@ def bench_prefill(quick: bool, sweep: bool) -> None:
             check_config(q, cache, idx, best)
             ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
         tflops = flops / ms / 1e9
-        add(f"prefill triton T={num_tokens} (n={best.block_n},st={best.num_stages})", ms, tflops,
+        add(f"prefill {_mla_label(best)} T={num_tokens}", ms, tflops,
             "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
         if num_tokens == 4096:
             torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx, 256),
                              rep_ms=500)
             add("prefill plain-PyTorch T=4096", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",
-                f"triton {torch_ms / ms:.1f}x faster")
+                f"kernel {torch_ms / ms:.1f}x faster")
 
 
 def decode_case(batch: int, s_q: int, pool_pages: int, cache: torch.Tensor):
@@ -247,7 +250,7 @@ def bench_decode(quick: bool, sweep: bool) -> None:
     cache = torch.empty(pool_pages, 64, 656, dtype=torch.uint8, device=DEV)
     fill_mla_cache(cache)
     cases = [(128, 1), (32, 1)] if quick else [(128, 1), (128, 4), (32, 1)]
-    configs = DECODE_CONFIGS if sweep else DECODE_CONFIGS[:1]
+    configs = MLA_CONFIGS + (MLA_SWEEP if sweep else [])
     best = configs[0]
     for batch, s_q in cases:
         q, idx = decode_case(batch, s_q, pool_pages, cache)
@@ -258,12 +261,12 @@ def bench_decode(quick: bool, sweep: bool) -> None:
             check_config(q, cache, idx, best)
             ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
         anchor = ANCHOR_DECODE_US[(batch, s_q)]
-        add(f"decode triton b={batch} s_q={s_q} (n={best.block_n},st={best.num_stages})", ms,
+        add(f"decode {_mla_label(best)} b={batch} s_q={s_q}", ms,
             flops / ms / 1e9, "TFLOP/s", f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x")
         if (batch, s_q) == (128, 1):
             torch_ms = timed(partial(torch_sparse_mla, q, fp8_rows(cache), idx, 32), rep_ms=500)
             add("decode plain-PyTorch b=128 s_q=1", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",
-                f"triton {torch_ms / ms:.1f}x faster")
+                f"kernel {torch_ms / ms:.1f}x faster")
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,10 +339,11 @@ def kernel_times(fn: Callable[[], object], label: str) -> None:
 
 
 def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
+    """Both logits kernels (Triton, Gluon) at their default launch shapes; --sweep: others."""
     if not sweep:
-        return [indexer.IndexerConfig()]
-    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p)
-            for r in (128, 256) for p in (16, 32, 64)]
+        return [indexer.IndexerConfig(gluon=False), indexer.IndexerConfig(gluon=True)]
+    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, gluon=gl)
+            for gl in (False, True) for r in (128, 256) for p in (16, 32, 64, 128)]
 
 
 def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
@@ -348,14 +352,15 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
     for cfg in configs:
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:
-            print(f"    {label} rows {cfg.rows_per_tile} pages {cfg.pages_per_prog} "
-                  f"stages {cfg.num_stages} warps {cfg.num_warps}: {ms * 1e3:.1f} us", flush=True)
+            print(f"    {label} {_label(cfg)}: {ms * 1e3:.1f} us", flush=True)
         best = min(best, (ms, cfg), key=lambda x: x[0])
     return best
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
-    return (f"({cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
+    if cfg.gluon:
+        return f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages)"
+    return (f"(Triton, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
             f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
 

@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the Triton kernels, built for sm_90 on any machine.
 
-    python benchmarks/sm90_resources.py [--only sparse_mla,indexer,row_topk,writers]
+    python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
+      (parts: sparse_mla, sparse_mla_gluon, indexer, indexer_gluon, row_topk, writers)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -21,11 +22,22 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
 
-from dsaserve.kernels.triton import index_cache, indexer, row_topk, sparse_mla
+from dsaserve.kernels import formats
+from dsaserve.kernels.triton import (
+    index_cache,
+    indexer,
+    indexer_gluon,
+    row_topk,
+    sparse_mla,
+    sparse_mla_gluon,
+)
 
 TARGET = GPUTarget("cuda", 90, 64)
 
@@ -38,6 +50,8 @@ class Build:
     constexprs: dict[str, object]
     num_warps: int
     num_stages: int = 3
+    gluon: bool = False  # a gluon.jit kernel (GluonASTSource)
+    maxnreg: int | None = None
 
 
 def _cuobjdump() -> str:
@@ -52,10 +66,13 @@ def resources(build: Build) -> dict[str, int]:
     """Compile one build for sm_90 → shared, registers, stack, wgmma and mma.sync counts."""
     aligned = [i for i, (name, t) in enumerate(build.signature.items())
                if t.startswith("*") or name.startswith("stride")]
-    src = ASTSource(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
-                    attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    kernel = triton.compile(src, target=TARGET,
-                            options={"num_warps": build.num_warps, "num_stages": build.num_stages})
+    source = GluonASTSource if build.gluon else ASTSource
+    src = source(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
+                 attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    options = {"num_warps": build.num_warps, "num_stages": build.num_stages}
+    if build.maxnreg is not None:
+        options["maxnreg"] = build.maxnreg
+    kernel = triton.compile(src, target=TARGET, options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -65,7 +82,25 @@ def resources(build: Build) -> dict[str, int]:
     return {"shared": kernel.metadata.shared,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
-            "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync")}
+            "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
+            "setmaxnreg": ", ".join(sorted({f"{kind} {n}" for kind, n in re.findall(
+                r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)})) or "-",
+            "warnings": _ptxas_warnings(ptx)}
+
+
+def _ptxas_warnings(ptx: str) -> list[str]:
+    """ptxas -v's warnings on the PTX (C7510–C7515: a wgmma serialized for lack of registers or
+    a pipeline crossing a function boundary), less the one every 255-register build gives
+    ("Too many maxnreg": Triton writes .maxnreg 256, ptxas keeps its limit of 255)."""
+    ptxas = os.path.join(os.path.dirname(_cuobjdump()), "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True)
+    return [line for line in (out.stdout + out.stderr).splitlines()
+            if "warning" in line and "Too many maxnreg" not in line]
 
 
 def _sig(pointers: dict[str, str], scalars: list[str], constexprs: list[str]) -> dict[str, str]:
@@ -92,6 +127,28 @@ def sparse_mla_builds() -> list[Build]:
     return builds
 
 
+def sparse_mla_gluon_builds() -> list[Build]:
+    """The Gluon kernel as `sparse_mla_fwd_gluon` launches it: 4 warps per partition (softmax,
+    P·V, gather), the build table's ring depths and register split."""
+    sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
+                "lse_ptr": "*fp32"},
+               ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
+                "stride_it"], [])
+    sig |= {"sm_scale_log2": "fp32", "blocks_per_split": "i32"}
+    builds = []
+    for fp8, b in sparse_mla_gluon.BUILDS.items():
+        consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "NRAW": b.num_raw,
+                  "PV_REGS": b.pv_regs, "GATHER_REGS": b.gather_regs}
+        kind_sig = sig | {"kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+        rows = f"fp8 rows, raw ring {b.num_raw}" if fp8 else "bf16 rows"
+        builds.append(Build(f"sparse MLA Gluon {rows}, 64 heads, {b.block_n} rows, K ring "
+                            f"{b.num_bufs}, 3 partitions x 4 warps",
+                            sparse_mla_gluon._sparse_mla_gluon_kernel,
+                            kind_sig | {c: "constexpr" for c in consts}, consts, 4, gluon=True,
+                            maxnreg=b.maxnreg))
+    return builds
+
+
 def indexer_builds() -> list[Build]:
     sig = _sig({"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*fp8e4nv",
                 "block_table_ptr": "*i32", "tile_req_ptr": "*i32", "tile_tok_ptr": "*i32",
@@ -107,6 +164,38 @@ def indexer_builds() -> list[Build]:
                   "FP8_MAX": 448.0, "MIN_AMAX": 1e-4}
         builds.append(Build(f"indexer logits, {block_t} token(s) x 64 heads",
                             indexer._indexer_logits_kernel, sig, consts, 4))
+    return builds
+
+
+def indexer_gluon_builds() -> list[Build]:
+    """Every tile the step plan can make (up to 256 / H tokens), as `launch_logits_gluon`
+    launches it: the TMA descriptors' types (block shape, shared layout) from CPU stand-ins."""
+    d, bs = 128, 64
+    cache = torch.zeros(4, bs * formats.index_token_bytes(d), dtype=torch.uint8)
+    k_desc, ks_desc = indexer_gluon.page_descriptors(cache, d, bs)
+    sig = _sig({"q_ptr": "*bf16", "w_ptr": "*fp32", "k_desc": mangle_type(k_desc),
+                "ks_desc": mangle_type(ks_desc), "block_table_ptr": "*i32",
+                "tile_req_ptr": "*i32", "tile_tok_ptr": "*i32", "tile_len_ptr": "*i32",
+                "limit_ptr": "*i32", "out_ptr": "*fp32", "gmax_ptr": "*fp32"},
+               ["stride_bt", "stride_out", "stride_gmax", "s_out"],
+               ["H", "D", "BS", "BLOCK_T", "PAGES_PER_PROG", "GROUP", "NB", "FP8_MAX",
+                "MIN_AMAX", "REGS"])
+    # The signature is positional: its order must be the kernel's.
+    assert list(sig) == indexer_gluon._indexer_logits_gluon_kernel.arg_names
+    builds = []
+    for heads in (64, 32):
+        for block_t in (8, 4, 2, 1):
+            if heads * block_t > 256:
+                continue
+            regs = indexer_gluon.registers_per_thread(heads, block_t)
+            consts = {"H": heads, "D": d, "BS": bs, "BLOCK_T": block_t,
+                      "PAGES_PER_PROG": 128 if heads * block_t == 256 else 64,
+                      "GROUP": row_topk.GROUP, "NB": indexer_gluon.NUM_BUF,
+                      "FP8_MAX": formats.FP8_MAX, "MIN_AMAX": formats.INDEX_MIN_AMAX,
+                      "REGS": regs}
+            builds.append(Build(f"indexer logits Gluon, {heads} heads x {block_t} token(s)",
+                                indexer_gluon._indexer_logits_gluon_kernel, sig, consts, 4,
+                                gluon=True, maxnreg=None if regs == 256 else regs))
     return builds
 
 
@@ -140,7 +229,8 @@ def writer_builds() -> list[Build]:
                   {"D": 128, "BS": 64, "FP8_MAX": 448.0, "MIN_AMAX": 1e-4, "TOKENS": 16}, 4)]
 
 
-PARTS = {"sparse_mla": sparse_mla_builds, "indexer": indexer_builds,
+PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
+         "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds}
 
 
@@ -152,13 +242,16 @@ def main() -> None:
     unknown = set(args.only.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}")
-    print("| build | warps | shared (B) | registers | stack (B) | wgmma | mma.sync |\n"
-          "|---|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| build | warps | shared (B) | registers | stack (B) | wgmma | mma.sync | "
+          "setmaxnreg |\n|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
     for part in args.only.split(","):
         for build in PARTS[part]():
             r = resources(build)
             print(f"| {build.label} | {build.num_warps} | {r['shared']} | {r['registers']} | "
-                  f"{r['stack']} | {r['wgmma']} | {r['mma.sync']} |", flush=True)
+                  f"{r['stack']} | {r['wgmma']} | {r['mma.sync']} | {r['setmaxnreg']} |",
+                  flush=True)
+            for warning in r["warnings"]:
+                print(f"    ptxas: {warning}", flush=True)
 
 
 if __name__ == "__main__":

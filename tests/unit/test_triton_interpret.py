@@ -163,7 +163,7 @@ def _mla_case(fp8: bool, g: torch.Generator):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
-@pytest.mark.parametrize("splits", [1, 2, None])
+@pytest.mark.parametrize("splits", [1, 2, 3, None])  # 3: the merge pads to a power of two
 def test_sparse_mla_matches_reference(k, fp8, splits):
     q, cache, idx = _mla_case(fp8, _gen())
     cfg = k.sparse_mla.SparseMlaConfig(block_n=16, num_splits=splits)

@@ -212,14 +212,18 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
 class IndexerConfig:
     """Launch shape of the logits kernel and size of the top-k candidate list.
 
-    Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`, 12
-    configurations): 256 rows per tile, 3 stages and 4 warps are best for prefill (T = 4096 ×
-    128K keys) and decode (b = 64 × 64K, s_q = 1); pages per program are best at 64 for
-    prefill (many tiles) and 16 for decode (few tiles: more programs per tile fill the GPU).
+    Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`, 16
+    configurations per kernel): 256 rows per tile, 3 stages and 4 warps are best for prefill
+    (T = 4096 × 128K keys: Triton 11.1 ms at 128 pages per program, Gluon 13.1) and the Gluon
+    kernel for decode (b = 64 × 64K, s_q = 1: 157 µs at 64 pages, Triton 177 at 16).
     """
 
     rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
-    pages_per_prog: int | None = None  # key pages per program; None: 64 for ≥ 512 tiles, else 16
+    # Key pages per program; None: 128 for ≥ 512 tiles, else 16 (Triton) or 64 (Gluon).
+    pages_per_prog: int | None = None
+    # The Gluon kernel (indexer_gluon.py, sm_90, FP8 cache, D = 128, pages of 64 keys) instead
+    # of the Triton one; None: where it measured faster, tiles of ≤ 64 rows (decode, one token).
+    gluon: bool | None = None
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
@@ -236,6 +240,24 @@ def _check_inputs(q: torch.Tensor, weights: torch.Tensor) -> None:
     if weights.shape != (num_tokens, num_heads):
         raise ValueError(f"indexer: weights must be [T, H] = [{num_tokens}, {num_heads}], "
                          f"got {tuple(weights.shape)}")
+
+
+def _use_gluon(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
+               tile_rows: int, block_size: int) -> bool:
+    """Whether config picks the Gluon logits kernel for this step (see IndexerConfig.gluon)."""
+    if config.gluon is False or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from dsaserve.kernels.triton import indexer_gluon
+
+    supported = indexer_gluon.gluon_logits_supported(q, index_cache, q.shape[1], q.shape[2],
+                                                     block_size)
+    if config.gluon and not supported:
+        raise ValueError(f"indexer: the Gluon kernel does not cover q {tuple(q.shape)} "
+                         f"{q.dtype}, cache {index_cache.dtype}, block size {block_size}")
+    # Measured on an H200 (docs/kernels.md): decode 157 vs 177 µs; prefill 13.1 vs 11.1 ms.
+    return supported and (config.gluon or tile_rows <= 64)
 
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -275,10 +297,19 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         return logits, group_max, limits
     num_pages = triton.cdiv(length, block_size)
     num_tiles = plan.tiles.shape[1]
-    per_prog = config.pages_per_prog or (64 if num_tiles >= 512 else 16)
+    gluon = _use_gluon(q, index_cache, config, num_heads * plan.block_t, block_size)
+    per_prog = config.pages_per_prog or (128 if num_tiles >= 512 else 64 if gluon else 16)
     per_prog = min(per_prog, triton.next_power_of_2(num_pages))
+    q_in = q.contiguous()  # the kernels index rows as (token · H + head) · D
+    if gluon:
+        from dsaserve.kernels.triton import indexer_gluon  # Hopper only: imported on demand
+
+        indexer_gluon.launch_logits_gluon(
+            q_in.view(-1, head_dim), weights.float().contiguous().view(-1), cache, block_table,
+            plan.tiles, limits_i32, logits, group_max, num_heads=num_heads, head_dim=head_dim,
+            block_size=block_size, block_t=plan.block_t, pages_per_prog=per_prog)
+        return logits, group_max, limits
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
-    q_in = q.contiguous()  # the kernel indexes rows as (token · H + head) · D
     _indexer_logits_kernel[grid](
         q_in, weights.float().contiguous(), cache, block_table, plan.tiles[0],
         plan.tiles[1], plan.tiles[2], limits_i32, logits, group_max,

@@ -48,6 +48,26 @@ class SparseMlaConfig:
     num_warps: int = 8
     num_stages: int = 3
     num_splits: int | None = None  # None: chosen from the grid size and the SM count
+    # The Gluon kernel (sparse_mla_gluon.py: sm_90, bf16 q, H a multiple of 64, L = 512,
+    # R = 64); None: where it measured faster, batches of ≥ one row per SM (prefill).
+    gluon: bool | None = None
+
+
+def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, cfg: SparseMlaConfig) -> bool:
+    if cfg.gluon is False or not q.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    from dsaserve.kernels.triton import sparse_mla_gluon  # Hopper only: imported on demand
+
+    supported = sparse_mla_gluon.gluon_supported(q, kv_cache)
+    if cfg.gluon and not supported:
+        raise ValueError(f"sparse_mla: the Gluon kernel does not cover q {tuple(q.shape)} "
+                         f"{q.dtype} with a {kv_cache.dtype} cache {tuple(kv_cache.shape)}")
+    # Measured on an H200 (docs/kernels.md): prefill T = 4096 bf16 workspace 4.44 vs 5.09 ms;
+    # FP8 decode b = 128 no faster (206 vs 201 µs).
+    rows = q.shape[0] * (q.shape[1] // 64)
+    return supported and (bool(cfg.gluon) or rows >= _num_sms(q.device))
 
 
 @triton.jit
@@ -127,25 +147,41 @@ def _sparse_mla_fwd_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_o_ptr,  # [NUM_SPLITS, T·H, L] fp32
-    part_lse_ptr,  # [NUM_SPLITS, T·H] fp32
+    part_o_ptr,  # [num_splits, T·H, L] fp32
+    part_lse_ptr,  # [num_splits, T·H] fp32
     o_ptr,  # [T·H, L]
     lse_ptr,  # [T·H]
     num_rows,  # T·H
-    L: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    num_splits,
+    L: tl.constexpr, SPLITS_P2: tl.constexpr,
 ):
+    """Log-sum-exp merge of the split partials (the DCP merge). Any split count: the splits are
+    padded to SPLITS_P2 (arange lengths are powers of two) and the padding masked off as empty
+    splits (weight 0)."""
     r = tl.program_id(0).to(tl.int64)
-    sp = tl.arange(0, NUM_SPLITS)
-    lse_i = tl.load(part_lse_ptr + sp * num_rows + r)  # [NUM_SPLITS]
+    sp = tl.arange(0, SPLITS_P2)
+    live = sp < num_splits
+    lse_i = tl.load(part_lse_ptr + sp * num_rows + r, mask=live, other=float("-inf"))
     m = tl.max(lse_i, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse_i - m_ref)  # 0 for empty splits
+    w = tl.exp(lse_i - m_ref)  # 0 for empty (and padding) splits
     total = tl.sum(w, axis=0)
-    o_i = tl.load(part_o_ptr + (sp[:, None] * num_rows + r) * L + tl.arange(0, L)[None, :])
+    o_i = tl.load(part_o_ptr + (sp[:, None] * num_rows + r) * L + tl.arange(0, L)[None, :],
+                  mask=live[:, None], other=0.0)
     safe_total = tl.where(total == 0.0, 1.0, total)  # every split empty: o = 0, lse = −inf
     o = tl.sum(o_i * w[:, None], axis=0) / safe_total
     tl.store(o_ptr + r * L + tl.arange(0, L), o.to(o_ptr.dtype.element_ty))
     tl.store(lse_ptr + r, tl.where(total == 0.0, float("-inf"), m_ref + tl.log(safe_total)))
+
+
+def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor) -> None:
+    """part_o [S, T, H, L] fp32, part_lse [S, T, H] → o [T, H, L], lse [T, H] (in place)."""
+    splits, num_tokens, num_heads, lora = part_o.shape
+    _merge_splits_kernel[(num_tokens * num_heads,)](
+        part_o, part_lse, o, lse, num_tokens * num_heads, splits, L=lora,
+        SPLITS_P2=triton.next_power_of_2(splits), num_warps=4,
+    )
 
 
 def _pow2_floor(x: int) -> int:
@@ -167,18 +203,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
-                   scale: float, kv_lora_rank: int = 512,
-                   config: SparseMlaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over a paged cache (FlashMLA sparse prefill / decode).
-
-    q [T, H, L+R] (bf16 on GPU; fp32 works and runs the dots in full fp32), kv_cache
-    [num_blocks, block_size, 656] uint8 fp8_ds_mla or [num_blocks, block_size, L+R] float (a
-    bf16 workspace is the block_size = S, num_blocks = 1 case), slot_indices [T, K] int32
-    (−1 = skip; slots past the cache are skipped too) → o [T, H, L] in q's dtype and
-    lse [T, H] fp32 (natural log; a row with no valid slot gives o = 0, lse = −inf).
-    """
-    cfg = config or SparseMlaConfig()
+def check_sparse_mla_args(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                          kv_lora_rank: int) -> tuple[bool, int, torch.Tensor]:
+    """Validate the arguments of a sparse MLA call (shared by the Triton and Gluon kernels).
+    Returns (fp8 cache?, row width in cache elements, the cache as the kernel reads it: the fp8
+    view of fp8_ds_mla bytes, or the float cache itself)."""
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"sparse_mla: q must be [T, H, L+R] with unit last stride, "
                          f"got {tuple(q.shape)} strides {q.stride()}")
@@ -207,6 +236,29 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     if kv_cache.shape[2] != row:
         raise ValueError(f"sparse_mla: kv_cache rows are {kv_cache.shape[2]} wide, expected {row} "
                          f"for L={lora}, R={rope} ({kv_cache.dtype})")
+    return fp8, row, kv
+
+
+def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                   scale: float, kv_lora_rank: int = 512,
+                   config: SparseMlaConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a paged cache (FlashMLA sparse prefill / decode).
+
+    q [T, H, L+R] (bf16 on GPU; fp32 works and runs the dots in full fp32), kv_cache
+    [num_blocks, block_size, 656] uint8 fp8_ds_mla or [num_blocks, block_size, L+R] float (a
+    bf16 workspace is the block_size = S, num_blocks = 1 case), slot_indices [T, K] int32
+    (−1 = skip; slots past the cache are skipped too) → o [T, H, L] in q's dtype and
+    lse [T, H] fp32 (natural log; a row with no valid slot gives o = 0, lse = −inf).
+    """
+    cfg = config or SparseMlaConfig()
+    fp8, row, kv = check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
+    if _use_gluon(q, kv_cache, cfg):
+        from dsaserve.kernels.triton import sparse_mla_gluon
+
+        return sparse_mla_gluon.sparse_mla_fwd_gluon(q, kv_cache, slot_indices, scale,
+                                                     kv_lora_rank, cfg.num_splits)
+    num_tokens, num_heads, width = q.shape
+    lora, rope = kv_lora_rank, width - kv_lora_rank
     topk = slot_indices.shape[1]
     idx = slot_indices if slot_indices.stride(1) == 1 else slot_indices.contiguous()
     o = torch.empty(num_tokens, num_heads, lora, dtype=q.dtype, device=q.device)
@@ -238,8 +290,5 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
-        _merge_splits_kernel[(num_tokens * num_heads,)](
-            out_o, out_lse, o, lse, num_tokens * num_heads, L=lora, NUM_SPLITS=splits,
-            num_warps=4,
-        )
+        merge_splits(out_o, out_lse, o, lse)
     return o, lse

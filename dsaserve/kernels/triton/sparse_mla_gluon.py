@@ -1,0 +1,544 @@
+"""Sparse MLA forward in Gluon for Hopper (sm_90): the contract of `sparse_mla.sparse_mla_fwd`,
+restructured the way FlashMLA's sparse kernels are so that the row gathers, the tensor cores
+and the softmax overlap instead of taking turns.
+
+One CTA takes one query row t, 64 of its heads and one split of its index row, in three
+warp-specialized partitions of one warpgroup (4 warps) each:
+
+    gather  (worker 1)   for block j: slots = idx[t, j·BN : (j+1)·BN]
+                         bf16 rows: cp.async straight into K ring slot j % NBUF, each thread's
+                           cp.async.mbarrier.arrive on k_ready fires when its copies land;
+                         fp8_ds_mla: the raw 656-byte rows into a raw ring, cp.async issued
+                           NRAW − 1 blocks ahead (commit groups, wait_group(NRAW − 1)), then
+                           dequantized (e4m3 · 2^k, exact in bf16) into the K ring
+                                                           K [BN, 512 | 64] bf16 → k_ready
+    softmax (default)    S = Q·Kᵀ [64, BN] (wgmma, Q and K from shared memory), mask, online
+                         softmax in base 2; P (bf16) and α = 2^(m_old − m_new) → shared
+                                                                              → p_ready
+                         O[:, :256] = α·O + P·K[:, :256]   (P from registers, async)
+    pv      (worker 0)   O[:, 256:] = α·O + P·K[:, 256:]   (P from shared memory)
+    both consumers release the K slot once their P·K of it is done           → k_empty
+
+Per block the softmax warpgroup waits for S of block b and its own P·K of block b − 1, releases
+that K slot, issues S of block b + 1 (the tensor cores run it during this block's softmax),
+then does the softmax and hands P over. Why this split: the accumulator O [64, 512] fp32 takes
+128 registers per thread per warpgroup, so each consumer owns half of its columns; S, the row
+maxima and sums live in one warpgroup, so no softmax statistic crosses warpgroups (the plain
+Triton kernel reduced them through shared memory with CTA-wide barriers every block) and P
+crosses once. The price is an uneven split of the tensor work (QK + half of PV against half of
+PV). Every hand-off is an mbarrier (phase parity per ring slot); barriers inside a partition
+are named barriers of its 128 threads, none is CTA-wide.
+
+Shared memory, BN = 32: Q 72 KB, a K ring slot 36 KB, P 2 × 4 KB. bf16 rows: NBUF = 4, so the
+gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows: NBUF = 2 and a
+raw ring of NRAW = 3 × 20.5 KB, copies issued about 3 blocks ahead (215 KB). Invalid slots
+(< 0, ≥ num_slots, or past the index row) are never read: their cp.async is predicated off and
+zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168; setmaxnreg gives the
+consumers 216 each and the gather 72 (no spills in the sm_90 build).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from dsaserve.kernels import formats
+from dsaserve.kernels.triton import sparse_mla
+
+LOG2E = math.log2(math.e)
+LN2 = gl.constexpr(math.log(2.0))
+# Kernel-side shape constants (globals a Gluon kernel reads must be constexpr).
+L = gl.constexpr(512)  # latent width (kv_lora_rank)
+R = gl.constexpr(64)  # rope width
+HEADS = gl.constexpr(64)  # heads per CTA: the wgmma M tile of one warpgroup
+HALF = gl.constexpr(256)  # output columns per consumer warpgroup
+ROW_BF16 = gl.constexpr(576)  # elements per bf16 cache row
+NUM_TILES = gl.constexpr(4)  # fp8_ds_mla scale tiles (of 128 values) per row
+
+
+# ----------------------------------------------------------------------------------------------
+# Layouts (one warpgroup per partition)
+# ----------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _mma_layout(n):
+    """wgmma accumulator of [64, n] over 4 warps."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def _row_layout(cols, vec):
+    """Blocked layout of [rows, cols] with `vec`-element (16-byte) vectors along a row."""
+    lanes_c = min(32, cols // vec)
+    return gl.BlockedLayout([1, vec], [32 // lanes_c, lanes_c], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _nvmma(shape):
+    """Swizzled bf16 tile a wgmma reads from shared memory."""
+    return gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)
+
+
+@gluon.constexpr_function
+def _plain_shared(rank):
+    """Unswizzled row-major shared memory (staging the raw rows, per-head vectors)."""
+    return gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=list(range(rank))[::-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# Partitions
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _block_slots(idx_row, first, j, topk, num_slots, BN: gl.constexpr, layout: gl.constexpr):
+    """Slots of block j ([BN] int32 in `layout`) and whether each is a row to read."""
+    n = first + j * BN + gl.arange(0, BN, layout)  # positions in the index row
+    slot = gl.load(idx_row + n, mask=n < topk, other=-1)
+    return slot, (slot >= 0) & (slot < num_slots)
+
+
+@gluon.jit
+def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+    q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr = ptrs
+    (t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk, stride_qt,
+     stride_qh, stride_it, sm_scale_log2) = args
+    q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
+    k_ready, k_empty, p_ready, p_empty, fin = bars
+    s_layout: gl.constexpr = _mma_layout(BN)  # S [64, BN]
+    o_layout: gl.constexpr = _mma_layout(HALF)  # O [64, 256]
+    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # [64] per head
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    key_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BN] per key
+
+    # Q [64, 512 | 64] → shared memory once (cp.async, then waited for by this partition).
+    q_ld: gl.constexpr = _row_layout(HALF, 8)
+    qpe_ld: gl.constexpr = _row_layout(R, 8)
+    h_q = gl.arange(0, HEADS, gl.SliceLayout(1, q_ld))
+    q_rows = q_ptr + t * stride_qt + (head0 + h_q).to(gl.int64)[:, None] * stride_qh
+    for half in gl.static_range(2):
+        c = half * HALF + gl.arange(0, HALF, gl.SliceLayout(0, q_ld))
+        async_copy.async_copy_global_to_shared(q_smem.index(half), q_rows + c[None, :])
+    h_pe = gl.arange(0, HEADS, gl.SliceLayout(1, qpe_ld))
+    pe_rows = q_ptr + t * stride_qt + (head0 + h_pe).to(gl.int64)[:, None] * stride_qh
+    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, qpe_ld))
+    async_copy.async_copy_global_to_shared(qpe_smem, pe_rows + c_pe[None, :])
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()  # every thread's Q copies landed (this partition's warps only)
+    fence_async_shared()  # generic-proxy writes → wgmma (async proxy) reads
+
+    idx_row = idx_ptr + t * stride_it
+    m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)  # running max (base-2 logits)
+    l_i = gl.zeros([HEADS], gl.float32, row_s)  # running Σ 2^(s − m)
+    acc = warpgroup_mma_init(gl.zeros([HEADS, HALF], gl.float32, o_layout))  # O[:, :256]
+    zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
+
+    # Prologue: S of block 0 in flight (a dummy read of stale shared memory if n_blocks = 0).
+    mbarrier.wait(k_ready.index(0), 0, pred=n_blocks > 0)
+    fence_async_shared()
+    s_next = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, 0, zero_s)
+    _, valid_cur = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
+    for b in range(n_blocks):
+        ring = b % NBUF
+        # 1. S of block b and P·K of block b − 1 are complete: release the K slot of b − 1
+        # before waiting for block b + 1 (with NBUF = 2 the gather needs that slot for it).
+        s_cur, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+        mbarrier.arrive(k_empty.index((b + NBUF - 1) % NBUF), pred=b > 0)
+        # S leaves the wgmma registers before the next S is issued into them: a read of them
+        # after the issue (or a copy at the loop edge) makes ptxas serialize every wgmma.
+        s = gl.where(valid_cur[None, :], s_cur * sm_scale_log2, float("-inf"))
+        # 2. Issue S of block b + 1 (stale and discarded past the end): the tensor cores run
+        # it during this block's softmax.
+        nxt = b + 1
+        mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1, pred=nxt < n_blocks)
+        fence_async_shared()
+        s_next = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
+        _, valid_nxt = _block_slots(idx_row, first, nxt, topk, num_slots, BN, key_s)
+        # 3. Online softmax (base 2) over the valid keys.
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
+        alpha = gl.exp2(m_i - m_ref)
+        p = gl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        p16 = p.to(gl.bfloat16)
+        # 4. Hand P and α to the other warpgroup (its P buffer of block b − 2 is free).
+        pb = b % 2
+        mbarrier.wait(p_empty.index(pb), ((b // 2) & 1) ^ 1)
+        p_smem.index(pb).store(p16)
+        alpha_smem.index(pb).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()  # all 128 threads stored before the single-thread arrive
+        mbarrier.arrive(p_ready.index(pb))
+        # 5. O[:, :256] = α·O + P·K[:, :256], left in flight.
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_smem.index(2 * ring), acc,
+                            is_async=True)
+        valid_cur = valid_nxt
+    s_next, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
+
+    empty = l_i == 0.0  # no valid slot: acc is 0, so o = 0
+    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+    inv_l_smem.store(inv_l)
+    gl.thread_barrier()
+    mbarrier.arrive(fin)
+    heads = head0 + gl.arange(0, HEADS, row_s)
+    out_row = (split * num_tokens + t) * num_heads + heads  # [64]
+    gl.store(lse_ptr + out_row, lse)
+    _store_o(o_ptr, acc * gl.convert_layout(inv_l, row_o)[:, None], split, num_tokens, t,
+             num_heads, head0, 0, o_layout)
+
+
+@gluon.jit
+def _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, ring, zero_s):
+    """S = Q_lat·K_latᵀ + Q_pe·K_peᵀ for the K tile in ring slot `ring`, asynchronously."""
+    s = warpgroup_mma(qpe_smem, kpe_smem.index(ring).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma(q_smem.index(0), k_smem.index(2 * ring).permute((1, 0)), s, is_async=True)
+    return warpgroup_mma(q_smem.index(1), k_smem.index(2 * ring + 1).permute((1, 0)), s,
+                         is_async=True)
+
+
+@gluon.jit
+def _store_o(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, layout: gl.constexpr):
+    """o [64, 256] fp32 in `layout` → rows (split, t, head0 + h), columns col0 + c of o_ptr."""
+    h = head0 + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
+    c = col0 + gl.arange(0, HALF, gl.SliceLayout(0, layout))
+    row = ((split * num_tokens + t) * num_heads + h).to(gl.int64)
+    gl.store(o_ptr + row[:, None] * L + c[None, :], o.to(o_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _pv_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+    o_ptr = ptrs[3]
+    t, head0, split, first, n_blocks, num_tokens, num_heads = args[:7]
+    q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
+    k_ready, k_empty, p_ready, p_empty, fin = bars
+    o_layout: gl.constexpr = _mma_layout(HALF)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, 256:]
+    for b in range(n_blocks):
+        ring = b % NBUF
+        pb = b % 2
+        mbarrier.wait(p_ready.index(pb), (b // 2) & 1)
+        # Already complete (the softmax partition waited for it, and the slot cannot be
+        # refilled before we release it); waited for again to order the cp.async writes.
+        mbarrier.wait(k_ready.index(ring), (b // NBUF) & 1)
+        fence_async_shared()
+        alpha = alpha_smem.index(pb).load(row_o)
+        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring + 1), acc * alpha[:, None],
+                            is_async=True)
+        # Released at once: holding K of block b into the next iteration would, with a
+        # two-slot ring, wait on a block the gather cannot fill before the release.
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(p_empty.index(pb))
+        mbarrier.arrive(k_empty.index(ring))
+    mbarrier.wait(fin, 0)
+    inv_l = inv_l_smem.load(row_o)
+    _store_o(o_ptr, acc * inv_l[:, None], split, num_tokens, t, num_heads, head0, HALF, o_layout)
+
+
+@gluon.jit
+def _gather_bf16_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+    """cp.async the rows of each block straight into the K ring; each thread's arrive on
+    k_ready fires when its own copies have landed (cp.async.mbarrier.arrive.noinc)."""
+    kv_ptr, idx_ptr = ptrs[1], ptrs[2]
+    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
+    stride_it = args[11]
+    k_smem, kpe_smem = smem[2], smem[3]
+    k_ready, k_empty = bars[0], bars[1]
+    lat: gl.constexpr = _row_layout(HALF, 8)
+    pe: gl.constexpr = _row_layout(R, 8)
+    idx_row = idx_ptr + t * stride_it
+    c_lat = gl.arange(0, HALF, gl.SliceLayout(0, lat))
+    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, pe))
+    for j in range(n_blocks):
+        ring = j % NBUF
+        slot, valid = _block_slots(idx_row, first, j, topk, num_slots, BN,
+                                   gl.SliceLayout(1, lat))
+        slot_pe, valid_pe = _block_slots(idx_row, first, j, topk, num_slots, BN,
+                                         gl.SliceLayout(1, pe))
+        rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64)[:, None] * ROW_BF16
+        rows_pe = kv_ptr + gl.where(valid_pe, slot_pe, 0).to(gl.int64)[:, None] * ROW_BF16
+        mbarrier.wait(k_empty.index(ring), ((j // NBUF) & 1) ^ 1)
+        for half in gl.static_range(2):
+            async_copy.async_copy_global_to_shared(k_smem.index(2 * ring + half),
+                                                   rows + (half * HALF + c_lat)[None, :],
+                                                   mask=valid[:, None])
+        async_copy.async_copy_global_to_shared(kpe_smem.index(ring), rows_pe + c_pe[None, :],
+                                               mask=valid_pe[:, None])
+        async_copy.commit_group()
+        async_copy.mbarrier_arrive(k_ready.index(ring), increment_count=False)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _gather_fp8_partition(ptrs, args, smem, bars, raw_smem, BN: gl.constexpr,
+                          NBUF: gl.constexpr, NRAW: gl.constexpr):
+    """Raw fp8_ds_mla rows → raw ring (cp.async, NRAW − 1 blocks ahead), then dequantized by
+    this warpgroup into the bf16 K ring: value · scale is exact in bf16 (power-of-two scale).
+
+    Ring schedule (iteration j): issue block j + NRAW − 1 into raw slot (j − 1) % NRAW (read in
+    iteration j − 1, before its closing barrier), one commit group per issue (empty past the
+    end); wait_group(NRAW − 1) then leaves only the groups of blocks j + 1 .. j + NRAW − 1 in
+    flight, so block j has landed; K ring slot j % NBUF is written once both consumers released
+    block j − NBUF (k_empty), and handed over with fence + barrier + one arrive (k_ready).
+
+    The index row is read one block further ahead than the rows: the slots of block
+    j + NRAW − 1 were loaded in iteration j − 1 and sat in registers meanwhile, so the gather
+    never waits on a global load of the index row before it can issue a block's copies (that
+    load, then the copies, then the dequantization, was the gather's whole per-block chain)."""
+    kv_ptr, idx_ptr = ptrs[1], ptrs[2]
+    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
+    stride_it = args[11]
+    k_smem, kpe_smem = smem[2], smem[3]
+    k_ready, k_empty = bars[0], bars[1]
+    raw8_smem, rawsc_smem, rawpe_smem = raw_smem
+    ROW: gl.constexpr = L + 4 * NUM_TILES + 2 * R  # 656 bytes
+    lat8: gl.constexpr = _row_layout(128, 16)  # [BN, 128] fp8, 16-byte vectors
+    # [BN, 4] scales and [BN, 64] rope: the rows of each thread are those it holds in lat8 (4
+    # rows per warp, 8 lanes a row), so per-row vectors pass between the three layouts without
+    # a trip through shared memory.
+    sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [4, 8], [4, 1], [1, 0])
+    pe: gl.constexpr = _row_layout(R, 8)
+    rows_l: gl.constexpr = gl.SliceLayout(1, lat8)
+    idx_row = idx_ptr + t * stride_it
+    # Prologue: blocks 0 .. NRAW − 2 in flight, the slots of block NRAW − 1 in registers.
+    for j in gl.static_range(NRAW - 1):
+        slot, _ = _block_slots(idx_row, first, j, topk, num_slots, BN, rows_l)
+        _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawpe_smem,
+                   NRAW, ROW, lat8, sc, pe)
+    slot_next, _ = _block_slots(idx_row, first, NRAW - 1, topk, num_slots, BN, rows_l)
+    tile = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
+    for j in range(n_blocks):
+        slot_issue = slot_next
+        # Slots of block j + NRAW (masked past the index row; unused past the split): the load
+        # is in flight through this whole iteration.
+        slot_next, _ = _block_slots(idx_row, first, j + NRAW, topk, num_slots, BN, rows_l)
+        _issue_raw(kv_ptr, slot_issue, j + NRAW - 1, n_blocks, num_slots, raw8_smem, rawsc_smem,
+                   rawpe_smem, NRAW, ROW, lat8, sc, pe)
+        async_copy.wait_group(NRAW - 1)  # block j's group has landed (this thread's part)
+        gl.thread_barrier()  # ... and every other thread's part
+        raw = j % NRAW
+        ring = j % NBUF
+        mbarrier.wait(k_empty.index(ring), ((j // NBUF) & 1) ^ 1)
+        scales = rawsc_smem.index(raw).load(sc)  # [BN, 4] fp32
+        for i in gl.static_range(NUM_TILES):
+            x = raw8_smem.index(raw * NUM_TILES + i).load(lat8).to(gl.float32)  # [BN, 128]
+            s_i = gl.sum(gl.where(tile[None, :] == i, scales, 0.0), axis=1)  # in-thread
+            s_i = gl.convert_layout(s_i, rows_l)  # same rows per thread: no data movement
+            k_smem.index(2 * ring + i // 2).slice((i % 2) * 128, 128, dim=1).store(
+                (x * s_i[:, None]).to(gl.bfloat16))
+        kpe_smem.index(ring).store(rawpe_smem.index(raw).load(pe))
+        fence_async_shared()  # generic-proxy stores → the consumers' wgmma
+        gl.thread_barrier()  # all stores (and raw reads) done before arrive / refill
+        mbarrier.arrive(k_ready.index(ring))
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawpe_smem,
+               NRAW: gl.constexpr, ROW: gl.constexpr, lat8: gl.constexpr, sc: gl.constexpr,
+               pe: gl.constexpr):
+    """cp.async the raw rows of block j (slots `slot` [BN] in SliceLayout(1, lat8), if the
+    block exists) into raw slot j % NRAW; one commit group per call, empty past the end, so
+    wait_group counts stay uniform."""
+    if j < n_blocks:
+        raw = j % NRAW
+        valid = (slot >= 0) & (slot < num_slots)
+        rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * ROW  # [BN] row pointers
+        c8 = gl.arange(0, 128, gl.SliceLayout(0, lat8))
+        for i in gl.static_range(NUM_TILES):
+            async_copy.async_copy_global_to_shared(raw8_smem.index(raw * NUM_TILES + i),
+                                                   rows[:, None] + (i * 128 + c8)[None, :],
+                                                   mask=valid[:, None])
+        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, sc)) + L
+        valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc))
+        c_s = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
+        async_copy.async_copy_global_to_shared(
+            rawsc_smem.index(raw),
+            rows_s.to(gl.pointer_type(gl.float32))[:, None] + c_s[None, :], mask=valid_s[:, None])
+        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pe)) + (L + 4 * NUM_TILES)
+        valid_p = gl.convert_layout(valid, gl.SliceLayout(1, pe))
+        c_p = gl.arange(0, R, gl.SliceLayout(0, pe))
+        async_copy.async_copy_global_to_shared(
+            rawpe_smem.index(raw),
+            rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :], mask=valid_p[:, None])
+    async_copy.commit_group()
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------------------
+@gluon.jit
+def _sparse_mla_gluon_kernel(
+    q_ptr,  # [T, H, 576] bf16
+    kv_ptr,  # bf16 rows [num_slots, 576], or fp8_ds_mla bytes [num_slots, 656] (as fp8)
+    idx_ptr,  # [T, K] int32 slots, −1 = skip
+    o_ptr,  # [T, H, 512] bf16 (NUM_SPLITS == 1) or fp32 partials [NUM_SPLITS, T, H, 512]
+    lse_ptr,  # [T, H] or [NUM_SPLITS, T, H] fp32, natural log
+    num_tokens, num_heads, num_slots, topk,
+    stride_qt, stride_qh, stride_it,
+    sm_scale_log2,  # softmax scale · log2(e)
+    blocks_per_split,
+    KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NRAW: gl.constexpr,
+    PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+):
+    head0 = gl.program_id(0) * HEADS
+    t = gl.program_id(1).to(gl.int64)
+    split = gl.program_id(2)
+    first = split * blocks_per_split * BN  # first position of this split in the index row
+    n_blocks = gl.minimum(gl.cdiv(topk - first, BN), blocks_per_split)
+    n_blocks = gl.maximum(n_blocks, 0)  # trailing splits may be empty
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, HALF], _nvmma([HEADS, HALF]))
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, R], _nvmma([HEADS, R]))
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * NBUF, BN, HALF], _nvmma([BN, HALF]))
+    kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R], _nvmma([BN, R]))
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, BN], _nvmma([HEADS, BN]))
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [2, HEADS], _plain_shared(1))
+    inv_l_smem = gl.allocate_shared_memory(gl.float32, [HEADS], _plain_shared(1))
+    k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        # bf16: every gather thread arrives (cp.async.mbarrier.arrive.noinc); fp8: one arrive.
+        mbarrier.init(k_ready.index(i), count=1 if KV_FP8 else 128)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=1)
+    mbarrier.init(fin, count=1)
+
+    ptrs = (q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr)
+    args = (t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk, stride_qt,
+            stride_qh, stride_it, sm_scale_log2)
+    smem = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem)
+    bars = (k_ready, k_empty, p_ready, p_empty, fin)
+    # Constexprs go inline: a tuple held in a variable turns them into tensors.
+    if KV_FP8:
+        raw8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NRAW * NUM_TILES, BN, 128],
+                                              _plain_shared(2))
+        rawsc_smem = gl.allocate_shared_memory(gl.float32, [NRAW, BN, NUM_TILES],
+                                               _plain_shared(2))
+        rawpe_smem = gl.allocate_shared_memory(gl.bfloat16, [NRAW, BN, R], _plain_shared(2))
+        raw_smem = (raw8_smem, rawsc_smem, rawpe_smem)
+        gl.warp_specialize([
+            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_gather_fp8_partition, (ptrs, args, smem, bars, raw_smem, BN, NBUF, NRAW)),
+        ], [4, 4], [PV_REGS, GATHER_REGS])
+    else:
+        gl.warp_specialize([
+            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_gather_bf16_partition, (ptrs, args, smem, bars, BN, NBUF)),
+        ], [4, 4], [PV_REGS, GATHER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GluonMlaBuild:
+    """Compile-time shape of the kernel for one cache format (sm_90 build: no spills, shared
+    memory under the 227 KB limit; `benchmarks/sm90_resources.py --only sparse_mla_gluon`).
+
+    12 warps at `maxnreg` 168 fill the register file (168 · 384 = 64,512); setmaxnreg then
+    moves registers from the gather warpgroup to the two consumers (each holds 128 accumulator
+    registers; at 208 the fp8 build spills)."""
+
+    block_n: int  # BN: rows per block; 32 leaves room for a ring deep enough
+    num_bufs: int  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
+    num_raw: int  # NRAW: raw fp8_ds_mla ring slots (fp8 only)
+    pv_regs: int = 216  # registers per thread, P·V warpgroup (the softmax one gets the rest)
+    gather_regs: int = 72  # registers per thread, gather warpgroup
+    maxnreg: int = 168
+
+
+BUILDS = {False: GluonMlaBuild(block_n=32, num_bufs=4, num_raw=1),  # 225 KB shared
+          True: GluonMlaBuild(block_n=32, num_bufs=2, num_raw=3)}  # 215 KB shared
+SPLIT_KEYS = 64  # splits are chosen in blocks of 64 keys, as for the Triton kernel
+
+
+def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether `sparse_mla_fwd_gluon` runs these inputs: an sm_90 device, bf16 q [T, H, 576]
+    with H a multiple of 64, a bf16 or fp8_ds_mla cache [num_blocks, block_size, row]."""
+    if not (q.is_cuda and kv_cache.is_cuda) or q.dim() != 3 or kv_cache.dim() != 3:
+        return False
+    if torch.cuda.get_device_capability(q.device) != (9, 0):
+        return False
+    row = {torch.bfloat16: L.value + R.value,
+           torch.uint8: formats.mla_row_bytes(L.value, R.value)}.get(kv_cache.dtype)
+    return (q.dtype == torch.bfloat16 and q.shape[1] % HEADS.value == 0
+            and q.shape[2] == L.value + R.value and kv_cache.shape[2] == row)
+
+
+def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                         scale: float, kv_lora_rank: int = 512,
+                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA over a paged cache on sm_90, the contract of `sparse_mla.sparse_mla_fwd`:
+    q [T, H, 576] bf16 (H a multiple of 64), kv_cache [num_blocks, block_size, 656] uint8
+    fp8_ds_mla or [num_blocks, block_size, 576] bf16, slot_indices [T, K] int32 (−1 or
+    ≥ num_slots = skip) → o [T, H, 512] bf16, lse [T, H] fp32 (natural log; a row with no
+    valid slot gives o = 0, lse = −inf)."""
+    fp8, _, kv = sparse_mla.check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
+    num_tokens, num_heads, width = q.shape
+    if (q.dtype != torch.bfloat16 or num_heads % HEADS.value or kv_lora_rank != L.value
+            or width != L.value + R.value):
+        raise ValueError(f"sparse_mla_gluon: needs bf16 q [T, H, {L.value + R.value}] with H a "
+                         f"multiple of {HEADS.value} and kv_lora_rank={L.value}, got "
+                         f"{q.dtype} {tuple(q.shape)}, kv_lora_rank={kv_lora_rank}")
+    if kv_cache.dtype not in (torch.uint8, torch.bfloat16):
+        raise ValueError(f"sparse_mla_gluon: kv_cache must be uint8 (fp8_ds_mla) or bf16, "
+                         f"got {kv_cache.dtype}")
+    if kv.data_ptr() % 16:
+        raise ValueError("sparse_mla_gluon: kv_cache must start on a 16-byte boundary "
+                         "(rows are gathered in 16-byte copies)")
+    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()  # Q rows are copied in 16-byte pieces too
+    idx = slot_indices if slot_indices.stride(1) == 1 else slot_indices.contiguous()
+    topk = idx.shape[1]
+    o = torch.empty(num_tokens, num_heads, L.value, dtype=q.dtype, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    if num_tokens == 0:
+        return o, lse
+
+    build = BUILDS[fp8]
+    head_blocks = num_heads // HEADS.value
+    splits = num_splits or sparse_mla.choose_num_splits(
+        num_tokens * head_blocks, triton.cdiv(topk, SPLIT_KEYS), sparse_mla._num_sms(q.device))
+    blocks_per_split = triton.cdiv(triton.cdiv(topk, build.block_n), splits)
+    if splits > 1:
+        out_o = torch.empty(splits, num_tokens, num_heads, L.value, dtype=torch.float32,
+                            device=q.device)
+        out_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
+                              device=q.device)
+    else:
+        out_o, out_lse = o, lse
+    _sparse_mla_gluon_kernel[(head_blocks, num_tokens, splits)](
+        q, kv, idx, out_o, out_lse,
+        num_tokens, num_heads, kv_cache.shape[0] * kv_cache.shape[1], topk,
+        q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
+        KV_FP8=fp8, BN=build.block_n, NBUF=build.num_bufs, NRAW=build.num_raw,
+        PV_REGS=build.pv_regs, GATHER_REGS=build.gather_regs,
+        num_warps=4, maxnreg=build.maxnreg,
+    )
+    if splits > 1:
+        sparse_mla.merge_splits(out_o, out_lse, o, lse)
+    return o, lse

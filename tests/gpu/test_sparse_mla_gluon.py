@@ -1,0 +1,171 @@
+"""The Gluon sparse MLA kernel (sm_90 only) against the PyTorch reference, fresh random inputs
+every run; tolerances as in test_kernels_gpu.py (`_check_attention`).
+
+Covers 64 and 128 heads, bf16 and fp8_ds_mla caches, an irregular row count, index rows of 2048
+and of 100 slots, −1 holes, slots past the cache (skipped like −1), rows with no valid slot, and
+decode batches small enough to take the split + merge path (even and uneven splits, a split
+count that is not a power of two, and splits left empty), and one split of 64 blocks checked
+block by block and head tile by head tile. Failure messages name the case, the worst row and
+the worst group of 16 heads. Run on the device machine:
+`pytest -m gpu tests/gpu/test_sparse_mla_gluon.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available():
+    # Skip before importing triton (see test_kernels_gpu.py).
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the Gluon sparse MLA kernel is built for sm_90", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+import test_kernels_gpu as base  # noqa: E402  (its helpers and `g` fixture, reused)
+
+from dsaserve.kernels import reference  # noqa: E402
+from dsaserve.kernels.triton import sparse_mla_gluon  # noqa: E402
+
+DEV, L, R, SCALE, TOPK = base.DEV, base.L, base.R, base.SCALE, base.TOPK
+g = base.g  # the seeded generator fixture
+
+
+def _past_the_cache(g, idx: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """idx with some of its −1 holes replaced by slots past the end of the cache, which the
+    kernel must skip the same way (the reference is given the −1s). The bound is the cache's
+    own slot count (num_blocks · block_size), not the number of slots a test filled: an fp8
+    cache of 6007 slots in pages of 64 has 6016 rows, and slots 6007..6015 are real rows that
+    the kernel rightly reads while the reference would skip them (a relative error of ≈ 0.45
+    on the fp8 prefill cases from a correct kernel)."""
+    total = cache.shape[0] * cache.shape[1]
+    far = torch.randint(total, 2 * total + 7, idx.shape, device=DEV, generator=g)
+    pick = (idx < 0) & (torch.rand(idx.shape, device=DEV, generator=g) < 0.5)
+    return torch.where(pick, far.int(), idx)
+
+
+def _check(label: str, o, lse, ref_o, ref_lse, idx) -> None:
+    """`base._check_attention` (same tolerances) with messages naming the case, the worst row
+    and the worst group of 16 heads (one warp's rows of the wgmma tile)."""
+    assert not bool(o.isnan().any()) and not bool(lse.isnan().any()), f"{label}: NaN"
+    empty = (idx < 0).all(dim=1)
+    live = ~empty
+    diff = (o.float() - ref_o)[live]
+    rel = float(diff.norm() / ref_o[live].norm().clamp_min(1e-30))
+    row_err = diff.flatten(1).norm(dim=1) / ref_o[live].flatten(1).norm(dim=1).clamp_min(1e-30)
+    heads = o.shape[1]
+    group_err = [float(diff[:, h:h + 16].norm() / ref_o[live][:, h:h + 16].norm().clamp_min(1e-30))
+                 for h in range(0, heads, 16)]
+    rows = torch.nonzero(live).flatten()
+    worst = int(row_err.argmax()) if len(rows) else 0
+    where = (f"worst row {int(rows[worst])} ({float(row_err[worst]):.3g}, "
+             f"{int((idx[rows[worst]] >= 0).sum())} valid slots); heads by 16: "
+             + ", ".join(f"{e:.2g}" for e in group_err)) if len(rows) else "no live row"
+    assert rel <= 1e-2, f"{label}: o relative error {rel:.3g} > 1e-2; {where}"
+    err = (lse[live] - ref_lse[live]).abs() / ref_lse[live].abs().clamp_min(1.0)
+    err_lse = float(err.max()) if err.numel() else 0.0
+    assert err_lse <= 1e-2, f"{label}: lse relative error {err_lse:.3g} > 1e-2; {where}"
+    assert bool((o[empty] == 0).all()), f"{label}: rows with no valid slot must give o = 0"
+    assert bool((lse[empty] == float("-inf")).all()), f"{label}: ... and lse = -inf"
+
+
+def _run(label, g, q, cache, idx, num_splits=None):
+    ours = _past_the_cache(g, idx, cache)
+    assert sparse_mla_gluon.gluon_supported(q, cache)
+    o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, ours, SCALE, L,
+                                                   num_splits=num_splits)
+    ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
+    assert o.dtype == torch.bfloat16 and o.shape == (q.shape[0], q.shape[1], L)
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
+    _check(label, o, lse, ref_o, ref_lse, idx)
+
+
+@pytest.mark.parametrize("topk", [TOPK, 100])
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_gluon_prefill_matches_reference(g, heads, kind, topk):
+    num_tokens, num_slots = 37, 6007
+    cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    contexts[:7] = torch.tensor([1, 5, 100, 2047, 2048, 2049, 0], device=DEV)
+    idx = base._random_indices(g, num_tokens, contexts, num_slots)[:, :topk].contiguous()
+    idx[9] = -1  # a row with no valid index, whatever topk is
+    q = torch.randn(num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
+    _run(f"prefill {kind} H={heads} K={topk}", g, q, cache, idx, num_splits=1)
+
+
+@pytest.mark.parametrize("batch,s_q,topk,num_splits", [
+    (8, 1, TOPK, None),  # the default split count, merged
+    (3, 2, TOPK, 3),  # uneven splits
+    (5, 1, 100, 16),  # 4 blocks over 16 splits: 12 empty splits
+])
+def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits):
+    block_size, max_ctx, heads = 64, 5000, 64
+    contexts = torch.randint(1, max_ctx, (batch,), device=DEV, generator=g)
+    contexts[0] = 3  # fewer keys than TOPK
+    blocks_per_req = -(-max_ctx // block_size)
+    table = torch.randperm(batch * blocks_per_req, device=DEV, generator=g).view(batch, -1)
+    num_slots = batch * blocks_per_req * block_size
+    cache = base._random_cache(g, num_slots, block_size, True)
+    rows = torch.arange(batch, device=DEV).repeat_interleave(s_q)  # [T] request of each row
+
+    def slot_of(pos):  # request-local positions → physical slots
+        return table[rows[:, None], pos // block_size] * block_size + pos % block_size
+
+    idx = base._random_indices(g, batch * s_q, contexts[rows], max_ctx, slot_of)[:, :topk]
+    idx = idx.contiguous()
+    idx[-1] = -1  # a decode row with nothing to attend to
+    q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
+    _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits}", g, q, cache, idx,
+         num_splits=num_splits)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_gluon_long_split_block_by_block(g, kind):
+    """One split of 64 blocks (top-2048, 128 heads = two head tiles): a full row, then rows whose
+    valid slots all lie in one block w (the others −1), for blocks at the start, around the ring
+    wraps (K ring of 2, raw ring of 3) and at the end of the split. A ring index or phase error
+    at block w shows up in its row alone; each head tile is checked on its own."""
+    heads, num_slots = 128, 8192
+    cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
+    windows = [0, 1, 2, 3, 4, 5, 6, 31, 32, 61, 62, 63]
+    perm = torch.randperm(num_slots, device=DEV, generator=g)[:TOPK].int()
+    idx = perm.repeat(1 + len(windows), 1)  # row 0: every slot valid
+    pos = torch.arange(TOPK, device=DEV)
+    for r, w in enumerate(windows, start=1):
+        idx[r] = torch.where(pos // 32 == w, idx[r], -1)
+    q = torch.randn(idx.shape[0], heads, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L, num_splits=1)
+    ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
+    for r, what in enumerate(["all blocks"] + [f"block {w} only" for w in windows]):
+        for h in (0, 64):
+            label = f"{kind} long split, row {r} ({what}), heads {h}..{h + 63}"
+            _check(label, o[r:r + 1, h:h + 64], lse[r:r + 1, h:h + 64],
+                   ref_o[r:r + 1, h:h + 64], ref_lse[r:r + 1, h:h + 64], idx[r:r + 1])
+
+
+def test_gluon_matches_triton_kernel(g):
+    """Same inputs through both kernels: they agree to bf16 rounding."""
+    from dsaserve.kernels.triton import sparse_mla
+
+    num_tokens, num_slots = 64, 4096
+    cache = base._random_cache(g, num_slots, 64, True)
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    idx = base._random_indices(g, num_tokens, contexts, num_slots)
+    q = torch.randn(num_tokens, 64, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L)
+    t_o, t_lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L,
+                                           sparse_mla.SparseMlaConfig(gluon=False))
+    _check("gluon vs triton, fp8 cache, default splits", o, lse, t_o.float(), t_lse, idx)
+
+
+def test_gluon_rejects_unsupported_shapes():
+    q = torch.zeros(4, 32, L + R, device=DEV, dtype=torch.bfloat16)  # 32 heads
+    cache = torch.zeros(1, 64, L + R, device=DEV, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 8, device=DEV, dtype=torch.int32)
+    assert not sparse_mla_gluon.gluon_supported(q, cache)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L)
+    with pytest.raises(ValueError, match="int32"):  # the checks shared with the Triton kernel
+        sparse_mla_gluon.sparse_mla_fwd_gluon(q.repeat(1, 2, 1), cache, idx.long(), SCALE, L)
