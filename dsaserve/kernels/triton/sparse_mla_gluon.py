@@ -8,9 +8,12 @@ warp-specialized partitions of one warpgroup (4 warps) each:
     gather  (worker 1)   for block j: slots = idx[t, j·BN : (j+1)·BN]
                          bf16 rows: cp.async straight into K ring slot j % NBUF, each thread's
                            cp.async.mbarrier.arrive on k_ready fires when its copies land;
-                         fp8_ds_mla: the raw 656-byte rows into a raw ring, cp.async issued
-                           NRAW − 1 blocks ahead (commit groups, wait_group(NRAW − 1)), then
-                           dequantized (e4m3 · 2^k, exact in bf16) into the K ring
+                         fp8_ds_mla (default, NRAW = 0): the raw 656-byte rows cp.async into
+                           the K ring slot itself, 2 blocks ahead, then dequantized in place
+                           (e4m3 · 2^k, exact in bf16; registers in between);
+                         fp8_ds_mla (NRAW > 0): into a raw ring, cp.async issued NRAW − 1
+                           blocks ahead (commit groups, wait_group(NRAW − 1)), then
+                           dequantized into the K ring
                                                            K [BN, 512 | 64] bf16 → k_ready
     softmax (default)    S = Q·Kᵀ [64, BN] (wgmma, Q and K from shared memory), mask, online
                          softmax in base 2; P (bf16) and α = 2^(m_old − m_new) → shared
@@ -30,8 +33,13 @@ PV). Every hand-off is an mbarrier (phase parity per ring slot); barriers inside
 are named barriers of its 128 threads, none is CTA-wide.
 
 Shared memory, BN = 32: Q 72 KB, a K ring slot 36 KB, P 2 × 4 KB. bf16 rows: NBUF = 4, so the
-gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows: NBUF = 2 and a
-raw ring of NRAW = 3 × 20.5 KB, copies issued about 3 blocks ahead (215 KB). Invalid slots
+gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows, default: the
+same NBUF = 4 and no raw ring (a raw block, 20.5 KB, fits in the slot it dequantizes into:
+225 KB), so dequantizing block b + 2 overlaps the computation of block b. fp8 rows, raw ring
+(`FP8_BUILDS["raw_ring"]`): NBUF = 2 and a raw ring of NRAW = 3 × 20.5 KB (215 KB); with two
+K slots the gather can dequantize block b + 1 only once block b − 1 is released, which the
+softmax warpgroup does right before it waits for b + 1: release, dequantization, S, softmax,
+P·V all on one serial chain per block. Invalid slots
 (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is predicated off and
 zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168; setmaxnreg gives the
 consumers 216 each and the gather 72 (no spills in the sm_90 build).
@@ -380,6 +388,123 @@ def _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawp
     async_copy.commit_group()
 
 
+@gluon.jit
+def _gather_fp8_in_slot_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+    """fp8_ds_mla rows staged in the K ring slot itself (no raw ring): the raw bytes of a block
+    land (cp.async) in the shared memory its bf16 tile will occupy, and are dequantized in place.
+
+    A slot is 2 × [BN, 256] bf16 latent halves + [BN, 64] bf16 rope (36 KB at BN = 32); the raw
+    block needs 20.5 KB of it: the 512 e4m3 latents of each row fill latent half 0 (viewed as
+    4 [BN, 128] fp8 tiles), the 4 fp32 tile scales go to the start of latent half 1, and the
+    rope, bf16 already, is copied straight into the swizzled rope tile (as the bf16 gather
+    does), never touched again. In place: every thread loads its latents and scales of the
+    block into registers (32 + 8 per thread), one barrier, then the bf16 stores.
+
+    Schedule (AHEAD = NBUF − 2, iteration j): block j's copies were issued AHEAD iterations ago;
+    wait_group(AHEAD − 1) + barrier → it landed; dequantize it in slot j % NBUF, hand it over
+    (fence + barrier + one arrive on k_ready); then wait for the slot of block j + AHEAD to be
+    released (block j + AHEAD − NBUF = j − 2: both consumers are past it once the softmax
+    warpgroup is at block j − 1) and issue its copies. Dequantization comes before that wait,
+    so it never waits on a release: the softmax warpgroup at block b releases b − 1 and waits
+    for b + 1, which the gather converted as soon as b − 2 was released (one block earlier)
+    and its copies (issued two blocks earlier) landed. While block j is dequantized the copies
+    of j + 1 are in flight, then those of j + 2 join them (the raw ring of 3 had both in flight
+    before it started dequantizing)."""
+    kv_ptr, idx_ptr = ptrs[1], ptrs[2]
+    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
+    stride_it = args[11]
+    k_smem, kpe_smem = smem[2], smem[3]
+    k_ready, k_empty = bars[0], bars[1]
+    AHEAD: gl.constexpr = NBUF - 2
+    ROW: gl.constexpr = L + 4 * NUM_TILES + 2 * R  # 656 bytes
+    SC_PER: gl.constexpr = 2 * HALF // (4 * NUM_TILES)  # [BN, 4] fp32 views per latent half
+    # Views of the K ring: latent half h of slot r is fp8 tiles 4h .. 4h + 3 (r-major), and
+    # fp32 [BN, 4] views SC_PER·h .. SC_PER·(h + 1) − 1.
+    raw8 = k_smem._reinterpret(gl.float8e4nv, [2 * NBUF * NUM_TILES, BN, 128], _plain_shared(2))
+    rawsc = k_smem._reinterpret(gl.float32, [2 * NBUF * SC_PER, BN, NUM_TILES],
+                                _plain_shared(2))
+    lat8: gl.constexpr = _row_layout(128, 16)  # [BN, 128] fp8, 16-byte vectors
+    sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [4, 8], [4, 1], [1, 0])  # rows as lat8
+    pe: gl.constexpr = _row_layout(R, 8)
+    rows_l: gl.constexpr = gl.SliceLayout(1, lat8)
+    idx_row = idx_ptr + t * stride_it
+    # Prologue: blocks 0 .. AHEAD − 1 in flight (their slots are free), the slots of block
+    # AHEAD in registers.
+    for j in gl.static_range(AHEAD):
+        slot, _ = _block_slots(idx_row, first, j, topk, num_slots, BN, rows_l)
+        _issue_in_slot(kv_ptr, slot, j, n_blocks, num_slots, raw8, rawsc, kpe_smem, NBUF,
+                       SC_PER, ROW, lat8, sc, pe)
+    slot_next, _ = _block_slots(idx_row, first, AHEAD, topk, num_slots, BN, rows_l)
+    tile = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
+    for j in range(n_blocks):
+        ring = j % NBUF
+        async_copy.wait_group(AHEAD - 1)  # block j's group has landed (this thread's part)
+        gl.thread_barrier()  # ... and every other thread's part
+        scales = rawsc.index((2 * ring + 1) * SC_PER).load(sc)  # [BN, 4] fp32
+        x0 = raw8.index(2 * ring * NUM_TILES + 0).load(lat8)  # [BN, 128] e4m3 each
+        x1 = raw8.index(2 * ring * NUM_TILES + 1).load(lat8)
+        x2 = raw8.index(2 * ring * NUM_TILES + 2).load(lat8)
+        x3 = raw8.index(2 * ring * NUM_TILES + 3).load(lat8)
+        gl.thread_barrier()  # every raw byte of the slot is in registers: overwrite it
+        _store_tile(k_smem, ring, 0, x0, scales, tile, rows_l)
+        _store_tile(k_smem, ring, 1, x1, scales, tile, rows_l)
+        _store_tile(k_smem, ring, 2, x2, scales, tile, rows_l)
+        _store_tile(k_smem, ring, 3, x3, scales, tile, rows_l)
+        fence_async_shared()  # generic-proxy stores (and the rope's cp.async) → wgmma
+        gl.thread_barrier()  # all stores done before the single-thread arrive
+        mbarrier.arrive(k_ready.index(ring))
+        # Copies of block j + AHEAD once its slot is released (block j − 2).
+        nxt = j + AHEAD
+        slot_issue = slot_next
+        slot_next, _ = _block_slots(idx_row, first, nxt + 1, topk, num_slots, BN, rows_l)
+        mbarrier.wait(k_empty.index(nxt % NBUF), ((nxt // NBUF) & 1) ^ 1, pred=nxt < n_blocks)
+        _issue_in_slot(kv_ptr, slot_issue, nxt, n_blocks, num_slots, raw8, rawsc, kpe_smem,
+                       NBUF, SC_PER, ROW, lat8, sc, pe)
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _store_tile(k_smem, ring, i: gl.constexpr, x, scales, tile, rows_l: gl.constexpr):
+    """Scale tile i ([BN, 128] e4m3 in registers) by its rows' 2^k and store it as bf16 into
+    columns 128·i .. 128·i + 127 of K ring slot `ring` (exact: power-of-two scales)."""
+    s_i = gl.sum(gl.where(tile[None, :] == i, scales, 0.0), axis=1)  # in-thread
+    s_i = gl.convert_layout(s_i, rows_l)  # same rows per thread: no data movement
+    k_smem.index(2 * ring + i // 2).slice((i % 2) * 128, 128, dim=1).store(
+        (x.to(gl.float32) * s_i[:, None]).to(gl.bfloat16))
+
+
+@gluon.jit
+def _issue_in_slot(kv_ptr, slot, j, n_blocks, num_slots, raw8, rawsc, kpe_smem,
+                   NBUF: gl.constexpr, SC_PER: gl.constexpr, ROW: gl.constexpr,
+                   lat8: gl.constexpr, sc: gl.constexpr, pe: gl.constexpr):
+    """cp.async the raw rows of block j (slots `slot` [BN] in SliceLayout(1, lat8), if the
+    block exists) into K ring slot j % NBUF: latents → half 0 (fp8 view), scales → start of
+    half 1 (fp32 view), rope → the swizzled rope tile. One commit group per call, empty past the
+    end, so wait_group counts stay uniform. Invalid rows zero-fill (scale 0 · 0 = 0)."""
+    if j < n_blocks:
+        ring = j % NBUF
+        valid = (slot >= 0) & (slot < num_slots)
+        rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * ROW  # [BN] row pointers
+        c8 = gl.arange(0, 128, gl.SliceLayout(0, lat8))
+        for i in gl.static_range(NUM_TILES):
+            async_copy.async_copy_global_to_shared(raw8.index(2 * ring * NUM_TILES + i),
+                                                   rows[:, None] + (i * 128 + c8)[None, :],
+                                                   mask=valid[:, None])
+        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, sc)) + L
+        valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc))
+        c_s = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
+        async_copy.async_copy_global_to_shared(
+            rawsc.index((2 * ring + 1) * SC_PER),
+            rows_s.to(gl.pointer_type(gl.float32))[:, None] + c_s[None, :], mask=valid_s[:, None])
+        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pe)) + (L + 4 * NUM_TILES)
+        valid_p = gl.convert_layout(valid, gl.SliceLayout(1, pe))
+        c_p = gl.arange(0, R, gl.SliceLayout(0, pe))
+        async_copy.async_copy_global_to_shared(
+            kpe_smem.index(ring),
+            rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :], mask=valid_p[:, None])
+    async_copy.commit_group()
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------------------
@@ -431,7 +556,13 @@ def _sparse_mla_gluon_kernel(
     smem = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem)
     bars = (k_ready, k_empty, p_ready, p_empty, fin)
     # Constexprs go inline: a tuple held in a variable turns them into tensors.
-    if KV_FP8:
+    if KV_FP8 and NRAW == 0:  # raw rows staged in the K ring slots
+        gl.warp_specialize([
+            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_gather_fp8_in_slot_partition, (ptrs, args, smem, bars, BN, NBUF)),
+        ], [4, 4], [PV_REGS, GATHER_REGS])
+    elif KV_FP8:
         raw8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NRAW * NUM_TILES, BN, 128],
                                               _plain_shared(2))
         rawsc_smem = gl.allocate_shared_memory(gl.float32, [NRAW, BN, NUM_TILES],
@@ -458,6 +589,8 @@ def _sparse_mla_gluon_kernel(
 class GluonMlaBuild:
     """Compile-time shape of the kernel for one cache format (sm_90 build: no spills, shared
     memory under the 227 KB limit; `benchmarks/sm90_resources.py --only sparse_mla_gluon`).
+    fp8_ds_mla: num_raw = 0 stages the raw rows in the K ring slots (needs num_bufs ≥ 3; 4 =
+    2 blocks of copies in flight), num_raw > 0 in a separate raw ring of that many slots.
 
     12 warps at `maxnreg` 168 fill the register file (168 · 384 = 64,512); setmaxnreg then
     moves registers from the gather warpgroup to the two consumers (each holds 128 accumulator
@@ -465,14 +598,21 @@ class GluonMlaBuild:
 
     block_n: int  # BN: rows per block; 32 leaves room for a ring deep enough
     num_bufs: int  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
-    num_raw: int  # NRAW: raw fp8_ds_mla ring slots (fp8 only)
+    num_raw: int  # NRAW: raw fp8_ds_mla ring slots (fp8 only); 0: raw rows staged in K slots
     pv_regs: int = 216  # registers per thread, P·V warpgroup (the softmax one gets the rest)
     gather_regs: int = 72  # registers per thread, gather warpgroup
     maxnreg: int = 168
 
 
+# fp8_ds_mla, two ways to stage the raw rows (`sparse_mla_fwd_gluon(..., build=...)` picks one):
+FP8_BUILDS = {
+    # in the K ring slots themselves, dequantized in place: 4 K slots, 225 KB shared
+    "in_slot": GluonMlaBuild(block_n=32, num_bufs=4, num_raw=0),
+    # in a raw ring of 3 beside a K ring of 2: 215 KB shared
+    "raw_ring": GluonMlaBuild(block_n=32, num_bufs=2, num_raw=3),
+}
 BUILDS = {False: GluonMlaBuild(block_n=32, num_bufs=4, num_raw=1),  # 225 KB shared
-          True: GluonMlaBuild(block_n=32, num_bufs=2, num_raw=3)}  # 215 KB shared
+          True: FP8_BUILDS["in_slot"]}
 SPLIT_KEYS = 64  # splits are chosen in blocks of 64 keys, as for the Triton kernel
 
 
@@ -491,12 +631,14 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                          scale: float, kv_lora_rank: int = 512,
-                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_splits: int | None = None, build: GluonMlaBuild | None = None,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged cache on sm_90, the contract of `sparse_mla.sparse_mla_fwd`:
     q [T, H, 576] bf16 (H a multiple of 64), kv_cache [num_blocks, block_size, 656] uint8
     fp8_ds_mla or [num_blocks, block_size, 576] bf16, slot_indices [T, K] int32 (−1 or
     ≥ num_slots = skip) → o [T, H, 512] bf16, lse [T, H] fp32 (natural log; a row with no
-    valid slot gives o = 0, lse = −inf)."""
+    valid slot gives o = 0, lse = −inf). `build` overrides `BUILDS` (e.g. one of
+    `FP8_BUILDS` for an fp8 cache)."""
     fp8, _, kv = sparse_mla.check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
     num_tokens, num_heads, width = q.shape
     if (q.dtype != torch.bfloat16 or num_heads % HEADS.value or kv_lora_rank != L.value
@@ -519,7 +661,7 @@ def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: 
     if num_tokens == 0:
         return o, lse
 
-    build = BUILDS[fp8]
+    build = build or BUILDS[fp8]
     head_blocks = num_heads // HEADS.value
     splits = num_splits or sparse_mla.choose_num_splits(
         num_tokens * head_blocks, triton.cdiv(topk, SPLIT_KEYS), sparse_mla._num_sms(q.device))
