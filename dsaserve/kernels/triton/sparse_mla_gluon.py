@@ -358,33 +358,42 @@ def _gather_fp8_partition(ptrs, args, smem, bars, raw_smem, BN: gl.constexpr,
 
 
 @gluon.jit
+def _copy_rows(kv_ptr, slot, num_slots, lat_tiles, lat_first, sc_dst, pe_dst,
+               ROW: gl.constexpr, lat8: gl.constexpr, sc: gl.constexpr, pe: gl.constexpr):
+    """cp.async the fp8_ds_mla rows of one block (slots `slot` [BN] in SliceLayout(1, lat8)):
+    the 4 [BN, 128] e4m3 latent tiles to lat_tiles[lat_first + i], the 4 fp32 tile scales to
+    sc_dst [BN, 4], the bf16 rope to pe_dst [BN, 64]. Invalid rows zero-fill (0 · 0 = 0)."""
+    valid = (slot >= 0) & (slot < num_slots)
+    rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * ROW  # [BN] row pointers
+    c8 = gl.arange(0, 128, gl.SliceLayout(0, lat8))
+    for i in gl.static_range(NUM_TILES):
+        async_copy.async_copy_global_to_shared(lat_tiles.index(lat_first + i),
+                                               rows[:, None] + (i * 128 + c8)[None, :],
+                                               mask=valid[:, None])
+    rows_s = gl.convert_layout(rows, gl.SliceLayout(1, sc)) + L
+    valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc))
+    c_s = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
+    async_copy.async_copy_global_to_shared(
+        sc_dst, rows_s.to(gl.pointer_type(gl.float32))[:, None] + c_s[None, :],
+        mask=valid_s[:, None])
+    rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pe)) + (L + 4 * NUM_TILES)
+    valid_p = gl.convert_layout(valid, gl.SliceLayout(1, pe))
+    c_p = gl.arange(0, R, gl.SliceLayout(0, pe))
+    async_copy.async_copy_global_to_shared(
+        pe_dst, rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :],
+        mask=valid_p[:, None])
+
+
+@gluon.jit
 def _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawpe_smem,
                NRAW: gl.constexpr, ROW: gl.constexpr, lat8: gl.constexpr, sc: gl.constexpr,
                pe: gl.constexpr):
-    """cp.async the raw rows of block j (slots `slot` [BN] in SliceLayout(1, lat8), if the
-    block exists) into raw slot j % NRAW; one commit group per call, empty past the end, so
-    wait_group counts stay uniform."""
+    """cp.async the raw rows of block j (if the block exists) into raw slot j % NRAW; one
+    commit group per call, empty past the end, so wait_group counts stay uniform."""
     if j < n_blocks:
         raw = j % NRAW
-        valid = (slot >= 0) & (slot < num_slots)
-        rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * ROW  # [BN] row pointers
-        c8 = gl.arange(0, 128, gl.SliceLayout(0, lat8))
-        for i in gl.static_range(NUM_TILES):
-            async_copy.async_copy_global_to_shared(raw8_smem.index(raw * NUM_TILES + i),
-                                                   rows[:, None] + (i * 128 + c8)[None, :],
-                                                   mask=valid[:, None])
-        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, sc)) + L
-        valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc))
-        c_s = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
-        async_copy.async_copy_global_to_shared(
-            rawsc_smem.index(raw),
-            rows_s.to(gl.pointer_type(gl.float32))[:, None] + c_s[None, :], mask=valid_s[:, None])
-        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pe)) + (L + 4 * NUM_TILES)
-        valid_p = gl.convert_layout(valid, gl.SliceLayout(1, pe))
-        c_p = gl.arange(0, R, gl.SliceLayout(0, pe))
-        async_copy.async_copy_global_to_shared(
-            rawpe_smem.index(raw),
-            rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :], mask=valid_p[:, None])
+        _copy_rows(kv_ptr, slot, num_slots, raw8_smem, raw * NUM_TILES, rawsc_smem.index(raw),
+                   rawpe_smem.index(raw), ROW, lat8, sc, pe)
     async_copy.commit_group()
 
 
@@ -477,31 +486,13 @@ def _store_tile(k_smem, ring, i: gl.constexpr, x, scales, tile, rows_l: gl.const
 def _issue_in_slot(kv_ptr, slot, j, n_blocks, num_slots, raw8, rawsc, kpe_smem,
                    NBUF: gl.constexpr, SC_PER: gl.constexpr, ROW: gl.constexpr,
                    lat8: gl.constexpr, sc: gl.constexpr, pe: gl.constexpr):
-    """cp.async the raw rows of block j (slots `slot` [BN] in SliceLayout(1, lat8), if the
-    block exists) into K ring slot j % NBUF: latents → half 0 (fp8 view), scales → start of
-    half 1 (fp32 view), rope → the swizzled rope tile. One commit group per call, empty past the
-    end, so wait_group counts stay uniform. Invalid rows zero-fill (scale 0 · 0 = 0)."""
+    """cp.async the raw rows of block j (if the block exists) into K ring slot j % NBUF:
+    latents → half 0 (fp8 view), scales → start of half 1 (fp32 view), rope → the swizzled rope
+    tile. One commit group per call, empty past the end, so wait_group counts stay uniform."""
     if j < n_blocks:
         ring = j % NBUF
-        valid = (slot >= 0) & (slot < num_slots)
-        rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64) * ROW  # [BN] row pointers
-        c8 = gl.arange(0, 128, gl.SliceLayout(0, lat8))
-        for i in gl.static_range(NUM_TILES):
-            async_copy.async_copy_global_to_shared(raw8.index(2 * ring * NUM_TILES + i),
-                                                   rows[:, None] + (i * 128 + c8)[None, :],
-                                                   mask=valid[:, None])
-        rows_s = gl.convert_layout(rows, gl.SliceLayout(1, sc)) + L
-        valid_s = gl.convert_layout(valid, gl.SliceLayout(1, sc))
-        c_s = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
-        async_copy.async_copy_global_to_shared(
-            rawsc.index((2 * ring + 1) * SC_PER),
-            rows_s.to(gl.pointer_type(gl.float32))[:, None] + c_s[None, :], mask=valid_s[:, None])
-        rows_p = gl.convert_layout(rows, gl.SliceLayout(1, pe)) + (L + 4 * NUM_TILES)
-        valid_p = gl.convert_layout(valid, gl.SliceLayout(1, pe))
-        c_p = gl.arange(0, R, gl.SliceLayout(0, pe))
-        async_copy.async_copy_global_to_shared(
-            kpe_smem.index(ring),
-            rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :], mask=valid_p[:, None])
+        _copy_rows(kv_ptr, slot, num_slots, raw8, 2 * ring * NUM_TILES,
+                   rawsc.index((2 * ring + 1) * SC_PER), kpe_smem.index(ring), ROW, lat8, sc, pe)
     async_copy.commit_group()
 
 
