@@ -129,23 +129,19 @@ def sparse_mla_builds() -> list[Build]:
 
 def sparse_mla_gluon_builds() -> list[Build]:
     """The Gluon kernel as `sparse_mla_fwd_gluon` launches it: 4 warps per partition (softmax,
-    P·V, gather), the build table's ring depths and register split; fp8: every variant of
-    `FP8_BUILDS` (the default one marked)."""
+    P·V, gather), its ring depth and register split, for bf16 and fp8_ds_mla rows."""
     sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
                 "lse_ptr": "*fp32"},
                ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
                 "stride_it"], [])
     sig |= {"sm_scale_log2": "fp32", "blocks_per_split": "i32"}
+    b = sparse_mla_gluon.BUILD
     builds = []
-    variants = [(False, sparse_mla_gluon.BUILDS[False], "")] + [
-        (True, b, f" ({name}{', default' if b == sparse_mla_gluon.BUILDS[True] else ''})")
-        for name, b in sparse_mla_gluon.FP8_BUILDS.items()]
-    for fp8, b, tag in variants:
-        consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "NRAW": b.num_raw,
-                  "PV_REGS": b.pv_regs, "GATHER_REGS": b.gather_regs}
+    for fp8 in (False, True):
+        consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "PV_REGS": b.pv_regs,
+                  "GATHER_REGS": b.gather_regs}
         kind_sig = sig | {"kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
-        rows = (f"fp8 rows{tag}, raw ring {b.num_raw or 'in K slots'}" if fp8
-                else "bf16 rows")
+        rows = "fp8 rows (staged in the K slots)" if fp8 else "bf16 rows"
         builds.append(Build(f"sparse MLA Gluon {rows}, 64 heads, {b.block_n} rows, K ring "
                             f"{b.num_bufs}, 3 partitions x 4 warps",
                             sparse_mla_gluon._sparse_mla_gluon_kernel,

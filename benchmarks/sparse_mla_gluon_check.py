@@ -122,13 +122,7 @@ def time_case(label: str, make: Callable[[], Inputs], table: list[str]) -> None:
         return
     flops = q.shape[0] * q.shape[1] * idx.shape[1] * FLOP_PER_ROW_HEAD
     cells = []
-    kernels = [("triton", TRITON), ("gluon", sparse_mla_gluon.sparse_mla_fwd_gluon)]
-    if cache.dtype == torch.uint8:  # also the fp8 build that is not the default
-        other = [b for b in sparse_mla_gluon.FP8_BUILDS.values()
-                 if b != sparse_mla_gluon.BUILDS[True]]
-        kernels += [("gluon, other fp8 build", partial(sparse_mla_gluon.sparse_mla_fwd_gluon,
-                                                         build=b)) for b in other]
-    for name, fn in kernels:
+    for name, fn in (("triton", TRITON), ("gluon", sparse_mla_gluon.sparse_mla_fwd_gluon)):
         try:
             ms = timed(partial(fn, q, cache, idx, SCALE, L))
             cells.append(f"{ms * 1e3:.1f} | {flops / ms / 1e9:.1f}")
@@ -158,8 +152,8 @@ def main() -> None:
     if args.quick:
         return
 
-    table = ["| case | triton µs | triton TFLOP/s | gluon µs | gluon TFLOP/s | other fp8 "
-             "build µs | TFLOP/s |", "|---|---:|---:|---:|---:|---:|---:|"]
+    table = ["| case | triton µs | triton TFLOP/s | gluon µs | gluon TFLOP/s |",
+             "|---|---:|---:|---:|---:|"]
     print("\n".join(table), flush=True)
     time_case("prefill T=4096, bf16 workspace", prefill_inputs, table)
     time_case("prefill T=4096, fp8_ds_mla cache", fp8_prefill_inputs, table)

@@ -131,24 +131,30 @@ def _random_indices(g, num_tokens: int, contexts: torch.Tensor, num_slots: int,
     return torch.where(visible, slots, -1).int()
 
 
+# The Triton kernel forced, and the automatic choice (the Gluon kernel on an H100 / H200).
+MLA_KERNELS = {"triton": sparse_mla.SparseMlaConfig(gluon=False), "auto": None}
+
+
+@pytest.mark.parametrize("kernel", list(MLA_KERNELS))
 @pytest.mark.parametrize("heads", [64, 128])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_sparse_prefill_matches_reference(g, heads, kind):
+def test_sparse_prefill_matches_reference(g, heads, kind, kernel):
     num_tokens, num_slots = 291, 6007
     cache = _random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
     contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
     contexts[:7] = torch.tensor([1, 5, 100, 2047, 2048, 2049, 0], device=DEV)
     idx = _random_indices(g, num_tokens, contexts, num_slots)  # row 6: no valid index
     q = torch.randn(num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
-    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L)
+    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, config=MLA_KERNELS[kernel])
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     assert o.dtype == torch.bfloat16 and o.shape == (num_tokens, heads, L)
     assert bool((idx[6] < 0).all())
     _check_attention(o, lse, ref_o, ref_lse, idx)
 
 
+@pytest.mark.parametrize("kernel", list(MLA_KERNELS))
 @pytest.mark.parametrize("batch,s_q", [(32, 1), (7, 4), (130, 1)])
-def test_fp8_decode_matches_reference(g, batch, s_q):
+def test_fp8_decode_matches_reference(g, batch, s_q, kernel):
     """Paged decode (MTP verify rows share nothing but their request); small batches take the
     split path and its merge."""
     block_size, max_ctx, heads = 64, 5000, 64
@@ -164,7 +170,7 @@ def test_fp8_decode_matches_reference(g, batch, s_q):
 
     idx = _random_indices(g, batch * s_q, contexts[rows], max_ctx, slot_of)
     q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
-    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L)
+    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, config=MLA_KERNELS[kernel])
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     _check_attention(o, lse, ref_o, ref_lse, idx)
 

@@ -49,7 +49,7 @@ class SparseMlaConfig:
     num_stages: int = 3
     num_splits: int | None = None  # None: chosen from the grid size and the SM count
     # The Gluon kernel (sparse_mla_gluon.py: sm_90, bf16 q, H a multiple of 64, L = 512,
-    # R = 64); None: where it measured faster, bf16 rows and ≥ one row per SM (prefill).
+    # R = 64); None: wherever it runs (it measured faster or even everywhere).
     gluon: bool | None = None
 
 
@@ -64,12 +64,9 @@ def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, cfg: SparseMlaConfig) ->
     if cfg.gluon and not supported:
         raise ValueError(f"sparse_mla: the Gluon kernel does not cover q {tuple(q.shape)} "
                          f"{q.dtype} with a {kv_cache.dtype} cache {tuple(kv_cache.shape)}")
-    # Measured on an H200 (docs/kernels.md): prefill T = 4096 bf16 workspace 4.44 vs 5.09 ms;
-    # FP8 decode b = 128 no faster (206 vs 201 µs). The fp8-cache build is chosen only when
-    # asked for (gluon=True) until its in-place dequantization has been timed on the GPU.
-    rows = q.shape[0] * (q.shape[1] // 64)
-    automatic = kv_cache.dtype == torch.bfloat16 and rows >= _num_sms(q.device)
-    return supported and (bool(cfg.gluon) or automatic)
+    # Measured on an H200 (docs/kernels.md): prefill T = 4096 4.44 vs 5.09 ms (bf16 rows) and
+    # 4.53 vs 5.65 ms (fp8_ds_mla); FP8 decode b = 128 154 vs 200 µs; b = 32 (splits) even.
+    return supported
 
 
 @triton.jit

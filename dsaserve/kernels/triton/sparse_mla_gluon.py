@@ -8,12 +8,9 @@ warp-specialized partitions of one warpgroup (4 warps) each:
     gather  (worker 1)   for block j: slots = idx[t, j·BN : (j+1)·BN]
                          bf16 rows: cp.async straight into K ring slot j % NBUF, each thread's
                            cp.async.mbarrier.arrive on k_ready fires when its copies land;
-                         fp8_ds_mla (default, NRAW = 0): the raw 656-byte rows cp.async into
-                           the K ring slot itself, 2 blocks ahead, then dequantized in place
-                           (e4m3 · 2^k, exact in bf16; registers in between);
-                         fp8_ds_mla (NRAW > 0): into a raw ring, cp.async issued NRAW − 1
-                           blocks ahead (commit groups, wait_group(NRAW − 1)), then
-                           dequantized into the K ring
+                         fp8_ds_mla: the raw 656-byte rows cp.async into the K ring slot
+                           itself, 2 blocks ahead, then dequantized in place (e4m3 · 2^k,
+                           exact in bf16; registers in between)
                                                            K [BN, 512 | 64] bf16 → k_ready
     softmax (default)    S = Q·Kᵀ [64, BN] (wgmma, Q and K from shared memory), mask, online
                          softmax in base 2; P (bf16) and α = 2^(m_old − m_new) → shared
@@ -33,13 +30,13 @@ PV). Every hand-off is an mbarrier (phase parity per ring slot); barriers inside
 are named barriers of its 128 threads, none is CTA-wide.
 
 Shared memory, BN = 32: Q 72 KB, a K ring slot 36 KB, P 2 × 4 KB. bf16 rows: NBUF = 4, so the
-gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows, default: the
-same NBUF = 4 and no raw ring (a raw block, 20.5 KB, fits in the slot it dequantizes into:
-225 KB), so dequantizing block b + 2 overlaps the computation of block b. fp8 rows, raw ring
-(`FP8_BUILDS["raw_ring"]`): NBUF = 2 and a raw ring of NRAW = 3 × 20.5 KB (215 KB); with two
-K slots the gather can dequantize block b + 1 only once block b − 1 is released, which the
-softmax warpgroup does right before it waits for b + 1: release, dequantization, S, softmax,
-P·V all on one serial chain per block. Invalid slots
+gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows: the same
+NBUF = 4 and no separate raw ring (a raw block, 20.5 KB, fits in the slot it dequantizes into),
+so dequantizing block b + 2 overlaps the computation of block b. (A first build kept a raw ring
+of 3 beside 2 K slots, 215 KB: the gather could then dequantize block b + 1 only once block
+b − 1 was released, right before the softmax warpgroup waits for b + 1, so release,
+dequantization, S, softmax and P·V formed one serial chain per block; measured on an H200,
+FP8 decode b = 128: 203 µs against 154 µs in place.) Invalid slots
 (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is predicated off and
 zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168; setmaxnreg gives the
 consumers 216 each and the gather 72 (no spills in the sm_90 build).
@@ -294,70 +291,6 @@ def _gather_bf16_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.co
 
 
 @gluon.jit
-def _gather_fp8_partition(ptrs, args, smem, bars, raw_smem, BN: gl.constexpr,
-                          NBUF: gl.constexpr, NRAW: gl.constexpr):
-    """Raw fp8_ds_mla rows → raw ring (cp.async, NRAW − 1 blocks ahead), then dequantized by
-    this warpgroup into the bf16 K ring: value · scale is exact in bf16 (power-of-two scale).
-
-    Ring schedule (iteration j): issue block j + NRAW − 1 into raw slot (j − 1) % NRAW (read in
-    iteration j − 1, before its closing barrier), one commit group per issue (empty past the
-    end); wait_group(NRAW − 1) then leaves only the groups of blocks j + 1 .. j + NRAW − 1 in
-    flight, so block j has landed; K ring slot j % NBUF is written once both consumers released
-    block j − NBUF (k_empty), and handed over with fence + barrier + one arrive (k_ready).
-
-    The index row is read one block further ahead than the rows: the slots of block
-    j + NRAW − 1 were loaded in iteration j − 1 and sat in registers meanwhile, so the gather
-    never waits on a global load of the index row before it can issue a block's copies (that
-    load, then the copies, then the dequantization, was the gather's whole per-block chain)."""
-    kv_ptr, idx_ptr = ptrs[1], ptrs[2]
-    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
-    stride_it = args[11]
-    k_smem, kpe_smem = smem[2], smem[3]
-    k_ready, k_empty = bars[0], bars[1]
-    raw8_smem, rawsc_smem, rawpe_smem = raw_smem
-    ROW: gl.constexpr = L + 4 * NUM_TILES + 2 * R  # 656 bytes
-    lat8: gl.constexpr = _row_layout(128, 16)  # [BN, 128] fp8, 16-byte vectors
-    # [BN, 4] scales and [BN, 64] rope: the rows of each thread are those it holds in lat8 (4
-    # rows per warp, 8 lanes a row), so per-row vectors pass between the three layouts without
-    # a trip through shared memory.
-    sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [4, 8], [4, 1], [1, 0])
-    pe: gl.constexpr = _row_layout(R, 8)
-    rows_l: gl.constexpr = gl.SliceLayout(1, lat8)
-    idx_row = idx_ptr + t * stride_it
-    # Prologue: blocks 0 .. NRAW − 2 in flight, the slots of block NRAW − 1 in registers.
-    for j in gl.static_range(NRAW - 1):
-        slot, _ = _block_slots(idx_row, first, j, topk, num_slots, BN, rows_l)
-        _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawpe_smem,
-                   NRAW, ROW, lat8, sc, pe)
-    slot_next, _ = _block_slots(idx_row, first, NRAW - 1, topk, num_slots, BN, rows_l)
-    tile = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
-    for j in range(n_blocks):
-        slot_issue = slot_next
-        # Slots of block j + NRAW (masked past the index row; unused past the split): the load
-        # is in flight through this whole iteration.
-        slot_next, _ = _block_slots(idx_row, first, j + NRAW, topk, num_slots, BN, rows_l)
-        _issue_raw(kv_ptr, slot_issue, j + NRAW - 1, n_blocks, num_slots, raw8_smem, rawsc_smem,
-                   rawpe_smem, NRAW, ROW, lat8, sc, pe)
-        async_copy.wait_group(NRAW - 1)  # block j's group has landed (this thread's part)
-        gl.thread_barrier()  # ... and every other thread's part
-        raw = j % NRAW
-        ring = j % NBUF
-        mbarrier.wait(k_empty.index(ring), ((j // NBUF) & 1) ^ 1)
-        scales = rawsc_smem.index(raw).load(sc)  # [BN, 4] fp32
-        for i in gl.static_range(NUM_TILES):
-            x = raw8_smem.index(raw * NUM_TILES + i).load(lat8).to(gl.float32)  # [BN, 128]
-            s_i = gl.sum(gl.where(tile[None, :] == i, scales, 0.0), axis=1)  # in-thread
-            s_i = gl.convert_layout(s_i, rows_l)  # same rows per thread: no data movement
-            k_smem.index(2 * ring + i // 2).slice((i % 2) * 128, 128, dim=1).store(
-                (x * s_i[:, None]).to(gl.bfloat16))
-        kpe_smem.index(ring).store(rawpe_smem.index(raw).load(pe))
-        fence_async_shared()  # generic-proxy stores → the consumers' wgmma
-        gl.thread_barrier()  # all stores (and raw reads) done before arrive / refill
-        mbarrier.arrive(k_ready.index(ring))
-    async_copy.wait_group(0)
-
-
-@gluon.jit
 def _copy_rows(kv_ptr, slot, num_slots, lat_tiles, lat_first, sc_dst, pe_dst,
                ROW: gl.constexpr, lat8: gl.constexpr, sc: gl.constexpr, pe: gl.constexpr):
     """cp.async the fp8_ds_mla rows of one block (slots `slot` [BN] in SliceLayout(1, lat8)):
@@ -382,19 +315,6 @@ def _copy_rows(kv_ptr, slot, num_slots, lat_tiles, lat_first, sc_dst, pe_dst,
     async_copy.async_copy_global_to_shared(
         pe_dst, rows_p.to(gl.pointer_type(gl.bfloat16))[:, None] + c_p[None, :],
         mask=valid_p[:, None])
-
-
-@gluon.jit
-def _issue_raw(kv_ptr, slot, j, n_blocks, num_slots, raw8_smem, rawsc_smem, rawpe_smem,
-               NRAW: gl.constexpr, ROW: gl.constexpr, lat8: gl.constexpr, sc: gl.constexpr,
-               pe: gl.constexpr):
-    """cp.async the raw rows of block j (if the block exists) into raw slot j % NRAW; one
-    commit group per call, empty past the end, so wait_group counts stay uniform."""
-    if j < n_blocks:
-        raw = j % NRAW
-        _copy_rows(kv_ptr, slot, num_slots, raw8_smem, raw * NUM_TILES, rawsc_smem.index(raw),
-                   rawpe_smem.index(raw), ROW, lat8, sc, pe)
-    async_copy.commit_group()
 
 
 @gluon.jit
@@ -510,7 +430,7 @@ def _sparse_mla_gluon_kernel(
     stride_qt, stride_qh, stride_it,
     sm_scale_log2,  # softmax scale · log2(e)
     blocks_per_split,
-    KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr, NRAW: gl.constexpr,
+    KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
     PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
 ):
     head0 = gl.program_id(0) * HEADS
@@ -547,23 +467,11 @@ def _sparse_mla_gluon_kernel(
     smem = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem)
     bars = (k_ready, k_empty, p_ready, p_empty, fin)
     # Constexprs go inline: a tuple held in a variable turns them into tensors.
-    if KV_FP8 and NRAW == 0:  # raw rows staged in the K ring slots
+    if KV_FP8:  # raw rows staged in the K ring slots, dequantized in place
         gl.warp_specialize([
             (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
             (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
             (_gather_fp8_in_slot_partition, (ptrs, args, smem, bars, BN, NBUF)),
-        ], [4, 4], [PV_REGS, GATHER_REGS])
-    elif KV_FP8:
-        raw8_smem = gl.allocate_shared_memory(gl.float8e4nv, [NRAW * NUM_TILES, BN, 128],
-                                              _plain_shared(2))
-        rawsc_smem = gl.allocate_shared_memory(gl.float32, [NRAW, BN, NUM_TILES],
-                                               _plain_shared(2))
-        rawpe_smem = gl.allocate_shared_memory(gl.bfloat16, [NRAW, BN, R], _plain_shared(2))
-        raw_smem = (raw8_smem, rawsc_smem, rawpe_smem)
-        gl.warp_specialize([
-            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
-            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
-            (_gather_fp8_partition, (ptrs, args, smem, bars, raw_smem, BN, NBUF, NRAW)),
         ], [4, 4], [PV_REGS, GATHER_REGS])
     else:
         gl.warp_specialize([
@@ -578,32 +486,23 @@ def _sparse_mla_gluon_kernel(
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GluonMlaBuild:
-    """Compile-time shape of the kernel for one cache format (sm_90 build: no spills, shared
-    memory under the 227 KB limit; `benchmarks/sm90_resources.py --only sparse_mla_gluon`).
-    fp8_ds_mla: num_raw = 0 stages the raw rows in the K ring slots (needs num_bufs ≥ 3; 4 =
-    2 blocks of copies in flight), num_raw > 0 in a separate raw ring of that many slots.
+    """Compile-time shape of the kernel (sm_90 build: no spills, shared memory under the 227 KB
+    limit; `benchmarks/sm90_resources.py --only sparse_mla_gluon`). fp8_ds_mla rows are staged
+    in the K ring slots themselves, so both formats need num_bufs ≥ 3 (4 = 2 blocks of copies
+    in flight while a third is dequantized).
 
     12 warps at `maxnreg` 168 fill the register file (168 · 384 = 64,512); setmaxnreg then
     moves registers from the gather warpgroup to the two consumers (each holds 128 accumulator
     registers; at 208 the fp8 build spills)."""
 
-    block_n: int  # BN: rows per block; 32 leaves room for a ring deep enough
-    num_bufs: int  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
-    num_raw: int  # NRAW: raw fp8_ds_mla ring slots (fp8 only); 0: raw rows staged in K slots
+    block_n: int = 32  # BN: rows per block; 32 leaves room for a ring deep enough
+    num_bufs: int = 4  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
     pv_regs: int = 216  # registers per thread, P·V warpgroup (the softmax one gets the rest)
     gather_regs: int = 72  # registers per thread, gather warpgroup
     maxnreg: int = 168
 
 
-# fp8_ds_mla, two ways to stage the raw rows (`sparse_mla_fwd_gluon(..., build=...)` picks one):
-FP8_BUILDS = {
-    # in the K ring slots themselves, dequantized in place: 4 K slots, 225 KB shared
-    "in_slot": GluonMlaBuild(block_n=32, num_bufs=4, num_raw=0),
-    # in a raw ring of 3 beside a K ring of 2: 215 KB shared
-    "raw_ring": GluonMlaBuild(block_n=32, num_bufs=2, num_raw=3),
-}
-BUILDS = {False: GluonMlaBuild(block_n=32, num_bufs=4, num_raw=1),  # 225 KB shared
-          True: FP8_BUILDS["in_slot"]}
+BUILD = GluonMlaBuild()  # 225 KB of shared memory for either cache format
 SPLIT_KEYS = 64  # splits are chosen in blocks of 64 keys, as for the Triton kernel
 
 
@@ -622,14 +521,12 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                          scale: float, kv_lora_rank: int = 512,
-                         num_splits: int | None = None, build: GluonMlaBuild | None = None,
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA over a paged cache on sm_90, the contract of `sparse_mla.sparse_mla_fwd`:
     q [T, H, 576] bf16 (H a multiple of 64), kv_cache [num_blocks, block_size, 656] uint8
     fp8_ds_mla or [num_blocks, block_size, 576] bf16, slot_indices [T, K] int32 (−1 or
     ≥ num_slots = skip) → o [T, H, 512] bf16, lse [T, H] fp32 (natural log; a row with no
-    valid slot gives o = 0, lse = −inf). `build` overrides `BUILDS` (e.g. one of
-    `FP8_BUILDS` for an fp8 cache)."""
+    valid slot gives o = 0, lse = −inf)."""
     fp8, _, kv = sparse_mla.check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
     num_tokens, num_heads, width = q.shape
     if (q.dtype != torch.bfloat16 or num_heads % HEADS.value or kv_lora_rank != L.value
@@ -652,7 +549,7 @@ def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: 
     if num_tokens == 0:
         return o, lse
 
-    build = build or BUILDS[fp8]
+    build = BUILD
     head_blocks = num_heads // HEADS.value
     splits = num_splits or sparse_mla.choose_num_splits(
         num_tokens * head_blocks, triton.cdiv(topk, SPLIT_KEYS), sparse_mla._num_sms(q.device))
@@ -668,7 +565,7 @@ def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: 
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, kv_cache.shape[0] * kv_cache.shape[1], topk,
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
-        KV_FP8=fp8, BN=build.block_n, NBUF=build.num_bufs, NRAW=build.num_raw,
+        KV_FP8=fp8, BN=build.block_n, NBUF=build.num_bufs,
         PV_REGS=build.pv_regs, GATHER_REGS=build.gather_regs,
         num_warps=4, maxnreg=build.maxnreg,
     )
