@@ -125,7 +125,7 @@ def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits):
 def test_gluon_long_split_block_by_block(g, kind):
     """One split of 64 blocks (top-2048, 128 heads = two head tiles): a full row, then rows whose
     valid slots all lie in one block w (the others −1), for blocks at the start, around the ring
-    wraps (K ring of 2, raw ring of 3) and at the end of the split. A ring index or phase error
+    wraps (K ring of 4) and at the end of the split. A ring index or phase error
     at block w shows up in its row alone; each head tile is checked on its own."""
     heads, num_slots = 128, 8192
     cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")

@@ -337,8 +337,7 @@ def _gather_fp8_in_slot_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF
     so it never waits on a release: the softmax warpgroup at block b releases b − 1 and waits
     for b + 1, which the gather converted as soon as b − 2 was released (one block earlier)
     and its copies (issued two blocks earlier) landed. While block j is dequantized the copies
-    of j + 1 are in flight, then those of j + 2 join them (the raw ring of 3 had both in flight
-    before it started dequantizing)."""
+    of j + 1 are in flight, then those of j + 2 join them."""
     kv_ptr, idx_ptr = ptrs[1], ptrs[2]
     t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
     stride_it = args[11]
