@@ -305,20 +305,14 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
     add(f"top-2048 row_topk {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
         f"{ms_torch / ms:.1f}x torch.topk")
     if SWEEP:
-        for segment in (1024, 2048):
-            for per_key in (False, True):
-                fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
-                             segment=segment, slot_per_key=per_key)
-                assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
-                ms = timed(fn, graph=True)
-                print(f"    row_topk segment {segment} slot per key {per_key}: "
-                      f"{ms * 1e3:.1f} us", flush=True)
-        for warps in ((4, 4), (8, 4), (8, 8), (16, 4), (16, 8)):
-            fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK,
-                         threshold_warps=warps[0], finish_warps=warps[1])
+        variants = [{"segment": seg, "slot_per_key": per_key}
+                    for seg in (1024, 2048) for per_key in (False, True)]
+        variants += [{"threshold_warps": t, "finish_warps": f}
+                     for t, f in ((4, 4), (8, 4), (8, 8), (16, 4), (16, 8))]
+        for kw in variants:
+            fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK, **kw)
             assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
-            print(f"    row_topk threshold warps {warps[0]} finish warps {warps[1]}: "
-                  f"{timed(fn, graph=True) * 1e3:.1f} us", flush=True)
+            print(f"    row_topk {kw}: {timed(fn, graph=True) * 1e3:.1f} us", flush=True)
     if not PROFILE:
         kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
                      f"row_topk {label}")
@@ -348,7 +342,20 @@ def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
 
 def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
           label: str) -> tuple[float, indexer.IndexerConfig]:
+    """The fastest of configs for fn (indexer_logits_paged with all but the config bound), each
+    checked against the first one's logits (same fp8 products: equal up to the fp32 order of
+    the head sum; −inf in the same places) before it is timed."""
     best = (math.inf, configs[0])
+    ref = fn(config=configs[0])[0]
+    finite = ref.isfinite()
+    ref_finite = ref[finite]
+    atol = 1e-5 * float(ref_finite.abs().max())
+    for cfg in configs[1:]:
+        out = fn(config=cfg)[0]
+        assert torch.equal(out.isneginf(), ref.isneginf()), f"{_label(cfg)}: −inf differs"
+        torch.testing.assert_close(out[finite], ref_finite, rtol=1e-5, atol=atol)
+        del out
+    del ref, finite, ref_finite
     for cfg in configs:
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:

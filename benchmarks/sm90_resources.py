@@ -128,7 +128,7 @@ def sparse_mla_builds() -> list[Build]:
 
 
 def sparse_mla_gluon_builds() -> list[Build]:
-    """The Gluon kernel as `sparse_mla_fwd_gluon` launches it: 4 warps per partition (softmax,
+    """The Gluon kernel as `sparse_mla_gluon.launch` builds it: 4 warps per partition (softmax,
     P·V, gather), its ring depth and register split, for bf16 and fp8_ds_mla rows."""
     sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
                 "lse_ptr": "*fp32"},

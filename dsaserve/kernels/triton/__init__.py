@@ -1,9 +1,13 @@
 """Triton kernels for the "triton" attention backend (GPU; CPU tests run them interpreted).
 
-    mla_cache.py   fp8_ds_mla / float MLA cache writer
-    sparse_mla.py  sparse MLA (MQA form) over a paged cache: prefill and decode, o + lse
-    indexer.py     FP8 indexer-key writer, FP8 indexer logits, causal top-k
-    backend.py     TritonBackend: the methods the registry expects, reference fallback on CPU
+    mla_cache.py         fp8_ds_mla / float MLA cache writer (exact e4m3 rounding helpers)
+    index_cache.py       FP8 / float indexer key writer
+    sparse_mla.py        sparse MLA (MQA form) over a paged cache: prefill and decode, o + lse
+    sparse_mla_gluon.py  the same in Gluon, warp-specialized, for sm_90 (chosen there)
+    indexer.py           paged FP8 indexer logits with group maxima, causal top-k
+    indexer_gluon.py     the logits in Gluon for sm_90 (chosen for decode tiles)
+    row_topk.py          exact top-k of long rows (threshold, compaction, selection)
+    backend.py           TritonBackend: the methods the registry expects, reference fallback
 
 Importing this package needs `triton`; nothing here is imported by the engine unless the
 "triton" backend is chosen.

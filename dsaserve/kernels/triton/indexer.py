@@ -247,9 +247,7 @@ def _use_gluon(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig
     """Whether config picks the Gluon logits kernel for this step (see IndexerConfig.gluon)."""
     if config.gluon is False or not q.is_cuda:
         return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    from dsaserve.kernels.triton import indexer_gluon
+    from dsaserve.kernels.triton import indexer_gluon  # Hopper only: imported on demand
 
     supported = indexer_gluon.gluon_logits_supported(q, index_cache, q.shape[1], q.shape[2],
                                                      block_size)
@@ -279,6 +277,8 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         block_size = index_cache.shape[1]
     if block_size & (block_size - 1) or block_size < max(16, row_topk.GROUP):
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
+    if not index_cache.is_contiguous():
+        raise ValueError("indexer: index_cache must be contiguous (pages are addressed flat)")
     plan = _step_plan(meta, num_heads, device, config.rows_per_tile)
     start, length = window or (0, plan.s_out)
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
@@ -300,18 +300,19 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     gluon = _use_gluon(q, index_cache, config, num_heads * plan.block_t, block_size)
     per_prog = config.pages_per_prog or (128 if num_tiles >= 512 else 64 if gluon else 16)
     per_prog = min(per_prog, triton.next_power_of_2(num_pages))
-    q_in = q.contiguous()  # the kernels index rows as (token · H + head) · D
+    # The kernels index rows as (token · H + head) · D and weights as token · H + head.
+    q_in, w_in = q.contiguous(), weights.float().contiguous()
     if gluon:
-        from dsaserve.kernels.triton import indexer_gluon  # Hopper only: imported on demand
+        from dsaserve.kernels.triton import indexer_gluon
 
         indexer_gluon.launch_logits_gluon(
-            q_in.view(-1, head_dim), weights.float().contiguous().view(-1), cache, block_table,
-            plan.tiles, limits_i32, logits, group_max, num_heads=num_heads, head_dim=head_dim,
-            block_size=block_size, block_t=plan.block_t, pages_per_prog=per_prog)
+            q_in.view(-1, head_dim), w_in.view(-1), cache, block_table, plan.tiles, limits_i32,
+            logits, group_max, num_heads=num_heads, head_dim=head_dim, block_size=block_size,
+            block_t=plan.block_t, pages_per_prog=per_prog)
         return logits, group_max, limits
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
     _indexer_logits_kernel[grid](
-        q_in, weights.float().contiguous(), cache, block_table, plan.tiles[0],
+        q_in, w_in, cache, block_table, plan.tiles[0],
         plan.tiles[1], plan.tiles[2], limits_i32, logits, group_max,
         block_table.stride(0), logits.stride(0), group_max.stride(0), length,
         H=num_heads, D=head_dim, BS=block_size, KV_FP8=fp8, BLOCK_T=plan.block_t,

@@ -351,9 +351,9 @@ def page_descriptors(cache: torch.Tensor, head_dim: int, block_size: int,
                      ) -> tuple[TensorDescriptor, TensorDescriptor]:
     """TMA descriptors of the paged FP8 cache [num_blocks, block_size·(D + 4)] bytes: values
     (box [block_size, D] fp8 at row block·PAGE_ROWS) and scales (box [1, block_size] fp32 at
-    column block_size·D/4 of row block)."""
+    column block_size·D/4 of row block); the cache must be contiguous."""
     page_rows = block_size + block_size * 4 // head_dim
-    cache = cache.view(torch.uint8).contiguous()  # [num_blocks, page bytes]
+    cache = cache.view(torch.uint8)  # [num_blocks, page bytes]
     values = cache.view(torch.float8_e4m3fn).view(-1, head_dim)  # [num_blocks·PAGE_ROWS, D]
     scales = cache.view(torch.float32)  # [num_blocks, page bytes / 4]
     k_desc = TensorDescriptor(values, [values.shape[0], head_dim], [head_dim, 1],

@@ -53,20 +53,21 @@ class SparseMlaConfig:
     gluon: bool | None = None
 
 
-def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, cfg: SparseMlaConfig) -> bool:
+def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+               cfg: SparseMlaConfig) -> bool:
     if cfg.gluon is False or not q.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     from dsaserve.kernels.triton import sparse_mla_gluon  # Hopper only: imported on demand
 
-    supported = sparse_mla_gluon.gluon_supported(q, kv_cache)
-    if cfg.gluon and not supported:
-        raise ValueError(f"sparse_mla: the Gluon kernel does not cover q {tuple(q.shape)} "
-                         f"{q.dtype} with a {kv_cache.dtype} cache {tuple(kv_cache.shape)}")
     # Measured on an H200 (docs/kernels.md): prefill T = 4096 4.44 vs 5.09 ms (bf16 rows) and
     # 4.53 vs 5.65 ms (fp8_ds_mla); FP8 decode b = 128 154 vs 200 µs; b = 32 (splits) even.
-    return supported
+    if sparse_mla_gluon.gluon_supported(q, kv_cache, kv_lora_rank):
+        return True
+    if cfg.gluon:
+        raise ValueError(f"sparse_mla: the Gluon kernel needs {sparse_mla_gluon.REQUIREMENTS}; "
+                         f"got q {q.dtype} {tuple(q.shape)} on {q.device}, kv_lora_rank "
+                         f"{kv_lora_rank}, a {kv_cache.dtype} cache {tuple(kv_cache.shape)}")
+    return False
 
 
 @triton.jit
@@ -251,11 +252,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     """
     cfg = config or SparseMlaConfig()
     fp8, row, kv = check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
-    if _use_gluon(q, kv_cache, cfg):
-        from dsaserve.kernels.triton import sparse_mla_gluon
-
-        return sparse_mla_gluon.sparse_mla_fwd_gluon(q, kv_cache, slot_indices, scale,
-                                                     kv_lora_rank, cfg.num_splits)
+    gluon = _use_gluon(q, kv_cache, kv_lora_rank, cfg)
     num_tokens, num_heads, width = q.shape
     lora, rope = kv_lora_rank, width - kv_lora_rank
     topk = slot_indices.shape[1]
@@ -265,12 +262,20 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     if num_tokens == 0:
         return o, lse
 
-    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads)))
+    if gluon:  # 64 heads per program, blocks of BUILD.block_n rows
+        from dsaserve.kernels.triton import sparse_mla_gluon
+
+        block_h, block_n = 64, sparse_mla_gluon.BUILD.block_n
+    else:
+        block_h, block_n = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads))), cfg.block_n
     head_blocks = triton.cdiv(num_heads, block_h)
-    num_blocks = triton.cdiv(topk, cfg.block_n)
-    splits = cfg.num_splits or choose_num_splits(num_tokens * head_blocks, num_blocks,
+    # Split sizes in units of 64 index positions for the Gluon kernel, as for the default
+    # Triton shape (a split keeps at least 4 of them).
+    split_unit = 64 if gluon else block_n
+    splits = cfg.num_splits or choose_num_splits(num_tokens * head_blocks,
+                                                 triton.cdiv(topk, split_unit),
                                                  _num_sms(q.device))
-    blocks_per_split = triton.cdiv(num_blocks, splits)
+    blocks_per_split = triton.cdiv(triton.cdiv(topk, block_n), splits)
     if splits > 1:
         out_o = torch.empty(splits, num_tokens, num_heads, lora, dtype=torch.float32,
                             device=q.device)
@@ -278,16 +283,21 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
                               device=q.device)
     else:
         out_o, out_lse = o, lse
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](
-        q, kv, idx, out_o, out_lse,
-        num_tokens, num_heads, kv_cache.shape[0] * kv_cache.shape[1], topk,
-        q.stride(0), q.stride(1), idx.stride(0),
-        scale * LOG2E,
-        L=lora, R=rope, KV_FP8=fp8, ROW=row, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=splits, BLOCKS_PER_SPLIT=blocks_per_split, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if gluon:
+        sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
+                                blocks_per_split)
+    else:
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](
+            q, kv, idx, out_o, out_lse,
+            num_tokens, num_heads, num_slots, topk,
+            q.stride(0), q.stride(1), idx.stride(0),
+            scale * LOG2E,
+            L=lora, R=rope, KV_FP8=fp8, ROW=row, BLOCK_H=block_h, BLOCK_N=block_n,
+            NUM_SPLITS=splits, BLOCKS_PER_SPLIT=blocks_per_split, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     if splits > 1:
         merge_splits(out_o, out_lse, o, lse)
     return o, lse

@@ -48,7 +48,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -502,12 +501,15 @@ class GluonMlaBuild:
 
 
 BUILD = GluonMlaBuild()  # 225 KB of shared memory for either cache format
-SPLIT_KEYS = 64  # splits are chosen in blocks of 64 keys, as for the Triton kernel
 
 
-def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether `sparse_mla_fwd_gluon` runs these inputs: an sm_90 device, bf16 q [T, H, 576]
-    with H a multiple of 64, a bf16 or fp8_ds_mla cache [num_blocks, block_size, row]."""
+REQUIREMENTS = ("an sm_90 device, bf16 q [T, H, 576] with H a multiple of 64, kv_lora_rank 512 "
+                "and a bf16 or fp8_ds_mla cache")
+
+
+def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int = 512) -> bool:
+    """Whether this kernel runs these inputs (REQUIREMENTS; kv_cache [num_blocks, block_size,
+    row] with rows of 576 bf16 or 656 fp8_ds_mla bytes)."""
     if not (q.is_cuda and kv_cache.is_cuda) or q.dim() != 3 or kv_cache.dim() != 3:
         return False
     if torch.cuda.get_device_capability(q.device) != (9, 0):
@@ -515,59 +517,38 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     row = {torch.bfloat16: L.value + R.value,
            torch.uint8: formats.mla_row_bytes(L.value, R.value)}.get(kv_cache.dtype)
     return (q.dtype == torch.bfloat16 and q.shape[1] % HEADS.value == 0
-            and q.shape[2] == L.value + R.value and kv_cache.shape[2] == row)
+            and kv_lora_rank == L.value and q.shape[2] == L.value + R.value
+            and kv_cache.shape[2] == row)
 
 
-def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
-                         scale: float, kv_lora_rank: int = 512,
-                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse MLA over a paged cache on sm_90, the contract of `sparse_mla.sparse_mla_fwd`:
-    q [T, H, 576] bf16 (H a multiple of 64), kv_cache [num_blocks, block_size, 656] uint8
-    fp8_ds_mla or [num_blocks, block_size, 576] bf16, slot_indices [T, K] int32 (−1 or
-    ≥ num_slots = skip) → o [T, H, 512] bf16, lse [T, H] fp32 (natural log; a row with no
-    valid slot gives o = 0, lse = −inf)."""
-    fp8, _, kv = sparse_mla.check_sparse_mla_args(q, kv_cache, slot_indices, kv_lora_rank)
-    num_tokens, num_heads, width = q.shape
-    if (q.dtype != torch.bfloat16 or num_heads % HEADS.value or kv_lora_rank != L.value
-            or width != L.value + R.value):
-        raise ValueError(f"sparse_mla_gluon: needs bf16 q [T, H, {L.value + R.value}] with H a "
-                         f"multiple of {HEADS.value} and kv_lora_rank={L.value}, got "
-                         f"{q.dtype} {tuple(q.shape)}, kv_lora_rank={kv_lora_rank}")
-    if kv_cache.dtype not in (torch.uint8, torch.bfloat16):
-        raise ValueError(f"sparse_mla_gluon: kv_cache must be uint8 (fp8_ds_mla) or bf16, "
-                         f"got {kv_cache.dtype}")
+def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
+           out_lse: torch.Tensor, num_slots: int, scale: float, fp8: bool,
+           blocks_per_split: int) -> None:
+    """The kernel launch `sparse_mla.sparse_mla_fwd` makes when it picks this kernel (arguments
+    checked there, gluon_supported true): q [T, H, 576], kv the cache as the kernel reads it,
+    idx [T, K] int32 with unit last stride → out_o / out_lse as sparse_mla's kernel writes them
+    (o and lse, or the fp32 partials [splits, ...] of splits of blocks_per_split · BLOCK.block_n
+    index positions)."""
     if kv.data_ptr() % 16:
         raise ValueError("sparse_mla_gluon: kv_cache must start on a 16-byte boundary "
                          "(rows are gathered in 16-byte copies)")
     if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
         q = q.contiguous()  # Q rows are copied in 16-byte pieces too
-    idx = slot_indices if slot_indices.stride(1) == 1 else slot_indices.contiguous()
-    topk = idx.shape[1]
-    o = torch.empty(num_tokens, num_heads, L.value, dtype=q.dtype, device=q.device)
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
-    if num_tokens == 0:
-        return o, lse
-
-    build = BUILD
-    head_blocks = num_heads // HEADS.value
-    splits = num_splits or sparse_mla.choose_num_splits(
-        num_tokens * head_blocks, triton.cdiv(topk, SPLIT_KEYS), sparse_mla._num_sms(q.device))
-    blocks_per_split = triton.cdiv(triton.cdiv(topk, build.block_n), splits)
-    if splits > 1:
-        out_o = torch.empty(splits, num_tokens, num_heads, L.value, dtype=torch.float32,
-                            device=q.device)
-        out_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
-                              device=q.device)
-    else:
-        out_o, out_lse = o, lse
-    _sparse_mla_gluon_kernel[(head_blocks, num_tokens, splits)](
+    num_tokens, num_heads, _ = q.shape
+    splits = out_o.shape[0] if out_o.dim() == 4 else 1
+    _sparse_mla_gluon_kernel[(num_heads // HEADS.value, num_tokens, splits)](
         q, kv, idx, out_o, out_lse,
-        num_tokens, num_heads, kv_cache.shape[0] * kv_cache.shape[1], topk,
+        num_tokens, num_heads, num_slots, idx.shape[1],
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
-        KV_FP8=fp8, BN=build.block_n, NBUF=build.num_bufs,
-        PV_REGS=build.pv_regs, GATHER_REGS=build.gather_regs,
-        num_warps=4, maxnreg=build.maxnreg,
+        KV_FP8=fp8, BN=BUILD.block_n, NBUF=BUILD.num_bufs,
+        PV_REGS=BUILD.pv_regs, GATHER_REGS=BUILD.gather_regs,
+        num_warps=4, maxnreg=BUILD.maxnreg,
     )
-    if splits > 1:
-        sparse_mla.merge_splits(out_o, out_lse, o, lse)
-    return o, lse
+
+
+def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
+                         scale: float, kv_lora_rank: int = 512,
+                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla.sparse_mla_fwd` with this kernel forced (ValueError where it does not run)."""
+    config = sparse_mla.SparseMlaConfig(gluon=True, num_splits=num_splits)
+    return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices, scale, kv_lora_rank, config)
