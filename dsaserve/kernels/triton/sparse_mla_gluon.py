@@ -15,13 +15,20 @@ warp-specialized partitions of one warpgroup (4 warps) each:
     softmax (default)    S = Q·Kᵀ [64, BN] (wgmma, Q and K from shared memory), mask, online
                          softmax in base 2; P (bf16) and α = 2^(m_old − m_new) → shared
                                                                               → p_ready
-                         O[:, :256] = α·O + P·K[:, :256]   (P from registers, async)
+                         O[:, :256] = α·O + P·K[:, :256]   (P from shared memory)
     pv      (worker 0)   O[:, 256:] = α·O + P·K[:, 256:]   (P from shared memory)
-    both consumers release the K slot once their P·K of it is done           → k_empty
+    both consumers release the K slot and the P buffer once their P·K is done
+                                                                   → k_empty, p_empty
 
-Per block the softmax warpgroup waits for S of block b and its own P·K of block b − 1, releases
-that K slot, issues S of block b + 1 (the tensor cores run it during this block's softmax),
-then does the softmax and hands P over. Why this split: the accumulator O [64, 512] fp32 takes
+Per block b the softmax warpgroup issues S of block b + 1 and its P·K of block b together,
+waits for S only, does the softmax of b + 1 (beside P·K of b on the tensor cores) and hands its
+P over, then waits for P·K of b, releases that K slot and rescales O by α(b + 1) with no wgmma
+in flight. That order is FlashAttention-3's, and it matters beyond the overlap: a first build
+issued S(b + 1), ran the softmax of b and rescaled O while S(b + 1) was in flight; an
+instruction writing an accumulator register while a wgmma is in flight makes ptxas serialize
+every wgmma of the kernel (its C7515 note: a wait after each of the 36 k-steps of S), and that
+build measured 4.44 ms for the prefill and 154 µs for the FP8 decode below.
+Why this split: the accumulator O [64, 512] fp32 takes
 128 registers per thread per warpgroup, so each consumer owns half of its columns; S, the row
 maxima and sums live in one warpgroup, so no softmax statistic crosses warpgroups (the plain
 Triton kernel reduced them through shared memory with CTA-wide barriers every block) and P
@@ -55,7 +62,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -121,7 +127,6 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
     k_ready, k_empty, p_ready, p_empty, fin = bars
     s_layout: gl.constexpr = _mma_layout(BN)  # S [64, BN]
     o_layout: gl.constexpr = _mma_layout(HALF)  # O [64, 256]
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # [64] per head
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BN] per key
@@ -146,52 +151,41 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
     idx_row = idx_ptr + t * stride_it
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)  # running max (base-2 logits)
     l_i = gl.zeros([HEADS], gl.float32, row_s)  # running Σ 2^(s − m)
-    acc = warpgroup_mma_init(gl.zeros([HEADS, HALF], gl.float32, o_layout))  # O[:, :256]
+    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, :256]
     zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
 
-    # Prologue: S of block 0 in flight (a dummy read of stale shared memory if n_blocks = 0).
+    # Prologue: S of block 0 (a dummy read of stale shared memory if n_blocks = 0, all of it
+    # masked), its softmax, P(0) handed over; α(0) scales the zero accumulator.
     mbarrier.wait(k_ready.index(0), 0, pred=n_blocks > 0)
     fence_async_shared()
-    s_next = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, 0, zero_s)
-    _, valid_cur = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
+    s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, 0, zero_s)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    _, valid = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
+    p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
+    _hand_over(p16, alpha, 0, n_blocks, p_smem, alpha_smem, p_ready, p_empty)
     for b in range(n_blocks):
         ring = b % NBUF
-        # 1. S of block b and P·K of block b − 1 are complete: release the K slot of b − 1
-        # before waiting for block b + 1 (with NBUF = 2 the gather needs that slot for it).
-        s_cur, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
-        mbarrier.arrive(k_empty.index((b + NBUF - 1) % NBUF), pred=b > 0)
-        # S leaves the wgmma registers before the next S is issued into them: a read of them
-        # after the issue (or a copy at the loop edge) makes ptxas serialize every wgmma.
-        s = gl.where(valid_cur[None, :], s_cur * sm_scale_log2, float("-inf"))
-        # 2. Issue S of block b + 1 (stale and discarded past the end): the tensor cores run
-        # it during this block's softmax.
+        pb = b % 2
         nxt = b + 1
+        # 1. S of block b + 1 and O[:, :256] += P(b)·K(b)[:, :256] go to the tensor cores
+        # together (S first); the softmax of b + 1 then runs beside P·K of b. (S of a block
+        # past the end reads a stale slot; its keys are all masked.)
         mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1, pred=nxt < n_blocks)
         fence_async_shared()
-        s_next = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
-        _, valid_nxt = _block_slots(idx_row, first, nxt, topk, num_slots, BN, key_s)
-        # 3. Online softmax (base 2) over the valid keys.
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
-        alpha = gl.exp2(m_i - m_ref)
-        p = gl.exp2(s - m_ref[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        p16 = p.to(gl.bfloat16)
-        # 4. Hand P and α to the other warpgroup (its P buffer of block b − 2 is free).
-        pb = b % 2
-        mbarrier.wait(p_empty.index(pb), ((b // 2) & 1) ^ 1)
-        p_smem.index(pb).store(p16)
-        alpha_smem.index(pb).store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()  # all 128 threads stored before the single-thread arrive
-        mbarrier.arrive(p_ready.index(pb))
-        # 5. O[:, :256] = α·O + P·K[:, :256], left in flight.
+        s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
+        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        _, valid = _block_slots(idx_row, first, nxt, topk, num_slots, BN, key_s)
+        p16, alpha, m_i, l_i = _softmax_step(s, valid & (nxt < n_blocks), m_i, l_i,
+                                             sm_scale_log2)
+        _hand_over(p16, alpha, nxt, n_blocks, p_smem, alpha_smem, p_ready, p_empty)
+        # 2. P·K of block b done: release its K slot and P buffer, then rescale O by α(b + 1)
+        # with no wgmma in flight. (Rescaling while a wgmma runs, as the order "issue S(b + 1),
+        # softmax(b), O·α, P·K" does, makes ptxas serialize every wgmma of the kernel: C7515.)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(k_empty.index(ring))
+        mbarrier.arrive(p_empty.index(pb))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        acc = warpgroup_mma(gl.convert_layout(p16, p_op), k_smem.index(2 * ring), acc,
-                            is_async=True)
-        valid_cur = valid_nxt
-    s_next, acc = warpgroup_mma_wait(0, deps=(s_next, acc))
 
     empty = l_i == 0.0  # no valid slot: acc is 0, so o = 0
     inv_l = 1.0 / gl.where(empty, 1.0, l_i)
@@ -214,6 +208,33 @@ def _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, ring, zero_s):
     s = warpgroup_mma(q_smem.index(0), k_smem.index(2 * ring).permute((1, 0)), s, is_async=True)
     return warpgroup_mma(q_smem.index(1), k_smem.index(2 * ring + 1).permute((1, 0)), s,
                          is_async=True)
+
+
+@gluon.jit
+def _softmax_step(s, valid, m_i, l_i, sm_scale_log2):
+    """Online softmax (base 2) of one block: S [64, BN] fp32 and its keys' validity [BN] →
+    P [64, BN] bf16, α = 2^(m_old − m_new) [64], and the updated running max and sum."""
+    s = gl.where(valid[None, :], s * sm_scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
+    alpha = gl.exp2(m_i - m_ref)
+    p = gl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p.to(gl.bfloat16), alpha, m_new, l_i
+
+
+@gluon.jit
+def _hand_over(p16, alpha, b, n_blocks, p_smem, alpha_smem, p_ready, p_empty):
+    """P and α of block b → P buffer b % 2 for both consumers (once both are done with block
+    b − 2, whose P it held); nothing past the last block."""
+    if b < n_blocks:
+        pb = b % 2
+        mbarrier.wait(p_empty.index(pb), ((b // 2) & 1) ^ 1)
+        p_smem.index(pb).store(p16)
+        alpha_smem.index(pb).store(alpha)
+        fence_async_shared()
+        gl.thread_barrier()  # all 128 threads stored before the single-thread arrive
+        mbarrier.arrive(p_ready.index(pb))
 
 
 @gluon.jit
@@ -269,12 +290,19 @@ def _gather_bf16_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.co
     idx_row = idx_ptr + t * stride_it
     c_lat = gl.arange(0, HALF, gl.SliceLayout(0, lat))
     c_pe = L + gl.arange(0, R, gl.SliceLayout(0, pe))
+    # The slots of block j + 1 are loaded during block j: an index load waited for right
+    # before its row copies put a global-memory round trip on every block (Nsight: a quarter
+    # of this partition's time went to that wait).
+    slot_n, valid_n = _block_slots(idx_row, first, 0, topk, num_slots, BN, gl.SliceLayout(1, lat))
+    slot_pe_n, valid_pe_n = _block_slots(idx_row, first, 0, topk, num_slots, BN,
+                                         gl.SliceLayout(1, pe))
     for j in range(n_blocks):
         ring = j % NBUF
-        slot, valid = _block_slots(idx_row, first, j, topk, num_slots, BN,
-                                   gl.SliceLayout(1, lat))
-        slot_pe, valid_pe = _block_slots(idx_row, first, j, topk, num_slots, BN,
-                                         gl.SliceLayout(1, pe))
+        slot, valid, slot_pe, valid_pe = slot_n, valid_n, slot_pe_n, valid_pe_n
+        slot_n, valid_n = _block_slots(idx_row, first, j + 1, topk, num_slots, BN,
+                                       gl.SliceLayout(1, lat))
+        slot_pe_n, valid_pe_n = _block_slots(idx_row, first, j + 1, topk, num_slots, BN,
+                                             gl.SliceLayout(1, pe))
         rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64)[:, None] * ROW_BF16
         rows_pe = kv_ptr + gl.where(valid_pe, slot_pe, 0).to(gl.int64)[:, None] * ROW_BF16
         mbarrier.wait(k_empty.index(ring), ((j // NBUF) & 1) ^ 1)
@@ -456,7 +484,7 @@ def _sparse_mla_gluon_kernel(
         mbarrier.init(k_empty.index(i), count=2)  # both consumer warpgroups
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_empty.index(i), count=1)
+        mbarrier.init(p_empty.index(i), count=2)  # both consumers read P
     mbarrier.init(fin, count=1)
 
     ptrs = (q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr)
