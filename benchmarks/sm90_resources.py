@@ -20,7 +20,7 @@ import os
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -138,15 +138,19 @@ def sparse_mla_gluon_builds() -> list[Build]:
                ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
                 "stride_it"], [])
     sig |= {"sm_scale_log2": "fp32", "blocks_per_split": "i32"}
-    b = sparse_mla_gluon.BUILD
+    default = sparse_mla_gluon.BUILD
+    other = replace(default, softmax_cols=384 - default.softmax_cols,
+                    pv_regs=456 - default.pv_regs)  # the other split: 128 <-> 256, 240 <-> 216
     builds = []
-    for fp8 in (False, True):
+    for b, fp8 in ((default, False), (default, True), (other, False), (other, True)):
         consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "PV_REGS": b.pv_regs,
-                  "GATHER_REGS": b.gather_regs}
+                  "GATHER_REGS": b.gather_regs, "SCOLS": b.softmax_cols}
         kind_sig = sig | {"kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
         rows = "fp8 rows (staged in the K slots)" if fp8 else "bf16 rows"
         builds.append(Build(f"sparse MLA Gluon {rows}, 64 heads, {b.block_n} rows, K ring "
-                            f"{b.num_bufs}, 3 partitions x 4 warps",
+                            f"{b.num_bufs}, 3 partitions x 4 warps, O columns "
+                            f"{b.softmax_cols} / {512 - b.softmax_cols}, P·V registers "
+                            f"{b.pv_regs}",
                             sparse_mla_gluon._sparse_mla_gluon_kernel,
                             kind_sig | {c: "constexpr" for c in consts}, consts, 4, gluon=True,
                             maxnreg=b.maxnreg))

@@ -15,8 +15,8 @@ warp-specialized partitions of one warpgroup (4 warps) each:
     softmax (default)    S = Q·Kᵀ [64, BN] (wgmma, Q and K from shared memory), mask, online
                          softmax in base 2; P (bf16) and α = 2^(m_old − m_new) → shared
                                                                               → p_ready
-                         O[:, :256] = α·O + P·K[:, :256]   (P from shared memory)
-    pv      (worker 0)   O[:, 256:] = α·O + P·K[:, 256:]   (P from shared memory)
+                         O[:, :128] = α·O + P·K[:, :128]   (P from shared memory)
+    pv      (worker 0)   O[:, 128:] = α·O + P·K[:, 128:]   (P from shared memory)
     both consumers release the K slot and the P buffer once their P·K is done
                                                                    → k_empty, p_empty
 
@@ -26,15 +26,18 @@ P over, then waits for P·K of b, releases that K slot and rescales O by α(b + 
 in flight. That order is FlashAttention-3's, and it matters beyond the overlap: a first build
 issued S(b + 1), ran the softmax of b and rescaled O while S(b + 1) was in flight; an
 instruction writing an accumulator register while a wgmma is in flight makes ptxas serialize
-every wgmma of the kernel (its C7515 note: a wait after each of the 36 k-steps of S), and that
-build measured 4.44 ms for the prefill and 154 µs for the FP8 decode below.
-Why this split: the accumulator O [64, 512] fp32 takes
-128 registers per thread per warpgroup, so each consumer owns half of its columns; S, the row
-maxima and sums live in one warpgroup, so no softmax statistic crosses warpgroups (the plain
-Triton kernel reduced them through shared memory with CTA-wide barriers every block) and P
-crosses once. The price is an uneven split of the tensor work (QK + half of PV against half of
-PV). Every hand-off is an mbarrier (phase parity per ring slot); barriers inside a partition
-are named barriers of its 128 threads, none is CTA-wide.
+every wgmma of the kernel (its C7515 note: a wait after each of the 36 k-steps of S). On an
+H200 that build took 4.44 ms for the prefill of docs/kernels.md and 154 µs for its FP8 decode
+at b = 128; this order takes 3.43 ms and 122 µs.
+
+Why this split: the accumulator O [64, 512] fp32 would take 256 registers per thread in one
+warpgroup, so the two consumers share its columns; S, the row maxima and sums live in one
+warpgroup, so no softmax statistic crosses warpgroups (the plain Triton kernel reduced them
+through shared memory with CTA-wide barriers every block) and P crosses once. The price is an
+uneven split of the tensor work, which the column split evens out in part: QK plus a quarter
+of PV against three quarters of PV (GluonMlaBuild). Every hand-off is an mbarrier (phase
+parity per ring slot); barriers inside a partition are named barriers of its 128 threads, none
+is CTA-wide.
 
 Shared memory, BN = 32: Q 72 KB, a K ring slot 36 KB, P 2 × 4 KB. bf16 rows: NBUF = 4, so the
 gather runs up to 3 blocks ahead of the block being computed (225 KB). fp8 rows: the same
@@ -43,10 +46,11 @@ so dequantizing block b + 2 overlaps the computation of block b. (A first build 
 of 3 beside 2 K slots, 215 KB: the gather could then dequantize block b + 1 only once block
 b − 1 was released, right before the softmax warpgroup waits for b + 1, so release,
 dequantization, S, softmax and P·V formed one serial chain per block; measured on an H200,
-FP8 decode b = 128: 203 µs against 154 µs in place.) Invalid slots
+FP8 decode b = 128: 203 µs against 154 µs in place, both with the serialized wgmmas.) Invalid
+slots
 (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is predicated off and
 zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168; setmaxnreg gives the
-consumers 216 each and the gather 72 (no spills in the sm_90 build).
+softmax warpgroup 192, the P·V one 240 and the gather 72 (no spills in the sm_90 build).
 """
 
 from __future__ import annotations
@@ -119,14 +123,15 @@ def _block_slots(idx_row, first, j, topk, num_slots, BN: gl.constexpr, layout: g
 
 
 @gluon.jit
-def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr,
+                       SCOLS: gl.constexpr):
     q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr = ptrs
     (t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk, stride_qt,
      stride_qh, stride_it, sm_scale_log2) = args
     q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
     k_ready, k_empty, p_ready, p_empty, fin = bars
     s_layout: gl.constexpr = _mma_layout(BN)  # S [64, BN]
-    o_layout: gl.constexpr = _mma_layout(HALF)  # O [64, 256]
+    o_layout: gl.constexpr = _mma_layout(SCOLS)  # O [64, SCOLS]
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # [64] per head
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BN] per key
@@ -151,7 +156,7 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
     idx_row = idx_ptr + t * stride_it
     m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)  # running max (base-2 logits)
     l_i = gl.zeros([HEADS], gl.float32, row_s)  # running Σ 2^(s − m)
-    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, :256]
+    acc = gl.zeros([HEADS, SCOLS], gl.float32, o_layout)  # O[:, :SCOLS]
     zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
 
     # Prologue: S of block 0 (a dummy read of stale shared memory if n_blocks = 0, all of it
@@ -173,7 +178,8 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
         mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1, pred=nxt < n_blocks)
         fence_async_shared()
         s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
-        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring), acc, is_async=True)
+        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(0, SCOLS, dim=1),
+                            acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))
         _, valid = _block_slots(idx_row, first, nxt, topk, num_slots, BN, key_s)
         p16, alpha, m_i, l_i = _softmax_step(s, valid & (nxt < n_blocks), m_i, l_i,
@@ -197,7 +203,7 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
     out_row = (split * num_tokens + t) * num_heads + heads  # [64]
     gl.store(lse_ptr + out_row, lse)
     _store_o(o_ptr, acc * gl.convert_layout(inv_l, row_o)[:, None], split, num_tokens, t,
-             num_heads, head0, 0, o_layout)
+             num_heads, head0, 0, SCOLS, o_layout)
 
 
 @gluon.jit
@@ -238,23 +244,33 @@ def _hand_over(p16, alpha, b, n_blocks, p_smem, alpha_smem, p_ready, p_empty):
 
 
 @gluon.jit
-def _store_o(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, layout: gl.constexpr):
+def _store_o(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, COLS: gl.constexpr,
+             layout: gl.constexpr):
     """o [64, 256] fp32 in `layout` → rows (split, t, head0 + h), columns col0 + c of o_ptr."""
     h = head0 + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
-    c = col0 + gl.arange(0, HALF, gl.SliceLayout(0, layout))
+    c = col0 + gl.arange(0, COLS, gl.SliceLayout(0, layout))
     row = ((split * num_tokens + t) * num_heads + h).to(gl.int64)
     gl.store(o_ptr + row[:, None] * L + c[None, :], o.to(o_ptr.dtype.element_ty))
 
 
 @gluon.jit
-def _pv_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
+def _pv_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr,
+                  SCOLS: gl.constexpr):
+    """O[:, SCOLS:] = α·O + P·K[:, SCOLS:]: the latent half 1 always, and with SCOLS < 256 the
+    columns SCOLS .. 255 of half 0 as a second accumulator (more of the P·V work here, where
+    the softmax warpgroup also computes S)."""
     o_ptr = ptrs[3]
     t, head0, split, first, n_blocks, num_tokens, num_heads = args[:7]
     q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
     k_ready, k_empty, p_ready, p_empty, fin = bars
+    LO: gl.constexpr = HALF - SCOLS  # columns of half 0 taken here
     o_layout: gl.constexpr = _mma_layout(HALF)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, 256:]
+    if LO > 0:
+        lo_layout: gl.constexpr = _mma_layout(LO)
+        row_lo: gl.constexpr = gl.SliceLayout(1, lo_layout)
+        acc_lo = gl.zeros([HEADS, LO], gl.float32, lo_layout)  # O[:, SCOLS:256]
     for b in range(n_blocks):
         ring = b % NBUF
         pb = b % 2
@@ -263,17 +279,27 @@ def _pv_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
         # refilled before we release it); waited for again to order the cp.async writes.
         mbarrier.wait(k_ready.index(ring), (b // NBUF) & 1)
         fence_async_shared()
-        alpha = alpha_smem.index(pb).load(row_o)
-        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring + 1), acc * alpha[:, None],
-                            is_async=True)
+        # Both accumulators are rescaled before either wgmma is issued (C7515, see above).
+        acc = acc * alpha_smem.index(pb).load(row_o)[:, None]
+        if LO > 0:
+            acc_lo = acc_lo * alpha_smem.index(pb).load(row_lo)[:, None]
+            acc_lo = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(SCOLS, LO, dim=1),
+                                   acc_lo, is_async=True)
+        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring + 1), acc, is_async=True)
         # Released at once: holding K of block b into the next iteration would, with a
         # two-slot ring, wait on a block the gather cannot fill before the release.
-        acc = warpgroup_mma_wait(0, deps=(acc,))
+        if LO > 0:
+            acc, acc_lo = warpgroup_mma_wait(0, deps=(acc, acc_lo))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(p_empty.index(pb))
         mbarrier.arrive(k_empty.index(ring))
     mbarrier.wait(fin, 0)
-    inv_l = inv_l_smem.load(row_o)
-    _store_o(o_ptr, acc * inv_l[:, None], split, num_tokens, t, num_heads, head0, HALF, o_layout)
+    _store_o(o_ptr, acc * inv_l_smem.load(row_o)[:, None], split, num_tokens, t, num_heads,
+             head0, HALF, HALF, o_layout)
+    if LO > 0:
+        _store_o(o_ptr, acc_lo * inv_l_smem.load(row_lo)[:, None], split, num_tokens, t,
+                 num_heads, head0, SCOLS, LO, lo_layout)
 
 
 @gluon.jit
@@ -457,7 +483,7 @@ def _sparse_mla_gluon_kernel(
     sm_scale_log2,  # softmax scale · log2(e)
     blocks_per_split,
     KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
-    PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr, SCOLS: gl.constexpr,
 ):
     head0 = gl.program_id(0) * HEADS
     t = gl.program_id(1).to(gl.int64)
@@ -495,14 +521,14 @@ def _sparse_mla_gluon_kernel(
     # Constexprs go inline: a tuple held in a variable turns them into tensors.
     if KV_FP8:  # raw rows staged in the K ring slots, dequantized in place
         gl.warp_specialize([
-            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
-            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF, SCOLS)),
+            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF, SCOLS)),
             (_gather_fp8_in_slot_partition, (ptrs, args, smem, bars, BN, NBUF)),
         ], [4, 4], [PV_REGS, GATHER_REGS])
     else:
         gl.warp_specialize([
-            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF)),
-            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF)),
+            (_softmax_partition, (ptrs, args, smem, bars, BN, NBUF, SCOLS)),
+            (_pv_partition, (ptrs, args, smem, bars, BN, NBUF, SCOLS)),
             (_gather_bf16_partition, (ptrs, args, smem, bars, BN, NBUF)),
         ], [4, 4], [PV_REGS, GATHER_REGS])
 
@@ -518,12 +544,16 @@ class GluonMlaBuild:
     in flight while a third is dequantized).
 
     12 warps at `maxnreg` 168 fill the register file (168 · 384 = 64,512); setmaxnreg then
-    moves registers from the gather warpgroup to the two consumers (each holds 128 accumulator
-    registers; at 208 the fp8 build spills)."""
+    moves registers from the gather warpgroup to the two consumers. The softmax warpgroup,
+    which also computes S, owns 128 output columns (64 accumulator registers, 192 in all), the
+    P·V one the other 384 (192 accumulator registers, 240 in all). Measured on an H200
+    against 256 / 256 (216 registers each): FP8 decode b = 128 119.6 vs 122.2 µs, s_q = 4
+    450.6 vs 455.9 µs, prefill T = 4096 equal (3443 vs 3434 µs)."""
 
     block_n: int = 32  # BN: rows per block; 32 leaves room for a ring deep enough
     num_bufs: int = 4  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
-    pv_regs: int = 216  # registers per thread, P·V warpgroup (the softmax one gets the rest)
+    softmax_cols: int = 128  # output columns of the softmax warpgroup (the P·V one: the rest)
+    pv_regs: int = 240  # registers per thread, P·V warpgroup (the softmax one gets the rest)
     gather_regs: int = 72  # registers per thread, gather warpgroup
     maxnreg: int = 168
 
@@ -569,7 +599,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
         num_tokens, num_heads, num_slots, idx.shape[1],
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
         KV_FP8=fp8, BN=BUILD.block_n, NBUF=BUILD.num_bufs,
-        PV_REGS=BUILD.pv_regs, GATHER_REGS=BUILD.gather_regs,
+        PV_REGS=BUILD.pv_regs, GATHER_REGS=BUILD.gather_regs, SCOLS=BUILD.softmax_cols,
         num_warps=4, maxnreg=BUILD.maxnreg,
     )
 
