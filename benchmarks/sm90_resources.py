@@ -1,6 +1,7 @@
 """Registers, spills and shared memory of the Triton kernels, built for sm_90 on any machine.
 
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
+                                        [--check]
       (parts: sparse_mla, sparse_mla_gluon, indexer, indexer_gluon, row_topk, writers)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
@@ -10,6 +11,11 @@ synchronous one, what Triton falls back to below 64 rows). docs/kernels.md quote
 arguments and strides are declared divisible by 16, as the JIT specializes them at run time for
 the shapes the engine uses; without that Triton emits no cp.async and the numbers would not be
 the ones the GPU runs.
+
+--check exits with status 1 if a build spills, needs more shared memory than an SM has, or
+draws a ptxas note (a serialized wgmma pipeline costs 1.3x in the Gluon sparse MLA kernel and
+is reported as an "info" line only); tests/unit/test_sm90_builds.py runs it for the parts
+whose builds are all clean.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from dsaserve.kernels.triton import (
 )
 
 TARGET = GPUTarget("cuda", 90, 64)
+SHARED_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on an H100 / H200
 
 
 @dataclass(frozen=True)
@@ -89,9 +96,11 @@ def resources(build: Build) -> dict[str, int]:
 
 
 def _ptxas_warnings(ptx: str) -> list[str]:
-    """ptxas -v's warnings on the PTX (C7510–C7515: a wgmma serialized for lack of registers or
-    a pipeline crossing a function boundary), less the one every 255-register build gives
-    ("Too many maxnreg": Triton writes .maxnreg 256, ptxas keeps its limit of 255)."""
+    """ptxas -v's warnings and performance notes on the PTX (C7510–C7515: a wgmma pipeline
+    serialized, e.g. for lack of registers, across a function boundary, or because an
+    accumulator register is written while a wgmma is in flight), less the one every
+    255-register build gives ("Too many maxnreg": Triton writes .maxnreg 256, ptxas keeps its
+    limit of 255)."""
     ptxas = os.path.join(os.path.dirname(_cuobjdump()), "ptxas")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
@@ -246,12 +255,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=",".join(PARTS),
                         help=f"comma-separated parts of {', '.join(PARTS)}")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if a build spills, overflows shared memory or draws a "
+                             "ptxas note")
     args = parser.parse_args()
     unknown = set(args.only.split(",")) - set(PARTS)
     if unknown:
         parser.error(f"--only: unknown part(s) {', '.join(sorted(unknown))}")
     print("| build | warps | shared (B) | registers | stack (B) | wgmma | mma.sync | "
           "setmaxnreg |\n|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
+    failed = []
     for part in args.only.split(","):
         for build in PARTS[part]():
             r = resources(build)
@@ -260,6 +273,11 @@ def main() -> None:
                   flush=True)
             for warning in r["warnings"]:
                 print(f"    ptxas: {warning}", flush=True)
+            if r["stack"] or r["shared"] > SHARED_LIMIT or r["warnings"]:
+                failed.append(build.label)
+    if args.check and failed:
+        print("not clean: " + "; ".join(failed), flush=True)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
