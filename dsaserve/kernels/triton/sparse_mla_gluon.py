@@ -46,11 +46,11 @@ so dequantizing block b + 2 overlaps the computation of block b. (A first build 
 of 3 beside 2 K slots, 215 KB: the gather could then dequantize block b + 1 only once block
 b − 1 was released, right before the softmax warpgroup waits for b + 1, so release,
 dequantization, S, softmax and P·V formed one serial chain per block; measured on an H200,
-FP8 decode b = 128: 203 µs against 154 µs in place, both with the serialized wgmmas.) Invalid
-slots
-(< 0, ≥ num_slots, or past the index row) are never read: their cp.async is predicated off and
-zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168; setmaxnreg gives the
-softmax warpgroup 192, the P·V one 240 and the gather 72 (no spills in the sm_90 build).
+FP8 decode b = 128: 203 µs against 154 µs in place, both with the serialized wgmmas.)
+Invalid slots (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is
+predicated off and zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168;
+setmaxnreg gives the softmax warpgroup 192, the P·V one 240 and the gather 72 (no spills in
+the sm_90 build).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
         ring = b % NBUF
         pb = b % 2
         nxt = b + 1
-        # 1. S of block b + 1 and O[:, :256] += P(b)·K(b)[:, :256] go to the tensor cores
+        # 1. S of block b + 1 and O[:, :SCOLS] += P(b)·K(b)[:, :SCOLS] go to the tensor cores
         # together (S first); the softmax of b + 1 then runs beside P·K of b. (S of a block
         # past the end reads a stale slot; its keys are all masked.)
         mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1, pred=nxt < n_blocks)
@@ -246,7 +246,7 @@ def _hand_over(p16, alpha, b, n_blocks, p_smem, alpha_smem, p_ready, p_empty):
 @gluon.jit
 def _store_o(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, COLS: gl.constexpr,
              layout: gl.constexpr):
-    """o [64, 256] fp32 in `layout` → rows (split, t, head0 + h), columns col0 + c of o_ptr."""
+    """o [64, COLS] fp32 in `layout` → rows (split, t, head0 + h), columns col0 + c of o_ptr."""
     h = head0 + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, COLS, gl.SliceLayout(0, layout))
     row = ((split * num_tokens + t) * num_heads + h).to(gl.int64)
