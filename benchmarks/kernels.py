@@ -172,14 +172,18 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 # Sparse MLA
 # --------------------------------------------------------------------------------------------
-# Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernel;
-# --sweep adds the other Triton shapes.
+# Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
+# (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
+# version; fp8_ds_mla rows take the latter either way); --sweep adds the other Triton shapes.
 MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)]
+MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]
 MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
 
 
-def _mla_label(cfg: SparseMlaConfig) -> str:
-    return "gluon" if cfg.gluon else f"triton (n={cfg.block_n},st={cfg.num_stages})"
+def _mla_label(cfg: SparseMlaConfig, fp8: bool = True) -> str:
+    if not cfg.gluon:
+        return f"triton (n={cfg.block_n},st={cfg.num_stages})"
+    return "gluon ping-pong" if cfg.pingpong and not fp8 else "gluon 32-row"
 
 
 def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
@@ -193,6 +197,7 @@ def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
 
 def best_config(configs, q, cache, idx, flops, label) -> tuple[SparseMlaConfig, float]:
     best, best_ms = configs[0], math.inf
+    fp8 = cache.dtype == torch.uint8
     for cfg in configs:
         try:
             check_config(q, cache, idx, cfg)
@@ -200,7 +205,7 @@ def best_config(configs, q, cache, idx, flops, label) -> tuple[SparseMlaConfig, 
         except Exception as e:  # a configuration that does not compile (resources) is skipped
             print(f"  {label} {cfg}: skipped ({type(e).__name__}: {str(e)[:120]})", flush=True)
             continue
-        print(f"    {label} {_mla_label(cfg)}: {ms * 1e3:.1f} us, "
+        print(f"    {label} {_mla_label(cfg, fp8)}: {ms * 1e3:.1f} us, "
               f"{flops / ms / 1e9:.1f} TFLOP/s", flush=True)
         if ms < best_ms:
             best, best_ms = cfg, ms
@@ -211,7 +216,7 @@ def bench_prefill(quick: bool, sweep: bool) -> None:
     print("sparse MLA prefill (bf16 workspace, 64 heads, top-2048, 128K context)", flush=True)
     cache = torch.randn(1, CONTEXT, L + R, device=DEV, dtype=torch.bfloat16)
     flat = cache.view(CONTEXT, L + R)
-    configs = MLA_CONFIGS + (MLA_SWEEP if sweep else [])
+    configs = MLA_PREFILL_CONFIGS + (MLA_SWEEP if sweep else [])
     best = configs[0]
     for num_tokens in ((4096,) if quick else (4096, 16384)):
         positions = torch.arange(CONTEXT - num_tokens, CONTEXT, device=DEV)
@@ -224,7 +229,7 @@ def bench_prefill(quick: bool, sweep: bool) -> None:
             check_config(q, cache, idx, best)
             ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
         tflops = flops / ms / 1e9
-        add(f"prefill {_mla_label(best)} T={num_tokens}", ms, tflops,
+        add(f"prefill {_mla_label(best, False)} T={num_tokens}", ms, tflops,
             "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
         if num_tokens == 4096:
             torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx, 256),

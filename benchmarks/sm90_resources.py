@@ -2,7 +2,8 @@
 
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
-      (parts: sparse_mla, sparse_mla_gluon, indexer, indexer_gluon, row_topk, writers)
+      (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, indexer, indexer_gluon,
+       row_topk, writers)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -43,6 +44,7 @@ from dsaserve.kernels.triton import (
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
+    sparse_mla_pingpong,
 )
 
 TARGET = GPUTarget("cuda", 90, 64)
@@ -165,6 +167,22 @@ def sparse_mla_gluon_builds() -> list[Build]:
     return builds
 
 
+def sparse_mla_pingpong_builds() -> list[Build]:
+    """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it."""
+    pp = sparse_mla_pingpong
+    sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
+                "lse_ptr": "*fp32"},
+               ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
+                "stride_it"], [])
+    sig |= {"sm_scale_log2": "fp32", "pairs_per_split": "i32"}
+    consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS}
+    return [Build(f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in "
+                  f"two buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / "
+                  f"{pp.WG1_REGS} / {pp.GATHER_REGS}",
+                  pp._sparse_mla_pingpong_kernel, sig | {c: "constexpr" for c in consts},
+                  consts, 4, gluon=True, maxnreg=pp.MAXNREG)]
+
+
 def indexer_builds() -> list[Build]:
     sig = _sig({"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*fp8e4nv",
                 "block_table_ptr": "*i32", "tile_req_ptr": "*i32", "tile_tok_ptr": "*i32",
@@ -246,6 +264,7 @@ def writer_builds() -> list[Build]:
 
 
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
+         "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds}
 

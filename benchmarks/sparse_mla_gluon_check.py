@@ -38,10 +38,16 @@ from benchmarks.kernels import (
     topk_positions,
 )
 from dsaserve.kernels import reference
-from dsaserve.kernels.triton import sparse_mla, sparse_mla_gluon
+from dsaserve.kernels.triton import sparse_mla
 
 # The Triton kernel, whatever the automatic choice would pick.
 TRITON = partial(sparse_mla.sparse_mla_fwd, config=sparse_mla.SparseMlaConfig(gluon=False))
+# The Gluon kernels: the default choice (bf16 rows: the ping-pong kernel), and
+# sparse_mla_gluon.py's kernel for bf16 rows too.
+GLUON = partial(sparse_mla.sparse_mla_fwd, config=sparse_mla.SparseMlaConfig(gluon=True))
+GLUON_32 = partial(sparse_mla.sparse_mla_fwd,
+                   config=sparse_mla.SparseMlaConfig(gluon=True, pingpong=False))
+KERNELS = (("triton", TRITON), ("gluon", GLUON), ("gluon 32-row", GLUON_32))
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # q, cache, idx
 
@@ -100,9 +106,10 @@ def check(label: str, inputs: Inputs, rows: int, num_splits: int | None = None) 
     q, cache, idx = inputs
     q, idx = q[:rows], idx[:rows]
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
-    for name, fn in (("triton", TRITON),
-                     ("gluon", partial(sparse_mla_gluon.sparse_mla_fwd_gluon,
-                                       num_splits=num_splits))):
+    for name, fn in KERNELS:
+        if num_splits is not None and name != "triton":
+            fn = partial(sparse_mla.sparse_mla_fwd, config=sparse_mla.SparseMlaConfig(
+                gluon=True, pingpong=name == "gluon", num_splits=num_splits))
         try:
             o, lse = fn(q, cache, idx, SCALE, L)
             torch.cuda.synchronize()
@@ -122,7 +129,7 @@ def time_case(label: str, make: Callable[[], Inputs], table: list[str]) -> None:
         return
     flops = q.shape[0] * q.shape[1] * idx.shape[1] * FLOP_PER_ROW_HEAD
     cells = []
-    for name, fn in (("triton", TRITON), ("gluon", sparse_mla_gluon.sparse_mla_fwd_gluon)):
+    for name, fn in KERNELS:
         try:
             ms = timed(partial(fn, q, cache, idx, SCALE, L))
             cells.append(f"{ms * 1e3:.1f} | {flops / ms / 1e9:.1f}")
@@ -136,6 +143,7 @@ def time_case(label: str, make: Callable[[], Inputs], table: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="correctness only")
+    parser.add_argument("--prefill", action="store_true", help="time the bf16 prefill only")
     args = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("sparse_mla_gluon_check: needs an sm_90 GPU (H100 / H200)")
@@ -152,10 +160,14 @@ def main() -> None:
     if args.quick:
         return
 
-    table = ["| case | triton µs | triton TFLOP/s | gluon µs | gluon TFLOP/s |",
-             "|---|---:|---:|---:|---:|"]
+    table = ["| case | triton µs | TFLOP/s | gluon µs | TFLOP/s | gluon 32-row µs | TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(table), flush=True)
     time_case("prefill T=4096, bf16 workspace", prefill_inputs, table)
+    if args.prefill:
+        time_case("prefill T=16384, bf16 workspace", partial(prefill_inputs, 16384), table)
+        print("\n" + "\n".join(table))
+        return
     time_case("prefill T=4096, fp8_ds_mla cache", fp8_prefill_inputs, table)
     time_case("FP8 decode b=128 s_q=1", partial(decode_inputs, 128), table)
     time_case("FP8 decode b=32 s_q=1", partial(decode_inputs, 32), table)

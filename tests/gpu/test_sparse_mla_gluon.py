@@ -1,12 +1,13 @@
-"""The Gluon sparse MLA kernel (sm_90 only) against the PyTorch reference, fresh random inputs
-every run; tolerances as in test_kernels_gpu.py (`_check_attention`).
+"""The Gluon sparse MLA kernels (sm_90 only) against the PyTorch reference, fresh random inputs
+every run; tolerances as in test_kernels_gpu.py (`_check_attention`). bf16 rows run the
+ping-pong kernel (sparse_mla_pingpong.py), fp8_ds_mla rows sparse_mla_gluon.py's.
 
 Covers 64 and 128 heads, bf16 and fp8_ds_mla caches, an irregular row count, index rows of 2048
 and of 100 slots, −1 holes, slots past the cache (skipped like −1), rows with no valid slot, and
-decode batches small enough to take the split + merge path (even and uneven splits, a split
-count that is not a power of two, and splits left empty), and one split of 64 blocks checked
-block by block and head tile by head tile. Failure messages name the case, the worst row and
-the worst group of 16 heads. Run on the device machine:
+batches small enough to take the split + merge path (even and uneven splits, a split count
+that is not a power of two, and splits left empty), and one split of 64 blocks checked block
+by block and head tile by head tile. Failure messages name the case, the worst row and the
+worst group of 16 heads. Run on the device machine:
 `pytest -m gpu tests/gpu/test_sparse_mla_gluon.py`.
 """
 
@@ -119,6 +120,38 @@ def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits):
     q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
     _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits}", g, q, cache, idx,
          num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits,topk", [(3, TOPK), (16, 300), (2, 64)])
+def test_pingpong_bf16_splits_match_reference(g, num_splits, topk):
+    """The ping-pong kernel (bf16 rows) on the split + merge path: uneven splits, splits left
+    empty, and an index row shorter than one pair of blocks; 128 heads."""
+    num_tokens, num_slots, heads = 6, 5000, 128
+    cache = base._random_cache(g, num_slots, num_slots, False)
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    contexts[0] = 2
+    idx = base._random_indices(g, num_tokens, contexts, num_slots)[:, :topk].contiguous()
+    idx[3] = -1
+    q = torch.randn(num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
+    _run(f"ping-pong bf16 splits={num_splits} K={topk}", g, q, cache, idx,
+         num_splits=num_splits)
+
+
+def test_pingpong_matches_32_row_gluon_kernel(g):
+    """bf16 rows through both Gluon kernels (ping-pong, and sparse_mla_gluon.py's with 32-row
+    blocks): they agree to bf16 rounding."""
+    from dsaserve.kernels.triton import sparse_mla
+
+    num_tokens, num_slots = 64, 4096
+    cache = base._random_cache(g, num_slots, num_slots, False)
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    idx = base._random_indices(g, num_tokens, contexts, num_slots)
+    q = torch.randn(num_tokens, 64, L + R, device=DEV, generator=g).bfloat16()
+    o, lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L,
+                                       sparse_mla.SparseMlaConfig(gluon=True, num_splits=1))
+    o32, lse32 = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
+        gluon=True, pingpong=False, num_splits=1))
+    _check("ping-pong vs 32-row Gluon kernel, bf16 rows", o, lse, o32.float(), lse32, idx)
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

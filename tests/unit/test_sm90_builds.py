@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 ROOT = Path(__file__).resolve().parents[2]
 # The parts whose every build is clean (the plain Triton sparse MLA and indexer kernels have
 # configurations that spill by design; docs/kernels.md lists them).
-PARTS = "sparse_mla_gluon,indexer_gluon,row_topk,writers"
+PARTS = "sparse_mla_gluon,sparse_mla_pingpong,indexer_gluon,row_topk,writers"
 
 
 def test_hopper_builds_are_clean():
@@ -33,3 +33,4 @@ def test_hopper_builds_are_clean():
          "--check"], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("| sparse MLA Gluon") == 4
+    assert out.stdout.count("| sparse MLA ping-pong") == 1

@@ -51,6 +51,9 @@ class SparseMlaConfig:
     # The Gluon kernel (sparse_mla_gluon.py: sm_90, bf16 q, H a multiple of 64, L = 512,
     # R = 64); None: wherever it runs (it measured faster or even everywhere).
     gluon: bool | None = None
+    # With the Gluon kernel and a bf16 cache: the ping-pong kernel (sparse_mla_pingpong.py)
+    # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
+    pingpong: bool = True
 
 
 def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
@@ -262,20 +265,23 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     if num_tokens == 0:
         return o, lse
 
-    if gluon:  # 64 heads per program, blocks of BUILD.block_n rows
-        from dsaserve.kernels.triton import sparse_mla_gluon
+    if gluon:  # 64 heads per program
+        from dsaserve.kernels.triton import sparse_mla_gluon, sparse_mla_pingpong
 
         block_h, block_n = 64, sparse_mla_gluon.BUILD.block_n
     else:
         block_h, block_n = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads))), cfg.block_n
     head_blocks = triton.cdiv(num_heads, block_h)
-    # Split sizes in units of 64 index positions for the Gluon kernel, as for the default
+    # Split sizes in units of 64 index positions for the Gluon kernels, as for the default
     # Triton shape (a split keeps at least 4 of them).
     split_unit = 64 if gluon else block_n
     splits = cfg.num_splits or choose_num_splits(num_tokens * head_blocks,
                                                  triton.cdiv(topk, split_unit),
                                                  _num_sms(q.device))
-    blocks_per_split = triton.cdiv(triton.cdiv(topk, block_n), splits)
+    # Index positions per split: whole blocks, and for the Gluon kernels whole pairs of the
+    # ping-pong kernel's 64-row blocks (trailing splits may then be empty: o = 0, lse = −inf).
+    unit = sparse_mla_pingpong.PAIR if gluon else block_n
+    per_split = triton.cdiv(triton.cdiv(topk, unit), splits) * unit
     if splits > 1:
         out_o = torch.empty(splits, num_tokens, num_heads, lora, dtype=torch.float32,
                             device=q.device)
@@ -284,9 +290,11 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     else:
         out_o, out_lse = o, lse
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if gluon:
+    if gluon and not fp8 and cfg.pingpong:
+        sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split)
+    elif gluon:
         sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
-                                blocks_per_split)
+                                per_split // block_n)
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](
@@ -295,7 +303,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
             q.stride(0), q.stride(1), idx.stride(0),
             scale * LOG2E,
             L=lora, R=rope, KV_FP8=fp8, ROW=row, BLOCK_H=block_h, BLOCK_N=block_n,
-            NUM_SPLITS=splits, BLOCKS_PER_SPLIT=blocks_per_split, DOT_PRECISION=precision,
+            NUM_SPLITS=splits, BLOCKS_PER_SPLIT=per_split // block_n, DOT_PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if splits > 1:
