@@ -579,6 +579,17 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int =
             and kv_cache.shape[2] == row)
 
 
+def aligned_rows(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """q as the Gluon kernels read it (rows of q and of the cache are copied in 16-byte
+    pieces): q itself, or a contiguous copy; ValueError for a cache off a 16-byte boundary."""
+    if kv.data_ptr() % 16:
+        raise ValueError("sparse_mla: the Gluon kernels need kv_cache on a 16-byte boundary "
+                         "(rows are gathered in 16-byte copies)")
+    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
+        q = q.contiguous()
+    return q
+
+
 def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
            out_lse: torch.Tensor, num_slots: int, scale: float, fp8: bool,
            blocks_per_split: int) -> None:
@@ -587,11 +598,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
     idx [T, K] int32 with unit last stride → out_o / out_lse as sparse_mla's kernel writes them
     (o and lse, or the fp32 partials [splits, ...] of splits of blocks_per_split · BLOCK.block_n
     index positions)."""
-    if kv.data_ptr() % 16:
-        raise ValueError("sparse_mla_gluon: kv_cache must start on a 16-byte boundary "
-                         "(rows are gathered in 16-byte copies)")
-    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-        q = q.contiguous()  # Q rows are copied in 16-byte pieces too
+    q = aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
     _sparse_mla_gluon_kernel[(num_heads // HEADS.value, num_tokens, splits)](

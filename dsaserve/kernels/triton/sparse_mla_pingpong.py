@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from dsaserve.kernels.triton import sparse_mla_gluon
 from dsaserve.kernels.triton.sparse_mla_gluon import (
     HALF,
     HEADS,
@@ -141,6 +142,17 @@ def _signal(bar):
 
 
 @gluon.jit
+def _consumer_state():
+    """A consumer's loop state at the start: running max (−1e30) and sum of its blocks, its O
+    half, and a zero S (the accumulator an S wgmma starts from)."""
+    s_layout: gl.constexpr = _mma_layout(BN)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    return (gl.full([HEADS], MAX_INIT, gl.float32, row_s), gl.zeros([HEADS], gl.float32, row_s),
+            gl.zeros([HEADS, HALF], gl.float32, _mma_layout(HALF)),
+            gl.zeros([HEADS, BN], gl.float32, s_layout))
+
+
+@gluon.jit
 def _wg0_partition(ptrs, args, smem, bars):
     o_ptr, lse_ptr = ptrs[3], ptrs[4]
     (t, head0, split, first, n_pairs, num_tokens, num_heads, num_slots, topk, stride_it,
@@ -153,11 +165,7 @@ def _wg0_partition(ptrs, args, smem, bars):
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = ptrs[2] + t * stride_it
-
-    m_i = gl.full([HEADS], MAX_INIT, gl.float32, row_s)
-    l_i = gl.zeros([HEADS], gl.float32, row_s)
-    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, :256]
-    zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
+    m_i, l_i, acc, zero_s = _consumer_state()  # acc: O[:, :256]
 
     # S0 of pair 0 (a read of stale shared memory when there is none; never used).
     mbarrier.wait(q_ready, 0)
@@ -235,11 +243,7 @@ def _wg1_partition(ptrs, args, smem, bars):
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = ptrs[2] + t * stride_it
-
-    m_i = gl.full([HEADS], MAX_INIT, gl.float32, row_s)
-    l_i = gl.zeros([HEADS], gl.float32, row_s)
-    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, 256:]
-    zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
+    m_i, l_i, acc, zero_s = _consumer_state()  # acc: O[:, 256:]
     mbarrier.wait(q_ready, 0)
     valid = _valid(idx_row, first + BN, topk, num_slots, s_layout)
     for i in range(n_pairs):
@@ -445,11 +449,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
     if positions_per_split % PAIR:
         raise ValueError(f"sparse_mla_pingpong: splits must cover a multiple of {PAIR} "
                          f"index positions, got {positions_per_split}")
-    if kv.data_ptr() % 16:
-        raise ValueError("sparse_mla_pingpong: kv_cache must start on a 16-byte boundary "
-                         "(rows are gathered in 16-byte copies)")
-    if q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:
-        q = q.contiguous()  # Q rows are copied in 16-byte pieces too
+    q = sparse_mla_gluon.aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
     _sparse_mla_pingpong_kernel[(num_heads // HEADS.value, num_tokens, splits)](
