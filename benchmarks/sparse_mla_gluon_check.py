@@ -1,13 +1,15 @@
-"""The Gluon sparse MLA kernel against the Triton one on an H200: correctness, then time.
+"""The Gluon sparse MLA kernels against the Triton one on an H200: correctness, then time.
 
-    PYTHONPATH=. python benchmarks/sparse_mla_gluon_check.py [--quick]
+    PYTHONPATH=. python benchmarks/sparse_mla_gluon_check.py [--quick | --prefill]
 
 1. Correctness against `reference.sparse_mla_paged` on a slice of one prefill shape (bf16
    workspace), an FP8-cache prefill (T = 512 rows, one split: 64 blocks per program, the long
    run through the raw and K rings) and one FP8 decode shape (small batch: split + merge path);
    prints the maximum relative error of o over the rows and of lse.
-2. Timing (medians of `triton.testing.do_bench`, L2 flushed) of `sparse_mla.sparse_mla_fwd` and
-   `sparse_mla_gluon.sparse_mla_fwd_gluon` on the shapes of benchmarks/kernels.py: prefill
+2. Timing (medians of `triton.testing.do_bench`, L2 flushed) of `sparse_mla.sparse_mla_fwd`
+   with the Triton kernel, the Gluon choice (bf16 rows: the ping-pong kernel) and the 32-row
+   Gluon kernel (KERNELS) on the shapes of benchmarks/kernels.py (--prefill: the bf16 prefill
+   at T = 4096 and 16384 only): prefill
    T = 4096 from a 128K-row bf16 workspace and from a 128K-row fp8_ds_mla cache, FP8 decode
    b = 128 and b = 32 (s_q = 1), 64 heads, top-2048; a markdown table of µs and TFLOP/s (2176
    flops per selected row and head).

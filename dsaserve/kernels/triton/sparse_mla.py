@@ -62,8 +62,8 @@ def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
         return False
     from dsaserve.kernels.triton import sparse_mla_gluon  # Hopper only: imported on demand
 
-    # Measured on an H200 (docs/kernels.md): prefill T = 4096 3.44 vs 5.12 ms (bf16 rows);
-    # FP8 decode b = 128 120 vs 200 µs.
+    # Measured on an H200 (docs/kernels.md): prefill T = 4096 2.70 ms (the ping-pong kernel,
+    # bf16 rows) vs 5.11 ms; FP8 decode b = 128 120 vs 200 µs.
     if sparse_mla_gluon.gluon_supported(q, kv_cache, kv_lora_rank):
         return True
     if cfg.gluon:
