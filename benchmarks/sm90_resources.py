@@ -141,14 +141,20 @@ def sparse_mla_builds() -> list[Build]:
     return builds
 
 
-def sparse_mla_gluon_builds() -> list[Build]:
-    """The Gluon kernel as `sparse_mla_gluon.launch` builds it: 4 warps per partition (softmax,
-    P·V, gather), its ring depth and register split, for bf16 and fp8_ds_mla rows."""
+def _gluon_mla_sig(split_arg: str) -> dict[str, str]:
+    """The run-time arguments of both Gluon sparse MLA kernels (bf16 rows; the last one, the
+    split size, is counted in each kernel's own unit)."""
     sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
                 "lse_ptr": "*fp32"},
                ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
                 "stride_it"], [])
-    sig |= {"sm_scale_log2": "fp32", "blocks_per_split": "i32"}
+    return sig | {"sm_scale_log2": "fp32", split_arg: "i32"}
+
+
+def sparse_mla_gluon_builds() -> list[Build]:
+    """The Gluon kernel as `sparse_mla_gluon.launch` builds it: 4 warps per partition (softmax,
+    P·V, gather), its ring depth and register split, for bf16 and fp8_ds_mla rows."""
+    sig = _gluon_mla_sig("blocks_per_split")
     default = sparse_mla_gluon.BUILD
     even = replace(default, softmax_cols=256, pv_regs=216)  # the split it was measured against
     builds = []
@@ -170,11 +176,7 @@ def sparse_mla_gluon_builds() -> list[Build]:
 def sparse_mla_pingpong_builds() -> list[Build]:
     """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it."""
     pp = sparse_mla_pingpong
-    sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
-                "lse_ptr": "*fp32"},
-               ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
-                "stride_it"], [])
-    sig |= {"sm_scale_log2": "fp32", "pairs_per_split": "i32"}
+    sig = _gluon_mla_sig("pairs_per_split")
     consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS}
     return [Build(f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in "
                   f"two buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / "

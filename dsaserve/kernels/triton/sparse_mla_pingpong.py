@@ -142,6 +142,19 @@ def _signal(bar):
 
 
 @gluon.jit
+def _scale_rows(acc, v):
+    """O half [64, 256] · v [64] per head (v in S's row layout)."""
+    return acc * gl.convert_layout(v, gl.SliceLayout(1, _mma_layout(HALF)))[:, None]
+
+
+@gluon.jit
+def _a_operand(p16):
+    """P [64, 64] bf16 (S's layout) as the register A operand of a P·V wgmma."""
+    return gl.convert_layout(p16, gl.DotOperandLayout(operand_index=0, parent=_mma_layout(HALF),
+                                                      k_width=2))
+
+
+@gluon.jit
 def _consumer_state():
     """A consumer's loop state at the start: running max (−1e30) and sum of its blocks, its O
     half, and a zero S (the accumulator an S wgmma starts from)."""
@@ -160,10 +173,7 @@ def _wg0_partition(ptrs, args, smem, bars):
     q_smem, qpe_smem, k_smem, kpe_smem, p1_smem, m_smem, l_smem = smem
     q_ready, k_ready, k_free, m0_ready, m1_ready, s0_ready, s1_ready, fin = bars
     s_layout: gl.constexpr = _mma_layout(BN)
-    o_layout: gl.constexpr = _mma_layout(HALF)
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = ptrs[2] + t * stride_it
     m_i, l_i, acc, zero_s = _consumer_state()  # acc: O[:, :256]
 
@@ -187,11 +197,11 @@ def _wg0_partition(ptrs, args, smem, bars):
         alpha = gl.exp2(m_i - m_own)
         p = gl.exp2(s - m_own[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = _scale_rows(acc, alpha)
         m_smem.index(0).store(m_own)
         _signal(m0_ready)
         # O_left += P0·V0_left, P0 from registers.
-        p_a = gl.convert_layout(p.to(gl.bfloat16), p_op)
+        p_a = _a_operand(p.to(gl.bfloat16))
         acc = warpgroup_mma(p_a, k_smem.index(K0L + z), acc, is_async=True)
         acc, p_a = warpgroup_mma_wait(0, deps=(acc, p_a))
         mbarrier.arrive(k_free.index(K0L))
@@ -204,7 +214,7 @@ def _wg0_partition(ptrs, args, smem, bars):
         _signal(s0_ready)
         # O_left += P1·V1_left once WG1 stored P1.
         mbarrier.wait(s1_ready, phase)
-        acc = acc * gl.convert_layout(beta, row_o)[:, None]
+        acc = _scale_rows(acc, beta)
         l_i = l_i * beta
         acc = warpgroup_mma(p1_smem.index(z), k_smem.index(K1L + z), acc, is_async=True)
         # S0 of pair i + 1 (left columns first: K0 left is refilled first), K1 left released
@@ -221,13 +231,11 @@ def _wg0_partition(ptrs, args, smem, bars):
         s = warpgroup_mma_wait(0, deps=(s,))
 
     l_total = _sum_with_peer(l_i, l_smem, fin, 0, row_s)
-    empty = l_total == 0.0  # no valid slot: acc is 0, so o = 0
-    inv_l = 1.0 / gl.where(empty, 1.0, l_total)
+    empty = l_total == 0.0  # no valid slot
     lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_total))) * LN2)
     heads = head0 + gl.arange(0, HEADS, row_s)
     gl.store(lse_ptr + (split * num_tokens + t) * num_heads + heads, lse)
-    _store_half(o_ptr, acc * gl.convert_layout(inv_l, row_o)[:, None], split, num_tokens, t,
-                num_heads, head0, 0, o_layout)
+    _store_half(o_ptr, acc, l_total, split, num_tokens, t, num_heads, head0, 0)
 
 
 @gluon.jit
@@ -238,10 +246,7 @@ def _wg1_partition(ptrs, args, smem, bars):
     q_smem, qpe_smem, k_smem, kpe_smem, p1_smem, m_smem, l_smem = smem
     q_ready, k_ready, k_free, m0_ready, m1_ready, s0_ready, s1_ready, fin = bars
     s_layout: gl.constexpr = _mma_layout(BN)
-    o_layout: gl.constexpr = _mma_layout(HALF)
-    p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     idx_row = ptrs[2] + t * stride_it
     m_i, l_i, acc, zero_s = _consumer_state()  # acc: O[:, 256:]
     mbarrier.wait(q_ready, 0)
@@ -265,14 +270,14 @@ def _wg1_partition(ptrs, args, smem, bars):
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc = _scale_rows(acc, alpha)
         m_smem.index(1).store(m_new)
         _signal(m1_ready)
         m_i = m_new
         # O_right += P1·V1_right (P1 from registers), P1 → shared memory for WG0, then
         # O_right += P0·V0_right once WG0 stored P0.
         p16 = p.to(gl.bfloat16)
-        p_a = gl.convert_layout(p16, p_op)
+        p_a = _a_operand(p16)
         acc = warpgroup_mma(p_a, k_smem.index(K1R + z), acc, is_async=True)
         p1_smem.index(z).store(p16)
         mbarrier.wait(s0_ready, phase)
@@ -284,10 +289,8 @@ def _wg1_partition(ptrs, args, smem, bars):
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(k_free.index(K0R))
 
-    l_total = _sum_with_peer(l_i, l_smem, fin, 1, row_s)
-    inv_l = 1.0 / gl.where(l_total == 0.0, 1.0, l_total)
-    _store_half(o_ptr, acc * gl.convert_layout(inv_l, row_o)[:, None], split, num_tokens, t,
-                num_heads, head0, HALF, o_layout)
+    _store_half(o_ptr, acc, _sum_with_peer(l_i, l_smem, fin, 1, row_s), split, num_tokens, t,
+                num_heads, head0, HALF)
 
 
 @gluon.jit
@@ -300,8 +303,11 @@ def _sum_with_peer(l_i, l_smem, fin, me: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _store_half(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, layout: gl.constexpr):
-    """o [64, 256] fp32 → rows (split, t, head0 + h), columns col0 … col0 + 255 of o_ptr."""
+def _store_half(o_ptr, acc, l_total, split, num_tokens, t, num_heads, head0, col0):
+    """o = acc / l (acc [64, 256] fp32, one O half; 0 where no slot was valid: acc is 0 there)
+    → rows (split, t, head0 + h), columns col0 … col0 + 255 of o_ptr."""
+    o = _scale_rows(acc, 1.0 / gl.where(l_total == 0.0, 1.0, l_total))
+    layout: gl.constexpr = _mma_layout(HALF)
     h = head0 + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, HALF, gl.SliceLayout(0, layout))
     row = ((split * num_tokens + t) * num_heads + h).to(gl.int64)
