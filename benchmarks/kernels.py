@@ -11,7 +11,8 @@ Measures on the current GPU, in one run:
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
-  topk           the top-k stage alone on those logits (row_topk against torch.topk)
+  topk           the top-k stage alone on those logits (row_topk and the CUDA top-k against
+                 torch.topk)
   writers        fp8_ds_mla and indexer-key cache writers
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 Inputs are random (never zeros); each Triton configuration is checked against the reference on
@@ -21,6 +22,7 @@ a slice of rows before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -33,6 +35,7 @@ import triton
 import triton.testing
 
 from dsaserve.kernels import reference
+from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
 from dsaserve.kernels.triton import index_cache, indexer, mla_cache, row_topk, sparse_mla
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
@@ -297,23 +300,29 @@ def index_meta(seq_lens: list[int], new: list[int], block_size: int = 64):
 
 def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tensor,
                label: str) -> None:
-    """The top-k stage alone: torch.topk on the logits rows against row_topk (threshold from
-    the group maxima, one compaction pass, selection from the short lists). Checked equal
-    first; --sweep also times other segment sizes and the slot-per-key compaction."""
+    """The top-k stage alone: torch.topk on the logits rows against row_topk (Triton: threshold
+    from the group maxima, one compaction pass, selection from the short lists; three launches)
+    and the CUDA kernel (the same in one launch, a block per row). Each checked equal to
+    torch.topk first; --sweep also times other launch shapes."""
     nbytes = float(limits.clamp_max(logits.shape[1]).sum()) * 4
-    ours = row_topk.topk_rows(logits, group_max, limits, TOPK)
     ref = torch.topk(logits, TOPK, 1)
-    ours_first = ours[0].sort(dim=1, descending=True).values  # row_topk's order is arbitrary
-    assert torch.equal(ours_first, ref.values), "row_topk differs from torch.topk"
     ms_torch = timed(partial(torch.topk, logits, TOPK, 1))
     add(f"top-2048 torch.topk {label}", ms_torch, nbytes / ms_torch / 1e9, "TB/s",
         "of logits read")
-    ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK))
-    add(f"top-2048 row_topk {label}", ms, nbytes / ms / 1e9, "TB/s",
-        f"{ms_torch / ms:.1f}x torch.topk")
-    ms = timed(partial(row_topk.topk_rows, logits, group_max, limits, TOPK), graph=True)
-    add(f"top-2048 row_topk {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
-        f"{ms_torch / ms:.1f}x torch.topk")
+    kernels = {"row_topk": partial(row_topk.topk_rows, logits, group_max, limits, TOPK)}
+    if cuda_topk.available():
+        kernels["CUDA topk"] = partial(cuda_topk.topk_rows, logits, group_max, limits, TOPK)
+    else:
+        print(f"    CUDA topk: {cuda_topk.unavailable_reason()}", flush=True)
+    for name, fn in kernels.items():
+        ours_first = fn()[0].sort(dim=1, descending=True).values  # their order is arbitrary
+        assert torch.equal(ours_first, ref.values), f"{name} differs from torch.topk"
+        ms = timed(fn)
+        add(f"top-2048 {name} {label}", ms, nbytes / ms / 1e9, "TB/s",
+            f"{ms_torch / ms:.1f}x torch.topk")
+        ms = timed(fn, graph=True)
+        add(f"top-2048 {name} {label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
+            f"{ms_torch / ms:.1f}x torch.topk")
     if SWEEP:
         variants = [{"segment": seg, "slot_per_key": per_key}
                     for seg in (1024, 2048) for per_key in (False, True)]
@@ -323,9 +332,16 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
             fn = partial(row_topk.topk_rows, logits, group_max, limits, TOPK, **kw)
             assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
             print(f"    row_topk {kw}: {timed(fn, graph=True) * 1e3:.1f} us", flush=True)
+        if "CUDA topk" in kernels:
+            for threads in (512, 1024):
+                fn = partial(cuda_topk.topk_rows, logits, group_max, limits, TOPK,
+                             threads=threads)
+                assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
+                print(f"    CUDA topk {threads} threads: {timed(fn, graph=True) * 1e3:.1f} us",
+                      flush=True)
     if not PROFILE:
-        kernel_times(partial(row_topk.topk_rows, logits, group_max, limits, TOPK),
-                     f"row_topk {label}")
+        for name, fn in kernels.items():
+            kernel_times(fn, f"{name} {label}")
 
 
 def kernel_times(fn: Callable[[], object], label: str) -> None:
@@ -395,9 +411,11 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
         ms, cfg = _best(logits, configs, f"prefill logits H={heads}")
         add(f"indexer prefill logits H={heads} T=4096 S=128K {_label(cfg)}", ms,
             flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
-        ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg), rep_ms=500)
-        add(f"indexer prefill logits+topk H={heads}", ms, flops / ms / 1e9, "TFLOP/s",
-            f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}, top-k by row_topk")
+        for topk_kernel in _topk_kernels():
+            run = dataclasses.replace(cfg, topk_kernel=topk_kernel)
+            ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, run), rep_ms=500)
+            add(f"indexer prefill logits+topk H={heads}, {topk_kernel} top-k", ms,
+                flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
     batch, keys = 64, 65536
     for s_q in ((1,) if quick else (1, 2, 4)):
         meta, cache = index_meta([keys] * batch, [s_q] * batch)
@@ -408,15 +426,38 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
         ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}")
         add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
-        both = partial(indexer.indexer_topk, q, w, cache, meta, TOPK, cfg)
-        ms = timed(both)
-        add(f"indexer decode logits+topk b=64 s_q={s_q}", ms, nbytes / ms / 1e9, "TB/s",
-            "eager: includes the host's launch gaps")
-        ms = timed(both, graph=True)
-        add(f"indexer decode logits+topk b=64 s_q={s_q}, CUDA graph", ms, nbytes / ms / 1e9,
-            "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
-        if s_q == 1:
-            kernel_times(both, "decode logits+topk s_q=1")
+        for topk_kernel in _topk_kernels():
+            run = dataclasses.replace(cfg, topk_kernel=topk_kernel)
+            both = partial(indexer.indexer_topk, q, w, cache, meta, TOPK, run)
+            label = f"indexer decode logits+topk b=64 s_q={s_q}, {topk_kernel} top-k"
+            ms = timed(both)
+            add(label, ms, nbytes / ms / 1e9, "TB/s", "eager: includes the host's launch gaps")
+            ms = timed(both, graph=True)
+            add(f"{label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
+                f"target {TARGET_INDEXER_DECODE_TBS}")
+            if s_q == 1:
+                kernel_times(both, f"decode logits+topk s_q=1, {topk_kernel} top-k")
+        if s_q == 1 and cuda_topk.available():
+            # The CUDA top-k launched as a programmatic dependent of the logits kernel (PDL).
+            pdl = partial(_logits_then_cuda_topk, q, w, cache, meta, cfg, pdl=True)
+            ms = timed(pdl, graph=True)
+            add(f"indexer decode logits+topk b=64 s_q={s_q}, cuda top-k (PDL), CUDA graph", ms,
+                nbytes / ms / 1e9, "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
+
+
+def _logits_then_cuda_topk(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
+                           meta: AttentionMetadata, cfg: indexer.IndexerConfig,
+                           pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    logits, group_max, limits = indexer._logits(q, w, cache, meta, cfg)
+    return cuda_topk.topk_rows(logits, group_max, limits, TOPK, index_dtype=torch.int32, pdl=pdl)
+
+
+def _topk_kernels() -> list[str]:
+    """The top-k kernels to time: the CUDA one where it builds, and the Triton one."""
+    if cuda_topk.available():
+        return ["cuda", "triton"]
+    print(f"    CUDA topk: {cuda_topk.unavailable_reason()}", flush=True)
+    return ["triton"]
 
 
 def bench_topk() -> None:

@@ -352,6 +352,18 @@ def test_topk_rows_overflow_and_ties(k):
     assert sorted(idx[0].tolist()) == [0, 7, 11, 14, 21, 28, 4000, 4999]
 
 
+def test_indexer_topk_kernel_choice(k):
+    """topk_kernel is checked when the config is made; 'cuda' where it cannot run says why
+    instead of falling back silently; None falls back to row_topk."""
+    with pytest.raises(ValueError, match="topk_kernel"):
+        k.indexer.IndexerConfig(topk_kernel="radix")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="topk_kernel='cuda' is unavailable"):
+            k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="cuda"), 8)
+        assert not k.indexer._use_cuda_topk(k.indexer.IndexerConfig(), 8)
+    assert not k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="triton"), 8)
+
+
 def test_e4m3_rounding_is_exact(k):
     """to_e4m3 (through the MLA writer, scale 1) against torch's round-to-nearest-even cast:
     every e4m3 value, every midpoint between neighbours (ties to even), subnormals, ±0."""

@@ -14,8 +14,9 @@ page read from the paged cache serves BLOCK_T·H rows of the fp8 matmul:
         and the max of every row_topk.GROUP keys (what the top-k's threshold is taken from)
       keys at or past a token's causal limit are written as −inf
 
-Top-k then runs over the logits rows: row_topk.topk_rows for rows longer than its candidate
-list (a threshold from the group maxima, one pass), torch.topk otherwise. Keys are this rank's
+Top-k then runs over the logits rows: for rows longer than row_topk's candidate list, the CUDA
+kernel kernels/cuda/topk_rows.cu where it builds, else row_topk.topk_rows (both: a threshold
+from the group maxima, one pass, a short list); torch.topk otherwise. Keys are this rank's
 local sequence
 (layout.context_slots): under DCP a row's keys are the ones this rank owns, and the result is a
 local top-k of (score, global position). The key writer is index_cache.py.
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
+from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.triton import row_topk
 from dsaserve.kernels.triton.mla_cache import pow2_ceil, to_e4m3
@@ -227,7 +229,15 @@ class IndexerConfig:
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
+    # Top-k of long rows: "cuda" (kernels/cuda/topk_rows.cu, one launch, built on first use),
+    # "triton" (row_topk, three launches), None: cuda where it builds (needs nvcc), else triton.
+    topk_kernel: str | None = None
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
+
+    def __post_init__(self) -> None:
+        if self.topk_kernel not in (None, "cuda", "triton"):
+            raise ValueError(f"indexer: topk_kernel must be 'cuda', 'triton' or None, "
+                             f"got {self.topk_kernel!r}")
 
 
 def _check_inputs(q: torch.Tensor, weights: torch.Tensor) -> None:
@@ -356,6 +366,9 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     kk = min(k, length)
     if length > (config.list_len or row_topk.list_size(kk)):
         # Already (−inf, −1) past min(k, limit) chosen keys: no masking ops to add.
+        if _use_cuda_topk(config, kk):
+            return cuda_topk.topk_rows(logits, group_max, limits, kk, group=row_topk.GROUP,
+                                       index_dtype=index_dtype)
         return row_topk.topk_rows(logits, group_max, limits, kk, list_len=config.list_len,
                                   index_dtype=index_dtype)
     values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
@@ -365,6 +378,16 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         values = torch.nn.functional.pad(values, (0, k - kk), value=float("-inf"))
         local = torch.nn.functional.pad(local, (0, k - kk), value=-1)
     return values, local.to(index_dtype)
+
+
+def _use_cuda_topk(config: IndexerConfig, k: int) -> bool:
+    """Whether config picks the CUDA top-k (see IndexerConfig.topk_kernel); builds it once."""
+    if config.topk_kernel == "triton" or k > cuda_topk.MAX_K:
+        return False
+    reason = cuda_topk.unavailable_reason()
+    if config.topk_kernel == "cuda" and reason is not None:
+        raise RuntimeError(f"indexer: topk_kernel='cuda' is unavailable: {reason}")
+    return reason is None
 
 
 def _merge_best(values: torch.Tensor, index: torch.Tensor, k: int,

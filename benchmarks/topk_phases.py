@@ -1,0 +1,47 @@
+"""Where one row's latency goes in the CUDA top-k (kernels/cuda/topk_rows.cu).
+
+    python benchmarks/topk_phases.py [--rows 64] [--keys 65536] [--threads 1024]
+
+Builds the kernel a second time with DSASERVE_TOPK_PHASES (its first and last block print the
+nanoseconds of each phase: caching the group maxima, the threshold, the compaction, the
+selection from the list, the output) and runs it three times on random rows (the first run
+includes the warm-up). The kernel's time as a whole: benchmarks/kernels.py --only topk.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.utils import cpp_extension
+
+from dsaserve.kernels.cuda import topk as cuda_topk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--keys", type=int, default=65536)
+    parser.add_argument("--threads", type=int, default=1024)
+    parser.add_argument("--k", type=int, default=2048)
+    args = parser.parse_args()
+    major, minor = torch.cuda.get_device_capability()
+    cpp_extension.load(name="dsaserve_cuda_phases", sources=[str(p) for p in cuda_topk._SOURCES],
+                       is_python_module=False,
+                       extra_cuda_cflags=["-O3", "-DDSASERVE_TOPK_PHASES",
+                                          f"-gencode=arch=compute_{major}{minor},"
+                                          f"code=sm_{major}{minor}"])
+    logits = torch.randn(args.rows, args.keys, device="cuda")
+    group_max = logits.view(args.rows, -1, 8).amax(2)
+    limits = torch.full((args.rows,), args.keys, device="cuda")
+    values = torch.empty(args.rows, args.k, device="cuda")
+    indices = torch.empty(args.rows, args.k, dtype=torch.int32, device="cuda")
+    for run in range(3):
+        print(f"run {run}", flush=True)
+        torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits, args.k, 8, args.threads,
+                                          False, values, indices)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Exact top-k of long score rows in one launch (topk_rows.cu), and the build of the extension.
+
+Same contract as dsaserve.kernels.triton.row_topk.topk_rows, which it replaces where it builds:
+that one takes three latency-bound launches (a bit-by-bit threshold search, a compaction, a
+selection); this one a thread block per row with shared-memory histograms. Measured on an
+H200 in docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import pathlib
+import shutil
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [pathlib.Path(__file__).with_name("topk_rows.cu")]
+MAX_K = 4096  # the kernel's list length: k ≤ it
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile and load the extension once per process → None, or why it is unavailable."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    from torch.utils import cpp_extension
+
+    if shutil.which("nvcc") is None and not cpp_extension.CUDA_HOME:
+        return "nvcc not found (set CUDA_HOME)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"compute capability {major}.{minor} < 8.0"
+    logger.info("building the CUDA top-k kernel (once; cached under TORCH_EXTENSIONS_DIR)")
+    try:
+        cpp_extension.load(
+            name="dsaserve_cuda", sources=[str(p) for p in _SOURCES], is_python_module=False,
+            extra_cuda_cflags=["-O3",
+                               f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"],
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError) as e:  # a compiler or loader failure
+        logger.warning("the CUDA top-k kernel did not build; the Triton one is used: %s", e)
+        return f"build failed: {e}"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """None when the CUDA kernels can run here, else why not (builds on first call)."""
+    return _build()
+
+
+def available() -> bool:
+    return _build() is None
+
+
+def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torch.Tensor,
+              k: int, *, group: int = 8, index_dtype: torch.dtype = torch.int64,
+              threads: int | None = None, pdl: bool = False,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of each row's visible prefix, in no particular order.
+
+    logits [T, S] fp32 (unit column stride), group_max [T, ceil(S / group)] (max over keys
+    group·g … group·g + group − 1; None: the rows are searched directly), limits [T] int32 or
+    int64 → (values [T, k] fp32, indices [T, k] index_dtype): min(k, limits[t]) chosen keys
+    first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 512 or 1024
+    per row (None: 1024 for up to two rows per multiprocessor, where a row's latency is the cost,
+    else 512, three blocks per multiprocessor). pdl: launch as a programmatic dependent of
+    the kernel before it on the stream (sm_90), so its blocks start while that one finishes.
+    """
+    reason = _build()
+    if reason is not None:
+        raise RuntimeError(f"topk_rows (CUDA): unavailable: {reason}")
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError(f"topk_rows: logits must be fp32 [T, S] with unit column stride, got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    num_rows, seq = logits.shape
+    if not 0 < k <= min(seq, MAX_K):
+        raise ValueError(f"topk_rows: k={k} must be in [1, min(S={seq}, {MAX_K})]")
+    if group_max is not None:
+        num_groups = -(-seq // group)
+        if group_max.dtype != torch.float32 or group_max.shape != (num_rows, num_groups) \
+                or group_max.stride(1) != 1:
+            raise ValueError(f"topk_rows: group_max must be fp32 [{num_rows}, {num_groups}], "
+                             f"got {group_max.dtype} {tuple(group_max.shape)}")
+    if limits.dtype not in (torch.int32, torch.int64) or limits.shape != (num_rows,):
+        raise ValueError(f"topk_rows: limits must be int32 or int64 [{num_rows}], got "
+                         f"{limits.dtype} {tuple(limits.shape)}")
+    if index_dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_rows: index_dtype must be int32 or int64, got {index_dtype}")
+    if threads is None:
+        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
+        threads = 1024 if num_rows <= 2 * sms else 512
+    values = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
+    indices = torch.empty(num_rows, k, dtype=index_dtype, device=logits.device)
+    torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits.contiguous(), k, group, threads,
+                                      pdl, values, indices)
+    return values, indices

@@ -1,0 +1,416 @@
+// Exact top-k of long score rows, one thread block per row (sm_80 and later).
+//
+// The indexer's logits rows are as long as the context (64K-128K keys and more) and k is 2,048.
+// dsaserve/kernels/triton/row_topk.py does this in three launches of one program per row; each
+// is latency-bound (a bit-by-bit search is a chain of block-wide reductions), so a decode step
+// of 64 rows pays ~50 us for them. Here one block does all of it with shared-memory histograms,
+// which Triton does not offer (its histogram is built from ballots):
+//
+//   1. tau <= the k-th largest of the row's group maxima (the logits kernel writes the maximum
+//      of every GROUP keys): at least k groups have a maximum >= tau and each holds a key >= tau,
+//      so the top k keys all score >= tau. Found by a bucket select (below), two passes.
+//   2. One pass over the row: keys >= tau go to a list of C entries in shared memory. Mostly
+//      that is k plus a few (a group whose maximum clears tau rarely has a second key that does).
+//   3. The exact k best of the list by a bucket select over 64-bit entries (score key << 32 |
+//      inverted key index: distinct, ties go to the smaller key index), then written out.
+//
+// Rows whose list would overflow (more than C keys >= tau: clustered or equal scores) and rows
+// too short to have k groups take the exact path instead: the row's own k-th score by a bucket
+// select over the row, the keys above it, then the ties in key order.
+//
+// Bucket select: the keys in play lie in [lo, hi]; a pass counts them in NB equal-width bins of
+// that range (shared-memory atomics), finds the bin holding the wanted rank counting from the top
+// and narrows [lo, hi] to it. The bins follow the keys' actual range (the first range is their
+// min and max), so even keys that share their exponent spread over the bins, and the range
+// shrinks NB-fold per pass: 32-bit keys are exact after three passes.
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cooperative_groups.h>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+#include <cstdint>
+#include <type_traits>
+
+namespace {
+
+// benchmarks/topk_phases.py builds with DSASERVE_TOPK_PHASES: the first and last block print
+// the time each phase took (ns, %globaltimer), to see where a row's latency goes.
+#ifdef DSASERVE_TOPK_PHASES
+#define PHASE(i)                                                                  \
+  if (threadIdx.x == 0) {                                                         \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(phase_ns[i]));              \
+  }
+#else
+#define PHASE(i)
+#endif
+
+constexpr int kBins = 2048;      // NB: bins per bucket-select pass
+constexpr int kList = 4096;      // C: list entries per row (the top-k kernel's k <= C)
+constexpr int kGroupKeys = 16384;  // group maxima cached in shared memory (longer rows re-read)
+
+// fp32 -> uint32 with the same order (-0.0 just below +0.0).
+__device__ __forceinline__ uint32_t sortable(float x) {
+  const uint32_t b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float unsortable(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// A slot from a shared-memory counter, one atomic per warp (the threads that call it together).
+__device__ __forceinline__ int claim(int* counter) {
+  const cooperative_groups::coalesced_group g = cooperative_groups::coalesced_threads();
+  int base = 0;
+  if (g.thread_rank() == 0) base = atomicAdd(counter, int(g.size()));
+  return g.shfl(base, 0) + int(g.thread_rank());
+}
+
+// One list entry: larger = better score, then smaller key index.
+__device__ __forceinline__ uint64_t entry(uint32_t key, uint32_t j) {
+  return (uint64_t(key) << 32) | uint64_t(0xffffffffu - j);
+}
+
+template <int THREADS>
+struct Shared {
+  using Scan = cub::BlockScan<int, THREADS>;
+  using Reduce32 = cub::BlockReduce<uint32_t, THREADS>;
+  using Reduce64 = cub::BlockReduce<uint64_t, THREADS>;
+  union {
+    typename Scan::TempStorage scan;
+    typename Reduce32::TempStorage reduce32;
+    typename Reduce64::TempStorage reduce64;
+  } tmp;
+  int hist[kBins];
+  int count;      // list entries claimed
+  int written;    // output slots claimed
+  int bin;        // the bin a select pass chose
+  int above;      // keys in higher bins than `bin`
+  uint64_t lo, hi;  // broadcast of a min / max reduction
+};
+
+// Dynamic shared memory: Shared, then the list (C uint64) or, before it is needed, the group
+// maxima's keys (kGroupKeys uint32): the two are never live together.
+template <int THREADS>
+constexpr size_t smem_bytes() {
+  constexpr size_t head = (sizeof(Shared<THREADS>) + 15) / 16 * 16;
+  constexpr size_t list = kList * sizeof(uint64_t);
+  constexpr size_t gmax = kGroupKeys * sizeof(uint32_t);
+  return head + (list > gmax ? list : gmax);
+}
+
+struct SelectResult {
+  uint64_t threshold;  // keys >= threshold: the selection (see `ties`)
+  int ties;            // 0: count(key >= threshold) == rank exactly; else count(key > threshold)
+                       // == rank - ties and `ties` more must come from the keys == threshold
+};
+
+// The rank-th largest of the keys that `visit` hands out (rank >= 1, at most their number).
+// visit(f) calls f(key) for this thread's keys; every thread of the block calls this together.
+// passes < 0: until exact; else stop after that many passes with threshold <= the rank-th
+// largest (count(key >= threshold) >= rank), `ties` then meaningless.
+template <int THREADS, typename Key, typename Visit>
+__device__ SelectResult bucket_select(Shared<THREADS>& s, Visit visit, int rank, int passes) {
+  using Reduce = std::conditional_t<sizeof(Key) == 8, typename Shared<THREADS>::Reduce64,
+                                    typename Shared<THREADS>::Reduce32>;
+  constexpr int kPer = kBins / THREADS;  // bins a thread scans, highest first
+  static_assert(kBins % THREADS == 0, "bins must split evenly over the threads");
+  Key lo = ~Key(0), hi = 0;
+  visit([&](Key key) {
+    lo = key < lo ? key : lo;
+    hi = key > hi ? key : hi;
+  });
+  auto& red = *reinterpret_cast<typename Reduce::TempStorage*>(&s.tmp);
+  lo = Reduce(red).Reduce(lo, [](Key a, Key b) { return a < b ? a : b; });
+  __syncthreads();
+  hi = Reduce(red).Reduce(hi, [](Key a, Key b) { return a > b ? a : b; });
+  if (threadIdx.x == 0) {
+    s.lo = lo;
+    s.hi = hi;
+  }
+  __syncthreads();
+  lo = Key(s.lo);
+  hi = Key(s.hi);
+  int in_bin = -1;  // keys in [lo, hi] once a pass has run
+  for (int pass = 0; passes < 0 || pass < passes; ++pass) {
+    if (lo == hi || in_bin == rank) break;
+    const Key width = (hi - lo) / kBins + 1;  // (hi - lo) / width < kBins
+    for (int i = threadIdx.x; i < kBins; i += THREADS) s.hist[i] = 0;
+    __syncthreads();
+    visit([&](Key key) {
+      if (key >= lo && key <= hi) atomicAdd(&s.hist[int((key - lo) / width)], 1);
+    });
+    __syncthreads();
+    int counts[kPer];
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      counts[i] = s.hist[kBins - 1 - (threadIdx.x * kPer + i)];
+      mine += counts[i];
+    }
+    int before;
+    typename Shared<THREADS>::Scan(s.tmp.scan).ExclusiveSum(mine, before);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (before < rank && before + counts[i] >= rank) {
+        s.bin = kBins - 1 - (threadIdx.x * kPer + i);
+        s.above = before;
+      }
+      before += counts[i];
+    }
+    __syncthreads();
+    const int bin = s.bin;
+    rank -= s.above;
+    in_bin = s.hist[bin];
+    lo = lo + Key(bin) * width;
+    hi = (hi - lo) < width - 1 ? hi : lo + (width - 1);
+    __syncthreads();  // s.bin, s.above and s.hist are rewritten by the next pass
+  }
+  // Done: one key value left (its copies beyond `rank` are ties), or the bin holds exactly the
+  // keys wanted, or the pass budget is spent.
+  return {uint64_t(lo), (in_bin == rank || passes >= 0) ? 0 : rank};
+}
+
+// Appends the keys of row[0:limit] that satisfy pred(key) to the list, in no particular order;
+// returns how many satisfied it (entries past kList are not stored).
+template <int THREADS, typename Pred>
+__device__ int compact(Shared<THREADS>& s, uint64_t* list, const float* row, int limit,
+                       bool vec4, Pred pred) {
+  auto keep = [&](float x, int j) {
+    const uint32_t key = sortable(x);
+    if (pred(key)) {
+      const int p = claim(&s.count);
+      if (p < kList) list[p] = entry(key, uint32_t(j));
+    }
+  };
+  if (vec4) {  // 16-byte loads, four in flight per thread
+    const int n4 = limit / 4;
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int base = 0; base < n4; base += 4 * THREADS) {
+      float4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * THREADS + threadIdx.x;
+        v[u] = i < n4 ? __ldcg(row4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int i = base + u * THREADS + threadIdx.x;
+        if (i < n4) {
+          keep(v[u].x, 4 * i);
+          keep(v[u].y, 4 * i + 1);
+          keep(v[u].z, 4 * i + 2);
+          keep(v[u].w, 4 * i + 3);
+        }
+      }
+    }
+    for (int j = 4 * n4 + threadIdx.x; j < limit; j += THREADS) keep(__ldcg(row + j), j);
+  } else {
+    for (int j = threadIdx.x; j < limit; j += THREADS) keep(__ldcg(row + j), j);
+  }
+  __syncthreads();
+  return s.count;
+}
+
+// Calls f(key) for each of this thread's keys of row[0:limit].
+template <int THREADS>
+struct RowKeys {
+  const float* row;
+  int limit;
+  template <typename F>
+  __device__ void operator()(F f) const {
+    for (int j = threadIdx.x; j < limit; j += THREADS) f(sortable(__ldcg(row + j)));
+  }
+};
+
+template <int THREADS, typename Index>
+__global__ void __launch_bounds__(THREADS)
+topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ group_max,
+                 const int64_t* __restrict__ limits64, const int32_t* __restrict__ limits32,
+                 float* __restrict__ values, Index* __restrict__ indices, int64_t stride_l,
+                 int64_t stride_g, int64_t stride_o, int k, int group) {
+  extern __shared__ __align__(16) unsigned char smem[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched with programmatic dependent launch (pdl), this block may start while the kernel
+  // that writes the logits is still finishing: wait for its results here. Otherwise a no-op.
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef DSASERVE_TOPK_PHASES
+  uint64_t phase_ns[6] = {};
+#endif
+  PHASE(0);
+  auto& s = *reinterpret_cast<Shared<THREADS>*>(smem);
+  uint64_t* list = reinterpret_cast<uint64_t*>(smem + (sizeof(Shared<THREADS>) + 15) / 16 * 16);
+  uint32_t* gkeys = reinterpret_cast<uint32_t*>(list);
+  const int64_t r = blockIdx.x;
+  const float* row = logits + r * stride_l;
+  const int limit = int(limits64 ? limits64[r] : limits32[r]);
+  float* out_v = values + r * stride_o;
+  Index* out_i = indices + r * stride_o;
+  const bool vec4 = (stride_l % 4 == 0) && (reinterpret_cast<uintptr_t>(logits) % 16 == 0);
+
+  if (limit <= k) {  // every visible key is chosen, in key order
+    for (int j = threadIdx.x; j < k; j += THREADS) {
+      out_v[j] = j < limit ? row[j] : -INFINITY;
+      out_i[j] = j < limit ? Index(j) : Index(-1);
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    s.count = 0;
+    s.written = 0;
+  }
+  __syncthreads();
+
+  const int num_groups = (limit + group - 1) / group;
+  int count = kList + 1;  // list entries; > kList: take the exact path
+  if (limit <= kList) {  // the whole row fits in the list
+    count = compact(s, list, row, limit, vec4, [](uint32_t) { return true; });
+  } else if (group_max != nullptr && num_groups >= k) {
+    const float* gm = group_max + r * stride_g;
+    const bool cached = num_groups <= kGroupKeys;
+    if (cached) {
+      for (int g = threadIdx.x; g < num_groups; g += THREADS) gkeys[g] = sortable(__ldcg(gm + g));
+      __syncthreads();
+    }
+    PHASE(1);
+    auto visit = [&](auto f) {
+      if (cached) {
+        for (int g = threadIdx.x; g < num_groups; g += THREADS) f(gkeys[g]);
+      } else {
+        for (int g = threadIdx.x; g < num_groups; g += THREADS) f(sortable(__ldcg(gm + g)));
+      }
+    };
+    const uint32_t tau = uint32_t(bucket_select<THREADS, uint32_t>(s, visit, k, 2).threshold);
+    __syncthreads();  // the list overwrites the cached maxima
+    PHASE(2);
+    count = compact(s, list, row, limit, vec4, [tau](uint32_t key) { return key >= tau; });
+    PHASE(3);
+  }
+
+  int ties = 0;
+  uint32_t kth = 0;
+  if (count > kList || count < k) {  // exact path: the row's own k-th key (count < k only if
+                                     // the group maxima do not match the logits)
+    const SelectResult sel =
+        bucket_select<THREADS, uint32_t>(s, RowKeys<THREADS>{row, limit}, k, -1);
+    kth = uint32_t(sel.threshold);
+    ties = sel.ties;
+    if (threadIdx.x == 0) s.count = 0;
+    __syncthreads();
+    count = ties ? compact(s, list, row, limit, vec4, [kth](uint32_t key) { return key > kth; })
+                 : compact(s, list, row, limit, vec4, [kth](uint32_t key) { return key >= kth; });
+  }
+  if (ties) {  // the first `ties` keys equal to kth, in key order, after the `count` above it
+    int taken = 0;
+    for (int base = 0; base < limit && taken < ties; base += THREADS) {
+      const int j = base + threadIdx.x;
+      const int tie = (j < limit && sortable(row[j]) == kth) ? 1 : 0;
+      int before, total;
+      typename Shared<THREADS>::Scan(s.tmp.scan).ExclusiveSum(tie, before, total);
+      if (tie && taken + before < ties) list[count + taken + before] = entry(kth, uint32_t(j));
+      taken += total;
+      __syncthreads();  // the scan's storage is reused
+    }
+    count = k;
+  }
+
+  // The k best of the list's `count` entries (all of them when count == k).
+  uint64_t cut = 0;
+  if (count > k) {
+    auto visit = [&](auto f) {
+      for (int i = threadIdx.x; i < count; i += THREADS) f(list[i]);
+    };
+    cut = bucket_select<THREADS, uint64_t>(s, visit, k, -1).threshold;  // entries are distinct
+  }
+  PHASE(4);
+  for (int i = threadIdx.x; i < count; i += THREADS) {
+    const uint64_t e = list[i];
+    if (e >= cut) {
+      const int p = claim(&s.written);
+      out_v[p] = unsortable(uint32_t(e >> 32));
+      out_i[p] = Index(0xffffffffu - uint32_t(e));
+    }
+  }
+#ifdef DSASERVE_TOPK_PHASES
+  __syncthreads();
+  PHASE(5);
+  if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
+    printf("block %d: list %d | cache maxima %llu, tau %llu, compact %llu, select %llu, "
+           "write %llu ns\n", int(blockIdx.x), count, phase_ns[1] - phase_ns[0],
+           phase_ns[2] - phase_ns[1], phase_ns[3] - phase_ns[2], phase_ns[4] - phase_ns[3],
+           phase_ns[5] - phase_ns[4]);
+  }
+#endif
+}
+
+template <int THREADS, typename Index>
+void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
+            const at::Tensor& limits, int64_t k, int64_t group, bool pdl, at::Tensor& values,
+            at::Tensor& indices, cudaStream_t stream) {
+  auto kernel = topk_rows_kernel<THREADS, Index>;
+  constexpr size_t smem = smem_bytes<THREADS>();
+  // Per device, so set at every launch (a host call of about a microsecond, legal while a CUDA
+  // graph is being captured).
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      int(smem)));
+  const bool gm = group_max.has_value();
+  const bool l64 = limits.scalar_type() == at::kLong;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(logits.size(0)));
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attr;
+  config.numAttrs = pdl ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, kernel, static_cast<const float*>(logits.data_ptr<float>()),
+      static_cast<const float*>(gm ? group_max->data_ptr<float>() : nullptr),
+      static_cast<const int64_t*>(l64 ? limits.data_ptr<int64_t>() : nullptr),
+      static_cast<const int32_t*>(l64 ? nullptr : limits.data_ptr<int32_t>()),
+      values.data_ptr<float>(), indices.data_ptr<Index>(), logits.stride(0),
+      gm ? group_max->stride(0) : int64_t(0), values.stride(0), int(k), int(group)));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The op: fills values [T, k] and indices [T, k] (int32 or int64). Shapes and dtypes are
+// checked by the Python wrapper (dsaserve/kernels/cuda/topk.py); these checks guard the ABI.
+void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
+               const at::Tensor& limits, int64_t k, int64_t group, int64_t threads, bool pdl,
+               at::Tensor& values, at::Tensor& indices) {
+  TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
+                  logits.stride(1) == 1,
+              "topk_rows: logits must be a CUDA fp32 [T, S] tensor with unit column stride");
+  TORCH_CHECK(k >= 1 && k <= kList, "topk_rows: k must be in [1, ", kList, "]");
+  TORCH_CHECK(logits.size(1) < (int64_t(1) << 31), "topk_rows: rows must be < 2^31 keys");
+  TORCH_CHECK(values.stride(0) == indices.stride(0), "topk_rows: outputs must share strides");
+  if (logits.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool i64 = indices.scalar_type() == at::kLong;
+  if (threads == 1024) {
+    i64 ? launch<1024, int64_t>(logits, group_max, limits, k, group, pdl, values, indices, stream)
+        : launch<1024, int32_t>(logits, group_max, limits, k, group, pdl, values, indices, stream);
+  } else {
+    TORCH_CHECK(threads == 512, "topk_rows: threads must be 512 or 1024");
+    i64 ? launch<512, int64_t>(logits, group_max, limits, k, group, pdl, values, indices, stream)
+        : launch<512, int32_t>(logits, group_max, limits, k, group, pdl, values, indices, stream);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(dsaserve_cuda, m) {
+  m.def("topk_rows(Tensor logits, Tensor? group_max, Tensor limits, int k, int group, "
+        "int threads, bool pdl, Tensor(a!) values, Tensor(b!) indices) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve_cuda, CUDA, m) { m.impl("topk_rows", &topk_rows); }
