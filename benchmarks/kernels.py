@@ -437,19 +437,7 @@ def bench_indexer(quick: bool, sweep: bool) -> None:
                 f"target {TARGET_INDEXER_DECODE_TBS}")
             if s_q == 1:
                 kernel_times(both, f"decode logits+topk s_q=1, {topk_kernel} top-k")
-        if s_q == 1 and cuda_topk.available():
-            # The CUDA top-k launched as a programmatic dependent of the logits kernel (PDL).
-            pdl = partial(_logits_then_cuda_topk, q, w, cache, meta, cfg, pdl=True)
-            ms = timed(pdl, graph=True)
-            add(f"indexer decode logits+topk b=64 s_q={s_q}, cuda top-k (PDL), CUDA graph", ms,
-                nbytes / ms / 1e9, "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
 
-
-def _logits_then_cuda_topk(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
-                           meta: AttentionMetadata, cfg: indexer.IndexerConfig,
-                           pdl: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits, group_max, limits = indexer._logits(q, w, cache, meta, cfg)
-    return cuda_topk.topk_rows(logits, group_max, limits, TOPK, index_dtype=torch.int32, pdl=pdl)
 
 
 def _topk_kernels() -> list[str]:

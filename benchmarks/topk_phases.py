@@ -39,7 +39,7 @@ def main() -> None:
     for run in range(3):
         print(f"run {run}", flush=True)
         torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits, args.k, 8, args.threads,
-                                          False, values, indices)
+                                          values, indices)
         torch.cuda.synchronize()
 
 

@@ -58,8 +58,7 @@ def available() -> bool:
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torch.Tensor,
               k: int, *, group: int = 8, index_dtype: torch.dtype = torch.int64,
-              threads: int | None = None, pdl: bool = False,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's visible prefix, in no particular order.
 
     logits [T, S] fp32 (unit column stride), group_max [T, ceil(S / group)] (max over keys
@@ -67,8 +66,7 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
     int64 → (values [T, k] fp32, indices [T, k] index_dtype): min(k, limits[t]) chosen keys
     first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 512 or 1024
     per row (None: 1024 for up to two rows per multiprocessor, where a row's latency is the cost,
-    else 512, three blocks per multiprocessor). pdl: launch as a programmatic dependent of
-    the kernel before it on the stream (sm_90), so its blocks start while that one finishes.
+    else 512, three blocks per multiprocessor).
     """
     reason = _build()
     if reason is not None:
@@ -96,5 +94,5 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
     values = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(num_rows, k, dtype=index_dtype, device=logits.device)
     torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits.contiguous(), k, group, threads,
-                                      pdl, values, indices)
+                                      values, indices)
     return values, indices
