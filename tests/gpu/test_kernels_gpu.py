@@ -43,15 +43,6 @@ L, R, TOPK = 512, 64, 2048
 SCALE = 192**-0.5 * 1.873854  # DeepSeek-V3.2's softmax scale
 
 
-@pytest.fixture
-def g() -> torch.Generator:
-    gen = torch.Generator(device=DEV)
-    seed = torch.seed()
-    gen.manual_seed(seed)
-    print(f"seed {seed}")  # shown on failure
-    return gen
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 

@@ -27,15 +27,6 @@ DEV = "cuda"
 GROUP = 8
 
 
-@pytest.fixture
-def g() -> torch.Generator:
-    gen = torch.Generator(device=DEV)
-    seed = torch.seed()
-    gen.manual_seed(seed)
-    print(f"seed {seed}")  # shown on failure
-    return gen
-
-
 def _masked(logits: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     """−inf at j ≥ limits[t], as the logits kernel writes them."""
     cols = torch.arange(logits.shape[1], device=DEV)[None, :]
