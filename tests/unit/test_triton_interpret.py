@@ -362,6 +362,10 @@ def test_indexer_topk_kernel_choice(k):
             k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="cuda"), 8)
         assert not k.indexer._use_cuda_topk(k.indexer.IndexerConfig(), 8)
     assert not k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="triton"), 8)
+    # CPU logits (the interpreter) never take the CUDA kernel, even on a GPU machine.
+    assert not k.indexer._use_cuda_topk(k.indexer.IndexerConfig(), 8, on_cuda=False)
+    with pytest.raises(RuntimeError, match="not on a GPU"):
+        k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="cuda"), 8, on_cuda=False)
 
 
 def test_e4m3_rounding_is_exact(k):

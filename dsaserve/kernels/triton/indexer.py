@@ -366,7 +366,7 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     kk = min(k, length)
     if length > (config.list_len or row_topk.list_size(kk)):
         # Already (−inf, −1) past min(k, limit) chosen keys: no masking ops to add.
-        if _use_cuda_topk(config, kk):
+        if _use_cuda_topk(config, kk, logits.is_cuda):
             return cuda_topk.topk_rows(logits, group_max, limits, kk, group=row_topk.GROUP,
                                        index_dtype=index_dtype)
         return row_topk.topk_rows(logits, group_max, limits, kk, list_len=config.list_len,
@@ -380,11 +380,12 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     return values, local.to(index_dtype)
 
 
-def _use_cuda_topk(config: IndexerConfig, k: int) -> bool:
-    """Whether config picks the CUDA top-k (see IndexerConfig.topk_kernel); builds it once."""
+def _use_cuda_topk(config: IndexerConfig, k: int, on_cuda: bool = True) -> bool:
+    """Whether config picks the CUDA top-k for logits on the GPU (on_cuda) or not (see
+    IndexerConfig.topk_kernel); builds it once."""
     if config.topk_kernel == "triton" or k > cuda_topk.MAX_K:
         return False
-    reason = cuda_topk.unavailable_reason()
+    reason = cuda_topk.unavailable_reason() if on_cuda else "the logits are not on a GPU"
     if config.topk_kernel == "cuda" and reason is not None:
         raise RuntimeError(f"indexer: topk_kernel='cuda' is unavailable: {reason}")
     return reason is None
