@@ -18,6 +18,7 @@ def test_unavailable_without_cuda() -> None:
         cuda_topk.topk_rows(logits, None, torch.tensor([100, 50]), 10)
 
 
-def test_source_is_packaged() -> None:
-    """The .cu file ships inside the package (it is compiled where the package is installed)."""
+def test_sources_exist() -> None:
+    """The sources the build compiles sit beside topk.py (pyproject.toml ships them as package
+    data, so they are compiled where the package is installed)."""
     assert all(p.is_file() for p in cuda_topk._SOURCES)

@@ -18,7 +18,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).with_name("topk_rows.cu")]
-MAX_K = 4096  # the kernel's list length: k ≤ it
+MAX_K = 4096  # kList in topk_rows.cu, the list length: k ≤ it
 
 
 @functools.cache
