@@ -11,6 +11,7 @@ Measures on the current GPU, in one run:
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
+  indexer_decode the decode rows of `indexer` alone
   topk           the top-k stage alone on those logits (row_topk and the CUDA top-k against
                  torch.topk)
   writers        fp8_ds_mla and indexer-key cache writers
@@ -333,12 +334,15 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
             assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
             print(f"    row_topk {kw}: {timed(fn, graph=True) * 1e3:.1f} us", flush=True)
         if "CUDA topk" in kernels:
-            for threads in (512, 1024):
+            shapes = [(512, 1, False)] + [(1024, c, stage) for c in cuda_topk.CLUSTER_SIZES
+                                          for stage in (False, True)]
+            for threads, cluster, stage in shapes:
                 fn = partial(cuda_topk.topk_rows, logits, group_max, limits, TOPK,
-                             threads=threads)
+                             threads=threads, cluster=cluster, stage=stage)
                 assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
-                print(f"    CUDA topk {threads} threads: {timed(fn, graph=True) * 1e3:.1f} us",
-                      flush=True)
+                print(f"    CUDA topk {threads} threads, {cluster} blocks per row"
+                      f"{', row staged' if stage else ''}: "
+                      f"{timed(fn, graph=True) * 1e3:.1f} us", flush=True)
     if not PROFILE:
         for name, fn in kernels.items():
             kernel_times(fn, f"{name} {label}")
@@ -373,21 +377,23 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
     the head sum; −inf in the same places) before it is timed."""
     best = (math.inf, configs[0])
     ref = fn(config=configs[0])[0]
-    finite = ref.isfinite()
-    ref_finite = ref[finite]
-    atol = 1e-5 * float(ref_finite.abs().max())
     for cfg in configs[1:]:
-        out = fn(config=cfg)[0]
-        assert torch.equal(out.isneginf(), ref.isneginf()), f"{_label(cfg)}: −inf differs"
-        torch.testing.assert_close(out[finite], ref_finite, rtol=1e-5, atol=atol)
-        del out
-    del ref, finite, ref_finite
+        _check_logits(fn(config=cfg)[0], ref, _label(cfg))
+    del ref
     for cfg in configs:
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:
             print(f"    {label} {_label(cfg)}: {ms * 1e3:.1f} us", flush=True)
         best = min(best, (ms, cfg), key=lambda x: x[0])
     return best
+
+
+def _check_logits(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
+    """Same fp8 products: equal up to the fp32 order of the head sum, −inf in the same places."""
+    assert torch.equal(out.isneginf(), ref.isneginf()), f"{label}: −inf differs"
+    finite = ref.isfinite()
+    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5,
+                               atol=1e-5 * float(ref[finite].abs().max()))
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
@@ -397,10 +403,10 @@ def _label(cfg: indexer.IndexerConfig) -> str:
             f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
 
-def bench_indexer(quick: bool, sweep: bool) -> None:
+def bench_indexer(quick: bool, sweep: bool, prefill: bool = True) -> None:
     print("FP8 indexer (pages of 64 x 132 B)", flush=True)
     configs = _indexer_configs(sweep)
-    for heads in ((64,) if quick else (64, 32)):
+    for heads in ((64,) if quick else (64, 32)) if prefill else ():
         num_tokens = 4096
         meta, cache = index_meta([CONTEXT], [num_tokens])
         q = torch.randn(num_tokens, heads, 128, device=DEV, dtype=torch.bfloat16)
@@ -498,8 +504,8 @@ def main() -> None:
         bench_prefill(args.quick, args.sweep)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
-    if "indexer" in parts:
-        bench_indexer(args.quick, args.sweep)
+    if "indexer" in parts or "indexer_decode" in parts:
+        bench_indexer(args.quick, args.sweep, prefill="indexer" in parts)
     if "topk" in parts:
         bench_topk()
     if "writers" in parts:

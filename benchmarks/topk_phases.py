@@ -1,11 +1,12 @@
 """Where one row's latency goes in the CUDA top-k (kernels/cuda/topk_rows.cu).
 
-    python benchmarks/topk_phases.py [--rows 64] [--keys 65536] [--threads 1024]
+    python benchmarks/topk_phases.py [--rows 64] [--keys 65536] [--threads 1024] [--cluster C]
 
-Builds the kernel a second time with DSASERVE_TOPK_PHASES (its first and last block print the
-nanoseconds of each phase: caching the group maxima, the threshold, the compaction, the
-selection from the list, the output) and runs it three times on random rows (the first run
-includes the warm-up). The kernel's time as a whole: benchmarks/kernels.py --only topk.
+Builds the kernel a second time with DSASERVE_TOPK_PHASES (the blocks that finish the first and
+last row print the nanoseconds of each phase: caching the group maxima, the threshold, the
+compaction, the selection from the list, the output) and runs it three times on random rows
+(the first run includes the warm-up). The kernel's time as a whole:
+benchmarks/kernels.py --only topk.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=65536)
     parser.add_argument("--threads", type=int, default=1024)
     parser.add_argument("--k", type=int, default=2048)
+    parser.add_argument("--cluster", type=int, default=None,
+                        help="blocks per row (default: topk.blocks_per_row's choice)")
+    parser.add_argument("--no-stage", action="store_true",
+                        help="the compaction reads the row from memory (topk_rows stage=False)")
     args = parser.parse_args()
     major, minor = torch.cuda.get_device_capability()
     cpp_extension.load(name="dsaserve_cuda_phases", sources=[str(p) for p in cuda_topk._SOURCES],
@@ -34,12 +39,17 @@ def main() -> None:
     logits = torch.randn(args.rows, args.keys, device="cuda")
     group_max = logits.view(args.rows, -1, 8).amax(2)
     limits = torch.full((args.rows,), args.keys, device="cuda")
+    props = torch.cuda.get_device_properties(0)
+    cluster = args.cluster or cuda_topk.blocks_per_row(args.rows, props.multi_processor_count,
+                                                       args.threads, major)
+    print(f"{args.rows} rows of {args.keys} keys, {args.threads} threads, {cluster} blocks per "
+          f"row", flush=True)
     values = torch.empty(args.rows, args.k, device="cuda")
     indices = torch.empty(args.rows, args.k, dtype=torch.int32, device="cuda")
     for run in range(3):
         print(f"run {run}", flush=True)
         torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits, args.k, 8, args.threads,
-                                          values, indices)
+                                          cluster, not args.no_stage, values, indices)
         torch.cuda.synchronize()
 
 

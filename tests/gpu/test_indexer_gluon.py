@@ -25,7 +25,7 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Gluon indexer kernel is built for sm_90", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-import test_kernels_gpu as base  # noqa: E402  (its helpers and `g` fixture, reused)
+import test_kernels_gpu as base  # noqa: E402  (its helpers, reused; `g` is in conftest.py)
 
 from dsaserve.kernels import formats  # noqa: E402
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table  # noqa: E402
@@ -33,7 +33,6 @@ from dsaserve.kernels.triton import index_cache, indexer, indexer_gluon  # noqa:
 from dsaserve.kv import layout  # noqa: E402
 
 DEV = base.DEV
-g = base.g  # the seeded generator fixture
 BLOCK_SIZE, HEAD_DIM = 64, 128
 
 

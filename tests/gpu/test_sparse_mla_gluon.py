@@ -24,13 +24,12 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Gluon sparse MLA kernel is built for sm_90", allow_module_level=True)
 triton = pytest.importorskip("triton")
 
-import test_kernels_gpu as base  # noqa: E402  (its helpers and `g` fixture, reused)
+import test_kernels_gpu as base  # noqa: E402  (its helpers, reused; `g` is in conftest.py)
 
 from dsaserve.kernels import reference  # noqa: E402
 from dsaserve.kernels.triton import sparse_mla_gluon  # noqa: E402
 
 DEV, L, R, SCALE, TOPK = base.DEV, base.L, base.R, base.SCALE, base.TOPK
-g = base.g  # the seeded generator fixture
 
 
 def _past_the_cache(g, idx: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:

@@ -64,16 +64,35 @@ def _check(logits: torch.Tensor, limits: torch.Tensor, k: int, **kw) -> None:
             assert bool((indices[t, n:] == -1).all()) and bool(values[t, n:].isneginf().all())
 
 
-@pytest.mark.parametrize("threads", [512, 1024])
+@pytest.mark.parametrize(("threads", "cluster"), [(512, 1), (1024, 1), (1024, None)])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_random_rows(g: torch.Generator, threads: int, index_dtype: torch.dtype) -> None:
-    """Irregular lengths: ≤ k keys, a whole-row list, too few groups, the threshold path."""
+def test_random_rows(g: torch.Generator, threads: int, cluster: int | None,
+                     index_dtype: torch.dtype) -> None:
+    """Irregular lengths: ≤ k keys, a whole-row list, too few groups, the threshold path (with
+    1024 threads on Hopper: rows longer than the shared-memory stage, read partly from memory;
+    cluster None: 14 rows take 8 blocks each)."""
     seq, k = 70001, 2048
     lengths = [0, 1, 2047, 2048, 2049, 4096, 4097, 9000, 16383, 16384, 16385, 40000, 65536,
                70001]
     limits = torch.tensor(lengths, device=DEV)
     logits = torch.randn(len(lengths), seq, device=DEV, generator=g)
-    _check(logits, limits, k, threads=threads, index_dtype=index_dtype)
+    _check(logits, limits, k, threads=threads, cluster=cluster, index_dtype=index_dtype)
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 8])
+def test_cluster(g: torch.Generator, cluster: int) -> None:
+    """Blocks of a cluster sharing each row's compaction (the decode choice for few rows): every
+    path, with the threshold path's rows long enough that each block has steps to take, and an
+    overflowing row whose list the blocks fill together; each block's share of the row staged
+    in shared memory (Hopper) or read from memory."""
+    seq, k = 70001, 2048
+    lengths = [0, 2047, 2049, 4097, 16384, 16385, 40000, 65536, 70001]
+    limits = torch.tensor(lengths, device=DEV)
+    logits = torch.randn(len(lengths), seq, device=DEV, generator=g)
+    logits[5, 100:3600] += 100.0  # 3500 keys above every other: the list overflows
+    for index_dtype, stage in ((torch.int32, True), (torch.int64, True), (torch.int32, False)):
+        _check(logits, limits, k, threads=1024, cluster=cluster, index_dtype=index_dtype,
+               stage=stage)
 
 
 @pytest.mark.parametrize("k", [1, 100, 2048, 4096])
@@ -110,7 +129,8 @@ def test_large_rows_and_strided(g: torch.Generator) -> None:
 
 
 def test_cuda_graph(g: torch.Generator) -> None:
-    """Capturable: replaying a graph gives the eager result for new data in the same buffers."""
+    """Capturable: replaying a graph gives the eager result for new data in the same buffers
+    (64 rows: two-block clusters on an H100 / H200)."""
     logits = torch.randn(64, 65536, device=DEV, generator=g)
     gm = _group_max(logits)
     limits = torch.full((64,), 65536, device=DEV, dtype=torch.int32)
@@ -135,3 +155,7 @@ def test_bad_input() -> None:
         cuda_topk.topk_rows(logits, torch.zeros(2, 3, device=DEV), limits, 10)
     with pytest.raises(ValueError, match="limits"):
         cuda_topk.topk_rows(logits, None, limits.float(), 10)
+    with pytest.raises(ValueError, match="cluster=3"):
+        cuda_topk.topk_rows(logits, None, limits, 10, cluster=3)
+    with pytest.raises(ValueError, match="cluster=2"):
+        cuda_topk.topk_rows(logits, None, limits, 10, threads=512, cluster=2)

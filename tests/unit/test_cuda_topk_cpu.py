@@ -22,3 +22,16 @@ def test_sources_exist() -> None:
     """The sources the build compiles sit beside topk.py (pyproject.toml ships them as package
     data, so they are compiled where the package is installed)."""
     assert all(p.is_file() for p in cuda_topk._SOURCES)
+
+
+def test_blocks_per_row() -> None:
+    """Clusters only where one block per row would leave multiprocessors idle: 64 decode rows
+    on 132 take 2 blocks each, 16 rows 8; never for 512-thread blocks or before Hopper."""
+    assert cuda_topk.blocks_per_row(64, 132, 1024, 9) == 2
+    assert cuda_topk.blocks_per_row(33, 132, 1024, 9) == 4
+    assert cuda_topk.blocks_per_row(16, 132, 1024, 9) == 8
+    assert cuda_topk.blocks_per_row(1, 132, 1024, 9) == 8
+    assert cuda_topk.blocks_per_row(67, 132, 1024, 9) == 1
+    assert cuda_topk.blocks_per_row(200, 132, 1024, 9) == 1
+    assert cuda_topk.blocks_per_row(16, 132, 512, 9) == 1
+    assert cuda_topk.blocks_per_row(16, 108, 1024, 8) == 1

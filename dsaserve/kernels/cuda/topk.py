@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [pathlib.Path(__file__).with_name("topk_rows.cu")]
 MAX_K = 4096  # kList in topk_rows.cu, the list length: k ≤ it
+CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row the kernel is built for (launch_for in the .cu)
 
 
 @functools.cache
@@ -47,6 +48,15 @@ def _build() -> str | None:
     return None
 
 
+def blocks_per_row(num_rows: int, num_sms: int, threads: int, major: int) -> int:
+    """Blocks sharing a row's compaction (a thread-block cluster; Hopper and later, 1024-thread
+    blocks): the most of CLUSTER_SIZES that keeps one block per multiprocessor, so that a decode
+    batch of few rows still uses the whole GPU (64 rows on 132: 2 per row)."""
+    if threads != 1024 or major < 9:
+        return 1
+    return max(c for c in CLUSTER_SIZES if c == 1 or num_rows * c <= num_sms)
+
+
 def unavailable_reason() -> str | None:
     """None when the CUDA kernels can run here, else why not (builds on first call)."""
     return _build()
@@ -58,7 +68,8 @@ def available() -> bool:
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torch.Tensor,
               k: int, *, group: int = 8, index_dtype: torch.dtype = torch.int64,
-              threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              threads: int | None = None, cluster: int | None = None, stage: bool = True,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's visible prefix, in no particular order.
 
     logits [T, S] fp32 (unit column stride), group_max [T, ceil(S / group)] (max over keys
@@ -66,7 +77,11 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
     int64 → (values [T, k] fp32, indices [T, k] index_dtype): min(k, limits[t]) chosen keys
     first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 512 or 1024
     per row (None: 1024 for up to two rows per multiprocessor, where a row's latency is the cost,
-    else 512, three blocks per multiprocessor).
+    else 512, two blocks per multiprocessor). cluster: blocks per row, 1, 2, 4 or 8 (more than
+    one: a thread-block cluster of 1024-thread blocks, Hopper and later; None: as many as fit
+    one block per multiprocessor, see blocks_per_row). stage: on Hopper, 1024-thread blocks copy
+    their share of the row into shared memory while they search the threshold (False: the
+    compaction reads it from memory; for comparison).
     """
     reason = _build()
     if reason is not None:
@@ -88,11 +103,17 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
                          f"{limits.dtype} {tuple(limits.shape)}")
     if index_dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_rows: index_dtype must be int32 or int64, got {index_dtype}")
+    props = torch.cuda.get_device_properties(logits.device)
     if threads is None:
-        sms = torch.cuda.get_device_properties(logits.device).multi_processor_count
-        threads = 1024 if num_rows <= 2 * sms else 512
+        threads = 1024 if num_rows <= 2 * props.multi_processor_count else 512
+    if cluster is None:
+        cluster = blocks_per_row(num_rows, props.multi_processor_count, threads, props.major)
+    elif cluster not in CLUSTER_SIZES or (cluster > 1 and (threads != 1024 or props.major < 9)):
+        raise ValueError(f"topk_rows: cluster={cluster} must be one of {CLUSTER_SIZES}, and 1 "
+                         f"unless threads=1024 on compute capability ≥ 9.0 (got threads="
+                         f"{threads}, {props.major}.{props.minor})")
     values = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(num_rows, k, dtype=index_dtype, device=logits.device)
     torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits.contiguous(), k, group, threads,
-                                      values, indices)
+                                      cluster, stage, values, indices)
     return values, indices

@@ -15,6 +15,12 @@
 //   3. The exact k best of the list by a bucket select over 64-bit entries (score key << 32 |
 //      inverted key index: distinct, ties go to the smaller key index), then written out.
 //
+// Few rows (decode: 64 on 132 multiprocessors) would leave most of the GPU idle: there a row
+// takes a cluster of 2-8 blocks (sm_90), each finding tau itself and compacting its share of
+// the row into the first block's list through distributed shared memory. On Hopper, a
+// 1024-thread block also copies its share of the row (up to 39K keys) into shared memory with
+// bulk copies while it searches tau, so step 2 reads shared memory, not L2 or DRAM.
+//
 // Rows whose list would overflow (more than C keys >= tau: clustered or equal scores) and rows
 // too short to have k groups take the exact path instead: the row's own k-th score by a bucket
 // select over the row, the keys above it, then the ties in key order.
@@ -34,6 +40,7 @@
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -57,6 +64,10 @@ constexpr int kGroupKeys = 16384;  // group maxima cached in shared memory (long
 // 64 registers (16 spilled there).
 template <int THREADS>
 constexpr int kBatch = THREADS >= 1024 ? 8 : 16;
+// Blocks that stage their share of the row in shared memory (with the launch's room for it):
+// 1024-thread ones, alone on their multiprocessor.
+template <int THREADS>
+constexpr bool kCanStage = THREADS >= 1024;
 // tau may sit below the k-th group maximum by this many maxima: each adds a list entry or
 // two, and stopping the search early saves passes (the list has room: k + 2 * 512 < C).
 constexpr int kTauSlack = 512;
@@ -110,12 +121,14 @@ struct Shared {
   int bin;        // the bin a select pass chose
   int above;      // keys in higher bins than `bin`
   uint64_t lo, hi;  // broadcast of a min / max reduction
+  uint64_t staged;  // mbarrier: the bulk copies of the row into the stage have landed
 };
 
 // Dynamic shared memory: Shared, then the list (C uint64) or, before it is needed, the group
-// maxima's keys (kGroupKeys uint32): the two are never live together.
+// maxima's keys (kGroupKeys uint32): the two are never live together; then, where the launch
+// gives it room, the stage: a copy of the block's share of the row (stage_row).
 template <int THREADS>
-constexpr size_t smem_bytes() {
+__host__ __device__ constexpr size_t smem_bytes() {
   constexpr size_t head = (sizeof(Shared<THREADS>) + 15) / 16 * 16;
   constexpr size_t list = kList * sizeof(uint64_t);
   constexpr size_t gmax = kGroupKeys * sizeof(uint32_t);
@@ -194,26 +207,68 @@ __device__ SelectResult bucket_select(Shared<THREADS>& s, Visit visit, int rank,
   return {uint64_t(lo), (in_bin == rank || slack > 0) ? 0 : rank};
 }
 
-// Appends the keys of row[0:limit] that satisfy pred(key) to the list, in no particular order;
-// returns how many satisfied it (entries past kList are not stored). A thread takes kBatch keys
-// per step (16-byte loads where the row allows, else coalesced scalar ones) and counts
-// its keepers; a warp with any claims its list slots with one atomic after a prefix sum of its
-// threads' counts (a claim per kept key: 26.0 against 20.2 us for the whole decode top-k,
-// with the other changes of that version).
+// Appends the keys j of row[begin:end) that satisfy pred(key) to the list, in no particular
+// order, and adds their number to *count (entries past kList are not stored); the caller
+// synchronizes before reading either. The list and the count may live in another block of the
+// cluster (distributed shared memory). The first n_staged keys of the range (a multiple of 4,
+// begin too) are read from `stage`, a copy in this block's shared memory (stage_row), the rest
+// from the row (16-byte loads where the row allows, else coalesced scalar ones). A thread counts
+// its keepers among a batch of keys (32 staged ones, or kBatch from memory), then its warp claims
+// their list slots with one prefix sum and one atomic (a claim per kept key: 26.0 against
+// 20.2 us for the whole decode top-k, with the other changes of that version).
 template <int THREADS, typename Pred>
-__device__ int compact(Shared<THREADS>& s, uint64_t* list, const float* row, int limit,
-                       bool vec4, Pred pred) {
+__device__ void compact(int* count, uint64_t* list, const float* row, int begin, int end,
+                        bool vec4, const float* stage, int n_staged, Pred pred) {
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kB = kBatch<THREADS>;
+  constexpr int kS = 32;  // staged keys per thread per step: one bit each in `keep`
   const int lane = threadIdx.x & 31;
-  const int n4 = limit / 4;
+  // This thread's first slot of the `mine` its warp claims for it (all lanes call this).
+  auto claim_slots = [&](int mine) {
+    int upto = mine;  // inclusive prefix sum over the warp's lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int n = __shfl_up_sync(kAll, upto, o);
+      if (lane >= o) upto += n;
+    }
+    int slot = 0;
+    if (lane == 31) slot = atomicAdd(count, upto);
+    return __shfl_sync(kAll, slot, 31) + upto - mine;
+  };
+
+  // Staged keys, read twice from shared memory: counted, then the keepers appended.
+  const float4* stage4 = reinterpret_cast<const float4*>(stage);
+  for (int base = 0; base < n_staged; base += kS * THREADS) {  // the same steps in every thread
+    // Staged key e of this thread's step (float4 number e / 4 of the step, lane e % 4).
+    auto at = [&](int e) { return base + 4 * ((e / 4) * THREADS + int(threadIdx.x)) + e % 4; };
+    unsigned keep = 0;
+#pragma unroll
+    for (int u = 0; u < kS / 4; ++u) {
+      if (at(4 * u) < n_staged) {
+        const float4 v = stage4[at(4 * u) / 4];
+        keep |= (unsigned(pred(sortable(v.x))) | unsigned(pred(sortable(v.y))) << 1 |
+                 unsigned(pred(sortable(v.z))) << 2 | unsigned(pred(sortable(v.w))) << 3)
+                << (4 * u);
+      }
+    }
+    const int mine = __popc(keep);
+    if (__any_sync(kAll, mine != 0)) {
+      int slot = claim_slots(mine);
+      for (; keep != 0; keep &= keep - 1, ++slot) {
+        const int j = at(__ffs(keep) - 1);
+        if (slot < kList) list[slot] = entry(sortable(stage[j]), uint32_t(begin + j));
+      }
+    }
+  }
+
+  const int n4 = end / 4;
   const float4* row4 = reinterpret_cast<const float4*>(row);
   // Key e of this thread's batch at `base`.
   auto index = [&](int base, int e) {
     return vec4 ? base + 4 * ((e / 4) * THREADS + int(threadIdx.x)) + e % 4
                 : base + e * THREADS + int(threadIdx.x);
   };
-  for (int base = 0; base < limit; base += kB * THREADS) {  // the same steps in every thread
+  for (int base = begin + n_staged; base < end; base += kB * THREADS) {
     float x[kB];
     if (vec4) {
 #pragma unroll
@@ -222,10 +277,10 @@ __device__ int compact(Shared<THREADS>& s, uint64_t* list, const float* row, int
         float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
         if (i < n4) {
           v = __ldcg(row4 + i);
-        } else if (4 * i < limit) {  // the row's last, partial group of four
+        } else if (4 * i < end) {  // the range's last, partial group of four
           v.x = __ldcg(row + 4 * i);
-          v.y = 4 * i + 1 < limit ? __ldcg(row + 4 * i + 1) : 0.f;
-          v.z = 4 * i + 2 < limit ? __ldcg(row + 4 * i + 2) : 0.f;
+          v.y = 4 * i + 1 < end ? __ldcg(row + 4 * i + 1) : 0.f;
+          v.z = 4 * i + 2 < end ? __ldcg(row + 4 * i + 2) : 0.f;
         }
         x[4 * u] = v.x;
         x[4 * u + 1] = v.y;
@@ -236,25 +291,17 @@ __device__ int compact(Shared<THREADS>& s, uint64_t* list, const float* row, int
 #pragma unroll
       for (int e = 0; e < kB; ++e) {
         const int j = index(base, e);
-        x[e] = j < limit ? __ldcg(row + j) : 0.f;
+        x[e] = j < end ? __ldcg(row + j) : 0.f;
       }
     }
     unsigned keep = 0;  // bit e: key e of the batch is kept
 #pragma unroll
     for (int e = 0; e < kB; ++e) {
-      keep |= unsigned(index(base, e) < limit && pred(sortable(x[e]))) << e;
+      keep |= unsigned(index(base, e) < end && pred(sortable(x[e]))) << e;
     }
     const int mine = __popc(keep);
     if (__any_sync(kAll, mine != 0)) {
-      int upto = mine;  // inclusive prefix sum over the warp's lanes
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_up_sync(kAll, upto, o);
-        if (lane >= o) upto += n;
-      }
-      int slot = 0;
-      if (lane == 31) slot = atomicAdd(&s.count, upto);
-      slot = __shfl_sync(kAll, slot, 31) + upto - mine;
+      int slot = claim_slots(mine);
 #pragma unroll
       for (int e = 0; e < kB; ++e) {
         if (keep >> e & 1) {
@@ -264,8 +311,49 @@ __device__ int compact(Shared<THREADS>& s, uint64_t* list, const float* row, int
       }
     }
   }
-  __syncthreads();
-  return s.count;
+}
+
+// Bulk copies (the TMA unit) of src[0:n] (n a multiple of 4, src 16-byte aligned) into `stage`,
+// in this block's shared memory, completing on the mbarrier `bar` (initialized for one arrival:
+// this call's). One thread calls it; every thread then waits (wait_staged) before reading.
+__device__ __forceinline__ void stage_row(float* stage, const float* src, int n, uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr uint32_t kPiece = 32768;  // bytes per copy instruction
+  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
+  const uint32_t dst = uint32_t(__cvta_generic_to_shared(stage));
+  const uint32_t bytes = uint32_t(n) * 4;
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
+               : "memory");
+  for (uint32_t off = 0; off < bytes; off += kPiece) {
+    const uint32_t size = bytes - off < kPiece ? bytes - off : kPiece;
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(dst + off), "l"(reinterpret_cast<const char*>(src) + off), "r"(size), "r"(b)
+        : "memory");
+  }
+#endif
+}
+
+__device__ __forceinline__ void wait_staged(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done) : "r"(b) : "memory");
+  }
+#endif
+}
+
+__device__ __forceinline__ void init_stage_barrier(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
+                   uint32_t(__cvta_generic_to_shared(bar)))
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
 }
 
 // Calls f(key) for each of this thread's keys of row[0:limit].
@@ -279,12 +367,33 @@ struct RowKeys {
   }
 };
 
-template <int THREADS, typename Index>
+// A row's blocks: CL of them form a thread-block cluster (sm_90) where rows are too few to fill
+// the GPU with one block each (decode: 64 rows on 132 multiprocessors). Each finds tau itself
+// (the group maxima are 1/8 of the row: cheaper to read twice than to share), compacts its
+// share of the row into the list of the cluster's first block through distributed shared
+// memory, and leaves the rest to that block. CL == 1 needs no cluster (sm_80 too).
+struct Cluster {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __device__ static int rank() { return int(cooperative_groups::this_cluster().block_rank()); }
+  __device__ static void sync() { cooperative_groups::this_cluster().sync(); }
+  template <typename T>
+  __device__ static T* first(T* p) {  // the same shared-memory object in the first block
+    return cooperative_groups::this_cluster().map_shared_rank(p, 0);
+  }
+#else  // never launched with CL > 1 below sm_90 (topk.py picks 1 there)
+  __device__ static int rank() { return 0; }
+  __device__ static void sync() { __trap(); }
+  template <typename T>
+  __device__ static T* first(T* p) { return p; }
+#endif
+};
+
+template <int THREADS, int CL, typename Index>
 __global__ void __launch_bounds__(THREADS)
 topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ group_max,
                  const int64_t* __restrict__ limits64, const int32_t* __restrict__ limits32,
                  float* __restrict__ values, Index* __restrict__ indices, int64_t stride_l,
-                 int64_t stride_g, int64_t stride_o, int k, int group) {
+                 int64_t stride_g, int64_t stride_o, int k, int group, int stage_keys) {
   extern __shared__ __align__(16) unsigned char smem[];
 #ifdef DSASERVE_TOPK_PHASES
   uint64_t phase_ns[6] = {};
@@ -293,12 +402,20 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
   auto& s = *reinterpret_cast<Shared<THREADS>*>(smem);
   uint64_t* list = reinterpret_cast<uint64_t*>(smem + (sizeof(Shared<THREADS>) + 15) / 16 * 16);
   uint32_t* gkeys = reinterpret_cast<uint32_t*>(list);
-  const int64_t r = blockIdx.x;
+  float* stage = reinterpret_cast<float*>(smem + smem_bytes<THREADS>());
+  const int64_t r = blockIdx.x / CL;
+  const int rank = CL > 1 ? Cluster::rank() : 0;
   const float* row = logits + r * stride_l;
   const int limit = int(limits64 ? limits64[r] : limits32[r]);
   float* out_v = values + r * stride_o;
   Index* out_i = indices + r * stride_o;
   const bool vec4 = (stride_l % 4 == 0) && (reinterpret_cast<uintptr_t>(logits) % 16 == 0);
+  // The threshold path (the only one the blocks of a cluster share): every block of the row
+  // takes the same branches, so all of them or none reach the cluster barriers.
+  const bool by_tau = limit > kList && group_max != nullptr && (limit + group - 1) / group >= k;
+  if constexpr (CL > 1) {
+    if (rank != 0 && !by_tau) return;
+  }
 
   if (limit <= k) {  // every visible key is chosen, in key order
     for (int j = threadIdx.x; j < k; j += THREADS) {
@@ -307,17 +424,39 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     }
     return;
   }
+  // The threshold path: this block's share of the row, [begin, end) (multiples of 4 but for
+  // the row's end), and as much of it as the stage holds (Hopper, 1024 threads), copied there
+  // while tau is searched: issued once the group maxima are in, which tau needs first (issued
+  // before them, the copy delayed them by 1.5 us). (A function, called where needed: values
+  // kept live across the search spilled registers.)
+  struct Share {
+    int begin, end, staged;
+  };
+  auto share_of_row = [&]() {
+    const int per_block = (limit + 4 * CL - 1) / (4 * CL) * 4;
+    const int begin = min(rank * per_block, limit);
+    const int end = min(begin + per_block, limit);
+    return Share{begin, end, kCanStage<THREADS> && vec4 ? min(end - begin, stage_keys) / 4 * 4
+                                                        : 0};
+  };
   if (threadIdx.x == 0) {
     s.count = 0;
     s.written = 0;
   }
   __syncthreads();
+  // This block alone: the list's entries once compaction is done.
+  auto compact_here = [&](auto pred) {
+    compact<THREADS>(&s.count, list, row, 0, limit, vec4, stage, 0, pred);
+    __syncthreads();
+    return s.count;
+  };
 
+  // (Computed here, not above: earlier, it pushed the 1024-thread build past 64 registers.)
   const int num_groups = (limit + group - 1) / group;
   int count = kList + 1;  // list entries; > kList: take the exact path
   if (limit <= kList) {  // the whole row fits in the list
-    count = compact(s, list, row, limit, vec4, [](uint32_t) { return true; });
-  } else if (group_max != nullptr && num_groups >= k) {
+    count = compact_here([](uint32_t) { return true; });
+  } else if (by_tau) {
     const float* gm = group_max + r * stride_g;
     const bool cached = num_groups <= kGroupKeys;
     if (cached) {  // eight loads in flight per thread
@@ -336,6 +475,10 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
       }
       __syncthreads();
     }
+    if (threadIdx.x == 0 && share_of_row().staged > 0) {  // waited for after the search
+      init_stage_barrier(&s.staged);
+      stage_row(stage, row + share_of_row().begin, share_of_row().staged, &s.staged);
+    }
     PHASE(1);
     auto visit = [&](auto f) {
       if (cached) {
@@ -346,9 +489,26 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     };
     const uint32_t tau =
         uint32_t(bucket_select<THREADS, uint32_t>(s, visit, k, kTauSlack).threshold);
-    __syncthreads();  // the list overwrites the cached maxima
     PHASE(2);
-    count = compact(s, list, row, limit, vec4, [tau](uint32_t key) { return key >= tau; });
+    auto above = [tau](uint32_t key) { return key >= tau; };
+    const Share mine = share_of_row();
+    if (mine.staged > 0) wait_staged(&s.staged);
+    if constexpr (CL == 1) {
+      __syncthreads();  // the list overwrites the cached maxima
+      compact<THREADS>(&s.count, list, row, mine.begin, mine.end, vec4, stage, mine.staged,
+                       above);
+      __syncthreads();
+      count = s.count;
+    } else {
+      // The first block's count is 0 and its maxima read (its list overwrites them) before
+      // any block appends; every append has landed before it reads the list.
+      Cluster::sync();
+      compact<THREADS>(Cluster::first(&s.count), Cluster::first(list), row, mine.begin,
+                       mine.end, vec4, stage, mine.staged, above);
+      Cluster::sync();
+      if (rank != 0) return;
+      count = s.count;
+    }
     PHASE(3);
   }
 
@@ -362,8 +522,8 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     ties = sel.ties;
     if (threadIdx.x == 0) s.count = 0;
     __syncthreads();
-    count = ties ? compact(s, list, row, limit, vec4, [kth](uint32_t key) { return key > kth; })
-                 : compact(s, list, row, limit, vec4, [kth](uint32_t key) { return key >= kth; });
+    count = ties ? compact_here([kth](uint32_t key) { return key > kth; })
+                 : compact_here([kth](uint32_t key) { return key >= kth; });
   }
   if (ties) {  // the first `ties` keys equal to kth, in key order, after the `count` above it
     int taken = 0;
@@ -399,40 +559,90 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
 #ifdef DSASERVE_TOPK_PHASES
   __syncthreads();
   PHASE(5);
-  if (threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1)) {
-    printf("block %d: list %d | cache maxima %llu, tau %llu, compact %llu, select %llu, "
-           "write %llu ns\n", int(blockIdx.x), count, phase_ns[1] - phase_ns[0],
+  if (threadIdx.x == 0 && (r == 0 || r == gridDim.x / CL - 1)) {
+    printf("row %d: list %d | cache maxima %llu, tau %llu, compact %llu, select %llu, "
+           "write %llu ns\n", int(r), count, phase_ns[1] - phase_ns[0],
            phase_ns[2] - phase_ns[1], phase_ns[3] - phase_ns[2], phase_ns[4] - phase_ns[3],
            phase_ns[5] - phase_ns[4]);
   }
 #endif
 }
 
-template <int THREADS, typename Index>
+template <int THREADS, int CL, typename Index>
 void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
-            const at::Tensor& limits, int64_t k, int64_t group, at::Tensor& values,
+            const at::Tensor& limits, int64_t k, int64_t group, bool stage, at::Tensor& values,
             at::Tensor& indices, cudaStream_t stream) {
-  auto kernel = topk_rows_kernel<THREADS, Index>;
-  constexpr size_t smem = smem_bytes<THREADS>();
+  auto kernel = topk_rows_kernel<THREADS, CL, Index>;
+  // 1024-thread blocks own their multiprocessor (64 registers each take the whole register
+  // file), so on Hopper they also take the shared memory left for a stage of the row (bulk
+  // copies, sm_90): up to 39K keys of each block's share.
+  int device = 0, major = 0, optin = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  int stage_keys = 0;
+  if (stage && THREADS == 1024 && major >= 9 && optin > int(smem_bytes<THREADS>())) {
+    const int64_t share = (logits.size(1) + 4 * CL - 1) / (4 * CL) * 4;
+    stage_keys = int(std::min<int64_t>(share, (optin - int(smem_bytes<THREADS>())) / 16 * 4));
+  }
+  const size_t smem = smem_bytes<THREADS>() + size_t(stage_keys) * sizeof(float);
   // Per device, so set at every launch (a host call of about a microsecond, legal while a CUDA
   // graph is being captured).
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       int(smem)));
   const bool gm = group_max.has_value();
   const bool l64 = limits.scalar_type() == at::kLong;
-  kernel<<<logits.size(0), THREADS, smem, stream>>>(
-      logits.data_ptr<float>(), gm ? group_max->data_ptr<float>() : nullptr,
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = CL;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(logits.size(0) * CL));
+  config.blockDim = dim3(THREADS);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = CL > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, kernel, logits.data_ptr<float>(), gm ? group_max->data_ptr<float>() : nullptr,
       l64 ? limits.data_ptr<int64_t>() : nullptr, l64 ? nullptr : limits.data_ptr<int32_t>(),
       values.data_ptr<float>(), indices.data_ptr<Index>(), logits.stride(0),
-      gm ? group_max->stride(0) : 0, values.stride(0), int(k), int(group));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+      gm ? group_max->stride(0) : int64_t(0), values.stride(0), int(k), int(group),
+      stage_keys));
+}
+
+template <typename Index>
+void launch_for(int64_t threads, int64_t cluster, bool stage, const at::Tensor& logits,
+                const c10::optional<at::Tensor>& group_max, const at::Tensor& limits, int64_t k,
+                int64_t group, at::Tensor& values, at::Tensor& indices, cudaStream_t stream) {
+#define DSASERVE_LAUNCH(T, C) \
+  return launch<T, C, Index>(logits, group_max, limits, k, group, stage, values, indices, stream)
+  if (threads == 512) {
+    TORCH_CHECK(cluster == 1, "topk_rows: clusters take 1024 threads per block");
+    DSASERVE_LAUNCH(512, 1);
+  }
+  TORCH_CHECK(threads == 1024, "topk_rows: threads must be 512 or 1024");
+  switch (cluster) {
+    case 1:
+      DSASERVE_LAUNCH(1024, 1);
+    case 2:
+      DSASERVE_LAUNCH(1024, 2);
+    case 4:
+      DSASERVE_LAUNCH(1024, 4);
+    case 8:
+      DSASERVE_LAUNCH(1024, 8);
+    default:
+      TORCH_CHECK(false, "topk_rows: cluster must be 1, 2, 4 or 8, got ", cluster);
+  }
+#undef DSASERVE_LAUNCH
 }
 
 // The op: fills values [T, k] and indices [T, k] (int32 or int64). Shapes and dtypes are
 // checked by the Python wrapper (dsaserve/kernels/cuda/topk.py); these checks guard the ABI.
 void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
                const at::Tensor& limits, int64_t k, int64_t group, int64_t threads,
-               at::Tensor& values, at::Tensor& indices) {
+               int64_t cluster, bool stage, at::Tensor& values, at::Tensor& indices) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "topk_rows: logits must be a CUDA fp32 [T, S] tensor with unit column stride");
@@ -442,14 +652,12 @@ void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_
   if (logits.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool i64 = indices.scalar_type() == at::kLong;
-  if (threads == 1024) {
-    i64 ? launch<1024, int64_t>(logits, group_max, limits, k, group, values, indices, stream)
-        : launch<1024, int32_t>(logits, group_max, limits, k, group, values, indices, stream);
+  if (indices.scalar_type() == at::kLong) {
+    launch_for<int64_t>(threads, cluster, stage, logits, group_max, limits, k, group, values,
+                        indices, stream);
   } else {
-    TORCH_CHECK(threads == 512, "topk_rows: threads must be 512 or 1024");
-    i64 ? launch<512, int64_t>(logits, group_max, limits, k, group, values, indices, stream)
-        : launch<512, int32_t>(logits, group_max, limits, k, group, values, indices, stream);
+    launch_for<int32_t>(threads, cluster, stage, logits, group_max, limits, k, group, values,
+                        indices, stream);
   }
 }
 
@@ -457,7 +665,7 @@ void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_
 
 TORCH_LIBRARY(dsaserve_cuda, m) {
   m.def("topk_rows(Tensor logits, Tensor? group_max, Tensor limits, int k, int group, "
-        "int threads, Tensor(a!) values, Tensor(b!) indices) -> ()");
+        "int threads, int cluster, bool stage, Tensor(a!) values, Tensor(b!) indices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve_cuda, CUDA, m) { m.impl("topk_rows", &topk_rows); }
