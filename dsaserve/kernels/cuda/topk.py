@@ -2,8 +2,8 @@
 
 Same contract as dsaserve.kernels.triton.row_topk.topk_rows, which it replaces where it builds:
 that one takes three latency-bound launches (a bit-by-bit threshold search, a compaction, a
-selection); this one a thread block per row with shared-memory histograms. Measured on an
-H200 in docs/kernels.md.
+selection); this one a thread block per row (a cluster of 2-8 on Hopper where rows are few)
+with shared-memory histograms. Measured on an H200 in docs/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-// Exact top-k of long score rows, one thread block per row (sm_80 and later).
+// Exact top-k of long score rows, one thread block per row (sm_80 and later; a cluster of them
+// per row on sm_90 where rows are few).
 //
 // The indexer's logits rows are as long as the context (64K-128K keys and more) and k is 2,048.
 // dsaserve/kernels/triton/row_topk.py does this in three launches of one program per row; each
