@@ -78,8 +78,10 @@ class ModelRunner:
         with_mtp = checkpoint_has_mtp(path, self.model_cfg)
         # Cut to this rank's part before anything is allocated or read (parallel/tp.py).
         sharded = self.groups.world_size > 1
+        backend = get_backend(config.attention.backend)
+        backend.prepare(self.device)
         self.model = DsaForCausalLM.build(
-            self.model_cfg, with_mtp=with_mtp, backend=get_backend(config.attention.backend),
+            self.model_cfg, with_mtp=with_mtp, backend=backend,
             dtype=self.dtype, device=self.device,
             shard=(lambda m: shard_model(m, self.groups, config.parallel)) if sharded else None,
         )

@@ -20,6 +20,10 @@ from dsaserve.kv import layout
 class AttentionBackend(Protocol):
     name: str
 
+    def prepare(self, device: torch.device) -> None:
+        """Build ahead of serving on device what the backend would otherwise compile during the
+        first step (the engine calls it once per rank, before building the model)."""
+
     def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
                  k_pe: torch.Tensor) -> None:
         """Store latent c [N, L] and RoPE key k_pe [N, R] at slots [N] (−1: skip)."""
@@ -48,6 +52,9 @@ class ReferenceBackend:
 
     def __init__(self) -> None:
         self.indexer_rows_scored = 0  # query rows this rank ran the indexer for (tests, metrics)
+
+    def prepare(self, device):
+        pass  # nothing is compiled
 
     def write_kv(self, kv_cache, slots, c, k_pe):
         formats.write_mla_cache(kv_cache, slots, c, k_pe)

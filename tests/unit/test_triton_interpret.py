@@ -368,6 +368,20 @@ def test_indexer_topk_kernel_choice(k):
         k.indexer._use_cuda_topk(k.indexer.IndexerConfig(topk_kernel="cuda"), 8, on_cuda=False)
 
 
+def test_backend_prepare_builds_the_cuda_topk_on_gpus_only(k, monkeypatch):
+    """The engine's start-up call: on a GPU the CUDA top-k is built then (not in the first
+    request); on the CPU nothing is built or asked."""
+    calls = []
+    monkeypatch.setattr(k.backend.cuda_topk, "unavailable_reason",
+                        lambda: calls.append("build") or "no CUDA device")
+    backend = k.backend.TritonBackend()
+    backend.prepare(torch.device("cpu"))
+    assert calls == []
+    backend.prepare(torch.device("cuda"))
+    assert calls == ["build"]
+    ReferenceBackend().prepare(torch.device("cpu"))
+
+
 def test_e4m3_rounding_is_exact(k):
     """to_e4m3 (through the MLA writer, scale 1) against torch's round-to-nearest-even cast:
     every e4m3 value, every midpoint between neighbours (ties to even), subnormals, ±0."""

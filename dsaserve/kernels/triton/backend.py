@@ -7,14 +7,18 @@ fill the GPU (decode), merging the partial (o, lse) itself. Callers need no per-
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
+from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import ReferenceBackend
 from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
 from dsaserve.kernels.triton.index_cache import write_index_cache
+
+logger = logging.getLogger(__name__)
 
 
 def _use_kernels(t: torch.Tensor) -> bool:
@@ -31,6 +35,19 @@ class TritonBackend:
     def __init__(self, mla_config: sparse_mla.SparseMlaConfig | None = None) -> None:
         self.mla_config = mla_config
         self._reference = ReferenceBackend()
+
+    def prepare(self, device: torch.device) -> None:
+        """On a GPU, build the CUDA top-k extension now (35-50 s once, then cached under
+        TORCH_EXTENSIONS_DIR), not in the first request's indexer; where it cannot build, the
+        indexer keeps row_topk and the log says why. (The Triton kernels still compile at their
+        first launch.)"""
+        if device.type != "cuda" or indexer.IndexerConfig().topk_kernel == "triton":
+            return
+        reason = cuda_topk.unavailable_reason()
+        if reason is None:
+            logger.info("CUDA top-k kernel ready")
+        else:
+            logger.info("CUDA top-k kernel unavailable (%s): the indexer uses row_topk", reason)
 
     def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
                  k_pe: torch.Tensor) -> None:
