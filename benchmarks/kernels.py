@@ -445,7 +445,6 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True) -> None:
                 kernel_times(both, f"decode logits+topk s_q=1, {topk_kernel} top-k")
 
 
-
 def _topk_kernels() -> list[str]:
     """The top-k kernels to time: the CUDA one where it builds, and the Triton one."""
     if cuda_topk.available():

@@ -41,7 +41,7 @@ class TritonBackend:
         TORCH_EXTENSIONS_DIR), not in the first request's indexer; where it cannot build, the
         indexer keeps row_topk and the log says why. (The Triton kernels still compile at their
         first launch.)"""
-        if device.type != "cuda" or indexer.IndexerConfig().topk_kernel == "triton":
+        if device.type != "cuda":
             return
         reason = cuda_topk.unavailable_reason()
         if reason is None:

@@ -229,8 +229,9 @@ class IndexerConfig:
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
-    # Top-k of long rows: "cuda" (kernels/cuda/topk_rows.cu, one launch, built on first use),
-    # "triton" (row_topk, three launches), None: cuda where it builds (needs nvcc), else triton.
+    # Top-k of long rows: "cuda" (kernels/cuda/topk_rows.cu, one launch, built at engine start
+    # on a GPU or on first use), "triton" (row_topk, three launches), None: cuda where it
+    # builds (needs nvcc), else triton.
     topk_kernel: str | None = None
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
