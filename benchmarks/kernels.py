@@ -12,6 +12,7 @@ Measures on the current GPU, in one run:
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
   indexer_decode the decode rows of `indexer` alone
+  indexer_prefill the prefill rows of `indexer` alone
   topk           the top-k stage alone on those logits (row_topk and the CUDA top-k against
                  torch.topk)
   writers        fp8_ds_mla and indexer-key cache writers
@@ -36,6 +37,7 @@ import triton
 import triton.testing
 
 from dsaserve.kernels import reference
+from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
 from dsaserve.kernels.triton import index_cache, indexer, mla_cache, row_topk, sparse_mla
@@ -363,11 +365,19 @@ def kernel_times(fn: Callable[[], object], label: str) -> None:
 
 
 def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
-    """Both logits kernels (Triton, Gluon) at their default launch shapes; --sweep: others."""
+    """The logits kernels (Triton, Gluon, CUDA where it builds) at their default launch shapes;
+    --sweep: others."""
+    cuda = cuda_logits.supported(torch.zeros(1, 64, 128, device=DEV, dtype=torch.bfloat16),
+                                 torch.zeros(1, dtype=torch.uint8, device=DEV), 64)
     if not sweep:
-        return [indexer.IndexerConfig(gluon=False), indexer.IndexerConfig(gluon=True)]
-    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, gluon=gl)
-            for gl in (False, True) for r in (128, 256) for p in (16, 32, 64, 128)]
+        return [indexer.IndexerConfig(gluon=False, cuda_logits=False),
+                indexer.IndexerConfig(gluon=True, cuda_logits=False)] + \
+            [indexer.IndexerConfig(cuda_logits=True, cuda_shape=sh) for sh in cuda_logits.SHAPES
+             if cuda]
+    return [indexer.IndexerConfig(rows_per_tile=r, pages_per_prog=p, gluon=gl, cuda_logits=False)
+            for gl in (False, True) for r in (128, 256) for p in (16, 32, 64, 128)] + \
+        [indexer.IndexerConfig(pages_per_prog=p, cuda_logits=True, cuda_shape=sh)
+         for sh in cuda_logits.SHAPES for p in (32, 64, 128, 256) if cuda]
 
 
 def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
@@ -397,13 +407,17 @@ def _check_logits(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
+    if cfg.cuda_logits:
+        consumers, depth = cfg.cuda_shape or ("auto", "auto")
+        return (f"(CUDA, {consumers} consumers, depth {depth}, "
+                f"{cfg.pages_per_prog or 'auto'} pages)")
     if cfg.gluon:
         return f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages)"
     return (f"(Triton, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
             f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
 
-def bench_indexer(quick: bool, sweep: bool, prefill: bool = True) -> None:
+def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool = True) -> None:
     print("FP8 indexer (pages of 64 x 132 B)", flush=True)
     configs = _indexer_configs(sweep)
     for heads in ((64,) if quick else (64, 32)) if prefill else ():
@@ -423,7 +437,7 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True) -> None:
             add(f"indexer prefill logits+topk H={heads}, {topk_kernel} top-k", ms,
                 flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
     batch, keys = 64, 65536
-    for s_q in ((1,) if quick else (1, 2, 4)):
+    for s_q in ((1,) if quick else (1, 2, 4)) if decode else ():
         meta, cache = index_meta([keys] * batch, [s_q] * batch)
         q = torch.randn(batch * s_q, 64, 128, device=DEV, dtype=torch.bfloat16)
         w = torch.randn(batch * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
@@ -503,8 +517,10 @@ def main() -> None:
         bench_prefill(args.quick, args.sweep)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
-    if "indexer" in parts or "indexer_decode" in parts:
-        bench_indexer(args.quick, args.sweep, prefill="indexer" in parts)
+    prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \
+        {"indexer", "indexer_decode"} & set(parts)
+    if prefill or decode:
+        bench_indexer(args.quick, args.sweep, prefill=bool(prefill), decode=bool(decode))
     if "topk" in parts:
         bench_topk()
     if "writers" in parts:

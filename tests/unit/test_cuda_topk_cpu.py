@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.cuda import topk as cuda_topk
 
 
@@ -19,9 +20,15 @@ def test_unavailable_without_cuda() -> None:
 
 
 def test_sources_exist() -> None:
-    """The sources the build compiles sit beside topk.py (pyproject.toml ships them as package
-    data, so they are compiled where the package is installed)."""
-    assert all(p.is_file() for p in cuda_topk._SOURCES)
+    """The sources the build compiles sit beside build.py (pyproject.toml ships them as package
+    data, so they are compiled where the package is installed): the top-k and the logits."""
+    assert {p.name for p in cuda_build.SOURCES} == {"topk_rows.cu", "indexer_logits.cu"}
+
+
+def test_arch_flag() -> None:
+    """Hopper builds for sm_90a (wgmma); other parts for their plain target."""
+    assert cuda_build.arch_flag(9, 0) == "-gencode=arch=compute_90a,code=sm_90a"
+    assert cuda_build.arch_flag(8, 0) == "-gencode=arch=compute_80,code=sm_80"
 
 
 def test_blocks_per_row() -> None:

@@ -352,6 +352,19 @@ def test_topk_rows_overflow_and_ties(k):
     assert sorted(idx[0].tolist()) == [0, 7, 11, 14, 21, 28, 4000, 4999]
 
 
+def test_cuda_logits_are_chosen_on_gpus_only(k):
+    """CPU tensors (the interpreter) never take the CUDA logits kernel, whatever the config asks;
+    their tiles keep rows_per_tile, so every caller of the step keys the same plan."""
+    g = _gen()
+    meta = _index_meta(g, 1, 0, 64)
+    q = torch.randn(meta.num_tokens, 64, 128, generator=g).bfloat16()
+    cache = torch.zeros(formats.index_cache_shape(16, 64, True, 128), dtype=torch.uint8)
+    for cuda_logits in (None, True):
+        config = k.indexer.IndexerConfig(cuda_logits=cuda_logits)
+        assert k.indexer._cuda_shape(q, cache, config, meta) is None
+        assert k.indexer._plan_rows(q, cache, config, meta) == (256, None)
+
+
 def test_indexer_topk_kernel_choice(k):
     """topk_kernel is checked when the config is made; 'cuda' where it cannot run says why
     instead of falling back silently; None falls back to row_topk."""

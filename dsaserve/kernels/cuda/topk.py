@@ -1,4 +1,4 @@
-"""Exact top-k of long score rows in one launch (topk_rows.cu), and the build of the extension.
+"""Exact top-k of long score rows in one launch (topk_rows.cu).
 
 Same contract as dsaserve.kernels.triton.row_topk.topk_rows, which it replaces where it builds:
 that one takes three latency-bound launches (a bit-by-bit threshold search, a compaction, a
@@ -8,44 +8,12 @@ with shared-memory histograms. Measured on an H200 in docs/kernels.md.
 
 from __future__ import annotations
 
-import functools
-import logging
-import pathlib
-import shutil
-
 import torch
 
-logger = logging.getLogger(__name__)
+from dsaserve.kernels.cuda.build import build as _build
 
-_SOURCES = [pathlib.Path(__file__).with_name("topk_rows.cu")]
 MAX_K = 4096  # kList in topk_rows.cu, the list length: k ≤ it
 CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row the kernel is built for (launch_for in the .cu)
-
-
-@functools.cache
-def _build() -> str | None:
-    """Compile and load the extension once per process → None, or why it is unavailable."""
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    from torch.utils import cpp_extension
-
-    if shutil.which("nvcc") is None and not cpp_extension.CUDA_HOME:
-        return "nvcc not found (set CUDA_HOME)"
-    major, minor = torch.cuda.get_device_capability()
-    if major < 8:
-        return f"compute capability {major}.{minor} < 8.0"
-    logger.info("building the CUDA top-k kernel (once; cached under TORCH_EXTENSIONS_DIR)")
-    try:
-        cpp_extension.load(
-            name="dsaserve_cuda", sources=[str(p) for p in _SOURCES], is_python_module=False,
-            extra_cuda_cflags=["-O3",
-                               f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"],
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError) as e:  # a compiler or loader failure
-        logger.warning("the CUDA top-k kernel did not build; the Triton one is used: %s", e)
-        return f"build failed: {e}"
-    return None
 
 
 def blocks_per_row(num_rows: int, num_sms: int, threads: int, major: int) -> int:

@@ -37,17 +37,18 @@ class TritonBackend:
         self._reference = ReferenceBackend()
 
     def prepare(self, device: torch.device) -> None:
-        """On a GPU, build the CUDA top-k extension now (35-50 s once, then cached under
-        TORCH_EXTENSIONS_DIR), not in the first request's indexer; where it cannot build, the
-        indexer keeps row_topk and the log says why. (The Triton kernels still compile at their
-        first launch.)"""
+        """On a GPU, build the CUDA extension (the top-k and the prefill indexer logits) now,
+        about a minute once, then cached under TORCH_EXTENSIONS_DIR, not in the first
+        request's indexer; where it cannot build, the indexer keeps its Triton kernels and the
+        log says why. (The Triton kernels still compile at their first launch.)"""
         if device.type != "cuda":
             return
         reason = cuda_topk.unavailable_reason()
         if reason is None:
-            logger.info("CUDA top-k kernel ready")
+            logger.info("CUDA kernels ready (top-k, indexer logits)")
         else:
-            logger.info("CUDA top-k kernel unavailable (%s): the indexer uses row_topk", reason)
+            logger.info("CUDA kernels unavailable (%s): the indexer uses its Triton kernels",
+                        reason)
 
     def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
                  k_pe: torch.Tensor) -> None:

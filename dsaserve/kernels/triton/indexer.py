@@ -183,6 +183,10 @@ class _StepPlan:
 _last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
 
 
+def _max_query_len(meta: AttentionMetadata) -> int:
+    return max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
+
+
 def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
                rows_per_tile: int) -> _StepPlan:
     global _last_plan
@@ -196,7 +200,7 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
                                       meta.dcp_rank, meta.interleave)  # [T]
     lens = torch.tensor([0] + local_lens, device=device)
     limits = torch.minimum(limits, lens[meta.req_indices.to(device) + 1])
-    max_len = max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
+    max_len = _max_query_len(meta)
     # Tiles of up to rows_per_tile (tokens × heads): one page read serves all of them.
     block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
     reqs, toks, tile_lens = _tiles(meta.query_start_loc, block_t)
@@ -226,6 +230,13 @@ class IndexerConfig:
     # The Gluon kernel (indexer_gluon.py, sm_90, FP8 cache, D = 128, pages of 64 keys) instead
     # of the Triton one; None: where it measured faster, tiles of ≤ 64 rows (decode, one token).
     gluon: bool | None = None
+    # The CUDA kernel (kernels/cuda/indexer_logits.cu: wgmma issued directly, sm_90, FP8 cache,
+    # bf16 q, D = 128, pages of 64 keys, 32 or 64 heads) instead of both; None: where it builds,
+    # for steps whose longest query fills a block's consumers (prefill, MTP decode).
+    cuda_logits: bool | None = None
+    # Its (consumer warpgroups, pages in flight per consumer), one of indexer_logits.SHAPES;
+    # None: the measured best for the head count (indexer_logits.PREFERRED).
+    cuda_shape: tuple[int, int] | None = None
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
@@ -269,6 +280,41 @@ def _use_gluon(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig
     return supported and (config.gluon or tile_rows <= 64)
 
 
+def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
+                meta: AttentionMetadata) -> tuple[int, int] | None:
+    """(consumers, depth) of the CUDA logits kernel where config picks it for this step (see
+    IndexerConfig.cuda_logits), else None."""
+    if config.cuda_logits is False or not q.is_cuda:
+        return None
+    from dsaserve.kernels.cuda import indexer_logits as cuda_logits
+
+    num_heads = q.shape[1]
+    supported = cuda_logits.supported(q, index_cache, meta.block_size)
+    shapes = [config.cuda_shape] if config.cuda_shape else \
+        cuda_logits.PREFERRED.get(num_heads, [])
+    if config.cuda_logits and (not supported or not shapes
+                               or not set(shapes) <= set(cuda_logits.SHAPES)):
+        raise ValueError(f"indexer: the CUDA logits kernel does not cover q {tuple(q.shape)} "
+                         f"{q.dtype}, cache {index_cache.dtype}, block size {meta.block_size}, "
+                         f"shape {config.cuda_shape} (one of cuda/indexer_logits.SHAPES), or "
+                         f"did not build")
+    if not supported:
+        return None
+    if config.cuda_logits:
+        return shapes[0]
+    # Automatic: the first shape whose consumers the longest query fills (128 rows each).
+    rows = _max_query_len(meta) * num_heads
+    return next((sh for sh in shapes if rows >= 128 * sh[0]), None)
+
+
+def _plan_rows(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
+               meta: AttentionMetadata) -> tuple[int, tuple[int, int] | None]:
+    """(query rows per tile, CUDA kernel shape or None) of this step: what _step_plan is keyed
+    on, the same for every caller of the step so that the plan is built once."""
+    shape = _cuda_shape(q, index_cache, config, meta)
+    return (128 * shape[0] if shape else config.rows_per_tile), shape
+
+
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
             meta: AttentionMetadata, config: IndexerConfig,
             window: tuple[int, int] | None = None,
@@ -290,7 +336,8 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
     if not index_cache.is_contiguous():
         raise ValueError("indexer: index_cache must be contiguous (pages are addressed flat)")
-    plan = _step_plan(meta, num_heads, device, config.rows_per_tile)
+    rows_per_tile, cuda_shape = _plan_rows(q, index_cache, config, meta)
+    plan = _step_plan(meta, num_heads, device, rows_per_tile)
     start, length = window or (0, plan.s_out)
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
@@ -308,11 +355,19 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         return logits, group_max, limits
     num_pages = triton.cdiv(length, block_size)
     num_tiles = plan.tiles.shape[1]
-    gluon = _use_gluon(q, index_cache, config, num_heads * plan.block_t, block_size)
+    gluon = not cuda_shape and _use_gluon(q, index_cache, config, num_heads * plan.block_t,
+                                          block_size)
     per_prog = config.pages_per_prog or (128 if num_tiles >= 512 else 64 if gluon else 16)
     per_prog = min(per_prog, triton.next_power_of_2(num_pages))
     # The kernels index rows as (token · H + head) · D and weights as token · H + head.
     q_in, w_in = q.contiguous(), weights.float().contiguous()
+    if cuda_shape:
+        from dsaserve.kernels.cuda import indexer_logits as cuda_logits
+
+        cuda_logits.launch(q_in, w_in, index_cache, block_table, plan.tiles, limits_i32, logits,
+                           group_max, consumers=cuda_shape[0], depth=cuda_shape[1],
+                           pages_per_prog=per_prog)
+        return logits, group_max, limits
     if gluon:
         from dsaserve.kernels.triton import indexer_gluon
 
@@ -420,7 +475,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     """
     _check_inputs(q, weights)
     num_tokens = q.shape[0]
-    plan = _step_plan(meta, q.shape[1], q.device, config.rows_per_tile)
+    plan = _step_plan(meta, q.shape[1], q.device, _plan_rows(q, index_cache, config, meta)[0])
     if num_tokens == 0 or plan.s_out == 0 or topk == 0:
         return (torch.full((num_tokens, topk), float("-inf"), device=q.device),
                 torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device))

@@ -1,0 +1,524 @@
+// FP8 indexer logits of prefill tiles on Hopper (sm_90a), with the tensor cores driven directly
+// (wgmma from shared memory) and the epilogue written out by hand.
+//
+// The Triton and Gluon kernels (dsaserve/kernels/triton/indexer*.py) compute the same thing and
+// are issue-bound: per page of 64 keys and 256 query rows each warp issues ~506 instructions
+// against 554 cycles of tensor-core work, of which 256 are the irreducible ReLU and weighted head
+// sum and the rest the compilers' reductions (a full butterfly per value), layout round trips for
+// the group maxima and per-element masks. Here the epilogue costs ~170 instructions per page
+// and 128 query rows (docs/kernels.md has the count):
+//
+//   block of (CONSUMERS + 1) · 128 threads = one CTA tile: up to CONSUMERS · BT tokens of one
+//   request (BT = 128 / H), and one chunk of the request's key pages
+//     warp 4·CONSUMERS (producer): copies each live page of the chunk (64 keys: 8 KB of e4m3
+//       rows, then 64 fp32 scales) into a ring of STAGES slots with cp.async, the rows into the
+//       128-byte swizzle wgmma reads; once a page has landed it fences it for the async proxy
+//       and arrives on the slot's `full` barrier
+//     warpgroup c < CONSUMERS (consumer): quantizes its BT tokens' queries into shared memory
+//       (one (token, head) row per thread: a power-of-two scale, folded into the head weight),
+//       then per page: S = K·Qᵀ [64 keys, 128 rows] by four m64n128k32 e4m3 wgmmas (keys as M,
+//       (token, head) as N), frees the slot (one arrival per warp on `empty`), and reduces
+//       ReLU(S)·w over the heads in registers: 64 FMNMX + 64 FFMA per thread, then a
+//       reduce-scatter across the quad of lanes that shares a key row (each lane ends with
+//       BT / 2 of the sums, not all of them), · k_scale, −inf at and past each token's causal
+//       limit, stored; the max of every 8 keys by three shuffles, stored by one lane of eight.
+//
+// The consumers share each page: a page's 8.25 KB are read once from L2 for CONSUMERS · 128
+// query rows, and while one warpgroup runs its epilogue the others' wgmmas keep the tensor
+// cores busy.
+
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+// wgmma and the 128-byte swizzle are sm_90a features: other targets build a stub that traps.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSASERVE_SM90A 1
+#endif
+
+namespace {
+
+constexpr int kDim = 128;                        // index head dim: bytes of an e4m3 key row
+constexpr int kBlock = 64;                       // keys per cache page
+constexpr int kValueBytes = kBlock * kDim;       // a page: e4m3 rows ...
+constexpr int kPageBytes = kBlock * (kDim + 4);  // ... then one fp32 scale per key
+constexpr int kN = 128;                          // query rows per consumer: the MMA's N
+constexpr int kGroup = 8;                        // keys per group maximum (row_topk.GROUP)
+constexpr int kStages = 12;                      // pages in the ring
+constexpr int kLag = 5;  // pages in flight before the producer waits for the oldest to land
+constexpr float kFp8Max = 448.f;
+constexpr float kMinAmax = 1e-4f;  // formats.INDEX_MIN_AMAX
+
+template <int CONSUMERS>
+struct Shared {
+  uint8_t keys[kStages][kValueBytes];  // 128-byte swizzled rows (1024-byte aligned tiles)
+  uint8_t q[CONSUMERS][kN * kDim];     // the same layout
+  float scales[kStages][kBlock];
+  float w[CONSUMERS][kN];  // head weight · the row's q scale
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+
+// Threads: CONSUMERS warpgroups, then a producer warpgroup of which one warp works. The producer
+// gives back registers (setmaxnreg) so that the consumers can hold their accumulators, weights
+// and sums: 3 consumers would have 128 registers each otherwise, and spill.
+template <int CONSUMERS>
+__host__ __device__ constexpr int threads() {
+  return (CONSUMERS + 1) * 128;
+}
+constexpr int kProducerRegs = 56;
+template <int CONSUMERS>
+__host__ __device__ constexpr int consumer_regs() {  // 64K less the producer's, by 8s
+  constexpr int regs = (65536 / 128 - kProducerRegs) / CONSUMERS / 8 * 8;
+  return regs < 232 ? regs : 232;
+}
+
+template <int CONSUMERS>
+constexpr size_t smem_bytes() {
+  return sizeof(Shared<CONSUMERS>) + 1024;  // + slack to align the block to 1024 bytes
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+#ifdef DSASERVE_SM90A
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+        "selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  }
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+
+// Shared-memory writes of the generic proxy (st.shared, cp.async) made visible to the async
+// proxy (wgmma reads its operands through it); the writer fences, then synchronizes.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// wgmma operand descriptor of a K-major tile in the 128-byte swizzle: rows of 128 bytes, row r's
+// 16-byte chunk c stored at chunk c ^ (r % 8), groups of 8 rows 1024 bytes apart. The high word
+// (8-row stride, swizzle mode) is the same for every tile; the low word is the address / 16 (and
+// an unused leading offset of 1), so a k-step of 32 bytes adds 2 to it: 32-bit arithmetic only.
+__device__ __forceinline__ uint32_t desc_lo(const void* tile) {
+  return (smem_addr(tile) >> 4) | (1u << 16);
+}
+
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t lo) {
+  constexpr uint32_t kHi = (1024 >> 4) | (1u << 30);
+  uint64_t desc;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(desc) : "r"(lo), "r"(kHi));
+  return desc;
+}
+
+// The accumulators are live across the asynchronous MMA: keep the compiler from moving their
+// reads or writes over the fence, the issue or the wait.
+template <int N>
+__device__ __forceinline__ void pin(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {  // until at most PENDING groups are in flight
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// d [64 keys, 128 rows] (+)= A [64, 32] · B [128, 32]ᵀ, e4m3 operands in shared memory, fp32
+// accumulators in the wgmma fragment: thread (warp v, lane l) of the warpgroup holds rows
+// 16v + l/4 (d[4i], d[4i+1]) and 16v + l/4 + 8 (d[4i+2], d[4i+3]), columns 8i + 2(l%4) + {0, 1}.
+__device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uint64_t b,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
+      "%15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, "
+      "%29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+#endif  // DSASERVE_SM90A
+
+__device__ __forceinline__ float pow2_ceil(float x) {  // 2^ceil(log2 x), x > 0 normal: exact
+  const uint32_t bits = __float_as_uint(x);
+  const uint32_t exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0);
+  return __uint_as_float(exponent << 23);
+}
+
+#ifdef DSASERVE_SM90A
+// Producer warp: the live pages of the chunk, in order, through the ring. A page's copies form
+// one cp.async group; once kLag newer groups are issued the page has landed (groups complete in
+// order), and each lane fences its own copies and arrives on the slot's `full` barrier.
+template <int CONSUMERS>
+__device__ void produce(Shared<CONSUMERS>& sh, const uint8_t* cache, const int* blocks,
+                        int num_live, int lane) {
+  const auto publish = [&](int b) {
+    fence_async_shared();
+    mbar_arrive(&sh.full[b % kStages]);
+  };
+  // Lane l copies chunk l % 8 of row 4j + l / 8 of each page, to chunk (l % 8) ^ (row % 8):
+  // row % 8 is l / 8 for even j, l / 8 + 4 for odd j.
+  const int even = (lane / 8) * kDim + ((lane % 8) ^ (lane / 8)) * 16;
+  const int odd = (lane / 8) * kDim + ((lane % 8) ^ (lane / 8 + 4)) * 16;
+  for (int base = 0; base < num_live; base += 32) {
+    const int n = min(32, num_live - base);
+    const int mine = lane < n ? blocks[base + lane] : 0;  // block ids of the next 32 pages
+    for (int i = 0; i < n; ++i) {
+      const int b = base + i, s = b % kStages;
+      mbar_wait(&sh.empty[s], ((b / kStages) & 1) ^ 1);  // its previous page is consumed
+      const uint8_t* src = cache + int64_t(__shfl_sync(~0u, mine, i)) * kPageBytes;
+#pragma unroll
+      for (int j = 0; j < kValueBytes / 16 / 32; ++j) {  // rows 4j … 4j + 3, 16 bytes a lane
+        cp_async16(sh.keys[s] + j * 512 + (j % 2 ? odd : even), src + j * 512 + lane * 16);
+      }
+      if (lane < kBlock * 4 / 16) {
+        cp_async16(&sh.scales[s][lane * 4], src + kValueBytes + lane * 16);
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");
+      if (b >= kLag) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(kLag) : "memory");
+        publish(b - kLag);
+      }
+    }
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  for (int b = max(0, num_live - kLag); b < num_live; ++b) publish(b);
+}
+
+// One consumer warpgroup: its BT tokens' queries against every page of the chunk.
+template <int H, int CONSUMERS, int DEPTH>
+__device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, const float* w,
+                        const int* limits, float* out, int64_t stride_out, float* gmax,
+                        int64_t stride_gmax, int tok0, int ntok, int first, int num_live,
+                        int chunk_pages, int s_out) {
+  constexpr int BT = kN / H;    // tokens per consumer
+  constexpr int SPAN = H / 8;   // fragment column blocks (8 columns) per token
+  static_assert(BT >= 2 && BT % 2 == 0, "the reduce-scatter leaves BT / 2 sums per lane");
+  static_assert(DEPTH == 1 || DEPTH == 2, "one or two pages in flight per consumer");
+  const int tid = threadIdx.x % 128, wq = tid / 32, lane = tid % 32;
+  const int ctok = tok0 + c * BT;     // this consumer's first token
+  const int nt = min(BT, ntok - c * BT);  // and how many it has (≤ 0: none)
+
+  // 1. Query row tid = (token tid / H, head tid % H) → e4m3 in the swizzled tile, its
+  //    power-of-two scale folded into the head weight (formats.quantize_index_q's rule).
+  {
+    const int t = tid / H;
+    const bool ok = t < nt;
+    const int64_t row = int64_t(ctok + t) * H + tid % H;
+    uint4 x[kDim / 8] = {};  // 128 bf16 (0 for rows past the tile's tokens)
+    if (ok) {
+      const uint4* src = reinterpret_cast<const uint4*>(q + row * kDim);
+#pragma unroll
+      for (int i = 0; i < kDim / 8; ++i) x[i] = src[i];
+    }
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(x);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kDim / 2; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+    }
+    const float scale = pow2_ceil(fmaxf(amax, kMinAmax) / kFp8Max);
+    const float inv = 1.f / scale;  // exact: a power of two
+    uint8_t* dst = sh.q[c] + tid * kDim;
+#pragma unroll
+    for (int i = 0; i < kDim / 16; ++i) {  // 16 values → one 16-byte chunk
+      uint32_t packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 a = __bfloat1622float2(h[8 * i + 2 * e]);
+        const float2 b = __bfloat1622float2(h[8 * i + 2 * e + 1]);
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a.x * inv, a.y * inv),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(b.x * inv, b.y * inv),
+                                                     __NV_SATFINITE, __NV_E4M3);
+        packed[e] = lo | (hi << 16);
+      }
+      *reinterpret_cast<uint4*>(dst + (i ^ (tid % 8)) * 16) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+    sh.w[c][tid] = ok ? w[row] * scale : 0.f;
+  }
+  fence_async_shared();
+  asm volatile("bar.sync %0, 128;" ::"r"(c + 1) : "memory");  // this warpgroup only
+
+  // 2. What this thread needs per page: the weights of its fragment columns, and, for the
+  //    BT / 2 sums it keeps after the reduce-scatter (tokens 2m + hi1, key row half hi0), the
+  //    tokens' causal limits.
+  const int hi0 = lane & 1, hi1 = (lane >> 1) & 1;
+  float wr[2 * kN / 8];
+#pragma unroll
+  for (int i = 0; i < kN / 8; ++i) {
+    wr[2 * i] = sh.w[c][8 * i + 2 * (lane % 4)];
+    wr[2 * i + 1] = sh.w[c][8 * i + 2 * (lane % 4) + 1];
+  }
+  int lim[BT / 2];
+#pragma unroll
+  for (int m = 0; m < BT / 2; ++m) lim[m] = 2 * m + hi1 < nt ? limits[ctok + 2 * m + hi1] : -1;
+  const int row = 16 * wq + 8 * hi0 + lane / 4;  // key of the page the kept sums belong to
+  const int num_groups = (s_out + kGroup - 1) / kGroup;
+  const auto store = [&](int key0, const float (&x)[BT / 2]) {
+    const int j = key0 + row;
+    const int g = key0 / kGroup + 2 * wq + hi0;
+#pragma unroll
+    for (int m = 0; m < BT / 2; ++m) {
+      const float val = j < lim[m] ? x[m] : -INFINITY;  // also unwritten slots (maybe NaN)
+      const int64_t t = ctok + 2 * m + hi1;
+      if (lim[m] >= 0 && j < s_out) out[t * stride_out + j] = val;
+      float gm = fmaxf(val, __shfl_xor_sync(~0u, val, 4));
+      gm = fmaxf(gm, __shfl_xor_sync(~0u, gm, 8));
+      gm = fmaxf(gm, __shfl_xor_sync(~0u, gm, 16));
+      if (lane < 4 && lim[m] >= 0 && g < num_groups) gmax[t * stride_gmax + g] = gm;
+    }
+  };
+
+  // 3. The live pages. With DEPTH = 2 a consumer issues page b + 1's MMA before it reduces page
+  //    b, so its own head sums run while the tensor cores work (two accumulator sets).
+  const uint32_t dq = desc_lo(sh.q[c]), dk0 = desc_lo(sh.keys[0]);
+  const auto issue = [&](float (&acc)[64], int b) {  // S = K·Qᵀ of page b, asynchronously
+    const int s = b % kStages;
+    mbar_wait(&sh.full[s], (b / kStages) & 1);
+    const uint32_t dk = dk0 + s * (kValueBytes >> 4);
+    pin(acc);
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+    for (int k = 0; k < kDim / 32; ++k) {
+      wgmma_m64n128k32(acc, kmajor_desc(dk + 2 * k), kmajor_desc(dq + 2 * k), k);
+    }
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  };
+  const auto reduce = [&](float (&acc)[64], int b) {  // page b's MMA is done: logits, stored
+    pin(acc);
+    const int s = b % kStages;
+    const float k_scale = sh.scales[s][row];
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&sh.empty[s]);  // the page is read: free its slot
+    // ReLU · w summed over each token's heads, for both key rows this thread holds.
+    float v[2 * BT];  // [token][row half]
+#pragma unroll
+    for (int t = 0; t < BT; ++t) {
+      float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+#pragma unroll
+      for (int i = t * SPAN; i < (t + 1) * SPAN; ++i) {
+        a0 = fmaf(fmaxf(acc[4 * i], 0.f), wr[2 * i], a0);
+        a1 = fmaf(fmaxf(acc[4 * i + 1], 0.f), wr[2 * i + 1], a1);
+        b0 = fmaf(fmaxf(acc[4 * i + 2], 0.f), wr[2 * i], b0);
+        b1 = fmaf(fmaxf(acc[4 * i + 3], 0.f), wr[2 * i + 1], b1);
+      }
+      v[2 * t] = a0 + a1;
+      v[2 * t + 1] = b0 + b1;
+    }
+    // Reduce-scatter over the quad (lanes 4r … 4r + 3 hold the same two key rows): across lane
+    // bit 1 keep the tokens of parity hi1, across lane bit 0 the row half hi0.
+    float u[BT];  // token 2 (k / 2) + hi1, half k % 2
+#pragma unroll
+    for (int k = 0; k < BT; ++k) {
+      const int lo = (k / 2) * 4 + k % 2;
+      const float send = hi1 ? v[lo] : v[lo + 2];
+      u[k] = (hi1 ? v[lo + 2] : v[lo]) + __shfl_xor_sync(~0u, send, 2);
+    }
+    float x[BT / 2];  // token 2m + hi1, half hi0
+#pragma unroll
+    for (int m = 0; m < BT / 2; ++m) {
+      const float send = hi0 ? u[2 * m] : u[2 * m + 1];
+      x[m] = ((hi0 ? u[2 * m + 1] : u[2 * m]) + __shfl_xor_sync(~0u, send, 1)) * k_scale;
+    }
+    store((first + b) * kBlock, x);
+  };
+  if constexpr (DEPTH == 1) {
+    float d[64];
+    for (int b = 0; b < num_live; ++b) {
+      issue(d, b);
+      wgmma_wait<0>();
+      reduce(d, b);
+    }
+  } else {
+    float d0[64], d1[64];  // page b's accumulators: d0 for even b, d1 for odd b
+    if (num_live > 0) {  // every path below waits for all it issues (ptxas checks)
+      issue(d0, 0);
+      int b = 0;
+      for (; b + 2 < num_live; b += 2) {
+        issue(d1, b + 1);
+        wgmma_wait<1>();  // page b's group, the older one, is done
+        reduce(d0, b);
+        issue(d0, b + 2);
+        wgmma_wait<1>();
+        reduce(d1, b + 1);
+      }
+      if (b + 1 < num_live) {
+        issue(d1, b + 1);
+        wgmma_wait<1>();
+        reduce(d0, b);
+        wgmma_wait<0>();
+        reduce(d1, b + 1);
+      } else {
+        wgmma_wait<0>();
+        reduce(d0, b);
+      }
+    }
+  }
+  // 4. Pages of the chunk no token of the tile sees.
+  float none[BT / 2];
+#pragma unroll
+  for (int m = 0; m < BT / 2; ++m) none[m] = -INFINITY;
+  for (int b = num_live; b < chunk_pages; ++b) store((first + b) * kBlock, none);
+}
+#endif  // DSASERVE_SM90A
+
+template <int H, int CONSUMERS, int DEPTH>
+__global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
+    indexer_logits_kernel(const __nv_bfloat16* __restrict__ q,  // [T·H, D]
+                          const float* __restrict__ w,          // [T·H]
+                          const uint8_t* __restrict__ cache,    // pages of kPageBytes
+                          const int* __restrict__ block_table,  // [R, max_blocks]
+                          int64_t stride_bt,
+                          const int* __restrict__ tiles,  // [3, num_tiles]: req, token, length
+                          const int* __restrict__ limits,  // [T]
+                          float* __restrict__ out, int64_t stride_out,   // [T, s_out]
+                          float* __restrict__ gmax, int64_t stride_gmax,  // [T, s_out / 8]
+                          int s_out, int pages_per_prog) {
+#ifdef DSASERVE_SM90A
+  extern __shared__ uint8_t smem_raw[];
+  auto& sh = *reinterpret_cast<Shared<CONSUMERS>*>(smem_raw +
+                                                   (1024 - smem_addr(smem_raw) % 1024) % 1024);
+  const int num_tiles = int(gridDim.x);
+  const int req = tiles[blockIdx.x], tok0 = tiles[num_tiles + blockIdx.x];
+  const int ntok = tiles[2 * num_tiles + blockIdx.x];
+  const int first = int(blockIdx.y) * pages_per_prog;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The chunk's pages, and how many of them some token of the tile sees (every warp finds it).
+  const int max_limit = __reduce_max_sync(~0u, lane < ntok ? limits[tok0 + lane] : 0);
+  const int chunk_pages = min(pages_per_prog, (s_out + kBlock - 1) / kBlock - first);
+  const int num_live = max(0, min(chunk_pages, (max_limit + kBlock - 1) / kBlock - first));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sh.full[s], 32);               // every producer lane
+      mbar_init(&sh.empty[s], 4 * CONSUMERS);  // every consumer warp
+    }
+  }
+  __syncthreads();
+  if (warp >= 4 * CONSUMERS) {  // the producer warpgroup: one warp copies, three leave
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (warp == 4 * CONSUMERS) {
+      produce(sh, cache, block_table + req * stride_bt + first, num_live, lane);
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs<CONSUMERS>()));
+    consume<H, CONSUMERS, DEPTH>(sh, warp / 4, q, w, limits, out, stride_out, gmax, stride_gmax,
+                                 tok0, ntok, first, num_live, chunk_pages, s_out);
+  }
+#else
+  __trap();
+#endif
+}
+
+template <int H, int CONSUMERS, int DEPTH>
+void launch(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
+            const at::Tensor& block_table, const at::Tensor& tiles, const at::Tensor& limits,
+            at::Tensor& out, at::Tensor& gmax, int64_t pages_per_prog, cudaStream_t stream) {
+  auto kernel = indexer_logits_kernel<H, CONSUMERS, DEPTH>;
+  constexpr size_t smem = smem_bytes<CONSUMERS>();
+  // Per device, so set at every launch (about a microsecond, legal during graph capture).
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int64_t s_out = out.size(1);
+  const dim3 grid(unsigned(tiles.size(1)),
+                  unsigned((s_out + kBlock * pages_per_prog - 1) / (kBlock * pages_per_prog)));
+  kernel<<<grid, threads<CONSUMERS>(), smem, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), w.data_ptr<float>(),
+      cache.data_ptr<uint8_t>(), block_table.data_ptr<int>(), block_table.stride(0),
+      tiles.data_ptr<int>(), limits.data_ptr<int>(), out.data_ptr<float>(), out.stride(0),
+      gmax.data_ptr<float>(), gmax.stride(0), int(s_out), int(pages_per_prog));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The op: fills logits out [T, S] and the group maxima gmax [T, ceil(S / 8)]. Shapes are checked
+// by the Python wrapper (dsaserve/kernels/cuda/indexer_logits.py); these checks guard the ABI.
+void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
+                    const at::Tensor& block_table, const at::Tensor& tiles,
+                    const at::Tensor& limits, at::Tensor& out, at::Tensor& gmax,
+                    int64_t consumers, int64_t depth, int64_t pages_per_prog) {
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
+                  q.size(2) == kDim && q.is_contiguous(),
+              "indexer_logits: q must be a contiguous CUDA bf16 [T, H, 128] tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() &&
+                  w.numel() == q.size(0) * q.size(1),
+              "indexer_logits: w must be contiguous fp32 [T, H]");
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.is_contiguous(),
+              "indexer_logits: the cache must be contiguous uint8 pages");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1 &&
+                  tiles.scalar_type() == at::kInt && tiles.is_contiguous() &&
+                  tiles.size(0) == 3 && limits.scalar_type() == at::kInt &&
+                  limits.is_contiguous(),
+              "indexer_logits: block_table, tiles [3, n] and limits must be int32");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  gmax.scalar_type() == at::kFloat && gmax.stride(1) == 1 &&
+                  gmax.size(1) == (out.size(1) + kGroup - 1) / kGroup,
+              "indexer_logits: out [T, S] and gmax [T, ceil(S / 8)] must be fp32 rows");
+  TORCH_CHECK(pages_per_prog >= 1, "indexer_logits: pages_per_prog must be >= 1");
+  if (tiles.size(1) == 0 || out.size(1) == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+#define DSASERVE_LAUNCH(H, C, B) \
+  return launch<H, C, B>(q, w, cache, block_table, tiles, limits, out, gmax, pages_per_prog, stream)
+  const int64_t heads = q.size(1);
+  if (heads == 64 && consumers == 2 && depth == 1) DSASERVE_LAUNCH(64, 2, 1);
+  if (heads == 64 && consumers == 2 && depth == 2) DSASERVE_LAUNCH(64, 2, 2);
+  if (heads == 64 && consumers == 3 && depth == 1) DSASERVE_LAUNCH(64, 3, 1);
+  if (heads == 32 && consumers == 2 && depth == 1) DSASERVE_LAUNCH(32, 2, 1);
+  if (heads == 32 && consumers == 2 && depth == 2) DSASERVE_LAUNCH(32, 2, 2);
+  if (heads == 32 && consumers == 3 && depth == 1) DSASERVE_LAUNCH(32, 3, 1);
+#undef DSASERVE_LAUNCH
+  TORCH_CHECK(false, "indexer_logits: heads must be 32 or 64, and (consumers, depth) (2, 1), (2, 2) "
+              "or (3, 1), got ", heads, ", ", consumers, " and ", depth);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(dsaserve_cuda, m) {
+  m.def("indexer_logits(Tensor q, Tensor w, Tensor cache, Tensor block_table, Tensor tiles, "
+        "Tensor limits, Tensor(a!) out, Tensor(b!) gmax, int consumers, int depth, "
+        "int pages_per_prog) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsaserve_cuda, CUDA, m) { m.impl("indexer_logits", &indexer_logits); }
