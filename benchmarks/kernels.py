@@ -408,8 +408,8 @@ def _check_logits(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
 
 def _label(cfg: indexer.IndexerConfig) -> str:
     if cfg.cuda_logits:
-        consumers, depth = cfg.cuda_shape or ("auto", "auto")
-        return (f"(CUDA, {consumers} consumers, depth {depth}, "
+        consumers, depth, rows = cfg.cuda_shape or ("auto",) * 3
+        return (f"(CUDA, {consumers} x {rows} rows, depth {depth}, "
                 f"{cfg.pages_per_prog or 'auto'} pages)")
     if cfg.gluon:
         return f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages)"

@@ -4,10 +4,11 @@ fresh random inputs every run, through indexer._logits (the same step plan and a
 Tolerances as in test_indexer_gluon.py: the same fp8 products of the same bytes (q quantized by
 the same rule), only the fp32 order of the head sum differs, so logits and group maxima agree
 within 1e-5 relative (plus 1e-5 · the largest |logit|), and −inf stands in the same places.
-Covers 32 and 64 heads, every (consumers, depth) shape, tiles cut at every request boundary
-(prefill and decode rows with s_q 1..4), contexts shorter than a page, chunks of 1 to 128 pages
-(the page ring wraps many times; whole chunks past every token's limit) and a key window. Run
-on the device machine: `pytest -m gpu tests/gpu/test_indexer_cuda.py`.
+Covers 32 and 64 heads, every block shape (indexer_logits.SHAPES), tiles cut at every request
+boundary (prefill and decode rows with s_q 1..4), contexts shorter than a page, chunks of 1 to
+128 pages (odd and even tails of the two-pages-in-flight loop; the page ring wraps many times;
+whole chunks past every token's limit) and a key window. Run on the device machine:
+`pytest -m gpu tests/gpu/test_indexer_cuda.py`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ DEV = base.DEV
 BLOCK_SIZE = 64
 
 
-def _compare(q, w, cache, meta, shape: tuple[int, int], pages_per_prog: int,
+def _compare(q, w, cache, meta, shape: tuple[int, int, int], pages_per_prog: int,
              window=None) -> None:
     ref_cfg = indexer.IndexerConfig(gluon=False, cuda_logits=False)  # Triton: powers of two
     ref_logits, ref_gmax, _ = indexer._logits(q, w, cache, meta, ref_cfg, window)
@@ -53,7 +54,7 @@ def _compare(q, w, cache, meta, shape: tuple[int, int], pages_per_prog: int,
 
 
 @pytest.mark.parametrize("heads", [32, 64])
-@pytest.mark.parametrize("shape", cuda_logits.SHAPES, ids=lambda s: f"consumers{s[0]}-depth{s[1]}")
+@pytest.mark.parametrize("shape", cuda_logits.SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("pages_per_prog", [1, 2, 3, 4, 128])
 def test_cuda_logits_match_triton(g, heads, shape, pages_per_prog):
     """base._indexer_case: a 300-token prefill over 4000 keys and decode rows with s_q 1..4;
@@ -66,14 +67,14 @@ def test_cuda_logits_match_triton(g, heads, shape, pages_per_prog):
 @pytest.mark.parametrize("pages_per_prog", [1, 2, 16])
 def test_cuda_logits_short_contexts(g, heads, pages_per_prog):
     meta, cache, q, w = gluon_tests._short_case(g, heads)
-    _compare(q, w, cache, meta, (2, 2), pages_per_prog)
+    _compare(q, w, cache, meta, (2, 2, 128), pages_per_prog)
 
 
 @pytest.mark.parametrize("heads", [32, 64])
 def test_cuda_logits_key_window(g, heads):
     """A window of the keys (indexer_topk's long-context path): block table and limits shifted."""
     meta, cache, q, w = base._indexer_case(g, heads)
-    _compare(q, w, cache, meta, (3, 1), 4, window=(1024, 1500))
+    _compare(q, w, cache, meta, (3, 1, 128), 4, window=(1024, 1500))
 
 
 @pytest.mark.parametrize("heads", [32, 64])
@@ -106,9 +107,9 @@ def test_cuda_logits_unsupported_inputs(g):
     assert not cuda_logits.supported(q[:, :16].contiguous(), cache, BLOCK_SIZE)
     assert not cuda_logits.supported(q, cache, 32)
     with pytest.raises(ValueError, match="SHAPES"):
-        indexer._logits(q, w, cache, meta, indexer.IndexerConfig(cuda_shape=(3, 2),
+        indexer._logits(q, w, cache, meta, indexer.IndexerConfig(cuda_shape=(3, 2, 128),
                                                                  cuda_logits=True))
-    with pytest.raises(ValueError, match="consumers"):
+    with pytest.raises(ValueError, match="shape"):
         cuda_logits.launch(q, w, cache, meta.block_table, torch.zeros(3, 1), meta.positions,
-                           torch.empty(1, 1), torch.empty(1, 1), consumers=3, depth=2,
+                           torch.empty(1, 1), torch.empty(1, 1), shape=(3, 2, 128),
                            pages_per_prog=1)

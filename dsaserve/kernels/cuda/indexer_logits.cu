@@ -5,27 +5,27 @@
 // are issue-bound: per page of 64 keys and 256 query rows each warp issues ~506 instructions
 // against 554 cycles of tensor-core work, of which 256 are the irreducible ReLU and weighted head
 // sum and the rest the compilers' reductions (a full butterfly per value), layout round trips for
-// the group maxima and per-element masks. Here the epilogue costs ~170 instructions per page
-// and 128 query rows (docs/kernels.md has the count):
+// the group maxima and per-element masks. Here a consumer warp issues ~215 per page and 128
+// query rows, 128 of them the ReLU and weighted sum (docs/kernels.md has the counts):
 //
-//   block of (CONSUMERS + 1) · 128 threads = one CTA tile: up to CONSUMERS · BT tokens of one
-//   request (BT = 128 / H), and one chunk of the request's key pages
+//   block of (CONSUMERS + 1) · 128 threads = one tile of up to CONSUMERS · BT tokens of one
+//   request (BT = N / H), and one chunk of the request's key pages
 //     warp 4·CONSUMERS (producer): copies each live page of the chunk (64 keys: 8 KB of e4m3
-//       rows, then 64 fp32 scales) into a ring of STAGES slots with cp.async, the rows into the
+//       rows, then 64 fp32 scales) into a ring of kStages slots with cp.async, the rows into the
 //       128-byte swizzle wgmma reads; once a page has landed it fences it for the async proxy
-//       and arrives on the slot's `full` barrier
-//     warpgroup c < CONSUMERS (consumer): quantizes its BT tokens' queries into shared memory
-//       (one (token, head) row per thread: a power-of-two scale, folded into the head weight),
-//       then per page: S = K·Qᵀ [64 keys, 128 rows] by four m64n128k32 e4m3 wgmmas (keys as M,
-//       (token, head) as N), frees the slot (one arrival per warp on `empty`), and reduces
-//       ReLU(S)·w over the heads in registers: 64 FMNMX + 64 FFMA per thread, then a
-//       reduce-scatter across the quad of lanes that shares a key row (each lane ends with
-//       BT / 2 of the sums, not all of them), · k_scale, −inf at and past each token's causal
-//       limit, stored; the max of every 8 keys by three shuffles, stored by one lane of eight.
+//       and arrives on the slot's `full` barrier (the other three warps leave at once)
+//     warpgroup c < CONSUMERS (consumer): quantizes its BT tokens' queries (N rows) into shared
+//       memory (a power-of-two scale per (token, head) row, folded into the head weight), then
+//       per page: S = K·Qᵀ [64 keys, N rows] by four m64nNk32 e4m3 wgmmas (keys as M, (token,
+//       head) as N), frees the slot (one arrival per warp on `empty`), and reduces ReLU(S)·w
+//       over the heads in registers (an FMNMX and an FFMA per product), then a reduce-scatter
+//       across the quad of lanes that shares two key rows (each lane ends with BT / 2 of the
+//       sums, not all of them), · k_scale, −inf at and past each token's causal limit, stored;
+//       the max of every 8 keys by three shuffles, stored by one lane of eight. With DEPTH = 2
+//       it issues page b + 1's MMA before it reduces page b.
 //
-// The consumers share each page: a page's 8.25 KB are read once from L2 for CONSUMERS · 128
-// query rows, and while one warpgroup runs its epilogue the others' wgmmas keep the tensor
-// cores busy.
+// The consumers share each page: a page's 8.25 KB are read once from L2 for CONSUMERS · N query
+// rows, and while one warpgroup reduces the others' wgmmas keep the tensor cores busy.
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -49,19 +49,18 @@ constexpr int kDim = 128;                        // index head dim: bytes of an 
 constexpr int kBlock = 64;                       // keys per cache page
 constexpr int kValueBytes = kBlock * kDim;       // a page: e4m3 rows ...
 constexpr int kPageBytes = kBlock * (kDim + 4);  // ... then one fp32 scale per key
-constexpr int kN = 128;                          // query rows per consumer: the MMA's N
 constexpr int kGroup = 8;                        // keys per group maximum (row_topk.GROUP)
 constexpr int kStages = 12;                      // pages in the ring
 constexpr int kLag = 5;  // pages in flight before the producer waits for the oldest to land
 constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-4f;  // formats.INDEX_MIN_AMAX
 
-template <int CONSUMERS>
+template <int CONSUMERS, int N>  // N: query rows per consumer, the MMA's N
 struct Shared {
   uint8_t keys[kStages][kValueBytes];  // 128-byte swizzled rows (1024-byte aligned tiles)
-  uint8_t q[CONSUMERS][kN * kDim];     // the same layout
+  uint8_t q[CONSUMERS][N * kDim];      // the same layout
   float scales[kStages][kBlock];
-  float w[CONSUMERS][kN];  // head weight · the row's q scale
+  float w[CONSUMERS][N];  // head weight · the row's q scale
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -80,9 +79,9 @@ __host__ __device__ constexpr int consumer_regs() {  // 64K less the producer's,
   return regs < 232 ? regs : 232;
 }
 
-template <int CONSUMERS>
+template <int CONSUMERS, int N>
 constexpr size_t smem_bytes() {
-  return sizeof(Shared<CONSUMERS>) + 1024;  // + slack to align the block to 1024 bytes
+  return sizeof(Shared<CONSUMERS, N>) + 1024;  // + slack to align the block to 1024 bytes
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -150,7 +149,7 @@ __device__ __forceinline__ void wgmma_wait() {  // until at most PENDING groups 
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
 }
 
-// d [64 keys, 128 rows] (+)= A [64, 32] · B [128, 32]ᵀ, e4m3 operands in shared memory, fp32
+// d [64 keys, N rows] (+)= A [64, 32] · B [N, 32]ᵀ (N = 128 here, 256 below), e4m3 operands in shared memory, fp32
 // accumulators in the wgmma fragment: thread (warp v, lane l) of the warpgroup holds rows
 // 16v + l/4 (d[4i], d[4i+1]) and 16v + l/4 + 8 (d[4i+2], d[4i+3]), columns 8i + 2(l%4) + {0, 1}.
 __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uint64_t b,
@@ -177,6 +176,54 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uin
         "+f"(d[63])
       : "l"(a), "l"(b), "r"(accumulate));
 }
+__device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t a, uint64_t b,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, "
+      "%15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, "
+      "%29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, "
+      "%43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, "
+      "%57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, "
+      "%71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, "
+      "%85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, "
+      "%99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, "
+      "%110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, "
+      "%121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1;\n}\n"
+      :
+        "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]),
+        "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]),
+        "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+        "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
+  if constexpr (N == 256) {
+    wgmma_m64n256k32(d, a, b, accumulate);
+  } else {
+    static_assert(N == 128, "128 or 256 query rows per consumer");
+    wgmma_m64n128k32(d, a, b, accumulate);
+  }
+}
 #endif  // DSASERVE_SM90A
 
 __device__ __forceinline__ float pow2_ceil(float x) {  // 2^ceil(log2 x), x > 0 normal: exact
@@ -189,8 +236,8 @@ __device__ __forceinline__ float pow2_ceil(float x) {  // 2^ceil(log2 x), x > 0 
 // Producer warp: the live pages of the chunk, in order, through the ring. A page's copies form
 // one cp.async group; once kLag newer groups are issued the page has landed (groups complete in
 // order), and each lane fences its own copies and arrives on the slot's `full` barrier.
-template <int CONSUMERS>
-__device__ void produce(Shared<CONSUMERS>& sh, const uint8_t* cache, const int* blocks,
+template <int CONSUMERS, int N>
+__device__ void produce(Shared<CONSUMERS, N>& sh, const uint8_t* cache, const int* blocks,
                         int num_live, int lane) {
   const auto publish = [&](int b) {
     fence_async_shared();
@@ -226,12 +273,12 @@ __device__ void produce(Shared<CONSUMERS>& sh, const uint8_t* cache, const int* 
 }
 
 // One consumer warpgroup: its BT tokens' queries against every page of the chunk.
-template <int H, int CONSUMERS, int DEPTH>
-__device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, const float* w,
+template <int H, int CONSUMERS, int DEPTH, int N>
+__device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q, const float* w,
                         const int* limits, float* out, int64_t stride_out, float* gmax,
                         int64_t stride_gmax, int tok0, int ntok, int first, int num_live,
                         int chunk_pages, int s_out) {
-  constexpr int BT = kN / H;    // tokens per consumer
+  constexpr int BT = N / H;     // tokens per consumer
   constexpr int SPAN = H / 8;   // fragment column blocks (8 columns) per token
   static_assert(BT >= 2 && BT % 2 == 0, "the reduce-scatter leaves BT / 2 sums per lane");
   static_assert(DEPTH == 1 || DEPTH == 2, "one or two pages in flight per consumer");
@@ -239,12 +286,13 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
   const int ctok = tok0 + c * BT;     // this consumer's first token
   const int nt = min(BT, ntok - c * BT);  // and how many it has (≤ 0: none)
 
-  // 1. Query row tid = (token tid / H, head tid % H) → e4m3 in the swizzled tile, its
-  //    power-of-two scale folded into the head weight (formats.quantize_index_q's rule).
-  {
-    const int t = tid / H;
+  // 1. Query rows n = tid, tid + 128, … = (token n / H, head n % H) → e4m3 in the swizzled
+  //    tile, the power-of-two scale folded into the head weight (formats.quantize_index_q).
+#pragma unroll 1
+  for (int n = tid; n < N; n += 128) {
+    const int t = n / H;
     const bool ok = t < nt;
-    const int64_t row = int64_t(ctok + t) * H + tid % H;
+    const int64_t row = int64_t(ctok + t) * H + n % H;
     uint4 x[kDim / 8] = {};  // 128 bf16 (0 for rows past the tile's tokens)
     if (ok) {
       const uint4* src = reinterpret_cast<const uint4*>(q + row * kDim);
@@ -260,7 +308,7 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
     }
     const float scale = pow2_ceil(fmaxf(amax, kMinAmax) / kFp8Max);
     const float inv = 1.f / scale;  // exact: a power of two
-    uint8_t* dst = sh.q[c] + tid * kDim;
+    uint8_t* dst = sh.q[c] + n * kDim;
 #pragma unroll
     for (int i = 0; i < kDim / 16; ++i) {  // 16 values → one 16-byte chunk
       uint32_t packed[4];
@@ -274,10 +322,10 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
                                                      __NV_SATFINITE, __NV_E4M3);
         packed[e] = lo | (hi << 16);
       }
-      *reinterpret_cast<uint4*>(dst + (i ^ (tid % 8)) * 16) =
+      *reinterpret_cast<uint4*>(dst + (i ^ (n % 8)) * 16) =
           make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-    sh.w[c][tid] = ok ? w[row] * scale : 0.f;
+    sh.w[c][n] = ok ? w[row] * scale : 0.f;
   }
   fence_async_shared();
   asm volatile("bar.sync %0, 128;" ::"r"(c + 1) : "memory");  // this warpgroup only
@@ -286,9 +334,9 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
   //    BT / 2 sums it keeps after the reduce-scatter (tokens 2m + hi1, key row half hi0), the
   //    tokens' causal limits.
   const int hi0 = lane & 1, hi1 = (lane >> 1) & 1;
-  float wr[2 * kN / 8];
+  float wr[2 * N / 8];
 #pragma unroll
-  for (int i = 0; i < kN / 8; ++i) {
+  for (int i = 0; i < N / 8; ++i) {
     wr[2 * i] = sh.w[c][8 * i + 2 * (lane % 4)];
     wr[2 * i + 1] = sh.w[c][8 * i + 2 * (lane % 4) + 1];
   }
@@ -315,7 +363,7 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
   // 3. The live pages. With DEPTH = 2 a consumer issues page b + 1's MMA before it reduces page
   //    b, so its own head sums run while the tensor cores work (two accumulator sets).
   const uint32_t dq = desc_lo(sh.q[c]), dk0 = desc_lo(sh.keys[0]);
-  const auto issue = [&](float (&acc)[64], int b) {  // S = K·Qᵀ of page b, asynchronously
+  const auto issue = [&](float (&acc)[N / 2], int b) {  // S = K·Qᵀ of page b, asynchronously
     const int s = b % kStages;
     mbar_wait(&sh.full[s], (b / kStages) & 1);
     const uint32_t dk = dk0 + s * (kValueBytes >> 4);
@@ -323,11 +371,11 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < kDim / 32; ++k) {
-      wgmma_m64n128k32(acc, kmajor_desc(dk + 2 * k), kmajor_desc(dq + 2 * k), k);
+      wgmma<N>(acc, kmajor_desc(dk + 2 * k), kmajor_desc(dq + 2 * k), k);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   };
-  const auto reduce = [&](float (&acc)[64], int b) {  // page b's MMA is done: logits, stored
+  const auto reduce = [&](float (&acc)[N / 2], int b) {  // page b's MMA is done: logits, stored
     pin(acc);
     const int s = b % kStages;
     const float k_scale = sh.scales[s][row];
@@ -366,14 +414,14 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
     store((first + b) * kBlock, x);
   };
   if constexpr (DEPTH == 1) {
-    float d[64];
+    float d[N / 2];
     for (int b = 0; b < num_live; ++b) {
       issue(d, b);
       wgmma_wait<0>();
       reduce(d, b);
     }
   } else {
-    float d0[64], d1[64];  // page b's accumulators: d0 for even b, d1 for odd b
+    float d0[N / 2], d1[N / 2];  // page b's accumulators: d0 for even b, d1 for odd b
     if (num_live > 0) {  // every path below waits for all it issues (ptxas checks)
       issue(d0, 0);
       int b = 0;
@@ -405,7 +453,7 @@ __device__ void consume(Shared<CONSUMERS>& sh, int c, const __nv_bfloat16* q, co
 }
 #endif  // DSASERVE_SM90A
 
-template <int H, int CONSUMERS, int DEPTH>
+template <int H, int CONSUMERS, int DEPTH, int N>
 __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
     indexer_logits_kernel(const __nv_bfloat16* __restrict__ q,  // [T·H, D]
                           const float* __restrict__ w,          // [T·H]
@@ -419,7 +467,7 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
                           int s_out, int pages_per_prog) {
 #ifdef DSASERVE_SM90A
   extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<Shared<CONSUMERS>*>(smem_raw +
+  auto& sh = *reinterpret_cast<Shared<CONSUMERS, N>*>(smem_raw +
                                                    (1024 - smem_addr(smem_raw) % 1024) % 1024);
   const int num_tiles = int(gridDim.x);
   const int req = tiles[blockIdx.x], tok0 = tiles[num_tiles + blockIdx.x];
@@ -444,7 +492,7 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs<CONSUMERS>()));
-    consume<H, CONSUMERS, DEPTH>(sh, warp / 4, q, w, limits, out, stride_out, gmax, stride_gmax,
+    consume<H, CONSUMERS, DEPTH, N>(sh, warp / 4, q, w, limits, out, stride_out, gmax, stride_gmax,
                                  tok0, ntok, first, num_live, chunk_pages, s_out);
   }
 #else
@@ -452,12 +500,12 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
 #endif
 }
 
-template <int H, int CONSUMERS, int DEPTH>
+template <int H, int CONSUMERS, int DEPTH, int N>
 void launch(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
             const at::Tensor& block_table, const at::Tensor& tiles, const at::Tensor& limits,
             at::Tensor& out, at::Tensor& gmax, int64_t pages_per_prog, cudaStream_t stream) {
-  auto kernel = indexer_logits_kernel<H, CONSUMERS, DEPTH>;
-  constexpr size_t smem = smem_bytes<CONSUMERS>();
+  auto kernel = indexer_logits_kernel<H, CONSUMERS, DEPTH, N>;
+  constexpr size_t smem = smem_bytes<CONSUMERS, N>();
   // Per device, so set at every launch (about a microsecond, legal during graph capture).
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -477,7 +525,7 @@ void launch(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
 void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
                     const at::Tensor& block_table, const at::Tensor& tiles,
                     const at::Tensor& limits, at::Tensor& out, at::Tensor& gmax,
-                    int64_t consumers, int64_t depth, int64_t pages_per_prog) {
+                    int64_t consumers, int64_t depth, int64_t rows, int64_t pages_per_prog) {
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
                   q.size(2) == kDim && q.is_contiguous(),
               "indexer_logits: q must be a contiguous CUDA bf16 [T, H, 128] tensor");
@@ -499,25 +547,29 @@ void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& 
   if (tiles.size(1) == 0 || out.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-#define DSASERVE_LAUNCH(H, C, B) \
-  return launch<H, C, B>(q, w, cache, block_table, tiles, limits, out, gmax, pages_per_prog, stream)
+#define DSASERVE_LAUNCH(H, C, D, N) \
+  return launch<H, C, D, N>(q, w, cache, block_table, tiles, limits, out, gmax, pages_per_prog, \
+                            stream)
+#define DSASERVE_SHAPES(H)                                                                   \
+  if (heads == H && consumers == 2 && depth == 1 && rows == 128) DSASERVE_LAUNCH(H, 2, 1, 128); \
+  if (heads == H && consumers == 2 && depth == 2 && rows == 128) DSASERVE_LAUNCH(H, 2, 2, 128); \
+  if (heads == H && consumers == 3 && depth == 1 && rows == 128) DSASERVE_LAUNCH(H, 3, 1, 128); \
+  if (heads == H && consumers == 2 && depth == 1 && rows == 256) DSASERVE_LAUNCH(H, 2, 1, 256);
   const int64_t heads = q.size(1);
-  if (heads == 64 && consumers == 2 && depth == 1) DSASERVE_LAUNCH(64, 2, 1);
-  if (heads == 64 && consumers == 2 && depth == 2) DSASERVE_LAUNCH(64, 2, 2);
-  if (heads == 64 && consumers == 3 && depth == 1) DSASERVE_LAUNCH(64, 3, 1);
-  if (heads == 32 && consumers == 2 && depth == 1) DSASERVE_LAUNCH(32, 2, 1);
-  if (heads == 32 && consumers == 2 && depth == 2) DSASERVE_LAUNCH(32, 2, 2);
-  if (heads == 32 && consumers == 3 && depth == 1) DSASERVE_LAUNCH(32, 3, 1);
+  DSASERVE_SHAPES(64)
+  DSASERVE_SHAPES(32)
+#undef DSASERVE_SHAPES
 #undef DSASERVE_LAUNCH
-  TORCH_CHECK(false, "indexer_logits: heads must be 32 or 64, and (consumers, depth) (2, 1), (2, 2) "
-              "or (3, 1), got ", heads, ", ", consumers, " and ", depth);
+  TORCH_CHECK(false, "indexer_logits: heads must be 32 or 64, and (consumers, depth, rows) one of "
+              "(2, 1, 128), (2, 2, 128), (3, 1, 128), (2, 1, 256); got ", heads, " and (", consumers,
+              ", ", depth, ", ", rows, ")");
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(dsaserve_cuda, m) {
   m.def("indexer_logits(Tensor q, Tensor w, Tensor cache, Tensor block_table, Tensor tiles, "
-        "Tensor limits, Tensor(a!) out, Tensor(b!) gmax, int consumers, int depth, "
+        "Tensor limits, Tensor(a!) out, Tensor(b!) gmax, int consumers, int depth, int rows, "
         "int pages_per_prog) -> ()");
 }
 

@@ -10,13 +10,14 @@ import torch
 from dsaserve.kernels.cuda.build import build
 
 HEADS = (32, 64)  # index heads the kernel is built for: 128 / H tokens per warpgroup
-# (consumer warpgroups per block, each with its own tokens; pages in flight per consumer, 2:
-# page b + 1's MMA runs while page b is reduced, with two sets of accumulators, which three
-# consumers have no registers for)
-SHAPES = ((2, 1), (2, 2), (3, 1))
+# Block shapes built: (consumer warpgroups, each with its own tokens; pages in flight per
+# consumer, 2: page b + 1's MMA runs while page b is reduced, in a second set of accumulators;
+# query rows per consumer, the MMA's N). Registers decide which combine: three consumers have
+# 152 each, two 224.
+SHAPES = ((2, 1, 128), (2, 2, 128), (3, 1, 128), (2, 1, 256))
 # Per head count, the shapes measured fastest on an H200 (docs/kernels.md), in order: the
 # indexer takes the first whose consumers the step's longest query fills.
-PREFERRED = {64: [(3, 1), (2, 2)], 32: [(2, 2)]}
+PREFERRED = {64: [(3, 1, 128), (2, 2, 128)], 32: [(3, 1, 128), (2, 2, 128)]}
 HEAD_DIM, BLOCK_SIZE = 128, 64
 
 
@@ -28,24 +29,38 @@ def supported(q: torch.Tensor, index_cache: torch.Tensor, block_size: int) -> bo
             and torch.cuda.get_device_capability(q.device) == (9, 0) and build() is None)
 
 
-def tokens_per_tile(num_heads: int, consumers: int) -> int:
-    """Tokens of one request a block takes: 128 query rows (token, head) per consumer."""
-    return consumers * 128 // num_heads
+def pages_per_block(num_tiles: int, num_pages: int, num_sms: int) -> int:
+    """Key pages per block: the most of 256 … 16 that still gives eight blocks per
+    multiprocessor (one fits at a time), so that few long rows (MTP decode) fill the GPU while
+    a long prefill pays each block's start (q quantized, the ring filled) rarely. On an H200,
+    T = 4096 × 128K keys, 32 heads: 256 pages 5.63 ms, 128 5.86, 16 7.44 (3 consumers).
+
+        tiles 342, pages 2048, 132 SMs → 256 (2,736 blocks); tiles 64, pages 1024 → 32
+    """
+    for pages in (256, 128, 64, 32):
+        if num_tiles * -(-num_pages // pages) >= 8 * num_sms:
+            return pages
+    return 16
+
+
+def block_rows(shape: tuple[int, int, int]) -> int:
+    """Query rows (token, head) a block takes: all its consumers'."""
+    return shape[0] * shape[2]
 
 
 def launch(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
            block_table: torch.Tensor, tiles: torch.Tensor, limits: torch.Tensor,
-           logits: torch.Tensor, group_max: torch.Tensor, *, consumers: int, depth: int,
+           logits: torch.Tensor, group_max: torch.Tensor, *, shape: tuple[int, int, int],
            pages_per_prog: int) -> None:
     """Fill logits [T, S] and group_max [T, ceil(S / 8)] (fp32, unit column stride).
 
     q [T, H, 128] bf16, weights [T, H] fp32, index_cache uint8 pages (64 keys: e4m3 rows, then
     fp32 scales), block_table [R, ≥ ceil(S / 64)] int32, tiles [3, num_tiles] int32 (request,
-    first token, length ≤ tokens_per_tile(H, consumers)), limits [T] int32: keys j < limits[t]
-    are visible to token t. One block per (tile, pages_per_prog pages of keys); `consumers`
-    warpgroups of 128 query rows each, `depth` pages in flight per consumer (see SHAPES)."""
-    if (consumers, depth) not in SHAPES or q.shape[1] not in HEADS:
-        raise ValueError(f"indexer_logits (CUDA): (consumers, depth) must be one of {SHAPES} and "
-                         f"heads one of {HEADS}, got ({consumers}, {depth}) and {q.shape[1]}")
+    first token, length ≤ block_rows(shape) / H), limits [T] int32: keys j < limits[t] are
+    visible to token t. One block per (tile, pages_per_prog pages of keys), of `shape` (one of
+    SHAPES: consumers, depth, rows per consumer)."""
+    if shape not in SHAPES or q.shape[1] not in HEADS:
+        raise ValueError(f"indexer_logits (CUDA): shape must be one of {SHAPES} and heads one of "
+                         f"{HEADS}, got {shape} and {q.shape[1]}")
     torch.ops.dsaserve_cuda.indexer_logits(q, weights, index_cache, block_table, tiles, limits,
-                                           logits, group_max, consumers, depth, pages_per_prog)
+                                           logits, group_max, *shape, pages_per_prog)

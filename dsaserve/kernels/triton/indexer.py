@@ -221,7 +221,9 @@ class IndexerConfig:
     Measured on an H200 (docs/kernels.md, `benchmarks/kernels.py --only indexer --sweep`, 16
     configurations per kernel): 256 rows per tile, 3 stages and 4 warps are best for prefill
     (T = 4096 × 128K keys: Triton 11.1 ms at 128 pages per program, Gluon 13.1) and the Gluon
-    kernel for decode (b = 64 × 64K, s_q = 1: 157 µs at 64 pages, Triton 177 at 16).
+    kernel for decode (b = 64 × 64K, s_q = 1: 157 µs at 64 pages, Triton 177 at 16). Where the
+    CUDA kernel builds it takes prefill (9.9 ms at 64 heads, 5.6 at 32) and MTP decode of 4+
+    tokens per request (s_q = 4: 408 µs against Gluon's 477).
     """
 
     rows_per_tile: int = 256  # tokens × heads per tile: the MMA's N, ≤ 256
@@ -234,9 +236,10 @@ class IndexerConfig:
     # bf16 q, D = 128, pages of 64 keys, 32 or 64 heads) instead of both; None: where it builds,
     # for steps whose longest query fills a block's consumers (prefill, MTP decode).
     cuda_logits: bool | None = None
-    # Its (consumer warpgroups, pages in flight per consumer), one of indexer_logits.SHAPES;
-    # None: the measured best for the head count (indexer_logits.PREFERRED).
-    cuda_shape: tuple[int, int] | None = None
+    # Its block shape (consumer warpgroups, pages in flight per consumer, query rows per
+    # consumer), one of indexer_logits.SHAPES; None: the measured best for the head count
+    # (indexer_logits.PREFERRED).
+    cuda_shape: tuple[int, int, int] | None = None
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
@@ -281,8 +284,8 @@ def _use_gluon(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig
 
 
 def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
-                meta: AttentionMetadata) -> tuple[int, int] | None:
-    """(consumers, depth) of the CUDA logits kernel where config picks it for this step (see
+                meta: AttentionMetadata) -> tuple[int, int, int] | None:
+    """The CUDA logits kernel's block shape where config picks it for this step (see
     IndexerConfig.cuda_logits), else None."""
     if config.cuda_logits is False or not q.is_cuda:
         return None
@@ -302,17 +305,17 @@ def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfi
         return None
     if config.cuda_logits:
         return shapes[0]
-    # Automatic: the first shape whose consumers the longest query fills (128 rows each).
+    # Automatic: the first shape whose consumers the longest query fills.
     rows = _max_query_len(meta) * num_heads
-    return next((sh for sh in shapes if rows >= 128 * sh[0]), None)
+    return next((sh for sh in shapes if rows >= cuda_logits.block_rows(sh)), None)
 
 
 def _plan_rows(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
-               meta: AttentionMetadata) -> tuple[int, tuple[int, int] | None]:
+               meta: AttentionMetadata) -> tuple[int, tuple[int, int, int] | None]:
     """(query rows per tile, CUDA kernel shape or None) of this step: what _step_plan is keyed
     on, the same for every caller of the step so that the plan is built once."""
     shape = _cuda_shape(q, index_cache, config, meta)
-    return (128 * shape[0] if shape else config.rows_per_tile), shape
+    return (shape[0] * shape[2] if shape else config.rows_per_tile), shape
 
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -357,16 +360,19 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     num_tiles = plan.tiles.shape[1]
     gluon = not cuda_shape and _use_gluon(q, index_cache, config, num_heads * plan.block_t,
                                           block_size)
-    per_prog = config.pages_per_prog or (128 if num_tiles >= 512 else 64 if gluon else 16)
-    per_prog = min(per_prog, triton.next_power_of_2(num_pages))
-    # The kernels index rows as (token · H + head) · D and weights as token · H + head.
-    q_in, w_in = q.contiguous(), weights.float().contiguous()
     if cuda_shape:
         from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        auto = cuda_logits.pages_per_block(num_tiles, num_pages, num_sms)
+    else:
+        auto = 128 if num_tiles >= 512 else 64 if gluon else 16
+    per_prog = min(config.pages_per_prog or auto, triton.next_power_of_2(num_pages))
+    # The kernels index rows as (token · H + head) · D and weights as token · H + head.
+    q_in, w_in = q.contiguous(), weights.float().contiguous()
+    if cuda_shape:
         cuda_logits.launch(q_in, w_in, index_cache, block_table, plan.tiles, limits_i32, logits,
-                           group_max, consumers=cuda_shape[0], depth=cuda_shape[1],
-                           pages_per_prog=per_prog)
+                           group_max, shape=cuda_shape, pages_per_prog=per_prog)
         return logits, group_max, limits
     if gluon:
         from dsaserve.kernels.triton import indexer_gluon

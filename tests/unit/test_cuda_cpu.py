@@ -1,5 +1,7 @@
-"""The CUDA top-k's entry point on a machine without CUDA: a clear error, never a crash, and
-callers (the indexer) keep the Triton kernel. Its GPU tests: tests/gpu/test_topk_cuda.py."""
+"""The CUDA kernels' Python side on a machine without CUDA: the top-k's entry point gives a clear
+error, never a crash, and callers (the indexer) keep the Triton kernels; the launch-shape maths
+of the top-k and of the indexer logits. GPU tests: tests/gpu/test_topk_cuda.py and
+tests/gpu/test_indexer_cuda.py."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import pytest
 import torch
 
 from dsaserve.kernels.cuda import build as cuda_build
+from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 
 
@@ -42,3 +45,20 @@ def test_blocks_per_row() -> None:
     assert cuda_topk.blocks_per_row(200, 132, 1024, 9) == 1
     assert cuda_topk.blocks_per_row(16, 132, 512, 9) == 1
     assert cuda_topk.blocks_per_row(16, 108, 1024, 8) == 1
+
+
+def test_pages_per_block() -> None:
+    """The most pages per block that still gives eight blocks per multiprocessor: a long prefill
+    takes 256, a batch of few MTP rows fewer, never under 16."""
+    assert cuda_logits.pages_per_block(342, 2048, 132) == 256  # T = 4096 × 128K keys
+    assert cuda_logits.pages_per_block(64, 1024, 132) == 32  # 64 requests × 4 tokens, 64K keys
+    assert cuda_logits.pages_per_block(132, 8 * 128, 132) == 128
+    assert cuda_logits.pages_per_block(25, 63, 132) == 16
+    assert cuda_logits.pages_per_block(1, 1, 132) == 16
+
+
+def test_block_shapes() -> None:
+    """Every preferred shape is built, and a block's rows are its consumers' rows."""
+    for shapes in cuda_logits.PREFERRED.values():
+        assert set(shapes) <= set(cuda_logits.SHAPES)
+    assert [cuda_logits.block_rows(s) for s in cuda_logits.SHAPES] == [256, 256, 384, 512]
