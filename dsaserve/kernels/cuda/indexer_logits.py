@@ -9,7 +9,7 @@ import torch
 
 from dsaserve.kernels.cuda.build import build
 
-HEADS = (32, 64)  # index heads the kernel is built for: 128 / H tokens per warpgroup
+HEADS = (32, 64)  # index heads the kernel is built for: N / H tokens per consumer
 # Block shapes built: (consumer warpgroups, each with its own tokens; pages in flight per
 # consumer, 2: page b + 1's MMA runs while page b is reduced, in a second set of accumulators;
 # query rows per consumer, the MMA's N). Registers decide which combine: three consumers have
