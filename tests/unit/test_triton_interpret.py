@@ -354,7 +354,7 @@ def test_topk_rows_overflow_and_ties(k):
 
 def test_cuda_logits_are_chosen_on_gpus_only(k):
     """CPU tensors (the interpreter) never take the CUDA logits kernel, whatever the config asks;
-    their tiles keep rows_per_tile, so every caller of the step keys the same plan."""
+    the step's plan then cuts tiles of rows_per_tile (256 rows: 4 tokens of 64 heads)."""
     g = _gen()
     meta = _index_meta(g, 1, 0, 64)
     q = torch.randn(meta.num_tokens, 64, 128, generator=g).bfloat16()
@@ -362,7 +362,8 @@ def test_cuda_logits_are_chosen_on_gpus_only(k):
     for cuda_logits in (None, True):
         config = k.indexer.IndexerConfig(cuda_logits=cuda_logits)
         assert k.indexer._cuda_shape(q, cache, config, meta) is None
-        assert k.indexer._plan_rows(q, cache, config, meta) == (256, None)
+        plan = k.indexer._step_plan(meta, q, cache, config)
+        assert (plan.block_t * 64, plan.cuda_shape) == (256, None)
 
 
 def test_indexer_topk_kernel_choice(k):

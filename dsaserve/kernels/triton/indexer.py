@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
+from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.triton import row_topk
@@ -178,6 +179,7 @@ class _StepPlan:
     block_table: torch.Tensor  # [R, max_blocks] int32 on the device
     s_out: int  # longest local key sequence of the batch
     block_t: int  # tokens per tile
+    cuda_shape: tuple[int, int, int] | None  # the CUDA logits kernel's block, if it runs
 
 
 _last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
@@ -187,12 +189,16 @@ def _max_query_len(meta: AttentionMetadata) -> int:
     return max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
 
 
-def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
-               rows_per_tile: int) -> _StepPlan:
+def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tensor,
+               config: IndexerConfig) -> _StepPlan:
     global _last_plan
-    key = (num_heads, str(device), rows_per_tile)
+    num_heads, device = q.shape[1], q.device
+    key = (num_heads, str(device), q.dtype, index_cache.dtype, config)
     if _last_plan is not None and _last_plan[0]() is meta and _last_plan[1] == key:
         return _last_plan[2]
+    # Which logits kernel runs is decided here, once per step, and so are its tiles.
+    cuda_shape = _cuda_shape(q, index_cache, config, meta)
+    rows_per_tile = cuda_logits.block_rows(cuda_shape) if cuda_shape else config.rows_per_tile
     local_lens = [layout.dcp_local_seq_len(s, meta.dcp_size, meta.dcp_rank, meta.interleave)
                   for s in meta.seq_lens]
     # Keys this rank owns among positions [0, pos] of each query: its visible local keys.
@@ -208,7 +214,7 @@ def _step_plan(meta: AttentionMetadata, num_heads: int, device: torch.device,
         limits=limits, limits_i32=limits.to(torch.int32),
         tiles=torch.tensor([reqs, toks, tile_lens], dtype=torch.int32, device=device),
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
-        s_out=max(local_lens, default=0), block_t=block_t,
+        s_out=max(local_lens, default=0), block_t=block_t, cuda_shape=cuda_shape,
     )
     _last_plan = (weakref.ref(meta), key, plan)
     return plan
@@ -289,8 +295,6 @@ def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfi
     IndexerConfig.cuda_logits), else None."""
     if config.cuda_logits is False or not q.is_cuda:
         return None
-    from dsaserve.kernels.cuda import indexer_logits as cuda_logits
-
     num_heads = q.shape[1]
     supported = cuda_logits.supported(q, index_cache, meta.block_size)
     shapes = [config.cuda_shape] if config.cuda_shape else \
@@ -308,14 +312,6 @@ def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfi
     # Automatic: the first shape whose consumers the longest query fills.
     rows = _max_query_len(meta) * num_heads
     return next((sh for sh in shapes if rows >= cuda_logits.block_rows(sh)), None)
-
-
-def _plan_rows(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
-               meta: AttentionMetadata) -> tuple[int, tuple[int, int, int] | None]:
-    """(query rows per tile, CUDA kernel shape or None) of this step: what _step_plan is keyed
-    on, the same for every caller of the step so that the plan is built once."""
-    shape = _cuda_shape(q, index_cache, config, meta)
-    return (shape[0] * shape[2] if shape else config.rows_per_tile), shape
 
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
@@ -339,8 +335,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
     if not index_cache.is_contiguous():
         raise ValueError("indexer: index_cache must be contiguous (pages are addressed flat)")
-    rows_per_tile, cuda_shape = _plan_rows(q, index_cache, config, meta)
-    plan = _step_plan(meta, num_heads, device, rows_per_tile)
+    plan = _step_plan(meta, q, index_cache, config)
     start, length = window or (0, plan.s_out)
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
@@ -358,11 +353,10 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         return logits, group_max, limits
     num_pages = triton.cdiv(length, block_size)
     num_tiles = plan.tiles.shape[1]
+    cuda_shape = plan.cuda_shape
     gluon = not cuda_shape and _use_gluon(q, index_cache, config, num_heads * plan.block_t,
                                           block_size)
     if cuda_shape:
-        from dsaserve.kernels.cuda import indexer_logits as cuda_logits
-
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         auto = cuda_logits.pages_per_block(num_tiles, num_pages, num_sms)
     else:
@@ -481,7 +475,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     """
     _check_inputs(q, weights)
     num_tokens = q.shape[0]
-    plan = _step_plan(meta, q.shape[1], q.device, _plan_rows(q, index_cache, config, meta)[0])
+    plan = _step_plan(meta, q, index_cache, config)
     if num_tokens == 0 or plan.s_out == 0 or topk == 0:
         return (torch.full((num_tokens, topk), float("-inf"), device=q.device),
                 torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device))
