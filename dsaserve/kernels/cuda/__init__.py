@@ -7,6 +7,7 @@ issued by hand with the epilogue written out).
     indexer_logits.cu   FP8 indexer logits of prefill tiles on sm_90a: a cp.async producer warp,
                         consumer warpgroups issuing wgmma and reducing the heads themselves
     indexer_logits.py   its Python entry point, block shapes and launch maths
+    mbarrier.cuh        the shared-memory barrier helpers both kernels use
     build.py            torch.utils.cpp_extension compiles every .cu on first use (nvcc and
                         ninja needed; cached under TORCH_EXTENSIONS_DIR) into one library,
                         torch.ops.dsaserve_cuda

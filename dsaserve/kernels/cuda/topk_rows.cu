@@ -38,6 +38,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "mbarrier.cuh"
+
 #include <cooperative_groups.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
@@ -315,13 +317,16 @@ __device__ void compact(int* count, uint64_t* list, const float* row, int begin,
 }
 
 // Bulk copies (the TMA unit) of src[0:n] (n a multiple of 4, src 16-byte aligned) into `stage`,
-// in this block's shared memory, completing on the mbarrier `bar` (initialized for one arrival:
-// this call's). One thread calls it; every thread then waits (wait_staged) before reading.
+// in this block's shared memory, completing on the mbarrier `bar`, which this call initializes
+// for its own arrival. One thread calls it; every thread then waits (mbar_wait(bar, 0)) before
+// reading.
 __device__ __forceinline__ void stage_row(float* stage, const float* src, int n, uint64_t* bar) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr uint32_t kPiece = 32768;  // bytes per copy instruction
-  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
-  const uint32_t dst = uint32_t(__cvta_generic_to_shared(stage));
+  mbar_init(bar, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // seen by the copies
+  const uint32_t b = smem_addr(bar);
+  const uint32_t dst = smem_addr(stage);
   const uint32_t bytes = uint32_t(n) * 4;
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes)
                : "memory");
@@ -332,28 +337,6 @@ __device__ __forceinline__ void stage_row(float* stage, const float* src, int n,
         ::"r"(dst + off), "l"(reinterpret_cast<const char*>(src) + off), "r"(size), "r"(b)
         : "memory");
   }
-#endif
-}
-
-__device__ __forceinline__ void wait_staged(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const uint32_t b = uint32_t(__cvta_generic_to_shared(bar));
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; "
-        "selp.u32 %0, 1, 0, p; }"
-        : "=r"(done) : "r"(b) : "memory");
-  }
-#endif
-}
-
-__device__ __forceinline__ void init_stage_barrier(uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
-                   uint32_t(__cvta_generic_to_shared(bar)))
-               : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
 }
 
@@ -477,7 +460,6 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
       __syncthreads();
     }
     if (threadIdx.x == 0 && share_of_row().staged > 0) {  // waited for after the search
-      init_stage_barrier(&s.staged);
       stage_row(stage, row + share_of_row().begin, share_of_row().staged, &s.staged);
     }
     PHASE(1);
@@ -493,7 +475,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     PHASE(2);
     auto above = [tau](uint32_t key) { return key >= tau; };
     const Share mine = share_of_row();
-    if (mine.staged > 0) wait_staged(&s.staged);
+    if (mine.staged > 0) mbar_wait(&s.staged, 0);
     if constexpr (CL == 1) {
       __syncthreads();  // the list overwrites the cached maxima
       compact<THREADS>(&s.count, list, row, mine.begin, mine.end, vec4, stage, mine.staged,
