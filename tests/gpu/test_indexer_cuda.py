@@ -17,12 +17,10 @@ import dataclasses
 
 import pytest
 import torch
+from sm90_suite import require_sm90
 
 pytestmark = [pytest.mark.gpu]
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the CUDA indexer kernel is built for sm_90a", allow_module_level=True)
+require_sm90("the CUDA indexer kernel")
 triton = pytest.importorskip("triton")
 
 import test_indexer_gluon as gluon_tests  # noqa: E402  (its cases and checks)
@@ -91,13 +89,7 @@ def test_cuda_is_the_prefill_default_and_topk_agrees(g, heads):
     scores, pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK, cfg)
     ref = dataclasses.replace(cfg, cuda_logits=False, gluon=False)
     ref_scores, ref_pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK, ref)
-    assert torch.equal(pos >= 0, ref_pos >= 0)
-    ours = scores.sort(dim=1, descending=True).values
-    theirs = ref_scores.sort(dim=1, descending=True).values
-    finite = theirs.isfinite()
-    assert torch.equal(ours.isfinite(), finite)
-    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5,
-                               atol=1e-5 * float(theirs[finite].abs().max()))
+    gluon_tests._check_same_selection(scores, pos, ref_scores, ref_pos)
 
 
 def test_cuda_logits_unsupported_inputs(g):

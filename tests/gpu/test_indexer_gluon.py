@@ -16,13 +16,10 @@ import dataclasses
 
 import pytest
 import torch
+from sm90_suite import require_sm90
 
 pytestmark = [pytest.mark.gpu]
-if not torch.cuda.is_available():
-    # Skip before importing triton (see test_kernels_gpu.py).
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the Gluon indexer kernel is built for sm_90", allow_module_level=True)
+require_sm90("the Gluon indexer kernel")
 triton = pytest.importorskip("triton")
 
 import test_kernels_gpu as base  # noqa: E402  (its helpers, reused; `g` is in conftest.py)
@@ -63,6 +60,18 @@ def _check_same(ours: torch.Tensor, ref: torch.Tensor) -> None:
     if bool(finite.any()):
         scale = float(ref[finite].abs().max())
         torch.testing.assert_close(ours[finite], ref[finite], rtol=1e-5, atol=1e-5 * scale)
+
+
+def _check_same_selection(scores, pos, ref_scores, ref_pos) -> None:
+    """Two indexer_topk results from logits equal up to fp32 order: the same rows have keys, and
+    the chosen scores, sorted, agree as _check_same's do."""
+    assert torch.equal(pos >= 0, ref_pos >= 0)
+    ours = scores.sort(dim=1, descending=True).values
+    theirs = ref_scores.sort(dim=1, descending=True).values
+    finite = theirs.isfinite()
+    assert torch.equal(ours.isfinite(), finite)
+    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5,
+                               atol=1e-5 * float(theirs[finite].abs().max()))
 
 
 def _compare(q, w, cache, meta, config, pages_per_prog, window=None) -> None:
@@ -131,13 +140,7 @@ def test_gluon_is_the_decode_default_and_topk_agrees(g, heads):
     scores, pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK, rows_cfg)
     ref_scores, ref_pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK,
                                                dataclasses.replace(rows_cfg, gluon=False))
-    assert torch.equal(pos >= 0, ref_pos >= 0)
-    ours = scores.sort(dim=1, descending=True).values
-    theirs = ref_scores.sort(dim=1, descending=True).values
-    finite = theirs.isfinite()
-    assert torch.equal(ours.isfinite(), finite)
-    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5,
-                               atol=1e-5 * float(theirs[finite].abs().max()))
+    _check_same_selection(scores, pos, ref_scores, ref_pos)
 
 
 def test_gluon_logits_unsupported_shapes():

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sm90_suite import require_sm90
 
 pytestmark = [pytest.mark.gpu]
-if not torch.cuda.is_available():
-    # Skip before importing triton (see test_kernels_gpu.py).
-    pytest.skip("needs a CUDA device", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("the Gluon sparse MLA kernel is built for sm_90", allow_module_level=True)
+require_sm90("the Gluon sparse MLA kernels")
 triton = pytest.importorskip("triton")
 
 import test_kernels_gpu as base  # noqa: E402  (its helpers, reused; `g` is in conftest.py)
