@@ -383,10 +383,10 @@ def test_indexer_topk_kernel_choice(k):
 
 
 def test_backend_prepare_builds_the_cuda_topk_on_gpus_only(k, monkeypatch):
-    """The engine's start-up call: on a GPU the CUDA top-k is built then (not in the first
-    request); on the CPU nothing is built or asked."""
+    """The engine's start-up call: on a GPU the CUDA kernels (top-k, indexer logits) are built
+    then (not in the first request); on the CPU nothing is built or asked."""
     calls = []
-    monkeypatch.setattr(k.backend.cuda_topk, "unavailable_reason",
+    monkeypatch.setattr(k.backend.cuda_build, "build",
                         lambda: calls.append("build") or "no CUDA device")
     backend = k.backend.TritonBackend()
     backend.prepare(torch.device("cpu"))

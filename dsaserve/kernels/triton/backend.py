@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from dsaserve.kernels.cuda import topk as cuda_topk
+from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import ReferenceBackend
 from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
@@ -43,7 +43,7 @@ class TritonBackend:
         log says why. (The Triton kernels still compile at their first launch.)"""
         if device.type != "cuda":
             return
-        reason = cuda_topk.unavailable_reason()
+        reason = cuda_build.build()
         if reason is None:
             logger.info("CUDA kernels ready (top-k, indexer logits)")
         else:
