@@ -3,9 +3,10 @@
 The reference ranks every visible key by (score, then smaller key index) as one int64 and takes
 the k best with torch.topk, so the chosen set is unique even with ties and must match exactly:
 same key indices, same scores. Inputs are fresh random every run (seed printed), and cover the
-kernel's paths: the group-maxima threshold, rows short enough to list whole, rows too short
-for k groups, rows whose list overflows (a band of high keys, few distinct scores, all equal)
-and rows with at most k visible keys.
+kernel's paths: the group-maxima threshold (the compaction reading the whole row, or only the
+groups whose maximum clears it), rows short enough to list whole, rows too short for k groups,
+rows whose list overflows (a band of high keys, few distinct scores, all equal) and rows with
+at most k visible keys.
 Run on the device machine: `pytest -m gpu tests/gpu/test_topk_cuda.py`.
 """
 
@@ -102,9 +103,16 @@ def test_k(g: torch.Generator, k: int) -> None:
     _check(logits, limits, k)
 
 
-def test_ties_and_overflow(g: torch.Generator) -> None:
+# Launches whose compaction differs: the default for few rows (clusters, rows staged), one block
+# per row reading only the groups above the threshold (512 threads; 1024 without a stage).
+LAUNCHES = [{}, {"threads": 512, "cluster": 1}, {"threads": 1024, "cluster": 1, "stage": False}]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "512", "1024-unstaged"])
+def test_ties_and_overflow(g: torch.Generator, launch: dict) -> None:
     """The exact path: a band of high keys overflows the list; few distinct scores and all-equal
-    rows cut through a tie, which goes to the smaller key indices."""
+    rows cut through a tie, which goes to the smaller key indices (with one block per row, more
+    groups clear the threshold than fit the group list: the whole row is compacted)."""
     seq, k = 65536, 2048
     logits = torch.randn(6, seq, device=DEV, generator=g)
     logits[0, 1000:4000] += 100.0  # 3000 keys above every other: > the 4096-entry list of τ
@@ -114,18 +122,20 @@ def test_ties_and_overflow(g: torch.Generator) -> None:
     logits[4, ::7] = 50.0  # 9363 equal keys on top
     logits[5] = -logits[5].abs()  # negative scores only
     limits = torch.tensor([seq, seq, seq, 60000, seq, 30000], device=DEV)
-    _check(logits, limits, k)
+    _check(logits, limits, k, **launch)
 
 
-def test_large_rows_and_strided(g: torch.Generator) -> None:
-    """Rows longer than the cached group maxima (re-read from memory) and a row stride that
-    is not a multiple of four floats (no 16-byte loads)."""
+@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "512", "1024-unstaged"])
+def test_large_rows_and_strided(g: torch.Generator, launch: dict) -> None:
+    """Rows longer than the cached group maxima (re-read from memory; 131,072 keys is the
+    longest cached row) and a row stride that is not a multiple of four floats (no 16-byte
+    loads)."""
     k = 2048
-    logits = torch.randn(3, 300001, device=DEV, generator=g)
-    limits = torch.tensor([300001, 200000, 131073], device=DEV)
-    _check(logits, limits, k)
+    logits = torch.randn(4, 300001, device=DEV, generator=g)
+    limits = torch.tensor([300001, 200000, 131073, 131072], device=DEV)
+    _check(logits, limits, k, **launch)
     wide = torch.randn(5, 40003, device=DEV, generator=g)[:, 1:40002]  # stride 40003
-    _check(wide, torch.tensor([40001, 30000, 5000, 2000, 0], device=DEV), k)
+    _check(wide, torch.tensor([40001, 30000, 5000, 2000, 0], device=DEV), k, **launch)
 
 
 def test_cuda_graph(g: torch.Generator) -> None:

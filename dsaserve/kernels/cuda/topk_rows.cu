@@ -13,6 +13,8 @@
 //      passes.
 //   2. One pass over the row: keys >= tau go to a list of C entries in shared memory. Mostly
 //      that is k plus a few (a group whose maximum clears tau rarely has a second key that does).
+//      A block alone on its row (prefill) reads only the groups whose maximum clears tau, about
+//      k of them: 1/8 of a 128K-key row.
 //   3. The exact k best of the list by a bucket select over 64-bit entries (score key << 32 |
 //      inverted key index: distinct, ties go to the smaller key index), then written out.
 //
@@ -121,6 +123,7 @@ struct Shared {
   int hist[kBins];
   int count;      // list entries claimed
   int written;    // output slots claimed
+  int groups;     // groups listed for compact_groups (in hist, as uint16)
   int bin;        // the bin a select pass chose
   int above;      // keys in higher bins than `bin`
   uint64_t lo, hi;  // broadcast of a min / max reduction
@@ -210,6 +213,22 @@ __device__ SelectResult bucket_select(Shared<THREADS>& s, Visit visit, int rank,
   return {uint64_t(lo), (in_bin == rank || slack > 0) ? 0 : rank};
 }
 
+// This thread's first list slot of the `mine` its warp claims for it from *count: one prefix
+// sum over the warp and one atomic (all lanes call this together).
+__device__ __forceinline__ int claim_slots(int* count, int mine) {
+  constexpr unsigned kAll = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  int upto = mine;  // inclusive prefix sum over the warp's lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(kAll, upto, o);
+    if (lane >= o) upto += n;
+  }
+  int slot = 0;
+  if (lane == 31) slot = atomicAdd(count, upto);
+  return __shfl_sync(kAll, slot, 31) + upto - mine;
+}
+
 // Appends the keys j of row[begin:end) that satisfy pred(key) to the list, in no particular
 // order, and adds their number to *count (entries past kList are not stored); the caller
 // synchronizes before reading either. The list and the count may live in another block of the
@@ -225,19 +244,6 @@ __device__ void compact(int* count, uint64_t* list, const float* row, int begin,
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kB = kBatch<THREADS>;
   constexpr int kS = 32;  // staged keys per thread per step: one bit each in `keep`
-  const int lane = threadIdx.x & 31;
-  // This thread's first slot of the `mine` its warp claims for it (all lanes call this).
-  auto claim_slots = [&](int mine) {
-    int upto = mine;  // inclusive prefix sum over the warp's lanes
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(kAll, upto, o);
-      if (lane >= o) upto += n;
-    }
-    int slot = 0;
-    if (lane == 31) slot = atomicAdd(count, upto);
-    return __shfl_sync(kAll, slot, 31) + upto - mine;
-  };
 
   // Staged keys, read twice from shared memory: counted, then the keepers appended.
   const float4* stage4 = reinterpret_cast<const float4*>(stage);
@@ -256,7 +262,7 @@ __device__ void compact(int* count, uint64_t* list, const float* row, int begin,
     }
     const int mine = __popc(keep);
     if (__any_sync(kAll, mine != 0)) {
-      int slot = claim_slots(mine);
+      int slot = claim_slots(count, mine);
       for (; keep != 0; keep &= keep - 1, ++slot) {
         const int j = at(__ffs(keep) - 1);
         if (slot < kList) list[slot] = entry(sortable(stage[j]), uint32_t(begin + j));
@@ -304,12 +310,66 @@ __device__ void compact(int* count, uint64_t* list, const float* row, int begin,
     }
     const int mine = __popc(keep);
     if (__any_sync(kAll, mine != 0)) {
-      int slot = claim_slots(mine);
+      int slot = claim_slots(count, mine);
 #pragma unroll
       for (int e = 0; e < kB; ++e) {
         if (keep >> e & 1) {
           if (slot < kList) list[slot] = entry(sortable(x[e]), uint32_t(index(base, e)));
           ++slot;
+        }
+      }
+    }
+  }
+}
+
+// compact() over the groups of kGroup keys listed in `groups` (n of them: those whose maximum
+// passes pred, the others hold no key that does). With tau at the k-th group maximum that is
+// about k groups, so a 128K-key row costs ~64 KB of keys instead of 512 KB. Every load of a
+// step is independent (the group ids come from shared memory): two 16-byte loads per group,
+// or scalar ones where vec4 is false or the row ends at `limit`.
+constexpr int kGroup = 8;
+template <int THREADS, typename Pred>
+__device__ void compact_groups(int* count, uint64_t* list, const float* row,
+                               const uint16_t* groups, int n, int limit, bool vec4, Pred pred) {
+  constexpr int kGroupsPer = 2;  // groups per thread per step (more take over 64 registers)
+  for (int i0 = 0; i0 < n; i0 += kGroupsPer * THREADS) {  // the same steps in every thread
+    int j0[kGroupsPer];
+    float x[kGroupsPer][kGroup];
+#pragma unroll
+    for (int u = 0; u < kGroupsPer; ++u) {
+      const int i = i0 + u * THREADS + int(threadIdx.x);
+      j0[u] = i < n ? int(groups[i]) * kGroup : limit;  // past the row: nothing kept
+      if (vec4 && j0[u] + kGroup <= limit) {
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(row + j0[u]));
+        const float4 b = __ldcg(reinterpret_cast<const float4*>(row + j0[u] + 4));
+        x[u][0] = a.x, x[u][1] = a.y, x[u][2] = a.z, x[u][3] = a.w;
+        x[u][4] = b.x, x[u][5] = b.y, x[u][6] = b.z, x[u][7] = b.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) {
+          x[u][e] = j0[u] + e < limit ? __ldcg(row + j0[u] + e) : 0.f;
+        }
+      }
+    }
+    unsigned keep = 0;  // bit u * kGroup + e: key e of group u is kept
+#pragma unroll
+    for (int u = 0; u < kGroupsPer; ++u) {
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) {
+        keep |= unsigned(j0[u] + e < limit && pred(sortable(x[u][e]))) << (u * kGroup + e);
+      }
+    }
+    const int mine = __popc(keep);
+    if (__any_sync(0xffffffffu, mine != 0)) {
+      int slot = claim_slots(count, mine);
+#pragma unroll
+      for (int u = 0; u < kGroupsPer; ++u) {
+#pragma unroll
+        for (int e = 0; e < kGroup; ++e) {
+          if (keep >> (u * kGroup + e) & 1) {
+            if (slot < kList) list[slot] = entry(sortable(x[u][e]), uint32_t(j0[u] + e));
+            ++slot;
+          }
         }
       }
     }
@@ -426,6 +486,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
   if (threadIdx.x == 0) {
     s.count = 0;
     s.written = 0;
+    s.groups = 0;
   }
   __syncthreads();
   // This block alone: the list's entries once compaction is done.
@@ -477,9 +538,28 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     const Share mine = share_of_row();
     if (mine.staged > 0) mbar_wait(&s.staged, 0);
     if constexpr (CL == 1) {
+      // Where the maxima are cached, list the groups whose maximum clears tau (in the
+      // histogram's room, free now) and read only their keys; else (or if they are too many
+      // for that room) the whole row.
+      constexpr int kGroupList = int(sizeof(s.hist) / sizeof(uint16_t));
+      uint16_t* glist = reinterpret_cast<uint16_t*>(s.hist);
+      if (cached && mine.staged == 0 && group == kGroup) {
+        for (int g0 = 0; g0 < num_groups; g0 += THREADS) {  // the same steps in every thread
+          const int g = g0 + int(threadIdx.x);
+          const bool pass = g < num_groups && above(gkeys[g]);
+          if (__any_sync(0xffffffffu, pass)) {
+            const int slot = claim_slots(&s.groups, int(pass));
+            if (pass && slot < kGroupList) glist[slot] = uint16_t(g);
+          }
+        }
+      }
       __syncthreads();  // the list overwrites the cached maxima
-      compact<THREADS>(&s.count, list, row, mine.begin, mine.end, vec4, stage, mine.staged,
-                       above);
+      if (s.groups > 0 && s.groups <= kGroupList) {
+        compact_groups<THREADS>(&s.count, list, row, glist, s.groups, limit, vec4, above);
+      } else {
+        compact<THREADS>(&s.count, list, row, mine.begin, mine.end, vec4, stage, mine.staged,
+                         above);
+      }
       __syncthreads();
       count = s.count;
     } else {
