@@ -128,14 +128,29 @@ def test_ties_and_overflow(g: torch.Generator, launch: dict) -> None:
 @pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "512", "1024-unstaged"])
 def test_large_rows_and_strided(g: torch.Generator, launch: dict) -> None:
     """Rows longer than the cached group maxima (re-read from memory; 131,072 keys is the
-    longest cached row) and a row stride that is not a multiple of four floats (no 16-byte
-    loads)."""
+    longest cached row), up to a 1M-key window, and a row stride that is not a multiple of four
+    floats (no 16-byte loads)."""
     k = 2048
     logits = torch.randn(4, 300001, device=DEV, generator=g)
     limits = torch.tensor([300001, 200000, 131073, 131072], device=DEV)
     _check(logits, limits, k, **launch)
+    longest = torch.randn(2, 1 << 20, device=DEV, generator=g)
+    _check(longest, torch.tensor([1 << 20, 524297], device=DEV), k, **launch)
     wide = torch.randn(5, 40003, device=DEV, generator=g)[:, 1:40002]  # stride 40003
     _check(wide, torch.tensor([40001, 30000, 5000, 2000, 0], device=DEV), k, **launch)
+
+
+def test_prefill_batch(g: torch.Generator) -> None:
+    """A long prefill step's shape: 4,096 rows of 131,072 keys, every key visible (one
+    512-thread block per row, maxima cached, the group list), the chosen scores against
+    torch.topk."""
+    rows, keys, k = 4096, 1 << 17, 2048
+    logits = torch.randn(rows, keys, device=DEV, generator=g)
+    limits = torch.full((rows,), keys, device=DEV, dtype=torch.int32)
+    values, indices = cuda_topk.topk_rows(logits, _group_max(logits), limits, k)
+    want = logits.topk(k, dim=1).values
+    assert torch.equal(values.sort(dim=1, descending=True).values, want)
+    assert torch.equal(logits.gather(1, indices), values)
 
 
 def test_cuda_graph(g: torch.Generator) -> None:
