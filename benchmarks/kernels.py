@@ -476,6 +476,13 @@ def bench_topk() -> None:
     cfg = indexer.IndexerConfig()
     topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill T=4096 S=128K")
     del meta, cache, q, w
+    # A window of a 1M-token context (indexer_topk's key windows: 512 tokens × 1M keys is the
+    # 2 GiB logits bound): rows longer than the top-k caches its group maxima for.
+    meta, cache = index_meta([1 << 20], [512])
+    q = torch.randn(512, 64, 128, device=DEV, dtype=torch.bfloat16)
+    w = torch.randn(512, 64, device=DEV) * 64**-0.5 * 128**-0.5
+    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill window T=512 S=1M")
+    del meta, cache, q, w
     meta, cache = index_meta([65536] * 64, [1] * 64)
     q = torch.randn(64, 64, 128, device=DEV, dtype=torch.bfloat16)
     w = torch.randn(64, 64, device=DEV) * 64**-0.5 * 128**-0.5
