@@ -16,6 +16,7 @@ import argparse
 import torch
 from torch.utils import cpp_extension
 
+from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.cuda import topk as cuda_topk
 
 
@@ -31,11 +32,10 @@ def main() -> None:
                         help="the compaction reads the row from memory (topk_rows stage=False)")
     args = parser.parse_args()
     major, minor = torch.cuda.get_device_capability()
-    cpp_extension.load(name="dsaserve_cuda_phases", sources=[str(p) for p in cuda_topk._SOURCES],
-                       is_python_module=False,
+    sources = [str(p) for p in cuda_build.SOURCES if p.name == "topk_rows.cu"]
+    cpp_extension.load(name="dsaserve_cuda_phases", sources=sources, is_python_module=False,
                        extra_cuda_cflags=["-O3", "-DDSASERVE_TOPK_PHASES",
-                                          f"-gencode=arch=compute_{major}{minor},"
-                                          f"code=sm_{major}{minor}"])
+                                          cuda_build.arch_flag(major, minor)])
     logits = torch.randn(args.rows, args.keys, device="cuda")
     group_max = logits.view(args.rows, -1, 8).amax(2)
     limits = torch.full((args.rows,), args.keys, device="cuda")
