@@ -180,6 +180,7 @@ class _StepPlan:
     s_out: int  # longest local key sequence of the batch
     block_t: int  # tokens per tile
     cuda_shape: tuple[int, int, int] | None  # the CUDA logits kernel's block, if it runs
+    num_sms: int  # multiprocessors of the device (the CUDA kernel's grid sizing), 0 on the CPU
 
 
 _last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
@@ -215,6 +216,8 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
         tiles=torch.tensor([reqs, toks, tile_lens], dtype=torch.int32, device=device),
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
         s_out=max(local_lens, default=0), block_t=block_t, cuda_shape=cuda_shape,
+        num_sms=torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda" else 0,
     )
     _last_plan = (weakref.ref(meta), key, plan)
     return plan
@@ -357,8 +360,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     gluon = not cuda_shape and _use_gluon(q, index_cache, config, num_heads * plan.block_t,
                                           block_size)
     if cuda_shape:
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        auto = cuda_logits.pages_per_block(num_tiles, num_pages, num_sms)
+        auto = cuda_logits.pages_per_block(num_tiles, num_pages, plan.num_sms)
     else:
         auto = 128 if num_tiles >= 512 else 64 if gluon else 16
     per_prog = min(config.pages_per_prog or auto, triton.next_power_of_2(num_pages))
