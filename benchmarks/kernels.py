@@ -336,14 +336,17 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
             assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
             print(f"    row_topk {kw}: {timed(fn, graph=True) * 1e3:.1f} us", flush=True)
         if "CUDA topk" in kernels:
-            shapes = [(512, 1, False)] + [(1024, c, stage) for c in cuda_topk.CLUSTER_SIZES
-                                          for stage in (False, True)]
-            for threads, cluster, stage in shapes:
+            # (threads, blocks per row, compaction): the groups above the threshold, the
+            # whole row from memory, or the whole row staged in shared memory first.
+            shapes = [(512, 1, "groups"), (512, 1, "row")]
+            shapes += [(1024, c, how) for c in cuda_topk.CLUSTER_SIZES
+                       for how in ("groups", "row", "staged row")]
+            for threads, cluster, how in shapes:
                 fn = partial(cuda_topk.topk_rows, logits, group_max, limits, TOPK,
-                             threads=threads, cluster=cluster, stage=stage)
+                             threads=threads, cluster=cluster, group_list=how == "groups",
+                             stage=how == "staged row")
                 assert torch.equal(fn()[0].sort(dim=1, descending=True).values, ref.values)
-                print(f"    CUDA topk {threads} threads, {cluster} blocks per row"
-                      f"{', row staged' if stage else ''}: "
+                print(f"    CUDA topk {threads} threads, {cluster} blocks per row, {how}: "
                       f"{timed(fn, graph=True) * 1e3:.1f} us", flush=True)
     if not PROFILE:
         for name, fn in kernels.items():
@@ -483,10 +486,11 @@ def bench_topk() -> None:
     w = torch.randn(512, 64, device=DEV) * 64**-0.5 * 128**-0.5
     topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill window T=512 S=1M")
     del meta, cache, q, w
-    meta, cache = index_meta([65536] * 64, [1] * 64)
-    q = torch.randn(64, 64, 128, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(64, 64, device=DEV) * 64**-0.5 * 128**-0.5
-    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "decode b=64 S=64K")
+    for s_q in (1, 4):  # 4: MTP's verify rows
+        meta, cache = index_meta([65536] * 64, [s_q] * 64)
+        q = torch.randn(64 * s_q, 64, 128, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(64 * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
+        topk_stage(*indexer._logits(q, w, cache, meta, cfg), f"decode b=64 s_q={s_q} S=64K")
 
 
 def bench_writers() -> None:

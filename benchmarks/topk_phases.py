@@ -28,6 +28,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2048)
     parser.add_argument("--cluster", type=int, default=None,
                         help="blocks per row (default: topk.blocks_per_row's choice)")
+    parser.add_argument("--no-group-list", action="store_true",
+                        help="the compaction reads whole rows (topk_rows group_list=False)")
     parser.add_argument("--no-stage", action="store_true",
                         help="the compaction reads the row from memory (topk_rows stage=False)")
     args = parser.parse_args()
@@ -49,7 +51,8 @@ def main() -> None:
     for run in range(3):
         print(f"run {run}", flush=True)
         torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits, args.k, 8, args.threads,
-                                          cluster, not args.no_stage, values, indices)
+                                          cluster, not args.no_group_list, not args.no_stage,
+                                          values, indices)
         torch.cuda.synchronize()
 
 

@@ -83,17 +83,21 @@ def test_random_rows(g: torch.Generator, threads: int, cluster: int | None,
 @pytest.mark.parametrize("cluster", [2, 4, 8])
 def test_cluster(g: torch.Generator, cluster: int) -> None:
     """Blocks of a cluster sharing each row's compaction (the decode choice for few rows): every
-    path, with the threshold path's rows long enough that each block has steps to take, and an
-    overflowing row whose list the blocks fill together; each block's share of the row staged
-    in shared memory (Hopper) or read from memory."""
+    path, with the threshold path's rows long enough that each block has steps to take, an
+    overflowing row whose list the blocks fill together, and a row whose later blocks hold no
+    group above the threshold; each block reading only its groups above the threshold, or its
+    whole share of the row, staged in shared memory (Hopper) or read from memory."""
     seq, k = 70001, 2048
     lengths = [0, 2047, 2049, 4097, 16384, 16385, 40000, 65536, 70001]
     limits = torch.tensor(lengths, device=DEV)
     logits = torch.randn(len(lengths), seq, device=DEV, generator=g)
     logits[5, 100:3600] += 100.0  # 3500 keys above every other: the list overflows
-    for index_dtype, stage in ((torch.int32, True), (torch.int64, True), (torch.int32, False)):
+    logits[7, 20000:] -= 100.0  # τ among the first 2,500 groups: the rest list none
+    for index_dtype, group_list, stage in ((torch.int32, True, True), (torch.int64, True, True),
+                                           (torch.int32, False, True),
+                                           (torch.int32, False, False)):
         _check(logits, limits, k, threads=1024, cluster=cluster, index_dtype=index_dtype,
-               stage=stage)
+               group_list=group_list, stage=stage)
 
 
 @pytest.mark.parametrize("k", [1, 100, 2048, 4096])
@@ -103,12 +107,15 @@ def test_k(g: torch.Generator, k: int) -> None:
     _check(logits, limits, k)
 
 
-# Launches whose compaction differs: the default for few rows (clusters, rows staged), one block
-# per row reading only the groups above the threshold (512 threads; 1024 without a stage).
-LAUNCHES = [{}, {"threads": 512, "cluster": 1}, {"threads": 1024, "cluster": 1, "stage": False}]
+# Launches whose compaction differs: the default for few rows (clusters, the groups above the
+# threshold), one block per row (512 threads, the prefill choice; 1024), clusters reading their
+# whole shares of the rows, staged in shared memory.
+LAUNCHES = [{}, {"threads": 512, "cluster": 1}, {"threads": 1024, "cluster": 1},
+            {"group_list": False}]
+LAUNCH_IDS = ["default", "512", "1024", "whole-rows"]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "512", "1024-unstaged"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 def test_ties_and_overflow(g: torch.Generator, launch: dict) -> None:
     """The exact path: a band of high keys overflows the list; few distinct scores and all-equal
     rows cut through a tie, which goes to the smaller key indices (with one block per row, more
@@ -125,7 +132,7 @@ def test_ties_and_overflow(g: torch.Generator, launch: dict) -> None:
     _check(logits, limits, k, **launch)
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=["default", "512", "1024-unstaged"])
+@pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
 def test_large_rows_and_strided(g: torch.Generator, launch: dict) -> None:
     """Rows longer than the cached group maxima (re-read from memory; 131,072 keys is the
     longest cached row), up to a 1M-key window, and a row stride that is not a multiple of four

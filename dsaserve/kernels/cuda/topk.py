@@ -36,20 +36,23 @@ def available() -> bool:
 
 def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torch.Tensor,
               k: int, *, group: int = 8, index_dtype: torch.dtype = torch.int64,
-              threads: int | None = None, cluster: int | None = None, stage: bool = True,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              threads: int | None = None, cluster: int | None = None, group_list: bool = True,
+              stage: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-k of each row's visible prefix, in no particular order.
 
     logits [T, S] fp32 (unit column stride), group_max [T, ceil(S / group)] (max over keys
     group·g … group·g + group − 1; None: the rows are searched directly), limits [T] int32 or
     int64 → (values [T, k] fp32, indices [T, k] index_dtype): min(k, limits[t]) chosen keys
     first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 512 or 1024
-    per row (None: 1024 for up to two rows per multiprocessor, where a row's latency is the cost,
-    else 512, two blocks per multiprocessor). cluster: blocks per row, 1, 2, 4 or 8 (more than
-    one: a thread-block cluster of 1024-thread blocks, Hopper and later; None: as many as fit
-    one block per multiprocessor, see blocks_per_row). stage: on Hopper, 1024-thread blocks copy
-    their share of the row into shared memory while they search the threshold (False: the
-    compaction reads it from memory; for comparison).
+    per row (None: 1024 for up to one row per multiprocessor, where a row's latency is the cost,
+    else 512, two blocks per multiprocessor: one wave for twice the rows). cluster: blocks per
+    row, 1, 2, 4 or 8 (more than one: a thread-block cluster of 1024-thread blocks, Hopper and
+    later; None: as many as fit one block per multiprocessor, see blocks_per_row). group_list:
+    where a row's group maxima fit in shared memory (≤ 131,072 keys) and group is 8, the
+    compaction reads only the groups whose maximum clears the threshold, about k of them (False:
+    the whole row; for comparison). stage: on Hopper, 1024-thread blocks that read their whole
+    share of the row copy it into shared memory while they search the threshold (False: the
+    compaction reads it from memory).
     """
     reason = _build()
     if reason is not None:
@@ -73,7 +76,7 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
         raise ValueError(f"topk_rows: index_dtype must be int32 or int64, got {index_dtype}")
     props = torch.cuda.get_device_properties(logits.device)
     if threads is None:
-        threads = 1024 if num_rows <= 2 * props.multi_processor_count else 512
+        threads = 1024 if num_rows <= props.multi_processor_count else 512
     if cluster is None:
         cluster = blocks_per_row(num_rows, props.multi_processor_count, threads, props.major)
     elif cluster not in CLUSTER_SIZES or (cluster > 1 and (threads != 1024 or props.major < 9)):
@@ -83,5 +86,5 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
     values = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(num_rows, k, dtype=index_dtype, device=logits.device)
     torch.ops.dsaserve_cuda.topk_rows(logits, group_max, limits.contiguous(), k, group, threads,
-                                      cluster, stage, values, indices)
+                                      cluster, group_list, stage, values, indices)
     return values, indices

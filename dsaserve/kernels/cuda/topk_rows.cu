@@ -13,16 +13,17 @@
 //      passes.
 //   2. One pass over the row: keys >= tau go to a list of C entries in shared memory. Mostly
 //      that is k plus a few (a group whose maximum clears tau rarely has a second key that does).
-//      A block alone on its row (prefill) reads only the groups whose maximum clears tau, about
-//      k of them: 1/8 of a 128K-key row.
+//      Where the row's group maxima fit in shared memory (rows up to 128K keys), the pass reads
+//      only the groups whose maximum clears tau, about k of them: 1/8 of a 128K-key row.
 //   3. The exact k best of the list by a bucket select over 64-bit entries (score key << 32 |
 //      inverted key index: distinct, ties go to the smaller key index), then written out.
 //
 // Few rows (decode: 64 on 132 multiprocessors) would leave most of the GPU idle: there a row
 // takes a cluster of 2-8 blocks (sm_90), each finding tau itself and compacting its share of
 // the row into the first block's list through distributed shared memory. On Hopper, a
-// 1024-thread block also copies its share of the row (up to 39K keys) into shared memory with
-// bulk copies while it searches tau, so step 2 reads shared memory, not L2 or DRAM.
+// 1024-thread block that reads its whole share (rows too long for the group list) first copies
+// it (up to 39K keys) into shared memory with bulk copies while it searches tau, so step 2 reads
+// shared memory, not L2 or DRAM.
 //
 // Rows whose list would overflow (more than C keys >= tau: clustered or equal scores) and rows
 // too short to have k groups take the exact path instead: the row's own k-th score by a bucket
@@ -126,7 +127,9 @@ struct Shared {
   int groups;     // groups listed for compact_groups (in hist, as uint16)
   int bin;        // the bin a select pass chose
   int above;      // keys in higher bins than `bin`
+  int few;        // keys collected in `last` by a select's last step
   uint64_t lo, hi;  // broadcast of a min / max reduction
+  uint64_t last[32];  // the keys of a select's last bin, ranked directly
   uint64_t staged;  // mbarrier: the bulk copies of the row into the stage have landed
 };
 
@@ -168,6 +171,7 @@ __device__ SelectResult bucket_select(Shared<THREADS>& s, Visit visit, int rank,
   if (threadIdx.x == 0) {
     s.lo = range.lo;
     s.hi = range.hi;
+    s.few = 0;
   }
   __syncthreads();
   Key lo = Key(s.lo), hi = Key(s.hi);
@@ -207,6 +211,31 @@ __device__ SelectResult bucket_select(Shared<THREADS>& s, Visit visit, int rank,
     const Key top = lo + ((Key(1) << shift) - 1);
     hi = hi < top ? hi : top;
     __syncthreads();  // s.bin, s.above and s.hist are rewritten by the next pass
+    if (slack == 0 && in_bin > rank && in_bin <= 32) {
+      // At most 32 keys left in play: one warp ranks them against each other instead of
+      // another pass or two (the exact selection from a ~2,500-entry list took 3-4 passes).
+      visit([&](Key key) {
+        if (key >= lo && key <= hi) s.last[atomicAdd(&s.few, 1)] = key;
+      });
+      __syncthreads();
+      if (threadIdx.x < 32) {
+        const int n = s.few;
+        const Key mine = threadIdx.x < n ? Key(s.last[threadIdx.x]) : Key(0);
+        int greater = 0, equal = 0;
+        for (int j = 0; j < n; ++j) {
+          const Key other = Key(s.last[j]);
+          greater += other > mine;
+          equal += other == mine;
+        }
+        // The rank-th largest: `greater` above it, and it or its equals reach the rank.
+        if (int(threadIdx.x) < n && greater < rank && rank <= greater + equal) {
+          s.lo = mine;  // equal keys write the same
+          s.bin = greater + equal == rank ? 0 : rank - greater;
+        }
+      }
+      __syncthreads();
+      return {s.lo, s.bin};
+    }
   }
   // Done: one key value left (its copies beyond `rank` are ties), or the bin holds the keys
   // wanted (exactly, or within the slack).
@@ -331,7 +360,7 @@ constexpr int kGroup = 8;
 template <int THREADS, typename Pred>
 __device__ void compact_groups(int* count, uint64_t* list, const float* row,
                                const uint16_t* groups, int n, int limit, bool vec4, Pred pred) {
-  constexpr int kGroupsPer = 2;  // groups per thread per step (more take over 64 registers)
+  constexpr int kGroupsPer = THREADS >= 1024 ? 1 : 2;  // per thread per step (64 registers)
   for (int i0 = 0; i0 < n; i0 += kGroupsPer * THREADS) {  // the same steps in every thread
     int j0[kGroupsPer];
     float x[kGroupsPer][kGroup];
@@ -437,7 +466,8 @@ __global__ void __launch_bounds__(THREADS)
 topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ group_max,
                  const int64_t* __restrict__ limits64, const int32_t* __restrict__ limits32,
                  float* __restrict__ values, Index* __restrict__ indices, int64_t stride_l,
-                 int64_t stride_g, int64_t stride_o, int k, int group, int stage_keys) {
+                 int64_t stride_g, int64_t stride_o, int k, int group, bool group_list,
+                 int stage_keys) {
   extern __shared__ __align__(16) unsigned char smem[];
 #ifdef DSASERVE_TOPK_PHASES
   uint64_t phase_ns[6] = {};
@@ -476,12 +506,19 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
   struct Share {
     int begin, end, staged;
   };
+  // Where the group maxima fit in shared memory and a group is kGroup keys, the compaction
+  // reads only the groups whose maximum clears tau (about k of them: 1/8 of the row), and a
+  // block's share is whole groups; else it reads its whole share, staged where it can be.
+  auto by_groups = [&]() {
+    return group_list && group == kGroup && (limit + kGroup - 1) / kGroup <= kGroupKeys;
+  };
   auto share_of_row = [&]() {
-    const int per_block = (limit + 4 * CL - 1) / (4 * CL) * 4;
+    const int per_block = by_groups() ? (limit + kGroup * CL - 1) / (kGroup * CL) * kGroup
+                                      : (limit + 4 * CL - 1) / (4 * CL) * 4;
     const int begin = min(rank * per_block, limit);
     const int end = min(begin + per_block, limit);
-    return Share{begin, end, kCanStage<THREADS> && vec4 ? min(end - begin, stage_keys) / 4 * 4
-                                                        : 0};
+    const bool stage = kCanStage<THREADS> && vec4 && !by_groups();
+    return Share{begin, end, stage ? min(end - begin, stage_keys) / 4 * 4 : 0};
   };
   if (threadIdx.x == 0) {
     s.count = 0;
@@ -504,7 +541,35 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
   } else if (by_tau) {
     const float* gm = group_max + r * stride_g;
     const bool cached = num_groups <= kGroupKeys;
-    if (cached) {  // eight loads in flight per thread
+    if (cached && stride_g % 4 == 0 && reinterpret_cast<uintptr_t>(group_max) % 16 == 0) {
+      // 16-byte loads, four in flight per thread (two at 1,024 threads: more spill): a 128K-key
+      // row's 16,384 maxima in two steps of 512 threads (eight scalar loads per step took four,
+      // 5-7 us under prefill's load).
+      constexpr int kLoads = THREADS >= 1024 ? 2 : 4;
+      const float4* gm4 = reinterpret_cast<const float4*>(gm);
+      uint4* gkeys4 = reinterpret_cast<uint4*>(gkeys);
+      const int n4 = num_groups / 4;
+      for (int i0 = 0; i0 < n4; i0 += kLoads * THREADS) {
+        float4 v[kLoads];
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int i = i0 + u * THREADS + int(threadIdx.x);
+          v[u] = i < n4 ? __ldcg(gm4 + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int i = i0 + u * THREADS + int(threadIdx.x);
+          if (i < n4) {
+            gkeys4[i] = make_uint4(sortable(v[u].x), sortable(v[u].y), sortable(v[u].z),
+                                   sortable(v[u].w));
+          }
+        }
+      }
+      for (int g = 4 * n4 + int(threadIdx.x); g < num_groups; g += THREADS) {
+        gkeys[g] = sortable(__ldcg(gm + g));
+      }
+      __syncthreads();
+    } else if (cached) {  // eight loads in flight per thread
       for (int g0 = 0; g0 < num_groups; g0 += 8 * THREADS) {
         float v[8];
 #pragma unroll
@@ -537,41 +602,52 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     auto above = [tau](uint32_t key) { return key >= tau; };
     const Share mine = share_of_row();
     if (mine.staged > 0) mbar_wait(&s.staged, 0);
-    if constexpr (CL == 1) {
-      // Where the maxima are cached, list the groups whose maximum clears tau (in the
-      // histogram's room, free now) and read only their keys; else (or if they are too many
-      // for that room) the whole row.
-      constexpr int kGroupList = int(sizeof(s.hist) / sizeof(uint16_t));
-      uint16_t* glist = reinterpret_cast<uint16_t*>(s.hist);
-      if (cached && mine.staged == 0 && group == kGroup) {
-        for (int g0 = 0; g0 < num_groups; g0 += THREADS) {  // the same steps in every thread
-          const int g = g0 + int(threadIdx.x);
-          const bool pass = g < num_groups && above(gkeys[g]);
-          if (__any_sync(0xffffffffu, pass)) {
-            const int slot = claim_slots(&s.groups, int(pass));
-            if (pass && slot < kGroupList) glist[slot] = uint16_t(g);
-          }
-        }
+    // The groups of this block's share whose maximum clears tau, listed in the histogram's
+    // room (free now) as 16-bit ids; more than that room holds: the whole share instead.
+    constexpr int kGroupList = int(sizeof(s.hist) / sizeof(uint16_t));
+    uint16_t* glist = reinterpret_cast<uint16_t*>(s.hist);
+    if (by_groups()) {
+      // A thread tests its groups (at most 32: kGroupKeys / 512), then its warp claims their
+      // slots at once (a claim per step of THREADS groups took ~3 us of a prefill row).
+      const int g_begin = mine.begin / kGroup, g_end = (mine.end + kGroup - 1) / kGroup;
+      static_assert(kGroupKeys / 512 <= 32, "a thread's groups must fit one 32-bit mask");
+      unsigned pass = 0;  // bit u: group g_begin + u * THREADS + threadIdx.x passes
+      for (int u = 0; g_begin + u * THREADS < g_end; ++u) {
+        const int g = g_begin + u * THREADS + int(threadIdx.x);
+        pass |= unsigned(g < g_end && above(gkeys[g])) << u;
       }
-      __syncthreads();  // the list overwrites the cached maxima
-      if (s.groups > 0 && s.groups <= kGroupList) {
-        compact_groups<THREADS>(&s.count, list, row, glist, s.groups, limit, vec4, above);
-      } else {
-        compact<THREADS>(&s.count, list, row, mine.begin, mine.end, vec4, stage, mine.staged,
-                         above);
+      int slot = claim_slots(&s.groups, __popc(pass));
+      for (; pass != 0; pass &= pass - 1, ++slot) {
+        const int g = g_begin + (__ffs(pass) - 1) * THREADS + int(threadIdx.x);
+        if (slot < kGroupList) glist[slot] = uint16_t(g);
       }
-      __syncthreads();
-      count = s.count;
-    } else {
-      // The first block's count is 0 and its maxima read (its list overwrites them) before
-      // any block appends; every append has landed before it reads the list.
+    }
+    // The list overwrites the cached maxima: every thread is done with them (and, in a
+    // cluster, the first block's count is 0 and its maxima read) before any append; the blocks
+    // of a cluster append to the first block's list through distributed shared memory.
+    int* list_count = &s.count;
+    uint64_t* row_list = list;
+    if constexpr (CL > 1) {
       Cluster::sync();
-      compact<THREADS>(Cluster::first(&s.count), Cluster::first(list), row, mine.begin,
-                       mine.end, vec4, stage, mine.staged, above);
+      list_count = Cluster::first(&s.count);
+      row_list = Cluster::first(list);
+    } else {
+      __syncthreads();
+    }
+    if (by_groups() && s.groups <= kGroupList) {
+      compact_groups<THREADS>(list_count, row_list, row, glist, s.groups, limit, vec4, above);
+    } else {
+      compact<THREADS>(list_count, row_list, row, mine.begin, mine.end, vec4, stage,
+                       mine.staged, above);
+    }
+    // Every append has landed before the first block reads the list.
+    if constexpr (CL > 1) {
       Cluster::sync();
       if (rank != 0) return;
-      count = s.count;
+    } else {
+      __syncthreads();
     }
+    count = s.count;
     PHASE(3);
   }
 
@@ -633,8 +709,8 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
 
 template <int THREADS, int CL, typename Index>
 void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
-            const at::Tensor& limits, int64_t k, int64_t group, bool stage, at::Tensor& values,
-            at::Tensor& indices, cudaStream_t stream) {
+            const at::Tensor& limits, int64_t k, int64_t group, bool group_list, bool stage,
+            at::Tensor& values, at::Tensor& indices, cudaStream_t stream) {
   auto kernel = topk_rows_kernel<THREADS, CL, Index>;
   // 1024-thread blocks own their multiprocessor (64 registers each take the whole register
   // file), so on Hopper they also take the shared memory left for a stage of the row (bulk
@@ -643,8 +719,11 @@ void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  // (Rows that take the group list are not staged: with every row that short, no stage.)
+  const bool all_listed = group_list && group == kGroup && logits.size(1) <= kGroupKeys * kGroup;
   int stage_keys = 0;
-  if (stage && THREADS == 1024 && major >= 9 && optin > int(smem_bytes<THREADS>())) {
+  if (stage && !all_listed && THREADS == 1024 && major >= 9 &&
+      optin > int(smem_bytes<THREADS>())) {
     const int64_t share = (logits.size(1) + 4 * CL - 1) / (4 * CL) * 4;
     stage_keys = int(std::min<int64_t>(share, (optin - int(smem_bytes<THREADS>())) / 16 * 4));
   }
@@ -671,16 +750,18 @@ void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max
       &config, kernel, logits.data_ptr<float>(), gm ? group_max->data_ptr<float>() : nullptr,
       l64 ? limits.data_ptr<int64_t>() : nullptr, l64 ? nullptr : limits.data_ptr<int32_t>(),
       values.data_ptr<float>(), indices.data_ptr<Index>(), logits.stride(0),
-      gm ? group_max->stride(0) : int64_t(0), values.stride(0), int(k), int(group),
+      gm ? group_max->stride(0) : int64_t(0), values.stride(0), int(k), int(group), group_list,
       stage_keys));
 }
 
 template <typename Index>
-void launch_for(int64_t threads, int64_t cluster, bool stage, const at::Tensor& logits,
+void launch_for(int64_t threads, int64_t cluster, bool group_list, bool stage,
+                const at::Tensor& logits,
                 const c10::optional<at::Tensor>& group_max, const at::Tensor& limits, int64_t k,
                 int64_t group, at::Tensor& values, at::Tensor& indices, cudaStream_t stream) {
 #define DSASERVE_LAUNCH(T, C) \
-  return launch<T, C, Index>(logits, group_max, limits, k, group, stage, values, indices, stream)
+  return launch<T, C, Index>(logits, group_max, limits, k, group, group_list, stage, values, \
+                             indices, stream)
   if (threads == 512) {
     TORCH_CHECK(cluster == 1, "topk_rows: clusters take 1024 threads per block");
     DSASERVE_LAUNCH(512, 1);
@@ -705,7 +786,8 @@ void launch_for(int64_t threads, int64_t cluster, bool stage, const at::Tensor& 
 // checked by the Python wrapper (dsaserve/kernels/cuda/topk.py); these checks guard the ABI.
 void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
                const at::Tensor& limits, int64_t k, int64_t group, int64_t threads,
-               int64_t cluster, bool stage, at::Tensor& values, at::Tensor& indices) {
+               int64_t cluster, bool group_list, bool stage, at::Tensor& values,
+               at::Tensor& indices) {
   TORCH_CHECK(logits.is_cuda() && logits.scalar_type() == at::kFloat && logits.dim() == 2 &&
                   logits.stride(1) == 1,
               "topk_rows: logits must be a CUDA fp32 [T, S] tensor with unit column stride");
@@ -716,11 +798,11 @@ void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (indices.scalar_type() == at::kLong) {
-    launch_for<int64_t>(threads, cluster, stage, logits, group_max, limits, k, group, values,
-                        indices, stream);
+    launch_for<int64_t>(threads, cluster, group_list, stage, logits, group_max, limits, k, group,
+                        values, indices, stream);
   } else {
-    launch_for<int32_t>(threads, cluster, stage, logits, group_max, limits, k, group, values,
-                        indices, stream);
+    launch_for<int32_t>(threads, cluster, group_list, stage, logits, group_max, limits, k, group,
+                        values, indices, stream);
   }
 }
 
@@ -728,7 +810,8 @@ void topk_rows(const at::Tensor& logits, const c10::optional<at::Tensor>& group_
 
 TORCH_LIBRARY(dsaserve_cuda, m) {
   m.def("topk_rows(Tensor logits, Tensor? group_max, Tensor limits, int k, int group, "
-        "int threads, int cluster, bool stage, Tensor(a!) values, Tensor(b!) indices) -> ()");
+        "int threads, int cluster, bool group_list, bool stage, Tensor(a!) values, "
+        "Tensor(b!) indices) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve_cuda, CUDA, m) { m.impl("topk_rows", &topk_rows); }
