@@ -756,9 +756,9 @@ void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max
 
 template <typename Index>
 void launch_for(int64_t threads, int64_t cluster, bool group_list, bool stage,
-                const at::Tensor& logits,
-                const c10::optional<at::Tensor>& group_max, const at::Tensor& limits, int64_t k,
-                int64_t group, at::Tensor& values, at::Tensor& indices, cudaStream_t stream) {
+                const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
+                const at::Tensor& limits, int64_t k, int64_t group, at::Tensor& values,
+                at::Tensor& indices, cudaStream_t stream) {
 #define DSASERVE_LAUNCH(T, C) \
   return launch<T, C, Index>(logits, group_max, limits, k, group, group_list, stage, values, \
                              indices, stream)
