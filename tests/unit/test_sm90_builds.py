@@ -1,9 +1,11 @@
 """The Hopper kernels as the GPU builds them, checked on the CPU: no spills, shared memory
 within an SM's, and no ptxas performance note. A wgmma pipeline that ptxas serializes is
 reported as an "info" line, not an error, and cost the Gluon sparse MLA kernel 1.3x before it
-was seen; this keeps it from coming back unseen. The builds run in a subprocess
-(benchmarks/sm90_resources.py --check): importing triton here, outside its interpreter, would
-make tests/unit/test_triton_interpret.py skip itself."""
+was seen; this keeps it from coming back unseen. The Triton and Gluon kernels are built by
+Triton's own ptxas (benchmarks/sm90_resources.py --check, in a subprocess: importing triton
+here, outside its interpreter, would make tests/unit/test_triton_interpret.py skip itself), the
+CUDA ones by nvcc from the [test] extra's wheels (benchmarks/cuda_resources.py --check), which
+also catches a .cu change that no longer compiles."""
 
 from __future__ import annotations
 
@@ -15,22 +17,69 @@ from pathlib import Path
 
 import pytest
 
-# Not imported here (see above): only looked for.
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="needs triton (its ptxas builds for sm_90)")
-
 ROOT = Path(__file__).resolve().parents[2]
 # The parts whose every build is clean (the plain Triton sparse MLA and indexer kernels have
 # configurations that spill by design; docs/kernels.md lists them).
 PARTS = "sparse_mla_gluon,sparse_mla_pingpong,indexer_gluon,row_topk,writers"
+CUDA_RESOURCES = ROOT / "benchmarks" / "cuda_resources.py"
 
 
-def test_hopper_builds_are_clean():
+def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _cuda_resources():
+    """benchmarks/cuda_resources.py as a module (registered first: its dataclass needs it)."""
+    if "cuda_resources" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("cuda_resources", CUDA_RESOURCES)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["cuda_resources"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["cuda_resources"]
+
+
+# Not imported here (see above): only looked for.
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs triton (its ptxas builds for sm_90)")
+def test_hopper_builds_are_clean():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--only", PARTS,
-         "--check"], capture_output=True, text=True, env=env, timeout=600)
+         "--check"], capture_output=True, text=True, env=_env(), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert out.stdout.count("| sparse MLA Gluon") == 4
     assert out.stdout.count("| sparse MLA ping-pong") == 1
+
+
+def test_cuda_builds_are_clean():
+    if _cuda_resources().find_nvcc(None) is None:
+        pytest.skip("needs nvcc (the [test] extra's CUDA wheels, or one on PATH)")
+    out = subprocess.run([sys.executable, str(CUDA_RESOURCES), "--check"], capture_output=True,
+                         text=True, env=_env(), timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # Every instance the launchers dispatch to: 5 launch shapes × 2 index types, 2 × 4 shapes.
+    assert out.stdout.count("| topk_rows.cu |") == 10
+    assert out.stdout.count("| indexer_logits.cu |") == 8
+
+
+def test_ptxas_report_parsing():
+    """The resource lines and a serialization note are attributed to their kernels."""
+    report = """\
+ptxas info    : Compiling entry function '_Z1av' for 'sm_90a'
+ptxas info    : Function properties for _Z1av
+    16 bytes stack frame, 12 bytes spill stores, 20 bytes spill loads
+ptxas info    : Used 64 registers, used 1 barriers, 16 bytes cumulative stack size
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are \
+serialized due to non wgmma instructions defining accumulator registers of a wgmma between \
+start and end of the pipeline stage in the function '_Z1bv'
+ptxas info    : Compiling entry function '_Z1bv' for 'sm_90a'
+ptxas info    : Function properties for _Z1bv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+"""
+    a, b = _cuda_resources().parse("x.cu", report)
+    assert (a.mangled, a.registers, a.stack, a.spill_stores, a.spill_loads, a.notes) == \
+        ("_Z1av", 64, 16, 12, 20, [])
+    assert (b.mangled, b.registers, b.spill_stores) == ("_Z1bv", 168, 0)
+    assert len(b.notes) == 1 and b.notes[0].startswith("(C7515)")
