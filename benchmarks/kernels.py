@@ -1,8 +1,11 @@
 """Kernel benchmark: ceilings, the plain-PyTorch path and the Triton kernels, one table.
 
-    python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--json FILE] [--profile]
+    python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--heads H,..] [--json FILE]
+                                 [--profile]
 
-(--profile launches each kernel once without timing, for `ncu ... python benchmarks/kernels.py`.)
+(--profile launches each kernel once without timing, for `ncu ... python benchmarks/kernels.py`;
+e.g. `ncu -k regex:indexer_logits --section WarpStateStats python benchmarks/kernels.py --only
+indexer_prefill --heads 32 --profile` reports every logits kernel and block shape at 32 heads.)
 
 Measures on the current GPU, in one run:
   ceilings       device-to-device copy (bytes read + written), bf16 and fp8 8192³ matmuls
@@ -420,10 +423,11 @@ def _label(cfg: indexer.IndexerConfig) -> str:
             f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
 
-def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool = True) -> None:
+def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool = True,
+                  heads_list: tuple[int, ...] = (64, 32)) -> None:
     print("FP8 indexer (pages of 64 x 132 B)", flush=True)
     configs = _indexer_configs(sweep)
-    for heads in ((64,) if quick else (64, 32)) if prefill else ():
+    for heads in (heads_list[:1] if quick else heads_list) if prefill else ():
         num_tokens = 4096
         meta, cache = index_meta([CONTEXT], [num_tokens])
         q = torch.randn(num_tokens, heads, 128, device=DEV, dtype=torch.bfloat16)
@@ -508,12 +512,25 @@ def bench_writers() -> None:
     add("indexer key writer N=65536", ms, n * (256 + 132 + 8) / ms / 1e9, "TB/s")
 
 
+def head_counts(text: str) -> tuple[int, ...]:
+    """--heads: comma-separated positive head counts."""
+    try:
+        counts = tuple(int(h) for h in text.split(","))
+    except ValueError:
+        counts = ()
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 64,32, got {text!r}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--only", default="ceilings,prefill,decode,indexer,topk,writers")
+    parser.add_argument("--heads", type=head_counts, default=(64, 32),
+                        help="index head counts of the indexer prefill rows (default 64,32)")
     parser.add_argument("--profile", action="store_true",
                         help="launch each timed kernel once, no timing (run under ncu)")
     args = parser.parse_args()
@@ -531,7 +548,8 @@ def main() -> None:
     prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \
         {"indexer", "indexer_decode"} & set(parts)
     if prefill or decode:
-        bench_indexer(args.quick, args.sweep, prefill=bool(prefill), decode=bool(decode))
+        bench_indexer(args.quick, args.sweep, prefill=bool(prefill), decode=bool(decode),
+                      heads_list=args.heads)
     if "topk" in parts:
         bench_topk()
     if "writers" in parts:
