@@ -1,10 +1,12 @@
 """Where one row's latency goes in the CUDA top-k (kernels/cuda/topk_rows.cu).
 
     python benchmarks/topk_phases.py [--rows 64] [--keys 65536] [--threads 1024] [--cluster C]
+                                     [--no-group-list] [--no-stage]
 
 Builds the kernel a second time with DSASERVE_TOPK_PHASES (the blocks that finish the first and
-last row print the nanoseconds of each phase: caching the group maxima, the threshold, the
-compaction, the selection from the list, the output) and runs it three times on random rows
+last row print the nanoseconds of each phase: caching the group maxima, the threshold, listing
+the groups above it (with the barrier after it), the compaction, the selection from the list,
+the output) and runs it three times on random rows
 (the first run includes the warm-up). The kernel's time as a whole:
 benchmarks/kernels.py --only topk.
 """

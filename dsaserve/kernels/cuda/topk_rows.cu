@@ -470,7 +470,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
                  int stage_keys) {
   extern __shared__ __align__(16) unsigned char smem[];
 #ifdef DSASERVE_TOPK_PHASES
-  uint64_t phase_ns[6] = {};
+  uint64_t phase_ns[7] = {};
 #endif
   PHASE(0);
   auto& s = *reinterpret_cast<Shared<THREADS>*>(smem);
@@ -634,6 +634,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     } else {
       __syncthreads();
     }
+    PHASE(3);
     if (by_groups() && s.groups <= kGroupList) {
       compact_groups<THREADS>(list_count, row_list, row, glist, s.groups, limit, vec4, above);
     } else {
@@ -648,7 +649,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
       __syncthreads();
     }
     count = s.count;
-    PHASE(3);
+    PHASE(4);
   }
 
   int ties = 0;
@@ -686,7 +687,7 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
     };
     cut = bucket_select<THREADS, uint64_t>(s, visit, k, 0).threshold;  // entries are distinct
   }
-  PHASE(4);
+  PHASE(5);
   for (int i = threadIdx.x; i < count; i += THREADS) {
     const uint64_t e = list[i];
     if (e >= cut) {
@@ -697,12 +698,12 @@ topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ gro
   }
 #ifdef DSASERVE_TOPK_PHASES
   __syncthreads();
-  PHASE(5);
+  PHASE(6);
   if (threadIdx.x == 0 && (r == 0 || r == gridDim.x / CL - 1)) {
-    printf("row %d: list %d | cache maxima %llu, tau %llu, compact %llu, select %llu, "
-           "write %llu ns\n", int(r), count, phase_ns[1] - phase_ns[0],
+    printf("row %d: list %d | cache maxima %llu, tau %llu, list groups %llu, compact %llu, "
+           "select %llu, write %llu ns\n", int(r), count, phase_ns[1] - phase_ns[0],
            phase_ns[2] - phase_ns[1], phase_ns[3] - phase_ns[2], phase_ns[4] - phase_ns[3],
-           phase_ns[5] - phase_ns[4]);
+           phase_ns[5] - phase_ns[4], phase_ns[6] - phase_ns[5]);
   }
 #endif
 }
