@@ -477,24 +477,18 @@ def _topk_kernels() -> list[str]:
 def bench_topk() -> None:
     """The top-k stage alone on the indexer's own logits (prefill and decode shapes)."""
     print("top-2048 of indexer logits rows", flush=True)
-    meta, cache = index_meta([CONTEXT], [4096])
-    q = torch.randn(4096, 64, 128, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(4096, 64, device=DEV) * 64**-0.5 * 128**-0.5
-    cfg = indexer.IndexerConfig()
-    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill T=4096 S=128K")
-    del meta, cache, q, w
-    # A window of a 1M-token context (indexer_topk's key windows: 512 tokens × 1M keys is the
-    # 2 GiB logits bound): rows longer than the top-k caches its group maxima for.
-    meta, cache = index_meta([1 << 20], [512])
-    q = torch.randn(512, 64, 128, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(512, 64, device=DEV) * 64**-0.5 * 128**-0.5
-    topk_stage(*indexer._logits(q, w, cache, meta, cfg), "prefill window T=512 S=1M")
-    del meta, cache, q, w
-    for s_q in (1, 4):  # 4: MTP's verify rows
-        meta, cache = index_meta([65536] * 64, [s_q] * 64)
-        q = torch.randn(64 * s_q, 64, 128, device=DEV, dtype=torch.bfloat16)
-        w = torch.randn(64 * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
-        topk_stage(*indexer._logits(q, w, cache, meta, cfg), f"decode b=64 s_q={s_q} S=64K")
+    cases = [([CONTEXT], [4096], "prefill T=4096 S=128K"),
+             # A window of a 1M-token context (indexer_topk's key windows: 512 tokens × 1M keys
+             # is the 2 GiB logits bound): rows longer than the top-k caches its maxima for.
+             ([1 << 20], [512], "prefill window T=512 S=1M")]
+    cases += [([65536] * 64, [s_q] * 64, f"decode b=64 s_q={s_q} S=64K")  # 4: MTP's verify
+              for s_q in (1, 4)]
+    for seq_lens, new, label in cases:
+        meta, cache = index_meta(seq_lens, new)
+        q = torch.randn(meta.num_tokens, 64, 128, device=DEV, dtype=torch.bfloat16)
+        w = torch.randn(meta.num_tokens, 64, device=DEV) * 64**-0.5 * 128**-0.5
+        topk_stage(*indexer._logits(q, w, cache, meta, indexer.IndexerConfig()), label)
+        del meta, cache, q, w
 
 
 def bench_writers() -> None:

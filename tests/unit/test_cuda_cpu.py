@@ -47,6 +47,14 @@ def test_blocks_per_row() -> None:
     assert cuda_topk.blocks_per_row(16, 108, 1024, 8) == 1
 
 
+def test_threads_per_row() -> None:
+    """1024 threads while rows fit one per multiprocessor, else two 512-thread blocks per SM."""
+    assert cuda_topk.threads_per_row(64, 132) == 1024
+    assert cuda_topk.threads_per_row(132, 132) == 1024
+    assert cuda_topk.threads_per_row(133, 132) == 512
+    assert cuda_topk.threads_per_row(4096, 132) == 512
+
+
 def test_pages_per_block() -> None:
     """The most pages per block that still gives eight blocks per multiprocessor: a long prefill
     takes 256, a batch of few MTP rows fewer, never under 16."""

@@ -317,6 +317,14 @@ def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfi
     return next((sh for sh in shapes if rows >= cuda_logits.block_rows(sh)), None)
 
 
+def _aligned_rows(num_rows: int, cols: int, device: torch.device) -> torch.Tensor:
+    """Uninitialized fp32 [num_rows, cols] whose rows start 16 bytes apart (a view of a buffer
+    padded to a multiple of 4 columns): the CUDA top-k reads logits and group maxima 16 bytes
+    at a time only where rows are aligned, and a context's key count rarely is a multiple of
+    32. Every kernel here takes the row stride."""
+    return torch.empty(num_rows, -(-cols // 4) * 4, dtype=torch.float32, device=device)[:, :cols]
+
+
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
             meta: AttentionMetadata, config: IndexerConfig,
             window: tuple[int, int] | None = None,
@@ -349,9 +357,8 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         limits = (plan.limits - start).clamp(0, length)
         limits_i32 = limits.to(torch.int32)
         block_table = plan.block_table[:, start // block_size:]
-    logits = torch.empty(num_tokens, length, dtype=torch.float32, device=device)
-    num_groups = triton.cdiv(length, row_topk.GROUP)
-    group_max = torch.empty(num_tokens, num_groups, dtype=torch.float32, device=device)
+    logits = _aligned_rows(num_tokens, length, device)
+    group_max = _aligned_rows(num_tokens, triton.cdiv(length, row_topk.GROUP), device)
     if num_tokens == 0 or length == 0:
         return logits, group_max, limits
     num_pages = triton.cdiv(length, block_size)
