@@ -83,7 +83,7 @@ __host__ __device__ constexpr int consumer_regs() {  // 64K less the producer's,
 
 template <int CONSUMERS, int N>
 constexpr size_t smem_bytes() {
-  return sizeof(Shared<CONSUMERS, N>) + 1024;  // + slack to align the block to 1024 bytes
+  return sizeof(Shared<CONSUMERS, N>);
 }
 
 #ifdef DSASERVE_SM90A
@@ -235,7 +235,7 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
                         int chunk_pages, int s_out) {
   constexpr int BT = N / H;     // tokens per consumer
   constexpr int SPAN = H / 8;   // fragment column blocks (8 columns) per token
-  static_assert(BT >= 2 && BT % 2 == 0, "the reduce-scatter leaves BT / 2 sums per lane");
+  static_assert(BT == 2 || BT % 4 == 0, "the reduce-scatter leaves BT / 2 sums per lane");
   static_assert(DEPTH == 1 || DEPTH == 2, "one or two pages in flight per consumer");
   const int tid = threadIdx.x % 128, wq = tid / 32, lane = tid % 32;
   const int ctok = tok0 + c * BT;     // this consumer's first token
@@ -285,33 +285,60 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   fence_async_shared();
   asm volatile("bar.sync %0, 128;" ::"r"(c + 1) : "memory");  // this warpgroup only
 
-  // 2. What this thread needs per page: the weights of its fragment columns, and, for the
-  //    BT / 2 sums it keeps after the reduce-scatter (tokens 2m + hi1, key row half hi0), the
-  //    tokens' causal limits.
-  const int hi0 = lane & 1, hi1 = (lane >> 1) & 1;
+  // 2. What this thread needs per page: the weights of its fragment columns, and where its
+  //    sums go. After the reduce-scatter each lane keeps OUT = BT / 2 sums: with BT ≥ 4 both
+  //    key rows (row, row + 8: one in each group of 8 keys) of tokens 4m + lane % 4, so that the
+  //    two groups' maxima take one shuffle chain; with BT = 2 token hi1 of row + 8·hi0.
+  constexpr int OUT = BT / 2;
+  constexpr int KT = BT >= 4 ? BT / 4 : 1;  // tokens per lane
+  const int hi0 = lane & 1, hi1 = (lane >> 1) & 1, bit2 = (lane >> 2) & 1;
   float wr[2 * N / 8];
 #pragma unroll
   for (int i = 0; i < N / 8; ++i) {
     wr[2 * i] = sh.w[c][8 * i + 2 * (lane % 4)];
     wr[2 * i + 1] = sh.w[c][8 * i + 2 * (lane % 4) + 1];
   }
-  int lim[BT / 2];
-#pragma unroll
-  for (int m = 0; m < BT / 2; ++m) lim[m] = 2 * m + hi1 < nt ? limits[ctok + 2 * m + hi1] : -1;
-  const int row = 16 * wq + 8 * hi0 + lane / 4;  // key of the page the kept sums belong to
+  const int row = 16 * wq + lane / 4 + (BT == 2 ? 8 * hi0 : 0);  // key of the page (+ 8 h)
+  const int group = 2 * wq + (BT == 2 ? hi0 : bit2);  // group of the page whose max it stores
+  const bool group_lane = lane < (BT == 2 ? 4 : 8);   // holds its group's max after the chain
   const int num_groups = (s_out + kGroup - 1) / kGroup;
-  const auto store = [&](int key0, const float (&x)[BT / 2]) {
-    const int j = key0 + row;
-    const int g = key0 / kGroup + 2 * wq + hi0;
+  int lim[KT];  // the tokens' causal limits, −1 past the tile
+  float* orow[KT];  // where key 0 of each token's row goes, + row
+  float* grow[KT];  // and group 0 of its maxima, + group
+  int fast_end = nt >= BT ? s_out : -1;  // pages ending here need no mask (uniform)
 #pragma unroll
-    for (int m = 0; m < BT / 2; ++m) {
-      const float val = j < lim[m] ? x[m] : -INFINITY;  // also unwritten slots (maybe NaN)
-      const int64_t t = ctok + 2 * m + hi1;
-      if (lim[m] >= 0 && j < s_out) out[t * stride_out + j] = val;
-      float gm = fmaxf(val, __shfl_xor_sync(~0u, val, 4));
+  for (int m = 0; m < KT; ++m) {
+    const int t = BT == 2 ? hi1 : 4 * m + lane % 4;
+    lim[m] = t < nt ? limits[ctok + t] : -1;
+    const int64_t tok = t < nt ? ctok + t : 0;
+    orow[m] = out + tok * stride_out + row;
+    grow[m] = gmax + tok * stride_gmax + group;
+  }
+  for (int t = 0; t < BT; ++t) fast_end = min(fast_end, t < nt ? limits[ctok + t] : -1);
+  // Page key0's sums x (x[2m + h]: token m, row + 8h; BT = 2: x[0]) → −inf at and past each
+  // token's limit (unless the whole page is visible), stored; then the group maxima.
+  const auto store = [&](int key0, const float (&x)[OUT]) {
+    const bool masked = key0 + kBlock > fast_end;
+    const int j = key0 + row;
+#pragma unroll
+    for (int m = 0; m < KT; ++m) {
+      float val[2];
+#pragma unroll
+      for (int h = 0; h < OUT / KT; ++h) {
+        val[h] = !masked || j + 8 * h < lim[m] ? x[2 * m + h] : -INFINITY;  // also NaN slots
+        if (!masked || (lim[m] >= 0 && j + 8 * h < s_out)) orow[m][key0 + 8 * h] = val[h];
+      }
+      float gm;
+      if constexpr (BT == 2) {
+        gm = val[0];
+      } else {  // across lane bit 2 keep the group of this lane's bit 2, send the other
+        gm = fmaxf(bit2 ? val[1] : val[0], __shfl_xor_sync(~0u, bit2 ? val[0] : val[1], 4));
+      }
+      if constexpr (BT == 2) gm = fmaxf(gm, __shfl_xor_sync(~0u, gm, 4));
       gm = fmaxf(gm, __shfl_xor_sync(~0u, gm, 8));
       gm = fmaxf(gm, __shfl_xor_sync(~0u, gm, 16));
-      if (lane < 4 && lim[m] >= 0 && g < num_groups) gmax[t * stride_gmax + g] = gm;
+      const int g = key0 / kGroup;
+      if (group_lane && (!masked || (lim[m] >= 0 && g + group < num_groups))) grow[m][g] = gm;
     }
   };
 
@@ -333,38 +360,55 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   const auto reduce = [&](float (&acc)[N / 2], int b) {  // page b's MMA is done: logits, stored
     pin(acc);
     const int s = b % kStages;
-    const float k_scale = sh.scales[s][row];
+    float k_scale[OUT / KT];  // of the rows this thread's sums belong to
+#pragma unroll
+    for (int h = 0; h < OUT / KT; ++h) k_scale[h] = sh.scales[s][row + 8 * h];
     __syncwarp();
     if (lane == 0) mbar_arrive(&sh.empty[s]);  // the page is read: free its slot
-    // ReLU · w summed over each token's heads, for both key rows this thread holds.
+    // ReLU · w summed over each token's heads, for both key rows this thread holds: one FFMA
+    // chain each (8 per lane and token: enough independent work at either head count).
     float v[2 * BT];  // [token][row half]
 #pragma unroll
     for (int t = 0; t < BT; ++t) {
-      float a0 = 0.f, a1 = 0.f, b0 = 0.f, b1 = 0.f;
+      float a = 0.f, b2 = 0.f;
 #pragma unroll
       for (int i = t * SPAN; i < (t + 1) * SPAN; ++i) {
-        a0 = fmaf(fmaxf(acc[4 * i], 0.f), wr[2 * i], a0);
-        a1 = fmaf(fmaxf(acc[4 * i + 1], 0.f), wr[2 * i + 1], a1);
-        b0 = fmaf(fmaxf(acc[4 * i + 2], 0.f), wr[2 * i], b0);
-        b1 = fmaf(fmaxf(acc[4 * i + 3], 0.f), wr[2 * i + 1], b1);
+        a = fmaf(fmaxf(acc[4 * i], 0.f), wr[2 * i], a);
+        a = fmaf(fmaxf(acc[4 * i + 1], 0.f), wr[2 * i + 1], a);
+        b2 = fmaf(fmaxf(acc[4 * i + 2], 0.f), wr[2 * i], b2);
+        b2 = fmaf(fmaxf(acc[4 * i + 3], 0.f), wr[2 * i + 1], b2);
       }
-      v[2 * t] = a0 + a1;
-      v[2 * t + 1] = b0 + b1;
+      v[2 * t] = a;
+      v[2 * t + 1] = b2;
     }
-    // Reduce-scatter over the quad (lanes 4r … 4r + 3 hold the same two key rows): across lane
-    // bit 1 keep the tokens of parity hi1, across lane bit 0 the row half hi0.
-    float u[BT];  // token 2 (k / 2) + hi1, half k % 2
+    // Reduce-scatter over the quad (lanes 4r … 4r + 3 hold the same two key rows).
+    float x[OUT];
+    if constexpr (BT == 2) {  // across lane bit 1 keep token hi1, across bit 0 row half hi0
+      float u[2];
 #pragma unroll
-    for (int k = 0; k < BT; ++k) {
-      const int lo = (k / 2) * 4 + k % 2;
-      const float send = hi1 ? v[lo] : v[lo + 2];
-      u[k] = (hi1 ? v[lo + 2] : v[lo]) + __shfl_xor_sync(~0u, send, 2);
-    }
-    float x[BT / 2];  // token 2m + hi1, half hi0
+      for (int h = 0; h < 2; ++h) {
+        u[h] = (hi1 ? v[2 + h] : v[h]) + __shfl_xor_sync(~0u, hi1 ? v[h] : v[2 + h], 2);
+      }
+      x[0] = ((hi0 ? u[1] : u[0]) + __shfl_xor_sync(~0u, hi0 ? u[0] : u[1], 1)) * k_scale[0];
+    } else {  // across lane bit 1 keep the tokens whose bit 1 is hi1, across bit 0 bit 0 = hi0
+      float u[BT];  // [token 4m + e + 2·hi1 (index 2m + e)][half]
 #pragma unroll
-    for (int m = 0; m < BT / 2; ++m) {
-      const float send = hi0 ? u[2 * m] : u[2 * m + 1];
-      x[m] = ((hi0 ? u[2 * m + 1] : u[2 * m]) + __shfl_xor_sync(~0u, send, 1)) * k_scale;
+      for (int k = 0; k < BT / 2; ++k) {
+        const int t0 = 4 * (k / 2) + k % 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float lo = v[2 * t0 + h], hi = v[2 * (t0 + 2) + h];
+          u[2 * k + h] = (hi1 ? hi : lo) + __shfl_xor_sync(~0u, hi1 ? lo : hi, 2);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < KT; ++m) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float e0 = u[2 * (2 * m) + h], e1 = u[2 * (2 * m + 1) + h];
+          x[2 * m + h] = ((hi0 ? e1 : e0) + __shfl_xor_sync(~0u, hi0 ? e0 : e1, 1)) * k_scale[h];
+        }
+      }
     }
     store((first + b) * kBlock, x);
   };
@@ -401,9 +445,9 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
     }
   }
   // 4. Pages of the chunk no token of the tile sees.
-  float none[BT / 2];
+  float none[OUT];
 #pragma unroll
-  for (int m = 0; m < BT / 2; ++m) none[m] = -INFINITY;
+  for (int m = 0; m < OUT; ++m) none[m] = -INFINITY;
   for (int b = num_live; b < chunk_pages; ++b) store((first + b) * kBlock, none);
 }
 #endif  // DSASERVE_SM90A
@@ -421,9 +465,11 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
                           float* __restrict__ gmax, int64_t stride_gmax,  // [T, s_out / 8]
                           int s_out, int pages_per_prog) {
 #ifdef DSASERVE_SM90A
-  extern __shared__ uint8_t smem_raw[];
-  auto& sh = *reinterpret_cast<Shared<CONSUMERS, N>*>(smem_raw +
-                                                   (1024 - smem_addr(smem_raw) % 1024) % 1024);
+  // 1024-byte aligned, as the 128-byte swizzle needs: declared so, which the block checks once,
+  // rather than aligned at run time (ptxas recomputed that address at every page).
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  if (smem_addr(smem_raw) % 1024 != 0) __trap();
+  auto& sh = *reinterpret_cast<Shared<CONSUMERS, N>*>(smem_raw);
   const int num_tiles = int(gridDim.x);
   const int req = tiles[blockIdx.x], tok0 = tiles[num_tiles + blockIdx.x];
   const int ntok = tiles[2 * num_tiles + blockIdx.x];
@@ -447,7 +493,9 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
     }
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs<CONSUMERS>()));
-    consume<H, CONSUMERS, DEPTH, N>(sh, warp / 4, q, w, limits, out, stride_out, gmax, stride_gmax,
+    // The consumer index through a shuffle: ptxas then keeps it, and the wgmma descriptors made
+    // from it, in uniform registers (no per-page moves into them).
+    consume<H, CONSUMERS, DEPTH, N>(sh, __shfl_sync(~0u, warp / 4, 0), q, w, limits, out, stride_out, gmax, stride_gmax,
                                  tok0, ntok, first, num_live, chunk_pages, s_out);
   }
 #else
