@@ -386,16 +386,21 @@ def _indexer_configs(sweep: bool) -> list[indexer.IndexerConfig]:
          for sh in cuda_logits.SHAPES for p in (32, 64, 128, 256) if cuda]
 
 
-def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
-          label: str) -> tuple[float, indexer.IndexerConfig]:
+def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig], label: str,
+          abs_fn: Callable[..., object] | None = None) -> tuple[float, indexer.IndexerConfig]:
     """The fastest of configs for fn (indexer_logits_paged with all but the config bound), each
     checked against the first one's logits (same fp8 products: equal up to the fp32 order of
-    the head sum; −inf in the same places) before it is timed."""
+    the head sum; −inf in the same places; the CUDA kernel's linear shapes within
+    indexer_logits.LINEAR_REL_ERROR of abs_fn's logits, the same call on abs_inputs) before it
+    is timed."""
     best = (math.inf, configs[0])
     ref = fn(config=configs[0])[0]
+    linear = [c for c in configs if c.cuda_shape and cuda_logits.Shape(*c.cuda_shape).linear]
+    bound = abs_fn(config=configs[0])[0] * cuda_logits.LINEAR_REL_ERROR \
+        if linear and abs_fn else None
     for cfg in configs[1:]:
-        _check_logits(fn(config=cfg)[0], ref, _label(cfg))
-    del ref
+        _check_logits(fn(config=cfg)[0], ref, _label(cfg), bound if cfg in linear else None)
+    del ref, bound
     for cfg in configs:
         ms = timed(partial(fn, config=cfg))
         if len(configs) > 1:
@@ -404,19 +409,27 @@ def _best(fn: Callable[..., object], configs: list[indexer.IndexerConfig],
     return best
 
 
-def _check_logits(out: torch.Tensor, ref: torch.Tensor, label: str) -> None:
-    """Same fp8 products: equal up to the fp32 order of the head sum, −inf in the same places."""
+def _check_logits(out: torch.Tensor, ref: torch.Tensor, label: str,
+                  bound: torch.Tensor | None = None) -> None:
+    """Same fp8 products: equal up to the fp32 order of the head sum (or within bound), −inf in
+    the same places."""
     assert torch.equal(out.isneginf(), ref.isneginf()), f"{label}: −inf differs"
     finite = ref.isfinite()
-    torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5,
-                               atol=1e-5 * float(ref[finite].abs().max()))
+    atol = 1e-5 * float(ref[finite].abs().max())
+    if bound is None:
+        torch.testing.assert_close(out[finite], ref[finite], rtol=1e-5, atol=atol)
+    else:
+        excess = float(((out - ref)[finite].abs() - bound[finite]).max())
+        assert excess <= atol, f"{label}: beyond the linear shapes' bound by {excess}"
 
 
 def _label(cfg: indexer.IndexerConfig) -> str:
     if cfg.cuda_logits:
-        consumers, depth, rows = cfg.cuda_shape or ("auto",) * 3
-        return (f"(CUDA, {consumers} x {rows} rows, depth {depth}, "
-                f"{cfg.pages_per_prog or 'auto'} pages)")
+        if not cfg.cuda_shape:
+            return f"(CUDA, auto shape, {cfg.pages_per_prog or 'auto'} pages)"
+        shape = cuda_logits.Shape(*cfg.cuda_shape)
+        return (f"(CUDA, {shape.consumers} x {shape.rows} rows, depth {shape.depth}"
+                f"{', linear' if shape.linear else ''}, {cfg.pages_per_prog or 'auto'} pages)")
     if cfg.gluon:
         return f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages)"
     return (f"(Triton, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
@@ -435,7 +448,9 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
         visible = float((meta.positions + 1).sum())
         flops = visible * heads * 128 * 2
         logits = partial(indexer.indexer_logits_paged, q, w, cache, meta)
-        ms, cfg = _best(logits, configs, f"prefill logits H={heads}")
+        abs_logits = partial(indexer.indexer_logits_paged, *cuda_logits.abs_inputs(q, w, cache),
+                             meta)
+        ms, cfg = _best(logits, configs, f"prefill logits H={heads}", abs_logits)
         add(f"indexer prefill logits H={heads} T=4096 S=128K {_label(cfg)}", ms,
             flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
         for topk_kernel in _topk_kernels():
@@ -450,7 +465,9 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
         w = torch.randn(batch * s_q, 64, device=DEV) * 64**-0.5 * 128**-0.5
         nbytes = batch * keys * 132
         logits = partial(indexer.indexer_logits_paged, q, w, cache, meta)
-        ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}")
+        abs_logits = partial(indexer.indexer_logits_paged, *cuda_logits.abs_inputs(q, w, cache),
+                             meta)
+        ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}", abs_logits)
         add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
         for topk_kernel in _topk_kernels():

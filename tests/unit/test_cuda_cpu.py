@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dsaserve.kernels import formats
 from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
@@ -69,4 +70,22 @@ def test_block_shapes() -> None:
     """Every preferred shape is built, and a block's rows are its consumers' rows."""
     for shapes in cuda_logits.PREFERRED.values():
         assert set(shapes) <= set(cuda_logits.SHAPES)
-    assert [cuda_logits.block_rows(s) for s in cuda_logits.SHAPES] == [256, 256, 384, 512]
+    assert [cuda_logits.block_rows(s) for s in cuda_logits.SHAPES] == [256] * 4 + [384] * 2 + [512]
+    assert cuda_logits.Shape(3, 1, 128) == (3, 1, 128, False)  # a 3-tuple config's shape
+
+
+def test_abs_inputs() -> None:
+    """The linear shapes' tolerance inputs: |q|, |w|, and each page's e4m3 key bytes with the
+    sign bit cleared, its fp32 scales (positive) and the caller's cache untouched."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 32, 128, generator=g).bfloat16()
+    w = torch.randn(3, 32, generator=g)
+    keys = torch.randn(2 * 64, 128, generator=g) * 3
+    cache = torch.zeros(formats.index_cache_shape(2, 64, True, 128), dtype=torch.uint8)
+    formats.write_index_cache(cache, torch.arange(2 * 64), keys.bfloat16())
+    q_abs, w_abs, cache_abs = cuda_logits.abs_inputs(q, w, cache)
+    assert torch.equal(q_abs, q.abs()) and torch.equal(w_abs, w.abs())
+    k8, k_scale = formats.read_index_cache(cache, torch.arange(2 * 64))
+    k8_abs, k_scale_abs = formats.read_index_cache(cache_abs, torch.arange(2 * 64))
+    assert torch.equal(k8_abs.float(), k8.float().abs()) and torch.equal(k_scale_abs, k_scale)
+    assert bool((k8.float() < 0).any())  # the original keeps its signs

@@ -5,8 +5,9 @@
 // are issue-bound: per page of 64 keys and 256 query rows each warp issues ~506 instructions
 // against 554 cycles of tensor-core work, of which 256 are the irreducible ReLU and weighted head
 // sum and the rest the compilers' reductions (a full butterfly per value), layout round trips for
-// the group maxima and per-element masks. Here a consumer warp issues ~215 per page and 128
-// query rows, 128 of them the ReLU and weighted sum (docs/kernels.md has the counts):
+// the group maxima and per-element masks. Here a consumer warp issues 226 (64 heads) or 247 (32
+// heads) per page and 128 query rows, 131 of them the ReLU, the weighted sum and the group
+// maxima; with LIN, 163 or 183 (docs/kernels.md has the counts):
 //
 //   block of (CONSUMERS + 1) · 128 threads = one tile of up to CONSUMERS · BT tokens of one
 //   request (BT = N / H), and one chunk of the request's key pages
@@ -18,11 +19,13 @@
 //       memory (a power-of-two scale per (token, head) row, folded into the head weight), then
 //       per page: S = K·Qᵀ [64 keys, N rows] by four m64nNk32 e4m3 wgmmas (keys as M, (token,
 //       head) as N), frees the slot (one arrival per warp on `empty`), and reduces ReLU(S)·w
-//       over the heads in registers (an FMNMX and an FFMA per product), then a reduce-scatter
-//       across the quad of lanes that shares two key rows (each lane ends with BT / 2 of the
-//       sums, not all of them), · k_scale, −inf at and past each token's causal limit, stored;
-//       the max of every 8 keys by three shuffles, stored by one lane of eight. With DEPTH = 2
-//       it issues page b + 1's MMA before it reduces page b.
+//       over the heads in registers (an FMNMX and an FFMA per product; with LIN one FFMA of
+//       |S|, and the linear half from 8 more MMA rows: see 1b), then a reduce-scatter across
+//       the quad of lanes that shares two key rows (each lane ends with BT / 2 of the sums, not
+//       all of them), · k_scale, −inf at and past each token's causal limit (only on pages some
+//       token of the consumer does not wholly see), stored through per-token row pointers; the
+//       max of every 8 keys by one shuffle chain for both groups a lane's rows fall in, stored
+//       by one lane of eight. With DEPTH = 2 it issues page b + 1's MMA before it reduces page b.
 //
 // The consumers share each page: a page's 8.25 KB are read once from L2 for CONSUMERS · N query
 // rows, and while one warpgroup reduces the others' wgmmas keep the tensor cores busy.
@@ -57,12 +60,13 @@ constexpr int kLag = 5;  // pages in flight before the producer waits for the ol
 constexpr float kFp8Max = 448.f;
 constexpr float kMinAmax = 1e-4f;  // formats.INDEX_MIN_AMAX
 
-template <int CONSUMERS, int N>  // N: query rows per consumer, the MMA's N
+template <int CONSUMERS, int N>  // N: the MMA's N, query rows per consumer (+ 8 linear rows)
 struct Shared {
   uint8_t keys[kStages][kValueBytes];  // 128-byte swizzled rows (1024-byte aligned tiles)
   uint8_t q[CONSUMERS][N * kDim];      // the same layout
   float scales[kStages][kBlock];
   float w[CONSUMERS][N];  // head weight · the row's q scale
+  float lin[CONSUMERS][8][2];  // per token: the scales of its linear rows' two parts
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -151,6 +155,15 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uin
       : DSASERVE_ACC64(0)
       : "l"(a), "l"(b), "r"(accumulate));
 }
+__device__ __forceinline__ void wgmma_m64n136k32(float (&d)[68], uint64_t a, uint64_t b,
+                                                 int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %70, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 "
+      "{" DSASERVE_REGS_0_63 ", %64, %65, %66, %67}, %68, %69, p, 1, 1;\n}\n"
+      : DSASERVE_ACC64(0), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
 __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t a, uint64_t b,
                                                  int accumulate) {
   asm volatile(
@@ -174,12 +187,24 @@ template <int N>
 __device__ __forceinline__ void wgmma(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate) {
   if constexpr (N == 256) {
     wgmma_m64n256k32(d, a, b, accumulate);
+  } else if constexpr (N == 136) {
+    wgmma_m64n136k32(d, a, b, accumulate);
   } else {
-    static_assert(N == 128, "128 or 256 query rows per consumer");
+    static_assert(N == 128, "128, 128 + 8 or 256 query rows per consumer");
     wgmma_m64n128k32(d, a, b, accumulate);
   }
 }
 #endif  // DSASERVE_SM90A
+
+__device__ __forceinline__ float2 fp8x2_to_float2(uint32_t bits) {  // two e4m3, exactly
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(bits), __NV_E4M3);
+  return __half22float2(__half2(h));
+}
+
+__device__ __forceinline__ uint32_t fp8x4(float a, float b, float c, float d) {  // → e4m3 × 4
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3)) |
+         uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3)) << 16;
+}
 
 __device__ __forceinline__ float pow2_ceil(float x) {  // 2^ceil(log2 x), x > 0 normal: exact
   const uint32_t bits = __float_as_uint(x);
@@ -228,8 +253,8 @@ __device__ void produce(Shared<CONSUMERS, N>& sh, const uint8_t* cache, const in
 }
 
 // One consumer warpgroup: its BT tokens' queries against every page of the chunk.
-template <int H, int CONSUMERS, int DEPTH, int N>
-__device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q, const float* w,
+template <int H, int CONSUMERS, int DEPTH, int N, bool LIN, int NQ = N + (LIN ? 8 : 0)>
+__device__ void consume(Shared<CONSUMERS, NQ>& sh, int c, const __nv_bfloat16* q, const float* w,
                         const int* limits, float* out, int64_t stride_out, float* gmax,
                         int64_t stride_gmax, int tok0, int ntok, int first, int num_live,
                         int chunk_pages, int s_out) {
@@ -237,6 +262,7 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   constexpr int SPAN = H / 8;   // fragment column blocks (8 columns) per token
   static_assert(BT == 2 || BT % 4 == 0, "the reduce-scatter leaves BT / 2 sums per lane");
   static_assert(DEPTH == 1 || DEPTH == 2, "one or two pages in flight per consumer");
+  static_assert(!LIN || BT <= 4, "the linear rows: 8, two per token (four with BT = 2)");
   const int tid = threadIdx.x % 128, wq = tid / 32, lane = tid % 32;
   const int ctok = tok0 + c * BT;     // this consumer's first token
   const int nt = min(BT, ntok - c * BT);  // and how many it has (≤ 0: none)
@@ -284,6 +310,54 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   }
   fence_async_shared();
   asm volatile("bar.sync %0, 128;" ::"r"(c + 1) : "memory");  // this warpgroup only
+  if constexpr (LIN) {
+    // 1b. With LIN the epilogue uses ReLU(x) = (x + |x|) / 2: Σ_h w_h ReLU(x_h) is half of
+    //     Σ_h w_h |x_h| (one FFMA per product, where max and FFMA took two) and half of the
+    //     linear Σ_h w_h x_h = c · k, c = Σ_h w_h q̂_h, which the tensor cores compute as 8 more
+    //     rows of the MMA's N: per token c as e4m3 hi + lo / 16 at a power-of-two scale s (c −
+    //     s·hi is at most |c| / 16 per element, so the pair holds c to about 2^-8 of |c|).
+    //     A warp makes four dimensions of one token's c per lane from the quantized rows.
+    for (int p = tid; p < BT * 32; p += 128) {
+      const int t = p / 32, d0 = 4 * (p % 32);
+      float cs[4] = {};
+#pragma unroll 4
+      for (int h = 0; h < H; ++h) {
+        const int n = t * H + h;
+        const uint32_t bytes = *reinterpret_cast<const uint32_t*>(
+            sh.q[c] + n * kDim + ((d0 / 16) ^ (n % 8)) * 16 + d0 % 16);
+        const float wn = sh.w[c][n];
+        const float2 f01 = fp8x2_to_float2(bytes & 0xFFFF), f23 = fp8x2_to_float2(bytes >> 16);
+        cs[0] = fmaf(wn, f01.x, cs[0]);
+        cs[1] = fmaf(wn, f01.y, cs[1]);
+        cs[2] = fmaf(wn, f23.x, cs[2]);
+        cs[3] = fmaf(wn, f23.y, cs[3]);
+      }
+      float amax = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(cs[i]));
+      amax = __uint_as_float(__reduce_max_sync(~0u, __float_as_uint(amax)));  // the token's
+      const float scale = pow2_ceil(fmaxf(amax, kMinAmax) / kFp8Max);
+      const float inv = 1.f / scale;
+      const uint32_t hi = fp8x4(cs[0] * inv, cs[1] * inv, cs[2] * inv, cs[3] * inv);
+      const float2 h01 = fp8x2_to_float2(hi & 0xFFFF), h23 = fp8x2_to_float2(hi >> 16);
+      const uint32_t lo = fp8x4((cs[0] * inv - h01.x) * 16.f, (cs[1] * inv - h01.y) * 16.f,
+                                (cs[2] * inv - h23.x) * 16.f, (cs[3] * inv - h23.y) * 16.f);
+      // Rows N + 2t (hi), N + 2t + 1 (lo): fragment columns 2(l % 4), +1 are token l % 4's.
+      // With BT = 2 each token has four rows (hi, lo, hi, lo): lane l's are token (l % 4) / 2.
+#pragma unroll
+      for (int r = 0; r < (BT == 2 ? 4 : 2); ++r) {
+        const int n = N + (BT == 2 ? 4 : 2) * t + r;
+        *reinterpret_cast<uint32_t*>(sh.q[c] + n * kDim + ((d0 / 16) ^ (n % 8)) * 16 +
+                                     d0 % 16) = r % 2 ? lo : hi;
+      }
+      if (p % 32 == 0) {  // the ½ of the identity folded in
+        sh.lin[c][t][0] = 0.5f * scale;
+        sh.lin[c][t][1] = 0.5f * scale / 16.f;
+      }
+    }
+    fence_async_shared();
+    asm volatile("bar.sync %0, 128;" ::"r"(c + 1) : "memory");
+  }
 
   // 2. What this thread needs per page: the weights of its fragment columns, and where its
   //    sums go. After the reduce-scatter each lane keeps OUT = BT / 2 sums: with BT ≥ 4 both
@@ -292,17 +366,19 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   constexpr int OUT = BT / 2;
   constexpr int KT = BT >= 4 ? BT / 4 : 1;  // tokens per lane
   const int hi0 = lane & 1, hi1 = (lane >> 1) & 1, bit2 = (lane >> 2) & 1;
+  constexpr float kHalf = LIN ? 0.5f : 1.f;  // the identity's ½ (LIN)
   float wr[2 * N / 8];
 #pragma unroll
   for (int i = 0; i < N / 8; ++i) {
-    wr[2 * i] = sh.w[c][8 * i + 2 * (lane % 4)];
-    wr[2 * i + 1] = sh.w[c][8 * i + 2 * (lane % 4) + 1];
+    wr[2 * i] = kHalf * sh.w[c][8 * i + 2 * (lane % 4)];
+    wr[2 * i + 1] = kHalf * sh.w[c][8 * i + 2 * (lane % 4) + 1];
   }
   const int row = 16 * wq + lane / 4 + (BT == 2 ? 8 * hi0 : 0);  // key of the page (+ 8 h)
   const int group = 2 * wq + (BT == 2 ? hi0 : bit2);  // group of the page whose max it stores
   const bool group_lane = lane < (BT == 2 ? 4 : 8);   // holds its group's max after the chain
   const int num_groups = (s_out + kGroup - 1) / kGroup;
   int lim[KT];  // the tokens' causal limits, −1 past the tile
+  float lin_hi[KT], lin_lo[KT];  // LIN: the scales of their linear rows' parts (½ folded in)
   float* orow[KT];  // where key 0 of each token's row goes, + row
   float* grow[KT];  // and group 0 of its maxima, + group
   int fast_end = nt >= BT ? s_out : -1;  // pages ending here need no mask (uniform)
@@ -310,6 +386,8 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   for (int m = 0; m < KT; ++m) {
     const int t = BT == 2 ? hi1 : 4 * m + lane % 4;
     lim[m] = t < nt ? limits[ctok + t] : -1;
+    lin_hi[m] = LIN ? sh.lin[c][t][0] : 0.f;
+    lin_lo[m] = LIN ? sh.lin[c][t][1] : 0.f;
     const int64_t tok = t < nt ? ctok + t : 0;
     orow[m] = out + tok * stride_out + row;
     grow[m] = gmax + tok * stride_gmax + group;
@@ -345,7 +423,7 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
   // 3. The live pages. With DEPTH = 2 a consumer issues page b + 1's MMA before it reduces page
   //    b, so its own head sums run while the tensor cores work (two accumulator sets).
   const uint32_t dq = desc_lo(sh.q[c]), dk0 = desc_lo(sh.keys[0]);
-  const auto issue = [&](float (&acc)[N / 2], int b) {  // S = K·Qᵀ of page b, asynchronously
+  const auto issue = [&](float (&acc)[NQ / 2], int b) {  // S = K·Qᵀ of page b, asynchronously
     const int s = b % kStages;
     mbar_wait(&sh.full[s], (b / kStages) & 1);
     const uint32_t dk = dk0 + s * (kValueBytes >> 4);
@@ -353,11 +431,11 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
     for (int k = 0; k < kDim / 32; ++k) {
-      wgmma<N>(acc, kmajor_desc(dk + 2 * k), kmajor_desc(dq + 2 * k), k);
+      wgmma<NQ>(acc, kmajor_desc(dk + 2 * k), kmajor_desc(dq + 2 * k), k);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   };
-  const auto reduce = [&](float (&acc)[N / 2], int b) {  // page b's MMA is done: logits, stored
+  const auto reduce = [&](float (&acc)[NQ / 2], int b) {  // page b's MMA is done: logits, stored
     pin(acc);
     const int s = b % kStages;
     float k_scale[OUT / KT];  // of the rows this thread's sums belong to
@@ -365,18 +443,19 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
     for (int h = 0; h < OUT / KT; ++h) k_scale[h] = sh.scales[s][row + 8 * h];
     __syncwarp();
     if (lane == 0) mbar_arrive(&sh.empty[s]);  // the page is read: free its slot
-    // ReLU · w summed over each token's heads, for both key rows this thread holds: one FFMA
-    // chain each (8 per lane and token: enough independent work at either head count).
+    // ReLU · w (LIN: |x| · w / 2) summed over each token's heads, for both key rows this
+    // thread holds: one FFMA chain each (enough independent work at either head count).
+    const auto act = [](float x) { return LIN ? fabsf(x) : fmaxf(x, 0.f); };
     float v[2 * BT];  // [token][row half]
 #pragma unroll
     for (int t = 0; t < BT; ++t) {
       float a = 0.f, b2 = 0.f;
 #pragma unroll
       for (int i = t * SPAN; i < (t + 1) * SPAN; ++i) {
-        a = fmaf(fmaxf(acc[4 * i], 0.f), wr[2 * i], a);
-        a = fmaf(fmaxf(acc[4 * i + 1], 0.f), wr[2 * i + 1], a);
-        b2 = fmaf(fmaxf(acc[4 * i + 2], 0.f), wr[2 * i], b2);
-        b2 = fmaf(fmaxf(acc[4 * i + 3], 0.f), wr[2 * i + 1], b2);
+        a = fmaf(act(acc[4 * i]), wr[2 * i], a);
+        a = fmaf(act(acc[4 * i + 1]), wr[2 * i + 1], a);
+        b2 = fmaf(act(acc[4 * i + 2]), wr[2 * i], b2);
+        b2 = fmaf(act(acc[4 * i + 3]), wr[2 * i + 1], b2);
       }
       v[2 * t] = a;
       v[2 * t + 1] = b2;
@@ -389,7 +468,12 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
       for (int h = 0; h < 2; ++h) {
         u[h] = (hi1 ? v[2 + h] : v[h]) + __shfl_xor_sync(~0u, hi1 ? v[h] : v[2 + h], 2);
       }
-      x[0] = ((hi0 ? u[1] : u[0]) + __shfl_xor_sync(~0u, hi0 ? u[0] : u[1], 1)) * k_scale[0];
+      x[0] = (hi0 ? u[1] : u[0]) + __shfl_xor_sync(~0u, hi0 ? u[0] : u[1], 1);
+      if constexpr (LIN) {  // + the linear half: this lane's token's rows, its row half
+        x[0] = fmaf(hi0 ? acc[N / 2 + 2] : acc[N / 2], lin_hi[0],
+                    fmaf(hi0 ? acc[N / 2 + 3] : acc[N / 2 + 1], lin_lo[0], x[0]));
+      }
+      x[0] *= k_scale[0];
     } else {  // across lane bit 1 keep the tokens whose bit 1 is hi1, across bit 0 bit 0 = hi0
       float u[BT];  // [token 4m + e + 2·hi1 (index 2m + e)][half]
 #pragma unroll
@@ -406,21 +490,26 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float e0 = u[2 * (2 * m) + h], e1 = u[2 * (2 * m + 1) + h];
-          x[2 * m + h] = ((hi0 ? e1 : e0) + __shfl_xor_sync(~0u, hi0 ? e0 : e1, 1)) * k_scale[h];
+          float sum = (hi0 ? e1 : e0) + __shfl_xor_sync(~0u, hi0 ? e0 : e1, 1);
+          if constexpr (LIN) {  // + the linear half: columns 2(l % 4), +1 of row half h
+            sum = fmaf(acc[N / 2 + 2 * h + 1], lin_lo[m], sum);
+            sum = fmaf(acc[N / 2 + 2 * h], lin_hi[m], sum);
+          }
+          x[2 * m + h] = sum * k_scale[h];
         }
       }
     }
     store((first + b) * kBlock, x);
   };
   if constexpr (DEPTH == 1) {
-    float d[N / 2];
+    float d[NQ / 2];
     for (int b = 0; b < num_live; ++b) {
       issue(d, b);
       wgmma_wait<0>();
       reduce(d, b);
     }
   } else {
-    float d0[N / 2], d1[N / 2];  // page b's accumulators: d0 for even b, d1 for odd b
+    float d0[NQ / 2], d1[NQ / 2];  // page b's accumulators: d0 for even b, d1 for odd b
     if (num_live > 0) {  // every path below waits for all it issues (ptxas checks)
       issue(d0, 0);
       int b = 0;
@@ -452,7 +541,7 @@ __device__ void consume(Shared<CONSUMERS, N>& sh, int c, const __nv_bfloat16* q,
 }
 #endif  // DSASERVE_SM90A
 
-template <int H, int CONSUMERS, int DEPTH, int N>
+template <int H, int CONSUMERS, int DEPTH, int N, bool LIN>
 __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
     indexer_logits_kernel(const __nv_bfloat16* __restrict__ q,  // [T·H, D]
                           const float* __restrict__ w,          // [T·H]
@@ -469,7 +558,8 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
   // rather than aligned at run time (ptxas recomputed that address at every page).
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   if (smem_addr(smem_raw) % 1024 != 0) __trap();
-  auto& sh = *reinterpret_cast<Shared<CONSUMERS, N>*>(smem_raw);
+  constexpr int NQ = N + (LIN ? 8 : 0);
+  auto& sh = *reinterpret_cast<Shared<CONSUMERS, NQ>*>(smem_raw);
   const int num_tiles = int(gridDim.x);
   const int req = tiles[blockIdx.x], tok0 = tiles[num_tiles + blockIdx.x];
   const int ntok = tiles[2 * num_tiles + blockIdx.x];
@@ -495,20 +585,21 @@ __global__ void __launch_bounds__(threads<CONSUMERS>(), 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(consumer_regs<CONSUMERS>()));
     // The consumer index through a shuffle: ptxas then keeps it, and the wgmma descriptors made
     // from it, in uniform registers (no per-page moves into them).
-    consume<H, CONSUMERS, DEPTH, N>(sh, __shfl_sync(~0u, warp / 4, 0), q, w, limits, out, stride_out, gmax, stride_gmax,
-                                 tok0, ntok, first, num_live, chunk_pages, s_out);
+    consume<H, CONSUMERS, DEPTH, N, LIN>(sh, __shfl_sync(~0u, warp / 4, 0), q, w, limits, out,
+                                         stride_out, gmax, stride_gmax, tok0, ntok, first,
+                                         num_live, chunk_pages, s_out);
   }
 #else
   __trap();
 #endif
 }
 
-template <int H, int CONSUMERS, int DEPTH, int N>
+template <int H, int CONSUMERS, int DEPTH, int N, bool LIN>
 void launch(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
             const at::Tensor& block_table, const at::Tensor& tiles, const at::Tensor& limits,
             at::Tensor& out, at::Tensor& gmax, int64_t pages_per_prog, cudaStream_t stream) {
-  auto kernel = indexer_logits_kernel<H, CONSUMERS, DEPTH, N>;
-  constexpr size_t smem = smem_bytes<CONSUMERS, N>();
+  auto kernel = indexer_logits_kernel<H, CONSUMERS, DEPTH, N, LIN>;
+  constexpr size_t smem = smem_bytes<CONSUMERS, N + (LIN ? 8 : 0)>();
   // Per device, so set at every launch (about a microsecond, legal during graph capture).
   C10_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -528,7 +619,8 @@ void launch(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
 void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& cache,
                     const at::Tensor& block_table, const at::Tensor& tiles,
                     const at::Tensor& limits, at::Tensor& out, at::Tensor& gmax,
-                    int64_t consumers, int64_t depth, int64_t rows, int64_t pages_per_prog) {
+                    int64_t consumers, int64_t depth, int64_t rows, bool linear,
+                    int64_t pages_per_prog) {
   TORCH_CHECK(q.is_cuda() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
                   q.size(2) == kDim && q.is_contiguous(),
               "indexer_logits: q must be a contiguous CUDA bf16 [T, H, 128] tensor");
@@ -550,22 +642,26 @@ void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& 
   if (tiles.size(1) == 0 || out.size(1) == 0) return;
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-#define DSASERVE_LAUNCH(H, C, D, N) \
-  return launch<H, C, D, N>(q, w, cache, block_table, tiles, limits, out, gmax, pages_per_prog, \
-                            stream)
-#define DSASERVE_SHAPES(H)                                                                   \
-  if (heads == H && consumers == 2 && depth == 1 && rows == 128) DSASERVE_LAUNCH(H, 2, 1, 128); \
-  if (heads == H && consumers == 2 && depth == 2 && rows == 128) DSASERVE_LAUNCH(H, 2, 2, 128); \
-  if (heads == H && consumers == 3 && depth == 1 && rows == 128) DSASERVE_LAUNCH(H, 3, 1, 128); \
-  if (heads == H && consumers == 2 && depth == 1 && rows == 256) DSASERVE_LAUNCH(H, 2, 1, 256);
+#define DSASERVE_LAUNCH(H, C, D, N, L)                                                        \
+  if (heads == H && consumers == C && depth == D && rows == N && linear == L)                 \
+  return launch<H, C, D, N, L>(q, w, cache, block_table, tiles, limits, out, gmax,            \
+                               pages_per_prog, stream)
+#define DSASERVE_SHAPES(H)              \
+  DSASERVE_LAUNCH(H, 2, 1, 128, false); \
+  DSASERVE_LAUNCH(H, 2, 1, 128, true);  \
+  DSASERVE_LAUNCH(H, 2, 2, 128, false); \
+  DSASERVE_LAUNCH(H, 2, 2, 128, true);  \
+  DSASERVE_LAUNCH(H, 3, 1, 128, false); \
+  DSASERVE_LAUNCH(H, 3, 1, 128, true);  \
+  DSASERVE_LAUNCH(H, 2, 1, 256, false);
   const int64_t heads = q.size(1);
   DSASERVE_SHAPES(64)
   DSASERVE_SHAPES(32)
 #undef DSASERVE_SHAPES
 #undef DSASERVE_LAUNCH
-  TORCH_CHECK(false, "indexer_logits: heads must be 32 or 64, and (consumers, depth, rows) one of "
-              "(2, 1, 128), (2, 2, 128), (3, 1, 128), (2, 1, 256); got ", heads, " and (",
-              consumers, ", ", depth, ", ", rows, ")");
+  TORCH_CHECK(false, "indexer_logits: heads must be 32 or 64, and (consumers, depth, rows, "
+              "linear) one of indexer_logits.SHAPES; got ", heads, " and (", consumers, ", ",
+              depth, ", ", rows, ", ", linear, ")");
 }
 
 }  // namespace
@@ -573,7 +669,7 @@ void indexer_logits(const at::Tensor& q, const at::Tensor& w, const at::Tensor& 
 TORCH_LIBRARY_FRAGMENT(dsaserve_cuda, m) {
   m.def("indexer_logits(Tensor q, Tensor w, Tensor cache, Tensor block_table, Tensor tiles, "
         "Tensor limits, Tensor(a!) out, Tensor(b!) gmax, int consumers, int depth, int rows, "
-        "int pages_per_prog) -> ()");
+        "bool linear, int pages_per_prog) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsaserve_cuda, CUDA, m) { m.impl("indexer_logits", &indexer_logits); }

@@ -5,20 +5,53 @@ dsaserve.kernels.triton.indexer, with wgmma issued directly and the epilogue wri
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsaserve.kernels.cuda.build import build
 
 HEADS = (32, 64)  # index heads the kernel is built for: N / H tokens per consumer
-# Block shapes built: (consumer warpgroups, each with its own tokens; pages in flight per
-# consumer, 2: page b + 1's MMA runs while page b is reduced, in a second set of accumulators;
-# query rows per consumer, the MMA's N). Registers decide which combine: three consumers have
-# 152 each, two 224.
-SHAPES = ((2, 1, 128), (2, 2, 128), (3, 1, 128), (2, 1, 256))
+
+
+class Shape(NamedTuple):
+    """A block shape of the kernel."""
+
+    consumers: int  # consumer warpgroups, each with its own tokens
+    depth: int  # pages in flight per consumer (2: page b + 1's MMA runs while page b is reduced)
+    rows: int  # query rows (token, head) per consumer: the MMA's N
+    # ReLU(x) = (x + |x|) / 2: the weighted |x| summed in registers (one FFMA per product
+    # instead of two), the linear half Σ_h w_h x_h by the tensor cores as 8 more MMA rows; its
+    # error is about 2^-8 of Σ_h |w_h| (|q_h|·|k|) (the kernel's comment has why).
+    linear: bool = False
+
+
+# Registers decide which shapes combine: three consumers have 152 each, two 224.
+SHAPES = (Shape(2, 1, 128), Shape(2, 1, 128, True), Shape(2, 2, 128), Shape(2, 2, 128, True),
+          Shape(3, 1, 128), Shape(3, 1, 128, True), Shape(2, 1, 256))
 # Per head count, the shapes measured fastest on an H200 (docs/kernels.md), in order: the
 # indexer takes the first whose consumers the step's longest query fills.
-PREFERRED = {64: [(3, 1, 128), (2, 2, 128)], 32: [(3, 1, 128), (2, 2, 128)]}
+PREFERRED = {64: [Shape(3, 1, 128, True), Shape(2, 2, 128, True)],
+             32: [Shape(3, 1, 128, True), Shape(2, 2, 128, True)]}
 HEAD_DIM, BLOCK_SIZE = 128, 64
+
+
+# What the linear shapes may differ by from the ReLU form, per score: this fraction of the same
+# score computed from |q|, |w| and |k| (abs_inputs): the hi + lo / 16 pair holds each element
+# of c = Σ_h w_h q_h to 2^-8 of it, and the linear half enters the score with weight ½, so the
+# bound has a factor of two to spare.
+LINEAR_REL_ERROR = 2.0**-8
+
+
+def abs_inputs(q: torch.Tensor, weights: torch.Tensor,
+               index_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """|q|, |w| and a copy of the FP8 key cache with every key's elements made positive (the
+    sign bit of each e4m3 byte cleared; the scales are positive): any indexer run on them gives
+    Σ_h |w_h| (|q_h|·|k|), which LINEAR_REL_ERROR scales into the linear shapes' tolerance."""
+    cache = index_cache.clone()
+    pages = cache.view(-1, BLOCK_SIZE * (HEAD_DIM + 4))
+    pages[:, : BLOCK_SIZE * HEAD_DIM].bitwise_and_(0x7F)
+    return q.abs(), weights.abs(), cache
 
 
 def supported(q: torch.Tensor, index_cache: torch.Tensor, block_size: int) -> bool:
@@ -43,14 +76,14 @@ def pages_per_block(num_tiles: int, num_pages: int, num_sms: int) -> int:
     return 16
 
 
-def block_rows(shape: tuple[int, int, int]) -> int:
+def block_rows(shape: Shape) -> int:
     """Query rows (token, head) a block takes: all its consumers'."""
-    return shape[0] * shape[2]
+    return shape.consumers * shape.rows
 
 
 def launch(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
            block_table: torch.Tensor, tiles: torch.Tensor, limits: torch.Tensor,
-           logits: torch.Tensor, group_max: torch.Tensor, *, shape: tuple[int, int, int],
+           logits: torch.Tensor, group_max: torch.Tensor, *, shape: Shape,
            pages_per_prog: int) -> None:
     """Fill logits [T, S] and group_max [T, ceil(S / 8)] (fp32, unit column stride).
 
@@ -58,9 +91,9 @@ def launch(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     fp32 scales), block_table [R, ≥ ceil(S / 64)] int32, tiles [3, num_tiles] int32 (request,
     first token, length ≤ block_rows(shape) / H), limits [T] int32: keys j < limits[t] are
     visible to token t. One block per (tile, pages_per_prog pages of keys), of `shape` (one of
-    SHAPES: consumers, depth, rows per consumer)."""
+    SHAPES)."""
     if shape not in SHAPES or q.shape[1] not in HEADS:
         raise ValueError(f"indexer_logits (CUDA): shape must be one of {SHAPES} and heads one of "
                          f"{HEADS}, got {shape} and {q.shape[1]}")
     torch.ops.dsaserve_cuda.indexer_logits(q, weights, index_cache, block_table, tiles, limits,
-                                           logits, group_max, *shape, pages_per_prog)
+                                           logits, group_max, *Shape(*shape), pages_per_prog)

@@ -179,7 +179,7 @@ class _StepPlan:
     block_table: torch.Tensor  # [R, max_blocks] int32 on the device
     s_out: int  # longest local key sequence of the batch
     block_t: int  # tokens per tile
-    cuda_shape: tuple[int, int, int] | None  # the CUDA logits kernel's block, if it runs
+    cuda_shape: cuda_logits.Shape | None  # the CUDA logits kernel's block, if it runs
     num_sms: int  # multiprocessors of the device (the CUDA kernel's grid sizing), 0 on the CPU
 
 
@@ -246,9 +246,9 @@ class IndexerConfig:
     # for steps whose longest query fills a block's consumers (prefill, MTP decode).
     cuda_logits: bool | None = None
     # Its block shape (consumer warpgroups, pages in flight per consumer, query rows per
-    # consumer), one of indexer_logits.SHAPES; None: the measured best for the head count
-    # (indexer_logits.PREFERRED).
-    cuda_shape: tuple[int, int, int] | None = None
+    # consumer[, linear]: indexer_logits.Shape), one of indexer_logits.SHAPES; None: the
+    # measured best for the head count (indexer_logits.PREFERRED).
+    cuda_shape: tuple[int, int, int] | tuple[int, int, int, bool] | None = None
     num_stages: int = 3
     num_warps: int = 4  # 8 (two warpgroups split N) measured 30% slower
     list_len: int | None = None  # row_topk's C; None: row_topk.list_size(k)
@@ -259,6 +259,9 @@ class IndexerConfig:
     max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
 
     def __post_init__(self) -> None:
+        if self.cuda_shape is not None and len(self.cuda_shape) not in (3, 4):
+            raise ValueError(f"indexer: cuda_shape must be (consumers, depth, rows[, linear]), "
+                             f"got {self.cuda_shape!r}")
         if self.topk_kernel not in (None, "cuda", "triton"):
             raise ValueError(f"indexer: topk_kernel must be 'cuda', 'triton' or None, "
                              f"got {self.topk_kernel!r}")
@@ -293,14 +296,14 @@ def _use_gluon(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig
 
 
 def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfig,
-                meta: AttentionMetadata) -> tuple[int, int, int] | None:
+                meta: AttentionMetadata) -> cuda_logits.Shape | None:
     """The CUDA logits kernel's block shape where config picks it for this step (see
     IndexerConfig.cuda_logits), else None."""
     if config.cuda_logits is False or not q.is_cuda:
         return None
     num_heads = q.shape[1]
     supported = cuda_logits.supported(q, index_cache, meta.block_size)
-    shapes = [config.cuda_shape] if config.cuda_shape else \
+    shapes = [cuda_logits.Shape(*config.cuda_shape)] if config.cuda_shape else \
         cuda_logits.PREFERRED.get(num_heads, [])
     if config.cuda_logits and (not supported or not shapes
                                or not set(shapes) <= set(cuda_logits.SHAPES)):
