@@ -217,7 +217,7 @@ def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
     logits, limits = indexer.indexer_logits_paged(q, w, cache, meta, config)
     scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK, config)
     ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, TOPK)
-    assert torch.equal(pos >= 0, ref_pos >= 0)
+    assert torch.equal(pos >= 0, ref_pos >= 0), "rows with keys differ"
     # The CUDA kernel's linear shapes differ from the ReLU form by up to LINEAR_REL_ERROR of
     # the same scores from |q|, |w| and |k| (indexer_logits.abs_inputs).
     shape = indexer._cuda_shape(q, cache, config, meta)
@@ -247,10 +247,11 @@ def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
             if bound is not None:  # twice a score's bound: keys picked by scores each within
                 # e of the reference's are within 2e of its picks, rank by rank
                 tol += 2 * cuda_logits.LINEAR_REL_ERROR * float(bound[t - a, :n].max())
-            assert float((ours - theirs).abs().max()) <= tol
+            where = f"request {r}, token {t}, {n} keys, linear {linear}, tol {tol:.3g}"
+            assert float((ours - theirs).abs().max()) <= tol, f"chosen set: {where}"
             ours_first = scores[t, : len(chosen)].sort(descending=True).values
             gap = ours_first - ref_scores[t, : len(chosen)]  # both best first
-            assert float(gap.abs().max()) <= tol
+            assert float(gap.abs().max()) <= tol, f"scores, {float(gap.abs().max()):.3g}: {where}"
 
 
 def test_row_topk_matches_torch_topk(g):
