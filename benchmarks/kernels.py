@@ -185,14 +185,17 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
 # version; fp8_ds_mla rows take the latter either way); --sweep adds the other Triton shapes.
 MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)]
-MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]
+MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False),
+                                     SparseMlaConfig(gluon=True, l2_evict_last=True)]
 MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
 
 
 def _mla_label(cfg: SparseMlaConfig, fp8: bool = True) -> str:
     if not cfg.gluon:
         return f"triton (n={cfg.block_n},st={cfg.num_stages})"
-    return "gluon ping-pong" if cfg.pingpong and not fp8 else "gluon 32-row"
+    if cfg.pingpong and not fp8:
+        return "gluon ping-pong" + (", L2 evict_last copies" if cfg.l2_evict_last else "")
+    return "gluon 32-row"
 
 
 def check_config(q, cache, idx, cfg, rows: int = 48) -> float:

@@ -41,6 +41,7 @@ from dsaserve.kernels.triton import (
     index_cache,
     indexer,
     indexer_gluon,
+    l2_hint,
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
@@ -88,13 +89,16 @@ def resources(build: Build) -> dict[str, int]:
         usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
     ptx = kernel.asm["ptx"]
+    warnings = _ptxas_warnings(ptx)
+    if build.constexprs.get("L2_HINT") and "L2::cache_hint.L2::256B" not in ptx:
+        warnings.append("l2_hint: the copies of a kernel built with L2_HINT were not rewritten")
     return {"shared": kernel.metadata.shared,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
             "wgmma": ptx.count("wgmma.mma_async"), "mma.sync": ptx.count("mma.sync"),
             "setmaxnreg": ", ".join(sorted({f"{kind} {n}" for kind, n in re.findall(
                 r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)})) or "-",
-            "warnings": _ptxas_warnings(ptx)}
+            "warnings": warnings}
 
 
 def _ptxas_warnings(ptx: str) -> list[str]:
@@ -177,12 +181,17 @@ def sparse_mla_pingpong_builds() -> list[Build]:
     """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it."""
     pp = sparse_mla_pingpong
     sig = _gluon_mla_sig("pairs_per_split")
-    consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS}
-    return [Build(f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in "
-                  f"two buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / "
-                  f"{pp.WG1_REGS} / {pp.GATHER_REGS}",
-                  pp._sparse_mla_pingpong_kernel, sig | {c: "constexpr" for c in consts},
-                  consts, 4, gluon=True, maxnreg=pp.MAXNREG)]
+    l2_hint.install()  # as pp.launch does for L2_HINT builds
+    builds = []
+    for hint in (False, True):
+        consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS, "L2_HINT": hint}
+        builds.append(Build(
+            f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in two "
+            f"buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / {pp.WG1_REGS} / "
+            f"{pp.GATHER_REGS}{', L2 evict_last copies' if hint else ''}",
+            pp._sparse_mla_pingpong_kernel, sig | {c: "constexpr" for c in consts}, consts, 4,
+            gluon=True, maxnreg=pp.MAXNREG))
+    return builds
 
 
 def indexer_builds() -> list[Build]:

@@ -198,3 +198,22 @@ def test_gluon_rejects_unsupported_shapes():
         sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L)
     with pytest.raises(ValueError, match="int32"):  # the checks shared with the Triton kernel
         sparse_mla_gluon.sparse_mla_fwd_gluon(q.repeat(1, 2, 1), cache, idx.long(), SCALE, L)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_pingpong_l2_evict_last_gives_the_same_bits(g, num_splits):
+    """SparseMlaConfig(l2_evict_last=True): the ping-pong kernel with its copies rewritten
+    (l2_hint) changes where rows are cached, not what is computed: bit-identical o and lse."""
+    from dsaserve.kernels.triton import sparse_mla
+
+    num_tokens, num_slots = 40, 4096
+    cache = base._random_cache(g, num_slots, num_slots, False)
+    contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
+    idx = base._random_indices(g, num_tokens, contexts, num_slots)
+    idx[5] = -1
+    q = torch.randn(num_tokens, 64, L + R, device=DEV, generator=g).bfloat16()
+    plain = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
+        gluon=True, num_splits=num_splits))
+    hinted = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
+        gluon=True, num_splits=num_splits, l2_evict_last=True))
+    assert torch.equal(plain[0], hinted[0]) and torch.equal(plain[1], hinted[1])

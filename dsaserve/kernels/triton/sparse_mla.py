@@ -54,6 +54,9 @@ class SparseMlaConfig:
     # With the Gluon kernel and a bf16 cache: the ping-pong kernel (sparse_mla_pingpong.py)
     # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
     pingpong: bool = True
+    # The ping-pong kernel's row copies with an L2 evict_last policy and 256-byte prefetch
+    # (FlashMLA's; l2_hint.py rewrites the PTX). Off until measured on the GPU.
+    l2_evict_last: bool = False
 
 
 def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
@@ -291,7 +294,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
         out_o, out_lse = o, lse
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if gluon and not fp8 and cfg.pingpong:
-        sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split)
+        sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split,
+                                   cfg.l2_evict_last)
     elif gluon:
         sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
                                 per_split // block_n)

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsaserve.kernels.triton import sparse_mla_gluon
+from dsaserve.kernels.triton import l2_hint, sparse_mla_gluon
 from dsaserve.kernels.triton.sparse_mla_gluon import (
     HALF,
     HEADS,
@@ -320,7 +320,7 @@ def _copy_half(kv_ptr, slot, valid, k_dst, pe_dst, col0: gl.constexpr, rope: gl.
     """cp.async latent columns col0 … col0 + 255 of 64 rows (and their rope) into shared
     memory; invalid rows zero-fill. (An L2 eviction policy, FlashMLA's evict_last, would be
     worth trying: neighbouring query rows select mostly the same cache rows; Triton 3.6 drops
-    eviction_policy from cp.async.)"""
+    eviction_policy from cp.async: l2_hint rewrites the PTX of kernels built with L2_HINT.)"""
     rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64)[:, None] * ROW_BF16
     c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
     async_copy.async_copy_global_to_shared(k_dst, rows + (col0 + c)[None, :],
@@ -385,6 +385,15 @@ def _gather_partition(ptrs, args, smem, bars):
 
 
 @gluon.jit
+def _mark_l2_hint():
+    """l2_hint.MARKER in the PTX (an identity inline asm kept for its side effect), so that its
+    rewrite gives this kernel's cp.async an evict_last policy and a 256-byte L2 prefetch."""
+    z = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
+    gl.inline_asm_elementwise("mov.b32 $0, $1; // dsaserve.l2_evict_last", "=r,r", [z],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _sparse_mla_pingpong_kernel(
     q_ptr,  # [T, H, 576] bf16
     kv_ptr,  # bf16 rows [num_slots, 576]
@@ -396,7 +405,10 @@ def _sparse_mla_pingpong_kernel(
     sm_scale_log2,  # softmax scale · log2(e)
     pairs_per_split,
     WG1_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    L2_HINT: gl.constexpr,  # the KV rows' copies with an L2 evict_last policy (l2_hint)
 ):
+    if L2_HINT:
+        _mark_l2_hint()
     head0 = gl.program_id(0) * HEADS
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -447,20 +459,25 @@ MAXNREG, WG1_REGS, GATHER_REGS = 168, 224, 56
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
-           out_lse: torch.Tensor, num_slots: int, scale: float, positions_per_split: int) -> None:
+           out_lse: torch.Tensor, num_slots: int, scale: float, positions_per_split: int,
+           l2_evict_last: bool = False) -> None:
     """The launch `sparse_mla.sparse_mla_fwd` makes for a bf16 cache on sm_90 (arguments
     checked there): q [T, H, 576] (H a multiple of 64), kv bf16 [.., .., 576], idx [T, K] int32
     with unit last stride → out_o / out_lse (o and lse, or fp32 partials [splits, ...] of
-    positions_per_split index positions each, a multiple of PAIR)."""
+    positions_per_split index positions each, a multiple of PAIR). l2_evict_last: the copies
+    with FlashMLA's L2 policy and prefetch size (l2_hint)."""
     if positions_per_split % PAIR:
         raise ValueError(f"sparse_mla_pingpong: splits must cover a multiple of {PAIR} "
                          f"index positions, got {positions_per_split}")
     q = sparse_mla_gluon.aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
+    if l2_evict_last:
+        l2_hint.install()
     _sparse_mla_pingpong_kernel[(num_heads // HEADS.value, num_tokens, splits)](
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, positions_per_split // PAIR,
-        WG1_REGS=WG1_REGS, GATHER_REGS=GATHER_REGS, num_warps=4, maxnreg=MAXNREG,
+        WG1_REGS=WG1_REGS, GATHER_REGS=GATHER_REGS, L2_HINT=l2_evict_last, num_warps=4,
+        maxnreg=MAXNREG,
     )
