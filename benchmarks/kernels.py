@@ -184,18 +184,17 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
 # version; fp8_ds_mla rows take the latter either way); --sweep adds the other Triton shapes.
-MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)]
-MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False),
-                                     SparseMlaConfig(gluon=True, l2_evict_last=True)]
+MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True),
+               SparseMlaConfig(gluon=True, l2_evict_last=True)]
+MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]
 MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
 
 
 def _mla_label(cfg: SparseMlaConfig, fp8: bool = True) -> str:
     if not cfg.gluon:
         return f"triton (n={cfg.block_n},st={cfg.num_stages})"
-    if cfg.pingpong and not fp8:
-        return "gluon ping-pong" + (", L2 evict_last copies" if cfg.l2_evict_last else "")
-    return "gluon 32-row"
+    hint = ", L2 evict_last copies" if cfg.l2_evict_last else ""
+    return ("gluon ping-pong" if cfg.pingpong and not fp8 else "gluon 32-row") + hint
 
 
 def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
@@ -285,6 +284,12 @@ def bench_decode(quick: bool, sweep: bool) -> None:
         add(f"decode {_mla_label(best)} b={batch} s_q={s_q}, CUDA graph", ms,
             flops / ms / 1e9, "TFLOP/s",
             f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us")
+        if best.gluon:  # the same kernel with the other L2 copy policy, for comparison
+            other = dataclasses.replace(best, l2_evict_last=not best.l2_evict_last)
+            other_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, other),
+                             graph=True)
+            print(f"    b={batch} s_q={s_q} {_mla_label(other)}, CUDA graph: "
+                  f"{other_ms * 1e3:.1f} us", flush=True)
         if (batch, s_q) == (128, 1):
             torch_ms = timed(partial(torch_sparse_mla, q, fp8_rows(cache), idx, 32), rep_ms=500)
             add("decode plain-PyTorch b=128 s_q=1", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",

@@ -162,15 +162,17 @@ def sparse_mla_gluon_builds() -> list[Build]:
     default = sparse_mla_gluon.BUILD
     even = replace(default, softmax_cols=256, pv_regs=216)  # the split it was measured against
     builds = []
-    for b, fp8 in ((default, False), (default, True), (even, False), (even, True)):
+    l2_hint.install()  # as sparse_mla_gluon.launch does for L2_HINT builds
+    for b, fp8, hint in ((default, False, False), (default, True, False), (even, False, False),
+                         (even, True, False), (default, True, True)):
         consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "PV_REGS": b.pv_regs,
-                  "GATHER_REGS": b.gather_regs, "SCOLS": b.softmax_cols}
+                  "GATHER_REGS": b.gather_regs, "SCOLS": b.softmax_cols, "L2_HINT": hint}
         kind_sig = sig | {"kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
         rows = "fp8 rows (staged in the K slots)" if fp8 else "bf16 rows"
         builds.append(Build(f"sparse MLA Gluon {rows}, 64 heads, {b.block_n} rows, K ring "
                             f"{b.num_bufs}, 3 partitions x 4 warps, O columns "
                             f"{b.softmax_cols} / {512 - b.softmax_cols}, P·V registers "
-                            f"{b.pv_regs}",
+                            f"{b.pv_regs}{', L2 evict_last copies' if hint else ''}",
                             sparse_mla_gluon._sparse_mla_gluon_kernel,
                             kind_sig | {c: "constexpr" for c in consts}, consts, 4, gluon=True,
                             maxnreg=b.maxnreg))

@@ -48,7 +48,7 @@ def test_hopper_builds_are_clean():
         [sys.executable, str(ROOT / "benchmarks" / "sm90_resources.py"), "--only", PARTS,
          "--check"], capture_output=True, text=True, env=_env(), timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert out.stdout.count("| sparse MLA Gluon") == 4
+    assert out.stdout.count("| sparse MLA Gluon") == 5  # the FP8 one also with l2_hint
     assert out.stdout.count("| sparse MLA ping-pong") == 2  # with and without l2_hint
 
 

@@ -54,7 +54,7 @@ class SparseMlaConfig:
     # With the Gluon kernel and a bf16 cache: the ping-pong kernel (sparse_mla_pingpong.py)
     # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
     pingpong: bool = True
-    # The ping-pong kernel's row copies with an L2 evict_last policy and 256-byte prefetch
+    # The Gluon kernels' row copies with an L2 evict_last policy and 256-byte prefetch
     # (FlashMLA's; l2_hint.py rewrites the PTX). Off until measured on the GPU.
     l2_evict_last: bool = False
 
@@ -298,7 +298,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
                                    cfg.l2_evict_last)
     elif gluon:
         sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
-                                per_split // block_n)
+                                per_split // block_n, cfg.l2_evict_last)
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](

@@ -60,6 +60,7 @@ from dsaserve.kernels.triton.sparse_mla_gluon import (
     ROW_BF16,
     L,
     R,
+    _mark_l2_hint,
     _mma_layout,
     _nvmma,
     _plain_shared,
@@ -382,15 +383,6 @@ def _gather_partition(ptrs, args, smem, bars):
         async_copy.commit_group()
         async_copy.mbarrier_arrive(k_ready.index(K1L), increment_count=False)
     async_copy.wait_group(0)
-
-
-@gluon.jit
-def _mark_l2_hint():
-    """l2_hint.MARKER in the PTX (an identity inline asm kept for its side effect), so that its
-    rewrite gives this kernel's cp.async an evict_last policy and a 256-byte L2 prefetch."""
-    z = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise("mov.b32 $0, $1; // dsaserve.l2_evict_last", "=r,r", [z],
-                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
