@@ -1,0 +1,18 @@
+#!/bin/bash
+# One call on a GPU machine (each start of one costs minutes): the CUDA kernels built once,
+# the GPU test suite, then benchmarks/kernels.py with the arguments given, if any.
+#
+#   bash benchmarks/gpu_check.sh [kernels.py arguments, e.g. --only ceilings,prefill,indexer]
+#
+# TESTS (default tests/gpu) narrows the suite; TEST_TIMEOUT / BENCH_TIMEOUT (seconds) bound
+# each step, so that a hang in one still leaves the other's output.
+set -u
+export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/dsaserve_torch_ext}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
+timeout -k 10 300 python -c \
+    "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
+timeout -k 10 "${TEST_TIMEOUT:-420}" python -m pytest -q -m gpu ${TESTS:-tests/gpu} \
+    -rf --tb=short 2>&1 | grep -v "^E  *+" | tail -40
+if [ $# -gt 0 ]; then
+    timeout -k 10 "${BENCH_TIMEOUT:-420}" python benchmarks/kernels.py "$@" 2>&1 | tail -80
+fi
