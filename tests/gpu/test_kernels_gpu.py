@@ -236,7 +236,13 @@ def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
         for t in range(a, b):
             n = int(limits[t])
             assert n == int((key_pos <= meta.positions[t]).sum())
-            assert _rel(logits[t, :n], ref[t - a, :n]) <= 1e-3
+            if bound is None:
+                assert _rel(logits[t, :n], ref[t - a, :n]) <= 1e-3
+            else:  # a row of few keys can score near 0 where the bound is not: per score
+                err = (logits[t, :n] - ref[t - a, :n]).abs()
+                slack = cuda_logits.LINEAR_REL_ERROR * bound[t - a, :n] + \
+                    1e-3 * ref[t - a, :n].abs().max()
+                assert bool((err <= slack).all()), f"logits, request {r}, token {t}, {n} keys"
             assert bool((logits[t, n:] == float("-inf")).all())
             chosen = pos[t][pos[t] >= 0].long()
             assert len(chosen) == min(n, TOPK) and len(chosen.unique()) == len(chosen)
