@@ -183,7 +183,8 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 # Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
-# version; fp8_ds_mla rows take the latter either way); --sweep adds the other Triton shapes.
+# version; fp8_ds_mla rows take the latter either way), the default Gluon kernel also with its
+# copies under an L2 evict_last policy (l2_hint); --sweep adds the other Triton shapes.
 MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True),
                SparseMlaConfig(gluon=True, l2_evict_last=True)]
 MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]

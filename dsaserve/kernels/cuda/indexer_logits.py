@@ -95,9 +95,10 @@ def launch(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     fp32 scales), block_table [R, ≥ ceil(S / 64)] int32, tiles [3, num_tiles] int32 (request,
     first token, length ≤ block_rows(shape) / H), limits [T] int32: keys j < limits[t] are
     visible to token t. One block per (tile, pages_per_prog pages of keys), of `shape` (one of
-    SHAPES)."""
+    SHAPES; a plain (consumers, depth, rows[, linear]) tuple is taken as that Shape)."""
+    shape = Shape(*shape)
     if shape not in SHAPES or q.shape[1] not in HEADS:
         raise ValueError(f"indexer_logits (CUDA): shape must be one of {SHAPES} and heads one of "
                          f"{HEADS}, got {shape} and {q.shape[1]}")
     torch.ops.dsaserve_cuda.indexer_logits(q, weights, index_cache, block_table, tiles, limits,
-                                           logits, group_max, *Shape(*shape), pages_per_prog)
+                                           logits, group_max, *shape, pages_per_prog)
