@@ -1,6 +1,6 @@
 """Registers, spills and ptxas notes of the CUDA kernels, built for sm_90a on any machine.
 
-    python benchmarks/cuda_resources.py [--check] [--nvcc PATH]
+    python benchmarks/cuda_resources.py [--check] [--sass] [--nvcc PATH]
 
 Compiles each source of dsaserve/kernels/cuda as the GPU build does (cuda/build.py: the same
 sources and Hopper arch flag, torch's nvcc flags) with ptxas's resource report (-Xptxas -v), no
@@ -10,6 +10,11 @@ bytes, and any ptxas performance note. docs/kernels.md quotes these.
 nvcc: --nvcc, else $NVCC, else the one the PyPI wheels install (nvidia-cuda-nvcc, -crt,
 -runtime, -cccl and nvidia-nvvm, in the [test] extra, pinned to the GPU machine's CUDA 13.0),
 else nvcc on PATH.
+
+--sass also disassembles each build (cuobjdump, Triton's copy) and prints, per kernel instance
+with tensor-core instructions, its MMA loop: the shortest loop (a backward branch) holding
+wgmma instructions, as SASS instructions per iteration and per MMA group of four (a page of
+the indexer logits), and the most frequent opcodes: the counts docs/kernels.md quotes.
 
 --check exits with status 1 if an instance spills more than ALLOWED_SPILL grants it, or ptxas
 notes a serialized wgmma pipeline (C7514 / C7515: an "info" line, not a warning, which made
@@ -110,6 +115,52 @@ def demangle(names: list[str]) -> list[str]:
     return [re.sub(r"^void |\(anonymous namespace\)::|\(.*$", "", n) for n in out]
 
 
+@dataclasses.dataclass
+class MmaLoop:
+    mangled: str
+    instructions: int  # per iteration
+    mma: int  # wgmma (QGMMA / HGMMA) instructions per iteration
+    opcodes: dict[str, int]
+
+
+_SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[^;]*;")
+
+
+def mma_loops(sass: str) -> list[MmaLoop]:
+    """cuobjdump -sass text → per function, its shortest loop holding wgmma (Q/HGMMA)
+    instructions: a backward BRA's target up to the branch."""
+    found = []
+    for part in re.split(r"(?:^|\n)\s*Function : ", sass)[1:]:
+        mangled = part.split()[0]
+        code = [(int(m[1], 16), m[2], m[0]) for m in _SASS_LINE.finditer(part)]
+        best = None
+        for addr, op, text in code:
+            target = re.search(r"BRA\s+(?:`\(\.L_\w+\)\s*)?0x([0-9a-f]+)", text) \
+                if op == "BRA" else None
+            if target is None or int(target[1], 16) >= addr:
+                continue
+            body = [o for a, o, _ in code if int(target[1], 16) <= a <= addr]
+            mma = sum(o in ("QGMMA", "HGMMA") for o in body)
+            if mma and (best is None or len(body) < best.instructions):
+                counts: dict[str, int] = {}
+                for o in body:
+                    counts[o] = counts.get(o, 0) + 1
+                best = MmaLoop(mangled, len(body), mma, counts)
+        if best is not None:
+            found.append(best)
+    return found
+
+
+def disassemble(obj: pathlib.Path) -> str:
+    """cuobjdump -sass of a built object, with the cuobjdump Triton ships."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        raise SystemExit("--sass needs triton (its cuobjdump)")
+    cuobjdump = pathlib.Path(spec.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(cuobjdump), "-sass", str(obj)], capture_output=True, text=True,
+                          check=True).stdout
+
+
 def compile_one(nvcc: str, source: pathlib.Path, tmp: pathlib.Path) -> list[Instance]:
     cmd = nvcc_command(nvcc, source, tmp / f"{source.stem}.o", tmp)
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -122,6 +173,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true",
                         help="exit 1 on a spill beyond ALLOWED_SPILL or a ptxas note")
+    parser.add_argument("--sass", action="store_true",
+                        help="also print each instance's MMA loop (SASS instructions per "
+                             "iteration; needs triton's cuobjdump)")
     parser.add_argument("--nvcc", default=None, help="the nvcc to use")
     args = parser.parse_args()
     nvcc = find_nvcc(args.nvcc)
@@ -135,6 +189,9 @@ def main() -> int:
         (tmp / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text("#pragma once\n")
         with concurrent.futures.ThreadPoolExecutor(len(build.SOURCES)) as pool:
             per_source = list(pool.map(lambda s: compile_one(nvcc, s, tmp), build.SOURCES))
+        loops = [loop for source in build.SOURCES
+                 for loop in mma_loops(disassemble(tmp / f"{source.stem}.o"))] \
+            if args.sass else []
     instances = [i for found in per_source for i in found]
     names = demangle([i.mangled for i in instances])
     print(f"nvcc: {nvcc}\n")
@@ -146,6 +203,14 @@ def main() -> int:
               f"{inst.spill_stores} / {inst.spill_loads} | {'; '.join(inst.notes)} |")
         if inst.spill_stores > inst.allowed_spill() or inst.notes:
             failures.append(name)
+    if loops:
+        print("\n| kernel | MMA loop: SASS instructions per iteration | wgmma | per 4 wgmma "
+              "| most frequent |\n|---|---:|---:|---:|---|")
+        for loop, name in zip(loops, demangle([loop.mangled for loop in loops]), strict=True):
+            top = sorted(loop.opcodes.items(), key=lambda kv: -kv[1])[:6]
+            print(f"| {name} | {loop.instructions} | {loop.mma} | "
+                  f"{loop.instructions * 4 / loop.mma:.0f} | "
+                  f"{', '.join(f'{op} {n}' for op, n in top)} |")
     if args.check and failures:
         print(f"\nnot clean: {', '.join(failures)}")
         return 1

@@ -84,3 +84,24 @@ ptxas info    : Used 168 registers, used 1 barriers
         ("_Z1av", 64, 16, 12, 20, [])
     assert (b.mangled, b.registers, b.spill_stores) == ("_Z1bv", 168, 0)
     assert len(b.notes) == 1 and b.notes[0].startswith("(C7515)")
+
+
+def test_mma_loop_parsing():
+    """The shortest loop that holds wgmma instructions, by its backward branch."""
+    sass = """\
+        Function : _Z1kv
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR8], RZ, !UPT ;
+        /*0020*/                   FFMA R2, |R24|, R3, R2 ;
+        /*0030*/                   FMNMX R4, R24, RZ, !PT ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*0060*/              @!P1 BRA 0x0 ;
+        /*0070*/                   EXIT ;
+        Function : _Z1nv
+        /*0000*/                   FADD R1, R1, R2 ;
+        /*0010*/              @!P0 BRA 0x0 ;
+"""
+    (loop,) = _cuda_resources().mma_loops(sass)
+    assert (loop.mangled, loop.instructions, loop.mma) == ("_Z1kv", 4, 1)
+    assert loop.opcodes == {"QGMMA": 1, "FFMA": 1, "FMNMX": 1, "BRA": 1}
