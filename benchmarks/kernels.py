@@ -350,7 +350,7 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
         if "CUDA topk" in kernels:
             # (threads, blocks per row, compaction): the groups above the threshold, the
             # whole row from memory, or the whole row staged in shared memory first.
-            shapes = [(512, 1, "groups"), (512, 1, "row")]
+            shapes = [(256, 1, "groups"), (256, 1, "row"), (512, 1, "groups"), (512, 1, "row")]
             shapes += [(1024, c, how) for c in cuda_topk.CLUSTER_SIZES
                        for how in ("groups", "row", "staged row")]
             for threads, cluster, how in shapes:
