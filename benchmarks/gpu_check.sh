@@ -8,7 +8,7 @@
 # each: with the build they fit one 10-minute call) bound each step, so that a hang in one
 # still leaves the other's output.
 set -u
-export PYTHONPATH=$PWD TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/dsaserve_torch_ext}
+export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv
 timeout -k 10 300 python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"

@@ -41,7 +41,6 @@ from dsaserve.kernels.triton import (
     index_cache,
     indexer,
     indexer_gluon,
-    l2_hint,
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
@@ -162,7 +161,6 @@ def sparse_mla_gluon_builds() -> list[Build]:
     default = sparse_mla_gluon.BUILD
     even = replace(default, softmax_cols=256, pv_regs=216)  # the split it was measured against
     builds = []
-    l2_hint.install()  # as sparse_mla_gluon.launch does for L2_HINT builds
     for b, fp8, hint in ((default, False, False), (default, True, False), (even, False, False),
                          (even, True, False), (default, True, True)):
         consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "PV_REGS": b.pv_regs,
@@ -183,7 +181,6 @@ def sparse_mla_pingpong_builds() -> list[Build]:
     """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it."""
     pp = sparse_mla_pingpong
     sig = _gluon_mla_sig("pairs_per_split")
-    l2_hint.install()  # as pp.launch does for L2_HINT builds
     builds = []
     for hint in (False, True):
         consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS, "L2_HINT": hint}

@@ -12,7 +12,8 @@ an identity inline-asm on an integer tensor whose comment is the marker): every 
 `cp.async.cg.shared.global` of such a kernel gets `.L2::cache_hint.L2::256B` and one policy
 register, made once at the kernel's entry by `createpolicy.fractional.L2::evict_last`. The
 marker also makes such a kernel's source, hence its Triton cache key, differ from the same kernel
-without it. Other kernels pass through untouched. `install()` chains any hook set before.
+without it. Other kernels pass through untouched. `install()` chains any hook set before;
+sparse_mla_gluon.py calls it once, when it is imported.
 """
 
 from __future__ import annotations

@@ -72,6 +72,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import l2_hint, sparse_mla
 
+# The kernels built with L2_HINT carry l2_hint.MARKER; the PTX rewrite is in Triton's pipeline
+# from here on (it leaves unmarked kernels alone).
+l2_hint.install()
+_L2_MARK_ASM = gl.constexpr(f"mov.b32 $0, $1; // {l2_hint.MARKER}")
+
 LOG2E = math.log2(math.e)
 LN2 = gl.constexpr(math.log(2.0))
 # Kernel-side shape constants (globals a Gluon kernel reads must be constexpr).
@@ -476,8 +481,7 @@ def _mark_l2_hint():
     """l2_hint.MARKER in the PTX (an identity inline asm kept for its side effect), so that its
     rewrite gives the kernel's cp.async an evict_last policy and a 256-byte L2 prefetch."""
     z = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise("mov.b32 $0, $1; // dsaserve.l2_evict_last", "=r,r", [z],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_L2_MARK_ASM, "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -614,8 +618,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
     q = aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
-    if l2_evict_last:
-        l2_hint.install()
     _sparse_mla_gluon_kernel[(num_heads // HEADS.value, num_tokens, splits)](
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],

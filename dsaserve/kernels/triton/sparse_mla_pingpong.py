@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsaserve.kernels.triton import l2_hint, sparse_mla_gluon
+from dsaserve.kernels.triton import sparse_mla_gluon
 from dsaserve.kernels.triton.sparse_mla_gluon import (
     HALF,
     HEADS,
@@ -464,8 +464,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
     q = sparse_mla_gluon.aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
-    if l2_evict_last:
-        l2_hint.install()
     _sparse_mla_pingpong_kernel[(num_heads // HEADS.value, num_tokens, splits)](
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],
