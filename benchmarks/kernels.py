@@ -184,9 +184,9 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
 # version; fp8_ds_mla rows take the latter either way), the default Gluon kernel also with its
-# copies under an L2 evict_last policy (l2_hint); --sweep adds the other Triton shapes.
+# copies with a 256-byte L2 prefetch (l2_hint); --sweep adds the other Triton shapes.
 MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True),
-               SparseMlaConfig(gluon=True, l2_evict_last=True)]
+               SparseMlaConfig(gluon=True, l2_copies="prefetch")]
 MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]
 MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
 
@@ -194,7 +194,7 @@ MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32,
 def _mla_label(cfg: SparseMlaConfig, fp8: bool = True) -> str:
     if not cfg.gluon:
         return f"triton (n={cfg.block_n},st={cfg.num_stages})"
-    hint = ", L2 evict_last copies" if cfg.l2_evict_last else ""
+    hint = "" if cfg.l2_copies == "plain" else f", {cfg.l2_copies} L2 copies"
     return ("gluon ping-pong" if cfg.pingpong and not fp8 else "gluon 32-row") + hint
 
 
@@ -285,8 +285,9 @@ def bench_decode(quick: bool, sweep: bool) -> None:
         add(f"decode {_mla_label(best)} b={batch} s_q={s_q}, CUDA graph", ms,
             flops / ms / 1e9, "TFLOP/s",
             f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us")
-        if best.gluon:  # the same kernel with the other L2 copy policy, for comparison
-            other = dataclasses.replace(best, l2_evict_last=not best.l2_evict_last)
+        if best.gluon:  # the same kernel with the other L2 copies, for comparison
+            other = dataclasses.replace(
+                best, l2_copies="plain" if best.l2_copies == "prefetch" else "prefetch")
             other_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, other),
                              graph=True)
             print(f"    b={batch} s_q={s_q} {_mla_label(other)}, CUDA graph: "

@@ -41,6 +41,7 @@ from dsaserve.kernels.triton import (
     index_cache,
     indexer,
     indexer_gluon,
+    l2_hint,
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
@@ -85,12 +86,16 @@ def resources(build: Build) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        usage = subprocess.run([_cuobjdump(), "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+        usage, sass = (subprocess.run([_cuobjdump(), flag, f.name], capture_output=True,
+                                      text=True, check=True).stdout
+                       for flag in ("-res-usage", "-sass"))
     ptx = kernel.asm["ptx"]
     warnings = _ptxas_warnings(ptx)
-    if build.constexprs.get("L2_HINT") and "L2::cache_hint.L2::256B" not in ptx:
-        warnings.append("l2_hint: the copies of a kernel built with L2_HINT were not rewritten")
+    if build.constexprs.get("L2_MARK") and ".L2::256B" not in ptx:
+        warnings.append("l2_hint: the copies of a kernel built with an L2_MARK were not rewritten")
+    unset = l2_hint.undefined_descriptors(sass)
+    if unset:  # ptxas's cp.async cache-policy miscompile (l2_hint): a trap at run time
+        warnings.append(f"{len(unset)} instructions read an unset descriptor: {unset[0]}")
     return {"shared": kernel.metadata.shared,
             "registers": int(re.search(r"REG:(\d+)", usage).group(1)),
             "stack": int(re.search(r"STACK:(\d+)", usage).group(1)),
@@ -161,33 +166,42 @@ def sparse_mla_gluon_builds() -> list[Build]:
     default = sparse_mla_gluon.BUILD
     even = replace(default, softmax_cols=256, pv_regs=216)  # the split it was measured against
     builds = []
-    for b, fp8, hint in ((default, False, False), (default, True, False), (even, False, False),
-                         (even, True, False), (default, True, True)):
+    for b, fp8, l2 in ((default, False, l2_hint.PLAIN), (default, True, l2_hint.PLAIN),
+                       (even, False, l2_hint.PLAIN), (even, True, l2_hint.PLAIN),
+                       (default, True, l2_hint.PREFETCH)):
         consts = {"KV_FP8": fp8, "BN": b.block_n, "NBUF": b.num_bufs, "PV_REGS": b.pv_regs,
-                  "GATHER_REGS": b.gather_regs, "SCOLS": b.softmax_cols, "L2_HINT": hint}
+                  "GATHER_REGS": b.gather_regs, "SCOLS": b.softmax_cols,
+                  "L2_MARK": l2_hint.mark_asm(l2)}
         kind_sig = sig | {"kv_ptr": "*fp8e4nv" if fp8 else "*bf16"}
         rows = "fp8 rows (staged in the K slots)" if fp8 else "bf16 rows"
         builds.append(Build(f"sparse MLA Gluon {rows}, 64 heads, {b.block_n} rows, K ring "
                             f"{b.num_bufs}, 3 partitions x 4 warps, O columns "
                             f"{b.softmax_cols} / {512 - b.softmax_cols}, P·V registers "
-                            f"{b.pv_regs}{', L2 evict_last copies' if hint else ''}",
+                            f"{b.pv_regs}{_l2_label(l2)}",
                             sparse_mla_gluon._sparse_mla_gluon_kernel,
                             kind_sig | {c: "constexpr" for c in consts}, consts, 4, gluon=True,
                             maxnreg=b.maxnreg))
     return builds
 
 
-def sparse_mla_pingpong_builds() -> list[Build]:
-    """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it."""
+def _l2_label(mode: str) -> str:
+    return "" if mode == l2_hint.PLAIN else f", {mode} L2 copies"
+
+
+def sparse_mla_pingpong_builds(modes: tuple[str, ...] = (l2_hint.PLAIN, l2_hint.PREFETCH)
+                               ) -> list[Build]:
+    """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it, with each
+    of `modes` (l2_hint) for its copies."""
     pp = sparse_mla_pingpong
     sig = _gluon_mla_sig("pairs_per_split")
     builds = []
-    for hint in (False, True):
-        consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS, "L2_HINT": hint}
+    for l2 in modes:
+        consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS,
+                  "L2_MARK": l2_hint.mark_asm(l2)}
         builds.append(Build(
             f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in two "
             f"buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / {pp.WG1_REGS} / "
-            f"{pp.GATHER_REGS}{', L2 evict_last copies' if hint else ''}",
+            f"{pp.GATHER_REGS}{_l2_label(l2)}",
             pp._sparse_mla_pingpong_kernel, sig | {c: "constexpr" for c in consts}, consts, 4,
             gluon=True, maxnreg=pp.MAXNREG))
     return builds

@@ -202,10 +202,11 @@ def test_gluon_rejects_unsupported_shapes():
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_l2_evict_last_gives_the_same_bits(g, kind, num_splits):
-    """SparseMlaConfig(l2_evict_last=True): the Gluon kernels (ping-pong for bf16 rows, the
-    32-row one for fp8_ds_mla) with their copies rewritten (l2_hint) change where rows are
-    cached, not what is computed: bit-identical o and lse."""
+def test_l2_prefetch_gives_the_same_bits(g, kind, num_splits):
+    """SparseMlaConfig(l2_copies="prefetch"): the Gluon kernels (ping-pong for bf16 rows, the
+    32-row one for fp8_ds_mla) with their copies rewritten (l2_hint) change how rows reach L2,
+    not what is computed: bit-identical o and lse. (Both are also built with the other
+    setting, whichever the default is.)"""
     from dsaserve.kernels.triton import sparse_mla
 
     num_tokens, num_slots = 40, 4096
@@ -215,8 +216,8 @@ def test_l2_evict_last_gives_the_same_bits(g, kind, num_splits):
     idx[5] = -1
     q = torch.randn(num_tokens, 64, L + R, device=DEV, generator=g).bfloat16()
     plain = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
-        gluon=True, num_splits=num_splits))
+        gluon=True, num_splits=num_splits, l2_copies="plain"))
     hinted = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
-        gluon=True, num_splits=num_splits, l2_evict_last=True))
+        gluon=True, num_splits=num_splits, l2_copies="prefetch"))
     assert torch.equal(plain[0].view(torch.int16), hinted[0].view(torch.int16))  # bits
     assert torch.equal(plain[1].view(torch.int32), hinted[1].view(torch.int32))

@@ -52,6 +52,30 @@ def test_hopper_builds_are_clean():
     assert out.stdout.count("| sparse MLA ping-pong") == 2  # with and without l2_hint
 
 
+EVICT_LAST_BUILD = """
+from benchmarks import sm90_resources
+from dsaserve.kernels.triton import l2_hint
+(build,) = sm90_resources.sparse_mla_pingpong_builds((l2_hint.EVICT_LAST,))
+try:
+    print("BUILT", sm90_resources.resources(build)["warnings"])
+except RuntimeError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs triton (its ptxas builds for sm_90)")
+def test_evict_last_copies_never_build_a_trapping_kernel():
+    """The ping-pong kernel with evict_last copies: the ptxas of Triton 3.6 drops their cache
+    policy (l2_hint's docstring), so l2_hint refuses the cubin with an error that names the
+    prefetch mode; a ptxas that keeps the policy gives a build whose every descriptor is set."""
+    out = subprocess.run([sys.executable, "-c", EVICT_LAST_BUILD], capture_output=True,
+                         text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    refused = out.stdout.startswith("REFUSED") and "'prefetch'" in out.stdout
+    assert refused or (out.stdout.startswith("BUILT") and "unset" not in out.stdout), out.stdout
+
+
 def test_cuda_builds_are_clean():
     if _cuda_resources().find_nvcc(None) is None:
         pytest.skip("needs nvcc (the [test] extra's CUDA wheels, or one on PATH)")

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
+from dsaserve.kernels.triton import l2_hint
 
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))  # base-2 lse → natural log
@@ -54,9 +55,15 @@ class SparseMlaConfig:
     # With the Gluon kernel and a bf16 cache: the ping-pong kernel (sparse_mla_pingpong.py)
     # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
     pingpong: bool = True
-    # The Gluon kernels' row copies with an L2 evict_last policy and 256-byte prefetch
-    # (FlashMLA's; l2_hint.py rewrites the PTX). Off until measured on the GPU.
-    l2_evict_last: bool = False
+    # The L2 qualifiers of the Gluon kernels' row copies, an l2_hint mode: "plain", "prefetch"
+    # (256-byte L2 prefetch) or "evict_last" (that and FlashMLA's evict_last policy, which
+    # the ptxas of Triton 3.6 miscompiles in these kernels: l2_hint.py).
+    l2_copies: str = "plain"
+
+    def __post_init__(self):
+        if self.l2_copies not in l2_hint.MODES:
+            raise ValueError(f"SparseMlaConfig.l2_copies must be one of {l2_hint.MODES}, got "
+                             f"{self.l2_copies!r}")
 
 
 def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
@@ -295,10 +302,10 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     if gluon and not fp8 and cfg.pingpong:
         sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split,
-                                   cfg.l2_evict_last)
+                                   cfg.l2_copies)
     elif gluon:
         sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
-                                per_split // block_n, cfg.l2_evict_last)
+                                per_split // block_n, cfg.l2_copies)
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](

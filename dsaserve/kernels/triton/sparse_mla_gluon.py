@@ -72,10 +72,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import l2_hint, sparse_mla
 
-# The kernels built with L2_HINT carry l2_hint.MARKER; the PTX rewrite is in Triton's pipeline
-# from here on (it leaves unmarked kernels alone).
+# The kernels built with an L2_MARK carry l2_hint's marker; the PTX rewrite is in Triton's
+# pipeline from here on (it leaves unmarked kernels alone).
 l2_hint.install()
-_L2_MARK_ASM = gl.constexpr(f"mov.b32 $0, $1; // {l2_hint.MARKER}")
 
 LOG2E = math.log2(math.e)
 LN2 = gl.constexpr(math.log(2.0))
@@ -477,11 +476,11 @@ def _issue_in_slot(kv_ptr, slot, j, n_blocks, num_slots, raw8, rawsc, kpe_smem,
 # Kernel
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _mark_l2_hint():
-    """l2_hint.MARKER in the PTX (an identity inline asm kept for its side effect), so that its
-    rewrite gives the kernel's cp.async an evict_last policy and a 256-byte L2 prefetch."""
+def _mark_l2_hint(ASM: gl.constexpr):
+    """ASM (`l2_hint.mark_asm`: an identity inline asm kept for its side effect) in the PTX, so
+    that l2_hint's rewrite gives the kernel's cp.async its L2 qualifiers."""
     z = gl.full([128], 0, gl.int32, gl.BlockedLayout([1], [32], [4], [0]))
-    gl.inline_asm_elementwise(_L2_MARK_ASM, "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(ASM, "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -497,10 +496,10 @@ def _sparse_mla_gluon_kernel(
     blocks_per_split,
     KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
     PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr, SCOLS: gl.constexpr,
-    L2_HINT: gl.constexpr = False,  # the rows' copies with an L2 evict_last policy (l2_hint)
+    L2_MARK: gl.constexpr = "",  # l2_hint.mark_asm(mode): the rows' copies' L2 qualifiers
 ):
-    if L2_HINT:
-        _mark_l2_hint()
+    if L2_MARK != "":
+        _mark_l2_hint(L2_MARK)
     head0 = gl.program_id(0) * HEADS
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -608,13 +607,12 @@ def aligned_rows(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
 
 def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
            out_lse: torch.Tensor, num_slots: int, scale: float, fp8: bool,
-           blocks_per_split: int, l2_evict_last: bool = False) -> None:
+           blocks_per_split: int, l2_copies: str = l2_hint.PLAIN) -> None:
     """The kernel launch `sparse_mla.sparse_mla_fwd` makes when it picks this kernel (arguments
     checked there, gluon_supported true): q [T, H, 576], kv the cache as the kernel reads it,
     idx [T, K] int32 with unit last stride → out_o / out_lse as sparse_mla's kernel writes them
     (o and lse, or the fp32 partials [splits, ...] of splits of blocks_per_split · BLOCK.block_n
-    index positions). l2_evict_last: the copies with FlashMLA's L2 policy and prefetch size
-    (l2_hint)."""
+    index positions). l2_copies: the copies' L2 qualifiers (an l2_hint mode)."""
     q = aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
     splits = out_o.shape[0] if out_o.dim() == 4 else 1
@@ -624,7 +622,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
         KV_FP8=fp8, BN=BUILD.block_n, NBUF=BUILD.num_bufs,
         PV_REGS=BUILD.pv_regs, GATHER_REGS=BUILD.gather_regs, SCOLS=BUILD.softmax_cols,
-        L2_HINT=l2_evict_last, num_warps=4, maxnreg=BUILD.maxnreg,
+        L2_MARK=l2_hint.mark_asm(l2_copies), num_warps=4, maxnreg=BUILD.maxnreg,
     )
 
 

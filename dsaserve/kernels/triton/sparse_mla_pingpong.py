@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dsaserve.kernels.triton import sparse_mla_gluon
+from dsaserve.kernels.triton import l2_hint, sparse_mla_gluon
 from dsaserve.kernels.triton.sparse_mla_gluon import (
     HALF,
     HEADS,
@@ -319,9 +319,8 @@ def _store_half(o_ptr, acc, l_total, split, num_tokens, t, num_heads, head0, col
 def _copy_half(kv_ptr, slot, valid, k_dst, pe_dst, col0: gl.constexpr, rope: gl.constexpr,
                ld: gl.constexpr):
     """cp.async latent columns col0 … col0 + 255 of 64 rows (and their rope) into shared
-    memory; invalid rows zero-fill. (An L2 eviction policy, FlashMLA's evict_last, would be
-    worth trying: neighbouring query rows select mostly the same cache rows; Triton 3.6 drops
-    eviction_policy from cp.async: l2_hint rewrites the PTX of kernels built with L2_HINT.)"""
+    memory; invalid rows zero-fill. (Triton 3.6 drops eviction_policy from cp.async: l2_hint
+    rewrites the PTX of kernels built with an L2_MARK, for FlashMLA's L2 qualifiers.)"""
     rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64)[:, None] * ROW_BF16
     c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
     async_copy.async_copy_global_to_shared(k_dst, rows + (col0 + c)[None, :],
@@ -397,10 +396,10 @@ def _sparse_mla_pingpong_kernel(
     sm_scale_log2,  # softmax scale · log2(e)
     pairs_per_split,
     WG1_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
-    L2_HINT: gl.constexpr,  # the KV rows' copies with an L2 evict_last policy (l2_hint)
+    L2_MARK: gl.constexpr,  # l2_hint.mark_asm(mode): the KV rows' copies' L2 qualifiers
 ):
-    if L2_HINT:
-        _mark_l2_hint()
+    if L2_MARK != "":
+        _mark_l2_hint(L2_MARK)
     head0 = gl.program_id(0) * HEADS
     t = gl.program_id(1).to(gl.int64)
     split = gl.program_id(2)
@@ -452,12 +451,12 @@ MAXNREG, WG1_REGS, GATHER_REGS = 168, 224, 56
 
 def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
            out_lse: torch.Tensor, num_slots: int, scale: float, positions_per_split: int,
-           l2_evict_last: bool = False) -> None:
+           l2_copies: str = l2_hint.PLAIN) -> None:
     """The launch `sparse_mla.sparse_mla_fwd` makes for a bf16 cache on sm_90 (arguments
     checked there): q [T, H, 576] (H a multiple of 64), kv bf16 [.., .., 576], idx [T, K] int32
     with unit last stride → out_o / out_lse (o and lse, or fp32 partials [splits, ...] of
-    positions_per_split index positions each, a multiple of PAIR). l2_evict_last: the copies
-    with FlashMLA's L2 policy and prefetch size (l2_hint)."""
+    positions_per_split index positions each, a multiple of PAIR). l2_copies: the copies' L2
+    qualifiers (an l2_hint mode)."""
     if positions_per_split % PAIR:
         raise ValueError(f"sparse_mla_pingpong: splits must cover a multiple of {PAIR} "
                          f"index positions, got {positions_per_split}")
@@ -468,6 +467,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, positions_per_split // PAIR,
-        WG1_REGS=WG1_REGS, GATHER_REGS=GATHER_REGS, L2_HINT=l2_evict_last, num_warps=4,
-        maxnreg=MAXNREG,
+        WG1_REGS=WG1_REGS, GATHER_REGS=GATHER_REGS, L2_MARK=l2_hint.mark_asm(l2_copies),
+        num_warps=4, maxnreg=MAXNREG,
     )
