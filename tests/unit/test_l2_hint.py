@@ -1,9 +1,9 @@
 """l2_hint on PTX and SASS text (no GPU, no triton import: the functions tested only edit and
 read strings): kernels without a marker pass through; a marked kernel's 16-byte cp.async gain
-its mode's qualifiers (PREFETCH: the 256-byte L2 prefetch; EVICT_LAST: that and the policy,
-made once after the entry's register declarations); undefined_descriptors finds the copies
-whose cache descriptor no instruction sets. tests/unit/test_sm90_builds.py builds the Gluon
-kernels with the marks for sm_90 and checks what ptxas makes of them."""
+its mode's qualifiers (PREFETCH: the 256-byte L2 prefetch; EVICT_LAST: that, and on the masked
+copies the policy, made once after the entry's register declarations); undefined_descriptors
+finds the copies whose cache descriptor no instruction sets. tests/unit/test_sm90_builds.py
+builds the Gluon kernels with the marks for sm_90 and checks what ptxas makes of them."""
 
 from __future__ import annotations
 
@@ -55,11 +55,10 @@ def test_prefetch_mode_adds_the_prefetch_size_only():
 
 def test_evict_last_mode_adds_the_policy():
     out = l2_hint.rewrite_ptx(_marked(l2_hint.EVICT_LAST))
-    assert _copies(out) == [
+    assert _copies(out) == [  # the masked copy (a gathered row) only: see l2_hint
         f"cp.async.cg.shared.global.L2::cache_hint.L2::256B [ %r2 + 0 ], [ %rd1 + 0 ], 0x10, "
         f"%r3, {l2_hint.POLICY};",
-        f"cp.async.cg.shared.global.L2::cache_hint.L2::256B [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, "
-        f"0x10, {l2_hint.POLICY};",
+        "cp.async.cg.shared.global.L2::256B [ %r4 + 0 ], [ %rd2 + 0 ], 0x10, 0x10;",
     ]
     lines = [line.strip() for line in out.splitlines()]
     at = lines.index(f".reg .b64 \t{l2_hint.POLICY};")
@@ -80,8 +79,8 @@ def test_bad_marks_are_errors():
         l2_hint.mark_asm("L2::256B")
 
 
-# Two copies as ptxas 12.8 / 13.0 compiles them in the ping-pong kernel with the EVICT_LAST
-# policy (cuobjdump -sass, shortened): no instruction writes UR0 or UR1, so the descriptor is
+# Two copies as ptxas 12.8 / 13.0 compiles the ping-pong kernel's Q copies under a policy
+# (cuobjdump -sass, shortened): no instruction writes UR0 or UR1, so the descriptor is
 # garbage and the copy traps. The PREFETCH build reads the descriptor ULDC.64 loaded.
 SASS_DROPPED = """
         /*0020*/   ULDC.64 UR32, c[0x0][0x208] ;

@@ -10,18 +10,19 @@ in L2 raises its hit rate, and a 1,152-byte row comes in fewer DRAM requests. Tr
 So this module rewrites the PTX between Triton's "ptx" and "cubin" stages (Triton's
 `knobs.runtime.add_stages_inspection_hook`), for kernels that carry one of its markers in their
 PTX (`mark_asm(mode)`: an identity inline asm whose comment is the marker). Every 16-byte
-`cp.async.cg.shared.global` of such a kernel gets
-- PREFETCH: `.L2::256B`;
-- EVICT_LAST: `.L2::cache_hint.L2::256B` and one policy register, made once at the kernel's
-  entry by `createpolicy.fractional.L2::evict_last`.
+`cp.async.cg.shared.global` of such a kernel gets `.L2::256B`, and with EVICT_LAST the masked
+ones (a register src-size: the gathered cache rows, zero-filled where the index is −1) also
+`.L2::cache_hint` under one policy register, made once at the kernel's entry by
+`createpolicy.fractional.L2::evict_last`.
 
-EVICT_LAST is not safe everywhere with the ptxas of Triton 3.6 (12.8) nor CUDA 13.0's: in the
-warp-specialized ping-pong kernel, whose copies address shared memory as a uniform base plus a
-per-thread offset, ptxas drops the policy and the copies read an unset uniform register as
-their cache descriptor, which traps at run time (illegal instruction; the known ptxas miscompile
-of fractional policies on cp.async, fixed in ptxas 13.4). benchmarks/sm90_resources.py --check
-finds such builds (`undefined_descriptors` on their SASS; CI runs it), and the rewrite refuses
-them when it compiles one (`check_cubin`: a RuntimeError naming PREFETCH instead of a trap).
+Why only the masked copies: the unmasked ones are the kernels' Q tiles, read once, and the
+ptxas of Triton 3.6 (12.8) and of CUDA 13.0 miscompiles them under a policy. Those copies
+address shared memory as a uniform base plus a per-thread offset, and ptxas drops the policy
+there: the copies read an unset uniform register as their cache descriptor and trap at run
+time (illegal instruction; the known ptxas miscompile of fractional policies on cp.async,
+fixed in ptxas 13.4). benchmarks/sm90_resources.py --check finds such builds
+(`undefined_descriptors` on their SASS; CI runs it), and the rewrite refuses them when it
+compiles one (`check_cubin`: a RuntimeError naming PREFETCH instead of a trap).
 
 The marker also makes a marked kernel's source, hence its Triton cache key, differ from the
 same kernel without it, and it names this rewrite's version, so that a changed rewrite is not
@@ -58,7 +59,7 @@ def mark_asm(mode: str) -> str:
 
 
 def rewrite_ptx(ptx: str) -> str:
-    """The PTX with its mode's qualifiers on every 16-byte cp.async, if it carries a marker
+    """The PTX with its mode's qualifiers on its 16-byte cp.async, if it carries a marker
     (else unchanged). Raises ValueError for an unknown mode, or if a marked PTX has no such
     copy or (EVICT_LAST) no entry whose register declarations the policy can join."""
     found = _MARKED.search(ptx)
@@ -67,11 +68,15 @@ def rewrite_ptx(ptx: str) -> str:
     mode = found[1]
     marker(mode)  # a known mode
     policy = mode == EVICT_LAST
-    qualifiers = ".L2::cache_hint.L2::256B" if policy else ".L2::256B"
-    operand = f", {POLICY}" if policy else ""
-    rewritten, copies = _CP_ASYNC.subn(
-        lambda m: (f"cp.async.cg.shared.global{qualifiers} {m[1]}, {m[2]}, {m[3]}, "
-                   f"{m[4].strip()}{operand};"), ptx)
+
+    def qualified(m: re.Match) -> str:
+        src_size = m[4].strip()
+        if policy and src_size.startswith("%"):  # masked: a gathered row
+            return (f"cp.async.cg.shared.global.L2::cache_hint.L2::256B {m[1]}, {m[2]}, "
+                    f"{m[3]}, {src_size}, {POLICY};")
+        return f"cp.async.cg.shared.global.L2::256B {m[1]}, {m[2]}, {m[3]}, {src_size};"
+
+    rewritten, copies = _CP_ASYNC.subn(qualified, ptx)
     entry = _ENTRY.search(rewritten)
     if copies == 0 or (policy and entry is None):
         raise ValueError(f"l2_hint: a kernel marked {marker(mode)} has {copies} 16-byte "
