@@ -43,7 +43,14 @@ from dsaserve.kernels import reference
 from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
-from dsaserve.kernels.triton import index_cache, indexer, mla_cache, row_topk, sparse_mla
+from dsaserve.kernels.triton import (
+    index_cache,
+    indexer,
+    l2_hint,
+    mla_cache,
+    row_topk,
+    sparse_mla,
+)
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
 
 DEV = "cuda"
@@ -184,9 +191,10 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
 # version; fp8_ds_mla rows take the latter either way), the default Gluon kernel also with its
-# copies with a 256-byte L2 prefetch (l2_hint); --sweep adds the other Triton shapes.
-MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True),
-               SparseMlaConfig(gluon=True, l2_copies="prefetch")]
+# copies in each other l2_hint mode; --sweep adds the other Triton shapes.
+MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)] + [
+    SparseMlaConfig(gluon=True, l2_copies=mode) for mode in l2_hint.MODES
+    if mode != SparseMlaConfig.l2_copies]
 MLA_PREFILL_CONFIGS = MLA_CONFIGS + [SparseMlaConfig(gluon=True, pingpong=False)]
 MLA_SWEEP = [SparseMlaConfig(64, 64, 8, 2, gluon=False), SparseMlaConfig(64, 32, 8, 5, gluon=False)]
 
@@ -285,9 +293,10 @@ def bench_decode(quick: bool, sweep: bool) -> None:
         add(f"decode {_mla_label(best)} b={batch} s_q={s_q}, CUDA graph", ms,
             flops / ms / 1e9, "TFLOP/s",
             f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us")
-        if best.gluon:  # the same kernel with the other L2 copies, for comparison
-            other = dataclasses.replace(
-                best, l2_copies="plain" if best.l2_copies == "prefetch" else "prefetch")
+        for mode in l2_hint.MODES if best.gluon else ():  # the other L2 copies, to compare
+            if mode == best.l2_copies:
+                continue
+            other = dataclasses.replace(best, l2_copies=mode)
             other_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, other),
                              graph=True)
             print(f"    b={batch} s_q={s_q} {_mla_label(other)}, CUDA graph: "
@@ -351,7 +360,7 @@ def topk_stage(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tens
         if "CUDA topk" in kernels:
             # (threads, blocks per row, compaction): the groups above the threshold, the
             # whole row from memory, or the whole row staged in shared memory first.
-            shapes = [(256, 1, "groups"), (256, 1, "row"), (512, 1, "groups"), (512, 1, "row")]
+            shapes = [(512, 1, "groups"), (512, 1, "row")]
             shapes += [(1024, c, how) for c in cuda_topk.CLUSTER_SIZES
                        for how in ("groups", "row", "staged row")]
             for threads, cluster, how in shapes:

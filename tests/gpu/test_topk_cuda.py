@@ -65,7 +65,7 @@ def _check(logits: torch.Tensor, limits: torch.Tensor, k: int, **kw) -> None:
             assert bool((indices[t, n:] == -1).all()) and bool(values[t, n:].isneginf().all())
 
 
-@pytest.mark.parametrize(("threads", "cluster"), [(256, 1), (512, 1), (1024, 1), (1024, None)])
+@pytest.mark.parametrize(("threads", "cluster"), [(512, 1), (1024, 1), (1024, None)])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_random_rows(g: torch.Generator, threads: int, cluster: int | None,
                      index_dtype: torch.dtype) -> None:
@@ -110,9 +110,9 @@ def test_k(g: torch.Generator, k: int) -> None:
 # Launches whose compaction differs: the default for few rows (clusters, the groups above the
 # threshold), one block per row (512 threads, the prefill choice; 1024), clusters reading their
 # whole shares of the rows, staged in shared memory.
-LAUNCHES = [{}, {"threads": 256, "cluster": 1}, {"threads": 512, "cluster": 1},
-            {"threads": 1024, "cluster": 1}, {"group_list": False}]
-LAUNCH_IDS = ["default", "256", "512", "1024", "whole-rows"]
+LAUNCHES = [{}, {"threads": 512, "cluster": 1}, {"threads": 1024, "cluster": 1},
+            {"group_list": False}]
+LAUNCH_IDS = ["default", "512", "1024", "whole-rows"]
 
 
 @pytest.mark.parametrize("launch", LAUNCHES, ids=LAUNCH_IDS)
@@ -147,16 +147,14 @@ def test_large_rows_and_strided(g: torch.Generator, launch: dict) -> None:
     _check(wide, torch.tensor([40001, 30000, 5000, 2000, 0], device=DEV), k, **launch)
 
 
-@pytest.mark.parametrize("threads", [None, 256])
-def test_prefill_batch(g: torch.Generator, threads: int | None) -> None:
+def test_prefill_batch(g: torch.Generator) -> None:
     """A long prefill step's shape: 4,096 rows of 131,072 keys, every key visible (one
-    512-thread block per row, maxima cached, the group list; 256 threads: 64 groups per thread,
-    a 64-bit mask), the chosen scores against torch.topk."""
+    512-thread block per row, maxima cached, the group list), the chosen scores against
+    torch.topk."""
     rows, keys, k = 4096, 1 << 17, 2048
     logits = torch.randn(rows, keys, device=DEV, generator=g)
     limits = torch.full((rows,), keys, device=DEV, dtype=torch.int32)
-    values, indices = cuda_topk.topk_rows(logits, _group_max(logits), limits, k,
-                                          threads=threads)
+    values, indices = cuda_topk.topk_rows(logits, _group_max(logits), limits, k)
     want = logits.topk(k, dim=1).values
     assert torch.equal(values.sort(dim=1, descending=True).values, want)
     assert torch.equal(logits.gather(1, indices), values)
@@ -193,3 +191,5 @@ def test_bad_input() -> None:
         cuda_topk.topk_rows(logits, None, limits, 10, cluster=3)
     with pytest.raises(ValueError, match="cluster=2"):
         cuda_topk.topk_rows(logits, None, limits, 10, threads=512, cluster=2)
+    with pytest.raises(ValueError, match="threads must be one of"):
+        cuda_topk.topk_rows(logits, None, limits, 10, threads=256)

@@ -14,7 +14,7 @@ from dsaserve.kernels.cuda.build import build as _build
 
 MAX_K = 4096  # kList in topk_rows.cu, the list length: k ≤ it
 CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row the kernel is built for (launch_for in the .cu)
-THREADS = (256, 512, 1024)  # threads per block it is built for (clusters: 1024 only)
+THREADS = (512, 1024)  # threads per block it is built for (clusters: 1024 only)
 
 
 def blocks_per_row(num_rows: int, num_sms: int, threads: int, major: int) -> int:
@@ -51,9 +51,8 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
     logits [T, S] fp32 (unit column stride), group_max [T, ceil(S / group)] (max over keys
     group·g … group·g + group − 1; None: the rows are searched directly), limits [T] int32 or
     int64 → (values [T, k] fp32, indices [T, k] index_dtype): min(k, limits[t]) chosen keys
-    first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 256, 512 or
-    1024 per row (None: threads_per_row's choice; 256, three blocks per multiprocessor, is not
-    measured yet). cluster: blocks per row, 1, 2, 4 or 8 (more than
+    first, then (−inf, −1). Among equal scores the smaller key index wins. threads: 512 or 1024
+    per row (None: threads_per_row's choice). cluster: blocks per row, 1, 2, 4 or 8 (more than
     one: a thread-block cluster of 1024-thread blocks, Hopper and later; None: as many as fit
     one block per multiprocessor, see blocks_per_row). group_list: where a row's group maxima
     fit in shared memory (≤ 131,072 keys) and group is 8, the compaction reads only the groups

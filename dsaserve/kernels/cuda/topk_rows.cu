@@ -74,14 +74,6 @@ constexpr int kBatch = THREADS >= 1024 ? 8 : 16;
 // 1024-thread ones, alone on their multiprocessor.
 template <int THREADS>
 constexpr bool kCanStage = THREADS >= 1024;
-// The bits a thread needs for its share of a cached row's groups (kGroupKeys / THREADS).
-template <int THREADS>
-using GroupMask = std::conditional_t<(kGroupKeys / THREADS > 32), unsigned long long, unsigned>;
-static_assert(kGroupKeys / 256 <= 64, "256 threads: a thread's groups fit one 64-bit mask");
-__device__ __forceinline__ int popcount(unsigned x) { return __popc(x); }
-__device__ __forceinline__ int popcount(unsigned long long x) { return __popcll(x); }
-__device__ __forceinline__ int lowest_bit(unsigned x) { return __ffs(x) - 1; }
-__device__ __forceinline__ int lowest_bit(unsigned long long x) { return __ffsll(x) - 1; }
 // tau may sit below the k-th group maximum by this many maxima: each adds a list entry or
 // two, and stopping the search early saves passes (the list has room: k + 2 * 512 < C).
 constexpr int kTauSlack = 512;
@@ -469,18 +461,13 @@ struct Cluster {
 #endif
 };
 
-// The kernels' parameters, and their names to pass them on.
-#define DSASERVE_TOPK_PARAMS                                                                  \
-  const float *__restrict__ logits, const float *__restrict__ group_max,                      \
-      const int64_t *__restrict__ limits64, const int32_t *__restrict__ limits32,             \
-      float *__restrict__ values, Index *__restrict__ indices, int64_t stride_l,              \
-      int64_t stride_g, int64_t stride_o, int k, int group, bool group_list, int stage_keys
-#define DSASERVE_TOPK_ARGS                                                                    \
-  logits, group_max, limits64, limits32, values, indices, stride_l, stride_g, stride_o, k,   \
-      group, group_list, stage_keys
-
 template <int THREADS, int CL, typename Index>
-__device__ __forceinline__ void topk_rows_body(DSASERVE_TOPK_PARAMS) {
+__global__ void __launch_bounds__(THREADS)
+topk_rows_kernel(const float* __restrict__ logits, const float* __restrict__ group_max,
+                 const int64_t* __restrict__ limits64, const int32_t* __restrict__ limits32,
+                 float* __restrict__ values, Index* __restrict__ indices, int64_t stride_l,
+                 int64_t stride_g, int64_t stride_o, int k, int group, bool group_list,
+                 int stage_keys) {
   extern __shared__ __align__(16) unsigned char smem[];
 #ifdef DSASERVE_TOPK_PHASES
   uint64_t phase_ns[7] = {};
@@ -620,19 +607,18 @@ __device__ __forceinline__ void topk_rows_body(DSASERVE_TOPK_PARAMS) {
     constexpr int kGroupList = int(sizeof(s.hist) / sizeof(uint16_t));
     uint16_t* glist = reinterpret_cast<uint16_t*>(s.hist);
     if (by_groups()) {
-      // A thread tests its groups (kGroupKeys / THREADS at most: 32 with 512 threads, 64 with
-      // 256), then its warp claims their slots at once (a claim per step of THREADS groups
-      // took ~3 us of a prefill row).
+      // A thread tests its groups (at most 32: kGroupKeys / 512), then its warp claims their
+      // slots at once (a claim per step of THREADS groups took ~3 us of a prefill row).
       const int g_begin = mine.begin / kGroup, g_end = (mine.end + kGroup - 1) / kGroup;
-      using Mask = GroupMask<THREADS>;
-      Mask pass = 0;  // bit u: group g_begin + u * THREADS + threadIdx.x passes
+      static_assert(kGroupKeys / 512 <= 32, "a thread's groups must fit one 32-bit mask");
+      unsigned pass = 0;  // bit u: group g_begin + u * THREADS + threadIdx.x passes
       for (int u = 0; g_begin + u * THREADS < g_end; ++u) {
         const int g = g_begin + u * THREADS + int(threadIdx.x);
-        pass |= Mask(g < g_end && above(gkeys[g])) << u;
+        pass |= unsigned(g < g_end && above(gkeys[g])) << u;
       }
-      int slot = claim_slots(&s.groups, popcount(pass));
+      int slot = claim_slots(&s.groups, __popc(pass));
       for (; pass != 0; pass &= pass - 1, ++slot) {
-        const int g = g_begin + lowest_bit(pass) * THREADS + int(threadIdx.x);
+        const int g = g_begin + (__ffs(pass) - 1) * THREADS + int(threadIdx.x);
         if (slot < kGroupList) glist[slot] = uint16_t(g);
       }
     }
@@ -722,30 +708,11 @@ __device__ __forceinline__ void topk_rows_body(DSASERVE_TOPK_PARAMS) {
 #endif
 }
 
-// 512 and 1024 threads: the register budget follows from the block size alone (63-64); 256:
-// three blocks per multiprocessor (their shared memory's limit), so at most 85 registers.
-template <int THREADS, int CL, typename Index>
-__global__ void __launch_bounds__(THREADS) topk_rows_kernel(DSASERVE_TOPK_PARAMS) {
-  topk_rows_body<THREADS, CL, Index>(DSASERVE_TOPK_ARGS);
-}
-template <int CL, typename Index>
-__global__ void __launch_bounds__(256, 3) topk_rows_kernel_256(DSASERVE_TOPK_PARAMS) {
-  topk_rows_body<256, CL, Index>(DSASERVE_TOPK_ARGS);
-}
-#undef DSASERVE_TOPK_ARGS
-#undef DSASERVE_TOPK_PARAMS
-
 template <int THREADS, int CL, typename Index>
 void launch(const at::Tensor& logits, const c10::optional<at::Tensor>& group_max,
             const at::Tensor& limits, int64_t k, int64_t group, bool group_list, bool stage,
             at::Tensor& values, at::Tensor& indices, cudaStream_t stream) {
-  const auto kernel = [] {
-    if constexpr (THREADS == 256) {
-      return topk_rows_kernel_256<CL, Index>;
-    } else {
-      return topk_rows_kernel<THREADS, CL, Index>;
-    }
-  }();
+  auto kernel = topk_rows_kernel<THREADS, CL, Index>;
   // 1024-thread blocks own their multiprocessor (64 registers each take the whole register
   // file), so on Hopper they also take the shared memory left for a stage of the row (bulk
   // copies, sm_90): up to 39K keys of each block's share.
@@ -796,12 +763,11 @@ void launch_for(int64_t threads, int64_t cluster, bool group_list, bool stage,
 #define DSASERVE_LAUNCH(T, C) \
   return launch<T, C, Index>(logits, group_max, limits, k, group, group_list, stage, values, \
                              indices, stream)
-  if (threads == 256 || threads == 512) {
+  if (threads == 512) {
     TORCH_CHECK(cluster == 1, "topk_rows: clusters take 1024 threads per block");
-    if (threads == 256) DSASERVE_LAUNCH(256, 1);
     DSASERVE_LAUNCH(512, 1);
   }
-  TORCH_CHECK(threads == 1024, "topk_rows: threads must be 256, 512 or 1024");
+  TORCH_CHECK(threads == 1024, "topk_rows: threads must be 512 or 1024");
   switch (cluster) {
     case 1:
       DSASERVE_LAUNCH(1024, 1);
