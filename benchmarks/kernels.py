@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 import triton
+import triton.language as tl
 import triton.testing
 
 from dsaserve.kernels import reference
@@ -102,6 +103,35 @@ def add(name: str, ms: float, value: float, unit: str, note: str = "") -> None:
 # --------------------------------------------------------------------------------------------
 # Ceilings
 # --------------------------------------------------------------------------------------------
+PAGE_WORDS = 64 * 132 // 4  # one index-cache page (64 keys × 132 B) in int32 words: 2112
+
+
+@triton.jit
+def _page_read_kernel(src_ptr, pages_ptr, out_ptr, PAGE_WORDS: tl.constexpr):
+    """Reads one whole page (its number from pages_ptr) and stores a checksum, so that the
+    loads stay: the read-only traffic of the indexer's decode, without its math."""
+    page = tl.load(pages_ptr + tl.program_id(0)).to(tl.int64)
+    base = src_ptr + page * PAGE_WORDS
+    head = tl.load(base + tl.arange(0, 2048))
+    tail = tl.load(base + 2048 + tl.arange(0, PAGE_WORDS - 2048))
+    tl.store(out_ptr + tl.program_id(0), tl.sum(head, 0) + tl.sum(tail, 0))
+
+
+def page_read_ceiling(order: str, num_pages: int = 65536) -> float:
+    """TB/s of reading num_pages index-cache pages (8,448 B each: the decode benchmark's 554
+    MB), one program per page, in page order or in a random order: the access pattern of the
+    indexer's decode logits, where requests' pages lie scattered in the pool."""
+    src = torch.randint(0, 1 << 20, (num_pages * PAGE_WORDS,), device=DEV, dtype=torch.int32)
+    pages = (torch.arange(num_pages, device=DEV) if order == "in order" else
+             torch.randperm(num_pages, device=DEV)).int()
+    out = torch.empty(num_pages, device=DEV, dtype=torch.int32)
+    ms = timed(lambda: _page_read_kernel[(num_pages,)](src, pages, out, PAGE_WORDS=PAGE_WORDS,
+                                                        num_warps=4))
+    tbs = src.numel() * 4 / ms / 1e9
+    add(f"page reads, 8.25 KB pages {order}", ms, tbs, "TB/s")
+    return tbs
+
+
 def ceilings() -> dict[str, float]:
     print("ceilings", flush=True)
     src = torch.randn(1 << 30, device=DEV, dtype=torch.bfloat16)  # 2 GiB
@@ -120,7 +150,10 @@ def ceilings() -> dict[str, float]:
     ms = timed(partial(torch._scaled_mm, a8, b8.t(), one, one, out_dtype=torch.bfloat16))
     fp8 = 2 * n**3 / ms / 1e9
     add("matmul fp8 8192^3", ms, fp8, "TFLOP/s")
-    return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8}
+    page_read_ceiling("in order")
+    pages_tbs = page_read_ceiling("in random order")
+    return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8,
+            "page_tbs": pages_tbs}
 
 
 # --------------------------------------------------------------------------------------------
@@ -592,6 +625,8 @@ def main() -> None:
             frac = f"; {row.value / peak:.0%} of matmul"
         elif row.unit == "TB/s" and "copy" not in row.name and ceil:
             frac = f"; {row.value / ceil['copy_tbs']:.0%} of copy"
+            if "indexer decode" in row.name:
+                frac += f", {row.value / ceil['page_tbs']:.0%} of random page reads"
         print(f"| {row.name} | {row.ms * 1e3:.1f} | {row.value:.1f} {row.unit} | "
               f"{row.note}{frac} |")
     if args.json:
