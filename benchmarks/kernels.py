@@ -483,7 +483,8 @@ def _label(cfg: indexer.IndexerConfig) -> str:
         return (f"(CUDA, {shape.consumers} x {shape.rows} rows, depth {shape.depth}"
                 f"{', linear' if shape.linear else ''}, {cfg.pages_per_prog or 'auto'} pages)")
     if cfg.gluon:
-        return f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages)"
+        return (f"(Gluon, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages"
+                f"{', in pairs' if cfg.gluon_pairs else ''})")
     return (f"(Triton, {cfg.rows_per_tile} rows, {cfg.pages_per_prog or 'auto'} pages, "
             f"{cfg.num_stages} st, {cfg.num_warps} warps)")
 
@@ -519,7 +520,10 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
         logits = partial(indexer.indexer_logits_paged, q, w, cache, meta)
         abs_logits = partial(indexer.indexer_logits_paged, *cuda_logits.abs_inputs(q, w, cache),
                              meta)
-        ms, cfg = _best(logits, configs, f"decode logits s_q={s_q}", abs_logits)
+        # One-token tiles (s_q = 1) also with the Gluon kernel's pages taken in pairs.
+        pairs = [indexer.IndexerConfig(gluon=True, cuda_logits=False, gluon_pairs=True)
+                 ] if s_q == 1 else []
+        ms, cfg = _best(logits, configs + pairs, f"decode logits s_q={s_q}", abs_logits)
         add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
         for topk_kernel in _topk_kernels():

@@ -237,7 +237,7 @@ def indexer_gluon_builds() -> list[Build]:
                 "limit_ptr": "*i32", "out_ptr": "*fp32", "gmax_ptr": "*fp32"},
                ["stride_bt", "stride_out", "stride_gmax", "s_out"],
                ["H", "D", "BS", "BLOCK_T", "PAGES_PER_PROG", "GROUP", "NB", "FP8_MAX",
-                "MIN_AMAX", "REGS"])
+                "MIN_AMAX", "REGS", "PAIRS"])
     # The signature is positional: its order must be the kernel's.
     assert list(sig) == indexer_gluon._indexer_logits_gluon_kernel.arg_names
     builds = []
@@ -250,10 +250,13 @@ def indexer_gluon_builds() -> list[Build]:
                       "PAGES_PER_PROG": 128 if heads * block_t == 256 else 64,
                       "GROUP": row_topk.GROUP, "NB": indexer_gluon.NUM_BUF,
                       "FP8_MAX": formats.FP8_MAX, "MIN_AMAX": formats.INDEX_MIN_AMAX,
-                      "REGS": regs}
+                      "REGS": regs, "PAIRS": False}
             builds.append(Build(f"indexer logits Gluon, {heads} heads x {block_t} token(s)",
                                 indexer_gluon._indexer_logits_gluon_kernel, sig, consts, 4,
                                 gluon=True, maxnreg=None if regs == 256 else regs))
+            if block_t == 1:  # the decode tiles, also with pages in pairs
+                builds.append(replace(builds[-1], label=builds[-1].label + ", pages in pairs",
+                                      constexprs=consts | {"PAIRS": True}))
     return builds
 
 

@@ -36,8 +36,12 @@ BLOCK_SIZE, HEAD_DIM = 64, 128
 def _short_case(g, heads: int):
     """Contexts around one page (1, 5, 63, 64, 65 keys) and a longer one, decode and prefill
     rows mixed: pages partly written, tiles whose tokens see different page counts."""
-    seq_lens = (1, 5, 63, 64, 65, 700)
-    new = (1, 5, 2, 64, 1, 37)
+    return _case(g, heads, (1, 5, 63, 64, 65, 700), (1, 5, 2, 64, 1, 37))
+
+
+def _case(g, heads: int, seq_lens: tuple[int, ...], new: tuple[int, ...]):
+    """Requests with these context lengths and new tokens: keys written at their slots of a
+    scattered block table, random queries and weights."""
     need = [-(-s // BLOCK_SIZE) for s in seq_lens]
     table = scattered_block_table(need, g, DEV)
     meta = AttentionMetadata.for_requests(seq_lens, new, table, BLOCK_SIZE)
@@ -151,3 +155,35 @@ def test_gluon_logits_unsupported_shapes():
     assert not indexer_gluon.gluon_logits_supported(q.float(), cache, 64, 128, 64)
     assert not indexer_gluon.gluon_logits_supported(q, cache.bfloat16(), 64, 128, 64)
     assert not indexer_gluon.gluon_logits_supported(q, cache, 64, 128, 32)
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+@pytest.mark.parametrize("pages_per_prog", [2, 4, 16, 64])
+def test_gluon_pages_in_pairs_give_the_same_bits(g, heads, pages_per_prog):
+    """IndexerConfig(gluon_pairs=True): each warpgroup takes its pages two at a time (and an
+    odd last one alone); every page's maths is unchanged, so logits and group maxima are
+    bit-identical to the default Gluon kernel's, and so is the top-k chosen from them."""
+    # One token per request over irregular contexts (1 to 4,095 keys): chunks whose live page
+    # counts are odd and even, and chunks past every token's limit.
+    seq_lens = (3001, 1, 64, 129, 2000, 4095, 77, 1500)
+    meta, cache, q, w = _case(g, heads, seq_lens, (1,) * len(seq_lens))
+    plain = indexer.IndexerConfig(gluon=True, cuda_logits=False, pages_per_prog=pages_per_prog)
+    pairs = dataclasses.replace(plain, gluon_pairs=True)
+    ref_logits, ref_gmax, _ = indexer._logits(q, w, cache, meta, plain)
+    torch.full((ref_logits.numel() * 2,), float("nan"), device=DEV)  # unwritten would be NaN
+    logits, gmax, _ = indexer._logits(q, w, cache, meta, pairs)
+    assert torch.equal(logits, ref_logits)
+    assert torch.equal(gmax, ref_gmax)
+    scores, pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK, pairs)
+    ref_scores, ref_pos = indexer.indexer_topk(q, w, cache, meta, base.TOPK, plain)
+    assert torch.equal(pos.sort(1).values, ref_pos.sort(1).values)
+    assert torch.equal(scores.sort(1).values, ref_scores.sort(1).values)
+
+
+def test_gluon_pages_in_pairs_reject_wide_tiles(g):
+    """Two accumulators fit 128 registers for tiles of one token only: a prefill step's tiles
+    get an error naming the option."""
+    meta, cache, q, w = base._indexer_case(g, 64)  # a 300-token prefill: 256-row tiles
+    with pytest.raises(ValueError, match="gluon_pairs"):
+        indexer._logits(q, w, cache, meta, indexer.IndexerConfig(gluon=True, cuda_logits=False,
+                                                                 gluon_pairs=True))

@@ -241,6 +241,10 @@ class IndexerConfig:
     # The Gluon kernel (indexer_gluon.py, sm_90, FP8 cache, D = 128, pages of 64 keys) instead
     # of the Triton one; None: where it measured faster, tiles of ≤ 64 rows (decode, one token).
     gluon: bool | None = None
+    # The Gluon kernel's warpgroups take their pages two at a time (both MMAs, then both
+    # epilogues: two independent instruction streams per warp), for tiles of one token (decode,
+    # s_q = 1). Built for sm_90 without spills (128 registers); off until measured on the GPU.
+    gluon_pairs: bool = False
     # The CUDA kernel (kernels/cuda/indexer_logits.cu: wgmma issued directly, sm_90, FP8 cache,
     # bf16 q, D = 128, pages of 64 keys, 32 or 64 heads) instead of both; None: where it builds,
     # for steps whose longest query fills a block's consumers (prefill, MTP decode).
@@ -386,7 +390,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         indexer_gluon.launch_logits_gluon(
             q_in.view(-1, head_dim), w_in.view(-1), cache, block_table, plan.tiles, limits_i32,
             logits, group_max, num_heads=num_heads, head_dim=head_dim, block_size=block_size,
-            block_t=plan.block_t, pages_per_prog=per_prog)
+            block_t=plan.block_t, pages_per_prog=per_prog, pairs=config.gluon_pairs)
         return logits, group_max, limits
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
     _indexer_logits_kernel[grid](

@@ -271,6 +271,53 @@ def _math_warpgroup(a: _Args, WG: gl.constexpr):
 
 
 @gluon.jit
+def _math_warpgroup_pairs(a: _Args, WG: gl.constexpr):
+    """_math_warpgroup taking its pages two at a time: both pages' MMAs issued, then both
+    epilogues, which are independent, so each warp has two instruction streams to interleave
+    where _math_warpgroup has one dependent chain per page (NB even; an odd last page alone)."""
+    N: gl.constexpr = a.BLOCK_T * a.H
+    acc_layout: gl.constexpr = _acc_layout(N)
+    L: gl.constexpr = gl.SliceLayout(2, _head_split_layout(a.BS, a.BLOCK_T, a.H))
+    gl.static_assert(a.NB % 2 == 0, "pairs of pages share a ring round")
+    w = a.w_smem.load(gl.SliceLayout(0, acc_layout))
+    ks_rows = a.ks_bufs._reinterpret(gl.float32, [2 * a.NB, a.BS],
+                                     gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_t = a.q_smem.permute((1, 0))
+    acc0 = gl.zeros([a.BS, N], gl.float32, acc_layout)
+    acc1 = gl.zeros([a.BS, N], gl.float32, acc_layout)
+    num_mine = (a.num_live - WG + 1) // 2
+    for j in range(num_mine // 2):
+        i = 2 * j
+        slot0 = WG * a.NB + i % a.NB
+        slot1 = slot0 + 1
+        mbarrier.wait(a.ready.index(slot0), (i // a.NB) & 1)
+        k0 = a.k_bufs.index(slot0)
+        acc0 = warpgroup_mma(k0, q_t, acc0, use_acc=False, is_async=True)
+        mbarrier.wait(a.ready.index(slot1), (i // a.NB) & 1)
+        k1 = a.k_bufs.index(slot1)
+        acc1 = warpgroup_mma(k1, q_t, acc1, use_acc=False, is_async=True)
+        ks0 = ks_rows.index(slot0).load(gl.SliceLayout(1, L))
+        ks1 = ks_rows.index(slot1).load(gl.SliceLayout(1, L))
+        acc0, acc1, k0, k1 = warpgroup_mma_wait(0, deps=(acc0, acc1, k0, k1))
+        fence_async_shared()
+        gl.thread_barrier()
+        _issue_page(a, 2 * (i + a.NB) + WG, slot0, i + a.NB < num_mine)
+        _issue_page(a, 2 * (i + 1 + a.NB) + WG, slot1, i + 1 + a.NB < num_mine)
+        _store_page(acc0, w, ks0, 2 * i + WG, a)
+        _store_page(acc1, w, ks1, 2 * (i + 1) + WG, a)
+    for i in range(num_mine // 2 * 2, num_mine):  # the odd last page
+        slot = WG * a.NB + i % a.NB
+        mbarrier.wait(a.ready.index(slot), (i // a.NB) & 1)
+        k = a.k_bufs.index(slot)
+        acc0 = warpgroup_mma(k, q_t, acc0, use_acc=False, is_async=True)
+        ks0 = ks_rows.index(slot).load(gl.SliceLayout(1, L))
+        acc0, k = warpgroup_mma_wait(0, deps=(acc0, k))
+        _store_page(acc0, w, ks0, 2 * i + WG, a)  # the last page: no refill
+    for p in range(a.num_live + ((a.num_live + WG) & 1), a.PAGES_PER_PROG, 2):
+        _store_dead_page(p, a)
+
+
+@gluon.jit
 def _indexer_logits_gluon_kernel(
     q_ptr,  # [T·H, D] bf16
     w_ptr,  # [T·H] fp32
@@ -285,6 +332,7 @@ def _indexer_logits_gluon_kernel(
     H: gl.constexpr, D: gl.constexpr, BS: gl.constexpr, BLOCK_T: gl.constexpr,
     PAGES_PER_PROG: gl.constexpr, GROUP: gl.constexpr, NB: gl.constexpr,
     FP8_MAX: gl.constexpr, MIN_AMAX: gl.constexpr, REGS: gl.constexpr,
+    PAIRS: gl.constexpr = False,  # _math_warpgroup_pairs instead of _math_warpgroup
 ):
     gl.static_assert(BS == 64, "one page is one wgmma M of 64 keys")
     N: gl.constexpr = BLOCK_T * H
@@ -324,7 +372,11 @@ def _indexer_logits_gluon_kernel(
     _quantize_q(a, q_ptr, w_ptr, FP8_MAX, MIN_AMAX)
     fence_async_shared()  # generic-proxy stores of Q before the wgmma (async proxy) reads them
     gl.thread_barrier()
-    gl.warp_specialize([(_math_warpgroup, (a, 0)), (_math_warpgroup, (a, 1))], [4], [REGS])
+    if PAIRS:
+        gl.warp_specialize([(_math_warpgroup_pairs, (a, 0)), (_math_warpgroup_pairs, (a, 1))],
+                           [4], [REGS])
+    else:
+        gl.warp_specialize([(_math_warpgroup, (a, 0)), (_math_warpgroup, (a, 1))], [4], [REGS])
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,12 +420,17 @@ def launch_logits_gluon(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
                         block_table: torch.Tensor, tiles: torch.Tensor, limits_i32: torch.Tensor,
                         logits: torch.Tensor, group_max: torch.Tensor, *, num_heads: int,
                         head_dim: int, block_size: int, block_t: int, pages_per_prog: int,
-                        ) -> None:
+                        pairs: bool = False) -> None:
     """What indexer._logits's `_indexer_logits_kernel[grid](...)` launch does for an FP8 cache:
     q [T·H, D] bf16, w [T·H] fp32, cache the index cache as float8_e4m3fn (or uint8)
     [num_blocks, block_size·(D + 4)], block_table [R, max_blocks] int32, tiles [3, num_tiles]
     int32 (request, first token, tokens ≤ block_t), limits_i32 [T] → logits [T, S_out] and
-    group_max [T, ceil(S_out / GROUP)] fp32, −inf at and past each token's limit."""
+    group_max [T, ceil(S_out / GROUP)] fp32, −inf at and past each token's limit. pairs: the
+    warpgroups take their pages two at a time (_math_warpgroup_pairs; tiles of one token, whose
+    two accumulators fit the 128 registers of two CTAs per SM: two tokens of 32 heads spill)."""
+    if pairs and block_t != 1:
+        raise ValueError(f"indexer: gluon_pairs needs tiles of one token (decode steps of one "
+                         f"query per request), got tiles of {block_t}")
     num_tiles, s_out = tiles.shape[1], logits.shape[1]
     if num_tiles == 0 or s_out == 0:
         return
@@ -385,6 +442,6 @@ def launch_logits_gluon(q: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
         group_max, block_table.stride(0), logits.stride(0), group_max.stride(0), s_out,
         H=num_heads, D=head_dim, BS=block_size, BLOCK_T=block_t, PAGES_PER_PROG=pages_per_prog,
         GROUP=row_topk.GROUP, NB=NUM_BUF, FP8_MAX=formats.FP8_MAX,
-        MIN_AMAX=formats.INDEX_MIN_AMAX, REGS=regs, num_warps=4,
+        MIN_AMAX=formats.INDEX_MIN_AMAX, REGS=regs, PAIRS=pairs, num_warps=4,
         maxnreg=None if regs == 256 else regs,
     )
