@@ -56,8 +56,8 @@ class SparseMlaConfig:
     # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
     pingpong: bool = True
     # The L2 qualifiers of the Gluon kernels' row copies, an l2_hint mode: "plain", "prefetch"
-    # (256-byte L2 prefetch) or "evict_last" (that and FlashMLA's evict_last policy, which
-    # the ptxas of Triton 3.6 miscompiles in these kernels: l2_hint.py).
+    # (256-byte L2 prefetch) or "evict_last" (that and FlashMLA's evict_last policy on the
+    # gathered rows). Neither measured faster on an H200 (docs/kernels.md): plain by default.
     l2_copies: str = "plain"
 
     def __post_init__(self):
