@@ -12,6 +12,7 @@ the mean decode step and whether the tokens agree.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -34,7 +35,8 @@ from dsaserve.model.presets import glm53_shaped
 
 
 def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
-        ) -> tuple[list[int], float, float]:
+        ) -> tuple[list[int], float, list[float]]:
+    """(greedy tokens, prefill seconds, each decode step's seconds)."""
     cfg = EngineConfig(
         model_path=str(model_dir), model=ModelConfig.from_file(model_dir),
         cache=CacheConfig(block_size=64, kv_cache_dtype=args.kv_cache_dtype, num_gpu_blocks=512),
@@ -70,7 +72,7 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
                   file=sys.stderr)
             prof = None
     engine.check_integrity()
-    return tokens, times[0], sum(times[1:]) / max(len(times) - 1, 1)
+    return tokens, times[0], times[1:]
 
 
 def prompt_logits(model_dir: Path, ids: list[int], backend: str, kv: str, dtype: str
@@ -141,13 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         f"GLM-5.3-shaped, {args.layers} layers, prompt {args.prompt_len} tokens, "
         f"{args.max_tokens} greedy tokens, {args.dtype}, {args.kv_cache_dtype} KV, one H200",
         "",
-        "| backend | prefill (ms) | mean decode step (ms) | tokens equal to reference |",
+        "| backend | prefill (ms) | decode step, mean / median / slowest (ms) "
+        "| tokens equal to reference |",
         "|---|---:|---:|---|",
     ]
-    for b, (toks, prefill, step) in results.items():
+    for b, (toks, prefill, steps) in results.items():
         agree = sum(x == y for x, y in zip(toks, ref, strict=True))
-        lines.append(f"| {b} | {prefill * 1e3:.1f} | {step * 1e3:.2f} | "
-                     f"{agree}/{len(ref)} |")
+        ms = sorted(1e3 * t for t in steps) or [math.nan]
+        lines.append(f"| {b} | {prefill * 1e3:.1f} | {sum(ms) / len(ms):.2f} / "
+                     f"{ms[len(ms) // 2]:.2f} / {ms[-1]:.2f} | {agree}/{len(ref)} |")
+        print(f"{b}: decode steps (ms) " + " ".join(f"{1e3 * t:.1f}" for t in steps),
+              file=sys.stderr)
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -15,7 +15,9 @@ from dsaserve.kernels import formats
 from dsaserve.kernels.triton.mla_cache import pow2_ceil, to_e4m3
 
 
-@triton.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["n"])
 def _write_index_fp8_kernel(
     cache_ptr,  # fp8 view of the uint8 pages, flat [num_blocks · BS · (D + 4)]
     slots_ptr,  # [N] int64, −1 = skip

@@ -93,7 +93,9 @@ def _store_page(s, k_scale, w, j, g, limit, tok_ok, out_cols, gmax_cols, s_out, 
     tl.store(gmax_cols + g[:, None], group_max, mask=tok_ok[None, :] & (g[:, None] < num_groups))
 
 
-@triton.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["stride_bt", "s_out"])
 def _indexer_logits_kernel(
     q_ptr,  # [T·H, D] as given (bf16, fp16 or fp32); quantized here for an fp8 cache
     w_ptr,  # [T·H] fp32 head weights (softmax and head scales folded in)
@@ -325,11 +327,13 @@ def _cuda_shape(q: torch.Tensor, index_cache: torch.Tensor, config: IndexerConfi
 
 
 def _aligned_rows(num_rows: int, cols: int, device: torch.device) -> torch.Tensor:
-    """Uninitialized fp32 [num_rows, cols] whose rows start 16 bytes apart (a view of a buffer
-    padded to a multiple of 4 columns): the CUDA top-k reads logits and group maxima 16 bytes
+    """Uninitialized fp32 [num_rows, cols] whose rows start 64 bytes apart (a view of a buffer
+    padded to a multiple of 16 columns): the CUDA top-k reads logits and group maxima 16 bytes
     at a time only where rows are aligned, and a context's key count rarely is a multiple of
-    32. Every kernel here takes the row stride."""
-    return torch.empty(num_rows, -(-cols // 4) * 4, dtype=torch.float32, device=device)[:, :cols]
+    32. Every kernel here takes the row stride, which Triton specializes on when it is a
+    multiple of 16: always, so a growing context never compiles a kernel again."""
+    return torch.empty(num_rows, -(-cols // 16) * 16, dtype=torch.float32,
+                       device=device)[:, :cols]
 
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,

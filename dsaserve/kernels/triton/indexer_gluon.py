@@ -317,7 +317,9 @@ def _math_warpgroup_pairs(a: _Args, WG: gl.constexpr):
         _store_dead_page(p, a)
 
 
-@gluon.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@gluon.jit(do_not_specialize=["stride_bt", "s_out"])
 def _indexer_logits_gluon_kernel(
     q_ptr,  # [T·H, D] bf16
     w_ptr,  # [T·H] fp32

@@ -483,7 +483,9 @@ def _mark_l2_hint(ASM: gl.constexpr):
     gl.inline_asm_elementwise(ASM, "=r,r", [z], dtype=gl.int32, is_pure=False, pack=1)
 
 
-@gluon.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@gluon.jit(do_not_specialize=["num_tokens", "num_slots", "blocks_per_split"])
 def _sparse_mla_gluon_kernel(
     q_ptr,  # [T, H, 576] bf16
     kv_ptr,  # bf16 rows [num_slots, 576], or fp8_ds_mla bytes [num_slots, 656] (as fp8)

@@ -384,7 +384,9 @@ def _gather_partition(ptrs, args, smem, bars):
     async_copy.wait_group(0)
 
 
-@gluon.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@gluon.jit(do_not_specialize=["num_tokens", "num_slots", "pairs_per_split"])
 def _sparse_mla_pingpong_kernel(
     q_ptr,  # [T, H, 576] bf16
     kv_ptr,  # bf16 rows [num_slots, 576]
