@@ -1,7 +1,7 @@
 """Kernel benchmark: ceilings, the plain-PyTorch path and the Triton kernels, one table.
 
-    python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--heads H,..] [--json FILE]
-                                 [--profile]
+    python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--heads H,..]
+                                 [--indices uniform,recent] [--json FILE] [--profile]
 
 (--profile launches each kernel once without timing, for `ncu ... python benchmarks/kernels.py`;
 e.g. `ncu -k regex:indexer_logits --section WarpStateStats python benchmarks/kernels.py --only
@@ -10,8 +10,12 @@ indexer_prefill --heads 32 --profile` reports every logits kernel and block shap
 Measures on the current GPU, in one run:
   ceilings       device-to-device copy (bytes read + written), bf16 and fp8 8192³ matmuls
   sparse MLA     prefill from a bf16 workspace (64 heads, top-2048, 128K-token context,
-                 T = 4096 and 16384) and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
+                 T = 4096 and 16384; indices drawn uniformly over the context and as
+                 FlashMLA's own benchmark draws them, mostly from the last 20,000 positions)
+                 and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
+  prefill_fp8    the same prefill (T = 4096) over an fp8_ds_mla page pool: the fp8 kernel
+                 against the backend's bf16 workspace path, and the workspace's dequantization
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
   indexer_decode the decode rows of `indexer` alone
@@ -49,10 +53,13 @@ from dsaserve.kernels.triton import (
     indexer,
     l2_hint,
     mla_cache,
+    mla_workspace,
     row_topk,
     sparse_mla,
 )
+from dsaserve.kernels.triton.backend import TritonBackend
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
+from dsaserve.kv import layout
 
 DEV = "cuda"
 L, R, TOPK, HEADS = 512, 64, 2048, 64
@@ -170,6 +177,23 @@ def topk_positions(limits: torch.Tensor, k: int, chunk: int = 1024) -> torch.Ten
     return out
 
 
+def recent_topk_positions(limits: torch.Tensor, k: int, window: int = 20000,
+                          far: float = 1 / 32) -> torch.Tensor:
+    """[T, k] positions < limits[t] drawn as FlashMLA's sparse-prefill benchmark draws its
+    indices: each one, with probability 1 − far, uniform over the last `window` positions
+    (with repeats), otherwise from k distinct uniform positions. The working set is then
+    ~window rows (23 MB of bf16 workspace rows at 20,000), which fits in the H200's 50 MB L2,
+    where uniform draws over a 128K-token context touch all of its 151 MB."""
+    pos = topk_positions(limits, k)
+    lo = (limits - window).clamp_min(0)[:, None]
+    span = (limits[:, None] - 1 - lo).clamp_min(1)
+    near = lo + (torch.rand(pos.shape, device=DEV) * span).long()
+    return torch.where(torch.rand(pos.shape, device=DEV) >= far, near, pos)
+
+
+INDEX_DRAWS = {"uniform": topk_positions, "recent": recent_topk_positions}
+
+
 def fill_mla_cache(cache: torch.Tensor, chunk: int = 1 << 20) -> None:
     """Random latents through the Triton writer (so the cache holds valid fp8_ds_mla rows)."""
     num_slots = cache.shape[0] * cache.shape[1]
@@ -265,30 +289,81 @@ def best_config(configs, q, cache, idx, flops, label) -> tuple[SparseMlaConfig, 
     return best, best_ms
 
 
-def bench_prefill(quick: bool, sweep: bool) -> None:
+def bench_prefill(quick: bool, sweep: bool, draws: tuple[str, ...]) -> None:
+    """Each T with each index draw (INDEX_DRAWS): the Triton and Gluon configurations are
+    compared on the first draw at T = 4096, and the Gluon kernel's L2 copy modes are timed
+    again on the others, where rows are shared and an L2 policy can matter."""
     print("sparse MLA prefill (bf16 workspace, 64 heads, top-2048, 128K context)", flush=True)
     cache = torch.randn(1, CONTEXT, L + R, device=DEV, dtype=torch.bfloat16)
     flat = cache.view(CONTEXT, L + R)
     configs = MLA_PREFILL_CONFIGS + (MLA_SWEEP if sweep else [])
+    gluon_modes = [SparseMlaConfig(gluon=True, l2_copies=m) for m in l2_hint.MODES]
     best = configs[0]
     for num_tokens in ((4096,) if quick else (4096, 16384)):
         positions = torch.arange(CONTEXT - num_tokens, CONTEXT, device=DEV)
-        idx = topk_positions(positions + 1, TOPK).int()  # [T, 2048] slots of the workspace
         q = torch.randn(num_tokens, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
         flops = num_tokens * HEADS * TOPK * FLOP_PER_ROW_HEAD
-        if num_tokens == 4096:
-            best, ms = best_config(configs, q, cache, idx, flops, f"T={num_tokens}")
-        else:
-            check_config(q, cache, idx, best)
-            ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, best))
-        tflops = flops / ms / 1e9
-        add(f"prefill {_mla_label(best, False)} T={num_tokens}", ms, tflops,
-            "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
-        if num_tokens == 4096:
-            torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx, 256),
-                             rep_ms=500)
-            add("prefill plain-PyTorch T=4096", torch_ms, flops / torch_ms / 1e9, "TFLOP/s",
-                f"kernel {torch_ms / ms:.1f}x faster")
+        for draw in draws:
+            idx = INDEX_DRAWS[draw](positions + 1, TOPK).int()  # [T, 2048] workspace rows
+            label = f"T={num_tokens} {draw} indices"
+            first = draw == draws[0]
+            if first and num_tokens == 4096:
+                best, ms = best_config(configs, q, cache, idx, flops, label)
+                cfg = best
+            elif first:
+                cfg = best
+                check_config(q, cache, idx, cfg)
+                ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, cfg))
+            else:
+                cfg, ms = best_config(gluon_modes, q, cache, idx, flops, label)
+            tflops = flops / ms / 1e9
+            add(f"prefill {_mla_label(cfg, False)} {label}", ms, tflops,
+                "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
+            if first and num_tokens == 4096:
+                torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx,
+                                         256), rep_ms=500)
+                add("prefill plain-PyTorch T=4096", torch_ms, flops / torch_ms / 1e9,
+                    "TFLOP/s", f"kernel {torch_ms / ms:.1f}x faster")
+
+
+def bench_prefill_fp8(draws: tuple[str, ...]) -> None:
+    """T = 4096 rows at the end of a 128K-token context whose pages lie scattered in an
+    fp8_ds_mla pool, as the engine's prefill chunks see it: the fp8 kernel reading the selected
+    rows through their slots, against TritonBackend.sparse_mla_positions (the context's pages
+    dequantized once into a bf16 workspace, then the ping-pong kernel), and the
+    dequantization alone."""
+    print("sparse MLA prefill over an fp8_ds_mla cache (64 heads, top-2048, 128K context)",
+          flush=True)
+    num_tokens, block_size = 4096, 64
+    pages = CONTEXT // block_size
+    cache = torch.empty(4 * pages, block_size, 656, dtype=torch.uint8, device=DEV)
+    fill_mla_cache(cache)
+    table = torch.randperm(4 * pages, device=DEV)[:pages].int()[None]  # [1, 2048]
+    meta = AttentionMetadata.for_requests([CONTEXT], [num_tokens], table, block_size)
+    q = torch.randn(num_tokens, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
+    flops = num_tokens * HEADS * TOPK * FLOP_PER_ROW_HEAD
+    backend = TritonBackend()
+    for draw in draws:
+        pos = INDEX_DRAWS[draw](meta.positions + 1, TOPK).int()  # [T, 2048] positions
+        slots = layout.logical_to_slots(pos, meta.req_indices, table, block_size).int()
+        check_config(q, cache, slots, SparseMlaConfig())
+        o, _ = backend.sparse_mla_positions(q, cache, pos, meta, SCALE, L)
+        ref, _ = reference.sparse_mla_paged(q[:48], cache, slots[:48], SCALE, L, R)
+        if not rel_err(o[:48], ref) <= 1e-2:
+            raise AssertionError(f"workspace path: relative error {rel_err(o[:48], ref):.2e}")
+        ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L))
+        add(f"prefill fp8 cache, gluon 32-row, T=4096 {draw} indices", ms, flops / ms / 1e9,
+            "TFLOP/s")
+        ws_ms = timed(partial(backend.sparse_mla_positions, q, cache, pos, meta, SCALE, L))
+        add(f"prefill fp8 cache via bf16 workspace, T=4096 {draw} indices", ws_ms,
+            flops / ws_ms / 1e9, "TFLOP/s",
+            f"{ms / ws_ms:.2f}x the fp8 kernel; {flops / ws_ms / 1e9 / ANCHOR_PREFILL_TFLOPS:.2f}x"
+            " FlashMLA anchor")
+    segment = mla_workspace.Segment((0, num_tokens), (0,), True)
+    deq_ms = timed(partial(mla_workspace.build_workspace, cache, table, segment,
+                           meta.seq_lens, L))
+    moved = CONTEXT * (656 + (L + R) * 2)  # fp8 rows read, bf16 rows written
+    add("fp8_ds_mla pages -> bf16 workspace, 128K rows", deq_ms, moved / deq_ms / 1e9, "TB/s")
 
 
 def decode_case(batch: int, s_q: int, pool_pages: int, cache: torch.Tensor):
@@ -590,14 +665,28 @@ def head_counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+def index_draws(text: str) -> tuple[str, ...]:
+    draws = tuple(text.split(","))
+    bad = [d for d in draws if d not in INDEX_DRAWS]
+    if bad or not draws:
+        raise argparse.ArgumentTypeError(
+            f"--indices: {','.join(bad) or text!r} not among {', '.join(INDEX_DRAWS)}")
+    return draws
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
-    parser.add_argument("--only", default="ceilings,prefill,decode,indexer,topk,writers")
+    parser.add_argument("--only",
+                        default="ceilings,prefill,prefill_fp8,decode,indexer,topk,writers")
     parser.add_argument("--heads", type=head_counts, default=(64, 32),
                         help="index head counts of the indexer prefill rows (default 64,32)")
+    parser.add_argument("--indices", type=index_draws, default=("uniform", "recent"),
+                        help="index draws of the sparse MLA prefill rows: uniform (over the "
+                             "whole context) and/or recent (FlashMLA's benchmark: 31 in 32 "
+                             "from the last 20,000 positions); default uniform,recent")
     parser.add_argument("--profile", action="store_true",
                         help="launch each timed kernel once, no timing (run under ncu)")
     args = parser.parse_args()
@@ -609,7 +698,9 @@ def main() -> None:
     parts = args.only.split(",")
     ceil = ceilings() if "ceilings" in parts else {}
     if "prefill" in parts:
-        bench_prefill(args.quick, args.sweep)
+        bench_prefill(args.quick, args.sweep, args.indices)
+    if "prefill_fp8" in parts:
+        bench_prefill_fp8(args.indices)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
     prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \

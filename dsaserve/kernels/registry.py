@@ -36,6 +36,15 @@ class AttentionBackend(Protocol):
                    scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] (q's dtype), lse [T, H]."""
 
+    def sparse_mla_positions(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                             positions: torch.Tensor, meta: AttentionMetadata, scale: float,
+                             kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """sparse_mla over the rows of meta's step, selected as request-local token positions
+        [T, K] (−1 skip; what indexer_topk returns), this rank's own slots found through
+        meta's block table. Same result as sparse_mla on layout.logical_to_slots of them; a
+        backend may read the rows another way (the triton backend: long prefill chunks from a
+        bf16 copy of their requests' pages)."""
+
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, D], weights [T, Hi] (all scales folded in) → (scores [T, topk] fp32,
@@ -43,6 +52,13 @@ class AttentionBackend(Protocol):
         request-local token positions, the chosen keys first in any order (the reference: best
         first), padded with (−inf, −1). Without DCP that is the answer; under DCP the callers
         merge every rank's candidates."""
+
+
+def position_slots(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """positions [T, K] request-local (−1 pad) of meta's rows → [T, K] this rank's slots."""
+    return layout.logical_to_slots(positions, meta.req_indices, meta.block_table,
+                                   meta.block_size, meta.dcp_size, meta.dcp_rank,
+                                   meta.interleave)
 
 
 class ReferenceBackend:
@@ -68,6 +84,10 @@ class ReferenceBackend:
             q, kv_cache, slot_indices, scale, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim
         )
         return o.to(q.dtype), lse
+
+    def sparse_mla_positions(self, q, kv_cache, positions, meta, scale, kv_lora_rank):
+        return self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
+                               kv_lora_rank)
 
     def indexer_topk(self, q, weights, index_cache, meta, topk):
         scores = torch.full((q.shape[0], topk), float("-inf"), device=q.device)

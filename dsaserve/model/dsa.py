@@ -203,11 +203,8 @@ class MLAAttention(nn.Module):
                     raise RuntimeError(
                         f"layer {self.layer_idx}: a shared layer needs earlier top-k"
                     )
-                slot_indices = layout.logical_to_slots(
-                    topk, meta.req_indices, meta.block_table, meta.block_size
-                )  # [n, topk]
-                o_lat, _lse = backend.sparse_mla(
-                    q_full, cache.kv, slot_indices, self.scale, self.kv_lora_rank
+                o_lat, _lse = backend.sparse_mla_positions(
+                    q_full, cache.kv, topk, meta, self.scale, self.kv_lora_rank
                 )  # [n, H, L]
             o = torch.einsum("nhl,hvl->nhv", o_lat.to(w_uv.dtype), w_uv)  # [n, H, v]
         out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))

@@ -34,6 +34,7 @@ from dsaserve.kernels.triton import (  # noqa: E402
     index_cache,
     indexer,
     mla_cache,
+    mla_workspace,
     row_topk,
     sparse_mla,
 )
@@ -177,6 +178,32 @@ def test_backend_tiny_heads(g):
     ref_o, ref_lse = ReferenceBackend().sparse_mla(q, cache, idx, SCALE, L)
     assert o.dtype == ref_o.dtype == torch.bfloat16
     _check_attention(o, lse, ref_o.float(), ref_lse, idx)
+
+
+@pytest.mark.parametrize("heads", [64, 128])
+def test_backend_positions_workspace(g, heads):
+    """A step of decode rows and a long prefill chunk over an fp8 cache: the chunk reads a bf16
+    workspace of its pages (the ping-pong kernel), the decode rows the cache (the fp8 kernel);
+    all against the reference over the slots, the workspace's rows exact."""
+    block_size = 64
+    seq_lens, new = (3000, 4000, 1500, 2500), (1, 700, 0, 4)
+    table = scattered_block_table([-(-s // block_size) for s in seq_lens], g, DEV)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
+    cache = _random_cache(g, (int(table.max()) + 1) * block_size, block_size, True)
+    positions = _random_indices(g, meta.num_tokens, meta.positions + 1, max(seq_lens))
+    q = torch.randn(meta.num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
+    cfg = sparse_mla.SparseMlaConfig()
+    segments = mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, block_size,
+                                           TOPK, cfg.workspace_min_reads, cfg.workspace_max_rows)
+    assert [s.workspace for s in segments] == [False, True, False]
+    ws, bases = mla_workspace.build_workspace(cache, table, segments[1], meta.seq_lens, L)
+    slots, _ = layout.context_slots(seq_lens[1], table[1], block_size)
+    want = formats.read_mla_cache(cache, slots.to(DEV), L, R)
+    assert torch.equal(ws[: seq_lens[1]].float(), want)
+    assert bases == [0]
+    o, lse = TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, SCALE, L)
+    ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, SCALE, L)
+    _check_attention(o, lse, ref_o.float(), ref_lse, positions)
 
 
 # --------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
-_MODULES = ("mla_cache", "index_cache", "sparse_mla", "row_topk", "indexer", "backend")
+_MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "row_topk", "indexer",
+            "backend")
 
 
 def _patch_interpreter_index() -> None:
@@ -436,9 +437,86 @@ def test_backend_runs_kernels_under_interpreter(k, monkeypatch):
     assert torch.equal(ours[..., L:], ref[..., L:])
 
 
+def test_dequantize_pages_matches_formats(k):
+    g = _gen()
+    num_blocks, block_size = 5, 16
+    slots = torch.arange(num_blocks * block_size)
+    c = torch.randn(len(slots), L, generator=g) * torch.rand(len(slots), 1, generator=g) * 50
+    k_pe = torch.randn(len(slots), R, generator=g).bfloat16()
+    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
+                        dtype=torch.uint8)
+    formats.write_mla_cache(cache, slots, c, k_pe)
+    pages = torch.tensor([3, 0, 4])
+    ws = k.mla_workspace.dequantize_pages(cache, pages, L)
+    want = formats.read_mla_cache(cache, (pages[:, None] * block_size
+                                          + torch.arange(block_size)).reshape(-1), L, R)
+    # e4m3 times a power-of-two scale, and the bf16 RoPE part: exact in bf16.
+    assert ws.dtype == torch.bfloat16 and torch.equal(ws.float(), want)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        k.mla_workspace.dequantize_pages(cache, pages, 2 * L)
+
+
+@pytest.mark.parametrize("min_reads", [1.0, float("inf")], ids=["workspace", "cache_only"])
+def test_backend_positions_match_reference(k, monkeypatch, min_reads):
+    """A step of a decode row, a long chunk, a request without rows and another decode row:
+    with min_reads 1 the chunk reads a bf16 workspace of its pages, the decode rows the cache
+    (three segments); either way the same result as the reference over the slots."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = _gen()
+    block_size, topk, heads = 16, 24, 3
+    seq_lens, new = [40, 70, 20, 33], [1, 6, 0, 1]
+    table = scattered_block_table([-(-s // block_size) for s in seq_lens], generator=g)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
+    num_blocks = int(table.max()) + 1
+    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
+                        dtype=torch.uint8)
+    slots = torch.arange(num_blocks * block_size)
+    formats.write_mla_cache(cache, slots, torch.randn(len(slots), L, generator=g),
+                            torch.randn(len(slots), R, generator=g))
+    limits = meta.positions + 1  # causal: position p sees 0 … p
+    positions = torch.stack([torch.randperm(int(n), generator=g)[:topk] for n in limits])
+    positions = torch.cat((positions, torch.full((len(limits), topk - positions.shape[1]), -1)),
+                          dim=1) if positions.shape[1] < topk else positions
+    positions[1, ::4] = -1
+    q = torch.randn(meta.num_tokens, heads, L + R, generator=g)
+    cfg = k.sparse_mla.SparseMlaConfig(block_n=16, workspace_min_reads=min_reads)
+    segments = k.mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, block_size,
+                                             topk, min_reads, cfg.workspace_max_rows)
+    assert [s.workspace for s in segments] == ([False, True, False] if min_reads == 1.0
+                                               else [False])
+    o, lse = k.backend.TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, 0.1, L)
+    ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, 0.1, L)
+    assert torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------
 # Host-side layout helpers
 # --------------------------------------------------------------------------------------------
+def test_plan_segments(k):
+    plan, Seg = k.mla_workspace.plan_segments, k.mla_workspace.Segment
+    # The docstring's step: two decode rows, then a 4096-token chunk over 128K.
+    assert plan((0, 1, 2, 4098), (900, 5000, 131072), 64, 2048, 8, 1 << 19) == [
+        Seg((0, 2), (0, 1), False), Seg((2, 4098), (2,), True)]
+    # Rows × min(topk, context) against min_reads × context; requests without rows skipped.
+    qsl, lens = (0, 8, 8, 9, 17), (64, 30, 100, 64)
+    assert plan(qsl, lens, 16, 16, 2, 1000) == [
+        Seg((0, 8), (0,), True), Seg((8, 9), (2,), False), Seg((9, 17), (3,), True)]
+    assert plan(qsl, lens, 16, 16, 2.01, 1000) == [Seg((0, 17), (0, 2, 3), False)]
+    # The workspace cap counts whole pages, first come first served.
+    assert plan(qsl, lens, 16, 16, 2, 100) == [
+        Seg((0, 8), (0,), True), Seg((8, 17), (2, 3), False)]
+    assert plan((0, 0), (5,), 16, 16, 1, 100) == []
+
+
+def test_workspace_indices(k):
+    seg = k.mla_workspace.Segment((2, 5), (1, 2), True)
+    pos = torch.tensor([[3, -1, 0], [7, 2, -1], [0, 1, 2]], dtype=torch.int32)
+    got = k.mla_workspace.workspace_indices(pos, seg, (0, 2, 4, 5), [0, 128])
+    assert got.dtype == torch.int32
+    assert got.tolist() == [[3, -1, 0], [7, 2, -1], [128, 129, 130]]
+
+
 def test_tiles_and_splits(k):
     assert k.indexer._tiles((0, 3, 4, 6), 2) == ([0, 0, 1, 2], [0, 2, 3, 4], [2, 1, 1, 2])
     assert k.indexer._tiles((0, 0, 5), 4) == ([1, 1], [0, 4], [4, 1])

@@ -14,9 +14,10 @@ import torch
 
 from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.registry import ReferenceBackend
-from dsaserve.kernels.triton import indexer, mla_cache, sparse_mla
+from dsaserve.kernels.registry import ReferenceBackend, position_slots
+from dsaserve.kernels.triton import indexer, mla_cache, mla_workspace, sparse_mla
 from dsaserve.kernels.triton.index_cache import write_index_cache
+from dsaserve.kv import layout
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,41 @@ class TritonBackend:
             return self._reference.sparse_mla(q, kv_cache, slot_indices, scale, kv_lora_rank)
         return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices.to(torch.int32), scale,
                                          kv_lora_rank, self.mla_config)
+
+    def sparse_mla_positions(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                             positions: torch.Tensor, meta: AttentionMetadata, scale: float,
+                             kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T, K] request-local (−1 skip) of meta's rows → o [T, H, L], lse [T, H].
+        Over an fp8_ds_mla cache, requests whose rows read their context many times over
+        (long prefill chunks; mla_workspace.plan_segments) read a bf16 copy of their pages,
+        the others the cache through their slots."""
+        cfg = self.mla_config or sparse_mla.SparseMlaConfig()
+        if (not _use_kernels(q) or kv_cache.dtype != torch.uint8 or meta.dcp_size > 1
+                or meta.pcp is not None or not 0 < meta.num_tokens == q.shape[0]):
+            return self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
+                                   kv_lora_rank)
+        segments = mla_workspace.plan_segments(
+            meta.query_start_loc, meta.seq_lens, meta.block_size, positions.shape[1],
+            cfg.workspace_min_reads, cfg.workspace_max_rows)
+        outs = []
+        for seg in segments:
+            first, end = seg.rows
+            rows = slice(first, end)
+            if seg.workspace:
+                ws, bases = mla_workspace.build_workspace(kv_cache, meta.block_table, seg,
+                                                          meta.seq_lens, kv_lora_rank)
+                idx = mla_workspace.workspace_indices(positions[rows], seg,
+                                                      meta.query_start_loc, bases)
+                outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws[None], idx, scale,
+                                                      kv_lora_rank, cfg))
+            else:
+                slots = layout.logical_to_slots(positions[rows], meta.req_indices[rows],
+                                                meta.block_table, meta.block_size)
+                outs.append(self.sparse_mla(q[rows], kv_cache, slots, scale, kv_lora_rank))
+        if len(outs) == 1:
+            return outs[0]
+        # The segments cover the rows in order (rows are flattened request by request).
+        return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:

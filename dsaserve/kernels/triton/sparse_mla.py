@@ -59,11 +59,22 @@ class SparseMlaConfig:
     # (256-byte L2 prefetch) or "evict_last" (that and FlashMLA's evict_last policy on the
     # gathered rows). Neither measured faster on an H200 (docs/kernels.md): plain by default.
     l2_copies: str = "plain"
+    # Prefill chunks over an fp8_ds_mla cache (TritonBackend.sparse_mla_positions): a request
+    # whose rows read each of its context rows at least this many times on average has its
+    # pages dequantized once into a bf16 workspace (mla_workspace.py) and runs the ping-pong
+    # kernel on it; math.inf: never. At most workspace_max_rows rows (1152 bytes each) per
+    # call: 2^19 is 604 MB, a 512K-token context; longer ones keep the fp8 path.
+    workspace_min_reads: float = 8.0
+    workspace_max_rows: int = 1 << 19
 
     def __post_init__(self):
         if self.l2_copies not in l2_hint.MODES:
             raise ValueError(f"SparseMlaConfig.l2_copies must be one of {l2_hint.MODES}, got "
                              f"{self.l2_copies!r}")
+        if not self.workspace_min_reads > 0 or self.workspace_max_rows < 0:
+            raise ValueError(f"SparseMlaConfig: workspace_min_reads must be > 0 and "
+                             f"workspace_max_rows >= 0, got {self.workspace_min_reads} and "
+                             f"{self.workspace_max_rows}")
 
 
 def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
@@ -83,7 +94,9 @@ def _use_gluon(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
     return False
 
 
-@triton.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["num_tokens", "num_slots"])
 def _sparse_mla_fwd_kernel(
     q_ptr,  # [T, H, L + R]
     kv_ptr,  # float rows [num_slots, L + R], or the fp8 view of fp8_ds_mla bytes
@@ -158,7 +171,9 @@ def _sparse_mla_fwd_kernel(
     tl.store(lse_ptr + out_row, lse, mask=head_ok)
 
 
-@triton.jit
+# Sizes that change from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["num_rows"])
 def _merge_splits_kernel(
     part_o_ptr,  # [num_splits, T·H, L] fp32
     part_lse_ptr,  # [num_splits, T·H] fp32
