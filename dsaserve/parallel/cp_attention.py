@@ -159,8 +159,10 @@ def own_rows_attention(attn, q_idx, w_idx, q_full, prev_topk, meta: AttentionMet
         index_full = _index_copy(cache.index, seq_len, cached[1], attn.indexer.head_dim)
         backend.write_index_k(index_full, new_slots, idx_k)
         _, topk = backend.indexer_topk(q_idx, w_idx, index_full, full_meta, attn.cfg.index_topk)
-    slot_indices = layout.logical_to_slots(topk, full_meta.req_indices, full_meta.block_table, 1)
-    o, _ = backend.sparse_mla(q_full, kv_full, slot_indices, attn.scale, attn.kv_lora_rank)
+    # The copy's positions are its slots; a backend may still read them another way (the
+    # triton backend: a long chunk from bf16 rows dequantized once).
+    o, _ = backend.sparse_mla_positions(q_full, kv_full, topk, full_meta, attn.scale,
+                                        attn.kv_lora_rank)
     return o, topk
 
 

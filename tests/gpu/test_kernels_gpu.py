@@ -180,12 +180,12 @@ def test_backend_tiny_heads(g):
     _check_attention(o, lse, ref_o.float(), ref_lse, idx)
 
 
+@pytest.mark.parametrize("block_size", [64, 1])  # 1: PCP's full copy of a context
 @pytest.mark.parametrize("heads", [64, 128])
-def test_backend_positions_workspace(g, heads):
+def test_backend_positions_workspace(g, heads, block_size):
     """A step of decode rows and a long prefill chunk over an fp8 cache: the chunk reads a bf16
     workspace of its pages (the ping-pong kernel), the decode rows the cache (the fp8 kernel);
     all against the reference over the slots, the workspace's rows exact."""
-    block_size = 64
     seq_lens, new = (3000, 4000, 1500, 2500), (1, 700, 0, 4)
     table = scattered_block_table([-(-s // block_size) for s in seq_lens], g, DEV)
     meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)

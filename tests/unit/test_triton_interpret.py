@@ -437,9 +437,10 @@ def test_backend_runs_kernels_under_interpreter(k, monkeypatch):
     assert torch.equal(ours[..., L:], ref[..., L:])
 
 
-def test_dequantize_pages_matches_formats(k):
+@pytest.mark.parametrize("block_size", [16, 1, 24])  # 1: PCP's full copies; 24: not 2^n
+def test_dequantize_pages_matches_formats(k, block_size):
     g = _gen()
-    num_blocks, block_size = 5, 16
+    num_blocks = 5
     slots = torch.arange(num_blocks * block_size)
     c = torch.randn(len(slots), L, generator=g) * torch.rand(len(slots), 1, generator=g) * 50
     k_pe = torch.randn(len(slots), R, generator=g).bfloat16()
@@ -457,13 +458,14 @@ def test_dequantize_pages_matches_formats(k):
 
 
 @pytest.mark.parametrize("min_reads", [1.0, float("inf")], ids=["workspace", "cache_only"])
-def test_backend_positions_match_reference(k, monkeypatch, min_reads):
+@pytest.mark.parametrize("block_size", [16, 1])  # 1: PCP's full copy of a context
+def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size):
     """A step of a decode row, a long chunk, a request without rows and another decode row:
     with min_reads 1 the chunk reads a bf16 workspace of its pages, the decode rows the cache
     (three segments); either way the same result as the reference over the slots."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = _gen()
-    block_size, topk, heads = 16, 24, 3
+    topk, heads = 24, 3
     seq_lens, new = [40, 70, 20, 33], [1, 6, 0, 1]
     table = scattered_block_table([-(-s // block_size) for s in seq_lens], generator=g)
     meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)

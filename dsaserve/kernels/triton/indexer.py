@@ -245,7 +245,8 @@ class IndexerConfig:
     gluon: bool | None = None
     # The Gluon kernel's warpgroups take their pages two at a time (both MMAs, then both
     # epilogues: two independent instruction streams per warp), for tiles of one token (decode,
-    # s_q = 1). Built for sm_90 without spills (128 registers); off until measured on the GPU.
+    # s_q = 1). Built for sm_90 without spills (128 registers); measured on an H200 no faster
+    # (159.0 against 159.8 µs, docs/kernels.md), so off.
     gluon_pairs: bool = False
     # The CUDA kernel (kernels/cuda/indexer_logits.cu: wgmma issued directly, sm_90, FP8 cache,
     # bf16 q, D = 128, pages of 64 keys, 32 or 64 heads) instead of both; None: where it builds,

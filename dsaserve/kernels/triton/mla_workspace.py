@@ -63,33 +63,38 @@ def plan_segments(query_start_loc: Sequence[int], seq_lens: Sequence[int], block
     return segments
 
 
-DEQUANT_ROWS, DEQUANT_WARPS = 32, 4  # rows of a page per program, and its warps
+DEQUANT_ROWS, DEQUANT_WARPS = 32, 4  # workspace rows per program, and its warps
 
 
-@triton.jit
+# num_rows changes from call to call: not specialized on (a new value divisible by 16 would
+# compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["num_rows"])
 def _dequantize_pages_kernel(
     cache_ptr,  # fp8 view of the uint8 cache, flat [num_pages · B · ROW_BYTES]
     pages_ptr,  # [P] int32: the cache page of each workspace page
     ws_ptr,  # [P · B, L + R] bf16
+    num_rows,  # P · B
     L: tl.constexpr, R: tl.constexpr, B: tl.constexpr, ROWS: tl.constexpr,
     ROW_BYTES: tl.constexpr, TILE: tl.constexpr,
 ):
-    """ROWS rows of one page, a scale tile at a time (no reshapes: each [ROWS, TILE] tile is
-    loaded, scaled and stored in one register layout), then the bf16 RoPE part."""
-    p = tl.program_id(0)
-    page = tl.load(pages_ptr + p).to(tl.int64)
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of the page
-    src = cache_ptr + (page * B + rows) * ROW_BYTES  # [ROWS] row starts
-    dst = ws_ptr + (p.to(tl.int64) * B + rows)[:, None] * (L + R)  # [ROWS, 1]
+    """ROWS workspace rows (any page size, a page of one row included), a scale tile at a time
+    (no reshapes: each [ROWS, TILE] tile is loaded, scaled and stored in one register layout),
+    then the bf16 RoPE part."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # [ROWS] workspace rows
+    ok = rows < num_rows
+    page = tl.load(pages_ptr + rows // B, mask=ok, other=0).to(tl.int64)
+    src = cache_ptr + (page * B + rows % B) * ROW_BYTES  # [ROWS] row starts in the cache
+    dst = ws_ptr + rows[:, None] * (L + R)  # [ROWS, 1]
     scale_ptr = (src + L).to(tl.pointer_type(tl.float32))  # [ROWS]
     cols = tl.arange(0, TILE)[None, :]
     for t in tl.static_range(L // TILE):
-        k8 = tl.load(src[:, None] + t * TILE + cols)  # [ROWS, TILE] e4m3
-        scale = tl.load(scale_ptr + t)  # [ROWS]
-        tl.store(dst + t * TILE + cols, (k8.to(tl.float32) * scale[:, None]).to(tl.bfloat16))
+        k8 = tl.load(src[:, None] + t * TILE + cols, mask=ok[:, None])  # [ROWS, TILE] e4m3
+        scale = tl.load(scale_ptr + t, mask=ok)  # [ROWS]
+        tl.store(dst + t * TILE + cols, (k8.to(tl.float32) * scale[:, None]).to(tl.bfloat16),
+                 mask=ok[:, None])
     pe_ptr = (src + L + 4 * (L // TILE)).to(tl.pointer_type(tl.bfloat16))  # [ROWS]
     pe = tl.arange(0, R)[None, :]
-    tl.store(dst + L + pe, tl.load(pe_ptr[:, None] + pe))
+    tl.store(dst + L + pe, tl.load(pe_ptr[:, None] + pe, mask=ok[:, None]), mask=ok[:, None])
 
 
 def dequantize_pages(cache: torch.Tensor, pages: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
@@ -109,11 +114,10 @@ def dequantize_pages(cache: torch.Tensor, pages: torch.Tensor, kv_lora_rank: int
                      device=cache.device)
     if pages.numel() == 0:
         return ws
-    rows = min(block_size, DEQUANT_ROWS)
-    _dequantize_pages_kernel[(pages.numel(), block_size // rows)](
-        cache.view(torch.float8_e4m3fn), pages.to(torch.int32), ws, L=kv_lora_rank, R=rope_dim,
-        B=block_size, ROWS=rows, ROW_BYTES=row_bytes, TILE=formats.MLA_TILE,
-        num_warps=DEQUANT_WARPS,
+    _dequantize_pages_kernel[(triton.cdiv(ws.shape[0], DEQUANT_ROWS),)](
+        cache.view(torch.float8_e4m3fn), pages.to(torch.int32), ws, ws.shape[0],
+        L=kv_lora_rank, R=rope_dim, B=block_size, ROWS=DEQUANT_ROWS, ROW_BYTES=row_bytes,
+        TILE=formats.MLA_TILE, num_warps=DEQUANT_WARPS,
     )
     return ws
 
