@@ -184,10 +184,8 @@ def merged_sparse_attention(q_full, topk, meta: AttentionMetadata, cache, backen
     q_full [T, H_all, L+R] holds every head (gathered over the group first when `heads_split`,
     i.e. DCP over TP ranks); returns o [T, H_out, L]: this rank's heads when `heads_split`, else
     all heads."""
-    slot_indices = layout.logical_to_slots(topk, meta.req_indices, meta.block_table,
-                                           meta.block_size, meta.dcp_size, meta.dcp_rank,
-                                           meta.interleave)  # −1 where another rank owns the key
-    o, lse = backend.sparse_mla(q_full, cache.kv, slot_indices, scale, kv_lora_rank)
+    # Over this rank's keys only (another rank's count as skipped), merged below.
+    o, lse = backend.sparse_mla_positions(q_full, cache.kv, topk, meta, scale, kv_lora_rank)
     n = group.size
     t, h = lse.shape
     if comm_backend == "a2a" and heads_split:

@@ -19,7 +19,7 @@ import torch
 
 from dsaserve.kernels import formats, reference
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table
-from dsaserve.kernels.registry import ReferenceBackend
+from dsaserve.kernels.registry import ReferenceBackend, position_slots
 from dsaserve.kv import layout
 
 pytestmark = [pytest.mark.gpu]
@@ -180,30 +180,34 @@ def test_backend_tiny_heads(g):
     _check_attention(o, lse, ref_o.float(), ref_lse, idx)
 
 
+@pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
 @pytest.mark.parametrize("block_size", [64, 1])  # 1: PCP's full copy of a context
 @pytest.mark.parametrize("heads", [64, 128])
-def test_backend_positions_workspace(g, heads, block_size):
+def test_backend_positions_workspace(g, heads, block_size, dcp):
     """A step of decode rows and a long prefill chunk over an fp8 cache: the chunk reads a bf16
     workspace of its pages (the ping-pong kernel), the decode rows the cache (the fp8 kernel);
-    all against the reference over the slots, the workspace's rows exact."""
+    all against the reference over this rank's slots, the workspace's rows exact."""
     seq_lens, new = (3000, 4000, 1500, 2500), (1, 700, 0, 4)
-    table = scattered_block_table([-(-s // block_size) for s in seq_lens], g, DEV)
-    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
+    local = [layout.dcp_local_seq_len(s, *dcp, 1) for s in seq_lens]
+    table = scattered_block_table([-(-n // block_size) for n in local], g, DEV)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size, dcp_size=dcp[0],
+                                          dcp_rank=dcp[1])
     cache = _random_cache(g, (int(table.max()) + 1) * block_size, block_size, True)
     positions = _random_indices(g, meta.num_tokens, meta.positions + 1, max(seq_lens))
     q = torch.randn(meta.num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
     cfg = sparse_mla.SparseMlaConfig()
-    segments = mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, block_size,
-                                           TOPK, cfg.workspace_min_reads, cfg.workspace_max_rows)
+    segments = mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, local,
+                                           block_size, TOPK, cfg.workspace_min_reads,
+                                           cfg.workspace_max_rows)
     assert [s.workspace for s in segments] == [False, True, False]
-    ws, bases = mla_workspace.build_workspace(cache, table, segments[1], meta.seq_lens, L)
-    slots, _ = layout.context_slots(seq_lens[1], table[1], block_size)
+    ws, bases = mla_workspace.build_workspace(cache, table, segments[1], local, L)
+    slots, _ = layout.context_slots(seq_lens[1], table[1], block_size, *dcp)
     want = formats.read_mla_cache(cache, slots.to(DEV), L, R)
-    assert torch.equal(ws[: seq_lens[1]].float(), want)
-    assert bases == [0]
+    assert bases == [0] and torch.equal(ws[: local[1]].float(), want)
     o, lse = TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, SCALE, L)
     ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, SCALE, L)
-    _check_attention(o, lse, ref_o.float(), ref_lse, positions)
+    owned = position_slots(positions, meta)  # −1 where another rank owns the key
+    _check_attention(o, lse, ref_o.float(), ref_lse, owned)
 
 
 # --------------------------------------------------------------------------------------------

@@ -459,16 +459,22 @@ def test_dequantize_pages_matches_formats(k, block_size):
 
 @pytest.mark.parametrize("min_reads", [1.0, float("inf")], ids=["workspace", "cache_only"])
 @pytest.mark.parametrize("block_size", [16, 1])  # 1: PCP's full copy of a context
-def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size):
+@pytest.mark.parametrize("dcp", [(1, 0, 1), (2, 1, 1), (3, 0, 2)], ids=["dcp1", "dcp2r1", "dcp3i2"])
+def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size, dcp):
     """A step of a decode row, a long chunk, a request without rows and another decode row:
-    with min_reads 1 the chunk reads a bf16 workspace of its pages, the decode rows the cache
-    (three segments); either way the same result as the reference over the slots."""
+    with min_reads 1 the chunk reads a bf16 workspace of its pages (under DCP: of this rank's
+    local sequence), the decode rows the cache (three segments); either way the same result as
+    the reference over this rank's slots."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = _gen()
     topk, heads = 24, 3
     seq_lens, new = [40, 70, 20, 33], [1, 6, 0, 1]
-    table = scattered_block_table([-(-s // block_size) for s in seq_lens], generator=g)
-    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
+    if block_size % dcp[2]:
+        pytest.skip("the interleave must divide the page")
+    local = [layout.dcp_local_seq_len(s, *dcp) for s in seq_lens]
+    table = scattered_block_table([-(-n // block_size) for n in local], generator=g)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size, dcp_size=dcp[0],
+                                          dcp_rank=dcp[1], interleave=dcp[2])
     num_blocks = int(table.max()) + 1
     cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
                         dtype=torch.uint8)
@@ -482,8 +488,9 @@ def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size
     positions[1, ::4] = -1
     q = torch.randn(meta.num_tokens, heads, L + R, generator=g)
     cfg = k.sparse_mla.SparseMlaConfig(block_n=16, workspace_min_reads=min_reads)
-    segments = k.mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, block_size,
-                                             topk, min_reads, cfg.workspace_max_rows)
+    segments = k.mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, local,
+                                             block_size, topk, min_reads,
+                                             cfg.workspace_max_rows)
     assert [s.workspace for s in segments] == ([False, True, False] if min_reads == 1.0
                                                else [False])
     o, lse = k.backend.TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, 0.1, L)
@@ -498,17 +505,20 @@ def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size
 def test_plan_segments(k):
     plan, Seg = k.mla_workspace.plan_segments, k.mla_workspace.Segment
     # The docstring's step: two decode rows, then a 4096-token chunk over 128K.
-    assert plan((0, 1, 2, 4098), (900, 5000, 131072), 64, 2048, 8, 1 << 19) == [
+    lens = (900, 5000, 131072)
+    assert plan((0, 1, 2, 4098), lens, lens, 64, 2048, 8, 1 << 19) == [
         Seg((0, 2), (0, 1), False), Seg((2, 4098), (2,), True)]
     # Rows × min(topk, context) against min_reads × context; requests without rows skipped.
     qsl, lens = (0, 8, 8, 9, 17), (64, 30, 100, 64)
-    assert plan(qsl, lens, 16, 16, 2, 1000) == [
+    assert plan(qsl, lens, lens, 16, 16, 2, 1000) == [
         Seg((0, 8), (0,), True), Seg((8, 9), (2,), False), Seg((9, 17), (3,), True)]
-    assert plan(qsl, lens, 16, 16, 2.01, 1000) == [Seg((0, 17), (0, 2, 3), False)]
-    # The workspace cap counts whole pages, first come first served.
-    assert plan(qsl, lens, 16, 16, 2, 100) == [
+    assert plan(qsl, lens, lens, 16, 16, 2.01, 1000) == [Seg((0, 17), (0, 2, 3), False)]
+    # The workspace cap counts whole pages of the local rows, first come first served.
+    assert plan(qsl, lens, lens, 16, 16, 2, 100) == [
         Seg((0, 8), (0,), True), Seg((8, 17), (2, 3), False)]
-    assert plan((0, 0), (5,), 16, 16, 1, 100) == []
+    assert plan(qsl, lens, (32, 15, 50, 32), 16, 16, 2, 64) == [
+        Seg((0, 8), (0,), True), Seg((8, 9), (2,), False), Seg((9, 17), (3,), True)]
+    assert plan((0, 0), (5,), (5,), 16, 16, 1, 100) == []
 
 
 def test_workspace_indices(k):
@@ -517,6 +527,9 @@ def test_workspace_indices(k):
     got = k.mla_workspace.workspace_indices(pos, seg, (0, 2, 4, 5), [0, 128])
     assert got.dtype == torch.int32
     assert got.tolist() == [[3, -1, 0], [7, 2, -1], [128, 129, 130]]
+    # DCP 2, interleave 1, rank 1: odd positions are this rank's, at local index p // 2.
+    got = k.mla_workspace.workspace_indices(pos, seg, (0, 2, 4, 5), [0, 128], 2, 1, 1)
+    assert got.tolist() == [[1, -1, -1], [3, -1, -1], [-1, 128, -1]]
 
 
 def test_tiles_and_splits(k):

@@ -83,27 +83,29 @@ class TritonBackend:
         (long prefill chunks; mla_workspace.plan_segments) read a bf16 copy of their pages,
         the others the cache through their slots."""
         cfg = self.mla_config or sparse_mla.SparseMlaConfig()
-        if (not _use_kernels(q) or kv_cache.dtype != torch.uint8 or meta.dcp_size > 1
-                or meta.pcp is not None or not 0 < meta.num_tokens == q.shape[0]):
+        if (not _use_kernels(q) or kv_cache.dtype != torch.uint8 or meta.pcp is not None
+                or not 0 < meta.num_tokens == q.shape[0]):
             return self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
                                    kv_lora_rank)
+        dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
+        local_lens = [layout.dcp_local_seq_len(s, *dcp) for s in meta.seq_lens]
         segments = mla_workspace.plan_segments(
-            meta.query_start_loc, meta.seq_lens, meta.block_size, positions.shape[1],
-            cfg.workspace_min_reads, cfg.workspace_max_rows)
+            meta.query_start_loc, meta.seq_lens, local_lens, meta.block_size,
+            positions.shape[1], cfg.workspace_min_reads, cfg.workspace_max_rows)
         outs = []
         for seg in segments:
             first, end = seg.rows
             rows = slice(first, end)
             if seg.workspace:
                 ws, bases = mla_workspace.build_workspace(kv_cache, meta.block_table, seg,
-                                                          meta.seq_lens, kv_lora_rank)
+                                                          local_lens, kv_lora_rank)
                 idx = mla_workspace.workspace_indices(positions[rows], seg,
-                                                      meta.query_start_loc, bases)
+                                                      meta.query_start_loc, bases, *dcp)
                 outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws[None], idx, scale,
                                                       kv_lora_rank, cfg))
             else:
                 slots = layout.logical_to_slots(positions[rows], meta.req_indices[rows],
-                                                meta.block_table, meta.block_size)
+                                                meta.block_table, meta.block_size, *dcp)
                 outs.append(self.sparse_mla(q[rows], kv_cache, slots, scale, kv_lora_rank))
         if len(outs) == 1:
             return outs[0]

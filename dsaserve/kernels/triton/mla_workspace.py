@@ -9,6 +9,10 @@ rows and one write of bf16 rows, and the indices then need no block table:
 
     workspace row of (request r, position p) = base[r] + p     base[r] = Σ_{r' before r} pages·B
 
+Under decode context parallelism a rank's pages hold its local sequence (kv/layout.py), so the
+workspace holds that: row base[r] + local(p) for the positions p the rank owns, −1 for the
+others (the LSE merge over the group adds them), as layout.logical_to_slots masks them.
+
 Decode rows (1–4 per request) read each row about once, so their requests keep the fp8 path:
 `plan_segments` splits a step's requests, in order, into runs that take one path or the other
 (docs/kernels.md has the measured break-even). The dequantized values are exact (e4m3 times a
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
+from dsaserve.kv import layout
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,13 @@ class Segment:
     workspace: bool  # True: read from a bf16 workspace of their pages; False: from the cache
 
 
-def plan_segments(query_start_loc: Sequence[int], seq_lens: Sequence[int], block_size: int,
-                  topk: int, min_reads: float, max_rows: int) -> list[Segment]:
+def plan_segments(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                  local_lens: Sequence[int], block_size: int, topk: int, min_reads: float,
+                  max_rows: int) -> list[Segment]:
     """Per request with rows: the workspace when its rows read each of its context rows at
     least `min_reads` times on average (rows × min(topk, context) ≥ min_reads × context) and
-    its pages fit in what is left of `max_rows` workspace rows; then runs of equal choices.
+    the pages of its local_lens rows (this rank's; seq_lens without DCP) fit in what is left
+    of `max_rows` workspace rows; then runs of equal choices.
 
         qsl (0, 1, 2, 4098), seq_lens (900, 5000, 131072), B 64, topk 2048, min_reads 8:
         request 0 and 1 one row each → cache; request 2 4096 rows over 131072 → workspace
@@ -48,11 +55,11 @@ def plan_segments(query_start_loc: Sequence[int], seq_lens: Sequence[int], block
     """
     segments: list[Segment] = []
     rows_left = max_rows
-    for r, seq_len in enumerate(seq_lens):
+    for r, (seq_len, local_len) in enumerate(zip(seq_lens, local_lens, strict=True)):
         first, end = query_start_loc[r], query_start_loc[r + 1]
         if end == first:
             continue
-        ws_rows = -(-seq_len // block_size) * block_size
+        ws_rows = -(-local_len // block_size) * block_size
         use = (end - first) * min(topk, seq_len) >= min_reads * seq_len and ws_rows <= rows_left
         rows_left -= ws_rows if use else 0
         last = segments[-1] if segments else None
@@ -123,15 +130,16 @@ def dequantize_pages(cache: torch.Tensor, pages: torch.Tensor, kv_lora_rank: int
 
 
 def build_workspace(cache: torch.Tensor, block_table: torch.Tensor, segment: Segment,
-                    seq_lens: Sequence[int], kv_lora_rank: int) -> tuple[torch.Tensor, list[int]]:
-    """The segment's requests' pages dequantized in request then position order → (workspace
-    [rows, L + R] bf16, the workspace row of each request's position 0). Page counts come
-    from the host's seq_lens, so nothing waits for the device."""
+                    local_lens: Sequence[int], kv_lora_rank: int
+                    ) -> tuple[torch.Tensor, list[int]]:
+    """The segment's requests' pages dequantized in request then (local) position order →
+    (workspace [rows, L + R] bf16, the workspace row of each request's first local row). Page
+    counts come from the host's local_lens, so nothing waits for the device."""
     block_size = cache.shape[1]
     pages, bases = [], []
     start = 0
     for r in segment.requests:
-        n = -(-seq_lens[r] // block_size)
+        n = -(-local_lens[r] // block_size)
         pages.append(block_table[r, :n])
         bases.append(start * block_size)
         start += n
@@ -139,14 +147,21 @@ def build_workspace(cache: torch.Tensor, block_table: torch.Tensor, segment: Seg
 
 
 def workspace_indices(positions: torch.Tensor, segment: Segment,
-                      query_start_loc: Sequence[int], bases: Sequence[int]) -> torch.Tensor:
+                      query_start_loc: Sequence[int], bases: Sequence[int], dcp_size: int = 1,
+                      dcp_rank: int = 0, interleave: int = 1) -> torch.Tensor:
     """positions [segment rows, K] request-local (−1 skip) → [segment rows, K] int32
-    workspace rows (−1 kept): base + position, request by request (host bases: no copy of
-    them to the device)."""
+    workspace rows: base + the position's index in this rank's local sequence, −1 where the
+    position is −1 or another DCP rank's; request by request (host bases: no copy of them to
+    the device)."""
     idx = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
     first = segment.rows[0]
     for r, base in zip(segment.requests, bases, strict=True):
         rows = slice(query_start_loc[r] - first, query_start_loc[r + 1] - first)
         pos = positions[rows]
-        idx[rows] = torch.where(pos >= 0, pos + base, -1)
+        if dcp_size == 1:
+            idx[rows] = torch.where(pos >= 0, pos + base, -1)
+            continue
+        local = layout.dcp_local_index(pos, dcp_size, interleave)
+        owned = (pos >= 0) & (layout.dcp_owner(pos, dcp_size, interleave) == dcp_rank)
+        idx[rows] = torch.where(owned, local + base, -1)
     return idx
