@@ -326,12 +326,13 @@ def bench_prefill(quick: bool, sweep: bool, draws: tuple[str, ...]) -> None:
                     "TFLOP/s", f"kernel {torch_ms / ms:.1f}x faster")
 
 
-def bench_prefill_fp8(draws: tuple[str, ...]) -> None:
+def bench_prefill_fp8(draws: tuple[str, ...], sweep: bool) -> None:
     """T = 4096 rows at the end of a 128K-token context whose pages lie scattered in an
     fp8_ds_mla pool, as the engine's prefill chunks see it: the fp8 kernel reading the selected
     rows through their slots, against TritonBackend.sparse_mla_positions (the context's pages
     dequantized once into a bf16 workspace, then the ping-pong kernel), and the
-    dequantization alone."""
+    dequantization alone. --sweep: both paths over chunk lengths and contexts, for
+    SparseMlaConfig.workspace_min_reads (the reads per context row where the workspace pays)."""
     print("sparse MLA prefill over an fp8_ds_mla cache (64 heads, top-2048, 128K context)",
           flush=True)
     num_tokens, block_size = 4096, 64
@@ -364,6 +365,31 @@ def bench_prefill_fp8(draws: tuple[str, ...]) -> None:
                            meta.seq_lens, L))
     moved = CONTEXT * (656 + (L + R) * 2)  # fp8 rows read, bf16 rows written
     add("fp8_ds_mla pages -> bf16 workspace, 128K rows", deq_ms, moved / deq_ms / 1e9, "TB/s")
+    if sweep:
+        workspace_sweep(cache, block_size)
+
+
+def workspace_sweep(cache: torch.Tensor, block_size: int) -> None:
+    """Both paths of sparse_mla_positions (the workspace forced on, then off) for chunks of T
+    tokens at the end of a context, uniform draws: where does the workspace start to pay?"""
+    always = TritonBackend(SparseMlaConfig(workspace_min_reads=1e-9))
+    never = TritonBackend(SparseMlaConfig(workspace_min_reads=math.inf))
+    print("  workspace break-even (uniform draws, CUDA graph): context, T, reads per context "
+          "row, fp8 kernel us, workspace us, ratio", flush=True)
+    for context in (16384, 65536, CONTEXT):
+        table = torch.randperm(cache.shape[0], device=DEV)[:context // block_size].int()[None]
+        for num_tokens in (64, 256, 1024, 4096):
+            meta = AttentionMetadata.for_requests([context], [num_tokens], table, block_size)
+            pos = topk_positions(meta.positions + 1, TOPK).int()
+            q = torch.randn(num_tokens, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
+            ms = {}
+            for name, backend in (("fp8", never), ("workspace", always)):
+                ms[name] = timed(partial(backend.sparse_mla_positions, q, cache, pos, meta, SCALE,
+                                         L), graph=True)
+            reads = num_tokens * TOPK / context
+            print(f"    {context:>7} {num_tokens:>5} {reads:>8.1f} {ms['fp8'] * 1e3:>9.1f} "
+                  f"{ms['workspace'] * 1e3:>9.1f} {ms['fp8'] / ms['workspace']:>6.2f}x",
+                  flush=True)
 
 
 def decode_case(batch: int, s_q: int, pool_pages: int, cache: torch.Tensor):
@@ -700,7 +726,7 @@ def main() -> None:
     if "prefill" in parts:
         bench_prefill(args.quick, args.sweep, args.indices)
     if "prefill_fp8" in parts:
-        bench_prefill_fp8(args.indices)
+        bench_prefill_fp8(args.indices, args.sweep)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
     prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \

@@ -39,8 +39,8 @@ from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
-_MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "row_topk", "indexer",
-            "backend")
+_MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
+            "indexer", "backend")
 
 
 def _patch_interpreter_index() -> None:
@@ -519,6 +519,23 @@ def test_plan_segments(k):
     assert plan(qsl, lens, (32, 15, 50, 32), 16, 16, 2, 64) == [
         Seg((0, 8), (0,), True), Seg((8, 9), (2,), False), Seg((9, 17), (3,), True)]
     assert plan((0, 0), (5,), (5,), 16, 16, 1, 100) == []
+
+
+@pytest.mark.parametrize("dcp", [(1, 0, 1), (2, 1, 1), (4, 2, 2)], ids=["dcp1", "dcp2r1", "dcp4i2"])
+def test_position_slots_match_layout(k, dcp):
+    g = _gen()
+    block_size, topk, num_rows = 8, 40, 7
+    pages = [6, 3, 9]
+    table = scattered_block_table(pages, generator=g)
+    table[2, 7] = -1  # an unallocated block: its positions have no slot
+    req = torch.tensor([0, 0, 1, 2, 2, 2, 1])
+    span = torch.tensor(pages)[req] * block_size * dcp[0]  # positions the rows' tables cover
+    pos = (torch.rand(num_rows, topk, generator=g) * span[:, None]).long()
+    pos[torch.rand(num_rows, topk, generator=g) < 0.2] = -1
+    got = k.slots.position_slots(pos.int(), req, table, block_size, *dcp)
+    want = layout.logical_to_slots(pos, req, table, block_size, *dcp)
+    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    assert bool((got[3:6][pos[3:6] // (block_size * dcp[0]) == 7] == -1).all())
 
 
 def test_workspace_indices(k):

@@ -14,8 +14,8 @@ import torch
 
 from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.registry import ReferenceBackend, position_slots
-from dsaserve.kernels.triton import indexer, mla_cache, mla_workspace, sparse_mla
+from dsaserve.kernels.registry import ReferenceBackend
+from dsaserve.kernels.triton import indexer, mla_cache, mla_workspace, slots, sparse_mla
 from dsaserve.kernels.triton.index_cache import write_index_cache
 from dsaserve.kv import layout
 
@@ -83,12 +83,16 @@ class TritonBackend:
         (long prefill chunks; mla_workspace.plan_segments) read a bf16 copy of their pages,
         the others the cache through their slots."""
         cfg = self.mla_config or sparse_mla.SparseMlaConfig()
-        if (not _use_kernels(q) or kv_cache.dtype != torch.uint8 or meta.pcp is not None
-                or not 0 < meta.num_tokens == q.shape[0]):
-            return self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
-                                   kv_lora_rank)
+        if not _use_kernels(q):
+            return self._reference.sparse_mla_positions(q, kv_cache, positions, meta, scale,
+                                                        kv_lora_rank)
         dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
-        local_lens = [layout.dcp_local_seq_len(s, *dcp) for s in meta.seq_lens]
+        if (kv_cache.dtype != torch.uint8 or meta.pcp is not None
+                or not 0 < meta.num_tokens == q.shape[0]):
+            found = slots.position_slots(positions, meta.req_indices, meta.block_table,
+                                         meta.block_size, *dcp)
+            return self.sparse_mla(q, kv_cache, found, scale, kv_lora_rank)
+        local_lens = [layout.dcp_local_seq_len(n, *dcp) for n in meta.seq_lens]
         segments = mla_workspace.plan_segments(
             meta.query_start_loc, meta.seq_lens, local_lens, meta.block_size,
             positions.shape[1], cfg.workspace_min_reads, cfg.workspace_max_rows)
@@ -104,9 +108,9 @@ class TritonBackend:
                 outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws[None], idx, scale,
                                                       kv_lora_rank, cfg))
             else:
-                slots = layout.logical_to_slots(positions[rows], meta.req_indices[rows],
-                                                meta.block_table, meta.block_size, *dcp)
-                outs.append(self.sparse_mla(q[rows], kv_cache, slots, scale, kv_lora_rank))
+                found = slots.position_slots(positions[rows], meta.req_indices[rows],
+                                             meta.block_table, meta.block_size, *dcp)
+                outs.append(self.sparse_mla(q[rows], kv_cache, found, scale, kv_lora_rank))
         if len(outs) == 1:
             return outs[0]
         # The segments cover the rows in order (rows are flattened request by request).
