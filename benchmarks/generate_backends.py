@@ -54,8 +54,12 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
                                                 ignore_eos=True))
     tokens, times = [], []
     prof = None
+    # --profile: the prefill step (by GPU time) and four decode steps (by host time).
+    windows = {0: (1, "the prefill step", "self_device_time_total"),
+               4: (8, "4 decode steps", "cpu_time_total")}
     while engine.has_unfinished_requests():
-        if args.profile and len(times) == 4:  # a few decode steps, after the prefill
+        if args.profile and len(times) in windows:
+            end, what, order = windows[len(times)]
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                       torch.profiler.ProfilerActivity.CUDA])
             prof.__enter__()
@@ -65,11 +69,10 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
             tokens.extend(out.new_token_ids)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        if prof is not None and len(times) == 8:
+        if prof is not None and len(times) == end:
             prof.__exit__(None, None, None)
-            print(f"--- {backend}: 4 decode steps", file=sys.stderr)
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18),
-                  file=sys.stderr)
+            print(f"--- {backend}: {what}", file=sys.stderr)
+            print(prof.key_averages().table(sort_by=order, row_limit=18), file=sys.stderr)
             prof = None
     engine.check_integrity()
     return tokens, times[0], times[1:]
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                         "against the reference backend in fp32")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--profile", action="store_true", help="profile 4 decode steps per backend")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the prefill step and 4 decode steps per backend")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or make_model(
