@@ -16,6 +16,7 @@ Measures on the current GPU, in one run:
                  against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
   prefill_fp8    the same prefill (T = 4096) over an fp8_ds_mla page pool: the fp8 kernel
                  against the backend's bf16 workspace path, and the workspace's dequantization
+                 (--sweep: both paths over chunk lengths and contexts, the break-even)
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
   indexer_decode the decode rows of `indexer` alone
