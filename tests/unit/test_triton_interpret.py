@@ -538,6 +538,13 @@ def test_position_slots_match_layout(k, dcp):
     assert bool((got[3:6][pos[3:6] // (block_size * dcp[0]) == 7] == -1).all())
 
 
+def test_workspace_config_is_checked(k):
+    with pytest.raises(ValueError, match="workspace_min_reads"):
+        k.sparse_mla.SparseMlaConfig(workspace_min_reads=0)
+    with pytest.raises(ValueError, match="workspace_max_rows"):
+        k.sparse_mla.SparseMlaConfig(workspace_max_rows=-1)
+
+
 def test_workspace_indices(k):
     seg = k.mla_workspace.Segment((2, 5), (1, 2), True)
     pos = torch.tensor([[3, -1, 0], [7, 2, -1], [0, 1, 2]], dtype=torch.int32)
