@@ -200,10 +200,12 @@ def test_backend_positions_workspace(g, heads, block_size, dcp):
                                            block_size, TOPK, cfg.workspace_min_reads,
                                            cfg.workspace_max_rows)
     assert [s.workspace for s in segments] == [False, True, False]
-    ws, bases = mla_workspace.build_workspace(cache, table, segments[1], local, L)
+    ws, ws_table = mla_workspace.build_workspace(cache, table, segments[1], local, L)
     slots, _ = layout.context_slots(seq_lens[1], table[1], block_size, *dcp)
     want = formats.read_mla_cache(cache, slots.to(DEV), L, R)
-    assert bases == [0] and torch.equal(ws[: local[1]].float(), want)
+    pages = -(-local[1] // block_size)  # request 1's pages are the workspace's first
+    assert ws_table[1, :pages].tolist() == list(range(pages))
+    assert torch.equal(ws.view(-1, L + R)[: local[1]].float(), want)
     o, lse = TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, SCALE, L)
     ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, SCALE, L)
     owned = position_slots(positions, meta)  # −1 where another rank owns the key

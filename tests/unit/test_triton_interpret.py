@@ -546,13 +546,19 @@ def test_workspace_config_is_checked(k):
 
 
 def test_workspace_indices(k):
+    """Workspace pages renumber a segment's requests' pages consecutively; the slot rule over
+    that table gives workspace rows (request 1 at row 0, request 2 after its 2 pages of 64)."""
     seg = k.mla_workspace.Segment((2, 5), (1, 2), True)
+    block_table = torch.tensor([[9, -1, -1], [4, 7, -1], [2, 0, 5]], dtype=torch.int32)
+    pages, table = k.mla_workspace.workspace_pages(block_table, seg, (10, 128, 100), 64)
+    assert pages.tolist() == [4, 7, 2, 0] and table.tolist() == [[-1, -1], [0, 1], [2, 3]]
     pos = torch.tensor([[3, -1, 0], [7, 2, -1], [0, 1, 2]], dtype=torch.int32)
-    got = k.mla_workspace.workspace_indices(pos, seg, (0, 2, 4, 5), [0, 128])
+    req = torch.tensor([1, 1, 2])
+    got = k.slots.position_slots(pos, req, table, 64)
     assert got.dtype == torch.int32
     assert got.tolist() == [[3, -1, 0], [7, 2, -1], [128, 129, 130]]
     # DCP 2, interleave 1, rank 1: odd positions are this rank's, at local index p // 2.
-    got = k.mla_workspace.workspace_indices(pos, seg, (0, 2, 4, 5), [0, 128], 2, 1, 1)
+    got = k.slots.position_slots(pos, req, table, 64, 2, 1, 1)
     assert got.tolist() == [[1, -1, -1], [3, -1, -1], [-1, 128, -1]]
 
 

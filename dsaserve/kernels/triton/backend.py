@@ -101,12 +101,12 @@ class TritonBackend:
             first, end = seg.rows
             rows = slice(first, end)
             if seg.workspace:
-                ws, bases = mla_workspace.build_workspace(kv_cache, meta.block_table, seg,
-                                                          local_lens, kv_lora_rank)
-                idx = mla_workspace.workspace_indices(positions[rows], seg,
-                                                      meta.query_start_loc, bases, *dcp)
-                outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws[None], idx, scale,
-                                                      kv_lora_rank, cfg))
+                ws, ws_table = mla_workspace.build_workspace(kv_cache, meta.block_table, seg,
+                                                             local_lens, kv_lora_rank)
+                idx = slots.position_slots(positions[rows], meta.req_indices[rows], ws_table,
+                                           meta.block_size, *dcp)
+                outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws, idx, scale, kv_lora_rank,
+                                                      cfg))
             else:
                 found = slots.position_slots(positions[rows], meta.req_indices[rows],
                                              meta.block_table, meta.block_size, *dcp)

@@ -4,14 +4,14 @@ bf16 rows (the ping-pong kernel) instead of dequantizing every selected row on t
 A request's top-k rows are positions of its own context. For a long prefill chunk every
 context row is selected many times over (T = 4096 rows × 2048 indices over a 128K-token
 context: 64 times each), and the fp8 kernel dequantizes it again each time; dequantizing the
-request's pages once into a workspace laid out in position order costs one read of its fp8
-rows and one write of bf16 rows, and the indices then need no block table:
+request's pages once into a workspace costs one read of its fp8 rows and one write of bf16
+rows. The workspace is itself a paged bf16 cache: a request's pages, in order, become
+consecutive workspace pages, so its own block table is
 
-    workspace row of (request r, position p) = base[r] + p     base[r] = Σ_{r' before r} pages·B
+    table[r] = start[r], start[r] + 1, …      start[r] = Σ_{r' before r} pages of r'
 
-Under decode context parallelism a rank's pages hold its local sequence (kv/layout.py), so the
-workspace holds that: row base[r] + local(p) for the positions p the rank owns, −1 for the
-others (the LSE merge over the group adds them), as layout.logical_to_slots masks them.
+and the usual slot rule over that table (slots.position_slots, DCP ownership included: a rank's
+pages hold its local sequence) gives the indices.
 
 Decode rows (1–4 per request) read each row about once, so their requests keep the fp8 path:
 `plan_segments` splits a step's requests, in order, into runs that take one path or the other
@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
-from dsaserve.kv import layout
 
 
 @dataclass(frozen=True)
@@ -129,39 +128,30 @@ def dequantize_pages(cache: torch.Tensor, pages: torch.Tensor, kv_lora_rank: int
     return ws
 
 
+def workspace_pages(block_table: torch.Tensor, segment: Segment, local_lens: Sequence[int],
+                    block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment's requests' cache pages in request then (local) position order [P], and the
+    workspace's own block table [R, max pages] int32: request r's pages renumbered as the
+    consecutive workspace pages they become, −1 elsewhere. Page counts come from the host's
+    local_lens, so nothing waits for the device."""
+    counts = [-(-local_lens[r] // block_size) for r in segment.requests]
+    table = torch.full((block_table.shape[0], max(counts)), -1, dtype=torch.int32,
+                       device=block_table.device)
+    start = 0
+    for r, n in zip(segment.requests, counts, strict=True):
+        table[r, :n] = torch.arange(start, start + n, dtype=torch.int32,
+                                    device=block_table.device)
+        start += n
+    pages = torch.cat([block_table[r, :n] for r, n in zip(segment.requests, counts, strict=True)])
+    return pages, table
+
+
 def build_workspace(cache: torch.Tensor, block_table: torch.Tensor, segment: Segment,
                     local_lens: Sequence[int], kv_lora_rank: int
-                    ) -> tuple[torch.Tensor, list[int]]:
-    """The segment's requests' pages dequantized in request then (local) position order →
-    (workspace [rows, L + R] bf16, the workspace row of each request's first local row). Page
-    counts come from the host's local_lens, so nothing waits for the device."""
-    block_size = cache.shape[1]
-    pages, bases = [], []
-    start = 0
-    for r in segment.requests:
-        n = -(-local_lens[r] // block_size)
-        pages.append(block_table[r, :n])
-        bases.append(start * block_size)
-        start += n
-    return dequantize_pages(cache, torch.cat(pages), kv_lora_rank), bases
-
-
-def workspace_indices(positions: torch.Tensor, segment: Segment,
-                      query_start_loc: Sequence[int], bases: Sequence[int], dcp_size: int = 1,
-                      dcp_rank: int = 0, interleave: int = 1) -> torch.Tensor:
-    """positions [segment rows, K] request-local (−1 skip) → [segment rows, K] int32
-    workspace rows: base + the position's index in this rank's local sequence, −1 where the
-    position is −1 or another DCP rank's; request by request (host bases: no copy of them to
-    the device)."""
-    idx = torch.empty(positions.shape, dtype=torch.int32, device=positions.device)
-    first = segment.rows[0]
-    for r, base in zip(segment.requests, bases, strict=True):
-        rows = slice(query_start_loc[r] - first, query_start_loc[r + 1] - first)
-        pos = positions[rows]
-        if dcp_size == 1:
-            idx[rows] = torch.where(pos >= 0, pos + base, -1)
-            continue
-        local = layout.dcp_local_index(pos, dcp_size, interleave)
-        owned = (pos >= 0) & (layout.dcp_owner(pos, dcp_size, interleave) == dcp_rank)
-        idx[rows] = torch.where(owned, local + base, -1)
-    return idx
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment's requests' pages dequantized → (workspace [P, B, L + R] bf16: a paged bf16
+    cache, its block table [R, max pages] int32). Indices into it are the cache's slot rule
+    over that table (slots.position_slots), DCP ownership included."""
+    pages, table = workspace_pages(block_table, segment, local_lens, cache.shape[1])
+    ws = dequantize_pages(cache, pages, kv_lora_rank)
+    return ws.view(pages.numel(), cache.shape[1], ws.shape[1]), table
