@@ -354,8 +354,10 @@ def bench_prefill_fp8(draws: tuple[str, ...], sweep: bool) -> None:
         if not rel_err(o[:48], ref) <= 1e-2:
             raise AssertionError(f"workspace path: relative error {rel_err(o[:48], ref):.2e}")
         ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L))
+        per_row = SparseMlaConfig(num_splits=1, num_ctas=num_tokens)  # the schedule before
+        row_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L, per_row))
         add(f"prefill fp8 cache, gluon 32-row, T=4096 {draw} indices", ms, flops / ms / 1e9,
-            "TFLOP/s")
+            "TFLOP/s", f"one CTA per row {row_ms * 1e3:.1f} us ({row_ms / ms:.3f}x)")
         ws_ms = timed(partial(backend.sparse_mla_positions, q, cache, pos, meta, SCALE, L))
         add(f"prefill fp8 cache via bf16 workspace, T=4096 {draw} indices", ws_ms,
             flops / ws_ms / 1e9, "TFLOP/s",
@@ -428,6 +430,13 @@ def bench_decode(quick: bool, sweep: bool) -> None:
         add(f"decode {_mla_label(best)} b={batch} s_q={s_q}, CUDA graph", ms,
             flops / ms / 1e9, "TFLOP/s",
             f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us")
+        if best.gluon:  # the default grid against one CTA per row (the schedule before it)
+            per_row = dataclasses.replace(best, num_splits=1, num_ctas=batch * s_q)
+            per_row_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L,
+                                       per_row), graph=True)
+            print(f"    b={batch} s_q={s_q} {_mla_label(best)}, one CTA per row, CUDA graph: "
+                  f"{per_row_ms * 1e3:.1f} us (default grid {per_row_ms / ms:.3f}x)",
+                  flush=True)
         for mode in l2_hint.MODES if best.gluon else ():  # the other L2 copies, to compare
             if mode == best.l2_copies:
                 continue

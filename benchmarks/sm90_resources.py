@@ -162,9 +162,13 @@ def _gluon_mla_sig(split_arg: str) -> dict[str, str]:
 def sparse_mla_gluon_builds() -> list[Build]:
     """The Gluon kernel as `sparse_mla_gluon.launch` builds it: 4 warps per partition (softmax,
     P·V, gather), its ring depth and register split, for bf16 and fp8_ds_mla rows."""
-    sig = _gluon_mla_sig("blocks_per_split")
+    sig = _sig({"q_ptr": "*bf16", "kv_ptr": "*bf16", "idx_ptr": "*i32", "o_ptr": "*bf16",
+                "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+               ["num_tokens", "num_heads", "num_slots", "topk", "stride_qt", "stride_qh",
+                "stride_it"], [])
+    sig = sig | {"sm_scale_log2": "fp32", "num_ctas": "i32", "splits": "i32"}
     default = sparse_mla_gluon.BUILD
-    even = replace(default, softmax_cols=256, pv_regs=216)  # the split it was measured against
+    even = replace(default, softmax_cols=256, pv_regs=208)  # the split it was measured against
     builds = []
     for b, fp8, l2 in ((default, False, l2_hint.PLAIN), (default, True, l2_hint.PLAIN),
                        (even, False, l2_hint.PLAIN), (even, True, l2_hint.PLAIN),

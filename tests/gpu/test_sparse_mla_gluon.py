@@ -3,11 +3,12 @@ every run; tolerances as in test_kernels_gpu.py (`_check_attention`). bf16 rows 
 ping-pong kernel (sparse_mla_pingpong.py), fp8_ds_mla rows sparse_mla_gluon.py's.
 
 Covers 64 and 128 heads, bf16 and fp8_ds_mla caches, an irregular row count, index rows of 2048
-and of 100 slots, −1 holes, slots past the cache (skipped like −1), rows with no valid slot, and
-batches small enough to take the split + merge path (even and uneven splits, a split count
-that is not a power of two, and splits left empty), and one split of 64 blocks checked block
-by block and head tile by head tile. Failure messages name the case, the worst row and the
-worst group of 16 heads. Run on the device machine:
+and of 100 slots, −1 holes, slots past the cache (skipped like −1), rows with no valid slot;
+for the ping-pong kernel the split + merge path (uneven splits, a split count that is not a
+power of two, splits left empty); for the 32-row kernel its splits (uneven ones, capped at the
+block count) and grids whose CTAs run many rows back to back, with rows of 64 blocks checked
+block by block and head tile by head tile. Failure messages name the case, the worst
+row and the worst group of 16 heads. Run on the device machine:
 `pytest -m gpu tests/gpu/test_sparse_mla_gluon.py`.
 """
 
@@ -67,11 +68,11 @@ def _check(label: str, o, lse, ref_o, ref_lse, idx) -> None:
     assert bool((lse[empty] == float("-inf")).all()), f"{label}: ... and lse = -inf"
 
 
-def _run(label, g, q, cache, idx, num_splits=None):
+def _run(label, g, q, cache, idx, num_splits=None, num_ctas=None):
     ours = _past_the_cache(g, idx, cache)
     assert sparse_mla_gluon.gluon_supported(q, cache)
     o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, ours, SCALE, L,
-                                                   num_splits=num_splits)
+                                                   num_splits=num_splits, num_ctas=num_ctas)
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     assert o.dtype == torch.bfloat16 and o.shape == (q.shape[0], q.shape[1], L)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
@@ -92,12 +93,14 @@ def test_gluon_prefill_matches_reference(g, heads, kind, topk):
     _run(f"prefill {kind} H={heads} K={topk}", g, q, cache, idx, num_splits=1)
 
 
-@pytest.mark.parametrize("batch,s_q,topk,num_splits", [
-    (8, 1, TOPK, None),  # the default split count, merged
-    (3, 2, TOPK, 3),  # uneven splits
-    (5, 1, 100, 16),  # 4 blocks over 16 splits: 12 empty splits
+@pytest.mark.parametrize("batch,s_q,topk,num_splits,num_ctas", [
+    (8, 1, TOPK, None, None),  # the default grid: 8 splits per row, merged
+    (3, 2, TOPK, 3, None),  # uneven splits (21, 21, 22 blocks)
+    (5, 1, 100, 16, None),  # 4 blocks per row: the splits capped at 4, none empty
+    (16, 4, TOPK, 1, 7),  # 64 whole rows over 7 CTAs: 9 or 10 each, back to back
+    (4, 4, TOPK, 1, None),  # one CTA per row
 ])
-def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits):
+def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits, num_ctas):
     block_size, max_ctx, heads = 64, 5000, 64
     contexts = torch.randint(1, max_ctx, (batch,), device=DEV, generator=g)
     contexts[0] = 3  # fewer keys than TOPK
@@ -114,8 +117,8 @@ def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits):
     idx = idx.contiguous()
     idx[-1] = -1  # a decode row with nothing to attend to
     q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
-    _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits}", g, q, cache, idx,
-         num_splits=num_splits)
+    _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits} CTAs={num_ctas}", g, q,
+         cache, idx, num_splits=num_splits, num_ctas=num_ctas)
 
 
 @pytest.mark.parametrize("num_splits,topk", [(3, TOPK), (16, 300), (2, 64)])
@@ -150,12 +153,15 @@ def test_pingpong_matches_32_row_gluon_kernel(g):
     _check("ping-pong vs 32-row Gluon kernel, bf16 rows", o, lse, o32.float(), lse32, idx)
 
 
-@pytest.mark.parametrize("kind", ["fp8", "bf16"])
-def test_gluon_long_split_block_by_block(g, kind):
-    """One split of 64 blocks (top-2048, 128 heads = two head tiles): a full row, then rows whose
+@pytest.mark.parametrize("kind,num_splits,num_ctas",
+                         [("fp8", 1, None), ("fp8", 1, 3), ("fp8", 5, None), ("bf16", 1, None)])
+def test_gluon_long_split_block_by_block(g, kind, num_splits, num_ctas):
+    """Rows of 64 blocks (top-2048, 128 heads = two head tiles): a full row, then rows whose
     valid slots all lie in one block w (the others −1), for blocks at the start, around the ring
-    wraps (K ring of 4) and at the end of the split. A ring index or phase error
-    at block w shows up in its row alone; each head tile is checked on its own."""
+    wraps (K ring of 4) and at the end of the row. A ring index or phase error at block w shows
+    up in its row alone; each head tile is checked on its own. fp8 rows: the 26 rows (13 tokens
+    × 2 head tiles) one per CTA, 8 or 9 per CTA back to back (3 CTAs), and in 5 splits of 12
+    or 13 blocks (the ring wraps elsewhere in each split)."""
     heads, num_slots = 128, 8192
     cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
     windows = [0, 1, 2, 3, 4, 5, 6, 31, 32, 61, 62, 63]
@@ -165,11 +171,13 @@ def test_gluon_long_split_block_by_block(g, kind):
     for r, w in enumerate(windows, start=1):
         idx[r] = torch.where(pos // 32 == w, idx[r], -1)
     q = torch.randn(idx.shape[0], heads, L + R, device=DEV, generator=g).bfloat16()
-    o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L, num_splits=1)
+    o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L,
+                                                   num_splits=num_splits, num_ctas=num_ctas)
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     for r, what in enumerate(["all blocks"] + [f"block {w} only" for w in windows]):
         for h in (0, 64):
-            label = f"{kind} long split, row {r} ({what}), heads {h}..{h + 63}"
+            label = (f"{kind} splits={num_splits} CTAs={num_ctas}, row {r} ({what}), heads "
+                     f"{h}..{h + 63}")
             _check(label, o[r:r + 1, h:h + 64], lse[r:r + 1, h:h + 64],
                    ref_o[r:r + 1, h:h + 64], ref_lse[r:r + 1, h:h + 64], idx[r:r + 1])
 
@@ -186,7 +194,7 @@ def test_gluon_matches_triton_kernel(g):
     o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L)
     t_o, t_lse = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L,
                                            sparse_mla.SparseMlaConfig(gluon=False))
-    _check("gluon vs triton, fp8 cache, default splits", o, lse, t_o.float(), t_lse, idx)
+    _check("gluon vs triton, fp8 cache, default grid", o, lse, t_o.float(), t_lse, idx)
 
 
 def test_gluon_rejects_unsupported_shapes():
@@ -200,9 +208,9 @@ def test_gluon_rejects_unsupported_shapes():
         sparse_mla_gluon.sparse_mla_fwd_gluon(q.repeat(1, 2, 1), cache, idx.long(), SCALE, L)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("num_splits,num_ctas", [(1, None), (3, None), (1, 7)])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
-def test_l2_prefetch_gives_the_same_bits(g, kind, num_splits):
+def test_l2_prefetch_gives_the_same_bits(g, kind, num_splits, num_ctas):
     """SparseMlaConfig(l2_copies="prefetch"): the Gluon kernels (ping-pong for bf16 rows, the
     32-row one for fp8_ds_mla) with their copies rewritten (l2_hint) change how rows reach L2,
     not what is computed: bit-identical o and lse. (Both are also built with the other
@@ -216,8 +224,8 @@ def test_l2_prefetch_gives_the_same_bits(g, kind, num_splits):
     idx[5] = -1
     q = torch.randn(num_tokens, 64, L + R, device=DEV, generator=g).bfloat16()
     plain = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
-        gluon=True, num_splits=num_splits, l2_copies="plain"))
+        gluon=True, num_splits=num_splits, num_ctas=num_ctas, l2_copies="plain"))
     hinted = sparse_mla.sparse_mla_fwd(q, cache, idx, SCALE, L, sparse_mla.SparseMlaConfig(
-        gluon=True, num_splits=num_splits, l2_copies="prefetch"))
+        gluon=True, num_splits=num_splits, num_ctas=num_ctas, l2_copies="prefetch"))
     assert torch.equal(plain[0].view(torch.int16), hinted[0].view(torch.int16))  # bits
     assert torch.equal(plain[1].view(torch.int32), hinted[1].view(torch.int32))

@@ -49,6 +49,10 @@ class SparseMlaConfig:
     num_warps: int = 8
     num_stages: int = 3
     num_splits: int | None = None  # None: chosen from the grid size and the SM count
+    # sparse_mla_gluon.py's kernel (fp8_ds_mla rows, or bf16 rows with pingpong=False), when
+    # it does not split rows: num_ctas CTAs share the rows, each running its rows back to back
+    # (mla_work.py); None: the fewest with the most rows per CTA of one CTA per SM.
+    num_ctas: int | None = None
     # The Gluon kernel (sparse_mla_gluon.py: sm_90, bf16 q, H a multiple of 64, L = 512,
     # R = 64); None: wherever it runs (it measured faster or even everywhere).
     gluon: bool | None = None
@@ -71,6 +75,8 @@ class SparseMlaConfig:
         if self.l2_copies not in l2_hint.MODES:
             raise ValueError(f"SparseMlaConfig.l2_copies must be one of {l2_hint.MODES}, got "
                              f"{self.l2_copies!r}")
+        if self.num_ctas is not None and self.num_ctas < 1:
+            raise ValueError(f"SparseMlaConfig.num_ctas must be >= 1 or None, got {self.num_ctas}")
         if not self.workspace_min_reads > 0 or self.workspace_max_rows < 0:
             raise ValueError(f"SparseMlaConfig: workspace_min_reads must be > 0 and "
                              f"workspace_max_rows >= 0, got {self.workspace_min_reads} and "
@@ -290,22 +296,28 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
     if num_tokens == 0:
         return o, lse
 
-    if gluon:  # 64 heads per program
-        from dsaserve.kernels.triton import sparse_mla_gluon, sparse_mla_pingpong
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if gluon and (fp8 or not cfg.pingpong):  # CTAs that run several rows (mla_work.py)
+        from dsaserve.kernels.triton import sparse_mla_gluon
 
-        block_h, block_n = 64, sparse_mla_gluon.BUILD.block_n
+        sparse_mla_gluon.launch(q, kv, idx, o, lse, num_slots, scale, fp8, cfg.num_splits,
+                                cfg.num_ctas, cfg.l2_copies)
+        return o, lse
+    if gluon:  # the ping-pong kernel: 64 heads per program, splits of whole pairs of blocks
+        from dsaserve.kernels.triton import sparse_mla_pingpong
+
+        block_h, unit = 64, sparse_mla_pingpong.PAIR
     else:
-        block_h, block_n = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads))), cfg.block_n
+        block_h = max(16, min(cfg.block_h, triton.next_power_of_2(num_heads)))
+        unit = cfg.block_n
     head_blocks = triton.cdiv(num_heads, block_h)
-    # Split sizes in units of 64 index positions for the Gluon kernels, as for the default
-    # Triton shape (a split keeps at least 4 of them).
-    split_unit = 64 if gluon else block_n
+    # Split sizes in units of 64 index positions for the ping-pong kernel, of blocks for the
+    # Triton one (a split keeps at least 4 of them).
     splits = cfg.num_splits or choose_num_splits(num_tokens * head_blocks,
-                                                 triton.cdiv(topk, split_unit),
+                                                 triton.cdiv(topk, 64 if gluon else unit),
                                                  _num_sms(q.device))
-    # Index positions per split: whole blocks, and for the Gluon kernels whole pairs of the
-    # ping-pong kernel's 64-row blocks (trailing splits may then be empty: o = 0, lse = −inf).
-    unit = sparse_mla_pingpong.PAIR if gluon else block_n
+    # Index positions per split: whole units (trailing splits may then be empty: o = 0,
+    # lse = −inf).
     per_split = triton.cdiv(triton.cdiv(topk, unit), splits) * unit
     if splits > 1:
         out_o = torch.empty(splits, num_tokens, num_heads, lora, dtype=torch.float32,
@@ -314,13 +326,9 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
                               device=q.device)
     else:
         out_o, out_lse = o, lse
-    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if gluon and not fp8 and cfg.pingpong:
+    if gluon:
         sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split,
                                    cfg.l2_copies)
-    elif gluon:
-        sparse_mla_gluon.launch(q, kv, idx, out_o, out_lse, num_slots, scale, fp8,
-                                per_split // block_n, cfg.l2_copies)
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](
@@ -328,8 +336,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
             num_tokens, num_heads, num_slots, topk,
             q.stride(0), q.stride(1), idx.stride(0),
             scale * LOG2E,
-            L=lora, R=rope, KV_FP8=fp8, ROW=row, BLOCK_H=block_h, BLOCK_N=block_n,
-            NUM_SPLITS=splits, BLOCKS_PER_SPLIT=per_split // block_n, DOT_PRECISION=precision,
+            L=lora, R=rope, KV_FP8=fp8, ROW=row, BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+            NUM_SPLITS=splits, BLOCKS_PER_SPLIT=per_split // cfg.block_n, DOT_PRECISION=precision,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     if splits > 1:

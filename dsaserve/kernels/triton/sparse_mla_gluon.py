@@ -2,8 +2,10 @@
 restructured the way FlashMLA's sparse kernels are so that the row gathers, the tensor cores
 and the softmax overlap instead of taking turns.
 
-One CTA takes one query row t, 64 of its heads and one split of its index row, in three
-warp-specialized partitions of one warpgroup (4 warps) each:
+A row is one query token and 64 of its heads. A CTA takes either whole rows, run back to back
+(its gather streams on into the next row while the current one finishes), or one split of one
+row, whose partial (o, lse) sparse_mla.merge_splits merges (mla_work.py: which, and why). Per
+block of BN index positions, three warp-specialized partitions of one warpgroup (4 warps) each:
 
     gather  (worker 1)   for block j: slots = idx[t, j·BN : (j+1)·BN]
                          bf16 rows: cp.async straight into K ring slot j % NBUF, each thread's
@@ -49,8 +51,13 @@ dequantization, S, softmax and P·V formed one serial chain per block; measured 
 FP8 decode b = 128: 203 µs against 154 µs in place, both with the serialized wgmmas.)
 Invalid slots (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is
 predicated off and zero-fills, and their logits are −inf. Registers: 12 warps at maxnreg 168;
-setmaxnreg gives the softmax warpgroup 192, the P·V one 240 and the gather 72 (no spills in
-the sm_90 build).
+setmaxnreg gives the softmax warpgroup 184, the P·V one 240 and the gather 80 (no spills in
+the sm_90 build; with 72 the gather's walk over several rows spilled one register).
+
+Ring slots and barrier phases count the CTA's blocks, across rows. Between rows the softmax
+warpgroup reloads Q (the previous row's S, its only reader, was waited for) and issues no S
+past a row's last block (that ring slot may already hold the next row's block); 1 / l reaches
+the P·V warpgroup through a buffer per row parity, handed back once read (fin / fin_empty).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -70,7 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsaserve.kernels import formats
-from dsaserve.kernels.triton import l2_hint, sparse_mla
+from dsaserve.kernels.triton import l2_hint, mla_work, sparse_mla
 
 # The kernels built with an L2_MARK carry l2_hint's marker; the PTX rewrite is in Triton's
 # pipeline from here on (it leaves unmarked kernels alone).
@@ -127,87 +135,130 @@ def _block_slots(idx_row, first, j, topk, num_slots, BN: gl.constexpr, layout: g
 
 
 @gluon.jit
+def _segment(r, start, end, nb, head_blocks, BN: gl.constexpr):
+    """Row r's segment of this CTA's blocks [start, end) (mla_work.py): its token, first head,
+    first index position, block count, the block count before it (the ring position of its first
+    block) and whether it is the whole row."""
+    lo = gl.maximum(start, r * nb)
+    hi = gl.minimum(end, (r + 1) * nb)
+    t = r // head_blocks
+    head0 = (r - t * head_blocks) * HEADS
+    return t.to(gl.int64), head0, (lo - r * nb) * BN, hi - lo, lo - start, hi - lo == nb
+
+
+@gluon.jit
+def _out_row(whole, t, num_heads, head0, part_base):
+    """First output row of a segment: row t · H + head0 of o, or of the partials [splits, T, H,
+    L] (part_base = split · T) for a split of a row."""
+    if whole:
+        row = t * num_heads + head0
+    else:
+        row = (part_base + t) * num_heads + head0
+    return row
+
+
+@gluon.jit
 def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr,
                        SCOLS: gl.constexpr):
-    q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr = ptrs
-    (t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk, stride_qt,
-     stride_qh, stride_it, sm_scale_log2) = args
+    q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, part_o_ptr, part_lse_ptr = ptrs
+    (part_base, start, end, nb, head_blocks, num_heads, num_slots, topk, stride_qt, stride_qh,
+     stride_it, sm_scale_log2) = args
     q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
-    k_ready, k_empty, p_ready, p_empty, fin = bars
+    k_ready, k_empty, p_ready, p_empty, fin, fin_empty = bars
     s_layout: gl.constexpr = _mma_layout(BN)  # S [64, BN]
     o_layout: gl.constexpr = _mma_layout(SCOLS)  # O [64, SCOLS]
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # [64] per head
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     key_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BN] per key
-
-    # Q [64, 512 | 64] → shared memory once (cp.async, then waited for by this partition).
     q_ld: gl.constexpr = _row_layout(HALF, 8)
     qpe_ld: gl.constexpr = _row_layout(R, 8)
-    h_q = gl.arange(0, HEADS, gl.SliceLayout(1, q_ld))
-    q_rows = q_ptr + t * stride_qt + (head0 + h_q).to(gl.int64)[:, None] * stride_qh
-    for half in gl.static_range(2):
-        c = half * HALF + gl.arange(0, HALF, gl.SliceLayout(0, q_ld))
-        async_copy.async_copy_global_to_shared(q_smem.index(half), q_rows + c[None, :])
-    h_pe = gl.arange(0, HEADS, gl.SliceLayout(1, qpe_ld))
-    pe_rows = q_ptr + t * stride_qt + (head0 + h_pe).to(gl.int64)[:, None] * stride_qh
-    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, qpe_ld))
-    async_copy.async_copy_global_to_shared(qpe_smem, pe_rows + c_pe[None, :])
-    async_copy.commit_group()
-    async_copy.wait_group(0)
-    gl.thread_barrier()  # every thread's Q copies landed (this partition's warps only)
-    fence_async_shared()  # generic-proxy writes → wgmma (async proxy) reads
-
-    idx_row = idx_ptr + t * stride_it
-    m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)  # running max (base-2 logits)
-    l_i = gl.zeros([HEADS], gl.float32, row_s)  # running Σ 2^(s − m)
-    acc = gl.zeros([HEADS, SCOLS], gl.float32, o_layout)  # O[:, :SCOLS]
     zero_s = gl.zeros([HEADS, BN], gl.float32, s_layout)
+    r_first = start // nb
+    for r in range(r_first, (end - 1) // nb + 1):
+        t, head0, first, n, base, whole = _segment(r, start, end, nb, head_blocks, BN)
+        # Q [64, 512 | 64] of this row → shared memory (cp.async, waited for by this partition;
+        # the previous row's S, the only reader, was waited for).
+        h_q = gl.arange(0, HEADS, gl.SliceLayout(1, q_ld))
+        q_rows = q_ptr + t * stride_qt + (head0 + h_q).to(gl.int64)[:, None] * stride_qh
+        for half in gl.static_range(2):
+            c = half * HALF + gl.arange(0, HALF, gl.SliceLayout(0, q_ld))
+            async_copy.async_copy_global_to_shared(q_smem.index(half), q_rows + c[None, :])
+        h_pe = gl.arange(0, HEADS, gl.SliceLayout(1, qpe_ld))
+        pe_rows = q_ptr + t * stride_qt + (head0 + h_pe).to(gl.int64)[:, None] * stride_qh
+        c_pe = L + gl.arange(0, R, gl.SliceLayout(0, qpe_ld))
+        async_copy.async_copy_global_to_shared(qpe_smem, pe_rows + c_pe[None, :])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every thread's Q copies landed (this partition's warps only)
+        fence_async_shared()  # generic-proxy writes → wgmma (async proxy) reads
 
-    # Prologue: S of block 0 (a dummy read of stale shared memory if n_blocks = 0, all of it
-    # masked), its softmax, P(0) handed over; α(0) scales the zero accumulator.
-    mbarrier.wait(k_ready.index(0), 0, pred=n_blocks > 0)
-    fence_async_shared()
-    s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, 0, zero_s)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    _, valid = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
-    p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
-    _hand_over(p16, alpha, 0, n_blocks, p_smem, alpha_smem, p_ready, p_empty)
-    for b in range(n_blocks):
-        ring = b % NBUF
-        pb = b % 2
-        nxt = b + 1
-        # 1. S of block b + 1 and O[:, :SCOLS] += P(b)·K(b)[:, :SCOLS] go to the tensor cores
-        # together (S first); the softmax of b + 1 then runs beside P·K of b. (S of a block
-        # past the end reads a stale slot; its keys are all masked.)
-        mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1, pred=nxt < n_blocks)
+        idx_row = idx_ptr + t * stride_it
+        m_i = gl.full([HEADS], float("-inf"), gl.float32, row_s)  # running max (base-2 logits)
+        l_i = gl.zeros([HEADS], gl.float32, row_s)  # running Σ 2^(s − m)
+        acc = gl.zeros([HEADS, SCOLS], gl.float32, o_layout)  # O[:, :SCOLS]
+
+        # Prologue: S of the segment's block 0, its softmax, P handed over; α scales the zero
+        # accumulator. Ring slots and phases count the CTA's blocks (base + b), not the row's.
+        mbarrier.wait(k_ready.index(base % NBUF), (base // NBUF) & 1)
         fence_async_shared()
-        s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
-        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(0, SCOLS, dim=1),
-                            acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))
-        _, valid = _block_slots(idx_row, first, nxt, topk, num_slots, BN, key_s)
-        p16, alpha, m_i, l_i = _softmax_step(s, valid & (nxt < n_blocks), m_i, l_i,
-                                             sm_scale_log2)
-        _hand_over(p16, alpha, nxt, n_blocks, p_smem, alpha_smem, p_ready, p_empty)
-        # 2. P·K of block b done: release its K slot and P buffer, then rescale O by α(b + 1)
-        # with no wgmma in flight. (Rescaling while a wgmma runs, as the order "issue S(b + 1),
-        # softmax(b), O·α, P·K" does, makes ptxas serialize every wgmma of the kernel: C7515.)
+        s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, base % NBUF, zero_s)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        _, valid = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
+        p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
+        _hand_over(p16, alpha, base, p_smem, alpha_smem, p_ready, p_empty)
+        for b in range(n - 1):
+            gb = base + b
+            ring = gb % NBUF
+            pb = gb % 2
+            nxt = gb + 1
+            # 1. S of block b + 1 and O[:, :SCOLS] += P(b)·K(b)[:, :SCOLS] go to the tensor
+            # cores together (S first); the softmax of b + 1 then runs beside P·K of b.
+            mbarrier.wait(k_ready.index(nxt % NBUF), (nxt // NBUF) & 1)
+            fence_async_shared()
+            s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, nxt % NBUF, zero_s)
+            acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(0, SCOLS, dim=1),
+                                acc, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))
+            _, valid = _block_slots(idx_row, first, b + 1, topk, num_slots, BN, key_s)
+            p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
+            _hand_over(p16, alpha, nxt, p_smem, alpha_smem, p_ready, p_empty)
+            # 2. P·K of block b done: release its K slot and P buffer, then rescale O by
+            # α(b + 1) with no wgmma in flight. (Rescaling while a wgmma runs, as the order
+            # "issue S(b + 1), softmax(b), O·α, P·K" does, makes ptxas serialize every wgmma of
+            # the kernel: C7515.)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(k_empty.index(ring))
+            mbarrier.arrive(p_empty.index(pb))
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        # The segment's last block: its P·K alone (no S past the segment: the slot after it may
+        # already be refilled for the next row).
+        gb = base + n - 1
+        acc = warpgroup_mma(p_smem.index(gb % 2),
+                            k_smem.index(2 * (gb % NBUF)).slice(0, SCOLS, dim=1), acc,
+                            is_async=True)
         acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(k_empty.index(ring))
-        mbarrier.arrive(p_empty.index(pb))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        mbarrier.arrive(k_empty.index(gb % NBUF))
+        mbarrier.arrive(p_empty.index(gb % 2))
 
-    empty = l_i == 0.0  # no valid slot: acc is 0, so o = 0
-    inv_l = 1.0 / gl.where(empty, 1.0, l_i)
-    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
-    inv_l_smem.store(inv_l)
-    gl.thread_barrier()
-    mbarrier.arrive(fin)
-    heads = head0 + gl.arange(0, HEADS, row_s)
-    out_row = (split * num_tokens + t) * num_heads + heads  # [64]
-    gl.store(lse_ptr + out_row, lse)
-    _store_o(o_ptr, acc * gl.convert_layout(inv_l, row_o)[:, None], split, num_tokens, t,
-             num_heads, head0, 0, SCOLS, o_layout)
+        empty = l_i == 0.0  # no valid slot: acc is 0, so o = 0
+        inv_l = 1.0 / gl.where(empty, 1.0, l_i)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * LN2)
+        # 1 / l to the P·V warpgroup through a buffer of two (per segment parity), once it has
+        # read what the segment two before left there.
+        seg = r - r_first
+        mbarrier.wait(fin_empty.index(seg % 2), ((seg // 2) & 1) ^ 1)
+        inv_l_smem.index(seg % 2).store(inv_l)
+        gl.thread_barrier()
+        mbarrier.arrive(fin.index(seg % 2))
+        heads = gl.arange(0, HEADS, row_s)
+        row0 = _out_row(whole, t, num_heads, head0, part_base)
+        o = acc * gl.convert_layout(inv_l, row_o)[:, None]
+        if whole:
+            gl.store(lse_ptr + row0 + heads, lse)
+            _store_o(o_ptr, o, row0, 0, SCOLS, o_layout)
+        else:
+            gl.store(part_lse_ptr + row0 + heads, lse)
+            _store_o(part_o_ptr, o, row0, 0, SCOLS, o_layout)
 
 
 @gluon.jit
@@ -234,26 +285,24 @@ def _softmax_step(s, valid, m_i, l_i, sm_scale_log2):
 
 
 @gluon.jit
-def _hand_over(p16, alpha, b, n_blocks, p_smem, alpha_smem, p_ready, p_empty):
-    """P and α of block b → P buffer b % 2 for both consumers (once both are done with block
-    b − 2, whose P it held); nothing past the last block."""
-    if b < n_blocks:
-        pb = b % 2
-        mbarrier.wait(p_empty.index(pb), ((b // 2) & 1) ^ 1)
-        p_smem.index(pb).store(p16)
-        alpha_smem.index(pb).store(alpha)
-        fence_async_shared()
-        gl.thread_barrier()  # all 128 threads stored before the single-thread arrive
-        mbarrier.arrive(p_ready.index(pb))
+def _hand_over(p16, alpha, b, p_smem, alpha_smem, p_ready, p_empty):
+    """P and α of the CTA's block b → P buffer b % 2 for both consumers (once both are done
+    with block b − 2, whose P it held)."""
+    pb = b % 2
+    mbarrier.wait(p_empty.index(pb), ((b // 2) & 1) ^ 1)
+    p_smem.index(pb).store(p16)
+    alpha_smem.index(pb).store(alpha)
+    fence_async_shared()
+    gl.thread_barrier()  # all 128 threads stored before the single-thread arrive
+    mbarrier.arrive(p_ready.index(pb))
 
 
 @gluon.jit
-def _store_o(o_ptr, o, split, num_tokens, t, num_heads, head0, col0, COLS: gl.constexpr,
-             layout: gl.constexpr):
-    """o [64, COLS] fp32 in `layout` → rows (split, t, head0 + h), columns col0 + c of o_ptr."""
-    h = head0 + gl.arange(0, HEADS, gl.SliceLayout(1, layout))
+def _store_o(o_ptr, o, row0, col0, COLS: gl.constexpr, layout: gl.constexpr):
+    """o [64, COLS] fp32 in `layout` → rows row0 + h, columns col0 + c of o_ptr (rows of L)."""
+    h = gl.arange(0, HEADS, gl.SliceLayout(1, layout))
     c = col0 + gl.arange(0, COLS, gl.SliceLayout(0, layout))
-    row = ((split * num_tokens + t) * num_heads + h).to(gl.int64)
+    row = row0 + h.to(gl.int64)
     gl.store(o_ptr + row[:, None] * L + c[None, :], o.to(o_ptr.dtype.element_ty))
 
 
@@ -263,76 +312,108 @@ def _pv_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr,
     """O[:, SCOLS:] = α·O + P·K[:, SCOLS:]: the latent half 1 always, and with SCOLS < 256 the
     columns SCOLS .. 255 of half 0 as a second accumulator (more of the P·V work here, where
     the softmax warpgroup also computes S)."""
-    o_ptr = ptrs[3]
-    t, head0, split, first, n_blocks, num_tokens, num_heads = args[:7]
+    o_ptr, part_o_ptr = ptrs[3], ptrs[5]
+    part_base, start, end, nb, head_blocks, num_heads = args[:6]
     q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem = smem
-    k_ready, k_empty, p_ready, p_empty, fin = bars
+    k_ready, k_empty, p_ready, p_empty, fin, fin_empty = bars
     LO: gl.constexpr = HALF - SCOLS  # columns of half 0 taken here
     o_layout: gl.constexpr = _mma_layout(HALF)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, 256:]
     if LO > 0:
         lo_layout: gl.constexpr = _mma_layout(LO)
         row_lo: gl.constexpr = gl.SliceLayout(1, lo_layout)
-        acc_lo = gl.zeros([HEADS, LO], gl.float32, lo_layout)  # O[:, SCOLS:256]
-    for b in range(n_blocks):
-        ring = b % NBUF
-        pb = b % 2
-        mbarrier.wait(p_ready.index(pb), (b // 2) & 1)
-        # Already complete (the softmax partition waited for it, and the slot cannot be
-        # refilled before we release it); waited for again to order the cp.async writes.
-        mbarrier.wait(k_ready.index(ring), (b // NBUF) & 1)
-        fence_async_shared()
-        # Both accumulators are rescaled before either wgmma is issued (C7515, see above).
-        acc = acc * alpha_smem.index(pb).load(row_o)[:, None]
+    r_first = start // nb
+    for r in range(r_first, (end - 1) // nb + 1):
+        t, head0, first, n, base, whole = _segment(r, start, end, nb, head_blocks, BN)
+        acc = gl.zeros([HEADS, HALF], gl.float32, o_layout)  # O[:, 256:]
         if LO > 0:
-            acc_lo = acc_lo * alpha_smem.index(pb).load(row_lo)[:, None]
-            acc_lo = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(SCOLS, LO, dim=1),
-                                   acc_lo, is_async=True)
-        acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring + 1), acc, is_async=True)
-        # Released at once: holding K of block b into the next iteration would, with a
-        # two-slot ring, wait on a block the gather cannot fill before the release.
+            acc_lo = gl.zeros([HEADS, LO], gl.float32, lo_layout)  # O[:, SCOLS:256]
+        for b in range(n):
+            gb = base + b
+            ring = gb % NBUF
+            pb = gb % 2
+            mbarrier.wait(p_ready.index(pb), (gb // 2) & 1)
+            # Already complete (the softmax partition waited for it, and the slot cannot be
+            # refilled before we release it); waited for again to order the cp.async writes.
+            mbarrier.wait(k_ready.index(ring), (gb // NBUF) & 1)
+            fence_async_shared()
+            # Both accumulators are rescaled before either wgmma is issued (C7515, see above).
+            acc = acc * alpha_smem.index(pb).load(row_o)[:, None]
+            if LO > 0:
+                acc_lo = acc_lo * alpha_smem.index(pb).load(row_lo)[:, None]
+                acc_lo = warpgroup_mma(p_smem.index(pb),
+                                       k_smem.index(2 * ring).slice(SCOLS, LO, dim=1), acc_lo,
+                                       is_async=True)
+            acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring + 1), acc, is_async=True)
+            # Released at once: holding K of block b into the next iteration would, with a
+            # two-slot ring, wait on a block the gather cannot fill before the release.
+            if LO > 0:
+                acc, acc_lo = warpgroup_mma_wait(0, deps=(acc, acc_lo))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(p_empty.index(pb))
+            mbarrier.arrive(k_empty.index(ring))
+        # 1 / l of the segment from the softmax warpgroup; its buffer is handed back once
+        # every thread has read it.
+        seg = r - r_first
+        mbarrier.wait(fin.index(seg % 2), (seg // 2) & 1)
+        inv_l = inv_l_smem.index(seg % 2).load(row_o)
         if LO > 0:
-            acc, acc_lo = warpgroup_mma_wait(0, deps=(acc, acc_lo))
+            inv_lo = inv_l_smem.index(seg % 2).load(row_lo)
+        gl.thread_barrier()
+        mbarrier.arrive(fin_empty.index(seg % 2))
+        row0 = _out_row(whole, t, num_heads, head0, part_base)
+        if whole:
+            _store_o(o_ptr, acc * inv_l[:, None], row0, HALF, HALF, o_layout)
+            if LO > 0:
+                _store_o(o_ptr, acc_lo * inv_lo[:, None], row0, SCOLS, LO, lo_layout)
         else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(p_empty.index(pb))
-        mbarrier.arrive(k_empty.index(ring))
-    mbarrier.wait(fin, 0)
-    _store_o(o_ptr, acc * inv_l_smem.load(row_o)[:, None], split, num_tokens, t, num_heads,
-             head0, HALF, HALF, o_layout)
-    if LO > 0:
-        _store_o(o_ptr, acc_lo * inv_l_smem.load(row_lo)[:, None], split, num_tokens, t,
-                 num_heads, head0, SCOLS, LO, lo_layout)
+            _store_o(part_o_ptr, acc * inv_l[:, None], row0, HALF, HALF, o_layout)
+            if LO > 0:
+                _store_o(part_o_ptr, acc_lo * inv_lo[:, None], row0, SCOLS, LO, lo_layout)
+
+
+@gluon.jit
+def _work_slots(idx_ptr, stride_it, g, end, nb, head_blocks, topk, num_slots,
+                BN: gl.constexpr, layout: gl.constexpr):
+    """Slots of the CTA's global block g ([BN] int32 in `layout`; −1 from `end` on) and whether
+    each is a row to read."""
+    r = g // nb
+    n = (g - r * nb) * BN + gl.arange(0, BN, layout)  # positions in the index row
+    row = idx_ptr + (r // head_blocks).to(gl.int64) * stride_it  # the token's index row
+    slot = gl.load(row + n, mask=(n < topk) & (g < end), other=-1)
+    return slot, (slot >= 0) & (slot < num_slots)
 
 
 @gluon.jit
 def _gather_bf16_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.constexpr):
-    """cp.async the rows of each block straight into the K ring; each thread's arrive on
-    k_ready fires when its own copies have landed (cp.async.mbarrier.arrive.noinc)."""
+    """cp.async the rows of each of the CTA's blocks (rows after rows, no break between them)
+    straight into the K ring; each thread's arrive on k_ready fires when its own copies have
+    landed (cp.async.mbarrier.arrive.noinc)."""
     kv_ptr, idx_ptr = ptrs[1], ptrs[2]
-    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
-    stride_it = args[11]
+    start, end, nb, head_blocks, num_heads, num_slots, topk = args[1:8]
+    stride_it = args[10]
     k_smem, kpe_smem = smem[2], smem[3]
     k_ready, k_empty = bars[0], bars[1]
     lat: gl.constexpr = _row_layout(HALF, 8)
     pe: gl.constexpr = _row_layout(R, 8)
-    idx_row = idx_ptr + t * stride_it
     c_lat = gl.arange(0, HALF, gl.SliceLayout(0, lat))
     c_pe = L + gl.arange(0, R, gl.SliceLayout(0, pe))
     # The slots of block j + 1 are loaded during block j: an index load waited for right
     # before its row copies put a global-memory round trip on every block (Nsight: a quarter
     # of this partition's time went to that wait).
-    slot_n, valid_n = _block_slots(idx_row, first, 0, topk, num_slots, BN, gl.SliceLayout(1, lat))
-    slot_pe_n, valid_pe_n = _block_slots(idx_row, first, 0, topk, num_slots, BN,
-                                         gl.SliceLayout(1, pe))
-    for j in range(n_blocks):
+    slot_n, valid_n = _work_slots(idx_ptr, stride_it, start, end, nb, head_blocks, topk,
+                                  num_slots, BN, gl.SliceLayout(1, lat))
+    slot_pe_n, valid_pe_n = _work_slots(idx_ptr, stride_it, start, end, nb, head_blocks, topk,
+                                        num_slots, BN, gl.SliceLayout(1, pe))
+    for j in range(end - start):
         ring = j % NBUF
         slot, valid, slot_pe, valid_pe = slot_n, valid_n, slot_pe_n, valid_pe_n
-        slot_n, valid_n = _block_slots(idx_row, first, j + 1, topk, num_slots, BN,
-                                       gl.SliceLayout(1, lat))
-        slot_pe_n, valid_pe_n = _block_slots(idx_row, first, j + 1, topk, num_slots, BN,
-                                             gl.SliceLayout(1, pe))
+        slot_n, valid_n = _work_slots(idx_ptr, stride_it, start + j + 1, end, nb, head_blocks,
+                                      topk, num_slots, BN, gl.SliceLayout(1, lat))
+        slot_pe_n, valid_pe_n = _work_slots(idx_ptr, stride_it, start + j + 1, end, nb,
+                                            head_blocks, topk, num_slots, BN,
+                                            gl.SliceLayout(1, pe))
         rows = kv_ptr + gl.where(valid, slot, 0).to(gl.int64)[:, None] * ROW_BF16
         rows_pe = kv_ptr + gl.where(valid_pe, slot_pe, 0).to(gl.int64)[:, None] * ROW_BF16
         mbarrier.wait(k_empty.index(ring), ((j // NBUF) & 1) ^ 1)
@@ -396,8 +477,8 @@ def _gather_fp8_in_slot_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF
     and its copies (issued two blocks earlier) landed. While block j is dequantized the copies
     of j + 1 are in flight, then those of j + 2 join them."""
     kv_ptr, idx_ptr = ptrs[1], ptrs[2]
-    t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk = args[:9]
-    stride_it = args[11]
+    start, end, nb, head_blocks, num_heads, num_slots, topk = args[1:8]
+    stride_it = args[10]
     k_smem, kpe_smem = smem[2], smem[3]
     k_ready, k_empty = bars[0], bars[1]
     AHEAD: gl.constexpr = NBUF - 2
@@ -412,14 +493,16 @@ def _gather_fp8_in_slot_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF
     sc: gl.constexpr = gl.BlockedLayout([1, NUM_TILES], [4, 8], [4, 1], [1, 0])  # rows as lat8
     pe: gl.constexpr = _row_layout(R, 8)
     rows_l: gl.constexpr = gl.SliceLayout(1, lat8)
-    idx_row = idx_ptr + t * stride_it
+    n_blocks = end - start  # the CTA's blocks, rows after rows
     # Prologue: blocks 0 .. AHEAD − 1 in flight (their slots are free), the slots of block
     # AHEAD in registers.
     for j in gl.static_range(AHEAD):
-        slot, _ = _block_slots(idx_row, first, j, topk, num_slots, BN, rows_l)
+        slot, _ = _work_slots(idx_ptr, stride_it, start + j, end, nb, head_blocks, topk,
+                              num_slots, BN, rows_l)
         _issue_in_slot(kv_ptr, slot, j, n_blocks, num_slots, raw8, rawsc, kpe_smem, NBUF,
                        SC_PER, ROW, lat8, sc, pe)
-    slot_next, _ = _block_slots(idx_row, first, AHEAD, topk, num_slots, BN, rows_l)
+    slot_next, _ = _work_slots(idx_ptr, stride_it, start + AHEAD, end, nb, head_blocks, topk,
+                               num_slots, BN, rows_l)
     tile = gl.arange(0, NUM_TILES, gl.SliceLayout(0, sc))
     for j in range(n_blocks):
         ring = j % NBUF
@@ -441,7 +524,8 @@ def _gather_fp8_in_slot_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF
         # Copies of block j + AHEAD once its slot is released (block j − 2).
         nxt = j + AHEAD
         slot_issue = slot_next
-        slot_next, _ = _block_slots(idx_row, first, nxt + 1, topk, num_slots, BN, rows_l)
+        slot_next, _ = _work_slots(idx_ptr, stride_it, start + nxt + 1, end, nb, head_blocks,
+                                   topk, num_slots, BN, rows_l)
         mbarrier.wait(k_empty.index(nxt % NBUF), ((nxt // NBUF) & 1) ^ 1, pred=nxt < n_blocks)
         _issue_in_slot(kv_ptr, slot_issue, nxt, n_blocks, num_slots, raw8, rawsc, kpe_smem,
                        NBUF, SC_PER, ROW, lat8, sc, pe)
@@ -485,29 +569,42 @@ def _mark_l2_hint(ASM: gl.constexpr):
 
 # Sizes that change from step to step: not specialized on (a new value divisible by 16
 # would compile the kernel again, mid-serving).
-@gluon.jit(do_not_specialize=["num_tokens", "num_slots", "blocks_per_split"])
+@gluon.jit(do_not_specialize=["num_tokens", "num_slots", "num_ctas", "splits"])
 def _sparse_mla_gluon_kernel(
     q_ptr,  # [T, H, 576] bf16
     kv_ptr,  # bf16 rows [num_slots, 576], or fp8_ds_mla bytes [num_slots, 656] (as fp8)
     idx_ptr,  # [T, K] int32 slots, −1 = skip
-    o_ptr,  # [T, H, 512] bf16 (NUM_SPLITS == 1) or fp32 partials [NUM_SPLITS, T, H, 512]
-    lse_ptr,  # [T, H] or [NUM_SPLITS, T, H] fp32, natural log
+    o_ptr,  # [T, H, 512] bf16
+    lse_ptr,  # [T, H] fp32, natural log
+    part_o_ptr,  # [splits, T, H, 512] fp32: the splits' partials (splits > 1)
+    part_lse_ptr,  # [splits, T, H] fp32
     num_tokens, num_heads, num_slots, topk,
     stride_qt, stride_qh, stride_it,
     sm_scale_log2,  # softmax scale · log2(e)
-    blocks_per_split,
+    num_ctas, splits,  # G, and splits per row (> 1: G = rows · splits)
     KV_FP8: gl.constexpr, BN: gl.constexpr, NBUF: gl.constexpr,
     PV_REGS: gl.constexpr, GATHER_REGS: gl.constexpr, SCOLS: gl.constexpr,
     L2_MARK: gl.constexpr = "",  # l2_hint.mark_asm(mode): the rows' copies' L2 qualifiers
 ):
     if L2_MARK != "":
         _mark_l2_hint(L2_MARK)
-    head0 = gl.program_id(0) * HEADS
-    t = gl.program_id(1).to(gl.int64)
-    split = gl.program_id(2)
-    first = split * blocks_per_split * BN  # first position of this split in the index row
-    n_blocks = gl.minimum(gl.cdiv(topk - first, BN), blocks_per_split)
-    n_blocks = gl.maximum(n_blocks, 0)  # trailing splits may be empty
+    # This CTA's blocks [start, end) of the rows in order (row r = token · head_blocks + head
+    # block, nb blocks each; mla_work.cta_blocks computes the same).
+    cta = gl.program_id(0)
+    nb = gl.cdiv(topk, BN)
+    head_blocks = num_heads // HEADS
+    if splits == 1:  # whole rows [c · rows // G, (c + 1) · rows // G), in 32-bit arithmetic
+        rows = num_tokens * head_blocks
+        per, rem = rows // num_ctas, rows % num_ctas
+        start = (cta * per + cta * rem // num_ctas) * nb
+        end = ((cta + 1) * per + (cta + 1) * rem // num_ctas) * nb
+        split = cta * 0
+    else:  # split `split` of row r: blocks [split · nb // splits, (split + 1) · nb // splits)
+        r = cta // splits
+        split = cta - r * splits
+        start = r * nb + split * nb // splits
+        end = r * nb + (split + 1) * nb // splits
+    part_base = split.to(gl.int64) * num_tokens
 
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, HALF], _nvmma([HEADS, HALF]))
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, R], _nvmma([HEADS, R]))
@@ -515,12 +612,14 @@ def _sparse_mla_gluon_kernel(
     kpe_smem = gl.allocate_shared_memory(gl.bfloat16, [NBUF, BN, R], _nvmma([BN, R]))
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [2, HEADS, BN], _nvmma([HEADS, BN]))
     alpha_smem = gl.allocate_shared_memory(gl.float32, [2, HEADS], _plain_shared(1))
-    inv_l_smem = gl.allocate_shared_memory(gl.float32, [HEADS], _plain_shared(1))
+    inv_l_smem = gl.allocate_shared_memory(gl.float32, [2, HEADS], _plain_shared(1))
     k_ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     p_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    # 1 / l of a segment, softmax → P·V warpgroup, in a buffer per segment parity
+    fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    fin_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
         # bf16: every gather thread arrives (cp.async.mbarrier.arrive.noinc); fp8: one arrive.
         mbarrier.init(k_ready.index(i), count=1 if KV_FP8 else 128)
@@ -528,13 +627,14 @@ def _sparse_mla_gluon_kernel(
     for i in gl.static_range(2):
         mbarrier.init(p_ready.index(i), count=1)
         mbarrier.init(p_empty.index(i), count=2)  # both consumers read P
-    mbarrier.init(fin, count=1)
+        mbarrier.init(fin.index(i), count=1)
+        mbarrier.init(fin_empty.index(i), count=1)
 
-    ptrs = (q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr)
-    args = (t, head0, split, first, n_blocks, num_tokens, num_heads, num_slots, topk, stride_qt,
+    ptrs = (q_ptr, kv_ptr, idx_ptr, o_ptr, lse_ptr, part_o_ptr, part_lse_ptr)
+    args = (part_base, start, end, nb, head_blocks, num_heads, num_slots, topk, stride_qt,
             stride_qh, stride_it, sm_scale_log2)
     smem = (q_smem, qpe_smem, k_smem, kpe_smem, p_smem, alpha_smem, inv_l_smem)
-    bars = (k_ready, k_empty, p_ready, p_empty, fin)
+    bars = (k_ready, k_empty, p_ready, p_empty, fin, fin_empty)
     # Constexprs go inline: a tuple held in a variable turns them into tensors.
     if KV_FP8:  # raw rows staged in the K ring slots, dequantized in place
         gl.warp_specialize([
@@ -562,16 +662,18 @@ class GluonMlaBuild:
 
     12 warps at `maxnreg` 168 fill the register file (168 · 384 = 64,512); setmaxnreg then
     moves registers from the gather warpgroup to the two consumers. The softmax warpgroup,
-    which also computes S, owns 128 output columns (64 accumulator registers, 192 in all), the
+    which also computes S, owns 128 output columns (64 accumulator registers, 184 in all), the
     P·V one the other 384 (192 accumulator registers, 240 in all). Measured on an H200
-    against 256 / 256 (216 registers each): FP8 decode b = 128 119.6 vs 122.2 µs, s_q = 4
-    450.6 vs 455.9 µs, prefill T = 4096 equal (3443 vs 3434 µs)."""
+    against 256 / 256 (216 registers each, one row per CTA): FP8 decode b = 128 119.6 vs
+    122.2 µs, s_q = 4 450.6 vs 455.9 µs, prefill T = 4096 equal (3443 vs 3434 µs). The
+    gather's 72 → 80 registers (the softmax warpgroup's 192 → 184) measured no change: b = 128
+    119.2–120.4 µs either way."""
 
     block_n: int = 32  # BN: rows per block; 32 leaves room for a ring deep enough
     num_bufs: int = 4  # NBUF: bf16 K ring slots (blocks gathered ahead of the consumers)
     softmax_cols: int = 128  # output columns of the softmax warpgroup (the P·V one: the rest)
     pv_regs: int = 240  # registers per thread, P·V warpgroup (the softmax one gets the rest)
-    gather_regs: int = 72  # registers per thread, gather warpgroup
+    gather_regs: int = 80  # registers per thread, gather warpgroup
     maxnreg: int = 168
 
 
@@ -607,30 +709,50 @@ def aligned_rows(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
-           out_lse: torch.Tensor, num_slots: int, scale: float, fp8: bool,
-           blocks_per_split: int, l2_copies: str = l2_hint.PLAIN) -> None:
-    """The kernel launch `sparse_mla.sparse_mla_fwd` makes when it picks this kernel (arguments
-    checked there, gluon_supported true): q [T, H, 576], kv the cache as the kernel reads it,
-    idx [T, K] int32 with unit last stride → out_o / out_lse as sparse_mla's kernel writes them
-    (o and lse, or the fp32 partials [splits, ...] of splits of blocks_per_split · BLOCK.block_n
-    index positions). l2_copies: the copies' L2 qualifiers (an l2_hint mode)."""
+def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, o: torch.Tensor,
+           lse: torch.Tensor, num_slots: int, scale: float, fp8: bool,
+           num_splits: int | None = None, num_ctas: int | None = None,
+           l2_copies: str = l2_hint.PLAIN) -> None:
+    """The kernel launches `sparse_mla.sparse_mla_fwd` makes when it picks this kernel
+    (arguments checked there, gluon_supported true): q [T, H, 576], kv the cache as the kernel
+    reads it, idx [T, K] int32 with unit last stride → o [T, H, 512], lse [T, H] (in place).
+    num_splits / num_ctas: the grid (None: mla_work.choose_grid); split rows are merged by
+    sparse_mla.merge_splits. l2_copies: the copies' L2 qualifiers (an l2_hint mode)."""
     q = aligned_rows(q, kv)
     num_tokens, num_heads, _ = q.shape
-    splits = out_o.shape[0] if out_o.dim() == 4 else 1
-    _sparse_mla_gluon_kernel[(num_heads // HEADS.value, num_tokens, splits)](
-        q, kv, idx, out_o, out_lse,
+    rows = num_tokens * (num_heads // HEADS.value)
+    blocks_per_row = triton.cdiv(idx.shape[1], BUILD.block_n)
+    if blocks_per_row == 0:  # an empty index row: nothing to attend to
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid, splits = mla_work.choose_grid(rows, blocks_per_row, sms, num_splits, num_ctas)
+    if splits > 1:
+        part_o = torch.empty(splits, num_tokens, num_heads, L.value, dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_o, part_lse = o, lse  # not written
+    _sparse_mla_gluon_kernel[(grid,)](
+        q, kv, idx, o, lse, part_o, part_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],
-        q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, blocks_per_split,
+        q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, grid, splits,
         KV_FP8=fp8, BN=BUILD.block_n, NBUF=BUILD.num_bufs,
         PV_REGS=BUILD.pv_regs, GATHER_REGS=BUILD.gather_regs, SCOLS=BUILD.softmax_cols,
         L2_MARK=l2_hint.mark_asm(l2_copies), num_warps=4, maxnreg=BUILD.maxnreg,
     )
+    if splits > 1:
+        sparse_mla.merge_splits(part_o, part_lse, o, lse)
 
 
 def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                          scale: float, kv_lora_rank: int = 512,
-                         num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sparse_mla.sparse_mla_fwd` with this kernel forced (ValueError where it does not run)."""
-    config = sparse_mla.SparseMlaConfig(gluon=True, num_splits=num_splits)
+                         num_splits: int | None = None, num_ctas: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sparse_mla.sparse_mla_fwd` with the Gluon kernels forced (ValueError where they do not
+    run): this one for fp8_ds_mla rows (num_ctas: its grid), the ping-pong kernel for bf16 rows
+    (num_splits: its splits)."""
+    config = sparse_mla.SparseMlaConfig(gluon=True, num_splits=num_splits, num_ctas=num_ctas)
     return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices, scale, kv_lora_rank, config)
