@@ -54,14 +54,16 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
                                                 ignore_eos=True))
     tokens, times = [], []
     prof = None
-    # --profile: the prefill step (by GPU time) and four decode steps (by host time).
+    # --profile: the prefill step (by GPU time, also by input shape) and four decode steps (by
+    # host time).
     windows = {0: (1, "the prefill step", "self_device_time_total"),
                4: (8, "4 decode steps", "cpu_time_total")}
     while engine.has_unfinished_requests():
         if args.profile and len(times) in windows:
             end, what, order = windows[len(times)]
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
+                                                      torch.profiler.ProfilerActivity.CUDA],
+                                          record_shapes=end == 1)
             prof.__enter__()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -73,6 +75,10 @@ def run(model_dir: Path, backend: str, args: argparse.Namespace, ids: list[int]
             prof.__exit__(None, None, None)
             print(f"--- {backend}: {what}", file=sys.stderr)
             print(prof.key_averages().table(sort_by=order, row_limit=18), file=sys.stderr)
+            if end == 1:  # the prefill's ops also by input shape: which tensors the glue moves
+                print(prof.key_averages(group_by_input_shape=True).table(
+                    sort_by=order, row_limit=24, max_name_column_width=28,
+                    max_shapes_column_width=80), file=sys.stderr)
             prof = None
     engine.check_integrity()
     return tokens, times[0], times[1:]

@@ -6,6 +6,7 @@ Tolerances (stated once, used below):
   - fp8 caches: the reference reads the same bytes and dequantizes them (e4m3 · power-of-two
     scale is exact in bf16), so the same bound holds;
   - cache writers: byte-exact against dsaserve.kernels.formats;
+  - RMSNorm: within one bf16 rounding step of the PyTorch arithmetic (the sum's order differs);
   - FP8 indexer logits: ‖Δ‖ / ‖ref‖ ≤ 1e-3 per row (fp8 products are exact, the tensor core
     accumulates in reduced fp32); top-k: the reference scores of the chosen keys equal the
     reference top-k scores within that tolerance (tie-tolerant set equality).
@@ -35,6 +36,7 @@ from dsaserve.kernels.triton import (  # noqa: E402
     indexer,
     mla_cache,
     mla_workspace,
+    norm,
     row_topk,
     sparse_mla,
 )
@@ -315,3 +317,17 @@ def test_row_topk_matches_torch_topk(g):
         assert bool((idx[t, n:] == -1).all()) and bool((idx[t, :n] < lens[t]).all())
         assert len(idx[t, :n].unique()) == n
         assert torch.equal(logits[t, idx[t, :n]], values[t, :n])
+
+
+@pytest.mark.parametrize("rows,dim", [(16384, 6144), (3, 2048), (5, 512), (1, 100)])
+def test_rms_norm_matches_pytorch(g, rows, dim):
+    """norm.rms_norm (what the model's RMSNorm runs on a GPU) against the module's PyTorch
+    arithmetic, bf16 rows and weight; rows strided as the kv latent's are (a slice of wider
+    rows)."""
+    x = torch.randn(rows, dim + 64, device=DEV, generator=g).bfloat16()[:, :dim]
+    w = (torch.rand(dim, device=DEV, generator=g) + 0.5).bfloat16()
+    xf = x.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+    got = norm.rms_norm(x, w, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)

@@ -40,7 +40,7 @@ from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
 _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
-            "indexer", "backend")
+            "indexer", "backend", "norm")
 
 
 def _patch_interpreter_index() -> None:
@@ -414,6 +414,28 @@ def test_e4m3_rounding_is_exact(k):
     k.mla_cache.write_mla_cache(ours, slots, c, k_pe)
     formats.write_mla_cache(ref, slots, c, k_pe)
     assert torch.equal(ours, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape,cols", [((5, 48), 48), ((5, 64), 40), ((2, 3, 100), 100),
+                                        ((0, 32), 32)])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_model(k, shape, cols, weight_dtype):
+    """norm.rms_norm against the model's RMSNorm on the CPU (its PyTorch path), fp32 rows:
+    rows strided (the first `cols` columns of wider rows), three dimensions, a width that is
+    not a power of two, no row; the weight in fp32 (the result in fp32) or bf16."""
+    from dsaserve.model.dsa import RMSNorm
+
+    g = _gen()
+    x = torch.randn(shape, generator=g)[..., :cols]
+    module = RMSNorm(cols, 1e-6)
+    module.weight.data = (torch.rand(cols, generator=g) + 0.5).to(weight_dtype)
+    want = module(x)
+    got = k.norm.rms_norm(x, module.weight, 1e-6)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------
