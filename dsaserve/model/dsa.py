@@ -99,6 +99,10 @@ class Indexer(nn.Module):
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # The RoPE part is the FIRST rope_dim dims here (in MLA q it is the last).
+        if x.is_cuda:  # rotated and copied in one pass (kernels/triton/rotary.py)
+            from dsaserve.kernels.triton import rotary
+
+            return rotary.rotate(x, cos, sin, self.interleaved)
         rot = apply_rope(x[..., : self.rope_dim], cos, sin, self.interleaved)
         return torch.cat((rot, x[..., self.rope_dim :].to(rot.dtype)), dim=-1)
 

@@ -67,6 +67,10 @@ def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
     """Rotate x [N, ..., dim] by cos/sin [N, dim/2] in fp32; keeps x's dtype and layout."""
+    if x.is_cuda:  # the same arithmetic in one pass (kernels/triton/rotary.py)
+        from dsaserve.kernels.triton import rotary
+
+        return rotary.rotate(x, cos, sin, interleaved)
     shape = x.shape
     xf = x.float()
     extra = (1,) * (x.dim() - 2)

@@ -6,7 +6,8 @@ Tolerances (stated once, used below):
   - fp8 caches: the reference reads the same bytes and dequantizes them (e4m3 · power-of-two
     scale is exact in bf16), so the same bound holds;
   - cache writers: byte-exact against dsaserve.kernels.formats;
-  - RMSNorm: within one bf16 rounding step of the PyTorch arithmetic (the sum's order differs);
+  - RMSNorm and rotary embedding: within one bf16 rounding step of the PyTorch arithmetic (the
+    sum's order, fused multiply-adds);
   - FP8 indexer logits: ‖Δ‖ / ‖ref‖ ≤ 1e-3 per row (fp8 products are exact, the tensor core
     accumulates in reduced fp32); top-k: the reference scores of the chosen keys equal the
     reference top-k scores within that tolerance (tie-tolerant set equality).
@@ -37,6 +38,7 @@ from dsaserve.kernels.triton import (  # noqa: E402
     mla_cache,
     mla_workspace,
     norm,
+    rotary,
     row_topk,
     sparse_mla,
 )
@@ -331,3 +333,22 @@ def test_rms_norm_matches_pytorch(g, rows, dim):
     got = norm.rms_norm(x, w, 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape,rope", [((16384, 64, 64), 64), ((3, 64), 64), ((5, 32, 128), 64)])
+def test_rotary_matches_pytorch(g, interleaved, shape, rope):
+    """rotary.rotate (what apply_rope and the indexer run on a GPU) against model/rope.py's
+    PyTorch arithmetic (run on the CPU copies), bf16: MLA's q_pe (a slice of q's rows), k_pe,
+    and the indexer's queries (the first 64 of 128 columns rotated, the rest copied)."""
+    from dsaserve.model.rope import apply_rope
+
+    x = torch.randn(*shape[:-1], shape[-1] + 128, device=DEV, generator=g).bfloat16()[..., 128:]
+    angles = torch.rand(shape[0], rope // 2, device=DEV, generator=g) * 1e4
+    cos, sin = angles.cos(), angles.sin()
+    xc = x.cpu()
+    want = torch.cat((apply_rope(xc[..., :rope], cos.cpu(), sin.cpu(), interleaved),
+                      xc[..., rope:]), dim=-1)
+    got = rotary.rotate(x, cos, sin, interleaved)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    torch.testing.assert_close(got.float().cpu(), want.float(), rtol=2 ** -7, atol=1e-5)

@@ -40,7 +40,7 @@ from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
 _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
-            "indexer", "backend", "norm")
+            "indexer", "backend", "norm", "rotary")
 
 
 def _patch_interpreter_index() -> None:
@@ -436,6 +436,28 @@ def test_rms_norm_matches_the_model(k, shape, cols, weight_dtype):
     got = k.norm.rms_norm(x, module.weight, 1e-6)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------
+# Rotary embedding
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("shape,rope", [((6, 4, 16), 16), ((6, 16), 16), ((5, 3, 40), 8),
+                                        ((7, 24), 8), ((0, 2, 8), 8)])
+def test_rotary_matches_apply_rope(k, interleaved, shape, rope):
+    """rotary.rotate against model/rope.py's PyTorch path: whole rows rotated (MLA's q_pe and
+    k_pe, here strided: a slice of wider rows) and only the first columns of wider rows (the
+    indexer's, the rest copied), both pairings, 2-D and 3-D rows, no token."""
+    from dsaserve.model.rope import apply_rope
+
+    g = _gen()
+    x = torch.randn(*shape[:-1], shape[-1] + 8, generator=g)[..., 8:]  # strided rows
+    angles = torch.rand(shape[0], rope // 2, generator=g) * 6.0
+    cos, sin = angles.cos() * 1.2, angles.sin() * 1.2
+    want = torch.cat((apply_rope(x[..., :rope], cos, sin, interleaved), x[..., rope:]), dim=-1)
+    got = k.rotary.rotate(x, cos, sin, interleaved)
+    assert got.dtype == x.dtype and got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------

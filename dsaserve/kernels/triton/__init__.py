@@ -11,6 +11,8 @@
     indexer_gluon.py     the logits in Gluon for sm_90 (chosen for decode tiles)
     row_topk.py          exact top-k of long rows (threshold, compaction, selection)
     backend.py           TritonBackend: the methods the registry expects, reference fallback
+    norm.py              RMSNorm in one pass (the model's norms on a GPU)
+    rotary.py            rotary embedding in one pass (the model's rotations on a GPU)
 
 Importing this package needs `triton`; nothing here is imported by the engine unless the
 "triton" backend is chosen.
