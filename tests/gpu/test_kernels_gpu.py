@@ -6,8 +6,9 @@ Tolerances (stated once, used below):
   - fp8 caches: the reference reads the same bytes and dequantizes them (e4m3 · power-of-two
     scale is exact in bf16), so the same bound holds;
   - cache writers: byte-exact against dsaserve.kernels.formats;
-  - RMSNorm and rotary embedding: within one bf16 rounding step of the PyTorch arithmetic (the
-    sum's order, fused multiply-adds);
+  - rotary embedding: within one bf16 rounding step of the PyTorch arithmetic (fused
+    multiply-adds); RMSNorm: within two (the sum's order can move the normalized value, cast
+    to bf16 before the weight's product, to its neighbour; the product rounds again);
   - FP8 indexer logits: ‖Δ‖ / ‖ref‖ ≤ 1e-3 per row (fp8 products are exact, the tensor core
     accumulates in reduced fp32); top-k: the reference scores of the chosen keys equal the
     reference top-k scores within that tolerance (tie-tolerant set equality).
@@ -332,7 +333,7 @@ def test_rms_norm_matches_pytorch(g, rows, dim):
     want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
     got = norm.rms_norm(x, w, 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
