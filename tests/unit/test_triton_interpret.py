@@ -40,7 +40,7 @@ from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
 _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
-            "indexer", "backend", "norm", "rotary")
+            "indexer", "backend", "norm", "rotary", "mla_work")
 
 
 def _patch_interpreter_index() -> None:
@@ -614,3 +614,48 @@ def test_tiles_and_splits(k):
     assert choose(32, 64, 132) == 4 and choose(28, 64, 132) == 4
     assert choose(1, 64, 132) == 16  # capped so that every split keeps >= 4 blocks
     assert choose(1, 2, 132) == 1
+
+
+@pytest.mark.parametrize("rows,nb,num_ctas,splits", [
+    (512, 64, 128, 1), (512, 64, 132, 1), (26, 64, 3, 1), (7, 4, 7, 1), (1, 64, 1, 1),
+    (32, 64, 128, 4), (6, 64, 18, 3), (5, 4, 20, 4), (3, 7, 15, 5),
+])
+def test_cta_blocks_tile_the_rows(k, rows, nb, num_ctas, splits):
+    """mla_work.cta_blocks (the ranges the 32-row Gluon kernel computes itself; its GPU tests
+    check the results) against the picture: the ranges tile the rows' blocks exactly, in order,
+    whole rows or one split of one row per CTA, sizes as even as they can be."""
+    ranges = [k.mla_work.cta_blocks(c, num_ctas, rows, nb, splits) for c in range(num_ctas)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == rows * nb
+    # in order, no gap, no overlap
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    sizes = [end - start for start, end in ranges]
+    assert all(size > 0 for size in sizes)
+    if splits == 1:  # whole rows, as even as possible
+        assert all(start % nb == 0 and end % nb == 0 for start, end in ranges)
+        assert max(sizes) - min(sizes) <= nb
+    else:  # one split of one row each; splits of a row differ by at most one block
+        assert num_ctas == rows * splits
+        assert all(start // nb == (end - 1) // nb for start, end in ranges)
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_choose_grid(k):
+    choose = k.mla_work.choose_grid
+    # Many rows: whole rows, the fewest CTAs for the same most rows per CTA.
+    assert choose(512, 64, 132) == (128, 1)  # b = 128, s_q = 4: 4 rows each
+    assert choose(128, 64, 132) == (128, 1)  # one wave, one row each
+    assert choose(151, 64, 132) == (76, 1)  # 2 rows per CTA at most either way
+    assert choose(528, 64, 132) == (132, 1)  # 4 rows each
+    assert choose(529, 64, 132) == (529, 1)  # past 4 rows per SM: one CTA per row
+    assert choose(4096, 64, 132) == (4096, 1)
+    # Few rows: splits as for the other kernels (a power of two filling the SMs once, at most 8
+    # of top-2048, none under 8 blocks); a caller's count is capped at the blocks (none empty).
+    assert choose(32, 64, 132) == (128, 4)
+    assert choose(1, 64, 132) == (8, 8)
+    assert choose(5, 4, 132) == (5, 1)  # 4 blocks: too few to split
+    # What a caller asks for: splits capped at the blocks; CTAs at the rows.
+    assert choose(6, 64, 132, splits=3) == (18, 3)
+    assert choose(5, 4, 132, splits=16) == (20, 4)
+    assert choose(64, 64, 132, splits=1, num_ctas=7) == (7, 1)
+    assert choose(16, 64, 132, splits=1, num_ctas=100) == (16, 1)
+    assert choose(16, 64, 132, splits=1) == (16, 1)
