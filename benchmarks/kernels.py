@@ -12,10 +12,12 @@ Measures on the current GPU, in one run:
   sparse MLA     prefill from a bf16 workspace (64 heads, top-2048, 128K-token context,
                  T = 4096 and 16384; indices drawn uniformly over the context and as
                  FlashMLA's own benchmark draws them, mostly from the last 20,000 positions)
-                 and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1),
-                 against a plain-PyTorch gather + bmm path and the FlashMLA anchors of issue 6
+                 and FP8 paged decode (b = 128 s_q = 1 / 4, b = 32 s_q = 1; its default grid
+                 against one CTA per row, mla_work.py), against a plain-PyTorch gather + bmm
+                 path and the FlashMLA anchors of issue 6
   prefill_fp8    the same prefill (T = 4096) over an fp8_ds_mla page pool: the fp8 kernel
-                 against the backend's bf16 workspace path, and the workspace's dequantization
+                 (its grid, one CTA per row, against 128 CTAs of 32 rows) against the
+                 backend's bf16 workspace path, and the workspace's dequantization
                  (--sweep: both paths over chunk lengths and contexts, the break-even)
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
@@ -354,10 +356,15 @@ def bench_prefill_fp8(draws: tuple[str, ...], sweep: bool) -> None:
         if not rel_err(o[:48], ref) <= 1e-2:
             raise AssertionError(f"workspace path: relative error {rel_err(o[:48], ref):.2e}")
         ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L))
-        per_row = SparseMlaConfig(num_splits=1, num_ctas=num_tokens)  # the schedule before
-        row_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L, per_row))
+        # The default grid (one CTA per row here) against whole rows back to back, one CTA
+        # per SM at most (mla_work.choose_grid: why not for this many rows).
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        ctas = triton.cdiv(num_tokens, triton.cdiv(num_tokens, sms))
+        packed = SparseMlaConfig(num_splits=1, num_ctas=ctas)
+        packed_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L, packed))
         add(f"prefill fp8 cache, gluon 32-row, T=4096 {draw} indices", ms, flops / ms / 1e9,
-            "TFLOP/s", f"one CTA per row {row_ms * 1e3:.1f} us ({row_ms / ms:.3f}x)")
+            "TFLOP/s", f"{ctas} CTAs of {triton.cdiv(num_tokens, ctas)} rows "
+            f"{packed_ms * 1e3:.1f} us ({ms / packed_ms:.3f}x)")
         ws_ms = timed(partial(backend.sparse_mla_positions, q, cache, pos, meta, SCALE, L))
         add(f"prefill fp8 cache via bf16 workspace, T=4096 {draw} indices", ws_ms,
             flops / ws_ms / 1e9, "TFLOP/s",
