@@ -56,6 +56,7 @@ from dsaserve.kernels.triton import (
     indexer,
     l2_hint,
     mla_cache,
+    mla_work,
     mla_workspace,
     row_topk,
     sparse_mla,
@@ -358,8 +359,8 @@ def bench_prefill_fp8(draws: tuple[str, ...], sweep: bool) -> None:
         ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L))
         # The default grid (one CTA per row here) against whole rows back to back, one CTA
         # per SM at most (mla_work.choose_grid: why not for this many rows).
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        ctas = triton.cdiv(num_tokens, triton.cdiv(num_tokens, sms))
+        ctas = mla_work.whole_row_ctas(num_tokens,
+                                       torch.cuda.get_device_properties(0).multi_processor_count)
         packed = SparseMlaConfig(num_splits=1, num_ctas=ctas)
         packed_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L, packed))
         add(f"prefill fp8 cache, gluon 32-row, T=4096 {draw} indices", ms, flops / ms / 1e9,

@@ -90,30 +90,22 @@ class Indexer(nn.Module):
         super().__init__()
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
-        self.rope_dim = cfg.qk_rope_head_dim
         self.interleaved = cfg.indexer_rope_interleave
         self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.wk = _linear(cfg.hidden_size, self.head_dim)
         self.k_norm = LayerNormFP32(self.head_dim, cfg.index_k_norm_eps)
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads).float()  # fp32, as the reference
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # The RoPE part is the FIRST rope_dim dims here (in MLA q it is the last).
-        if x.is_cuda:  # rotated and copied in one pass (kernels/triton/rotary.py)
-            from dsaserve.kernels.triton import rotary
-
-            return rotary.rotate(x, cos, sin, self.interleaved)
-        rot = apply_rope(x[..., : self.rope_dim], cos, sin, self.interleaved)
-        return torch.cat((rot, x[..., self.rope_dim :].to(rot.dtype)), dim=-1)
-
+    # The RoPE part is the FIRST qk_rope_head_dim dims here (in MLA q it is the last):
+    # apply_rope rotates the first 2·cos.shape[-1] columns and copies the rest.
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] → keys [N, D] fp32 (LayerNorm, then RoPE)."""
-        return self._rope(self.k_norm(self.wk(x)), cos, sin)
+        return apply_rope(self.k_norm(self.wk(x)), cos, sin, self.interleaved)
 
     def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """qr [N, q_lora] → queries [N, Hi, D] in the model dtype."""
         q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        return self._rope(q, cos, sin)
+        return apply_rope(q, cos, sin, self.interleaved)
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] → per-head weights [N, Hi] fp32 with nh^-1/2 and D^-1/2 folded in."""

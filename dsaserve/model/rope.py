@@ -66,11 +66,16 @@ class RotaryTable:
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
 ) -> torch.Tensor:
-    """Rotate x [N, ..., dim] by cos/sin [N, dim/2] in fp32; keeps x's dtype and layout."""
+    """Rotate the first R = 2·cos.shape[-1] columns of x [N, ..., dim] by cos/sin [N, R/2] in
+    fp32 and copy the rest (R < dim: the indexer, whose RoPE part comes first); keeps x's
+    dtype and layout."""
     if x.is_cuda:  # the same arithmetic in one pass (kernels/triton/rotary.py)
         from dsaserve.kernels.triton import rotary
 
         return rotary.rotate(x, cos, sin, interleaved)
+    rope = 2 * cos.shape[-1]
+    if rope < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rope], cos, sin, interleaved), x[..., rope:]), dim=-1)
     shape = x.shape
     xf = x.float()
     extra = (1,) * (x.dim() - 2)

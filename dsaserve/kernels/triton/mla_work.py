@@ -44,15 +44,20 @@ def cta_blocks(cta: int, num_ctas: int, rows: int, blocks_per_row: int,
     return row * nb + split * nb // splits, row * nb + (split + 1) * nb // splits
 
 
+def whole_row_ctas(rows: int, num_sms: int) -> int:
+    """The fewest CTAs with the most rows per CTA of one CTA per SM (512 rows on 132 SMs: 128
+    CTAs of 4 rows)."""
+    return triton.cdiv(rows, triton.cdiv(rows, num_sms))
+
+
 def choose_grid(rows: int, blocks_per_row: int, num_sms: int, splits: int | None = None,
                 num_ctas: int | None = None) -> tuple[int, int]:
     """(num_ctas, splits) for `rows` rows of blocks_per_row blocks of 32 index positions.
 
     splits (None: as for the other kernels, sparse_mla.choose_num_splits: a power of two that
     fills the SMs once, 1 for rows ≥ SMs) is capped at blocks_per_row, so no split is empty;
-    with splits > 1 the grid is rows · splits. With whole rows, num_ctas (None: the fewest CTAs
-    with the same most rows per CTA as one per SM, e.g. 512 rows on 132 SMs are 128 CTAs of 4
-    rows; one CTA per row past MAX_WAVES rows per SM) is capped at the row count.
+    with splits > 1 the grid is rows · splits. With whole rows, num_ctas (None: whole_row_ctas;
+    one CTA per row past MAX_WAVES rows per SM) is capped at the row count.
 
     Why one CTA per row for many rows: a CTA's rows are fixed in advance, so rows that take
     longer than others (more L2 misses) are not evened out the way the hardware evens out many
@@ -67,5 +72,5 @@ def choose_grid(rows: int, blocks_per_row: int, num_sms: int, splits: int | None
     if num_ctas is None and rows > MAX_WAVES * num_sms:
         num_ctas = rows  # many short CTAs: the hardware's own scheduling balances them
     elif num_ctas is None:
-        num_ctas = triton.cdiv(rows, triton.cdiv(rows, num_sms))
+        num_ctas = whole_row_ctas(rows, num_sms)
     return max(1, min(num_ctas, rows, MAX_CTAS)), 1
