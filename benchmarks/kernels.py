@@ -251,8 +251,9 @@ def fp8_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
 # --------------------------------------------------------------------------------------------
 # Triton (block_h, block_n, num_warps, num_stages), its default first, and the Gluon kernels
 # (bf16 rows: the ping-pong kernel, then sparse_mla_gluon.py's 32-row kernel, the previous
-# version; fp8_ds_mla rows take the latter either way), the default Gluon kernel also with its
-# copies in each other l2_hint mode; --sweep adds the other Triton shapes.
+# version; fp8_ds_mla rows take the latter unless pingpong_fp8, which decode and prefill_fp8
+# time beside it), the default Gluon kernel also with its copies in each other l2_hint mode;
+# --sweep adds the other Triton shapes.
 MLA_CONFIGS = [SparseMlaConfig(64, 64, 8, 3, gluon=False), SparseMlaConfig(gluon=True)] + [
     SparseMlaConfig(gluon=True, l2_copies=mode) for mode in l2_hint.MODES
     if mode != SparseMlaConfig.l2_copies]
@@ -264,7 +265,8 @@ def _mla_label(cfg: SparseMlaConfig, fp8: bool = True) -> str:
     if not cfg.gluon:
         return f"triton (n={cfg.block_n},st={cfg.num_stages})"
     hint = "" if cfg.l2_copies == "plain" else f", {cfg.l2_copies} L2 copies"
-    return ("gluon ping-pong" if cfg.pingpong and not fp8 else "gluon 32-row") + hint
+    pingpong = cfg.pingpong_fp8 if fp8 else cfg.pingpong
+    return ("gluon ping-pong" if pingpong else "gluon 32-row") + hint
 
 
 def check_config(q, cache, idx, cfg, rows: int = 48) -> float:
@@ -366,6 +368,11 @@ def bench_prefill_fp8(draws: tuple[str, ...], sweep: bool) -> None:
         add(f"prefill fp8 cache, gluon 32-row, T=4096 {draw} indices", ms, flops / ms / 1e9,
             "TFLOP/s", f"{ctas} CTAs of {triton.cdiv(num_tokens, ctas)} rows "
             f"{packed_ms * 1e3:.1f} us ({ms / packed_ms:.3f}x)")
+        pingpong = SparseMlaConfig(pingpong_fp8=True)
+        check_config(q, cache, slots, pingpong)
+        pp_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, slots, SCALE, L, pingpong))
+        add(f"prefill fp8 cache, gluon ping-pong, T=4096 {draw} indices", pp_ms,
+            flops / pp_ms / 1e9, "TFLOP/s", f"{ms / pp_ms:.2f}x the 32-row kernel")
         ws_ms = timed(partial(backend.sparse_mla_positions, q, cache, pos, meta, SCALE, L))
         add(f"prefill fp8 cache via bf16 workspace, T=4096 {draw} indices", ws_ms,
             flops / ws_ms / 1e9, "TFLOP/s",
@@ -445,6 +452,13 @@ def bench_decode(quick: bool, sweep: bool) -> None:
             print(f"    b={batch} s_q={s_q} {_mla_label(best)}, one CTA per row, CUDA graph: "
                   f"{per_row_ms * 1e3:.1f} us (default grid {per_row_ms / ms:.3f}x)",
                   flush=True)
+        if best.gluon:  # the other Gluon kernel for fp8_ds_mla rows
+            other = dataclasses.replace(best, pingpong_fp8=not best.pingpong_fp8)
+            check_config(q, cache, idx, other)
+            other_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, other),
+                             graph=True)
+            print(f"    b={batch} s_q={s_q} {_mla_label(other)}, CUDA graph: "
+                  f"{other_ms * 1e3:.1f} us (default {other_ms / ms:.3f}x)", flush=True)
         for mode in l2_hint.MODES if best.gluon else ():  # the other L2 copies, to compare
             if mode == best.l2_copies:
                 continue

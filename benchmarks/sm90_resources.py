@@ -2,8 +2,8 @@
 
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
-      (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, indexer, indexer_gluon,
-       row_topk, writers)
+      (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
+       indexer, indexer_gluon, row_topk, writers)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -192,23 +192,35 @@ def _l2_label(mode: str) -> str:
     return "" if mode == l2_hint.PLAIN else f", {mode} L2 copies"
 
 
-def sparse_mla_pingpong_builds(modes: tuple[str, ...] = (l2_hint.PLAIN, l2_hint.PREFETCH)
-                               ) -> list[Build]:
-    """The ping-pong kernel (bf16 rows) as `sparse_mla_pingpong.launch` builds it, with each
-    of `modes` (l2_hint) for its copies."""
+def sparse_mla_pingpong_builds(modes: tuple[str, ...] = (l2_hint.PLAIN, l2_hint.PREFETCH),
+                               fp8: bool = False) -> list[Build]:
+    """The ping-pong kernel as `sparse_mla_pingpong.launch` builds it: bf16 rows with each of
+    `modes` (l2_hint) for its copies, or fp8_ds_mla rows (its own register split)."""
     pp = sparse_mla_pingpong
     sig = _gluon_mla_sig("pairs_per_split")
+    if fp8:
+        sig = sig | {"kv_ptr": "*fp8e4nv"}
+        modes, wg1, gather = (l2_hint.PLAIN,), pp.FP8_WG1_REGS, pp.FP8_GATHER_REGS
+    else:
+        wg1, gather = pp.WG1_REGS, pp.GATHER_REGS
     builds = []
     for l2 in modes:
-        consts = {"WG1_REGS": pp.WG1_REGS, "GATHER_REGS": pp.GATHER_REGS,
+        consts = {"KV_FP8": fp8, "WG1_REGS": wg1, "GATHER_REGS": gather,
                   "L2_MARK": l2_hint.mark_asm(l2)}
         builds.append(Build(
-            f"sparse MLA ping-pong bf16 rows, 64 heads, blocks of {pp.BN.value} rows in two "
-            f"buffers, 3 partitions x 4 warps, registers {pp.WG1_REGS} / {pp.WG1_REGS} / "
-            f"{pp.GATHER_REGS}{_l2_label(l2)}",
+            f"sparse MLA ping-pong {'fp8_ds_mla' if fp8 else 'bf16'} rows, 64 heads, blocks "
+            f"of {pp.BN.value} rows in two buffers, 3 partitions x 4 warps, registers {wg1} / "
+            f"{wg1} / {gather}{_l2_label(l2)}",
             pp._sparse_mla_pingpong_kernel, sig | {c: "constexpr" for c in consts}, consts, 4,
             gluon=True, maxnreg=pp.MAXNREG))
     return builds
+
+
+def sparse_mla_pingpong_fp8_builds() -> list[Build]:
+    """The ping-pong kernel on fp8_ds_mla rows (opt-in). Its own part, outside the clean parts
+    that tests/unit/test_sm90_builds.py checks: at 216 registers a consumer warpgroup spills 8
+    bytes (sparse_mla_pingpong.FP8_WG1_REGS)."""
+    return sparse_mla_pingpong_builds(fp8=True)
 
 
 def indexer_builds() -> list[Build]:
@@ -296,6 +308,7 @@ def writer_builds() -> list[Build]:
 
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
+         "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds}
 

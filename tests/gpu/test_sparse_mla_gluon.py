@@ -68,11 +68,12 @@ def _check(label: str, o, lse, ref_o, ref_lse, idx) -> None:
     assert bool((lse[empty] == float("-inf")).all()), f"{label}: ... and lse = -inf"
 
 
-def _run(label, g, q, cache, idx, num_splits=None, num_ctas=None):
+def _run(label, g, q, cache, idx, num_splits=None, num_ctas=None, pingpong_fp8=False):
     ours = _past_the_cache(g, idx, cache)
     assert sparse_mla_gluon.gluon_supported(q, cache)
     o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, ours, SCALE, L,
-                                                   num_splits=num_splits, num_ctas=num_ctas)
+                                                   num_splits=num_splits, num_ctas=num_ctas,
+                                                   pingpong_fp8=pingpong_fp8)
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     assert o.dtype == torch.bfloat16 and o.shape == (q.shape[0], q.shape[1], L)
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:2]
@@ -81,26 +82,33 @@ def _run(label, g, q, cache, idx, num_splits=None, num_ctas=None):
 
 @pytest.mark.parametrize("topk", [TOPK, 100])
 @pytest.mark.parametrize("heads", [64, 128])
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp8 ping-pong"])
 def test_gluon_prefill_matches_reference(g, heads, kind, topk):
     num_tokens, num_slots = 37, 6007
-    cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
+    fp8 = kind.startswith("fp8")
+    cache = base._random_cache(g, num_slots, 64 if fp8 else num_slots, fp8)
     contexts = torch.randint(1, num_slots, (num_tokens,), device=DEV, generator=g)
     contexts[:7] = torch.tensor([1, 5, 100, 2047, 2048, 2049, 0], device=DEV)
     idx = base._random_indices(g, num_tokens, contexts, num_slots)[:, :topk].contiguous()
     idx[9] = -1  # a row with no valid index, whatever topk is
     q = torch.randn(num_tokens, heads, L + R, device=DEV, generator=g).bfloat16()
-    _run(f"prefill {kind} H={heads} K={topk}", g, q, cache, idx, num_splits=1)
+    _run(f"prefill {kind} H={heads} K={topk}", g, q, cache, idx, num_splits=1,
+         pingpong_fp8=kind == "fp8 ping-pong")
 
 
-@pytest.mark.parametrize("batch,s_q,topk,num_splits,num_ctas", [
-    (8, 1, TOPK, None, None),  # the default grid: 8 splits per row, merged
-    (3, 2, TOPK, 3, None),  # uneven splits (21, 21, 22 blocks)
-    (5, 1, 100, 16, None),  # 4 blocks per row: the splits capped at 4, none empty
-    (16, 4, TOPK, 1, 7),  # 64 whole rows over 7 CTAs: 9 or 10 each, back to back
-    (4, 4, TOPK, 1, None),  # one CTA per row
+@pytest.mark.parametrize("batch,s_q,topk,num_splits,num_ctas,pingpong", [
+    (8, 1, TOPK, None, None, False),  # the default grid: 8 splits per row, merged
+    (3, 2, TOPK, 3, None, False),  # uneven splits (21, 21, 22 blocks)
+    (5, 1, 100, 16, None, False),  # 4 blocks per row: the splits capped at 4, none empty
+    (16, 4, TOPK, 1, 7, False),  # 64 whole rows over 7 CTAs: 9 or 10 each, back to back
+    (4, 4, TOPK, 1, None, False),  # one CTA per row
+    (8, 1, TOPK, None, None, True),  # ping-pong: its default splits (16 of one pair each)
+    (3, 2, TOPK, 3, None, True),  # uneven splits of pairs (6, 6, 4)
+    (5, 1, 100, 16, None, True),  # one pair per row: splits past it left empty
+    (4, 4, TOPK, 1, None, True),  # whole rows
 ])
-def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits, num_ctas):
+def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits, num_ctas,
+                                            pingpong):
     block_size, max_ctx, heads = 64, 5000, 64
     contexts = torch.randint(1, max_ctx, (batch,), device=DEV, generator=g)
     contexts[0] = 3  # fewer keys than TOPK
@@ -117,8 +125,9 @@ def test_gluon_fp8_decode_matches_reference(g, batch, s_q, topk, num_splits, num
     idx = idx.contiguous()
     idx[-1] = -1  # a decode row with nothing to attend to
     q = torch.randn(batch * s_q, heads, L + R, device=DEV, generator=g).bfloat16()
-    _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits} CTAs={num_ctas}", g, q,
-         cache, idx, num_splits=num_splits, num_ctas=num_ctas)
+    _run(f"fp8 decode b={batch} s_q={s_q} K={topk} splits={num_splits} CTAs={num_ctas} "
+         f"ping-pong={pingpong}", g, q, cache, idx, num_splits=num_splits, num_ctas=num_ctas,
+         pingpong_fp8=pingpong)
 
 
 @pytest.mark.parametrize("num_splits,topk", [(3, TOPK), (16, 300), (2, 64)])
@@ -154,16 +163,19 @@ def test_pingpong_matches_32_row_gluon_kernel(g):
 
 
 @pytest.mark.parametrize("kind,num_splits,num_ctas",
-                         [("fp8", 1, None), ("fp8", 1, 3), ("fp8", 5, None), ("bf16", 1, None)])
+                         [("fp8", 1, None), ("fp8", 1, 3), ("fp8", 5, None), ("bf16", 1, None),
+                          ("fp8 ping-pong", 1, None), ("fp8 ping-pong", 3, None)])
 def test_gluon_long_split_block_by_block(g, kind, num_splits, num_ctas):
     """Rows of 64 blocks (top-2048, 128 heads = two head tiles): a full row, then rows whose
     valid slots all lie in one block w (the others −1), for blocks at the start, around the ring
     wraps (K ring of 4) and at the end of the row. A ring index or phase error at block w shows
     up in its row alone; each head tile is checked on its own. fp8 rows: the 26 rows (13 tokens
     × 2 head tiles) one per CTA, 8 or 9 per CTA back to back (3 CTAs), and in 5 splits of 12
-    or 13 blocks (the ring wraps elsewhere in each split)."""
+    or 13 blocks (the ring wraps elsewhere in each split); through the ping-pong kernel, whole
+    rows and 3 splits of 10 or 12 pairs (its two buffers' halves change phase every pair)."""
     heads, num_slots = 128, 8192
-    cache = base._random_cache(g, num_slots, 64 if kind == "fp8" else num_slots, kind == "fp8")
+    fp8 = kind.startswith("fp8")
+    cache = base._random_cache(g, num_slots, 64 if fp8 else num_slots, fp8)
     windows = [0, 1, 2, 3, 4, 5, 6, 31, 32, 61, 62, 63]
     perm = torch.randperm(num_slots, device=DEV, generator=g)[:TOPK].int()
     idx = perm.repeat(1 + len(windows), 1)  # row 0: every slot valid
@@ -172,7 +184,8 @@ def test_gluon_long_split_block_by_block(g, kind, num_splits, num_ctas):
         idx[r] = torch.where(pos // 32 == w, idx[r], -1)
     q = torch.randn(idx.shape[0], heads, L + R, device=DEV, generator=g).bfloat16()
     o, lse = sparse_mla_gluon.sparse_mla_fwd_gluon(q, cache, idx, SCALE, L,
-                                                   num_splits=num_splits, num_ctas=num_ctas)
+                                                   num_splits=num_splits, num_ctas=num_ctas,
+                                                   pingpong_fp8=kind == "fp8 ping-pong")
     ref_o, ref_lse = reference.sparse_mla_paged(q, cache, idx, SCALE, L, R)
     for r, what in enumerate(["all blocks"] + [f"block {w} only" for w in windows]):
         for h in (0, 64):

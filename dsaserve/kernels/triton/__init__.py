@@ -5,7 +5,7 @@
     sparse_mla.py        sparse MLA (MQA form) over a paged cache: prefill and decode, o + lse
     sparse_mla_gluon.py  the same in Gluon, warp-specialized, for sm_90 (chosen there)
     mla_work.py          its grid: whole rows back to back per CTA, or a split of a row each
-    sparse_mla_pingpong.py  the same with FlashMLA's ping-pong schedule (bf16 rows)
+    sparse_mla_pingpong.py  the same with FlashMLA's ping-pong schedule (bf16 rows; fp8 opt-in)
     l2_hint.py           PTX rewrite: cp.async with an L2 evict_last policy (opt-in)
     indexer.py           paged FP8 indexer logits with group maxima, causal top-k
     indexer_gluon.py     the logits in Gluon for sm_90 (chosen for decode tiles)

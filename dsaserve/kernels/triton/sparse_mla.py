@@ -57,8 +57,11 @@ class SparseMlaConfig:
     # R = 64); None: wherever it runs (it measured faster or even everywhere).
     gluon: bool | None = None
     # With the Gluon kernel and a bf16 cache: the ping-pong kernel (sparse_mla_pingpong.py)
-    # instead of sparse_mla_gluon.py's (which fp8_ds_mla caches always take).
+    # instead of sparse_mla_gluon.py's.
     pingpong: bool = True
+    # With the Gluon kernel and an fp8_ds_mla cache: the ping-pong kernel, its gather
+    # dequantizing the rows (sparse_mla_pingpong.py), instead of sparse_mla_gluon.py's.
+    pingpong_fp8: bool = False
     # The L2 qualifiers of the Gluon kernels' row copies, an l2_hint mode: "plain", "prefetch"
     # (256-byte L2 prefetch) or "evict_last" (that and FlashMLA's evict_last policy on the
     # gathered rows). Neither measured faster on an H200 (docs/kernels.md): plain by default.
@@ -297,7 +300,8 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
         return o, lse
 
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if gluon and (fp8 or not cfg.pingpong):  # CTAs that run several rows (mla_work.py)
+    pingpong = cfg.pingpong_fp8 if fp8 else cfg.pingpong
+    if gluon and not pingpong:  # CTAs that run several rows (mla_work.py)
         from dsaserve.kernels.triton import sparse_mla_gluon
 
         sparse_mla_gluon.launch(q, kv, idx, o, lse, num_slots, scale, fp8, cfg.num_splits,
@@ -328,7 +332,7 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
         out_o, out_lse = o, lse
     if gluon:
         sparse_mla_pingpong.launch(q, kv, idx, out_o, out_lse, num_slots, scale, per_split,
-                                   cfg.l2_copies)
+                                   cfg.l2_copies, fp8)
     else:
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         _sparse_mla_fwd_kernel[(head_blocks, num_tokens, splits)](

@@ -749,10 +749,11 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, o: torch.Tensor
 
 def sparse_mla_fwd_gluon(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                          scale: float, kv_lora_rank: int = 512,
-                         num_splits: int | None = None, num_ctas: int | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_splits: int | None = None, num_ctas: int | None = None,
+                         pingpong_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`sparse_mla.sparse_mla_fwd` with the Gluon kernels forced (ValueError where they do not
-    run): this one for fp8_ds_mla rows (num_ctas: its grid), the ping-pong kernel for bf16 rows
-    (num_splits: its splits)."""
-    config = sparse_mla.SparseMlaConfig(gluon=True, num_splits=num_splits, num_ctas=num_ctas)
+    run): this one for fp8_ds_mla rows (num_ctas: its grid) unless pingpong_fp8, the ping-pong
+    kernel for bf16 rows (num_splits: the splits of either)."""
+    config = sparse_mla.SparseMlaConfig(gluon=True, num_splits=num_splits, num_ctas=num_ctas,
+                                        pingpong_fp8=pingpong_fp8)
     return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices, scale, kv_lora_rank, config)

@@ -1,7 +1,8 @@
-"""Sparse MLA forward over bf16 rows in Gluon for Hopper (sm_90), with the two consumer
-warpgroups in ping-pong: each computes S for every other block of 64 keys and P·V for half of
-O's columns, so the QK and P·V work is split evenly and one warpgroup's softmax runs while the
-other's wgmmas keep the tensor cores busy (FlashMLA's sparse prefill schedule).
+"""Sparse MLA forward over bf16 rows (and fp8_ds_mla rows, opt-in) in Gluon for Hopper
+(sm_90), with the two consumer warpgroups in ping-pong: each computes S for every other block
+of 64 keys and P·V for half of O's columns, so the QK and P·V work is split evenly and one
+warpgroup's softmax runs while the other's wgmmas keep the tensor cores busy (FlashMLA's
+sparse prefill schedule).
 
 sparse_mla_gluon.py's kernel gives S and the softmax to one warpgroup and most of P·V to the
 other; its softmax warpgroup is the critical path (QK of 576 columns plus its share of P·V,
@@ -36,6 +37,17 @@ The gather warpgroup (worker 1) also loads Q. Hand-offs between the warpgroups a
 Invalid slots (< 0, ≥ num_slots, or past the index row) are never read: their cp.async is
 predicated off and zero-fills, and their logits are −inf. The running max starts at −1e30,
 not −inf, so that 2^(m_old − m_new) is never NaN (FlashMLA's choice).
+
+fp8_ds_mla rows (KV_FP8; SparseMlaConfig.pingpong_fp8, off by default): shared memory has no
+room for raw rows, so the gather loads the next K half's latents into registers (as 4-byte
+words, one half ahead: 64 B per thread), waits for the half to be freed, stores it dequantized
+(e4m3 · 2^k, exact in bf16, inline PTX) and copies its rope (bf16 already) with cp.async; a
+right half's k_ready then counts the 128 copy arrivals and the one store arrival. Measured on
+an H200, FP8 decode b = 128, s_q = 1 / 4: 136–138 / 528–533 µs against 122 / 490 µs for
+sparse_mla_gluon.py's kernel (hence off). With the loads replaced by register arithmetic the
+same kernel takes 93 / 355 µs: the schedule is 1.3× faster than that kernel when the bytes
+are there. Two halves in flight need 32 more registers than the gather's 72 (it spilled and
+ran slower), and L2 prefetches a pair ahead did not help (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -384,12 +396,170 @@ def _gather_partition(ptrs, args, smem, bars):
     async_copy.wait_group(0)
 
 
+@gluon.constexpr_function
+def _word_layout():
+    """[64, 32] int32: one 128-value e4m3 latent tile of 64 rows as 4-byte words, 2 threads
+    per row with 4 × 16 bytes each (16 registers), so each gather thread owns one row of a
+    block (one slot, one tile scale). Words, not fp8 values: carried from one step to the next,
+    8-bit values live in 16-bit registers each, and the sm_90 build spilled 1.5 KB."""
+    return gl.BlockedLayout([1, 4], [16, 2], [4, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def _rope_layout():
+    """cp.async layout of a [64, 64] bf16 rope tile with the rows of _word_layout (thread →
+    row the same, so slots move between the two layouts without data movement)."""
+    return gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+
+
+@gluon.jit
+def _load_tile(kv_ptr, slot, ok, tile: gl.constexpr, ROW: gl.constexpr, lat: gl.constexpr):
+    """Latent tile `tile` (values 128·tile … + 127) of 64 fp8_ds_mla rows → registers
+    ([64, 32] int32 words of 4 e4m3 each, and the rows' fp32 scale as bits [64]), 0 where not
+    `ok`. Plain loads: the bytes wait in registers, not in shared memory (which the bf16 tiles
+    fill), until their half is free."""
+    rows = kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * ROW  # [64] row pointers
+    c = gl.arange(0, 32, gl.SliceLayout(0, lat))
+    words = rows.to(gl.pointer_type(gl.int32))[:, None] + (tile * 32 + c)[None, :]
+    x = gl.load(words, mask=ok[:, None], other=0)
+    scale = gl.load((rows + L + 4 * tile).to(gl.pointer_type(gl.int32)), mask=ok, other=0)
+    return x, scale
+
+
+# 4 e4m3 values (one word, $2) times a power of two (fp32 bits, $3) → 4 bf16 values in two
+# words ($0: values 0, 1; $1: values 2, 3), exact. cvt.rn.bf16x2.f32 puts its first source in
+# the upper half.
+_DEQUANT_ASM = gl.constexpr("""{
+.reg .b16 lo, hi, a, b, c, d;
+.reg .b32 ab, cd;
+.reg .f32 fa, fb, fc, fd;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 ab, lo;
+cvt.rn.f16x2.e4m3x2 cd, hi;
+mov.b32 {a, b}, ab;
+mov.b32 {c, d}, cd;
+cvt.f32.f16 fa, a;
+cvt.f32.f16 fb, b;
+cvt.f32.f16 fc, c;
+cvt.f32.f16 fd, d;
+mul.f32 fa, fa, $3;
+mul.f32 fb, fb, $3;
+mul.f32 fc, fc, $3;
+mul.f32 fd, fd, $3;
+cvt.rn.bf16x2.f32 $0, fb, fa;
+cvt.rn.bf16x2.f32 $1, fd, fc;
+}""")
+
+
+@gluon.jit
+def _store_dequantized(k_words, col0: gl.constexpr, x, scale):
+    """x · 2^k ([64, 32] words of e4m3 → [64, 128] bf16, exact: power-of-two scales) → bf16
+    columns col0 … col0 + 127 of a K half (k_words: the half as [64, 128] words)."""
+    lo, hi = gl.inline_asm_elementwise(
+        _DEQUANT_ASM, "=r,=r,r,r", [x, scale[:, None] + gl.zeros_like(x)],
+        dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    pairs = gl.reshape(gl.join(lo, hi), [HEADS, 64])  # words 2j, 2j + 1: values 4j … 4j + 3
+    k_words.slice(col0 // 2, 64, dim=1).store(pairs)
+
+
+@gluon.jit
+def _fp8_step(kv_ptr, k_words, kpe_smem, k_ready, k_free, phase, half: gl.constexpr,
+              buf: gl.constexpr, xa, sa, xb, sb, slot, ok, slot_n, ok_n, tile_n: gl.constexpr,
+              z, ROW: gl.constexpr, lat: gl.constexpr, pe: gl.constexpr):
+    """One K half (k_words.index(half) of buffer `buf`, rows `slot` where `ok`) from the
+    registers xa, sa / xb, sb (its two latent tiles) once its last reader freed it; a right
+    half also gets its rows' rope (cp.async, counted on k_ready by every thread). Each tile's
+    registers are reloaded, right after they are stored, with the next half's tiles tile_n,
+    tile_n + 1 (rows slot_n where ok_n), so 64 B per thread stay in flight throughout.
+    z: _opaque_zero (constant views would have every store address of the loop hoisted out
+    of it, and spilled)."""
+    mbarrier.wait(k_free.index(half), phase ^ 1)
+    if half % 2 == 1:  # right half: latent 256–511 and the rope
+        rows = kv_ptr + gl.where(ok, slot, 0).to(gl.int64) * ROW
+        rows_pe = gl.convert_layout(rows, gl.SliceLayout(1, pe))
+        ok_pe = gl.convert_layout(ok, gl.SliceLayout(1, pe))
+        c_pe = gl.arange(0, R, gl.SliceLayout(0, pe))
+        async_copy.async_copy_global_to_shared(
+            kpe_smem.index(buf + z),
+            (rows_pe + (L + 16)).to(gl.pointer_type(gl.bfloat16))[:, None] + c_pe[None, :],
+            mask=ok_pe[:, None])
+        async_copy.commit_group()
+        async_copy.mbarrier_arrive(k_ready.index(half), increment_count=False)
+    _store_dequantized(k_words.index(half + z), 0, xa, sa)
+    xa, sa = _load_tile(kv_ptr, slot_n, ok_n, tile_n, ROW, lat)
+    _store_dequantized(k_words.index(half + z), 128, xb, sb)
+    xb, sb = _load_tile(kv_ptr, slot_n, ok_n, tile_n + 1, ROW, lat)
+    fence_async_shared()  # generic-proxy stores → the consumers' wgmma reads
+    _signal(k_ready.index(half))
+    return xa, sa, xb, sb
+
+
+@gluon.jit
+def _gather_fp8_partition(ptrs, args, smem, bars):
+    """fp8_ds_mla rows: Q once, then per pair the four K halves in the order the consumers free
+    them (K0 left, K1 right, K0 right, K1 left), each dequantized from registers that were
+    loaded while the half before it was being filled (_fp8_step)."""
+    q_ptr, kv_ptr, idx_ptr = ptrs[0], ptrs[1], ptrs[2]
+    (t, head0, split, first, n_pairs, num_tokens, num_heads, num_slots, topk, stride_it,
+     sm_scale_log2) = args
+    stride_qt, stride_qh = ptrs[5], ptrs[6]
+    q_smem, qpe_smem, k_smem, kpe_smem = smem[0], smem[1], smem[2], smem[3]
+    q_ready, k_ready, k_free = bars[0], bars[1], bars[2]
+    ROW: gl.constexpr = L + 16 + 2 * R  # 656 bytes: latents, 4 fp32 scales, bf16 rope
+    ld: gl.constexpr = _copy_layout()
+    lat: gl.constexpr = _word_layout()
+    pe: gl.constexpr = _rope_layout()
+    # The K halves as words (the same bytes: a 128-byte swizzle is laid out in bytes).
+    k_words = k_smem._reinterpret(gl.int32, [4, HEADS, HALF // 2],
+                                  gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                       rank=2))
+    rows_l: gl.constexpr = gl.SliceLayout(1, lat)
+
+    h = gl.arange(0, HEADS, gl.SliceLayout(1, ld))
+    q_rows = q_ptr + t * stride_qt + (head0 + h).to(gl.int64)[:, None] * stride_qh
+    c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
+    for half in gl.static_range(2):
+        async_copy.async_copy_global_to_shared(q_smem.index(half),
+                                               q_rows + (half * HALF + c)[None, :])
+    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, ld))
+    async_copy.async_copy_global_to_shared(qpe_smem.index(0), q_rows + c_pe[None, :])
+    async_copy.commit_group()
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+    idx_row = idx_ptr + t * stride_it
+    slot0, ok0 = _slots(idx_row, first, topk, num_slots, rows_l)
+    slot1, ok1 = _slots(idx_row, first + BN, topk, num_slots, rows_l)
+    ok0 = ok0 & (n_pairs > 0)
+    ok1 = ok1 & (n_pairs > 0)
+    xa, sa = _load_tile(kv_ptr, slot0, ok0, 0, ROW, lat)  # K0 left of pair 0
+    xb, sb = _load_tile(kv_ptr, slot0, ok0, 1, ROW, lat)
+    for i in range(n_pairs):
+        phase = i & 1
+        z = _opaque_zero(i)
+        nxt = first + (i + 1) * (2 * BN)
+        slot0_n, ok0_n = _slots(idx_row, nxt, topk, num_slots, rows_l)
+        slot1_n, ok1_n = _slots(idx_row, nxt + BN, topk, num_slots, rows_l)
+        more = i + 1 < n_pairs
+        ok0_n = ok0_n & more
+        ok1_n = ok1_n & more
+        xa, sa, xb, sb = _fp8_step(kv_ptr, k_words, kpe_smem, k_ready, k_free, phase, K0L, 0,
+                                   xa, sa, xb, sb, slot0, ok0, slot1, ok1, 2, z, ROW, lat, pe)
+        xa, sa, xb, sb = _fp8_step(kv_ptr, k_words, kpe_smem, k_ready, k_free, phase, K1R, 1,
+                                   xa, sa, xb, sb, slot1, ok1, slot0, ok0, 2, z, ROW, lat, pe)
+        xa, sa, xb, sb = _fp8_step(kv_ptr, k_words, kpe_smem, k_ready, k_free, phase, K0R, 0,
+                                   xa, sa, xb, sb, slot0, ok0, slot1, ok1, 0, z, ROW, lat, pe)
+        xa, sa, xb, sb = _fp8_step(kv_ptr, k_words, kpe_smem, k_ready, k_free, phase, K1L, 1,
+                                   xa, sa, xb, sb, slot1, ok1, slot0_n, ok0_n, 0, z, ROW, lat, pe)
+        slot0, ok0, slot1, ok1 = slot0_n, ok0_n, slot1_n, ok1_n
+    async_copy.wait_group(0)
+
+
 # Sizes that change from step to step: not specialized on (a new value divisible by 16
 # would compile the kernel again, mid-serving).
 @gluon.jit(do_not_specialize=["num_tokens", "num_slots", "pairs_per_split"])
 def _sparse_mla_pingpong_kernel(
     q_ptr,  # [T, H, 576] bf16
-    kv_ptr,  # bf16 rows [num_slots, 576]
+    kv_ptr,  # bf16 rows [num_slots, 576], or fp8_ds_mla bytes [num_slots, 656] (as fp8)
     idx_ptr,  # [T, K] int32 slots, −1 = skip
     o_ptr,  # [T, H, 512] bf16 (one split) or fp32 partials [splits, T, H, 512]
     lse_ptr,  # [T, H] or [splits, T, H] fp32, natural log
@@ -397,7 +567,7 @@ def _sparse_mla_pingpong_kernel(
     stride_qt, stride_qh, stride_it,
     sm_scale_log2,  # softmax scale · log2(e)
     pairs_per_split,
-    WG1_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
+    KV_FP8: gl.constexpr, WG1_REGS: gl.constexpr, GATHER_REGS: gl.constexpr,
     L2_MARK: gl.constexpr,  # l2_hint.mark_asm(mode): the KV rows' copies' L2 qualifiers
 ):
     if L2_MARK != "":
@@ -426,7 +596,14 @@ def _sparse_mla_pingpong_kernel(
     fin = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=128)  # every gather thread's copies (arrive.noinc)
     for i in gl.static_range(4):
-        mbarrier.init(k_ready.index(i), count=128)
+        # bf16: every gather thread's copies (arrive.noinc); fp8: one arrive once the
+        # dequantized latents are stored, and for a right half every thread's rope copies.
+        if not KV_FP8:
+            mbarrier.init(k_ready.index(i), count=128)
+        elif i % 2 == 1:
+            mbarrier.init(k_ready.index(i), count=129)
+        else:
+            mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_free.index(i), count=1)  # each half has one last reader
     mbarrier.init(m0_ready, count=1)
     mbarrier.init(m1_ready, count=1)
@@ -439,26 +616,38 @@ def _sparse_mla_pingpong_kernel(
             sm_scale_log2)
     smem = (q_smem, qpe_smem, k_smem, kpe_smem, p1_smem, m_smem, l_smem)
     bars = (q_ready, k_ready, k_free, m0_ready, m1_ready, s0_ready, s1_ready, fin)
-    gl.warp_specialize([
-        (_wg0_partition, (ptrs, args, smem, bars)),
-        (_wg1_partition, (ptrs, args, smem, bars)),
-        (_gather_partition, (ptrs, args, smem, bars)),
-    ], [4, 4], [WG1_REGS, GATHER_REGS])
+    if KV_FP8:
+        gl.warp_specialize([
+            (_wg0_partition, (ptrs, args, smem, bars)),
+            (_wg1_partition, (ptrs, args, smem, bars)),
+            (_gather_fp8_partition, (ptrs, args, smem, bars)),
+        ], [4, 4], [WG1_REGS, GATHER_REGS])
+    else:
+        gl.warp_specialize([
+            (_wg0_partition, (ptrs, args, smem, bars)),
+            (_wg1_partition, (ptrs, args, smem, bars)),
+            (_gather_partition, (ptrs, args, smem, bars)),
+        ], [4, 4], [WG1_REGS, GATHER_REGS])
 
 
 # Registers per thread: 12 warps at maxnreg 168; setmaxnreg gives each consumer 224 (O half
 # 128, S and P 48, the next block's key mask) and the gather 56 (216 / 72 spills 8 bytes).
 MAXNREG, WG1_REGS, GATHER_REGS = 168, 224, 56
+# fp8_ds_mla rows: the gather also holds the next half's raw tiles (32 registers). At 224 / 56
+# it spilled 56 bytes and ran 1.17x slower (H200, FP8 decode b = 128); 216 / 72 leaves 8 bytes
+# spilled by a consumer warpgroup.
+FP8_WG1_REGS, FP8_GATHER_REGS = 216, 72
 
 
 def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Tensor,
            out_lse: torch.Tensor, num_slots: int, scale: float, positions_per_split: int,
-           l2_copies: str = l2_hint.PLAIN) -> None:
-    """The launch `sparse_mla.sparse_mla_fwd` makes for a bf16 cache on sm_90 (arguments
-    checked there): q [T, H, 576] (H a multiple of 64), kv bf16 [.., .., 576], idx [T, K] int32
-    with unit last stride → out_o / out_lse (o and lse, or fp32 partials [splits, ...] of
-    positions_per_split index positions each, a multiple of PAIR). l2_copies: the copies' L2
-    qualifiers (an l2_hint mode)."""
+           l2_copies: str = l2_hint.PLAIN, fp8: bool = False) -> None:
+    """The launch `sparse_mla.sparse_mla_fwd` makes on sm_90 for a bf16 cache, or for an
+    fp8_ds_mla one with SparseMlaConfig.pingpong_fp8 (arguments checked there): q [T, H, 576]
+    (H a multiple of 64), kv bf16 [.., .., 576] or (fp8) the fp8 view of fp8_ds_mla bytes
+    [.., .., 656], idx [T, K] int32 with unit last stride → out_o / out_lse (o and lse, or
+    fp32 partials [splits, ...] of positions_per_split index positions each, a multiple of
+    PAIR). l2_copies: the copies' L2 qualifiers (an l2_hint mode)."""
     if positions_per_split % PAIR:
         raise ValueError(f"sparse_mla_pingpong: splits must cover a multiple of {PAIR} "
                          f"index positions, got {positions_per_split}")
@@ -469,6 +658,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, out_o: torch.Te
         q, kv, idx, out_o, out_lse,
         num_tokens, num_heads, num_slots, idx.shape[1],
         q.stride(0), q.stride(1), idx.stride(0), scale * LOG2E, positions_per_split // PAIR,
-        WG1_REGS=WG1_REGS, GATHER_REGS=GATHER_REGS, L2_MARK=l2_hint.mark_asm(l2_copies),
+        KV_FP8=fp8, WG1_REGS=FP8_WG1_REGS if fp8 else WG1_REGS,
+        GATHER_REGS=FP8_GATHER_REGS if fp8 else GATHER_REGS, L2_MARK=l2_hint.mark_asm(l2_copies),
         num_warps=4, maxnreg=MAXNREG,
     )
