@@ -343,6 +343,23 @@ def _copy_half(kv_ptr, slot, valid, k_dst, pe_dst, col0: gl.constexpr, rope: gl.
 
 
 @gluon.jit
+def _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready):
+    """Q [64 heads, 512 | 64] of token t → shared memory (cp.async); every gather thread's
+    arrive on q_ready fires when its copies have landed."""
+    ld: gl.constexpr = _copy_layout()
+    h = gl.arange(0, HEADS, gl.SliceLayout(1, ld))
+    q_rows = q_ptr + t * stride_qt + (head0 + h).to(gl.int64)[:, None] * stride_qh
+    c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
+    for half in gl.static_range(2):
+        async_copy.async_copy_global_to_shared(q_smem.index(half),
+                                               q_rows + (half * HALF + c)[None, :])
+    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, ld))
+    async_copy.async_copy_global_to_shared(qpe_smem.index(0), q_rows + c_pe[None, :])
+    async_copy.commit_group()
+    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+
+
+@gluon.jit
 def _gather_partition(ptrs, args, smem, bars):
     """Q once, then per pair the four K halves in the order the consumers free them; each
     thread's arrive on k_ready fires when its own copies have landed."""
@@ -355,16 +372,7 @@ def _gather_partition(ptrs, args, smem, bars):
     ld: gl.constexpr = _copy_layout()
     rows_l: gl.constexpr = gl.SliceLayout(1, ld)
 
-    h = gl.arange(0, HEADS, rows_l)
-    q_rows = q_ptr + t * stride_qt + (head0 + h).to(gl.int64)[:, None] * stride_qh
-    c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
-    for half in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(q_smem.index(half),
-                                               q_rows + (half * HALF + c)[None, :])
-    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, ld))
-    async_copy.async_copy_global_to_shared(qpe_smem.index(0), q_rows + c_pe[None, :])
-    async_copy.commit_group()
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+    _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready)
 
     idx_row = idx_ptr + t * stride_it
     # The slots of pair i + 1 are loaded during pair i (an index load waited for right before
@@ -506,7 +514,6 @@ def _gather_fp8_partition(ptrs, args, smem, bars):
     q_smem, qpe_smem, k_smem, kpe_smem = smem[0], smem[1], smem[2], smem[3]
     q_ready, k_ready, k_free = bars[0], bars[1], bars[2]
     ROW: gl.constexpr = L + 16 + 2 * R  # 656 bytes: latents, 4 fp32 scales, bf16 rope
-    ld: gl.constexpr = _copy_layout()
     lat: gl.constexpr = _word_layout()
     pe: gl.constexpr = _rope_layout()
     # The K halves as words (the same bytes: a 128-byte swizzle is laid out in bytes).
@@ -515,16 +522,7 @@ def _gather_fp8_partition(ptrs, args, smem, bars):
                                                        rank=2))
     rows_l: gl.constexpr = gl.SliceLayout(1, lat)
 
-    h = gl.arange(0, HEADS, gl.SliceLayout(1, ld))
-    q_rows = q_ptr + t * stride_qt + (head0 + h).to(gl.int64)[:, None] * stride_qh
-    c = gl.arange(0, HALF, gl.SliceLayout(0, ld))
-    for half in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(q_smem.index(half),
-                                               q_rows + (half * HALF + c)[None, :])
-    c_pe = L + gl.arange(0, R, gl.SliceLayout(0, ld))
-    async_copy.async_copy_global_to_shared(qpe_smem.index(0), q_rows + c_pe[None, :])
-    async_copy.commit_group()
-    async_copy.mbarrier_arrive(q_ready, increment_count=False)
+    _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready)
 
     idx_row = idx_ptr + t * stride_it
     slot0, ok0 = _slots(idx_row, first, topk, num_slots, rows_l)
