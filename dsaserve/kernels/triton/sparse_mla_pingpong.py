@@ -45,9 +45,11 @@ words, one half ahead: 64 B per thread), waits for the half to be freed, stores 
 right half's k_ready then counts the 128 copy arrivals and the one store arrival. Measured on
 an H200, FP8 decode b = 128, s_q = 1 / 4: 136–138 / 528–533 µs against 122 / 490 µs for
 sparse_mla_gluon.py's kernel (hence off). With the loads replaced by register arithmetic the
-same kernel takes 93 / 355 µs: the schedule is 1.3× faster than that kernel when the bytes
-are there. Two halves in flight need 32 more registers than the gather's 72 (it spilled and
-ran slower), and L2 prefetches a pair ahead did not help (docs/kernels.md).
+same kernel takes 93 / 355 µs, and with every row L2-resident 106.5 / 411 µs: the gather
+waits on the rows' trip from DRAM. Two halves in flight need 32 more registers than the
+gather's 72 (it spilled and ran slower), L2 prefetches a pair ahead did not help, and 32-key
+blocks with a raw-row ring in the shared memory they free were slower still
+(docs/kernels.md).
 """
 
 from __future__ import annotations
