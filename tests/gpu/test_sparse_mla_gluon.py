@@ -102,7 +102,7 @@ def test_gluon_prefill_matches_reference(g, heads, kind, topk):
     (5, 1, 100, 16, None, False),  # 4 blocks per row: the splits capped at 4, none empty
     (16, 4, TOPK, 1, 7, False),  # 64 whole rows over 7 CTAs: 9 or 10 each, back to back
     (4, 4, TOPK, 1, None, False),  # one CTA per row
-    (8, 1, TOPK, None, None, True),  # ping-pong: its default splits (16 of one pair each)
+    (8, 1, TOPK, None, None, True),  # ping-pong: its default splits (8 of two pairs each)
     (3, 2, TOPK, 3, None, True),  # uneven splits of pairs (6, 6, 4)
     (5, 1, 100, 16, None, True),  # one pair per row: splits past it left empty
     (4, 4, TOPK, 1, None, True),  # whole rows

@@ -43,13 +43,13 @@ room for raw rows, so the gather loads the next K half's latents into registers 
 words, one half ahead: 64 B per thread), waits for the half to be freed, stores it dequantized
 (e4m3 · 2^k, exact in bf16, inline PTX) and copies its rope (bf16 already) with cp.async; a
 right half's k_ready then counts the 128 copy arrivals and the one store arrival. Measured on
-an H200, FP8 decode b = 128, s_q = 1 / 4: 136–138 / 528–533 µs against 122 / 490 µs for
-sparse_mla_gluon.py's kernel (hence off). With the loads replaced by register arithmetic the
-same kernel takes 93 / 355 µs, and with every row L2-resident 106.5 / 411 µs: the gather
-waits on the rows' trip from DRAM. Two halves in flight need 32 more registers than the
-gather's 72 (it spilled and ran slower), L2 prefetches a pair ahead did not help, and 32-key
-blocks with a raw-row ring in the shared memory they free were slower still
-(docs/kernels.md).
+an H200, FP8 decode b = 128, s_q = 1 / 4: 136–138 / 528–533 µs against 120–122 / 467–490 µs
+for sparse_mla_gluon.py's kernel in the same runs (hence off). With the loads replaced by
+register arithmetic the same kernel takes 93 / 355 µs, and with every row L2-resident
+106.5 / 411 µs: the gather waits on the rows' trip from DRAM. Two halves in flight need 32
+more registers than the gather's 72 (it spilled and ran slower), L2 prefetches a pair ahead
+did not help, and 32-key blocks with a raw-row ring in the shared memory they free were
+slower still (docs/kernels.md).
 """
 
 from __future__ import annotations
