@@ -127,9 +127,10 @@ def _plain_shared(rank):
 # Partitions
 # ----------------------------------------------------------------------------------------------
 @gluon.jit
-def _block_slots(idx_row, first, j, topk, num_slots, BN: gl.constexpr, layout: gl.constexpr):
-    """Slots of block j ([BN] int32 in `layout`) and whether each is a row to read."""
-    n = first + j * BN + gl.arange(0, BN, layout)  # positions in the index row
+def _block_slots(idx_row, pos0, topk, num_slots, BN: gl.constexpr, layout: gl.constexpr):
+    """Slots of the index positions pos0 … pos0 + BN − 1 ([BN] int32 in `layout`; −1 from topk
+    on) and whether each is a row to read."""
+    n = pos0 + gl.arange(0, BN, layout)  # positions in the index row
     slot = gl.load(idx_row + n, mask=n < topk, other=-1)
     return slot, (slot >= 0) & (slot < num_slots)
 
@@ -203,7 +204,7 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
         fence_async_shared()
         s = _issue_qk(q_smem, qpe_smem, k_smem, kpe_smem, base % NBUF, zero_s)
         s = warpgroup_mma_wait(0, deps=(s,))
-        _, valid = _block_slots(idx_row, first, 0, topk, num_slots, BN, key_s)
+        _, valid = _block_slots(idx_row, first, topk, num_slots, BN, key_s)
         p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
         _hand_over(p16, alpha, base, p_smem, alpha_smem, p_ready, p_empty)
         for b in range(n - 1):
@@ -219,7 +220,8 @@ def _softmax_partition(ptrs, args, smem, bars, BN: gl.constexpr, NBUF: gl.conste
             acc = warpgroup_mma(p_smem.index(pb), k_smem.index(2 * ring).slice(0, SCOLS, dim=1),
                                 acc, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s,))
-            _, valid = _block_slots(idx_row, first, b + 1, topk, num_slots, BN, key_s)
+            _, valid = _block_slots(idx_row, first + (b + 1) * BN, topk, num_slots, BN,
+                                    key_s)
             p16, alpha, m_i, l_i = _softmax_step(s, valid, m_i, l_i, sm_scale_log2)
             _hand_over(p16, alpha, nxt, p_smem, alpha_smem, p_ready, p_empty)
             # 2. P·K of block b done: release its K slot and P buffer, then rescale O by
@@ -379,10 +381,9 @@ def _work_slots(idx_ptr, stride_it, g, end, nb, head_blocks, topk, num_slots,
     """Slots of the CTA's global block g ([BN] int32 in `layout`; −1 from `end` on) and whether
     each is a row to read."""
     r = g // nb
-    n = (g - r * nb) * BN + gl.arange(0, BN, layout)  # positions in the index row
     row = idx_ptr + (r // head_blocks).to(gl.int64) * stride_it  # the token's index row
-    slot = gl.load(row + n, mask=(n < topk) & (g < end), other=-1)
-    return slot, (slot >= 0) & (slot < num_slots)
+    return _block_slots(row, (g - r * nb) * BN, gl.where(g < end, topk, 0), num_slots, BN,
+                        layout)
 
 
 @gluon.jit

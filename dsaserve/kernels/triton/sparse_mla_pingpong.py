@@ -74,6 +74,7 @@ from dsaserve.kernels.triton.sparse_mla_gluon import (
     ROW_BF16,
     L,
     R,
+    _block_slots,
     _mark_l2_hint,
     _mma_layout,
     _nvmma,
@@ -97,15 +98,6 @@ def _copy_layout():
     """cp.async layout of a [64, 256] or [64, 64] bf16 tile: 8 threads × 16 bytes per row piece,
     4 rows per warp, so each gather thread owns 4 rows of a block (4 slots in registers)."""
     return gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-
-
-@gluon.jit
-def _slots(idx_row, pos0, topk, num_slots, layout: gl.constexpr):
-    """Slots of the 64 index positions pos0 … pos0 + 63 ([64] int32 in `layout`) and whether
-    each is a row to read."""
-    n = pos0 + gl.arange(0, BN, layout)
-    slot = gl.load(idx_row + n, mask=n < topk, other=-1)
-    return slot, (slot >= 0) & (slot < num_slots)
 
 
 @gluon.jit
@@ -139,7 +131,7 @@ def _valid(idx_row, pos0, topk, num_slots, layout: gl.constexpr):
     """Which keys of the block at index positions pos0 … pos0 + 63 are rows to read ([64] in
     the key slice of `layout`, S's layout). Loaded a block ahead of its use: the index row is
     read from global memory, and that round trip would otherwise sit in every softmax."""
-    _, valid = _slots(idx_row, pos0, topk, num_slots, gl.SliceLayout(0, layout))
+    _, valid = _block_slots(idx_row, pos0, topk, num_slots, BN, gl.SliceLayout(0, layout))
     return valid
 
 
@@ -345,9 +337,13 @@ def _copy_half(kv_ptr, slot, valid, k_dst, pe_dst, col0: gl.constexpr, rope: gl.
 
 
 @gluon.jit
-def _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready):
-    """Q [64 heads, 512 | 64] of token t → shared memory (cp.async); every gather thread's
-    arrive on q_ready fires when its copies have landed."""
+def _load_q(ptrs, args, smem, bars):
+    """A gather's start: Q [64 heads, 512 | 64] of the CTA's token → shared memory (cp.async;
+    every gather thread's arrive on q_ready fires when its copies have landed). Returns the
+    token's index row."""
+    q_ptr, idx_ptr, stride_qt, stride_qh = ptrs[0], ptrs[2], ptrs[5], ptrs[6]
+    t, head0, stride_it = args[0], args[1], args[9]
+    q_smem, qpe_smem, q_ready = smem[0], smem[1], bars[0]
     ld: gl.constexpr = _copy_layout()
     h = gl.arange(0, HEADS, gl.SliceLayout(1, ld))
     q_rows = q_ptr + t * stride_qt + (head0 + h).to(gl.int64)[:, None] * stride_qh
@@ -359,34 +355,29 @@ def _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready):
     async_copy.async_copy_global_to_shared(qpe_smem.index(0), q_rows + c_pe[None, :])
     async_copy.commit_group()
     async_copy.mbarrier_arrive(q_ready, increment_count=False)
+    return idx_ptr + t * stride_it
 
 
 @gluon.jit
 def _gather_partition(ptrs, args, smem, bars):
     """Q once, then per pair the four K halves in the order the consumers free them; each
     thread's arrive on k_ready fires when its own copies have landed."""
-    q_ptr, kv_ptr, idx_ptr = ptrs[0], ptrs[1], ptrs[2]
-    (t, head0, split, first, n_pairs, num_tokens, num_heads, num_slots, topk, stride_it,
-     sm_scale_log2) = args
-    stride_qt, stride_qh = ptrs[5], ptrs[6]
-    q_smem, qpe_smem, k_smem, kpe_smem = smem[0], smem[1], smem[2], smem[3]
-    q_ready, k_ready, k_free = bars[0], bars[1], bars[2]
+    kv_ptr = ptrs[1]
+    first, n_pairs, num_slots, topk = args[3], args[4], args[7], args[8]
+    k_smem, kpe_smem, k_ready, k_free = smem[2], smem[3], bars[1], bars[2]
     ld: gl.constexpr = _copy_layout()
     rows_l: gl.constexpr = gl.SliceLayout(1, ld)
-
-    _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready)
-
-    idx_row = idx_ptr + t * stride_it
+    idx_row = _load_q(ptrs, args, smem, bars)
     # The slots of pair i + 1 are loaded during pair i (an index load waited for right before
     # its copies would put a global-memory round trip on every pair).
-    slot0_n, valid0_n = _slots(idx_row, first, topk, num_slots, rows_l)
-    slot1_n, valid1_n = _slots(idx_row, first + BN, topk, num_slots, rows_l)
+    slot0_n, valid0_n = _block_slots(idx_row, first, topk, num_slots, BN, rows_l)
+    slot1_n, valid1_n = _block_slots(idx_row, first + BN, topk, num_slots, BN, rows_l)
     for i in range(n_pairs):
         free_phase = (i & 1) ^ 1
         slot0, valid0, slot1, valid1 = slot0_n, valid0_n, slot1_n, valid1_n
         nxt = first + (i + 1) * (2 * BN)
-        slot0_n, valid0_n = _slots(idx_row, nxt, topk, num_slots, rows_l)
-        slot1_n, valid1_n = _slots(idx_row, nxt + BN, topk, num_slots, rows_l)
+        slot0_n, valid0_n = _block_slots(idx_row, nxt, topk, num_slots, BN, rows_l)
+        slot1_n, valid1_n = _block_slots(idx_row, nxt + BN, topk, num_slots, BN, rows_l)
         mbarrier.wait(k_free.index(K0L), free_phase)
         _copy_half(kv_ptr, slot0, valid0, k_smem.index(K0L), kpe_smem.index(0), 0, False, ld)
         async_copy.commit_group()
@@ -509,12 +500,9 @@ def _gather_fp8_partition(ptrs, args, smem, bars):
     """fp8_ds_mla rows: Q once, then per pair the four K halves in the order the consumers free
     them (K0 left, K1 right, K0 right, K1 left), each dequantized from registers that were
     loaded while the half before it was being filled (_fp8_step)."""
-    q_ptr, kv_ptr, idx_ptr = ptrs[0], ptrs[1], ptrs[2]
-    (t, head0, split, first, n_pairs, num_tokens, num_heads, num_slots, topk, stride_it,
-     sm_scale_log2) = args
-    stride_qt, stride_qh = ptrs[5], ptrs[6]
-    q_smem, qpe_smem, k_smem, kpe_smem = smem[0], smem[1], smem[2], smem[3]
-    q_ready, k_ready, k_free = bars[0], bars[1], bars[2]
+    kv_ptr = ptrs[1]
+    first, n_pairs, num_slots, topk = args[3], args[4], args[7], args[8]
+    k_smem, kpe_smem, k_ready, k_free = smem[2], smem[3], bars[1], bars[2]
     ROW: gl.constexpr = L + 16 + 2 * R  # 656 bytes: latents, 4 fp32 scales, bf16 rope
     lat: gl.constexpr = _word_layout()
     pe: gl.constexpr = _rope_layout()
@@ -523,12 +511,9 @@ def _gather_fp8_partition(ptrs, args, smem, bars):
                                   gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
                                                        rank=2))
     rows_l: gl.constexpr = gl.SliceLayout(1, lat)
-
-    _load_q(q_ptr, t, head0, stride_qt, stride_qh, q_smem, qpe_smem, q_ready)
-
-    idx_row = idx_ptr + t * stride_it
-    slot0, ok0 = _slots(idx_row, first, topk, num_slots, rows_l)
-    slot1, ok1 = _slots(idx_row, first + BN, topk, num_slots, rows_l)
+    idx_row = _load_q(ptrs, args, smem, bars)
+    slot0, ok0 = _block_slots(idx_row, first, topk, num_slots, BN, rows_l)
+    slot1, ok1 = _block_slots(idx_row, first + BN, topk, num_slots, BN, rows_l)
     ok0 = ok0 & (n_pairs > 0)
     ok1 = ok1 & (n_pairs > 0)
     xa, sa = _load_tile(kv_ptr, slot0, ok0, 0, ROW, lat)  # K0 left of pair 0
@@ -537,8 +522,8 @@ def _gather_fp8_partition(ptrs, args, smem, bars):
         phase = i & 1
         z = _opaque_zero(i)
         nxt = first + (i + 1) * (2 * BN)
-        slot0_n, ok0_n = _slots(idx_row, nxt, topk, num_slots, rows_l)
-        slot1_n, ok1_n = _slots(idx_row, nxt + BN, topk, num_slots, rows_l)
+        slot0_n, ok0_n = _block_slots(idx_row, nxt, topk, num_slots, BN, rows_l)
+        slot1_n, ok1_n = _block_slots(idx_row, nxt + BN, topk, num_slots, BN, rows_l)
         more = i + 1 < n_pairs
         ok0_n = ok0_n & more
         ok1_n = ok1_n & more
