@@ -1,0 +1,208 @@
+"""How long one engine step takes on one GPU, from the measured parts (plan/parts.py).
+
+A step is what the scheduler emits: per request, `n` new tokens whose context after the step is
+`ctx` tokens. The model prices one GPU of the engine (all GPUs of a replica do the same work in
+lock-step) layer by layer:
+
+    gemm      dense projections, dense MLPs, shared experts, router, lm_head: max(FLOPs at the fp8
+              matmul rate, weight bytes at the HBM rate) — decode reads every weight once per step
+    moe       routed experts: the same max(), over the experts this GPU holds that the step's
+              tokens touch (EP: the whole engine's tokens are dispatched to it)
+    indexer   prefill rows: causal (query, key) pairs at the measured prefill rate; decode rows:
+              the FP8 keys read at the measured decode rate (DCP: this rank's 1/N of them)
+    mla       decode rows: the measured 64-head decode curve, scaled by the keys and heads of this
+              GPU; prefill rows: FLOPs at the measured prefill rate
+    comm      TP all-reduces, EP dispatch/combine, PCP gathers of new rows and cached contexts,
+              DCP merges: bytes over NVLink plus one latency per collective
+    overhead  a per-layer launch gap and a per-step fixed cost (graph replay, sampling)
+
+Rows: under PCP a prefill chunk's rows are split over the group, decode rows are replicated
+(DESIGN §5). A row is a decode row when its request computes at most `decode_rows` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from dsaserve.config import ModelConfig, ParallelConfig
+from dsaserve.plan import costmodel as cm
+from dsaserve.plan.parts import Parts
+
+BF16 = 2
+MLA_OUT_BYTES = 2 * 512 + 4  # one head's bf16 latent output and its fp32 LSE (DCP merge)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one step on one GPU, by part."""
+
+    gemm: float = 0.0
+    moe: float = 0.0
+    indexer: float = 0.0
+    mla: float = 0.0
+    comm: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def bound(self) -> str:
+        """The largest part: what limits this step."""
+        return max((f.name for f in fields(self)), key=lambda name: getattr(self, name))
+
+    def __add__(self, other: StepTime) -> StepTime:
+        return StepTime(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                           for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """Parameters one GPU multiplies each token by, per layer kind (FP8: 1 B each)."""
+
+    attn: int  # attention projections (absorbed W_UK / W_UV included)
+    indexer: int  # indexer projections (full-indexer layers only)
+    dense_mlp: int
+    moe_shared: int  # shared experts + router
+    expert: int  # one routed expert, as this GPU holds it
+    experts_here: int  # routed experts this GPU holds
+    lm_head: int
+
+
+class StepTimeModel:
+    """Prices steps of one engine replica (`par`: its tp, pcp, dcp, ep; dp = replicas that run
+    in lock-step with it when their experts are shared over EP)."""
+
+    def __init__(self, model: ModelConfig, par: ParallelConfig, parts: Parts,
+                 kv_dtype: cm.KVDType = "fp8_ds_mla", decode_rows: int = 1) -> None:
+        cm.check_layout(model, par)
+        self.model, self.par, self.parts = model, par, parts
+        self.decode_rows = decode_rows
+        self.kv = cm.kv_bytes_per_token(model, kv_dtype)
+        self.tp, self.pcp, self.dcp = (par.tensor_parallel_size,
+                                       par.prefill_context_parallel_size,
+                                       par.decode_context_parallel_size)
+        self.heads = model.num_attention_heads // self.tp
+        self.ep = cm.expert_shards(par)  # ways the routed experts are split
+        self.num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
+        self.num_dense = model.num_hidden_layers - self.num_moe
+        self.num_indexer = len(model.full_indexer_layers)
+        self.w = self._weights()
+        # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
+        # bound for it, so that other head counts scale by their own bound (memory or compute).
+        self._mla_row_roof64 = self._mla_row_roofline(64)
+
+    # ---- set-up ---------------------------------------------------------------------------------
+    def _weights(self) -> _Weights:
+        m, tp = self.model, self.tp
+        heads = m.num_attention_heads
+        attn_rep = m.hidden_size * (m.q_lora_rank + m.kv_cache_width)
+        attn_tp = (m.q_lora_rank * heads * m.qk_head_dim  # q_b
+                   + heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # W_UK, W_UV
+                   + heads * m.v_head_dim * m.hidden_size)  # o_proj
+        indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim
+                   + m.hidden_size * (m.index_head_dim + m.index_n_heads))
+        # Shared experts are TP-sharded like dense MLPs; routed ones are whole experts under EP
+        # (this GPU holds 1/ep of them), else every expert TP-sharded.
+        full_expert = 3 * m.hidden_size * m.moe_intermediate_size
+        ep = self.par.enable_expert_parallel
+        return _Weights(
+            attn=attn_rep + attn_tp // tp,
+            indexer=indexer,
+            dense_mlp=3 * m.hidden_size * m.intermediate_size // tp,
+            moe_shared=full_expert * m.n_shared_experts // tp + m.hidden_size * m.n_routed_experts,
+            expert=full_expert if ep else full_expert // tp,
+            experts_here=-(-m.n_routed_experts // self.ep) if ep else m.n_routed_experts,
+            lm_head=m.hidden_size * m.vocab_size // tp,
+        )
+
+    def _mla_row_roofline(self, heads: int) -> float:
+        """Seconds one decode row takes at the roofline of this GPU's measured ceilings."""
+        cost = cm.sparse_mla_cost(self.model, self.kv.kv_dtype, heads)
+        return max(cost.bytes / (self.parts.hbm_tbps.value * 1e12),
+                   cost.flops / (self.parts.matmul_bf16_tflops.value * 1e12))
+
+    # ---- pricing --------------------------------------------------------------------------------
+    def step(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None = None,
+             num_sampled: int | None = None) -> StepTime:
+        """One step of this replica: `batch` = (new tokens, context after the step) per request.
+
+        `engine_tokens`: tokens of every replica that shares this one's experts over EP in the
+        same step (lock-step DP); defaults to this replica's. `num_sampled`: rows that reach the
+        lm_head (default: one per request)."""
+        if not batch:
+            return StepTime()
+        p, m = self.parts, self.model
+        hbm, f8 = p.hbm_tbps.value * 1e12, p.matmul_fp8_tflops.value * 1e12
+        decode = [(n, c) for n, c in batch if n <= self.decode_rows]
+        prefill = [(n, c) for n, c in batch if n > self.decode_rows]
+        rows = sum(n for n, _ in decode) + sum(n for n, _ in prefill) / self.pcp  # this GPU
+        tokens = sum(n for n, _ in batch)
+        sampled = len(batch) if num_sampled is None else num_sampled
+
+        def gemm(params: int, n_rows: float) -> float:
+            return max(2 * n_rows * params / f8, params / hbm)
+
+        # 1. dense matrices
+        w = self.w
+        g = m.num_hidden_layers * gemm(w.attn, rows) + self.num_indexer * gemm(w.indexer, rows)
+        g += self.num_dense * gemm(w.dense_mlp, rows) + self.num_moe * gemm(w.moe_shared, rows)
+        g += gemm(w.lm_head, sampled)
+
+        # 2. routed experts: the tokens dispatched here, the distinct experts they touch
+        engine = tokens if engine_tokens is None else engine_tokens
+        k, e = m.num_experts_per_tok, m.n_routed_experts
+        if self.par.enable_expert_parallel:
+            assignments = engine * k / self.ep
+            touched = w.experts_here * (1 - (1 - 1 / e) ** (engine * k))
+        else:
+            assignments = rows * k
+            touched = e * (1 - (1 - 1 / e) ** (rows * k))
+        moe = self.num_moe * max(2 * assignments * w.expert / f8, touched * w.expert / hbm)
+
+        # 3. indexer (replicated over TP: every TP rank scores every key)
+        pairs = sum(n * (c - (n - 1) / 2) for n, c in prefill) / self.pcp
+        keys = sum(c for _, c in decode) / self.dcp
+        idx = self.num_indexer * (
+            pairs * cm.indexer_flops_per_pair(m) / (p.indexer_prefill_tflops.value * 1e12)
+            + keys * self.kv.indexer_key / (p.indexer_decode_tbps.value * 1e12))
+
+        # 4. sparse MLA: decode rows on the measured curve, prefill rows at the measured rate
+        topk = m.index_topk
+        scale = self._mla_row_roofline(self.heads) / self._mla_row_roof64
+        dec_rows = sum(n * min(c, topk) / topk for n, c in decode) / self.dcp * scale
+        mla_dec = p.mla_decode_us(dec_rows) * 1e-6
+        flops = sum(n * min(c, topk) for n, c in prefill) / self.pcp * self.heads * \
+            cm.mla_flops_per_row_head(m)
+        mla = m.num_hidden_layers * (mla_dec + flops / (p.mla_prefill_tflops.value * 1e12))
+
+        # 5. collectives, per layer
+        link, lat = p.nvlink_gbps.value * 1e9, p.collective_latency_us.value * 1e-6
+        comm = 0.0
+        per_layer_bytes = 0.0
+        collectives = 0
+        if self.tp > 1:  # attention output and MoE output all-reduced
+            per_layer_bytes += 2 * 2 * rows * m.hidden_size * BF16 * (self.tp - 1) / self.tp
+            collectives += 2
+        if self.par.enable_expert_parallel and self.ep > 1:  # dispatch + combine
+            per_layer_bytes += 2 * assignments * m.hidden_size * BF16 * (self.ep - 1) / self.ep
+            collectives += 2
+        if self.pcp > 1 and prefill:  # new rows gathered; cached contexts gathered (DCP shards)
+            new = sum(n for n, _ in prefill)
+            per_layer_bytes += new * (self.kv.mla_row + self.kv.indexer_key) * (
+                self.pcp - 1) / self.pcp
+            if self.dcp > 1:
+                cached = sum(c - n for n, c in prefill)
+                per_layer_bytes += cached * self.kv.mla_row * (self.dcp - 1) / self.dcp
+            collectives += 2
+        if self.dcp > 1 and decode:  # partial (o, lse) merged; local top-k gathered
+            per_layer_bytes += (sum(n for n, _ in decode) * self.heads * MLA_OUT_BYTES
+                                * (self.dcp - 1) / self.dcp)
+            collectives += 2
+        comm = m.num_hidden_layers * (per_layer_bytes / link + collectives * lat)
+
+        overhead = (m.num_hidden_layers * p.kernel_overhead_us.value
+                    + p.step_overhead_us.value) * 1e-6
+        return StepTime(gemm=g, moe=moe, indexer=idx, mla=mla, comm=comm, overhead=overhead)

@@ -1,0 +1,210 @@
+"""`dsaserve simulate`: the step-time model reproduces its measured parts, the simulation is
+deterministic and conserves requests and tokens, and its scheduler is the engine's own: the
+same requests give the same schedule and the same KV block usage as a real LLMEngine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dsaserve.cli import main
+from dsaserve.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from dsaserve.core import SamplingParams
+from dsaserve.engine.args import resolve_model
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.plan.cli import load_model
+from dsaserve.plan.deployment import parse_deployment
+from dsaserve.plan.parts import H200, Curve
+from dsaserve.plan.simtrace import load_traces
+from dsaserve.plan.simulate import Simulator, replica_kv_capacity
+from dsaserve.plan.steptime import StepTimeModel
+
+
+def _write_traces(root: Path, sessions: int, turns: int, block: int = 16,
+                  first: int = 96, grow: int = 48, out: int = 6) -> Path:
+    """Weka traces of growing sessions: each turn re-sends the previous prompt's blocks."""
+    weka = root / "weka"
+    weka.mkdir(parents=True)
+    for s in range(sessions):
+        requests, ids = [], list(range(first // block))
+        for k in range(turns):
+            if k:
+                ids += range(len(ids), len(ids) + grow // block)
+            requests.append({"t": 0.5 * k, "type": "s", "in": len(ids) * block, "out": out + s,
+                             "hash_ids": list(ids), "think_time": 0.25})
+        trace = {"id": f"s{s}", "block_size": block, "hash_id_scope": "local",
+                 "requests": requests}
+        (weka / f"s{s}.json").write_text(json.dumps(trace))
+    return root
+
+
+# ---- the step-time model -------------------------------------------------------------------------
+def test_decode_mla_reproduces_the_measured_curve():
+    """At 64 heads over top-2048 keys (a GLM-5.3 DP rank), the sparse MLA part of a decode step
+    is the measured kernel time per layer at each measured point."""
+    _, model = load_model("glm-5.3")
+    times = StepTimeModel(model, parse_deployment("dp8xep").parallel, H200)
+    for rows, us in zip(H200.mla_decode_us.xs, H200.mla_decode_us.ys, strict=True):
+        step = times.step([(1, 100_000)] * int(rows))
+        assert step.mla == pytest.approx(model.num_hidden_layers * us * 1e-6)
+
+
+def test_step_time_grows_with_work_and_shrinks_with_parallelism():
+    _, model = load_model("glm-5.3")
+    dp = StepTimeModel(model, parse_deployment("dp8xep").parallel, H200)
+    pcp = StepTimeModel(model, parse_deployment("pcp8xdcp8xep8").parallel, H200)
+    assert dp.step([(1, 8192)] * 16).total < dp.step([(1, 8192)] * 64).total
+    assert dp.step([(1, 8192)] * 16).total < dp.step([(1, 131072)] * 16).total
+    prefill = [(8192, 65536)]
+    assert pcp.step(prefill).indexer == pytest.approx(dp.step(prefill).indexer / 8)
+    assert pcp.step(prefill).total < dp.step(prefill).total
+    assert dp.step([]).total == 0.0
+
+
+def test_curve_interpolates_and_extrapolates():
+    c = Curve((32, 128), (40.0, 120.0), "us", "test")
+    assert c(32) == 40.0 and c(80) == pytest.approx(80.0)
+    assert c(256) == pytest.approx(120 + 128 * 80 / 96)
+    assert c(16) == pytest.approx(20.0) and c(0) == 0.0
+
+
+# ---- deployments ---------------------------------------------------------------------------------
+def test_deployment_specs():
+    d = parse_deployment("pcp8xdcp8xep8 router=load kv=bf16 max-num-seqs=32")
+    assert (d.parallel.prefill_context_parallel_size, d.parallel.decode_context_parallel_size,
+            d.num_gpus, d.replicas, d.lockstep) == (8, 8, 8, 1, False)
+    assert (d.router, d.kv_dtype, d.max_num_seqs) == ("load", "bf16", 32)
+    assert parse_deployment("dp8xep").lockstep and not parse_deployment("dp8").lockstep
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("", "empty"), ("dq8", "bad layout term"), ("dp8xep4", "ep4 must span all 8"),
+    ("pcp8xdcp4", "dcp must equal"), ("tp8 router=random", "router must be"),
+    ("tp8 kv", "key=value"), ("tp8 max-num-seqs=0", "positive"), ("tp8 colour=red", "unknown"),
+    ("pcp8xdcp8xep8 offload=512GiB", "not simulated yet"),
+])
+def test_bad_deployment_specs_name_the_flag(spec, words):
+    with pytest.raises(ConfigError, match="--deployment") as e:
+        parse_deployment(spec)
+    assert words in str(e.value)
+
+
+def test_capacity_matches_the_cost_model():
+    """KV room per GPU in pages of the whole per-token record (DESIGN §2's 54,728 B)."""
+    _, model = load_model("glm-5.3")
+    blocks, max_ctx = replica_kv_capacity(model, parse_deployment("pcp8xdcp8xep8"), H200)
+    assert blocks * 64 <= max_ctx // 8 < (blocks + 1) * 64  # tokens per rank: whole pages
+    assert 54_728 * max_ctx // 8 < 141 * 2**30
+    _, dp_ctx = replica_kv_capacity(model, parse_deployment("dp8xep"), H200)
+    assert max_ctx == pytest.approx(8 * dp_ctx, rel=1e-6)  # DCP 8 holds 8x the context
+
+
+# ---- the simulation ------------------------------------------------------------------------------
+def _simulate(traces: Path, spec: str, concurrency: int, num_blocks: int = 64, **kw):
+    _, model = load_model("tiny-glm5")
+    sim = Simulator(model, parse_deployment(spec), H200, load_traces(traces), concurrency,
+                    num_blocks=num_blocks, **kw)
+    return sim, sim.run()
+
+
+def test_simulation_is_deterministic_and_conserves_requests_and_tokens(tmp_path):
+    traces = _write_traces(tmp_path, sessions=5, turns=4)
+    sim, a = _simulate(traces, "dp2xep block-size=16 router=prefix", concurrency=3)
+    _, b = _simulate(traces, "dp2xep block-size=16 router=prefix", concurrency=3)
+    assert [vars(r) for r in a.records] == [vars(r) for r in b.records]
+    assert a.summary() == b.summary()
+    sessions = load_traces(traces)
+    expected = {f"{s.id}/{k}": t for s in sessions for k, t in enumerate(s.turns)}
+    assert {r.request_id for r in a.records} == set(expected) and not a.rejected
+    for r in a.records:  # every turn ran to its output length, after its arrival
+        t = expected[r.request_id]
+        assert (r.prompt_tokens, r.output_tokens) == (t.input_tokens, t.output_tokens)
+        assert r.arrival <= r.first_token <= r.finish
+    for sched in a.schedulers:  # nothing leaked on either replica
+        sched.check_integrity()
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    # Turns of a session run in order, each after the previous one ends plus its think time.
+    by_id = {r.request_id: r for r in a.records}
+    for s in sessions:
+        for k in range(1, len(s.turns)):
+            prev, cur = by_id[f"{s.id}/{k - 1}"], by_id[f"{s.id}/{k}"]
+            assert cur.arrival == pytest.approx(prev.finish + s.turns[k].think_time_s)
+
+
+def test_prefix_router_keeps_sessions_on_their_replica(tmp_path):
+    traces = _write_traces(tmp_path, sessions=3, turns=4)
+    _, prefix = _simulate(traces, "dp2 block-size=16 router=prefix", concurrency=3)
+    _, rr = _simulate(traces, "dp2 block-size=16 router=round-robin", concurrency=3)
+    for result in (prefix, rr):
+        assert len(result.records) == 12
+    sticky = {r.session: set() for r in prefix.records}
+    for r in prefix.records:
+        sticky[r.session].add(r.replica)
+    assert all(len(replicas) == 1 for replicas in sticky.values())
+    assert prefix.summary()["cache_hit_rate"] > rr.summary()["cache_hit_rate"]
+
+
+def test_too_long_requests_are_rejected_not_run(tmp_path):
+    traces = _write_traces(tmp_path, sessions=2, turns=3, first=96, grow=64)
+    _, result = _simulate(traces, "tp1 block-size=16", concurrency=2, num_blocks=12)
+    assert result.rejected  # 12 blocks × 16 tokens: the third turns (224 tokens) cannot fit
+    assert all("max_model_len" in why for _, _, why in result.rejected)
+    assert all(r.finish is not None for r in result.records)
+
+
+def test_schedule_and_kv_usage_equal_the_real_engine(tmp_path):
+    """No re-implementation: the simulated replica schedules exactly as an LLMEngine with the
+    same configuration does, step by step, with the same free-block counts."""
+    traces = _write_traces(tmp_path, sessions=3, turns=1, first=160, out=5)
+    sim, _ = _simulate(traces, "tp1 block-size=16 max-num-batched-tokens=128", concurrency=3,
+                       num_blocks=24, record_steps=True)
+    path = resolve_model("tiny-glm5")
+    _, model = load_model("tiny-glm5")
+    sched = sim.replicas[0].scheduler.config
+    config = EngineConfig(
+        model_path=str(path), model=model,
+        cache=CacheConfig(block_size=16, num_gpu_blocks=24),
+        scheduler=SchedulerConfig(max_num_seqs=sched.max_num_seqs,
+                                  max_num_batched_tokens=128,
+                                  max_model_len=sched.max_model_len))
+    engine = LLMEngine(config, ModelRunner(config), tokenizer=None)
+    for session in load_traces(traces):
+        engine.add_request(f"{session.id}/0", session.prompt(0, model.vocab_size),
+                           SamplingParams(max_tokens=session.turns[0].output_tokens,
+                                          temperature=0.0, ignore_eos=True))
+    real = []
+    while engine.has_unfinished_requests():
+        so = engine.scheduler.schedule()
+        real.append((0, dict(so.num_scheduled_tokens), engine.scheduler.kv.num_free_blocks))
+        engine.scheduler.update_from_output(so, engine.executor.execute(so))
+    engine.check_integrity()
+    assert sim.step_log == real
+    assert any(len(n) > 1 for _, n, _ in real)  # requests shared steps (a real test)
+
+
+def test_cli_table_json_and_plot(tmp_path, capsys):
+    traces = _write_traces(tmp_path / "w", sessions=3, turns=2)
+    args = ["simulate", "--workload", str(traces), "--model", "tiny-glm5", "--hbm-gib", "6",
+            "--deployment", "dp2xep block-size=16", "--concurrency", "1,2"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "dp2xep block-size=16" in table and "P90 tok/s/user" in table
+    assert main(args + ["--json", "--plot", str(tmp_path / "p.png")]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["concurrency"] for r in data["runs"]] == [1, 2]
+    assert all(r["requests"] == 6 for r in data["runs"])
+    assert "source" in data["parts"]["mla_decode_us"]
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_errors_name_the_flag(tmp_path, capsys):
+    assert main(["simulate", "--workload", str(tmp_path), "--deployment", "tp8",
+                 "--model", "tiny-glm5"]) == 2
+    assert "--workload" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--workload", str(tmp_path), "--deployment", "tp8",
+              "--concurrency", "0"])
+    assert "--concurrency" in capsys.readouterr().err
