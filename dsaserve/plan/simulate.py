@@ -18,11 +18,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dsaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-from dsaserve.core import ModelRunnerOutput, Request, RequestError, SamplingParams
+from dsaserve.core import (
+    ModelRunnerOutput,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.kv.prefix_cache import extend_block_hashes
 from dsaserve.plan import costmodel as cm
@@ -31,6 +38,8 @@ from dsaserve.plan.parts import Parts
 from dsaserve.plan.simtrace import TraceSession
 from dsaserve.plan.steptime import StepTime, StepTimeModel
 
+# Calibration: (replica index, its step's SchedulerOutput) → (wall seconds, the runner's output).
+MeasureStep = Callable[[int, SchedulerOutput], tuple[float, ModelRunnerOutput]]
 ACTIVATION_RESERVE = 4 << 30  # as `dsaserve plan`'s default: one layer's 1M context in bf16 + slack
 SAMPLED_TOKEN = 1  # what the simulated runner "samples" (requests ignore EOS, as AgentX's do)
 
@@ -122,10 +131,13 @@ class Simulator:
     def __init__(self, model: ModelConfig, deployment: Deployment, parts: Parts,
                  sessions: Sequence[TraceSession], concurrency: int,
                  duration: float | None = None, *, num_blocks: int | None = None,
-                 record_steps: bool = False) -> None:
+                 record_steps: bool = False, measure: MeasureStep | None = None) -> None:
         """`num_blocks` overrides the KV blocks per replica that memory allows (as vLLM's
         --num-gpu-blocks-override); `record_steps` keeps `step_log`: per step and replica, the
-        tokens scheduled per request and the free KV blocks after scheduling."""
+        tokens scheduled per request and the free KV blocks after scheduling. `measure` runs
+        each step on real model runners instead (calibration): it executes replica i's
+        SchedulerOutput and returns (wall seconds, the runner's output); the model's
+        prediction for every such step is kept in `step_times` as (measured, predicted)."""
         if concurrency < 1:
             raise ConfigError(f"--concurrency: must be >= 1, got {concurrency}")
         self.model, self.deployment, self.parts = model, deployment, parts
@@ -164,6 +176,8 @@ class Simulator:
         self._total = StepTime()
         self._num_steps = 0
         self.step_log: list[tuple[int, dict[str, int], int]] | None = [] if record_steps else None
+        self.measure = measure
+        self.step_times: list[tuple[float, float]] = []
 
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -245,26 +259,35 @@ class Simulator:
         times = [self.times.step(b, engine_tokens=engine_tokens if self.deployment.lockstep
                                  else None) for b in batches]
         duration = max(t.total for t in times)
+        ran: list[ModelRunnerOutput | None] = [None] * len(group)
+        if self.measure is not None:  # calibration: real runners, the wall clock
+            results = [self.measure(r.index, so) for r, so in zip(group, outputs, strict=True)]
+            ran = [out for _, out in results]
+            measured = max(seconds for seconds, _ in results)
+            self.step_times.append((measured, duration))
+            duration = measured
         for t in times:
             self._total = self._total + t
         self._num_steps += 1
         self._busy[g] = True
-        self._push(now + duration, "step", (g, outputs))
+        self._push(now + duration, "step", (g, outputs, ran))
 
-    def _finish_step(self, payload: tuple[int, list], now: float) -> None:
-        g, outputs = payload
-        for replica, so in zip(self.groups[g], outputs, strict=True):
+    def _finish_step(self, payload: tuple[int, list, list], now: float) -> None:
+        g, outputs, ran = payload
+        for replica, so, out in zip(self.groups[g], outputs, ran, strict=True):
             sched = replica.scheduler
-            sampled: dict[str, int | None] = {}
-            for rid, n in so.num_scheduled_tokens.items():
-                req = sched.requests.get(rid)
-                done = req is not None and req.num_computed_tokens + n == req.num_tokens
-                sampled[rid] = SAMPLED_TOKEN if done else None
-            for out in sched.update_from_output(so, ModelRunnerOutput(sampled_token_ids=sampled)):
-                self._record(out, now)
+            if out is None:  # the modelled runner: a token wherever the real one samples one
+                sampled: dict[str, int | None] = {}
+                for rid, n in so.num_scheduled_tokens.items():
+                    req = sched.requests.get(rid)
+                    done = req is not None and req.num_computed_tokens + n == req.num_tokens
+                    sampled[rid] = SAMPLED_TOKEN if done else None
+                out = ModelRunnerOutput(sampled_token_ids=sampled)
+            for request_output in sched.update_from_output(so, out):
+                self._record(request_output, now)
         self._start_step(g, now)
 
-    def _record(self, out, now: float) -> None:
+    def _record(self, out: RequestOutput, now: float) -> None:
         record = self._records[out.request_id]
         if out.new_token_ids and record.first_token is None:
             record.first_token = now

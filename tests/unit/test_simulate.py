@@ -4,7 +4,9 @@ same requests give the same schedule and the same KV block usage as a real LLMEn
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,16 @@ def test_cli_errors_name_the_flag(tmp_path, capsys):
         main(["simulate", "--workload", str(tmp_path), "--deployment", "tp8",
               "--concurrency", "0"])
     assert "--concurrency" in capsys.readouterr().err
+
+
+def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
+    """benchmarks/simulate_calibration.py runs the real runner and the model on the same
+    sessions (tiny model, CPU), so it is ready for the H200."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate_calibration.py"
+    spec = importlib.util.spec_from_file_location("simulate_calibration", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "simulate_calibration", bench)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--smoke"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
+    assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared

@@ -1,0 +1,143 @@
+"""How well `dsaserve simulate` predicts the real engine: the same sessions, once with every step
+run by the real model runner on the wall clock, once with every step priced by the step-time
+model (plan/steptime.py); per request, predicted against measured TTFT and inter-token latency.
+
+    python benchmarks/simulate_calibration.py                    # H200: GLM-5.3-shaped, 2 layers
+    python benchmarks/simulate_calibration.py --contexts 8192,32768 --concurrency 2,8
+    python benchmarks/simulate_calibration.py --smoke            # CPU, tiny model (CI)
+
+Both runs share the simulator's event loop (arrivals, think times, routing, the scheduler), so
+what differs is only how long each step takes. The measured run also prices each of its own
+steps, which separates the step model's error from the different interleavings the two clocks
+lead to. The model is built from the H200's measured parts, so only an H200 run means anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsaserve.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from dsaserve.core import ModelRunnerOutput, SchedulerOutput
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.model.make_model import make_model
+from dsaserve.model.presets import glm53_shaped
+from dsaserve.plan.deployment import parse_deployment
+from dsaserve.plan.parts import H200
+from dsaserve.plan.simtrace import TraceSession, TraceTurn
+from dsaserve.plan.simulate import SimResult, Simulator
+
+
+def sessions(num: int, turns: int, context: int, out: int, block: int = 64) -> list[TraceSession]:
+    """`num` sessions whose first prompt is ~context/2 tokens, growing to ~context by the last
+    turn (each turn appends whole blocks)."""
+    first = max(block, context // 2 // block * block)
+    grow = max(block, (context - first) // max(turns - 1, 1) // block * block)
+    result = []
+    for s in range(num):
+        ids: list[int] = list(range(first // block))
+        ts = []
+        for k in range(turns):
+            if k:
+                ids = ids + list(range(len(ids), len(ids) + grow // block))
+            ts.append(TraceTurn(input_tokens=len(ids) * block, output_tokens=out + s,
+                                hash_ids=tuple(ids), think_time_s=0.05 if k else 0.0))
+        result.append(TraceSession(id=f"cal{s}", block_size=block, scope="local",
+                                   turns=tuple(ts)))
+    return result
+
+
+def measure_with(runner: ModelRunner):
+    def measure(_: int, so: SchedulerOutput) -> tuple[float, ModelRunnerOutput]:
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        t0 = time.perf_counter()
+        out = runner.execute(so)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+        return time.perf_counter() - t0, out
+
+    return measure
+
+
+def errors(measured: SimResult, modelled: SimResult) -> dict[str, float]:
+    """Median absolute relative error per request of TTFT and ITL (requests in both runs)."""
+    pred = {r.request_id: r for r in modelled.records}
+    ttft, itl = [], []
+    for r in measured.records:
+        p = pred.get(r.request_id)
+        if p is None or r.finish is None or p.finish is None:
+            continue
+        ttft.append(abs(p.ttft - r.ttft) / r.ttft)
+        if r.itl and p.itl:
+            itl.append(abs(p.itl - r.itl) / r.itl)
+    return {"ttft": statistics.median(ttft) if ttft else float("nan"),
+            "itl": statistics.median(itl) if itl else float("nan")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--concurrency", default="2,8")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    contexts = [int(c) for c in args.contexts.split(",")]
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    if args.smoke:
+        contexts, concurrency, args.sessions, args.turns, args.output_tokens = [256], [2], 2, 2, 4
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "model"
+        if args.smoke:
+            make_model("tiny-glm5", model_dir)
+        else:
+            make_model("glm-5.3", model_dir, overrides=glm53_shaped(args.layers))
+        model = ModelConfig.from_file(model_dir)
+        print("| context | c | requests | TTFT error (median) | ITL error (median) | "
+              "step error (median) | steps |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for context in contexts:
+            max_len = 2 * context + 1024
+            blocks = args.sessions * (max_len // 64 + 1)
+            cfg = EngineConfig(
+                model_path=str(model_dir), model=model,
+                cache=CacheConfig(block_size=64, num_gpu_blocks=blocks,
+                                  kv_cache_dtype="auto" if args.smoke else "fp8_ds_mla"),
+                scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=8192,
+                                          max_model_len=min(blocks * 64,
+                                                            model.max_position_embeddings)),
+                attention=AttentionConfig(backend="triton" if device == "cuda" else "reference",
+                                          sparse_mla_force_mqa=True),
+                device=device)
+            runner = ModelRunner(cfg)
+            spec = parse_deployment("tp1 kv=" + ("bf16" if args.smoke else "fp8_ds_mla"))
+            work = sessions(args.sessions, args.turns, context, args.output_tokens)
+            # Warm-up: every kernel compiled at these shapes before anything is timed.
+            Simulator(model, spec, H200, work[:1], 1, num_blocks=blocks,
+                      measure=measure_with(runner)).run()
+            for c in concurrency:
+                measured_sim = Simulator(model, spec, H200, work, c, num_blocks=blocks,
+                                         measure=measure_with(runner))
+                measured = measured_sim.run()
+                modelled = Simulator(model, spec, H200, work, c, num_blocks=blocks).run()
+                e = errors(measured, modelled)
+                step = statistics.median(abs(p - m) / m for m, p in measured_sim.step_times)
+                print(f"| {context:,} | {c} | {len(measured.records)} | {e['ttft']:.1%} | "
+                      f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} |")
+                sys.stdout.flush()
+            del runner
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
