@@ -467,6 +467,121 @@ class ParallelConfig:
         return self.prefill_context_parallel_size * self.tensor_parallel_size
 
 
+RejectionSampleMethod = Literal["standard", "synthetic"]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """`--speculative-config` JSON (vLLM's keys): MTP drafting of `num_speculative_tokens` tokens
+    per step with the model's one MTP layer reused autoregressively, verified by the target.
+
+    `rejection_sample_method` "standard" keeps the target's output distribution exactly (greedy:
+    the same tokens). "synthetic" (benchmarks only, not output-faithful) accepts draft i with a
+    fixed conditional probability whatever the target says; give exactly one of
+    `synthetic_acceptance_length` (mean tokens per step, in [1, k + 1]) or
+    `synthetic_acceptance_rates` (k non-increasing unconditional rates: entry i = P(the first
+    i + 1 drafts are all accepted)). Both are normalised to `synthetic_acceptance_rates` here.
+    """
+
+    method: Literal["mtp"] = "mtp"
+    num_speculative_tokens: int = 1
+    rejection_sample_method: RejectionSampleMethod = "standard"
+    synthetic_acceptance_rates: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        flag = "--speculative-config"
+        if self.method != "mtp":
+            raise ConfigError(f"{flag}: method must be 'mtp', got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.rejection_sample_method not in ("standard", "synthetic"):
+            raise ConfigError(f"{flag}: rejection_sample_method must be 'standard' or "
+                              f"'synthetic', got {self.rejection_sample_method!r}")
+        rates = self.synthetic_acceptance_rates
+        if (rates is not None) != (self.rejection_sample_method == "synthetic"):
+            raise ConfigError(f"{flag}: synthetic acceptance rates go with (and only with) "
+                              "rejection_sample_method 'synthetic'")
+        if rates is not None:
+            if len(rates) != k:
+                raise ConfigError(f"{flag}: synthetic_acceptance_rates must have "
+                                  f"num_speculative_tokens ({k}) entries, got {len(rates)}")
+            if any(not 0.0 <= r <= 1.0 for r in rates):
+                raise ConfigError(f"{flag}: synthetic_acceptance_rates must lie in [0, 1]")
+            if any(b > a for a, b in zip(rates, rates[1:], strict=False)):
+                raise ConfigError(f"{flag}: synthetic_acceptance_rates must be non-increasing "
+                                  "(entry i is the chance that drafts 0..i are all accepted)")
+
+    @property
+    def synthetic(self) -> bool:
+        return self.rejection_sample_method == "synthetic"
+
+    @property
+    def conditional_rates(self) -> tuple[float, ...]:
+        """P(draft i accepted | drafts 0..i−1 accepted) = p_i / p_{i−1} (p_{−1} = 1; 0 once a
+        p is 0), as vLLM's unconditional_to_conditional_rates; synthetic mode only."""
+        assert self.synthetic_acceptance_rates is not None
+        out, prev = [], 1.0
+        for p in self.synthetic_acceptance_rates:
+            out.append(p / prev if prev > 0 else 0.0)
+            prev = p
+        return tuple(out)
+
+    @staticmethod
+    def acceptance_length_to_rates(length: float, k: int) -> tuple[float, ...]:
+        """vLLM's minimum-variance schedule: d = length − 1 accepted drafts on average →
+        [1]·floor(d) + [d − floor(d)] + [0]·rest, truncated to k (2.99, k = 3 → [1, .99, 0])."""
+        d = length - 1.0
+        whole = math.floor(d)
+        rates = [1.0] * whole + [d - whole] + [0.0] * k
+        return tuple(round(r, 12) for r in rates[:k])
+
+    @staticmethod
+    def from_json(text: str | None) -> SpecConfig | None:
+        """Parse `--speculative-config`; None when absent. Errors name the flag."""
+        flag = "--speculative-config"
+        if not text:
+            return None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: invalid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{flag}: expected a JSON object")
+        known = {"method", "num_speculative_tokens", "rejection_sample_method",
+                 "synthetic_acceptance_length", "synthetic_acceptance_rates"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ConfigError(f"{flag}: 'method' and 'num_speculative_tokens' are required")
+        k = raw["num_speculative_tokens"]
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ConfigError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        length = raw.get("synthetic_acceptance_length")
+        rates = raw.get("synthetic_acceptance_rates")
+        if length is not None and rates is not None:
+            raise ConfigError(f"{flag}: give synthetic_acceptance_length or "
+                              "synthetic_acceptance_rates, not both")
+        if length is not None:
+            if (not isinstance(length, (int, float)) or isinstance(length, bool)
+                    or not 1.0 <= length <= k + 1):
+                raise ConfigError(f"{flag}: synthetic_acceptance_length must be a number in "
+                                  f"[1, num_speculative_tokens + 1 = {k + 1}], got {length!r}")
+            rates = SpecConfig.acceptance_length_to_rates(float(length), k)
+        elif rates is not None:
+            if not isinstance(rates, list) or not all(
+                    isinstance(r, (int, float)) and not isinstance(r, bool) for r in rates):
+                raise ConfigError(f"{flag}: synthetic_acceptance_rates must be a list of numbers")
+            rates = tuple(float(r) for r in rates)
+        method = raw.get("rejection_sample_method", "standard")
+        if method == "synthetic" and rates is None:
+            raise ConfigError(f"{flag}: rejection_sample_method 'synthetic' needs "
+                              "synthetic_acceptance_length or synthetic_acceptance_rates")
+        return SpecConfig(method=raw["method"], num_speculative_tokens=k,
+                          rejection_sample_method=method, synthetic_acceptance_rates=rates)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; built once by the CLI or the tests."""
@@ -477,6 +592,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpecConfig | None = None  # None: no speculative decoding
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
@@ -497,3 +613,13 @@ class EngineConfig:
                 f"--max-model-len: {self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
+        if self.speculative is not None and not self.model.has_mtp:
+            raise ConfigError(
+                "--speculative-config: method 'mtp' needs a model with an MTP layer "
+                "(num_nextn_predict_layers is 0 in its config.json)"
+            )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Drafts per step (0 without speculative decoding)."""
+        return self.speculative.num_speculative_tokens if self.speculative is not None else 0

@@ -90,6 +90,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
+    # Draft tokens (MTP) proposed after the last step, to be verified by the next one; they are
+    # not part of the request's tokens until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -130,6 +133,9 @@ class CachedRequestData:
     new_token_ids: tuple[int, ...]  # tokens sampled last step that the runner must now feed
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # None: append new_block_ids to the runner's list; n: cut that list to its first n blocks
+    # first (blocks that only rejected draft tokens used were given back).
+    num_kept_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,9 @@ class SchedulerOutput:
     cached_requests: tuple[CachedRequestData, ...]
     num_scheduled_tokens: dict[str, int]  # request id → tokens computed this step
     finished_request_ids: tuple[str, ...]  # the runner drops their state
+    # request id → draft tokens to verify this step (speculative decoding): they follow the
+    # request's last token and are counted in num_scheduled_tokens.
+    scheduled_spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -150,10 +159,14 @@ class SchedulerOutput:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Per scheduled request: the sampled token, or None while a prefill chunk is still partial."""
+    """Per scheduled request: the tokens it emits this step, in order — none while a prefill
+    chunk is still partial, one without drafts, 1..k+1 after verifying k drafts (the accepted
+    drafts, then the target's own token) — and, with speculative decoding, the drafts proposed
+    for the next step."""
 
-    sampled_token_ids: dict[str, int | None]
-    logprobs: dict[str, float] = field(default_factory=dict)
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[float]] = field(default_factory=dict)  # one per emitted token
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,6 +194,19 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found cached
     num_preemptions: int
+    # Speculative decoding (vLLM's spec_decode counters); per_pos has one entry per draft
+    # position, empty without speculative decoding.
+    spec_decode_num_drafts: int = 0  # verification steps of a request with drafts
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: 1 + accepted drafts per step (vLLM's)."""
+        if self.spec_decode_num_drafts == 0:
+            return 0.0
+        return 1.0 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts
 
     @property
     def kv_cache_usage(self) -> float:

@@ -23,6 +23,7 @@ from dsaserve.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpecConfig,
 )
 from dsaserve.model.presets import DEFAULT_MODEL, TINY_PRESETS
 
@@ -65,6 +66,23 @@ def _attention_config_json(text: str) -> str:
     return text
 
 
+def _speculative_config_json(text: str) -> str:
+    """Validated at parse time (the model's MTP layer is checked once the model is known)."""
+    try:
+        SpecConfig.from_json(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+    return text
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    """`auto` picks the fast kernels where they run (as vLLM picks its backend): `triton` on a
+    CUDA device, `reference` on the CPU."""
+    if name != "auto":
+        return name
+    return "triton" if device.startswith("cuda") else "reference"
+
+
 def _device(text: str) -> str:
     kind, _, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
@@ -102,8 +120,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="weight / activation dtype; auto: the checkpoint's")
     g.add_argument("--attention-config", type=_attention_config_json, default=None,
                    help='JSON object, e.g. \'{"sparse_mla_force_mqa": true}\'')
-    g.add_argument("--attention-backend", choices=("reference", "triton"), default="reference",
-                   help="attention kernels (default: %(default)s)")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
+                   help="attention kernels; auto: triton on a CUDA device, reference on the CPU "
+                        "(default: %(default)s)")
+    g.add_argument("--speculative-config", type=_speculative_config_json, default=None,
+                   help='MTP speculative decoding, JSON, e.g. \'{"method": "mtp", '
+                        '"num_speculative_tokens": 3}\'; benchmarks: add '
+                        '"rejection_sample_method": "synthetic" and '
+                        '"synthetic_acceptance_length": 2.99')
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 
@@ -140,6 +164,14 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         dcp_comm_backend=args.dcp_comm_backend,
         cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
     )
+    speculative = SpecConfig.from_json(args.speculative_config)
+    if speculative is not None:
+        from dsaserve.model.loader import checkpoint_has_mtp  # deferred: imports torch
+
+        if not checkpoint_has_mtp(path, model_config):
+            raise ConfigError(f"--speculative-config: the checkpoint {path} has no MTP layer "
+                              "(num_nextn_predict_layers is 0 or its weights are absent)")
+    device = args.device or _default_device()
     return EngineConfig(
         model_path=str(path),
         model=model_config,
@@ -155,10 +187,13 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
         ),
-        attention=AttentionConfig.from_json(args.attention_config, backend=args.attention_backend),
+        attention=AttentionConfig.from_json(
+            args.attention_config,
+            backend=resolve_attention_backend(args.attention_backend, device)),
         parallel=parallel,
+        speculative=speculative,
         dtype=args.dtype,
-        device=args.device or _default_device(),
+        device=device,
         seed=args.seed,
     )
 

@@ -32,6 +32,13 @@ from dsaserve.engine.executor import MultiprocExecutor
 from dsaserve.tokenizer import Tokenizer
 
 
+def _sum(values: list) -> int | tuple[int, ...]:
+    """Counts add up; per-position tuples (spec-decode acceptance) add up elementwise."""
+    if values and isinstance(values[0], tuple):
+        return tuple(sum(column) for column in zip(*values, strict=True))
+    return sum(values)
+
+
 def pick_replica(loads: Sequence[tuple[int, int]]) -> int:
     """The replica for a new request, from each replica's (unfinished requests, used KV blocks):
     fewest unfinished requests, then fewest used blocks, ties to the lowest index."""
@@ -127,7 +134,7 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         """The sum over replicas (kv_cache_usage is then the pooled usage)."""
         parts = [r.stats() for r in self.replicas]
-        return EngineStats(**{f.name: sum(getattr(p, f.name) for p in parts)
+        return EngineStats(**{f.name: _sum([getattr(p, f.name) for p in parts])
                               for f in fields(EngineStats)})
 
     def check_integrity(self) -> None:

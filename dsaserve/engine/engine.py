@@ -54,7 +54,8 @@ class LLMEngine:
         self.runner = executor.runner if isinstance(executor, InProcessExecutor) else None
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks,
-                                   dcp_size=config.parallel.decode_context_parallel_size)
+                                   dcp_size=config.parallel.decode_context_parallel_size,
+                                   num_speculative_tokens=config.num_speculative_tokens)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

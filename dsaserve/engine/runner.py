@@ -21,6 +21,8 @@ from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
 from dsaserve.parallel.tp import checkpoint_narrower, first_expert, shard_model
+from dsaserve.spec.mtp import DraftRequest, MtpDrafter
+from dsaserve.spec.rejection import rejection_sample
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,20 @@ def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, 
         index = model.index_head_dim * elem
     n_index = sum(model.has_indexer(i) for i in range(num_layers))
     return block_size * (num_layers * mla + n_index * index)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One step's flattened batch. Rows are in the global order (request by request); under PCP
+    `input_ids` and `meta` hold only this rank's rows, the model's output all of them."""
+
+    input_ids: torch.Tensor  # [n_local] int64 on the device
+    meta: AttentionMetadata
+    query_start_loc: list[int]  # [R+1] global rows
+    starts: list[int]  # [R] position of each request's first row
+    step_tokens: list[list[int]]  # [R] known tokens then drafts, from the first row on
+    num_drafts: list[int]  # [R] drafts each request verifies this step
+    samples: list[bool]  # [R] whether the step reaches the request's last known token
 
 
 @dataclass
@@ -94,6 +110,11 @@ class ModelRunner:
         self.caches = self._allocate_caches(self.num_blocks)
         self.requests: dict[str, _ReqState] = {}
         self._seed_counter = config.seed
+        spec = config.speculative
+        self.drafter = None if spec is None else MtpDrafter(
+            self.model, self.caches, spec.num_speculative_tokens, self._decode_metadata)
+        self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
+            spec.conditional_rates, dtype=torch.float32, device=self.device)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -156,28 +177,88 @@ class ModelRunner:
 
         # 2. the flattened batch and its attention metadata
         req_ids = list(so.num_scheduled_tokens)
-        input_ids, meta, last_rows = self._prepare(req_ids, so.num_scheduled_tokens)
+        batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
 
-        # 3. forward, then logits only for requests whose every known token is now computed
-        hidden = self.model(input_ids, meta, self.caches)  # [N, hidden]
-        sampled: dict[str, int | None] = dict.fromkeys(req_ids)
-        logprobs: dict[str, float] = {}
-        done = [(rid, row) for rid, row in zip(req_ids, last_rows, strict=True) if row is not None]
-        if done:
-            logits = self.model.compute_logits(hidden[[row for _, row in done]])  # [M, V]
-            states = [self.requests[rid] for rid, _ in done]
+        # 3. forward; then sample (or verify drafts) for requests whose known tokens are done
+        hidden = self.model(batch.input_ids, batch.meta, self.caches)  # [N, hidden]
+        emitted, logprobs = self._sample(req_ids, batch, hidden)
+
+        # 4. speculative decoding: the MTP layer drafts the next step's tokens
+        drafts: dict[str, list[int]] = {}
+        if self.drafter is not None:
+            drafts = self.drafter.propose(hidden, batch.meta,
+                                          self._draft_requests(req_ids, batch, emitted))
+        return ModelRunnerOutput(sampled_token_ids=emitted, logprobs=logprobs,
+                                 draft_token_ids=drafts)
+
+    def _sample(self, req_ids: list[str], batch: _Batch, hidden: torch.Tensor
+                ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+        """Tokens emitted per request: one sampled at the last row, or (with drafts) the
+        accepted drafts and one more token from the rejection sampler."""
+        emitted: dict[str, list[int]] = {rid: [] for rid in req_ids}
+        logprobs: dict[str, list[float]] = {}
+        qsl = batch.query_start_loc
+        plain = [r for r, rid in enumerate(req_ids) if batch.samples[r] and not batch.num_drafts[r]]
+        if plain:
+            logits = self.model.compute_logits(hidden[[qsl[r + 1] - 1 for r in plain]])  # [M, V]
+            states = [self.requests[req_ids[r]] for r in plain]
             tokens, lps = sample(logits, [s.params for s in states], [s.generator for s in states])
-            for (rid, _), tok, lp in zip(done, tokens, lps, strict=True):
-                sampled[rid], logprobs[rid] = tok, lp
-        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+            for r, tok, lp in zip(plain, tokens, lps, strict=True):
+                emitted[req_ids[r]], logprobs[req_ids[r]] = [tok], [lp]
+        verify = [r for r, rid in enumerate(req_ids) if batch.samples[r] and batch.num_drafts[r]]
+        if verify:
+            k = max(batch.num_drafts[r] for r in verify)
+            # rows of each verifying request: its last token and its drafts ([M, k+1], padded
+            # by repeating the last row; padded rows are never read)
+            rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
+                     for i in range(k + 1)] for r in verify]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows).flatten()])
+            logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
+            draft_ids = torch.tensor([self._drafts_of(batch, r, k) for r in verify],
+                                     dtype=torch.int64, device=logits.device)  # [M, k]
+            num_drafts = torch.tensor([batch.num_drafts[r] for r in verify], device=logits.device)
+            states = [self.requests[req_ids[r]] for r in verify]
+            runs = rejection_sample(logits, draft_ids, num_drafts, [s.params for s in states],
+                                    [s.generator for s in states], self._synthetic_rates)
+            lp_all = logits.log_softmax(-1)  # [M, k+1, V]
+            for m, (r, run) in enumerate(zip(verify, runs, strict=True)):
+                emitted[req_ids[r]] = run
+                logprobs[req_ids[r]] = [lp_all[m, i, t].item() for i, t in enumerate(run)]
+        return emitted, logprobs
+
+    @staticmethod
+    def _drafts_of(batch: _Batch, r: int, k: int) -> list[int]:
+        """Request r's drafts, padded with −1 to k."""
+        d = batch.num_drafts[r]
+        drafts = batch.step_tokens[r][len(batch.step_tokens[r]) - d:] if d else []
+        return drafts + [-1] * (k - d)
+
+    def _draft_requests(self, req_ids: list[str], batch: _Batch,
+                        emitted: dict[str, list[int]]) -> list[DraftRequest]:
+        """What MTP step 0 reads per request: the token after each row's input (for the last
+        accepted row, the token emitted this step) and where drafting continues from."""
+        out = []
+        qsl = batch.query_start_loc
+        for r, rid in enumerate(req_ids):
+            n, start, seq = qsl[r + 1] - qsl[r], batch.starts[r], batch.step_tokens[r]
+            run = emitted[rid]
+            nxt = seq[1 : n + 1]
+            nxt += [run[-1] if run else 0] * (n - len(nxt))  # rows past the known tokens
+            last_row = None
+            if run:  # run = accepted drafts + one token: the last accepted row is len(run) − 1
+                last_row = n - 1 - batch.num_drafts[r] + len(run) - 1
+                nxt[last_row] = run[-1]
+            out.append(DraftRequest(rid, qsl[r], tuple(nxt), last_row,
+                                    start + (last_row if last_row is not None else 0)))
+        return out
 
     def execute_all_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like execute, but returns the logits of every scheduled token ([n, V] per request) and
         samples nothing: what reference comparisons need."""
         self._apply_diff(so)
         req_ids = list(so.num_scheduled_tokens)
-        input_ids, meta, _ = self._prepare(req_ids, so.num_scheduled_tokens)
-        logits = self.model.compute_logits(self.model(input_ids, meta, self.caches))
+        batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
+        logits = self.model.compute_logits(self.model(batch.input_ids, batch.meta, self.caches))
         out, start = {}, 0  # the model returns every row of the global batch, in order
         for rid in req_ids:
             out[rid] = logits[start : start + so.num_scheduled_tokens[rid]]
@@ -199,27 +280,52 @@ class ModelRunner:
         for cached in so.cached_requests:
             st = self.requests[cached.request_id]
             st.token_ids.extend(cached.new_token_ids)
+            if cached.num_kept_blocks is not None:  # blocks of rejected drafts were given back
+                del st.block_ids[cached.num_kept_blocks :]
             st.block_ids.extend(cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
-    def _prepare(
-        self, req_ids: list[str], num_scheduled: dict[str, int]
-    ) -> tuple[torch.Tensor, AttentionMetadata, list[int | None]]:
+    def _prepare(self, req_ids: list[str], num_scheduled: dict[str, int],
+                 spec: dict[str, tuple[int, ...]]) -> _Batch:
+        """The step's rows: request r computes num_scheduled[r] tokens from its computed length
+        on (its known tokens, then the drafts it verifies)."""
         tokens: list[int] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        step_tokens: list[list[int]] = []
+        samples: list[bool] = []
+        num_drafts: list[int] = []
+        for rid in req_ids:
+            st = self.requests[rid]
+            start, n, drafts = st.num_computed_tokens, num_scheduled[rid], spec.get(rid, ())
+            seq = st.token_ids[start:] + list(drafts)  # [known after start | drafts]
+            tokens += seq[:n]
+            starts.append(start)
+            counts.append(n)
+            step_tokens.append(seq)
+            samples.append(start + n - len(drafts) == len(st.token_ids))
+            num_drafts.append(len(drafts))
+        input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
+        return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples)
+
+    def _decode_metadata(self, req_ids: list[str], positions: list[int]) -> AttentionMetadata:
+        """Metadata for one token per request at the given positions (MTP draft steps)."""
+        return self._metadata(req_ids, positions, [1] * len(req_ids), [0] * len(req_ids))[1]
+
+    def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
+                  tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+        """Request r computes counts[r] tokens at positions starts[r]..; `tokens` [N] are their
+        ids in the global order → (this rank's input ids, metadata, global query_start_loc)."""
         positions: list[int] = []
         req_index: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        last_rows: list[int | None] = []
-        for r, rid in enumerate(req_ids):
-            st = self.requests[rid]
-            start, n = st.num_computed_tokens, num_scheduled[rid]
-            tokens += st.token_ids[start : start + n]
+        for r, (start, n) in enumerate(zip(starts, counts, strict=True)):
             positions += range(start, start + n)
             req_index += [r] * n
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            last_rows.append(qsl[-1] - 1 if start + n == len(st.token_ids) else None)
+        global_qsl = list(qsl)
         width = max(len(self.requests[rid].block_ids) for rid in req_ids)
         table = torch.full((len(req_ids), width), -1, dtype=torch.int32)
         for r, rid in enumerate(req_ids):
@@ -244,9 +350,9 @@ class ModelRunner:
             query_lens = [qsl[r + 1] - qsl[r] for r in range(len(req_ids))]
             part = pcp.partition(query_lens, self.groups.pcp.size)
             local = part.local_index_tensor(self.groups.pcp.rank_in_group)
-            counts = torch.bincount(req_t[local], minlength=len(req_ids)).tolist()
+            counts_local = torch.bincount(req_t[local], minlength=len(req_ids)).tolist()
             qsl = [0]
-            for c in counts:
+            for c in counts_local:
                 qsl.append(qsl[-1] + c)
             pcp_meta = PcpMetadata(
                 local_index=local.to(dev),
@@ -270,4 +376,4 @@ class ModelRunner:
             interleave=self.interleave,
             pcp=pcp_meta,
         )
-        return tok_t.to(dev), meta, last_rows
+        return tok_t.to(dev), meta, global_qsl

@@ -16,17 +16,18 @@ def make_generator(
     return g
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] → logits with everything outside top-k / the top-p nucleus set to −inf."""
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [..., V] → logits with everything outside top-k / the top-p nucleus of each row set
+    to −inf."""
     if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k).values[-1]
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = logits.sort(descending=True)
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the mass before it already reaches top_p (the first token always stays).
         drop_sorted = (cum - sorted_logits.softmax(-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
@@ -42,7 +43,7 @@ def sample(
     for r, p in enumerate(params):
         if p.greedy:
             continue
-        row = _filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
+        row = filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
         tokens[r] = torch.multinomial(row.softmax(-1), 1, generator=generators[r])[0]
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), chosen.tolist()

@@ -13,6 +13,19 @@ from scratch, usually hitting its own cached blocks) and the allocation retried.
 requests in FIFO order, while budget and `max_num_seqs` allow. The result is a typed diff for the
 runner: new requests in full, running ones as changes. `update_from_output` then advances the
 computed counts, appends sampled tokens, applies the stop rules and frees what finished.
+
+Speculative decoding (MTP, k drafts) is still "n tokens this step". A decode request with drafts
+schedules its last token plus the drafts; every step that samples also reserves k − 1 lookahead
+slots, where the MTP layer's later draft steps write their keys:
+
+    positions   | computed ............ | t | d1 d2 d3 | (lookahead: d1..d(k-1) of the MTP)
+    this step                           |-- 1 + k --|
+    after       | computed ............ | t  d1 | x |         2 of 3 drafts accepted, x emitted
+
+`num_computed_tokens` then advances by the accepted tokens only (t, d1), the emitted ones (d1, x)
+are appended with the stop rules applied to each, and blocks past the request's tokens are
+given back (they held rejected drafts only; full blocks are cached only up to the computed
+tokens, so a rejected token never enters the prefix cache).
 """
 
 from __future__ import annotations
@@ -41,21 +54,26 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         dcp_size: int = 1,
+        num_speculative_tokens: int = 0,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
         self.config = scheduler_config
         self.block_size = cache_config.block_size * dcp_size  # the scheduler (virtual) block
-        needed = cdiv(scheduler_config.max_model_len, self.block_size)
+        self.num_spec = num_speculative_tokens
+        # The MTP draft steps after the last sampled position write k − 1 positions further.
+        self.num_lookahead = max(num_speculative_tokens - 1, 0)
+        needed = cdiv(scheduler_config.max_model_len + self.num_lookahead, self.block_size)
         if num_blocks < needed:
             # Otherwise a lone request could outgrow the pool and preempt itself forever.
             raise ConfigError(
                 f"--num-gpu-blocks-override: {num_blocks} blocks of {self.block_size} tokens "
                 "cannot hold "
                 f"one request of --max-model-len {scheduler_config.max_model_len} "
-                f"(needs {needed})"
+                f"and {self.num_lookahead} lookahead tokens (needs {needed})"
             )
-        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
+                                 drop_last_hit=num_speculative_tokens > 0)
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the tail
@@ -65,6 +83,10 @@ class Scheduler:
         self._runner_num_blocks: dict[str, int] = {}
         self._finished_ids: list[str] = []  # the runner must drop these at the next step
         self._aborted_outputs: list[RequestOutput] = []
+        # vLLM's spec_decode counters (cumulative)
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_per_pos = [0] * num_speculative_tokens
 
     # ---- intake ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -116,14 +138,20 @@ class Scheduler:
 
         # 1. running requests, oldest first; KV shortage preempts the newest
         cached: list[CachedRequestData] = []
+        spec: dict[str, tuple[int, ...]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"running request {req.request_id!r} has nothing to compute"
-            if not self._allocate_or_preempt(req, n):
+            num_known = req.num_tokens - req.num_computed_tokens
+            assert num_known > 0, f"running request {req.request_id!r} has nothing to compute"
+            drafts = self._drafts_to_verify(req)
+            n = min(num_known + len(drafts), budget)
+            drafts = drafts[: n - num_known] if n > num_known else ()
+            if not self._allocate_or_preempt(req, n + self._lookahead(req, n)):
                 break  # req itself was preempted: it was the newest, nothing follows it
             num_scheduled[req.request_id] = n
+            if drafts:
+                spec[req.request_id] = drafts
             budget -= n
             cached.append(self._cached_request_data(req))
             i += 1
@@ -147,6 +175,7 @@ class Scheduler:
             cached_requests=tuple(cached),
             num_scheduled_tokens=num_scheduled,
             finished_request_ids=finished,
+            scheduled_spec_token_ids=spec,
         )
 
     def update_from_output(
@@ -159,31 +188,44 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # aborted after schedule(); its output is already in `outputs`
-            # 1. the scheduled tokens are now in the KV cache
-            req.num_computed_tokens += n
+            # 1. the scheduled known tokens are now in the KV cache (drafts: only accepted ones)
+            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, ())
+            req.num_computed_tokens += n - len(drafts)
             if req.num_computed_tokens > req.num_tokens:
                 raise RuntimeError(
                     f"request {request_id!r}: {req.num_computed_tokens} tokens computed of "
                     f"{req.num_tokens}"
                 )
-            # 2. a token is sampled exactly when every known token is computed
-            token = runner_output.sampled_token_ids.get(request_id)
+            # 2. tokens are emitted exactly when every known token is computed: 1 + the
+            #    accepted drafts (whose KV is then valid too)
+            tokens = runner_output.sampled_token_ids.get(request_id) or []
             new_tokens: tuple[int, ...] = ()
             if req.num_computed_tokens == req.num_tokens:
-                if token is None:
+                if not tokens:
                     raise RuntimeError(
                         f"runner output: no sampled token for request {request_id!r}, "
                         "all of whose tokens are computed"
                     )
-                req.output_token_ids.append(token)
-                new_tokens = (token,)
-                self._check_stop(req)
-            elif token is not None:
+                if len(tokens) > len(drafts) + 1:
+                    raise RuntimeError(
+                        f"runner output: {len(tokens)} tokens for request {request_id!r} "
+                        f"which verified {len(drafts)} drafts (1 to {len(drafts) + 1} expected)"
+                    )
+                if drafts:
+                    self._count_spec(len(drafts), len(tokens) - 1)
+                new_tokens = self._append_tokens(req, tokens)
+                # every kept token but the last was an input of this step (its KV is written)
+                req.num_computed_tokens += len(new_tokens) - 1
+            elif tokens:
                 raise RuntimeError(
                     f"runner output: a token for request {request_id!r} mid-prefill "
                     f"({req.num_computed_tokens} of {req.num_tokens} computed)"
                 )
-            # 3. full computed blocks become findable; finished requests give back their blocks
+            # 3. drafts for the next step; blocks that held only rejected drafts go back; full
+            #    computed blocks become findable; finished requests give back their blocks
+            req.spec_token_ids = [] if req.is_finished else list(
+                runner_output.draft_token_ids.get(request_id, ()))
+            self._rollback_blocks(req)
             self.kv.cache_full_blocks(req)
             if req.is_finished:
                 self.running.remove(req)
@@ -193,6 +235,45 @@ class Scheduler:
         return outputs
 
     # ---- helpers of the step --------------------------------------------------------------------
+    def _drafts_to_verify(self, req: Request) -> tuple[int, ...]:
+        """The request's drafts that could still become output: a step emits at most
+        drafts + 1 tokens, and the request ends at max_tokens or max_model_len."""
+        if not req.spec_token_ids:
+            return ()
+        room = min(req.sampling_params.max_tokens - len(req.output_token_ids),
+                   self.config.max_model_len - req.num_tokens)
+        return tuple(req.spec_token_ids[: max(room - 1, 0)])
+
+    def _lookahead(self, req: Request, n: int) -> int:
+        """Slots past the scheduled tokens the MTP draft steps write: k − 1 when this step
+        samples (its n tokens reach the request's last known token), else 0."""
+        samples = req.num_computed_tokens + n >= req.num_tokens
+        return self.num_lookahead if samples else 0
+
+    def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[int, ...]:
+        """Append emitted tokens one at a time with the stop rules: a stop in the middle of an
+        accepted run drops the rest."""
+        for i, token in enumerate(tokens):
+            req.output_token_ids.append(token)
+            self._check_stop(req)
+            if req.is_finished:
+                return tuple(tokens[: i + 1])
+        return tuple(tokens)
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        for pos in range(num_accepted):
+            self.spec_num_accepted_per_pos[pos] += 1
+
+    def _rollback_blocks(self, req: Request) -> None:
+        """Give back blocks past the request's tokens (reserved for drafts that were rejected or
+        for lookahead); the runner learns through the next diff's num_kept_blocks."""
+        kept = self.kv.free_blocks_after(req, req.num_tokens)
+        if req.request_id in self._runner_num_blocks:
+            self._runner_num_blocks[req.request_id] = min(
+                self._runner_num_blocks[req.request_id], kept)
+
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Allocate KV for `n` more tokens of running `req`, preempting the newest running
         requests until it fits; False if `req` itself had to go."""
@@ -209,6 +290,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -221,7 +303,8 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
-        if self.kv.allocate_slots(req, n, hits) is None:
+        lookahead = self.num_lookahead if n == remaining else 0
+        if self.kv.allocate_slots(req, n + lookahead, hits) is None:
             return 0
         self.waiting.popleft()
         self.running.append(req)
@@ -253,6 +336,7 @@ class Scheduler:
             new_token_ids=_tokens_from(req, known_tokens),
             new_block_ids=tuple(req.block_ids[known_blocks:]),
             num_computed_tokens=req.num_computed_tokens,
+            num_kept_blocks=known_blocks,
         )
 
     def _check_stop(self, req: Request) -> None:
@@ -316,6 +400,10 @@ class Scheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=sum(self.spec_num_accepted_per_pos),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_num_accepted_per_pos),
         )
 
     def check_integrity(self) -> None:
@@ -341,6 +429,8 @@ class Scheduler:
                     f"scheduler: {req.request_id!r} computed {req.num_computed_tokens} of "
                     f"{req.num_tokens} tokens"
                 )
+            if len(req.spec_token_ids) > self.num_spec:
+                raise AssertionError(f"scheduler: {req.request_id!r} has too many drafts")
             if len(req.block_ids) < cdiv(req.num_computed_tokens, self.block_size):
                 raise AssertionError(
                     f"scheduler: {req.request_id!r} has {len(req.block_ids)} blocks for "
@@ -349,6 +439,8 @@ class Scheduler:
         for req in self.waiting:
             if req.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 raise AssertionError(f"scheduler: {req.request_id!r} waiting with {req.status}")
+            if req.spec_token_ids:
+                raise AssertionError(f"scheduler: waiting {req.request_id!r} holds drafts")
             if req.block_ids or req.num_computed_tokens:
                 raise AssertionError(
                     f"scheduler: waiting {req.request_id!r} holds {len(req.block_ids)} blocks "

@@ -26,11 +26,17 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 drop_last_hit: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size: must be >= 1, got {block_size}")
         self.block_size = block_size  # the scheduler block, B·N tokens
         self.enable_caching = enable_caching
+        # MTP: the MTP layer's key at a block's last position was computed from the *next*
+        # token, which the block's hash does not cover. A hit block is trusted only when the
+        # block after it matched too, so the last matched block is recomputed (as vLLM does
+        # for EAGLE-style drafters).
+        self.drop_last_hit = drop_last_hit
         self.pool = BlockPool(num_blocks, enable_caching)
         self._num_cached_blocks: dict[str, int] = {}  # request id → leading blocks with a hash
         self._queried: set[str] = set()  # requests counted in the stats since their last free()
@@ -70,6 +76,8 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        if self.drop_last_hit and hits:
+            hits.pop()
         num_hit_tokens = len(hits) * self.block_size
         if request.request_id not in self._queried:
             self._queried.add(request.request_id)
@@ -123,6 +131,17 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def free_blocks_after(self, request: Request, num_tokens: int) -> int:
+        """Release the request's blocks past the first cdiv(num_tokens, S) (speculative decoding:
+        slots of rejected drafts and unused lookahead); returns how many blocks it keeps. Such
+        blocks hold no computed token, so none of them was registered in the prefix cache."""
+        keep = cdiv(num_tokens, self.block_size)
+        if len(request.block_ids) > keep:
+            assert self._num_cached_blocks.get(request.request_id, 0) <= keep
+            self.pool.free(request.block_ids[keep:])
+            del request.block_ids[keep:]
+        return len(request.block_ids)
 
     def free(self, request: Request) -> None:
         """Release every block of the request (ref−−). Cached blocks stay findable until reused."""

@@ -524,21 +524,35 @@ class DsaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         caches: list[LayerCache],
     ) -> torch.Tensor:
-        """One MTP step: input_ids [N] are the *next* tokens, prev_hidden [N, hidden] the target's
-        post-norm states at the same positions → MTP hidden [N, hidden] after shared_head.norm."""
+        """One MTP step: input_ids [N] are the *next* tokens, prev_hidden [N, hidden] the
+        post-norm states at the same positions → MTP hidden [N, hidden] after shared_head.norm.
+
+        All three are in the global batch order, like `forward`'s output. Under PCP the MTP
+        layer follows the target's partition: this rank computes its rows of `meta`, the new KV
+        rows are gathered and written by their owners, and the output is gathered back."""
         if not self.with_mtp:
             raise RuntimeError(
                 "this checkpoint has no MTP layer; speculative decoding is unavailable"
             )
-        if meta.pcp is not None:
-            raise NotImplementedError("MTP drafting under PCP is not supported yet")
-        mtp: MTPLayer = self.model.layers[self.cfg.num_hidden_layers]
+        layer = self.cfg.num_hidden_layers
+        mtp: MTPLayer = self.model.layers[layer]
+        prefetch = None
+        if meta.pcp is not None:  # this rank's rows only
+            input_ids = input_ids[meta.pcp.local_index]
+            prev_hidden = prev_hidden[meta.pcp.local_index]
+            if meta.dcp_size > 1:  # split rows attend over a full copy of their MTP context
+                prefetch = cp_attention.ContextPrefetch(meta, caches, self.groups.dcp_prefetch,
+                                                        self.cfg.index_head_dim)
+                prefetch.start(layer)
         rope = self._rope(meta.positions)
         e = self.model.embed_tokens(input_ids)
         e = e.masked_fill((meta.positions == 0)[:, None], 0.0)  # position 0 carries no input (vLLM)
         u = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(prev_hidden)), dim=-1))
-        h, _ = mtp(u, rope, meta, caches[self.cfg.num_hidden_layers], self.backend, None)
-        return mtp.shared_head.norm(h)
+        h, _ = mtp(u, rope, meta, caches[layer], self.backend, None, prefetch)
+        h = mtp.shared_head.norm(h)
+        if meta.pcp is not None:
+            h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] → logits [M, vocab] fp32."""

@@ -93,7 +93,8 @@ def test_mtp_one_step_matches_hf_parts(model_dirs, engine_config, preset):
         (NewRequestData(rid, tuple(ids[:T]), SamplingParams(), (0, 1, 2), 0),), (), {rid: T}, ()
     )
     runner._apply_diff(so)
-    input_ids, meta, _ = runner._prepare([rid], {rid: T})
+    batch = runner._prepare([rid], {rid: T}, {})
+    input_ids, meta = batch.input_ids, batch.meta
     hidden = runner.model(input_ids, meta, runner.caches)  # writes the target's caches
     # Draft step 0: at position p the MTP sees token p+1 and the target's hidden state at p.
     h_mtp = runner.model.forward_mtp(torch.tensor(ids[1 : T + 1]), hidden, meta, runner.caches)

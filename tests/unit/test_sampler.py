@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsaserve.core import RequestError, SamplingParams
-from dsaserve.engine.sampler import _filter_top_k_top_p, make_generator, sample
+from dsaserve.engine.sampler import filter_top_k_top_p, make_generator, sample
 
 
 def _gens(params, seed=0):
@@ -36,13 +36,13 @@ def test_seed_reproduces_whatever_the_batch():
 
 def test_top_k_and_top_p_filters():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    kept = _filter_top_k_top_p(logits, top_k=2, top_p=1.0).isfinite()
+    kept = filter_top_k_top_p(logits, top_k=2, top_p=1.0).isfinite()
     assert kept.tolist() == [True, True, False, False, False]
     probs = logits.softmax(-1)  # ≈ [0.64, 0.24, 0.09, 0.03, 0.01]
-    kept = _filter_top_k_top_p(logits, top_k=0, top_p=0.7).isfinite()
+    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.7).isfinite()
     assert kept.tolist() == [True, True, False, False, False]
     assert probs[0] < 0.7 < probs[:2].sum()
-    kept = _filter_top_k_top_p(logits, top_k=0, top_p=0.5).isfinite()
+    kept = filter_top_k_top_p(logits, top_k=0, top_p=0.5).isfinite()
     assert kept.tolist() == [True, False, False, False, False]
 
 

@@ -66,9 +66,11 @@ class FakeRunner:
         for c in so.cached_requests:
             st = self.reqs[c.request_id]
             st.token_ids += c.new_token_ids
+            if c.num_kept_blocks is not None:
+                del st.block_ids[c.num_kept_blocks :]
             st.block_ids += c.new_block_ids
             st.num_computed_tokens = c.num_computed_tokens
-        sampled: dict[str, int | None] = {}
+        sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             st, req = self.reqs[rid], self.sched.requests[rid]
             assert st.token_ids == req.all_token_ids, f"{rid}: runner tokens diverged"
@@ -79,7 +81,7 @@ class FakeRunner:
             self._write(st, start, start + n)
             st.num_computed_tokens = start + n
             done = start + n == len(st.token_ids)
-            sampled[rid] = self.next_token(st.token_ids) if done else None
+            sampled[rid] = [self.next_token(st.token_ids)] if done else []
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
     def _check_context(self, st: _RunnerReq, seq_len: int) -> None:
@@ -436,12 +438,12 @@ def test_runner_contract_violations_are_loud() -> None:
     sched.add_request(req("a", prompt(1, 10)))
     so = sched.schedule()
     with pytest.raises(RuntimeError, match="mid-prefill"):
-        sched.update_from_output(so, ModelRunnerOutput({"a": 5}))
+        sched.update_from_output(so, ModelRunnerOutput({"a": [5]}))
     sched2 = make_sched(max_model_len=64)
     sched2.add_request(req("a", prompt(1, 3)))
     so = sched2.schedule()
     with pytest.raises(RuntimeError, match="no sampled token"):
-        sched2.update_from_output(so, ModelRunnerOutput({"a": None}))
+        sched2.update_from_output(so, ModelRunnerOutput({"a": []}))
 
 
 def test_cached_request_data_carries_only_the_changes() -> None:
