@@ -277,11 +277,11 @@ class Simulator:
         for replica, so, out in zip(self.groups[g], outputs, ran, strict=True):
             sched = replica.scheduler
             if out is None:  # the modelled runner: a token wherever the real one samples one
-                sampled: dict[str, int | None] = {}
+                sampled: dict[str, list[int]] = {}
                 for rid, n in so.num_scheduled_tokens.items():
                     req = sched.requests.get(rid)
                     done = req is not None and req.num_computed_tokens + n == req.num_tokens
-                    sampled[rid] = SAMPLED_TOKEN if done else None
+                    sampled[rid] = [SAMPLED_TOKEN] if done else []
                 out = ModelRunnerOutput(sampled_token_ids=sampled)
             for request_output in sched.update_from_output(so, out):
                 self._record(request_output, now)
