@@ -1,13 +1,15 @@
 """`--deployment` specs of `dsaserve simulate`: one engine layout and its serving options.
 
     dp8xep router=prefix             8 data-parallel replicas, experts sharded over all 8 GPUs
+    dp8xep mtp=3 acceptance=2.99     the same with MTP3 at a synthetic acceptance length
     tp8                              one replica of 8 tensor-parallel ranks
     pcp8xdcp8xep8 kv=fp8_ds_mla      one replica: PCP 8, DCP 8 over the same ranks, EP 8
 
 Layout terms join with `x`: dp, tp, pcp, dcp take a count; `ep` may carry one, which must equal
 the GPUs its experts span (dp × pcp × tp). Options are `key=value`: router (prefix | load |
 round-robin), kv (fp8_ds_mla | bf16), block-size, max-num-seqs, max-num-batched-tokens,
-gpu-memory-utilization.
+gpu-memory-utilization, and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
+synthetic rates for a mean acceptance length L).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dsaserve.config import ConfigError, ParallelConfig
+from dsaserve.config import ConfigError, ParallelConfig, SpecConfig
 from dsaserve.plan import costmodel as cm
 
 ROUTERS = ("prefix", "load", "round-robin")
@@ -23,7 +25,6 @@ ROUTERS = ("prefix", "load", "round-robin")
 _NOT_YET = {
     "prefill": "prefill/decode disaggregation", "decode": "prefill/decode disaggregation",
     "offload": "the CPU offload tier", "hisparse": "hybrid HiSparse", "host": "hybrid HiSparse",
-    "mtp": "MTP speculative decoding", "acceptance": "MTP speculative decoding",
 }
 
 
@@ -37,6 +38,8 @@ class Deployment:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
+    # MTP drafts per step, accepted at fixed synthetic rates (vLLM's benchmark mode)
+    speculative: SpecConfig | None = None
 
     @property
     def num_gpus(self) -> int:
@@ -88,6 +91,22 @@ def parse_deployment(text: str) -> Deployment:
         raise ConfigError(f"--deployment {text!r}: ep{ep} must span all {cm.num_gpus(parallel)} "
                           "GPUs of the deployment (dp × pcp × tp)")
     kwargs: dict[str, object] = {}
+    mtp, acceptance = options.pop("mtp", None), options.pop("acceptance", None)
+    if (mtp is None) != (acceptance is None):
+        raise ConfigError(f"--deployment {text!r}: mtp=K and acceptance=L go together (L: the "
+                          "synthetic mean acceptance length, e.g. mtp=3 acceptance=2.99)")
+    if mtp is not None and acceptance is not None:
+        k = int(_number(text, "mtp", mtp, int))
+        length = float(_number(text, "acceptance", acceptance, float))
+        if not 1.0 <= length <= k + 1:
+            raise ConfigError(f"--deployment {text!r}: acceptance must lie in [1, mtp + 1] = "
+                              f"[1, {k + 1}], got {length}")
+        try:
+            kwargs["speculative"] = SpecConfig(
+                num_speculative_tokens=k, rejection_sample_method="synthetic",
+                synthetic_acceptance_rates=SpecConfig.acceptance_length_to_rates(length, k))
+        except ConfigError as e:
+            raise ConfigError(f"--deployment {text!r}: {e}") from None
     for key, value in options.items():
         field_name = key.replace("-", "_")
         if key == "router":

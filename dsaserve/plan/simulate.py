@@ -21,6 +21,8 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from dsaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from dsaserve.core import (
     ModelRunnerOutput,
@@ -37,6 +39,7 @@ from dsaserve.plan.deployment import Deployment
 from dsaserve.plan.parts import Parts
 from dsaserve.plan.simtrace import TraceSession
 from dsaserve.plan.steptime import StepTime, StepTimeModel
+from dsaserve.spec.rejection import num_accepted_drafts
 
 # Calibration: (replica index, its step's SchedulerOutput) → (wall seconds, the runner's output).
 MeasureStep = Callable[[int, SchedulerOutput], tuple[float, ModelRunnerOutput]]
@@ -108,9 +111,20 @@ class SimResult:
             "cache_hit_rate": sum(r.cached_tokens for r in done) / sum(r.prompt_tokens
                                                                         for r in done),
             "bottleneck": self.busy.bound,
+            **self._acceptance(),
             "max_context": self.max_context,
             "steps": self.num_steps,
         }
+
+
+    def _acceptance(self) -> dict[str, float]:
+        """MTP's mean acceptance length over every replica (vLLM's: tokens per verify step)."""
+        stats = [s.stats() for s in self.schedulers]
+        drafts = sum(st.spec_decode_num_drafts for st in stats)
+        if not drafts:
+            return {}
+        return {"acceptance_length":
+                1 + sum(st.spec_decode_num_accepted_tokens for st in stats) / drafts}
 
 
 def _p90(values: Sequence[float]) -> float:
@@ -145,12 +159,19 @@ class Simulator:
         self.concurrency = concurrency
         self.duration = duration
         par = deployment.parallel
-        self.times = StepTimeModel(model, par, parts, deployment.kv_dtype)
+        spec = deployment.speculative
+        self.num_drafts = spec.num_speculative_tokens if spec is not None else 0
+        self.times = StepTimeModel(model, par, parts, deployment.kv_dtype, self.num_drafts)
+        # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
+        self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
+        self._uniforms = torch.Generator().manual_seed(0)
         self.kv_blocks, self.max_context = replica_kv_capacity(model, deployment, parts)
         block_tokens = deployment.block_size * par.decode_context_parallel_size
         if num_blocks is not None:
             self.kv_blocks, self.max_context = num_blocks, num_blocks * block_tokens
-        max_len = min(self.kv_blocks * block_tokens, model.max_position_embeddings)
+        # The MTP draft steps write k − 1 slots past a request's last token.
+        lookahead = max(self.num_drafts - 1, 0)
+        max_len = min(self.kv_blocks * block_tokens - lookahead, model.max_position_embeddings)
         cache = CacheConfig(block_size=deployment.block_size,
                             kv_cache_dtype="fp8_ds_mla" if deployment.kv_dtype == "fp8_ds_mla"
                             else "auto", enable_prefix_caching=True)
@@ -159,7 +180,8 @@ class Simulator:
                                 max_model_len=max_len)
         self.replicas = [
             Replica(i, Scheduler(sched, cache, self.kv_blocks,
-                                 dcp_size=par.decode_context_parallel_size))
+                                 dcp_size=par.decode_context_parallel_size,
+                                 num_speculative_tokens=self.num_drafts))
             for i in range(deployment.replicas)]
         # Lock-step replicas form one group; otherwise each replica steps on its own.
         self.groups = ([self.replicas] if deployment.lockstep
@@ -243,21 +265,26 @@ class Simulator:
         if not any(r.scheduler.has_unfinished_requests() for r in group):
             self._busy[g] = False
             return
-        outputs, batches = [], []
+        outputs, batches, drafting = [], [], []
         for replica in group:
             so = replica.scheduler.schedule()
-            batch = []
+            batch, contexts = [], []
             for rid, n in so.num_scheduled_tokens.items():
                 req = replica.scheduler.requests[rid]
+                known = n - len(so.scheduled_spec_token_ids.get(rid, ()))
                 batch.append((n, req.num_computed_tokens + n))
+                if req.num_computed_tokens + known == req.num_tokens:  # samples, then drafts
+                    contexts.append(req.num_tokens)
             outputs.append(so)
             batches.append(batch)
+            drafting.append(contexts)
             if self.step_log is not None and so.num_scheduled_tokens:
                 self.step_log.append((replica.index, dict(so.num_scheduled_tokens),
                                       replica.scheduler.kv.num_free_blocks))
         engine_tokens = sum(n for batch in batches for n, _ in batch)
         times = [self.times.step(b, engine_tokens=engine_tokens if self.deployment.lockstep
-                                 else None) for b in batches]
+                                 else None, drafting=d)
+                 for b, d in zip(batches, drafting, strict=True)]
         duration = max(t.total for t in times)
         ran: list[ModelRunnerOutput | None] = [None] * len(group)
         if self.measure is not None:  # calibration: real runners, the wall clock
@@ -276,16 +303,37 @@ class Simulator:
         g, outputs, ran = payload
         for replica, so, out in zip(self.groups[g], outputs, ran, strict=True):
             sched = replica.scheduler
-            if out is None:  # the modelled runner: a token wherever the real one samples one
-                sampled: dict[str, list[int]] = {}
-                for rid, n in so.num_scheduled_tokens.items():
-                    req = sched.requests.get(rid)
-                    done = req is not None and req.num_computed_tokens + n == req.num_tokens
-                    sampled[rid] = [SAMPLED_TOKEN] if done else []
-                out = ModelRunnerOutput(sampled_token_ids=sampled)
+            if out is None:
+                out = self._modelled_output(sched, so)
             for request_output in sched.update_from_output(so, out):
                 self._record(request_output, now)
         self._start_step(g, now)
+
+    def _modelled_output(self, sched: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
+        """What the real runner would return, but for token identity: a token wherever it samples
+        one; with MTP, the drafts accepted at the synthetic rates (spec/rejection.py's rule),
+        then the target's token, and k new drafts."""
+        sampled: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
+        verify = [rid for rid in so.num_scheduled_tokens if so.scheduled_spec_token_ids.get(rid)]
+        accepted: dict[str, int] = {}
+        if verify:
+            k = self.num_drafts
+            num = torch.tensor([len(so.scheduled_spec_token_ids[rid]) for rid in verify])
+            ids = torch.full((len(verify), k), SAMPLED_TOKEN)
+            uniforms = torch.rand(len(verify), k, generator=self._uniforms)
+            counts = num_accepted_drafts(torch.empty(0), ids, num, uniforms, self._rates)
+            accepted = dict(zip(verify, counts.tolist(), strict=True))
+        for rid, n in so.num_scheduled_tokens.items():
+            req = sched.requests.get(rid)
+            spec = so.scheduled_spec_token_ids.get(rid, ())
+            if req is None or req.num_computed_tokens + n - len(spec) != req.num_tokens:
+                sampled[rid] = []
+                continue
+            sampled[rid] = list(spec[: accepted.get(rid, 0)]) + [SAMPLED_TOKEN]
+            if self.num_drafts:
+                drafts[rid] = [SAMPLED_TOKEN] * self.num_drafts
+        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts)
 
     def _record(self, out: RequestOutput, now: float) -> None:
         record = self._records[out.request_id]

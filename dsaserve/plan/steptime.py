@@ -17,7 +17,8 @@ lock-step) layer by layer:
     overhead  a per-layer launch gap and a per-step fixed cost (graph replay, sampling)
 
 Rows: under PCP a prefill chunk's rows are split over the group, decode rows are replicated
-(DESIGN §5). A row is a decode row when its request computes at most `decode_rows` tokens.
+(DESIGN §5). A row is a decode row when its request computes at most 1 + k tokens (k MTP drafts
+verified); with MTP, each request that samples then runs the MTP layer k times on one row.
 """
 
 from __future__ import annotations
@@ -59,6 +60,16 @@ class StepTime:
 
 
 @dataclass(frozen=True)
+class _Layers:
+    """How many layers of each kind a forward runs."""
+
+    all: int
+    moe: int
+    dense: int
+    indexer: int  # layers that run their own indexer (IndexShare layers reuse its top-k)
+
+
+@dataclass(frozen=True)
 class _Weights:
     """Parameters one GPU multiplies each token by, per layer kind (FP8: 1 B each)."""
 
@@ -76,10 +87,11 @@ class StepTimeModel:
     in lock-step with it when their experts are shared over EP)."""
 
     def __init__(self, model: ModelConfig, par: ParallelConfig, parts: Parts,
-                 kv_dtype: cm.KVDType = "fp8_ds_mla", decode_rows: int = 1) -> None:
+                 kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0) -> None:
         cm.check_layout(model, par)
         self.model, self.par, self.parts = model, par, parts
-        self.decode_rows = decode_rows
+        self.num_drafts = num_drafts  # MTP drafts per step (0: no speculative decoding)
+        self.decode_rows = 1 + num_drafts  # a request's rows in a decode (verify) step
         self.kv = cm.kv_bytes_per_token(model, kv_dtype)
         self.tp, self.pcp, self.dcp = (par.tensor_parallel_size,
                                        par.prefill_context_parallel_size,
@@ -126,30 +138,52 @@ class StepTimeModel:
 
     # ---- pricing --------------------------------------------------------------------------------
     def step(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None = None,
-             num_sampled: int | None = None) -> StepTime:
+             num_sampled: int | None = None, drafting: Sequence[int] = ()) -> StepTime:
         """One step of this replica: `batch` = (new tokens, context after the step) per request.
 
         `engine_tokens`: tokens of every replica that shares this one's experts over EP in the
         same step (lock-step DP); defaults to this replica's. `num_sampled`: rows that reach the
-        lm_head (default: one per request)."""
+        lm_head (default: one per request). `drafting`: the context of each request whose MTP
+        layer then drafts `num_drafts` tokens (one row per draft step, and its lm_head)."""
         if not batch:
             return StepTime()
+        m, p = self.model, self.parts
+        sampled = len(batch) if num_sampled is None else num_sampled
+        main = _Layers(m.num_hidden_layers, self.num_moe, self.num_dense, self.num_indexer)
+        t = self._forward(batch, engine_tokens, main) + StepTime(gemm=self._gemm(self.w.lm_head,
+                                                                                 sampled))
+        if drafting and self.num_drafts:
+            rows = [(1, c) for c in drafting]
+            ep_rows = None if engine_tokens is None else engine_tokens * len(rows) // len(batch)
+            one = self._forward(rows, ep_rows, _Layers(1, 1, 0, 1))
+            one = one + StepTime(gemm=self._gemm(self.w.lm_head, len(rows)))
+            for _ in range(self.num_drafts):
+                t = t + one
+        layers = m.num_hidden_layers + (self.num_drafts if drafting else 0)
+        return t + StepTime(overhead=(layers * p.kernel_overhead_us.value
+                                      + p.step_overhead_us.value) * 1e-6)
+
+    def _gemm(self, params: int, n_rows: float) -> float:
+        """A weight matrix of `params` FP8 values times `n_rows` rows: compute or weight reads."""
+        p = self.parts
+        return max(2 * n_rows * params / (p.matmul_fp8_tflops.value * 1e12),
+                   params / (p.hbm_tbps.value * 1e12))
+
+    def _forward(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None,
+                 layers: _Layers) -> StepTime:
+        """`layers` decoder layers over `batch` on this GPU (no lm_head, no fixed costs)."""
         p, m = self.parts, self.model
         hbm, f8 = p.hbm_tbps.value * 1e12, p.matmul_fp8_tflops.value * 1e12
         decode = [(n, c) for n, c in batch if n <= self.decode_rows]
         prefill = [(n, c) for n, c in batch if n > self.decode_rows]
         rows = sum(n for n, _ in decode) + sum(n for n, _ in prefill) / self.pcp  # this GPU
         tokens = sum(n for n, _ in batch)
-        sampled = len(batch) if num_sampled is None else num_sampled
-
-        def gemm(params: int, n_rows: float) -> float:
-            return max(2 * n_rows * params / f8, params / hbm)
+        gemm = self._gemm
 
         # 1. dense matrices
         w = self.w
-        g = m.num_hidden_layers * gemm(w.attn, rows) + self.num_indexer * gemm(w.indexer, rows)
-        g += self.num_dense * gemm(w.dense_mlp, rows) + self.num_moe * gemm(w.moe_shared, rows)
-        g += gemm(w.lm_head, sampled)
+        g = layers.all * gemm(w.attn, rows) + layers.indexer * gemm(w.indexer, rows)
+        g += layers.dense * gemm(w.dense_mlp, rows) + layers.moe * gemm(w.moe_shared, rows)
 
         # 2. routed experts: the tokens dispatched here, the distinct experts they touch
         engine = tokens if engine_tokens is None else engine_tokens
@@ -160,12 +194,12 @@ class StepTimeModel:
         else:
             assignments = rows * k
             touched = e * (1 - (1 - 1 / e) ** (rows * k))
-        moe = self.num_moe * max(2 * assignments * w.expert / f8, touched * w.expert / hbm)
+        moe = layers.moe * max(2 * assignments * w.expert / f8, touched * w.expert / hbm)
 
         # 3. indexer (replicated over TP: every TP rank scores every key)
         pairs = sum(n * (c - (n - 1) / 2) for n, c in prefill) / self.pcp
         keys = sum(c for _, c in decode) / self.dcp
-        idx = self.num_indexer * (
+        idx = layers.indexer * (
             pairs * cm.indexer_flops_per_pair(m) / (p.indexer_prefill_tflops.value * 1e12)
             + keys * self.kv.indexer_key / (p.indexer_decode_tbps.value * 1e12))
 
@@ -176,7 +210,7 @@ class StepTimeModel:
         mla_dec = p.mla_decode_us(dec_rows) * 1e-6
         flops = sum(n * min(c, topk) for n, c in prefill) / self.pcp * self.heads * \
             cm.mla_flops_per_row_head(m)
-        mla = m.num_hidden_layers * (mla_dec + flops / (p.mla_prefill_tflops.value * 1e12))
+        mla = layers.all * (mla_dec + flops / (p.mla_prefill_tflops.value * 1e12))
 
         # 5. collectives, per layer
         link, lat = p.nvlink_gbps.value * 1e9, p.collective_latency_us.value * 1e-6
@@ -201,8 +235,5 @@ class StepTimeModel:
             per_layer_bytes += (sum(n for n, _ in decode) * self.heads * MLA_OUT_BYTES
                                 * (self.dcp - 1) / self.dcp)
             collectives += 2
-        comm = m.num_hidden_layers * (per_layer_bytes / link + collectives * lat)
-
-        overhead = (m.num_hidden_layers * p.kernel_overhead_us.value
-                    + p.step_overhead_us.value) * 1e-6
-        return StepTime(gemm=g, moe=moe, indexer=idx, mla=mla, comm=comm, overhead=overhead)
+        comm = layers.all * (per_layer_bytes / link + collectives * lat)
+        return StepTime(gemm=g, moe=moe, indexer=idx, mla=mla, comm=comm)

@@ -223,3 +223,30 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert bench.main(["--smoke"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
     assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared
+
+
+def test_mtp_at_synthetic_acceptance(tmp_path):
+    """MTP3 at acceptance 2.99 through the engine's own spec-decode scheduling: every turn still
+    emits exactly its output length, the scheduler's counters give 2.99 tokens per verify step,
+    and a lone session decodes faster per user than without drafts."""
+    traces = _write_traces(tmp_path, sessions=2, turns=2, out=300)
+    _, mtp = _simulate(traces, "tp1 block-size=16 mtp=3 acceptance=2.99", concurrency=1)
+    _, plain = _simulate(traces, "tp1 block-size=16", concurrency=1)
+    expected = {f"{s.id}/{k}": t.output_tokens for s in load_traces(traces)
+                for k, t in enumerate(s.turns)}
+    assert {r.request_id: r.output_tokens for r in mtp.records} == expected
+    for sched in mtp.schedulers:
+        sched.check_integrity()
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert mtp.summary()["acceptance_length"] == pytest.approx(2.99, abs=0.03)
+    assert "acceptance_length" not in plain.summary()
+    assert mtp.summary()["p90_interactivity"] > 1.5 * plain.summary()["p90_interactivity"]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("tp1 mtp=3", "go together"), ("tp1 mtp=3 acceptance=5", "[1, 4]"),
+])
+def test_bad_mtp_specs(spec, words):
+    with pytest.raises(ConfigError, match="--deployment") as e:
+        parse_deployment(spec)
+    assert words in str(e.value)
