@@ -1,4 +1,4 @@
-"""`dsaserve` command line: make-model, generate, serve, plan.
+"""`dsaserve` command line: make-model, generate, serve, router, plan.
 
 Only the generated text goes to stdout; logs and progress go to stderr, so that scripts can use
 the output.
@@ -77,6 +77,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from dsaserve.model import make_model
     from dsaserve.plan import cli as plan_cli
+    from dsaserve.router import cli as router_cli
     from dsaserve.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser(prog="dsaserve", description=__doc__.splitlines()[0])
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_model.add_parser(sub)
     _add_generate_parser(sub)
     serve_cli.add_parser(sub)
+    router_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     return parser
 
