@@ -162,13 +162,9 @@ class Router:
         salt = body.get("cache_salt")
         salt = salt if isinstance(salt, str) else None
         sizes = {b.block_size for b in self.pool.backends if b.block_size}
-        out = {}
-        for size in sizes:
-            # The engine never counts the block ending at the last token as a hit (it must
-            # compute at least one token), so neither does the score.
-            hashes = request_block_hashes(ids, size, salt)
-            out[size] = hashes[: (len(ids) - 1) // size] if ids else []
-        return out
+        # Every full block: the engine computes and caches them all (the one ending at the last
+        # token is never a hit for this request, but it is for the next turn, which extends it).
+        return {size: request_block_hashes(ids, size, salt) for size in sizes}
 
     # ---- forwarding -----------------------------------------------------------------------------
     async def forward(self, request: Request, path: str) -> Response:
@@ -229,6 +225,8 @@ class Router:
                 finish()
                 raise
             if isinstance(result, Response):
+                if not isinstance(result, StreamingResponse):
+                    finish()  # a streaming response finishes when its stream closes
                 self.picker.record(decision, hashes)
                 self._count(decision)
                 return result
