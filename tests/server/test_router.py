@@ -112,6 +112,18 @@ def backends(tiny_model_dir: Path, tmp_path_factory) -> Iterator[list[BackendPro
             p.stop()
 
 
+@pytest.fixture(scope="module")
+def small_backend(tiny_model_dir: Path, tmp_path_factory) -> Iterator[BackendProcess]:
+    """A backend with a 24-block pool (evictions come fast); the fault tests kill it."""
+    proc = BackendProcess(tiny_model_dir, tmp_path_factory.mktemp("router-small"),
+                          "--num-gpu-blocks-override", "24", "--max-model-len", "256").start()
+    try:
+        proc.wait_healthy()
+        yield proc
+    finally:
+        proc.stop()
+
+
 def start_router(urls: list[str], **config: object) -> LiveServer:
     return LiveServer(create_router_app(RouterConfig(backends=tuple(urls), **config)))
 
@@ -232,48 +244,43 @@ def test_precise_and_approximate_agree_without_evictions(backends, tok) -> None:
         router.close()
 
 
-def test_precise_wins_after_evictions(tiny_model_dir: Path, tmp_path: Path, tok) -> None:
+def test_precise_wins_after_evictions(small_backend: BackendProcess, tok) -> None:
     """A backend with 24 blocks of 16 tokens, prompts of ~7: the fourth evicts the first's tail.
     The approximate index still claims it; the precise index (events) knows it is gone and
     predicts the backend's real hit."""
-    small = BackendProcess(tiny_model_dir, tmp_path, "--num-gpu-blocks-override", "24",
-                           "--max-model-len", "256").start()
+    small = small_backend
+    router = start_router([small.url], prefix_index="precise")
+    state = router._server.config.app.state.router
     try:
-        small.wait_healthy()
-        router = start_router([small.url], prefix_index="precise")
-        state = router._server.config.app.state.router
-        try:
-            def prompt(i: int) -> list[dict[str, str]]:
-                words = " ".join(f"w{i}x{j}" for j in range(20))
-                return [{"role": "user", "content": f"session {i}: {words}"}]
+        def prompt(i: int) -> list[dict[str, str]]:
+            words = " ".join(f"w{i}x{j}" for j in range(20))
+            return [{"role": "user", "content": f"session {i}: {words}"}]
 
-            def send(i: int) -> int:
-                r = httpx.post(f"{router.url}/v1/chat/completions", timeout=TIMEOUT,
-                               json={"messages": prompt(i), "max_tokens": 2, "temperature": 0})
-                assert r.status_code == 200, r.text
-                return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        def send(i: int) -> int:
+            r = httpx.post(f"{router.url}/v1/chat/completions", timeout=TIMEOUT,
+                           json={"messages": prompt(i), "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-            def predicted(i: int) -> tuple[int, int]:
-                hashes = request_block_hashes(render_chat(tok, prompt(i)), BLOCK_SIZE, None)
-                hashes = hashes[: (len(render_chat(tok, prompt(i))) - 1) // BLOCK_SIZE]
-                return tuple(longest_prefix_match(hashes, lambda h, x=x: x.holds(small.url, h))
-                             * BLOCK_SIZE for x in (state.picker.approximate,
-                                                    state.picker.precise))
+        def predicted(i: int) -> tuple[int, int]:
+            hashes = request_block_hashes(render_chat(tok, prompt(i)), BLOCK_SIZE, None)
+            hashes = hashes[: (len(render_chat(tok, prompt(i))) - 1) // BLOCK_SIZE]
+            return tuple(longest_prefix_match(hashes, lambda h, x=x: x.holds(small.url, h))
+                         * BLOCK_SIZE for x in (state.picker.approximate,
+                                                state.picker.precise))
 
-            send(0)
-            wait_for(lambda: predicted(0)[1] > 0, 10, "the stored events")
-            approx, precise = predicted(0)
-            assert approx == precise > 0  # nothing evicted yet: both right
-            for i in range(1, 4):  # each prompt takes ~half the pool: prompt 0 is evicted
-                send(i)
-            wait_for(lambda: predicted(0)[1] < approx, 10, "the removed events")
-            approx_after, precise_after = predicted(0)
-            assert approx_after == approx  # the approximate index cannot know
-            assert send(0) == precise_after < approx_after  # precise predicted the real hit
-        finally:
-            router.close()
+        send(0)
+        wait_for(lambda: predicted(0)[1] > 0, 10, "the stored events")
+        approx, precise = predicted(0)
+        assert approx == precise > 0  # nothing evicted yet: both right
+        for i in range(1, 4):  # ~7 blocks each: the fourth prompt reuses prompt 0's tail blocks
+            send(i)
+        wait_for(lambda: predicted(0)[1] < approx, 10, "the removed events")
+        approx_after, precise_after = predicted(0)
+        assert approx_after == approx  # the approximate index cannot know
+        assert send(0) == precise_after < approx_after  # precise predicted the real hit
     finally:
-        small.stop()
+        router.close()
 
 
 def test_greedy_outputs_through_the_router_equal_direct_calls(backends) -> None:
@@ -328,10 +335,8 @@ def test_bad_input_is_a_400_and_the_router_survives(backends) -> None:
 # ------------------------------------------------------------------------------------------------
 # Faults
 # ------------------------------------------------------------------------------------------------
-def test_a_killed_backend_is_taken_out_and_put_back(backends, tiny_model_dir: Path,
-                                                    tmp_path: Path) -> None:
-    victim = BackendProcess(tiny_model_dir, tmp_path).start()
-    victim.wait_healthy()
+def test_a_killed_backend_is_taken_out_and_put_back(backends, small_backend) -> None:
+    victim = small_backend
     router = start_router([backends[0].url, victim.url], health_check_interval_s=0.2,
                           health_check_max_backoff_s=0.5, health_check_timeout_s=1.0)
     body = {"prompt": "a short prompt", "max_tokens": 2}
@@ -354,7 +359,6 @@ def test_a_killed_backend_is_taken_out_and_put_back(backends, tiny_model_dir: Pa
                       "dsaserve_router_backend_healthy", backend=victim.url) == 1.0
     finally:
         router.close()
-        victim.stop()
 
 
 def fake_backend(mode: str) -> LiveServer:
