@@ -21,7 +21,6 @@ class RouterConfig:
     tokenizer: str | None = None  # model directory; default: the first backend's /v1/models root
     host: str = "127.0.0.1"
     port: int = 8080
-    api_key: str | None = None  # forwarded as is; the backends check it
     # An LRU bound per backend on the approximate index (32-byte hashes: ~100 B per entry).
     prefix_index_capacity: int = 200_000
     max_concurrent_requests: int = 256  # forwarded at once; more wait in the queue

@@ -9,7 +9,8 @@ pick is the weighted sum, as llm-d's endpoint picker does (Filter → Score → 
             equal (llm-d's queue-scorer)
     kv      1 − KV-cache usage (llm-d's kv-cache-utilization-scorer); unknown → 0.5
     active  min-max over the candidates of requests this router has in flight there (fresh,
-            unlike scraped metrics: it sees a burst the backends have not reported yet)
+            unlike scraped metrics: it sees a burst the backends have not reported yet); weight 0
+            by default, the tie-break below uses the same counts
 
 Stickiness without a session id comes from `prefix`: an agent's next turn re-sends its whole
 history, so the replica that served the last turn matches nearly all of it and others match only
@@ -22,11 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# llm-d's documented default profile (Red Hat): prefix 3, queue 2, kv-cache utilisation 2.
+# llm-d's documented default profile (Red Hat): prefix 3, queue 2, kv-cache utilisation 2. The
+# active-request scorer is off by default: min-max over small in-flight counts swings a whole point
+# for a difference of one request, which moved agent sessions off their replica in the replay
+# (docs/router.md); in-flight counts still break ties, which is what spreads new sessions.
 DEFAULT_PREFIX_WEIGHT = 3.0
 DEFAULT_QUEUE_WEIGHT = 2.0
 DEFAULT_KV_WEIGHT = 2.0
-DEFAULT_ACTIVE_WEIGHT = 1.0
+DEFAULT_ACTIVE_WEIGHT = 0.0
 
 
 @dataclass(frozen=True)

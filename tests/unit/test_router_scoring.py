@@ -64,10 +64,12 @@ def test_kv_score() -> None:
 
 def test_weighted_sum_uses_llm_d_default_weights() -> None:
     w = ScoringWeights()
-    assert (w.prefix, w.queue, w.kv) == (3.0, 2.0, 2.0)
+    assert (w.prefix, w.queue, w.kv, w.active) == (3.0, 2.0, 2.0, 0.0)
     cands = [Candidate(4, 0, 0.5, 0), Candidate(0, 2, 0.0, 1)]
-    # a: 3·1 + 2·1 + 2·0.5 + 1·1 = 7;  b: 0 + 0 + 2·1 + 0 = 2
-    assert score_candidates(cands, 4, w) == [7.0, 2.0]
+    # a: 3·1 + 2·1 + 2·0.5 = 6;  b: 0 + 0 + 2·1 = 2
+    assert score_candidates(cands, 4, w) == [6.0, 2.0]
+    # with the active-request scorer on: a gains 1·1 (fewer in flight), b 0
+    assert score_candidates(cands, 4, ScoringWeights(active=1.0)) == [7.0, 2.0]
 
 
 def test_pick_follows_the_prefix_when_load_is_even() -> None:
