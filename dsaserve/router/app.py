@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -90,6 +90,7 @@ class Router:
         self.admission = _Admission(config.max_concurrent_requests, config.max_queued_requests,
                                     self.metrics)
         self.tokenizer: Tokenizer | None = None
+        self._tokenizer_failed = False
         self.subscriber: KVEventSubscriber | None = None
         limits = httpx.Limits(max_connections=config.max_concurrent_requests + 16,
                               max_keepalive_connections=64)
@@ -103,7 +104,7 @@ class Router:
                 self.picker.precise,
                 on_batch=lambda b: self.metrics.kv_event_batches.labels(b).inc())
         await self.pool.start()
-        if self.config.policy != "round-robin" or self.config.tokenizer:
+        if self.config.policy == "prefix":
             await self.ensure_tokenizer()
 
     async def stop(self) -> None:
@@ -113,30 +114,21 @@ class Router:
         await self.client.aclose()
 
     def _on_info(self, backend: Backend) -> None:
-        if self.subscriber is not None:
+        if self.subscriber is not None:  # precise index; the approximate one needs no events
             self.subscriber.follow(backend.url, backend.kv_events_endpoints)
-        elif backend.kv_events_endpoints:
-            pass  # approximate index: the events are not needed
 
     async def ensure_tokenizer(self) -> Tokenizer | None:
         """The tokenizer (--tokenizer, else the model directory a healthy backend reports as its
         /v1/models root); None while no backend has answered."""
-        if self.tokenizer is not None:
+        if self.tokenizer is not None or self._tokenizer_failed:
             return self.tokenizer
-        path = self.config.tokenizer
+        path = self.config.tokenizer or await self.pool.model_root()
         if path is None:
-            for b in self.pool.healthy():
-                try:
-                    r = await self.pool._client.get(f"{b.url}/v1/models")
-                    path = r.json()["data"][0]["root"]
-                    break
-                except (httpx.HTTPError, ValueError, KeyError, IndexError):
-                    continue
-        if path is None:
-            return None
+            return None  # no backend answered yet: try again on the next request
         try:
             self.tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, path)
         except (OSError, ValueError) as e:
+            self._tokenizer_failed = True  # do not retry per request
             logger.warning("router: no tokenizer at %s (%s): routing by load only", path, e)
         return self.tokenizer
 
@@ -154,6 +146,7 @@ class Router:
             if path == "/v1/chat/completions":
                 ids = await asyncio.to_thread(render_chat, tokenizer, body.get("messages"))
             else:
+                # Ids outside the vocabulary are the backend's to reject: no bound here.
                 ids = await asyncio.to_thread(completion_prompt, tokenizer, body.get("prompt"),
                                               2**63)
         except (PromptError, TypeError, ValueError, AttributeError) as e:
@@ -198,7 +191,7 @@ class Router:
 
     async def _send(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
                     hashes: dict[int, list[bytes]], stream: bool,
-                    release: Any) -> Response:
+                    release: Callable[[], None]) -> Response:
         tried: list[str] = []
         last_error = "no healthy backend"
         for attempt in range(self.config.max_retries + 1):
@@ -248,8 +241,8 @@ class Router:
         self.metrics.prefix_match_tokens.observe(d.matched_blocks * (d.block_size or 0))
 
     async def _attempt(self, request: Request, d: Decision, path: str, raw: bytes,
-                       headers: dict[str, str], stream: bool, finish: Any,
-                       release: Any) -> Response | str:
+                       headers: dict[str, str], stream: bool, finish: Callable[[], None],
+                       release: Callable[[], None]) -> Response | str:
         """One try on d.backend: a Response to return, or a reason string to retry elsewhere."""
         b = d.backend
         url = f"{b.url}{path}"
@@ -353,6 +346,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        await router.pool.scrape_all()
         return Response(router.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -374,7 +368,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
             {"url": b.url, "healthy": b.healthy, "last_error": b.last_error,
              "block_size": b.block_size, "kv_events_endpoints": list(b.kv_events_endpoints),
              "num_active": b.num_active, "num_routed": b.num_routed,
-             "num_waiting": b.num_waiting, "kv_usage": b.kv_usage,
+             "num_waiting": b.load.num_waiting, "kv_usage": b.load.kv_usage,
              "approximate_blocks": router.picker.approximate.num_blocks(b.url),
              "precise_blocks": router.picker.precise.num_blocks(b.url)}
             for b in router.pool.backends]}

@@ -13,13 +13,24 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from dsaserve.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSample:
+    """What one /metrics scrape of a backend says (vLLM's names)."""
+
+    num_waiting: float = 0.0
+    num_running: float = 0.0
+    kv_usage: float | None = None  # None: the backend does not report it
+    prefix_cache_queries: float = 0.0  # cumulative prompt tokens looked up
+    prefix_cache_hits: float = 0.0  # cumulative prompt tokens found
 
 
 @dataclass
@@ -36,10 +47,8 @@ class Backend:
     model: str | None = None
     block_size: int | None = None
     kv_events_endpoints: tuple[str, ...] = ()
-    # load
-    num_waiting: float = 0.0
-    num_running: float = 0.0
-    kv_usage: float | None = None
+    # load, as last scraped
+    load: LoadSample = field(default_factory=lambda: LoadSample())
     num_active: int = 0  # requests this router has in flight there
     num_routed: int = 0
 
@@ -51,22 +60,23 @@ def backoff_s(consecutive_failures: int, interval_s: float, max_s: float) -> flo
     return min(interval_s * 2 ** (consecutive_failures - 1), max_s)
 
 
-def parse_load(metrics_text: str) -> tuple[float, float, float | None]:
-    """(waiting, running, KV usage or None) from a backend's Prometheus text, summed over labels
-    (a DP server reports one engine; usage is averaged over its series)."""
+def parse_load(metrics_text: str) -> LoadSample:
+    """A LoadSample from a backend's Prometheus text, summed over label sets (KV usage averaged)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    waiting = running = 0.0
+    sums = {"vllm:num_requests_waiting": 0.0, "vllm:num_requests_running": 0.0,
+            "vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
     usage: list[float] = []
     for family in text_string_to_metric_families(metrics_text):
         for s in family.samples:
-            if s.name == "vllm:num_requests_waiting":
-                waiting += s.value
-            elif s.name == "vllm:num_requests_running":
-                running += s.value
+            if s.name in sums:
+                sums[s.name] += s.value
             elif s.name == "vllm:kv_cache_usage_perc":
                 usage.append(s.value)
-    return waiting, running, (sum(usage) / len(usage) if usage else None)
+    return LoadSample(sums["vllm:num_requests_waiting"], sums["vllm:num_requests_running"],
+                      sum(usage) / len(usage) if usage else None,
+                      sums["vllm:prefix_cache_queries_total"],
+                      sums["vllm:prefix_cache_hits_total"])
 
 
 class BackendPool:
@@ -140,11 +150,25 @@ class BackendPool:
         if changed or not b.checked:
             self._on_info(b)
 
+    async def scrape_all(self) -> None:
+        """Fresh load of every healthy backend now (for /metrics: counters must not lag)."""
+        await asyncio.gather(*(self.scrape(b) for b in self.healthy()))
+
+    async def model_root(self) -> str | None:
+        """The model directory a healthy backend serves (its /v1/models `root`), or None."""
+        for b in self.healthy():
+            try:
+                r = await self._client.get(f"{b.url}/v1/models")
+                return str(r.json()["data"][0]["root"])
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                continue
+        return None
+
     async def scrape(self, b: Backend) -> None:
         try:
             r = await self._client.get(f"{b.url}/metrics")
             if r.status_code == 200:
-                b.num_waiting, b.num_running, b.kv_usage = parse_load(r.text)
+                b.load = parse_load(r.text)
         except (httpx.HTTPError, ValueError):
             pass  # the health check decides; a missed scrape keeps the last load
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dsaserve.router.backends import Backend
@@ -25,15 +25,26 @@ class _BackendCollector(Collector):
             ("backend_active_requests", "Requests this router has in flight on the backend.",
              lambda b: float(b.num_active)),
             ("backend_waiting_requests", "The backend's waiting requests, as last scraped.",
-             lambda b: b.num_waiting),
+             lambda b: b.load.num_waiting),
             ("backend_kv_cache_usage_perc", "Backend KV usage, as last scraped (-1: unknown).",
-             lambda b: -1.0 if b.kv_usage is None else b.kv_usage),
+             lambda b: -1.0 if b.load.kv_usage is None else b.load.kv_usage),
         ]
         for name, doc, value in series:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["backend"])
             for b in self._backends():
                 g.add_metric([b.url], value(b))
             yield g
+        # The backends' prefix-cache counters under vLLM's names, one series per backend, so a
+        # benchmark that reads the hit rate from the URL it drives works through the router.
+        counters = [("prefix_cache_queries", "Prompt tokens looked up (per backend).",
+                     lambda b: b.load.prefix_cache_queries),
+                    ("prefix_cache_hits", "Prompt tokens found cached (per backend).",
+                     lambda b: b.load.prefix_cache_hits)]
+        for name, doc, value in counters:
+            c = CounterMetricFamily("vllm:" + name, doc, labels=["backend"])
+            for b in self._backends():
+                c.add_metric([b.url], value(b))
+            yield c
 
 
 class RouterMetrics:

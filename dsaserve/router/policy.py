@@ -71,7 +71,7 @@ class Picker:
         # One request, one fraction: the denominator is the longest hash list among candidates
         # (equal unless block sizes differ).
         total = max((len(hashes_of(b)) for b in candidates), default=0)
-        scored = [Candidate(m, b.num_waiting, b.kv_usage, b.num_active, b.num_routed)
+        scored = [Candidate(m, b.load.num_waiting, b.load.kv_usage, b.num_active, b.num_routed)
                   for b, m in zip(candidates, matched, strict=True)]
         i = pick(scored, total, weights if policy == "prefix" else
                  type(weights)(prefix=0.0, queue=weights.queue, kv=weights.kv,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from server_harness import TEST_FLAGS, LiveServer
 
 from dsaserve.bench.agentx import free_port, parse_prefix_cache
-from dsaserve.bench.traces import Workload, WorkloadSpec, generate
+from dsaserve.bench.agentx import main as agentx_main
+from dsaserve.bench.traces import Workload, WorkloadSpec, generate, write_workload
 from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.router.app import BACKEND_HEADER, create_router_app
 from dsaserve.router.config import RouterConfig
@@ -194,10 +196,15 @@ def test_replay_prefix_routing_is_sticky_balanced_and_beats_round_robin(backends
         router = start_router(urls, policy=policy, prefix_index="precise")
         try:
             before = [b.metrics() for b in backends]
+            routed_before = parse_prefix_cache(httpx.get(f"{router.url}/metrics").text)
             records = asyncio.run(replay(router.url, workload))
             after = [b.metrics() for b in backends]
+            routed_after = parse_prefix_cache(httpx.get(f"{router.url}/metrics").text)
         finally:
             router.close()
+        # The router re-exports the backends' counters: a hit rate read through it is theirs.
+        assert routed_after.rate_since(routed_before) == pytest.approx(
+            hit_rate(backends, before, after))
         by_turn = {(s, t): (backend, prompt, cached) for s, t, backend, prompt, cached in records}
         later = [(s, t) for s, t, _, _, _ in records if t > 0]
         sticky = sum(by_turn[(s, t)][0] == by_turn[(s, t - 1)][0] for s, t in later) / len(later)
@@ -496,7 +503,7 @@ def test_no_healthy_backend_is_a_503(tmp_path: Path) -> None:
         router.close()
 
 
-def test_the_router_cli(backends, tmp_path: Path) -> None:
+def test_the_router_cli(backends, tok, tmp_path: Path, capsys) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "dsaserve.cli", "router", "--port", str(port),
            "--backend", backends[0].url, "--backend", backends[1].url, "--prefix-index", "precise"]
@@ -517,6 +524,16 @@ def test_the_router_cli(backends, tmp_path: Path) -> None:
                        json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert "dsaserve_router_requests_total" in httpx.get(f"{url}/metrics").text
+        # The AgentX replay tool drives the router as it drives `serve`, hit rate included.
+        small = WorkloadSpec(num_sessions=2, num_turns=2, block_size=BLOCK_SIZE, system_tokens=48,
+                             tool_tokens=16, task_tokens=32, tool_result_tokens=(16, 32),
+                             output_tokens=(2, 4), think_time_s=(0.0, 0.0), seed=5)
+        write_workload(generate(small, tok), tmp_path / "trace")
+        assert agentx_main(["--trace", str(tmp_path / "trace"), "--url", url, "--mode", "replay",
+                            "--think-time-scale", "0"]) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"errors +0\n", out), out
+        assert re.search(r"prefix-cache hit rate \(/metrics\) +[1-9][0-9.]* %", out), out
     finally:
         proc.terminate()
         proc.wait(30)

@@ -18,7 +18,7 @@ from dsaserve.kv.events import (
     encode_batch,
 )
 from dsaserve.kv.prefix_cache import request_block_hashes
-from dsaserve.router.backends import backoff_s, parse_load
+from dsaserve.router.backends import LoadSample, backoff_s, parse_load
 from dsaserve.router.config import RouterConfig
 from dsaserve.router.events import connect_address
 from dsaserve.router.prefix_index import ApproximateIndex, PreciseIndex
@@ -182,9 +182,11 @@ def test_backoff_doubles_and_caps() -> None:
 def test_parse_load_reads_vllm_gauges() -> None:
     text = ('vllm:num_requests_waiting{model_name="m"} 3.0\n'
             'vllm:num_requests_running{model_name="m"} 2.0\n'
-            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n')
-    assert parse_load(text) == (3.0, 2.0, 0.25)
-    assert parse_load("") == (0.0, 0.0, None)
+            'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            '# TYPE vllm:prefix_cache_hits counter\n'
+            'vllm:prefix_cache_hits_total{model_name="m"} 48.0\n')
+    assert parse_load(text) == LoadSample(3.0, 2.0, 0.25, 0.0, 48.0)
+    assert parse_load("") == LoadSample()
 
 
 def test_router_config_rejects_bad_flags() -> None:
