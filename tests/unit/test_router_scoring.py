@@ -205,3 +205,50 @@ def test_router_hashes_equal_the_engines() -> None:
     plain = request_block_hashes(ids, 16, None)
     salted = request_block_hashes(ids, 16, "tenant")
     assert len(plain) == 2 and not set(plain) & set(salted)
+
+
+def test_each_dp_replica_publishes_on_its_own_port_and_the_subscriber_follows() -> None:
+    """attach_kv_event_publishers on a two-replica engine: replica i binds port + i and tags its
+    batches with its rank; the router's subscriber folds both into the backend's precise view."""
+    import asyncio
+    import socket
+    from types import SimpleNamespace
+
+    from dsaserve.kv.events import attach_kv_event_publishers
+    from dsaserve.kv.manager import KVCacheManager
+    from dsaserve.router.events import KVEventSubscriber
+
+    with socket.socket() as s:  # two consecutive free ports are likely above a free one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    managers = [KVCacheManager(8, 16, enable_caching=True) for _ in range(2)]
+    engine = SimpleNamespace(replicas=[SimpleNamespace(scheduler=SimpleNamespace(kv=m))
+                                       for m in managers])
+    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                            endpoint=f"tcp://127.0.0.1:{port}")
+    publishers = attach_kv_event_publishers(engine, config)
+    try:
+        assert [p.endpoint for p in publishers] == [f"tcp://127.0.0.1:{port}",
+                                                    f"tcp://127.0.0.1:{port + 1}"]
+        index = PreciseIndex()
+
+        async def run() -> None:
+            sub = KVEventSubscriber(index)
+            sub.follow("b", tuple(p.endpoint for p in publishers))
+            deadline = asyncio.get_running_loop().time() + 10
+            # PUB drops what it sends before the SUB has joined: publish until it lands.
+            while not (index.holds("b", H[0]) and index.holds("b", H[1])):
+                assert asyncio.get_running_loop().time() < deadline, "no events arrived"
+                for m, h in zip(managers, H[:2], strict=True):
+                    (block,) = m.pool.allocate(1)
+                    m.pool.cache_block(block, h)
+                    m.pool.free([block])
+                await asyncio.sleep(0.05)
+            await sub.close()
+
+        asyncio.run(run())
+        assert index.num_blocks("b") >= 2
+    finally:
+        for p in publishers:
+            p.close()
+    assert attach_kv_event_publishers(engine, KVEventsConfig()) == []  # disabled: nothing bound
