@@ -370,7 +370,8 @@ def test_a_killed_backend_is_taken_out_and_put_back(backends, small_backend) -> 
 
 def fake_backend(mode: str) -> LiveServer:
     """A backend that answers /health and /kv_info but fails completions: `503` before anything
-    is sent, or `mid-stream` after one SSE chunk (it then drops the connection)."""
+    is sent, `mid-stream` after one SSE chunk (it then drops the connection), or `hang` (never
+    answers)."""
     app = FastAPI()
 
     @app.get("/health")
@@ -386,6 +387,10 @@ def fake_backend(mode: str) -> LiveServer:
     async def completions(request: Request) -> Response:
         if mode == "503":
             return JSONResponse({"error": {"message": "engine is not running"}}, 503)
+        if mode == "hang":  # until the router gives up (then the server can stop at once)
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            return Response(status_code=499)
 
         async def body():
             yield b'data: {"choices": [{"index": 0, "text": "partial"}]}\n\n'
@@ -441,6 +446,22 @@ def test_a_failure_mid_stream_fails_fast_with_an_error_frame() -> None:
     finally:
         router.close()
         crashing.close()
+
+
+def test_a_silent_backend_times_out_instead_of_hanging() -> None:
+    silent = fake_backend("hang")
+    router = start_router([silent.url], request_timeout_s=0.5, max_retries=0,
+                          health_check_interval_s=60)
+    try:
+        for stream in (False, True):
+            t0 = time.monotonic()
+            r = httpx.post(f"{router.url}/v1/completions", timeout=TIMEOUT,
+                           json={"prompt": "x", "stream": stream})
+            assert r.status_code == 502 and "timed out" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 5
+    finally:
+        router.close()
+        silent.close()
 
 
 def test_a_client_disconnect_aborts_the_backend_request(backends) -> None:
