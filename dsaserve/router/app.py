@@ -79,6 +79,19 @@ class _Admission:
         self._sem.release()
 
 
+class _InFlight:
+    """One request counted in flight on a backend until `finish` (idempotent) is called."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend: Backend | None = backend
+        backend.num_active += 1
+
+    def finish(self) -> None:
+        if self._backend is not None:
+            self._backend.num_active -= 1
+            self._backend = None
+
+
 class Router:
     """State shared by the handlers: backends, indexes, tokenizer, upstream client."""
 
@@ -202,15 +215,7 @@ class Router:
             tried.append(b.url)
             if attempt > 0:
                 self.metrics.retries.inc()
-            b.num_active += 1
-            done = False
-
-            def finish(b: Backend = b) -> None:
-                nonlocal done
-                if not done:
-                    done = True
-                    b.num_active -= 1
-
+            finish = _InFlight(b).finish  # idempotent: every exit path may call it
             try:
                 result = await self._attempt(request, decision, path, raw, headers, stream,
                                              finish, release)
