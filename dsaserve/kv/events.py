@@ -143,12 +143,13 @@ class KVEventsConfig:
 # The engine side: a sink the block pool calls, and the ZMQ publisher behind it
 # ------------------------------------------------------------------------------------------------
 class KVEventSink:
-    """What the block pool calls. This base class is the disabled sink: every call is a no-op."""
+    """What a KV tier calls: the GPU block pool with the default medium, a host (CPU) tier with
+    medium="CPU" on the same sink. This base class is the disabled sink: every call is a no-op."""
 
-    def stored(self, block_hashes: list[bytes]) -> None:
+    def stored(self, block_hashes: list[bytes], medium: Medium = "GPU") -> None:
         pass
 
-    def removed(self, block_hashes: list[bytes]) -> None:
+    def removed(self, block_hashes: list[bytes], medium: Medium = "GPU") -> None:
         pass
 
 
@@ -160,14 +161,12 @@ class ZmqKVEventPublisher(KVEventSink):
     only enqueue; the sender thread batches whatever is queued and publishes
     [topic, 8-byte big-endian sequence number, JSON batch]."""
 
-    def __init__(self, endpoint: str, *, block_size: int, medium: Medium = "GPU",
-                 data_parallel_rank: int = 0, topic: str = DEFAULT_TOPIC,
-                 max_queue_size: int = 10_000) -> None:
+    def __init__(self, endpoint: str, *, block_size: int, data_parallel_rank: int = 0,
+                 topic: str = DEFAULT_TOPIC, max_queue_size: int = 10_000) -> None:
         import zmq
 
         self.endpoint = endpoint
         self.block_size = block_size
-        self.medium: Medium = medium
         self.data_parallel_rank = data_parallel_rank
         self._topic = topic.encode()
         self._queue: queue.Queue[KVEvent | None] = queue.Queue(max_queue_size)
@@ -179,13 +178,13 @@ class ZmqKVEventPublisher(KVEventSink):
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
-    def stored(self, block_hashes: list[bytes]) -> None:
+    def stored(self, block_hashes: list[bytes], medium: Medium = "GPU") -> None:
         if block_hashes:
-            self._put(BlockStored(tuple(block_hashes), self.block_size, self.medium))
+            self._put(BlockStored(tuple(block_hashes), self.block_size, medium))
 
-    def removed(self, block_hashes: list[bytes]) -> None:
+    def removed(self, block_hashes: list[bytes], medium: Medium = "GPU") -> None:
         if block_hashes:
-            self._put(BlockRemoved(tuple(block_hashes), self.medium))
+            self._put(BlockRemoved(tuple(block_hashes), medium))
 
     def _put(self, event: KVEvent) -> None:
         try:
@@ -231,6 +230,8 @@ def attach_kv_event_publishers(engine: object, config: KVEventsConfig) -> list[Z
     its own publisher; returns them (the caller closes them). Nothing happens when disabled.
 
     Called before the engine core starts stepping: the pool is then only touched by that thread.
+    Only the GPU pool is wired here; a host tier reports through the same publisher
+    (`kv.pool.events`) with medium="CPU".
     """
     if not config.enabled:
         return []
@@ -239,7 +240,7 @@ def attach_kv_event_publishers(engine: object, config: KVEventsConfig) -> list[Z
     for rank, replica in enumerate(replicas):
         kv = replica.scheduler.kv  # type: ignore[attr-defined]
         publisher = ZmqKVEventPublisher(config.replica_endpoint(rank), block_size=kv.block_size,
-                                        medium="GPU", data_parallel_rank=rank, topic=config.topic,
+                                        data_parallel_rank=rank, topic=config.topic,
                                         max_queue_size=config.max_queue_size)
         kv.pool.events = publisher
         publishers.append(publisher)

@@ -139,10 +139,12 @@ class _Recorder(KVEventSink):
     def __init__(self) -> None:
         self.log: list[tuple[str, bytes]] = []
 
-    def stored(self, block_hashes: list[bytes]) -> None:
+    def stored(self, block_hashes: list[bytes], medium: str = "GPU") -> None:
+        assert medium == "GPU"
         self.log += [("stored", h) for h in block_hashes]
 
-    def removed(self, block_hashes: list[bytes]) -> None:
+    def removed(self, block_hashes: list[bytes], medium: str = "GPU") -> None:
+        assert medium == "GPU"
         self.log += [("removed", h) for h in block_hashes]
 
 
