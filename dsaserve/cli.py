@@ -1,4 +1,4 @@
-"""`dsaserve` command line: make-model, generate, serve, plan, simulate.
+"""`dsaserve` command line: make-model, generate, serve, router, plan, simulate.
 
 Only the generated text goes to stdout; logs and progress go to stderr, so that scripts can use
 the output.
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dsaserve.model import make_model
     from dsaserve.plan import cli as plan_cli
     from dsaserve.plan import simulate_cli
+    from dsaserve.router import cli as router_cli
     from dsaserve.serve import cli as serve_cli
 
     parser = argparse.ArgumentParser(prog="dsaserve", description=__doc__.splitlines()[0])
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     make_model.add_parser(sub)
     _add_generate_parser(sub)
     serve_cli.add_parser(sub)
+    router_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
     return parser

@@ -8,6 +8,9 @@
 Allocation pops the free queue's head (least recently freed) and evicts that block's hash, if any.
 Freeing appends to the tail. Invariants (check_integrity): free + in use = total; ref > 0 exactly
 for blocks outside the free queue; the hash map and the per-block hashes agree.
+
+`events` (a KVEventSink, a no-op unless KV events are enabled) hears every hash that becomes
+findable (stored) and every hash that allocation evicts (removed): a router replays them.
 """
 
 from __future__ import annotations
@@ -15,17 +18,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from dsaserve.kv.events import NULL_SINK, KVEventSink
+
 
 class OutOfBlocksError(RuntimeError):
     """`allocate` was asked for more blocks than are free; callers check `num_free_blocks` first."""
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 events: KVEventSink = NULL_SINK) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks: must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.events = events  # set before the engine steps (kv.events.attach_kv_event_publishers)
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash → block id
@@ -110,6 +117,7 @@ class BlockPool:
             return False
         self._cached[block_hash] = block_id
         self._hash[block_id] = block_hash
+        self.events.stored([block_hash])
         return True
 
     def _evict(self, block_id: int) -> None:
@@ -117,6 +125,7 @@ class BlockPool:
         if block_hash is not None:
             del self._cached[block_hash]
             self._hash[block_id] = None
+            self.events.removed([block_hash])
 
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

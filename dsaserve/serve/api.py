@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +31,7 @@ from dsaserve.config import ConfigError
 from dsaserve.core import RequestError, SamplingParams
 from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
+from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
 from dsaserve.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -45,17 +45,13 @@ from dsaserve.serve.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    KVInfo,
     ModelCard,
     ModelList,
     Usage,
     new_id,
 )
-from dsaserve.tokenizer import (
-    DEFAULT_CHAT_TEMPLATE,
-    ChatTemplateError,
-    IncrementalDetokenizer,
-    Tokenizer,
-)
+from dsaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +70,8 @@ class ServerConfig:
     port: int = 8000
     # Agent sessions idle between turns for minutes; a short keep-alive would cut their connections.
     timeout_keep_alive_s: int = 3600
+    # ZMQ endpoints publishing KV events (one per DP replica; empty when disabled), for /kv_info.
+    kv_events_endpoints: tuple[str, ...] = ()
 
 
 class APIError(Exception):
@@ -197,31 +195,17 @@ class Generation:
 # Request → prompt ids + SamplingParams
 # ------------------------------------------------------------------------------------------------
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             chat_template=template)
-    except ChatTemplateError as e:  # already names the message or the template's complaint
-        raise APIError(400, str(e), param="messages") from e
-    except jinja2.TemplateError as e:  # the template failed on these messages' shape
-        raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from e
-    return tokenizer.encode(text)
+        return render_chat(tokenizer, messages)
+    except PromptError as e:
+        raise APIError(400, str(e), param=e.param) from e
 
 
 def _completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any], vocab_size: int) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
-    if all(isinstance(t, int) for t in prompt):
-        # Client-supplied ids index the embedding table: an id outside it would fail a whole step.
-        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary "
-                           f"[0, {vocab_size})", param="prompt")
-        return list(prompt)
-    raise APIError(400, f"prompt: batches of {len(prompt)} prompts are not supported; "
-                   "send one request per prompt", param="prompt")
+    try:
+        return completion_prompt(tokenizer, prompt, vocab_size)
+    except PromptError as e:
+        raise APIError(400, str(e), param=e.param) from e
 
 
 def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
@@ -268,7 +252,7 @@ def _sse(obj: BaseModel) -> str:
 _SSE_DONE = "data: [DONE]\n\n"
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Await `work`, cancelling it if the client disconnects first (→ None).
 
     Streaming responses are cancelled by Starlette itself; a non-streaming handler is not, so this
@@ -366,6 +350,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         card = ModelCard(id=model_name, root=engine.config.model_path, max_model_len=max_model_len)
         return ModelList(data=[card])
 
+    @app.get("/kv_info")
+    async def kv_info() -> KVInfo:
+        """What a router needs to hash prompts as this engine does and to follow its cache."""
+        cache, parallel = engine.config.cache, engine.config.parallel
+        return KVInfo(model=model_name, block_size=cache.block_size
+                      * parallel.decode_context_parallel_size,
+                      enable_prefix_caching=cache.enable_prefix_caching,
+                      data_parallel_size=parallel.data_parallel_size,
+                      kv_events_endpoints=list(config.kv_events_endpoints))
+
     # ---- completions ---------------------------------------------------------------------------
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
@@ -402,7 +396,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     async def complete(request: Request, gen: Generation) -> str | None:
         try:
-            return await _unless_disconnected(request, collect(gen))
+            return await unless_disconnected(request, collect(gen))
         except EngineDeadError as e:
             raise APIError(500, f"engine failed: {e}") from e
         finally:

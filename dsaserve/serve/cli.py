@@ -17,6 +17,7 @@ from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_a
 from dsaserve.model.presets import DEFAULT_MODEL
 
 if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
+    from dsaserve.kv.events import KVEventsConfig
     from dsaserve.serve.api import ServerConfig
 
 _PROG = "dsaserve serve"
@@ -41,6 +42,10 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model name clients send (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* requests")
+    s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
+                   "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
+                   "\"endpoint\":\"tcp://127.0.0.1:5557\"}' (DP replica i binds port + i)")
     add_engine_args(p)
     p.set_defaults(func=run)
     return p
@@ -53,11 +58,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return _configure(p)
 
 
-def server_config_from_args(args: argparse.Namespace, model: str) -> ServerConfig:
+def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig:
+    from dsaserve.kv.events import KVEventsConfig
+
+    text = getattr(args, "kv_events_config", None)
+    return KVEventsConfig.from_json(text) if text else KVEventsConfig()
+
+
+def server_config_from_args(args: argparse.Namespace, model: str,
+                            kv_events_endpoints: tuple[str, ...] = ()) -> ServerConfig:
     from dsaserve.serve.api import ServerConfig
 
     return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
-                        host=args.host, port=args.port)
+                        host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints)
 
 
 def model_from_args(args: argparse.Namespace) -> str:
@@ -73,13 +86,22 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dsaserve.engine.engine import LLMEngine
+    from dsaserve.kv.events import attach_kv_event_publishers
     from dsaserve.serve.api import create_app
     from dsaserve.serve.async_engine import AsyncEngine
 
     model = model_from_args(args)
     engine_config = engine_config_from_args(args, model)
-    server_config = server_config_from_args(args, model)
-    engine = AsyncEngine(LLMEngine.from_config(engine_config))
+    kv_events = kv_events_config_from_args(args)
+    llm = LLMEngine.from_config(engine_config)
+    try:  # before the engine core starts: the pools are then touched by its thread only
+        publishers = attach_kv_event_publishers(llm, kv_events)
+    except BaseException:
+        llm.shutdown()
+        raise
+    server_config = server_config_from_args(args, model,
+                                            tuple(p.endpoint for p in publishers))
+    engine = AsyncEngine(llm)
     try:
         app = create_app(engine, server_config)
         print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
@@ -89,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
                     timeout_graceful_shutdown=30, log_level="warning")
     finally:
         engine.shutdown()
+        for publisher in publishers:
+            publisher.close()
     return 0
 
 

@@ -159,6 +159,18 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class KVInfo(BaseModel):
+    """GET /kv_info: how this server's prefix cache names blocks (a dsaserve extension; the router
+    reads it to hash prompts exactly as the engine does)."""
+
+    model: str
+    block_size: int  # tokens per hashed block: the scheduler block B·DCP
+    hash_algo: str = "sha256-dsaserve.block.v1"  # dsaserve.kv.prefix_cache
+    enable_prefix_caching: bool
+    data_parallel_size: int
+    kv_events_endpoints: list[str]  # ZMQ PUB endpoints, replica order; empty when disabled
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

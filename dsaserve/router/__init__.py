@@ -1,0 +1,1 @@
+"""The prefix- and load-aware router: `dsaserve router` in front of several `dsaserve serve`s."""
