@@ -255,15 +255,30 @@ class ModelRunner:
     def execute_all_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like execute, but returns the logits of every scheduled token ([n, V] per request) and
         samples nothing: what reference comparisons need."""
+        return self.execute_all_logits_mtp(so)[0]
+
+    def execute_all_logits_mtp(
+        self, so: SchedulerOutput, next_token_ids: dict[str, list[int]] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """execute_all_logits, and with `next_token_ids` (request id → the token after each
+        scheduled row) also MTP step 0 over the same rows: its logits [n, V] per request (it
+        writes the MTP layer's cache as drafting does). For reference comparisons."""
         self._apply_diff(so)
         req_ids = list(so.num_scheduled_tokens)
         batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
-        logits = self.model.compute_logits(self.model(batch.input_ids, batch.meta, self.caches))
-        out, start = {}, 0  # the model returns every row of the global batch, in order
-        for rid in req_ids:
-            out[rid] = logits[start : start + so.num_scheduled_tokens[rid]]
-            start += so.num_scheduled_tokens[rid]
-        return out
+        hidden = self.model(batch.input_ids, batch.meta, self.caches)  # [N, hidden], global order
+
+        def per_request(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+            q = batch.query_start_loc
+            return {rid: logits[q[r] : q[r + 1]] for r, rid in enumerate(req_ids)}
+
+        mtp: dict[str, torch.Tensor] = {}
+        if next_token_ids is not None:
+            ids = torch.tensor([t for rid in req_ids for t in next_token_ids[rid]],
+                               dtype=torch.int64, device=self.device)
+            h_mtp = self.model.forward_mtp(ids, hidden, batch.meta, self.caches)
+            mtp = per_request(self.model.compute_logits(h_mtp))
+        return per_request(self.model.compute_logits(hidden)), mtp
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:

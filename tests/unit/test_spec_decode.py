@@ -2,7 +2,7 @@
 
 Greedy output with k = 1 and 3 equals greedy output without drafting under chunked prefill,
 prefix hits and preemption, several requests per batch; drafts are accepted at a real rate on a
-checkpoint built to draft well (tests/unit/spec_checkpoints.py); the MTP layer's KV (and the
+checkpoint built to draft well (tests/conftest.py: draftable_dirs); the MTP layer's KV (and the
 target's) after a speculative run equals a non-speculative computation at every computed
 position, prefix hits included; stop rules cut an accepted run; seeded sampling is reproducible;
 synthetic acceptance fixes the acceptance length. Every scenario ends with check_integrity().
@@ -14,7 +14,6 @@ import dataclasses
 
 import pytest
 import torch
-from spec_checkpoints import draftable_checkpoint
 
 from dsaserve.config import SpecConfig
 from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
@@ -27,10 +26,8 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def draftable(model_dirs, tmp_path_factory):
-    """preset → a checkpoint whose MTP layer drafts well (built once per module)."""
-    root = tmp_path_factory.mktemp("draftable")
-    return {p: draftable_checkpoint(model_dirs[p], root / p) for p in ("tiny-glm5", "tiny-dsv32")}
+def draftable(draftable_dirs):
+    return draftable_dirs
 
 
 def _engine(engine_config, model_dir, k: int | None, **kw) -> LLMEngine:
