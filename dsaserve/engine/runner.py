@@ -220,10 +220,13 @@ class ModelRunner:
             states = [self.requests[req_ids[r]] for r in verify]
             runs = rejection_sample(logits, draft_ids, num_drafts, [s.params for s in states],
                                     [s.generator for s in states], self._synthetic_rates)
-            lp_all = logits.log_softmax(-1)  # [M, k+1, V]
+            # log-probabilities of the emitted tokens (token i of a run comes from row i)
+            picked = torch.tensor([(run + [0] * (k + 1))[: k + 1] for run in runs],
+                                  device=logits.device)  # [M, k+1]
+            lps = logits.log_softmax(-1).gather(-1, picked[..., None])[..., 0].tolist()
             for m, (r, run) in enumerate(zip(verify, runs, strict=True)):
                 emitted[req_ids[r]] = run
-                logprobs[req_ids[r]] = [lp_all[m, i, t].item() for i, t in enumerate(run)]
+                logprobs[req_ids[r]] = lps[m][: len(run)]
         return emitted, logprobs
 
     @staticmethod
