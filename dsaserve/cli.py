@@ -67,9 +67,14 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if args.report_timing and step_times:
         decode = step_times[1:] or step_times
+        spec = ""
+        if config.speculative is not None:  # tokens per verification step (vLLM's definition)
+            stats = engine.stats()
+            spec = (f", mean acceptance length {stats.spec_decode_mean_acceptance_length:.2f} "
+                    f"with {config.num_speculative_tokens} MTP drafts")
         print(f"prompt tokens {len(prompt_ids)}, output tokens {len(out_ids)}, "
               f"first step {step_times[0] * 1e3:.1f} ms, mean decode step "
-              f"{sum(decode) / len(decode) * 1e3:.2f} ms ({config.attention.backend})",
+              f"{sum(decode) / len(decode) * 1e3:.2f} ms ({config.attention.backend}){spec}",
               file=sys.stderr)
     return 0
 

@@ -220,10 +220,13 @@ class ModelRunner:
             states = [self.requests[req_ids[r]] for r in verify]
             runs = rejection_sample(logits, draft_ids, num_drafts, [s.params for s in states],
                                     [s.generator for s in states], self._synthetic_rates)
-            lp_all = logits.log_softmax(-1)  # [M, k+1, V]
+            # log-probabilities of the emitted tokens (token i of a run comes from row i)
+            picked = torch.tensor([(run + [0] * (k + 1))[: k + 1] for run in runs],
+                                  device=logits.device)  # [M, k+1]
+            lps = logits.log_softmax(-1).gather(-1, picked[..., None])[..., 0].tolist()
             for m, (r, run) in enumerate(zip(verify, runs, strict=True)):
                 emitted[req_ids[r]] = run
-                logprobs[req_ids[r]] = [lp_all[m, i, t].item() for i, t in enumerate(run)]
+                logprobs[req_ids[r]] = lps[m][: len(run)]
         return emitted, logprobs
 
     @staticmethod
@@ -255,15 +258,30 @@ class ModelRunner:
     def execute_all_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like execute, but returns the logits of every scheduled token ([n, V] per request) and
         samples nothing: what reference comparisons need."""
+        return self.execute_all_logits_mtp(so)[0]
+
+    def execute_all_logits_mtp(
+        self, so: SchedulerOutput, next_token_ids: dict[str, list[int]] | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """execute_all_logits, and with `next_token_ids` (request id → the token after each
+        scheduled row) also MTP step 0 over the same rows: its logits [n, V] per request (it
+        writes the MTP layer's cache as drafting does). For reference comparisons."""
         self._apply_diff(so)
         req_ids = list(so.num_scheduled_tokens)
         batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
-        logits = self.model.compute_logits(self.model(batch.input_ids, batch.meta, self.caches))
-        out, start = {}, 0  # the model returns every row of the global batch, in order
-        for rid in req_ids:
-            out[rid] = logits[start : start + so.num_scheduled_tokens[rid]]
-            start += so.num_scheduled_tokens[rid]
-        return out
+        hidden = self.model(batch.input_ids, batch.meta, self.caches)  # [N, hidden], global order
+
+        def per_request(logits: torch.Tensor) -> dict[str, torch.Tensor]:
+            q = batch.query_start_loc
+            return {rid: logits[q[r] : q[r + 1]] for r, rid in enumerate(req_ids)}
+
+        mtp: dict[str, torch.Tensor] = {}
+        if next_token_ids is not None:
+            ids = torch.tensor([t for rid in req_ids for t in next_token_ids[rid]],
+                               dtype=torch.int64, device=self.device)
+            h_mtp = self.model.forward_mtp(ids, hidden, batch.meta, self.caches)
+            mtp = per_request(self.model.compute_logits(h_mtp))
+        return per_request(self.model.compute_logits(hidden)), mtp
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:

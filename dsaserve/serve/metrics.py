@@ -2,7 +2,8 @@
 
 Two sources feed one registry per app (tests build several apps in one process):
 - the engine's accounting (`EngineStats`), read at scrape time through a collector: requests running
-  and waiting, KV usage, prefix-cache queries and hits, preemptions;
+  and waiting, KV usage, prefix-cache queries and hits, preemptions, and with speculative decoding
+  vLLM's spec_decode counters (drafts, draft tokens, accepted tokens, accepted per position);
 - per-request timings seen by the server (`RequestTracker`): TTFT, inter-token latency, end-to-end
   latency, prompt / generation token counters and finished requests by reason.
 Every series carries a `model_name` label (the served model name), as vLLM's do.
@@ -54,9 +55,25 @@ class EngineStatsCollector(Collector):
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self._model_name], float(value))
             yield g
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is configured
+            counters += [
+                ("spec_decode_num_drafts", "Verification steps of requests with drafts.",
+                 s.spec_decode_num_drafts),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                 s.spec_decode_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 s.spec_decode_num_accepted_tokens),
+            ]
         for name, doc, value in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
             c.add_metric([self._model_name], float(value))
+            yield c
+        if s.spec_decode_num_accepted_tokens_per_pos:
+            c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.",
+                                    labels=["model_name", "position"])
+            for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                c.add_metric([self._model_name, str(pos)], float(value))
             yield c
 
 

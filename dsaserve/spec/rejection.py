@@ -45,7 +45,7 @@ def num_accepted_drafts(
     draft_ids: torch.Tensor,  # [R, k] int64, padded past each request's drafts (any id)
     num_drafts: torch.Tensor,  # [R] int64, d_r ≤ k
     uniforms: torch.Tensor,  # [R, k] U[0, 1)
-    conditional_rates: torch.Tensor | None = None,  # [k] synthetic mode: P(accept i | 0..i−1)
+    conditional_rates: torch.Tensor | None = None,  # [≥ k] synthetic: P(accept i | 0..i−1)
 ) -> torch.Tensor:
     """Leading drafts accepted per request [R] int64 (0..d_r)."""
     k = draft_ids.shape[1]
@@ -53,7 +53,8 @@ def num_accepted_drafts(
         p_draft = probs[:, :k].gather(-1, draft_ids.clamp(min=0)[..., None])[..., 0]  # [R, k]
         accept = uniforms < p_draft
     else:
-        accept = uniforms < conditional_rates[None, :]  # the target's verdict is ignored
+        # the target's verdict is ignored; a step may verify fewer than k drafts
+        accept = uniforms < conditional_rates[None, :k]
     positions = torch.arange(k, device=draft_ids.device)[None, :]  # [1, k]
     accept &= positions < num_drafts[:, None]
     return accept.long().cumprod(-1).sum(-1)  # length of the leading run of accepts
@@ -88,7 +89,7 @@ def rejection_sample(
     num_drafts: torch.Tensor,  # [R] int64
     params: list[SamplingParams],
     generators: list[torch.Generator],
-    conditional_rates: torch.Tensor | None = None,  # [k]: synthetic mode
+    conditional_rates: torch.Tensor | None = None,  # [≥ k]: synthetic mode
 ) -> list[list[int]]:
     """Verify every request's drafts: per request, its accepted drafts and one more token."""
     num_reqs, k = draft_ids.shape

@@ -43,11 +43,15 @@ def _schedule(vocab: int) -> tuple[dict[str, list[int]], list[dict[str, int]]]:
     return tokens, steps
 
 
-def run_schedule(runner: ModelRunner, tokens, steps) -> dict[str, torch.Tensor]:
+def run_schedule(runner: ModelRunner, tokens, steps
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The target's logits of every scheduled token, and the MTP layer's (its step 0 over the
+    same rows, reading the next token of the schedule: the MTP follows the PCP partition)."""
     done = dict.fromkeys(tokens, 0)
     blocks = {rid: tuple(range(i * BLOCKS_PER_REQ, (i + 1) * BLOCKS_PER_REQ))
               for i, rid in enumerate(tokens)}
     logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in tokens}
+    mtp_logits: dict[str, list[torch.Tensor]] = {rid: [] for rid in tokens}
     seen: set[str] = set()
     for step in steps:
         new, cached = [], []
@@ -59,11 +63,17 @@ def run_schedule(runner: ModelRunner, tokens, steps) -> dict[str, torch.Tensor]:
                 seen.add(rid)
             else:
                 cached.append(CachedRequestData(rid, (), (), done[rid]))
-        out = runner.execute_all_logits(SchedulerOutput(tuple(new), tuple(cached), dict(step), ()))
+        so = SchedulerOutput(tuple(new), tuple(cached), dict(step), ())
+        # the token after each row (0 after a request's last token: any id, the same everywhere)
+        nxt = {rid: (tokens[rid][done[rid] + 1 : done[rid] + n + 1] + [0])[:n]
+               for rid, n in step.items()}
+        out, mtp = runner.execute_all_logits_mtp(so, nxt)
         for rid, n in step.items():
             logits[rid].append(out[rid].cpu())
+            mtp_logits[rid].append(mtp[rid].cpu())
             done[rid] += n
-    return {rid: torch.cat(v) for rid, v in logits.items() if v}
+    return ({rid: torch.cat(v) for rid, v in logits.items() if v},
+            {rid: torch.cat(v) for rid, v in mtp_logits.items() if v})
 
 
 def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> None:
@@ -74,13 +84,14 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
         groups = ParallelGroups.build(config.parallel, rank)
         runner = ModelRunner(config, groups=groups)
         tokens, steps = _schedule(config.model.vocab_size)
-        result = run_schedule(runner, tokens, steps)
+        result, mtp_result = run_schedule(runner, tokens, steps)
         written = sum(
             int((c.kv.view(-1, c.kv.shape[-1]).abs().sum(-1) > 0).sum()) for c in runner.caches[:1]
         )
         torch.save(
             {
                 "logits": result,
+                "mtp_logits": mtp_result,
                 "rows_written_layer0": written,
                 "indexer_rows": runner.model.backend.indexer_rows_scored,
                 "experts_held": runner.model.model.layers[1].mlp.experts.w13.shape[0],
@@ -111,7 +122,8 @@ def single(model_dirs, engine_config_module):
     for kv in ("auto", "fp8_ds_mla"):
         cfg = engine_config_module(model_dirs["tiny-glm5"], kv)
         tokens, steps = _schedule(cfg.model.vocab_size)
-        out[kv] = run_schedule(ModelRunner(cfg), tokens, steps)
+        logits, mtp = run_schedule(ModelRunner(cfg), tokens, steps)
+        out[kv], out[f"{kv}/mtp"] = logits, mtp
     return out
 
 
@@ -174,12 +186,16 @@ CASES = {
 }
 
 
-def _check(results, ref, tol=1e-4):
+def _check(results, ref, tol=1e-4, mtp_ref=None):
     for res in results:
         for rid, want in ref.items():
             got = res["logits"][rid]
             err = ((got - want).abs().max() / want.abs().max()).item()
             assert err < tol, (rid, err)
+        for rid, want in (mtp_ref or {}).items():  # the MTP layer under the same layout
+            got = res["mtp_logits"][rid]
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            assert err < tol, ("mtp", rid, err)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -188,7 +204,7 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
     cfg = engine_config_module(model_dirs["tiny-glm5"], **kwargs)
     world = cfg.parallel.world_size
     results = run_parallel(cfg, world)
-    _check(results, single["auto"])
+    _check(results, single["auto"], mtp_ref=single["auto/mtp"])
     # Each rank allocated and loaded only its share of the weights.
     m, p = cfg.model, cfg.parallel
     for res in results:
@@ -219,7 +235,8 @@ def test_pcp_ranks_score_only_their_own_query_rows(model_dirs, engine_config_mod
     n = 2
     cfg = engine_config_module(model_dirs["tiny-glm5"], prefill_context_parallel_size=n)
     tokens, steps = _schedule(cfg.model.vocab_size)
-    layers = len(cfg.model.full_indexer_layers)
+    # run_schedule runs the MTP layer too: its own indexer also scores only this rank's rows
+    layers = len(cfg.model.full_indexer_layers) + 1
     want = [0] * n
     for step in steps:
         part = partition(list(step.values()), n)
@@ -241,4 +258,4 @@ def test_pcp_dcp_with_fp8_cache(model_dirs, engine_config_module, single):
     # Ranks compute a token's latent in a different batch than the single rank does, so fp32
     # results differ in the last bit and an e4m3 rounding can flip: one fp8 ulp, not a layout bug
     # (a misplaced row or scale gives errors of order 1).
-    _check(run_parallel(cfg, 2), single["fp8_ds_mla"], tol=5e-3)
+    _check(run_parallel(cfg, 2), single["fp8_ds_mla"], tol=5e-3, mtp_ref=single["fp8_ds_mla/mtp"])

@@ -48,7 +48,10 @@ def test_defaults_are_vllm_defaults(model_dir: Path) -> None:
     assert (config.cache.block_size, config.cache.kv_cache_dtype,
             config.cache.gpu_memory_utilization, config.cache.enable_prefix_caching,
             config.cache.num_gpu_blocks) == (64, "auto", 0.9, True, None)
-    assert (config.dtype, config.seed, config.attention.backend) == ("auto", 0, "reference")
+    # --attention-backend auto: triton on a CUDA device, reference on the CPU (as vLLM picks)
+    backend = "triton" if config.device.startswith("cuda") else "reference"
+    assert (config.dtype, config.seed, config.attention.backend) == ("auto", 0, backend)
+    assert config.speculative is None and config.num_speculative_tokens == 0
     assert config.attention.sparse_mla_force_mqa is False
     assert config.device in ("cpu", "cuda")
     assert config.parallel.world_size == 1
@@ -97,6 +100,15 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
     (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
     (["-tp", "0"], "argument -tp/--tensor-parallel-size: expected an integer >= 1"),
     (["--dcp-comm-backend", "nccl"], "argument --dcp-comm-backend: invalid choice"),
+    (["--speculative-config", "{bad"], "argument --speculative-config: invalid JSON"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'],
+     "argument --speculative-config: num_speculative_tokens must be an integer >= 1, got 0"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3, '
+      '"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.99, '
+      '"synthetic_acceptance_rates": [1, 1, 0]}'],
+     "argument --speculative-config: give synthetic_acceptance_length or "
+     "synthetic_acceptance_rates, not both"),
+    (["--attention-backend", "cuda"], "argument --attention-backend: invalid choice: 'cuda'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--max-model", "10"], "unrecognized arguments: --max-model"),  # no abbreviations
 ])
@@ -133,6 +145,53 @@ def test_bad_combinations_name_the_flag(model_dir: Path, argv, message, capsys) 
     with pytest.raises(SystemExit) as e:
         serve_cli.main([str(model_dir), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_speculative_config_reaches_the_engine_config(model_dir: Path) -> None:
+    c = engine_config_from_args(parse_serve(
+        "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}'), str(model_dir))
+    assert c.speculative is not None and c.num_speculative_tokens == 3
+    assert not c.speculative.synthetic
+    c = engine_config_from_args(parse_serve("--speculative-config", json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic",
+         "synthetic_acceptance_length": 2.99})), str(model_dir))
+    assert c.speculative.synthetic_acceptance_rates == (1.0, 0.99, 0.0)
+
+
+def test_speculative_config_needs_an_mtp_layer(tmp_path: Path, capsys) -> None:
+    from dsaserve.model.make_model import make_model
+
+    no_mtp = make_model("tiny-glm5", tmp_path / "no-mtp", with_mtp=False)
+    argv = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}']
+    with pytest.raises(ConfigError, match="--speculative-config: the checkpoint .* has no MTP"):
+        engine_config_from_args(parse_serve(*argv), str(no_mtp))
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(no_mtp), *argv])
+    assert e.value.code == 2 and "--speculative-config" in capsys.readouterr().err
+
+
+def test_generate_reports_the_acceptance_length(model_dir: Path, capsys) -> None:
+    """`generate --report-timing` with synthetic acceptance 2.99 (k = 3): 1 + 2 tokens per step
+    once the drafts run (the last steps verify fewer drafts as max_tokens nears)."""
+    spec = ('{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
+            '"synthetic", "synthetic_acceptance_length": 2.99}')
+    rc = top_cli.main(["generate", "--model", str(model_dir), "--prompt", "The ferry",
+                       "--max-tokens", "14", "--ignore-eos", "--device", "cpu", "--block-size",
+                       "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256",
+                       "--speculative-config", spec, "--report-timing"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    length = float(err.split("mean acceptance length ")[1].split()[0])
+    assert 2.5 <= length <= 3.0 and "with 3 MTP drafts" in err
+
+
+@pytest.mark.parametrize("device, flag, backend", [
+    ("cpu", "auto", "reference"), ("cuda", "auto", "triton"), ("cuda:1", "auto", "triton"),
+    ("cuda", "reference", "reference"), ("cpu", "triton", "triton"),
+])
+def test_attention_backend_auto_follows_the_device(model_dir: Path, device, flag, backend) -> None:
+    args = parse_serve("--device", device, "--attention-backend", flag)
+    assert engine_config_from_args(args, str(model_dir)).attention.backend == backend
 
 
 def test_top_level_cli_routes_serve(capsys) -> None:

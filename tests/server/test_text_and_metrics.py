@@ -98,7 +98,7 @@ def test_generation_releases_held_text_at_the_end(tok: Tokenizer) -> None:
     assert pieces == list("no stops at all")  # one piece per output: nothing delayed
 
 
-def stats(**kw: int) -> EngineStats:
+def stats(**kw: int | tuple[int, ...]) -> EngineStats:
     base = dict(num_running=0, num_waiting=0, num_free_blocks=10, num_total_blocks=10,
                 prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
     return EngineStats(**(base | kw))
@@ -151,6 +151,25 @@ def test_engine_stats_are_read_at_scrape_time() -> None:
     # Each app has its own registry: a second one starts from zero.
     assert samples(ServerMetrics("other", lambda: stats()))[
         ("vllm:num_requests_running", (("model_name", "other"),))] == 0
+
+
+def test_spec_decode_counters_under_vllm_names() -> None:
+    """vLLM's spec_decode counters appear once speculative decoding is configured (a per-position
+    tuple of length k), with a position label on the per-position one."""
+    lab = (("model_name", "tiny"),)
+    assert not any("spec_decode" in name for name, _ in samples(ServerMetrics("tiny", stats)))
+    m = ServerMetrics("tiny", lambda: stats(
+        spec_decode_num_drafts=10, spec_decode_num_draft_tokens=30,
+        spec_decode_num_accepted_tokens=19, spec_decode_num_accepted_tokens_per_pos=(10, 9, 0)))
+    s = samples(m)
+    assert s[("vllm:spec_decode_num_drafts_total", lab)] == 10
+    assert s[("vllm:spec_decode_num_draft_tokens_total", lab)] == 30
+    assert s[("vllm:spec_decode_num_accepted_tokens_total", lab)] == 19
+    for pos, want in enumerate((10, 9, 0)):
+        key = (("model_name", "tiny"), ("position", str(pos)))
+        assert s[("vllm:spec_decode_num_accepted_tokens_per_pos_total", key)] == want
+    assert stats(spec_decode_num_drafts=10, spec_decode_num_accepted_tokens=19
+                 ).spec_decode_mean_acceptance_length == 2.9
 
 
 def test_response_shapes_parse_as_openai_types() -> None:

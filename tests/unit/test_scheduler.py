@@ -120,9 +120,10 @@ def reference_output(prompt: list[int], params: SamplingParams, eos: tuple[int, 
 
 
 def make_sched(block_size: int = 4, num_blocks: int = 64, dcp: int = 1, caching: bool = True,
-               **sched_kw: int | bool) -> Scheduler:
+               num_speculative_tokens: int = 0, **sched_kw: int | bool) -> Scheduler:
     return Scheduler(SchedulerConfig(**sched_kw), CacheConfig(block_size=block_size,
-                     enable_prefix_caching=caching), num_blocks, dcp_size=dcp)
+                     enable_prefix_caching=caching), num_blocks, dcp_size=dcp,
+                     num_speculative_tokens=num_speculative_tokens)
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 5, salt: str | None = None,
@@ -463,3 +464,149 @@ def test_cached_request_data_carries_only_the_changes() -> None:
     assert len(c.new_block_ids) == 1 and c.num_computed_tokens == 8
     sched.update_from_output(so, runner.execute(so))
     drive(sched, runner)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+class SpecFakeRunner(FakeRunner):
+    """A fake MTP engine: each sampling request gets k drafts, the true continuation (by the fake
+    model) except where `wrong(position)` corrupts it, so accepted runs and rejections mix. Drafts
+    are verified exactly as greedy rejection sampling does; the k − 1 lookahead positions after
+    the last accepted one are written with a marker token (−1), as the MTP draft steps write
+    their keys there. A marker or a rejected draft that were ever read back as computed context
+    (or found through the prefix cache) fail the context check."""
+
+    def __init__(self, sched: Scheduler, block_size: int, k: int,
+                 wrong: Callable[[int], bool] = lambda p: p % 5 == 3, **kw) -> None:
+        super().__init__(sched, block_size, **kw)
+        self.k, self.wrong = k, wrong
+        self.lookahead_writes = 0
+
+    def _put(self, st: _RunnerReq, positions: list[int], tokens: list[int]) -> None:
+        pos = torch.tensor(positions)
+        table = torch.tensor([st.block_ids], dtype=torch.int32)
+        for r in range(self.n):
+            slots = layout.slot_mapping(pos, torch.zeros_like(pos), table, self.b, self.n, r,
+                                        self.i)
+            for p, t, slot in zip(positions, tokens, slots.tolist(), strict=True):
+                if slot >= 0:
+                    self.kv[r][slot] = (p, t)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_request_ids:
+            self.reqs.pop(rid, None)
+        for new in so.new_requests:
+            self.reqs[new.request_id] = _RunnerReq(list(new.token_ids), list(new.block_ids),
+                                                   new.num_computed_tokens)
+        for c in so.cached_requests:
+            st = self.reqs[c.request_id]
+            st.token_ids += c.new_token_ids
+            if c.num_kept_blocks is not None:
+                del st.block_ids[c.num_kept_blocks :]
+            st.block_ids += c.new_block_ids
+            st.num_computed_tokens = c.num_computed_tokens
+        sampled: dict[str, list[int]] = {}
+        drafts: dict[str, list[int]] = {}
+        for rid, n in so.num_scheduled_tokens.items():
+            st, req = self.reqs[rid], self.sched.requests[rid]
+            assert st.token_ids == req.all_token_ids and st.block_ids == req.block_ids
+            spec = list(so.scheduled_spec_token_ids.get(rid, ()))
+            assert spec == req.spec_token_ids[: len(spec)], "drafts verified out of order"
+            start = st.num_computed_tokens
+            self._check_context(st, start)
+            seq = st.token_ids + spec
+            self._put(st, list(range(start, start + n)), seq[start : start + n])
+            if start + n - len(spec) < len(st.token_ids):
+                sampled[rid] = []  # a prefill chunk
+                continue
+            ctx, out = list(st.token_ids), []
+            for d in spec:  # greedy verification
+                t = self.next_token(ctx)
+                out.append(t)
+                if d != t:
+                    break
+                ctx.append(d)
+            else:
+                out.append(self.next_token(ctx))
+            sampled[rid] = out
+            last = start + n - 1 - len(spec) + len(out) - 1  # the last accepted position
+            ahead = list(range(last + 1, last + self.k))
+            self._put(st, ahead, [-1] * len(ahead))  # needs the lookahead blocks
+            self.lookahead_writes += len(ahead)
+            ctx = st.token_ids + out
+            proposal = []
+            for _ in range(self.k):
+                t = self.next_token(ctx)
+                proposal.append(t + 1 if self.wrong(len(ctx)) else t)
+                ctx.append(t)
+            drafts[rid] = proposal
+        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("budget,num_blocks,caching", [(64, 64, True), (5, 64, True),
+                                                       (1, 64, False), (64, 13, True)])
+def test_spec_decoding_emits_the_reference_tokens(k, budget, num_blocks, caching) -> None:
+    """Output equals the one-token-at-a-time reference whatever the drafts, the budget (1: no
+    room for drafts), preemption (13 blocks) or prefix hits; stop ids, EOS, max_tokens and
+    max_model_len land inside accepted runs; nothing leaks (drive checks integrity each phase)."""
+    max_len = 48
+    sched = make_sched(block_size=4, num_blocks=num_blocks, caching=caching, max_model_len=max_len,
+                       max_num_batched_tokens=budget, num_speculative_tokens=k)
+    runner = SpecFakeRunner(sched, 4, k)
+    shared = prompt(9, 13)
+    # stop tokens that come late in b's and d's outputs, inside runs of accepted drafts
+    free_b, _ = reference_output(shared + prompt(2, 3), SamplingParams(max_tokens=20), (), max_len)
+    free_d, _ = reference_output(shared, SamplingParams(max_tokens=20), (), max_len)
+    requests = [req("a", shared + prompt(1, 6), max_tokens=30),
+                req("b", shared + prompt(2, 3), max_tokens=19, eos=(free_b[7],)),
+                req("c", prompt(3, 20), max_tokens=40),  # max_model_len ends it
+                req("d", shared, max_tokens=19, stop_token_ids=(free_d[5], free_d[11])),
+                req("e", prompt(5, 2), max_tokens=1)]
+    for r in requests:
+        sched.add_request(r)
+    outputs = drive(sched, runner)
+    assert_matches_reference(outputs, requests, max_len)
+    s = sched.stats()
+    if budget > 1:
+        assert (runner.lookahead_writes > 0) == (k > 1)
+        assert s.spec_decode_num_drafts > 0
+        assert 0 < s.spec_decode_num_accepted_tokens < s.spec_decode_num_draft_tokens
+        assert sum(s.spec_decode_num_accepted_tokens_per_pos) == s.spec_decode_num_accepted_tokens
+    else:
+        assert s.spec_decode_num_drafts == 0  # one token per step leaves no room for drafts
+    if num_blocks < 20:
+        assert s.num_preemptions > 0
+
+
+def test_spec_scheduling_counts_and_rollback() -> None:
+    """One request, k = 3: its decode schedules 1 + 3 tokens plus 2 lookahead slots; after a
+    rejection the blocks past its tokens go back and the runner is told to drop them; full
+    blocks are cached only up to the computed (accepted) tokens."""
+    sched = make_sched(block_size=4, max_model_len=64, num_speculative_tokens=3)
+    runner = SpecFakeRunner(sched, 4, 3, wrong=lambda p: p == 10)  # draft for position 10 wrong
+    sched.add_request(req("a", prompt(1, 7), max_tokens=20))
+    so = sched.schedule()  # prefill 7 + lookahead 2 → 3 blocks
+    assert so.num_scheduled_tokens == {"a": 7} and len(sched.requests["a"].block_ids) == 3
+    sched.update_from_output(so, runner.execute(so))  # token 7 sampled, drafts for 8, 9, 10
+    a = sched.requests["a"]
+    assert (a.num_tokens, a.num_computed_tokens, len(a.spec_token_ids)) == (8, 7, 3)
+    assert len(a.block_ids) == 2  # positions 8.. were lookahead only: given back
+    so = sched.schedule()
+    assert so.num_scheduled_tokens == {"a": 4} and so.scheduled_spec_token_ids["a"] == tuple(
+        a.spec_token_ids)
+    assert len(a.block_ids) == 4  # positions up to 10 + 2 lookahead = 12 → 4 blocks
+    (c,) = so.cached_requests
+    assert c.num_kept_blocks == 2
+    sched.update_from_output(so, runner.execute(so))  # drafts 8, 9 accepted, 10 rejected
+    assert (a.num_tokens, a.num_computed_tokens) == (11, 10)
+    assert len(a.block_ids) == 3 and sched.kv._num_cached_blocks["a"] == 2
+    s = sched.stats()
+    assert (s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens_per_pos) == (1, 3, (1, 1, 0))
+    drive(sched, runner)
+
+
+def test_spec_lookahead_counts_in_the_pool_check() -> None:
+    with pytest.raises(ConfigError, match="2 lookahead tokens"):
+        make_sched(block_size=4, num_blocks=16, max_model_len=64, num_speculative_tokens=3)
+    make_sched(block_size=4, num_blocks=17, max_model_len=64, num_speculative_tokens=3)

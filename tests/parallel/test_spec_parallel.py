@@ -1,0 +1,70 @@
+"""MTP speculative decoding under the parallel layouts (gloo worker processes, CPU): greedy output
+with drafts equals the single-rank engine without drafts, on a checkpoint whose drafts are often
+accepted (tests/conftest.py: draftable_dirs), with chunked prefills, prefix hits and — under PCP —
+the MTP layer following the target's split prefill rows."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+
+from dsaserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dsaserve.engine.dp import DataParallelEngine
+from dsaserve.engine.engine import LLMEngine
+
+pytestmark = pytest.mark.parallel
+
+
+@pytest.fixture(scope="module")
+def draftable(draftable_dirs):
+    return draftable_dirs["tiny-glm5"]
+
+
+@pytest.fixture(scope="module")
+def draftable_reference(draftable, parallel_config, prompts, greedy) -> list[list[int]]:
+    """Single rank, no drafts, one request at a time."""
+    base = dataclasses.replace(parallel_config(), model_path=str(draftable))
+    config = EngineConfig(base.model_path, base.model,
+                          cache=CacheConfig(block_size=16, num_gpu_blocks=64,
+                                            enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256),
+                          attention=base.attention)
+    engine = LLMEngine.from_config(config)
+    return [engine.generate([p], greedy)[0] for p in prompts]
+
+
+LAYOUTS = {
+    # The prefill node's layout: split prefill chunks (the MTP layer follows the partition and
+    # attends over prefetched full copies of its context), decode rows replicated.
+    "pcp2_dcp2_ep": dict(pcp=2, dcp=2, ep=True, interleave=16, max_num_batched_tokens=48),
+    "tp2_dcp2": dict(tp=2, dcp=2, max_num_batched_tokens=33),
+    "dp2": dict(dp=2, max_num_batched_tokens=48),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def spec_engine(request, draftable, parallel_config, assert_gone
+                ) -> Iterator[LLMEngine | DataParallelEngine]:
+    config = dataclasses.replace(parallel_config(**LAYOUTS[request.param]),
+                                 model_path=str(draftable),
+                                 speculative=SpecConfig(num_speculative_tokens=3))
+    engine = LLMEngine.from_config(config)
+    yield engine
+    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
+    pids = tuple(p for r in replicas for p in r.executor.pids)
+    engine.shutdown()
+    assert_gone(pids)
+
+
+def test_greedy_with_mtp_matches_single_rank(spec_engine, prompts, greedy, draftable_reference):
+    for _ in range(2):  # the second round starts from prefix hits
+        assert spec_engine.generate(prompts, greedy) == draftable_reference
+        spec_engine.check_integrity()
+    stats = spec_engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.prefix_cache_hits > 0
+    assert stats.spec_decode_num_accepted_tokens > 0
+    per_pos = stats.spec_decode_num_accepted_tokens_per_pos
+    assert len(per_pos) == 3 and sum(per_pos) == stats.spec_decode_num_accepted_tokens
