@@ -56,6 +56,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Its prefix is being copied from the host KV tier into its GPU blocks (vLLM's name).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -133,11 +135,23 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class KVTransfer:
+    """One copy job between the GPU KV pool and the host KV tier (every rank copies its own shard
+    of each block). Jobs of one kind finish in `job_id` order on every rank."""
+
+    job_id: int  # 0, 1, 2, ... per kind (loads and stores count separately)
+    gpu_block_ids: tuple[int, ...]  # scheduler block ids (the GPU block table's numbering)
+    host_block_ids: tuple[int, ...]  # same length: gpu_block_ids[i] ↔ host_block_ids[i]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
     num_scheduled_tokens: dict[str, int]  # request id → tokens computed this step
     finished_request_ids: tuple[str, ...]  # the runner drops their state
+    kv_stores: tuple[KVTransfer, ...] = ()  # GPU → host, started before this step's forward
+    kv_loads: tuple[KVTransfer, ...] = ()  # host → GPU, into blocks no scheduled request reads
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -145,6 +159,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """No tokens to compute (copy jobs may still be there to start)."""
         return not self.num_scheduled_tokens
 
 
@@ -154,6 +169,10 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int | None]
     logprobs: dict[str, float] = field(default_factory=dict)
+    # Host-tier copy jobs finished so far, per kind (a prefix of the job ids on every rank; the
+    # executor reports the minimum over ranks).
+    num_kv_loads_done: int = 0
+    num_kv_stores_done: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -181,6 +200,14 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found cached
     num_preemptions: int
+    # The host KV tier (zeros when it is off): tokens looked up after the GPU hit, found there;
+    # bytes copied (all ranks); host blocks holding KV of the total.
+    offload_queries: int = 0
+    offload_hits: int = 0
+    offload_bytes_stored: int = 0
+    offload_bytes_loaded: int = 0
+    num_host_blocks_used: int = 0
+    num_host_blocks: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
