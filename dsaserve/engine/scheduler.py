@@ -372,7 +372,8 @@ class Scheduler:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + (
+                len(self.offload.loading_requests()) if self.offload else 0),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,

@@ -258,3 +258,68 @@ def test_host_size_below_one_request_names_the_flag(model_dirs, engine_config) -
     cfg = _config(engine_config, model_dirs["tiny-glm5"])
     with pytest.raises(ConfigError, match="--kv-offloading-size: .* less than one request"):
         LLMEngine.from_config(replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=4096)))
+
+
+def test_slow_copies_keep_others_running(model_dirs, engine_config) -> None:
+    """As on a GPU, copies land steps after they start (the copier reports them late): the
+    loading request waits while another one keeps decoding, and nothing changes in the output."""
+    model_dir = model_dirs["tiny-glm5"]
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, num_blocks=16))
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, host_gib=None, num_blocks=16))
+    copier = engine.runner.copier
+    real_poll = copier.poll
+    history: list[tuple[int, int]] = []
+
+    def late_poll() -> tuple[int, int]:  # report what was done three polls ago
+        history.append(real_poll())
+        return history[max(len(history) - 4, 0)]
+
+    copier.poll = late_poll
+    prompt, more = _session(9)
+    out = engine.generate([prompt], GREEDY)[0]
+    for seed in (10, 11):
+        engine.generate([_tokens(seed, 120)], GREEDY)
+    other = _tokens(12, 20)
+    long = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.add_request("other", other, long)
+    engine.step()  # "other" runs
+    engine.add_request("a2", prompt + out + more, GREEDY)
+    outputs: dict[str, list[int]] = {"other": [], "a2": []}
+    waited_while_other_ran = 0
+    cached_tokens = set()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs[o.request_id].extend(o.new_token_ids)
+            if o.request_id == "a2":
+                cached_tokens.add(o.num_cached_tokens)
+        a2 = engine.scheduler.requests.get("a2")
+        if a2 is not None and a2.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            waited_while_other_ran += "other" in engine.scheduler.requests
+        engine.check_integrity()
+    assert waited_while_other_ran >= 2
+    # usage.prompt_tokens_details.cached_tokens: GPU hits (none: evicted) + host hits
+    assert cached_tokens == {(len(prompt) + len(out)) // BLOCK * BLOCK}
+    assert outputs["a2"] == ref.generate([prompt + out + more], GREEDY)[0]
+    _check_drained(engine)
+
+
+def test_metrics_show_both_tiers() -> None:
+    from dsaserve.core import EngineStats
+    from dsaserve.serve.metrics import ServerMetrics
+
+    stats = EngineStats(num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
+                        prefix_cache_queries=100, prefix_cache_hits=32, num_preemptions=0,
+                        offload_queries=100, offload_hits=48, offload_bytes_stored=4096,
+                        offload_bytes_loaded=2048, num_host_blocks_used=3, num_host_blocks=12)
+    text = ServerMetrics("m", lambda: stats).exposition().decode()
+    for line in ('vllm:prefix_cache_hits_total{model_name="m"} 32.0',
+                 'vllm:external_prefix_cache_queries_total{model_name="m"} 100.0',
+                 'vllm:external_prefix_cache_hits_total{model_name="m"} 48.0',
+                 'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="GPU_to_CPU"} '
+                 '4096.0',
+                 'vllm:kv_offload_total_bytes_total{model_name="m",transfer_type="CPU_to_GPU"} '
+                 '2048.0',
+                 'vllm:kv_offload_cpu_usage_perc{model_name="m"} 0.25'):
+        assert line in text, line
+    off = ServerMetrics("m", lambda: replace(stats, num_host_blocks=0)).exposition().decode()
+    assert "external_prefix_cache" not in off and "kv_offload" not in off
