@@ -17,7 +17,12 @@ from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.kv.copier import KVCopier
-from dsaserve.kv.host_pool import HostKVPool, bytes_per_host_block, num_host_blocks
+from dsaserve.kv.host_pool import (
+    HostKVPool,
+    bytes_per_host_block,
+    cache_regions,
+    num_host_blocks,
+)
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
@@ -168,6 +173,13 @@ class ModelRunner:
         if self.copier is None:
             return 0, 0
         return self.copier.pool.num_blocks, self.copier.pool.block_bytes
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The bytes this rank holds for `block_ids`, per cache tensor (layer order, MLA rows then
+        indexer keys, the MTP layer last): [n, page_bytes] uint8 on the CPU. For tests and
+        checks of the host tier, through `executor.call`."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return [region.index_select(0, ids).cpu() for region in cache_regions(self.caches)]
 
     # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
