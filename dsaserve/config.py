@@ -494,6 +494,13 @@ class EngineConfig:
             raise ConfigError(
                 f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
             )
+        ram = physical_memory_bytes()
+        replicas = self.parallel.data_parallel_size
+        if ram is not None and self.offload.cpu_bytes_to_use * replicas > ram:
+            raise ConfigError(
+                f"{self.offload.flag}: {replicas} data-parallel engines × "
+                f"{self.offload.cpu_bytes_to_use / 2**30:.1f} GiB of host KV exceed the "
+                f"machine's {ram / 2**30:.1f} GiB")
         if self.offload.enabled and not self.cache.enable_prefix_caching:
             # The host tier finds blocks by the prefix cache's keys.
             raise ConfigError(f"{self.offload.flag}: needs --enable-prefix-caching")

@@ -15,6 +15,7 @@ logical host block is N pieces found by one key.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,21 @@ def num_host_blocks(cpu_bytes_to_use: int, world_size: int, block_bytes: int,
     return num
 
 
+def _pin(owner: object, raw: torch.Tensor, flag: str) -> None:
+    """Page-lock `raw` in place (cudaHostRegister) while `owner` lives. Not `pin_memory=True`:
+    PyTorch's pinned allocator rounds every allocation up to a power of two, which would turn a
+    40 GiB tier into 64 GiB of locked memory."""
+    cudart = torch.cuda.cudart()
+    nbytes = raw.numel()
+    err = cudart.cudaHostRegister(raw.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise ConfigError(
+            f"{flag}: could not pin {nbytes / 2**30:.2f} GiB of host memory on this rank "
+            f"(cudaHostRegister error {int(err)}); lower it or raise the locked-memory limit")
+    # Unregistered when the owner dies, before its last reference to `raw` is dropped.
+    weakref.finalize(owner, cudart.cudaHostUnregister, raw.data_ptr())
+
+
 @dataclass
 class HostRegionPair:
     gpu: torch.Tensor  # [num_gpu_blocks, page_bytes] uint8 view of one GPU cache tensor
@@ -80,11 +96,13 @@ class HostKVPool:
         self.block_bytes = sum(v.shape[1] for v in gpu_views)
         self.nbytes = total
         try:
-            raw = torch.empty(total + PAGE_BYTES, dtype=torch.uint8, pin_memory=pin)
-        except RuntimeError as e:  # cudaHostAlloc failed: say which flag to lower
+            raw = torch.empty(total + PAGE_BYTES, dtype=torch.uint8)
+        except RuntimeError as e:
             raise ConfigError(
-                f"{flag}: could not pin {total / 2**30:.2f} GiB of host memory on this rank ({e})"
-            ) from None
+                f"{flag}: could not allocate {total / 2**30:.2f} GiB of host memory on this "
+                f"rank ({e})") from None
+        if pin:
+            _pin(self, raw, flag)
         skip = -raw.data_ptr() % PAGE_BYTES
         self._raw = raw  # keeps the allocation alive; regions are views
         self.buffer = raw[skip : skip + total]  # [total] uint8, page-aligned

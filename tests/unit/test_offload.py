@@ -323,3 +323,11 @@ def test_metrics_show_both_tiers() -> None:
         assert line in text, line
     off = ServerMetrics("m", lambda: replace(stats, num_host_blocks=0)).exposition().decode()
     assert "external_prefix_cache" not in off and "kv_offload" not in off
+
+
+def test_data_parallel_engines_share_the_machine(parse) -> None:
+    from dsaserve.config import physical_memory_bytes
+
+    ram_gib = physical_memory_bytes() / 2**30
+    with pytest.raises(ConfigError, match="--kv-offloading-size: 2 data-parallel engines"):
+        parse(["--kv-offloading-size", f"{ram_gib * 0.6:.3f}", "-dp", "2"])
