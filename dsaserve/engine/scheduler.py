@@ -145,8 +145,11 @@ class Scheduler:
         if self.num_preemptions == num_preempted_before:
             while self.waiting and budget > 0 and self._num_active() < self.config.max_num_seqs:
                 req = self.waiting[0]
-                if self._start_load(req):
-                    continue
+                load = self._start_load(req)
+                if load is not None:
+                    if load:
+                        continue
+                    break  # its blocks come back when copies land: wait rather than recompute
                 n = self._admit(req, budget)
                 if n == 0:
                     break  # head of line blocks: FIFO order is kept
@@ -240,21 +243,24 @@ class Scheduler:
         """Requests holding a seat: running, or loading their prefix from the host tier."""
         return len(self.running) + (self.offload.num_loading if self.offload else 0)
 
-    def _start_load(self, req: Request) -> bool:
+    def _start_load(self, req: Request) -> bool | None:
         """If waiting `req`'s prefix continues in the host tier and the GPU pool has room for its
         whole remaining prompt, allocate its blocks and start the load: it leaves the queue and
-        waits (WAITING_FOR_REMOTE_KVS) while others run; True then."""
+        waits (WAITING_FOR_REMOTE_KVS) while others run; True then. False when the room is only
+        held by copies in flight (it waits for them), None when there is nothing to load or no
+        room (it is admitted, or not, as usual)."""
         if self.offload is None:
-            return False
+            return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
         host_hits = self.offload.lookup(req, len(hits))
         if not host_hits:
-            return False
+            return None
         # Room for the rest of the prompt too: a load never lands only to be preempted.
         num_free_hits = sum(1 for b in hits if self.kv.pool.ref_count(b) == 0)
         need = cdiv(req.num_tokens, self.block_size) - len(hits)
-        if need > self.kv.num_free_blocks - num_free_hits:
-            return False
+        room = self.kv.num_free_blocks - num_free_hits
+        if need > room:
+            return False if need <= room + self.offload.num_gpu_blocks_releasing() else None
         blocks = self.kv.allocate_slots(req, len(host_hits) * self.block_size, hits)
         assert blocks is not None, "the room was checked"
         self.waiting.popleft()

@@ -58,7 +58,8 @@ class OffloadManager:
         self._next_store_id = 0
         self._storing: set[bytes] = set()  # keys with a store in flight
         self._num_offered: dict[str, int] = {}  # request id → leading blocks offered
-        self._queried: set[str] = set()  # requests counted in the stats
+        self._queried: set[str] = set()  # requests counted in the queries
+        self._hit: set[str] = set()  # requests counted in the hits (at their load, not lookup)
         self.queries = 0  # tokens looked up (once per request)
         self.hits = 0  # tokens found in the host tier
         self.blocks_stored = 0
@@ -96,7 +97,6 @@ class OffloadManager:
         if request.request_id not in self._queried:
             self._queried.add(request.request_id)
             self.queries += request.num_tokens
-            self.hits += len(hits) * self.block_size
         return hits
 
     def start_load(self, request: Request, gpu_block_ids: list[int],
@@ -109,6 +109,9 @@ class OffloadManager:
         self._loads.append(_Load(job, request, len(host_block_ids) * self.block_size))
         self._unsent_loads.append(job)
         self.blocks_loaded += len(host_block_ids)
+        if request.request_id not in self._hit:  # a hit is what is loaded, once per request
+            self._hit.add(request.request_id)
+            self.hits += len(host_block_ids) * self.block_size
         request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
 
     # ---- stores: offer → (runner) → finished -----------------------------------------------------
@@ -177,6 +180,7 @@ class OffloadManager:
         """The request ended; its in-flight jobs keep their own references."""
         self._num_offered.pop(request.request_id, None)
         self._queried.discard(request.request_id)
+        self._hit.discard(request.request_id)
 
     # ---- invariants -----------------------------------------------------------------------------
     def gpu_holds(self) -> Counter[int]:
@@ -187,6 +191,11 @@ class OffloadManager:
         for store in self._stores:
             held.update(store.job.gpu_block_ids)
         return held
+
+    def num_gpu_blocks_releasing(self) -> int:
+        """GPU blocks that only copy jobs hold: free once those land."""
+        holds = self.gpu_holds()
+        return sum(1 for b, n in holds.items() if self.kv.pool.ref_count(b) == n)
 
     def check_integrity(self, live_ids: Iterable[str]) -> None:
         """Host pool bookkeeping; host references = exactly the in-flight jobs' holds; no state
@@ -206,6 +215,6 @@ class OffloadManager:
         if self._storing != {k for s in self._stores for k in s.block_hashes}:
             raise AssertionError("host tier: keys marked in flight differ from the store jobs")
         live = set(live_ids)
-        stale = (self._num_offered.keys() | self._queried) - live
+        stale = (self._num_offered.keys() | self._queried | self._hit) - live
         if stale:
             raise AssertionError(f"host tier: state kept for ended requests {sorted(stale)}")

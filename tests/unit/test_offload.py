@@ -77,9 +77,9 @@ def test_copier_round_trip_every_layer(fp8: bool) -> None:
 # the engine
 # ------------------------------------------------------------------------------------------------
 def _config(engine_config, model_dir, *, kv_cache_dtype="auto", host_gib: float | None = 0.01,
-            num_blocks: int = 12):
+            num_blocks: int = 12, budget: int = 64):
     cfg = engine_config(model_dir, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
-                        num_blocks=num_blocks, max_model_len=160, max_num_batched_tokens=64)
+                        num_blocks=num_blocks, max_model_len=160, max_num_batched_tokens=budget)
     if host_gib is None:
         return cfg
     return replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=int(host_gib * 2**30)))
@@ -331,3 +331,31 @@ def test_data_parallel_engines_share_the_machine(parse) -> None:
     ram_gib = physical_memory_bytes() / 2**30
     with pytest.raises(ConfigError, match="--kv-offloading-size: 2 data-parallel engines"):
         parse(["--kv-offloading-size", f"{ram_gib * 0.6:.3f}", "-dp", "2"])
+
+
+def test_load_waits_for_blocks_held_by_stores(model_dirs, engine_config) -> None:
+    """A long request just finished and its stores still hold most of the GPU pool: the next
+    turn waits for them and loads its prefix, rather than recomputing it (a 32-token chunk would
+    fit in the blocks left, the whole prompt only once the stores land)."""
+    engine = LLMEngine.from_config(_config(engine_config, model_dirs["tiny-glm5"], budget=32))
+    copier = engine.runner.copier
+    real_poll, history = copier.poll, []
+
+    def late_poll() -> tuple[int, int]:
+        history.append(real_poll())
+        return history[max(len(history) - 9, 0)]  # longer than the filler's decode
+
+    copier.poll = late_poll
+    prompt, more = _tokens(13, 100), _tokens(113, 9)
+    out = engine.generate([prompt], GREEDY)[0]
+    engine.add_request("filler", _tokens(14, 150), GREEDY)  # 10 of 12 blocks: evicts most
+    while not any(o.finished for o in engine.step()):
+        pass
+    assert engine.scheduler.offload.busy  # its stores still hold its blocks
+    before = engine.stats()
+    engine.generate([prompt + out + more], GREEDY)
+    after = engine.stats()
+    host = after.offload_hits - before.offload_hits
+    gpu = after.prefix_cache_hits - before.prefix_cache_hits
+    assert host > 0 and gpu + host == (len(prompt) + len(out)) // BLOCK * BLOCK
+    _check_drained(engine)
