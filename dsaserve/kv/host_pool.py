@@ -67,7 +67,7 @@ def _pin(owner: object, raw: torch.Tensor, flag: str) -> None:
     40 GiB tier into 64 GiB of locked memory."""
     cudart = torch.cuda.cudart()
     nbytes = raw.numel()
-    err = cudart.cudaHostRegister(raw.data_ptr(), nbytes, 0)
+    err = cudart.cudaHostRegister(raw.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
     if int(err) != 0:
         raise ConfigError(
             f"{flag}: could not pin {nbytes / 2**30:.2f} GiB of host memory on this rank "
