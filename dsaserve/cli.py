@@ -76,6 +76,9 @@ def _run_generate(args: argparse.Namespace) -> int:
               f"first step {step_times[0] * 1e3:.1f} ms, mean decode step "
               f"{sum(decode) / len(decode) * 1e3:.2f} ms ({config.attention.backend}){spec}",
               file=sys.stderr)
+        stats = engine.stats()
+        print(f"cached prompt tokens: {stats.prefix_cache_hits} from the GPU prefix cache, "
+              f"{stats.offload_hits} from the host KV tier", file=sys.stderr)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -593,6 +594,7 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpecConfig | None = None  # None: no speculative decoding
+    offload: OffloadConfig = field(default_factory=lambda: OffloadConfig())
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
@@ -608,6 +610,16 @@ class EngineConfig:
             raise ConfigError(
                 f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
             )
+        ram = physical_memory_bytes()
+        replicas = self.parallel.data_parallel_size
+        if ram is not None and self.offload.cpu_bytes_to_use * replicas > ram:
+            raise ConfigError(
+                f"{self.offload.flag}: {replicas} data-parallel engines × "
+                f"{self.offload.cpu_bytes_to_use / 2**30:.1f} GiB of host KV exceed the "
+                f"machine's {ram / 2**30:.1f} GiB")
+        if self.offload.enabled and not self.cache.enable_prefix_caching:
+            # The host tier finds blocks by the prefix cache's keys.
+            raise ConfigError(f"{self.offload.flag}: needs --enable-prefix-caching")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len: {self.scheduler.max_model_len} exceeds the model's "
@@ -623,3 +635,89 @@ class EngineConfig:
     def num_speculative_tokens(self) -> int:
         """Drafts per step (0 without speculative decoding)."""
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The host-memory KV tier (docs/offload.md)
+# ------------------------------------------------------------------------------------------------
+OFFLOAD_SIZE_FLAG = "--kv-offloading-size"
+OFFLOAD_CONNECTOR = "OffloadingConnector"
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's RAM (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """CPU KV offload with prefix reuse. `cpu_bytes_to_use` is the engine's total host memory for
+    KV (0 = off), split evenly over its ranks; each rank keeps its own shard of every block.
+    `flag` is how the user gave the size, so that errors name what they typed."""
+
+    cpu_bytes_to_use: int = 0
+    flag: str = OFFLOAD_SIZE_FLAG
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes_to_use < 0:
+            raise ConfigError(f"{self.flag}: must be >= 0, got {self.cpu_bytes_to_use} bytes")
+        ram = physical_memory_bytes()
+        if ram is not None and self.cpu_bytes_to_use > ram:
+            raise ConfigError(
+                f"{self.flag}: {self.cpu_bytes_to_use / 2**30:.1f} GiB of pinned host memory "
+                f"asked for, but the machine has {ram / 2**30:.1f} GiB"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu_bytes_to_use > 0
+
+    @staticmethod
+    def from_flags(size_gib: float | None, backend: str | None,
+                   transfer_json: str | None) -> OffloadConfig:
+        """From `--kv-offloading-size GIB --kv-offloading-backend native` or the equivalent
+        `--kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+        "kv_connector_extra_config":{"cpu_bytes_to_use":N}}'` (vLLM's spellings)."""
+        if size_gib is not None and transfer_json is not None:
+            raise ConfigError(
+                f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
+            )
+        if transfer_json is not None:
+            return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(transfer_json),
+                                 flag="--kv-transfer-config")
+        if size_gib is None:
+            if backend is not None:
+                raise ConfigError(f"--kv-offloading-backend: needs {OFFLOAD_SIZE_FLAG}")
+            return OffloadConfig()
+        if backend not in (None, "native"):
+            raise ConfigError(f"--kv-offloading-backend: only 'native' is built, got {backend!r}")
+        if not size_gib > 0:
+            raise ConfigError(f"{OFFLOAD_SIZE_FLAG}: must be > 0 GiB, got {size_gib}")
+        return OffloadConfig(cpu_bytes_to_use=int(size_gib * 2**30))
+
+
+def _transfer_config_bytes(text: str) -> int:
+    flag = "--kv-transfer-config"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: not valid JSON ({e.msg})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag}: expected a JSON object")
+    if raw.get("kv_connector") != OFFLOAD_CONNECTOR:
+        raise ConfigError(
+            f"{flag}: kv_connector must be {OFFLOAD_CONNECTOR!r}, got {raw.get('kv_connector')!r}"
+        )
+    if raw.get("kv_role", "kv_both") != "kv_both":
+        raise ConfigError(f"{flag}: kv_role must be 'kv_both', got {raw.get('kv_role')!r}")
+    extra = raw.get("kv_connector_extra_config") or {}
+    size = extra.get("cpu_bytes_to_use") if isinstance(extra, dict) else None
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ConfigError(
+            f"{flag}: kv_connector_extra_config.cpu_bytes_to_use must be a positive integer, "
+            f"got {size!r}"
+        )
+    return size

@@ -56,6 +56,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Its prefix is being copied from the host KV tier into its GPU blocks (vLLM's name).
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -139,6 +141,16 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class KVTransfer:
+    """One copy job between the GPU KV pool and the host KV tier (every rank copies its own shard
+    of each block). Jobs of one kind finish in `job_id` order on every rank."""
+
+    job_id: int  # 0, 1, 2, ... per kind (loads and stores count separately)
+    gpu_block_ids: tuple[int, ...]  # scheduler block ids (the GPU block table's numbering)
+    host_block_ids: tuple[int, ...]  # same length: gpu_block_ids[i] ↔ host_block_ids[i]
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
@@ -147,6 +159,8 @@ class SchedulerOutput:
     # request id → draft tokens to verify this step (speculative decoding): they follow the
     # request's last token and are counted in num_scheduled_tokens.
     scheduled_spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    kv_stores: tuple[KVTransfer, ...] = ()  # GPU → host, started before this step's forward
+    kv_loads: tuple[KVTransfer, ...] = ()  # host → GPU, into blocks no scheduled request reads
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -154,6 +168,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """No tokens to compute (copy jobs may still be there to start)."""
         return not self.num_scheduled_tokens
 
 
@@ -167,6 +182,10 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # one per emitted token
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Host-tier copy jobs finished so far, per kind (a prefix of the job ids on every rank; the
+    # executor reports the minimum over ranks).
+    num_kv_loads_done: int = 0
+    num_kv_stores_done: int = 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,6 +219,15 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    # The host KV tier (zeros when it is off): tokens looked up after the GPU hit, found there;
+    # bytes copied (all ranks); host blocks holding KV of the total.
+    offload_queries: int = 0
+    offload_hits: int = 0
+    offload_bytes_stored: int = 0
+    offload_bytes_loaded: int = 0
+    num_host_blocks_used: int = 0
+    num_host_blocks: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -21,6 +21,7 @@ from dsaserve.config import (
     ConfigError,
     EngineConfig,
     ModelConfig,
+    OffloadConfig,
     ParallelConfig,
     SchedulerConfig,
     SpecConfig,
@@ -83,6 +84,16 @@ def resolve_attention_backend(name: str, device: str) -> str:
     return "triton" if device.startswith("cuda") else "reference"
 
 
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0.0:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB > 0, got {text!r}")
+    return value
+
+
 def _device(text: str) -> str:
     kind, _, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
@@ -130,6 +141,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"synthetic_acceptance_length": 2.99')
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+
+    o = parser.add_argument_group("host KV tier (vLLM names; docs/offload.md)")
+    o.add_argument("--kv-offloading-size", type=_gib, default=None, metavar="GIB",
+                   help="host memory for KV blocks, the engine's total over its ranks (off when "
+                        "absent); prefixes evicted from the GPU are loaded back from there")
+    o.add_argument("--kv-offloading-backend", choices=("native",), default=None,
+                   help="how the host tier is built (native: dsaserve's own)")
+    o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='the same as a connector: \'{"kv_connector":"OffloadingConnector",'
+                        '"kv_role":"kv_both","kv_connector_extra_config":'
+                        '{"cpu_bytes_to_use":N}}\'')
 
     p = parser.add_argument_group("parallel (vLLM names)")
     p.add_argument("-tp", "--tensor-parallel-size", type=pos, default=1)
@@ -192,6 +214,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             backend=resolve_attention_backend(args.attention_backend, device)),
         parallel=parallel,
         speculative=speculative,
+        offload=OffloadConfig.from_flags(args.kv_offloading_size, args.kv_offloading_backend,
+                                         args.kv_transfer_config),
         dtype=args.dtype,
         device=device,
         seed=args.seed,

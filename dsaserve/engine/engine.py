@@ -53,9 +53,13 @@ class LLMEngine:
         # The local runner of a single-process engine (tests inspect it); None with workers.
         self.runner = executor.runner if isinstance(executor, InProcessExecutor) else None
         self.tokenizer = tokenizer
+        # The host KV tier: as many blocks as the smallest rank has; a block is all ranks' shards.
+        host = executor.call("host_tier_spec") if config.offload.enabled else [(0, 0)]
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
-                                   num_speculative_tokens=config.num_speculative_tokens)
+                                   num_speculative_tokens=config.num_speculative_tokens,
+                                   num_host_blocks=min(n for n, _ in host),
+                                   host_block_bytes=sum(b for _, b in host))
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

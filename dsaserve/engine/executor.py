@@ -48,6 +48,7 @@ from dsaserve.engine.worker import (
     recv,
     run_worker,
 )
+from dsaserve.kv.copier import merge_rank_outputs
 
 _FAILURE_GRACE_S = 0.5  # after one failure, how long peers get to report theirs (the root cause)
 _SHUTDOWN_TIMEOUT_S = 5.0  # graceful exit of every worker, then SIGTERM, then SIGKILL
@@ -202,9 +203,10 @@ class MultiprocExecutor:
         if not self._in_flight:
             raise RuntimeError("collect: no step in flight (call execute_async first)")
         self._in_flight = False
-        output = self._gather(StepDone)[0].output
+        replies = self._gather(StepDone)
+        output = replies[0].output
         assert output is not None, "rank 0 answered a step without its output"
-        return output
+        return merge_rank_outputs(output, [r.output for r in replies[1:]])
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_async(scheduler_output)

@@ -16,6 +16,13 @@ from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
+from dsaserve.kv.copier import KVCopier
+from dsaserve.kv.host_pool import (
+    HostKVPool,
+    bytes_per_host_block,
+    cache_regions,
+    num_host_blocks,
+)
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
@@ -108,6 +115,7 @@ class ModelRunner:
         )
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
+        self.copier = self._host_tier()  # None without --kv-offloading-size
         self.requests: dict[str, _ReqState] = {}
         self._seed_counter = config.seed
         spec = config.speculative
@@ -168,8 +176,41 @@ class ModelRunner:
             caches.append(LayerCache(kv=kv, index=index if m.has_indexer(i) else None))
         return caches
 
+    def _host_tier(self) -> KVCopier | None:
+        """This rank's share of the host KV tier: --kv-offloading-size split over the ranks."""
+        cfg = self.config.offload
+        if not cfg.enabled:
+            return None
+        block_bytes = bytes_per_host_block(self.caches)
+        per_request = -(-self.config.scheduler.max_model_len // (self.block_size * self.dcp_size))
+        num = num_host_blocks(cfg.cpu_bytes_to_use, self.config.parallel.world_size, block_bytes,
+                              per_request, cfg.flag)
+        pool = HostKVPool(self.caches, num, pin=self.device.type == "cuda", flag=cfg.flag)
+        logger.info("host KV tier: %d blocks, %.2f GiB on this rank", num, pool.nbytes / 2**30)
+        return KVCopier(pool, self.device)
+
+    def host_tier_spec(self) -> tuple[int, int]:
+        """(host blocks, bytes of one block on this rank); (0, 0) without a host tier."""
+        if self.copier is None:
+            return 0, 0
+        return self.copier.pool.num_blocks, self.copier.pool.block_bytes
+
+    def read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """The bytes this rank holds for `block_ids`, per cache tensor (layer order, MLA rows then
+        indexer keys, the MTP layer last): [n, page_bytes] uint8 on the CPU. For tests and
+        checks of the host tier, through `executor.call`."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return [region.index_select(0, ids).cpu() for region in cache_regions(self.caches)]
+
     # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # 0. host-tier copies start first and overlap the forward (kv/copier.py)
+        if self.copier is not None:
+            self.copier.start(so)
+            return self.copier.report(self._execute(so))
+        return self._execute(so)
+
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # 1. apply the diff
         self._apply_diff(so)
         if so.is_empty:

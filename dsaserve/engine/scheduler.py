@@ -45,6 +45,7 @@ from dsaserve.core import (
     SchedulerOutput,
 )
 from dsaserve.kv.manager import KVCacheManager, cdiv
+from dsaserve.kv.offload import OffloadManager
 
 
 class Scheduler:
@@ -55,6 +56,9 @@ class Scheduler:
         num_blocks: int,
         dcp_size: int = 1,
         num_speculative_tokens: int = 0,
+        *,
+        num_host_blocks: int = 0,
+        host_block_bytes: int = 0,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
@@ -74,6 +78,10 @@ class Scheduler:
             )
         self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
                                  drop_last_hit=num_speculative_tokens > 0)
+        # The host KV tier (kv/offload.py), when the engine has one: it needs the block keys.
+        self.offload: OffloadManager | None = None
+        if num_host_blocks:
+            self.offload = OffloadManager(self.kv, num_host_blocks, host_block_bytes)
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the tail
@@ -117,7 +125,7 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load holds its blocks
                 self.waiting.remove(req)
             req.status = RequestStatus.FINISHED_ABORTED
             self._release(req)
@@ -139,6 +147,7 @@ class Scheduler:
         # 1. running requests, oldest first; KV shortage preempts the newest
         cached: list[CachedRequestData] = []
         spec: dict[str, tuple[int, ...]] = {}
+        new: list[NewRequestData] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -153,14 +162,22 @@ class Scheduler:
             if drafts:
                 spec[req.request_id] = drafts
             budget -= n
-            cached.append(self._cached_request_data(req))
+            if req.request_id in self._runner_num_tokens:
+                cached.append(self._cached_request_data(req))
+            else:  # its prefix came from the host tier: the runner has not seen it yet
+                new.append(self._new_request_data(req))
             i += 1
 
-        # 2. waiting requests, FIFO; none in a step that had to preempt (memory is short)
-        new: list[NewRequestData] = []
+        # 2. waiting requests, FIFO; none in a step that had to preempt (memory is short). One
+        #    whose prefix continues in the host tier starts its load and makes way.
         if self.num_preemptions == num_preempted_before:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0 and self._num_active() < self.config.max_num_seqs:
                 req = self.waiting[0]
+                load = self._start_load(req)
+                if load is not None:
+                    if load:
+                        continue
+                    break  # its blocks come back when copies land: wait rather than recompute
                 n = self._admit(req, budget)
                 if n == 0:
                     break  # head of line blocks: FIFO order is kept
@@ -168,14 +185,17 @@ class Scheduler:
                 budget -= n
                 new.append(self._new_request_data(req))
 
-        # 3. the diff
+        # 3. the diff, with the host-tier copies to start
         finished, self._finished_ids = tuple(self._finished_ids), []
+        stores, loads = self.offload.take_transfers() if self.offload else ((), ())
         return SchedulerOutput(
             new_requests=tuple(new),
             cached_requests=tuple(cached),
             num_scheduled_tokens=num_scheduled,
             finished_request_ids=finished,
             scheduled_spec_token_ids=spec,
+            kv_stores=stores,
+            kv_loads=loads,
         )
 
     def update_from_output(
@@ -184,6 +204,8 @@ class Scheduler:
         """Advance the requests of `scheduler_output` by what the runner computed; one output per
         request that got a token or finished (aborted ones included)."""
         outputs = self.take_aborted_outputs()
+        if self.offload is not None:
+            self._finish_transfers(runner_output)
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -222,11 +244,14 @@ class Scheduler:
                     f"({req.num_computed_tokens} of {req.num_tokens} computed)"
                 )
             # 3. drafts for the next step; blocks that held only rejected drafts go back; full
-            #    computed blocks become findable; finished requests give back their blocks
+            #    computed blocks become findable (and go to the host tier); finished requests
+            #    give back their blocks
             req.spec_token_ids = [] if req.is_finished else list(
                 runner_output.draft_token_ids.get(request_id, ()))
             self._rollback_blocks(req)
             self.kv.cache_full_blocks(req)
+            if self.offload is not None:
+                self.offload.offer(req)
             if req.is_finished:
                 self.running.remove(req)
                 self._release(req)
@@ -296,6 +321,46 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._forget_in_runner(req.request_id)
 
+    def _num_active(self) -> int:
+        """Requests holding a seat: running, or loading their prefix from the host tier."""
+        return len(self.running) + (self.offload.num_loading if self.offload else 0)
+
+    def _start_load(self, req: Request) -> bool | None:
+        """If waiting `req`'s prefix continues in the host tier and the GPU pool has room for its
+        whole remaining prompt, allocate its blocks and start the load: it leaves the queue and
+        waits (WAITING_FOR_REMOTE_KVS) while others run; True then. False when the room is only
+        held by copies in flight (it waits for them), None when there is nothing to load or no
+        room (it is admitted, or not, as usual)."""
+        if self.offload is None:
+            return None
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        host_hits = self.offload.lookup(req, len(hits))
+        if not host_hits:
+            return None
+        # Room for the rest of the prompt too: a load never lands only to be preempted.
+        num_free_hits = sum(1 for b in hits if self.kv.pool.ref_count(b) == 0)
+        need = cdiv(req.num_tokens, self.block_size) - len(hits)
+        room = self.kv.num_free_blocks - num_free_hits
+        if need > room:
+            return False if need <= room + self.offload.num_gpu_blocks_releasing() else None
+        blocks = self.kv.allocate_slots(req, len(host_hits) * self.block_size, hits)
+        assert blocks is not None, "the room was checked"
+        self.waiting.popleft()
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens + len(host_hits) * self.block_size
+        self.offload.start_load(req, blocks[len(hits):], host_hits)
+        return True
+
+    def _finish_transfers(self, runner_output: ModelRunnerOutput) -> None:
+        """Retire copies every rank finished; requests whose prefix landed start running (newest:
+        sent to the runner in full at their first step)."""
+        assert self.offload is not None
+        for req in self.offload.finish(runner_output):
+            req.status = RequestStatus.RUNNING
+            self.kv.cache_full_blocks(req)  # the loaded blocks are GPU prefix hits from now on
+            self.running.append(req)
+
     def _admit(self, req: Request, budget: int) -> int:
         """Try to start waiting `req`: prefix lookup, allocation; the tokens scheduled, 0 if not."""
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
@@ -358,6 +423,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """A finished or aborted request leaves: blocks freed, the runner told."""
         self.kv.free(req)
+        if self.offload is not None:
+            self.offload.forget(req)
         del self.requests[req.request_id]
         self._forget_in_runner(req.request_id)
 
@@ -381,7 +448,8 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests live, or host-tier copies still in flight (they hold blocks until done)."""
+        return bool(self.requests) or (self.offload is not None and self.offload.busy)
 
     @property
     def num_running(self) -> int:
@@ -394,7 +462,8 @@ class Scheduler:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + (
+                len(self.offload.loading_requests()) if self.offload else 0),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
             prefix_cache_queries=self.kv.prefix_cache_queries,
@@ -404,6 +473,17 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=sum(self.spec_num_accepted_per_pos),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_num_accepted_per_pos),
+            **(self._offload_stats() if self.offload else {}),
+        )
+
+    def _offload_stats(self) -> dict[str, int]:
+        o = self.offload
+        assert o is not None
+        return dict(
+            offload_queries=o.queries, offload_hits=o.hits,
+            offload_bytes_stored=o.blocks_stored * o.host_block_bytes,
+            offload_bytes_loaded=o.blocks_loaded * o.host_block_bytes,
+            num_host_blocks_used=o.num_used_blocks, num_host_blocks=o.host.num_blocks,
         )
 
     def check_integrity(self) -> None:
@@ -411,13 +491,17 @@ class Scheduler:
         over live requests, queue membership and per-request token/block consistency, and — once
         no request is live — every block free (nothing leaked)."""
         live = list(self.requests.values())
-        self.kv.check_integrity(live)
+        self.kv.check_integrity(live, self.offload.gpu_holds() if self.offload else None)
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
-        if sorted(running_ids + waiting_ids) != sorted(self.requests):
+        loading = self.offload.loading_requests() if self.offload else []
+        if self.offload is not None:
+            self.offload.check_integrity(self.requests)
+        if sorted(running_ids + waiting_ids + [r.request_id for r in loading]) != sorted(
+                self.requests):
             raise AssertionError(
-                f"scheduler: running {running_ids} + waiting {waiting_ids} != live requests "
-                f"{sorted(self.requests)}"
+                f"scheduler: running {running_ids} + waiting {waiting_ids} (+ loading) != live "
+                f"requests {sorted(self.requests)}"
             )
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
@@ -448,7 +532,11 @@ class Scheduler:
                 )
         if not self._runner_num_tokens.keys() <= self.requests.keys():
             raise AssertionError("scheduler: the runner view names requests that ended")
-        if not live and self.kv.num_free_blocks != self.kv.num_blocks:
+        for req in loading:
+            if req.request_id in self._runner_num_tokens:
+                raise AssertionError(f"scheduler: loading {req.request_id!r} known to the runner")
+        busy = self.offload is not None and self.offload.busy
+        if not live and not busy and self.kv.num_free_blocks != self.kv.num_blocks:
             raise AssertionError(
                 f"scheduler: no live request but {self.kv.num_blocks - self.kv.num_free_blocks} "
                 "blocks are in use (leaked)"

@@ -74,7 +74,8 @@ class WorkerReady:
 @dataclass(frozen=True)
 class StepDone:
     rank: int
-    output: ModelRunnerOutput | None  # rank 0's sampled tokens; None (an ack) from other ranks
+    # rank 0's sampled tokens; None (an ack) from other ranks, or their host-tier copy counts
+    output: ModelRunnerOutput | None
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,11 @@ def _start(spec: WorkerSpec) -> ModelRunner:
 def _handle(runner: ModelRunner, rank: int, message: ToWorker) -> FromWorker:
     if isinstance(message, ExecuteStep):
         output = runner.execute(message.scheduler_output)
-        return StepDone(rank, output if rank == 0 else None)
+        if rank != 0 and runner.copier is not None:  # only the host-tier copy counts matter
+            output = ModelRunnerOutput(sampled_token_ids={},
+                                       num_kv_loads_done=output.num_kv_loads_done,
+                                       num_kv_stores_done=output.num_kv_stores_done)
+        return StepDone(rank, output if rank == 0 or runner.copier is not None else None)
     if isinstance(message, CallMethod):
         return CallResult(rank, getattr(runner, message.name)(*message.args))
     raise TypeError(f"worker rank {rank}: unexpected message {type(message).__name__}")

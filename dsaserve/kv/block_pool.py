@@ -49,6 +49,11 @@ class BlockPool:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
         return 1.0 - len(self._free) / self.num_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by a hash, in use or free."""
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 

@@ -158,14 +158,16 @@ class KVCacheManager:
             )
 
     # ---- invariants -----------------------------------------------------------------------------
-    def check_integrity(self, live_requests: Iterable[Request] | None = None) -> None:
+    def check_integrity(self, live_requests: Iterable[Request] | None = None,
+                        held: Counter[int] | None = None) -> None:
         """Pool invariants; given every live request, also that each block's reference count is
-        exactly the number of live requests holding it (nothing leaked, nothing over-freed)."""
+        exactly the number of live requests holding it plus `held` (references of in-flight
+        host-tier copies): nothing leaked, nothing over-freed."""
         self.pool.check_integrity()
         if live_requests is None:
             return
         live = list(live_requests)
-        holders: Counter[int] = Counter()
+        holders: Counter[int] = Counter(held or {})
         for req in live:
             if len(set(req.block_ids)) != len(req.block_ids):
                 raise AssertionError(f"kv manager: request {req.request_id!r} lists a block twice")
@@ -174,7 +176,7 @@ class KVCacheManager:
             if self.pool.ref_count(block_id) != holders[block_id]:
                 raise AssertionError(
                     f"kv manager: block {block_id} has ref {self.pool.ref_count(block_id)} but "
-                    f"{holders[block_id]} live requests hold it"
+                    f"{holders[block_id]} live requests hold it (copy jobs included)"
                 )
         by_id = {req.request_id: req for req in live}
         for request_id, n in self._num_cached_blocks.items():

@@ -51,6 +51,16 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted to free KV blocks.", s.num_preemptions),
         ]
+        if s.num_host_blocks:  # the host KV tier (docs/offload.md)
+            gauges.append(("kv_offload_cpu_usage_perc",
+                           "Host KV tier usage: 1 = every host block holds KV.",
+                           s.num_host_blocks_used / s.num_host_blocks))
+            counters += [
+                ("external_prefix_cache_queries",
+                 "Prompt tokens looked up in the host KV tier.", s.offload_queries),
+                ("external_prefix_cache_hits",
+                 "Prompt tokens found in the host KV tier (after the GPU hit).", s.offload_hits),
+            ]
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self._model_name], float(value))
@@ -74,6 +84,13 @@ class EngineStatsCollector(Collector):
                                     labels=["model_name", "position"])
             for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
                 c.add_metric([self._model_name, str(pos)], float(value))
+            yield c
+        if s.num_host_blocks:
+            c = CounterMetricFamily(PREFIX + "kv_offload_total_bytes",
+                                    "Bytes copied between GPU and host KV, all ranks.",
+                                    labels=["model_name", "transfer_type"])
+            c.add_metric([self._model_name, "GPU_to_CPU"], float(s.offload_bytes_stored))
+            c.add_metric([self._model_name, "CPU_to_GPU"], float(s.offload_bytes_loaded))
             yield c
 
 

@@ -1,0 +1,35 @@
+"""The host-tier scripts run end to end on CPU at tiny sizes, so they cannot rot before the
+coordinator runs them on a GPU: benchmarks/offload.py --smoke and the agentic replay."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def test_offload_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
+    spec = importlib.util.spec_from_file_location("offload_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "offload_bench", bench)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "offload.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    text = out.read_text()
+    for header in ("| tokens | GiB | store D2H (GB/s)", "| prefix | recompute",
+                   "| without copies (ms) | with copies (ms)"):
+        assert header in text
+    assert bench.FULL_RECORD == 54_728  # GLM-5.3's whole per-token record (DESIGN §2)
+
+
+def test_agentic_replay_smoke(monkeypatch, tmp_path, capsys) -> None:
+    from dsaserve.bench import offload_replay
+
+    monkeypatch.setenv("DSASERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert offload_replay.main(["--sessions", "3", "--turns", "2", "--concurrency", "3",
+                                "--gpu-blocks", "30"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    off, on = rows[-2].split(" | "), rows[-1].split(" | ")
+    assert off[0] == "| off" and off[4] == "0"  # no host hits without the tier
+    assert int(on[4]) > 0  # with it, evicted history comes back from the host
