@@ -359,3 +359,40 @@ def test_load_waits_for_blocks_held_by_stores(model_dirs, engine_config) -> None
     gpu = after.prefix_cache_hits - before.prefix_cache_hits
     assert host > 0 and gpu + host == (len(prompt) + len(out)) // BLOCK * BLOCK
     _check_drained(engine)
+
+
+def test_host_hit_with_mtp_drafts(model_dirs, engine_config) -> None:
+    """With MTP3 drafting, the MTP layer's own rows are written by the drafts and must come back
+    from the host tier with the rest: turn 2 after eviction, served from the host, gives the
+    greedy output of an engine without drafts or host tier, and the loaded blocks hold turn 1's
+    bytes in every layer (the MTP layer's included)."""
+    from dsaserve.config import SpecConfig
+
+    model_dir = model_dirs["tiny-glm5"]
+    spec = SpecConfig(num_speculative_tokens=3)
+    engine = LLMEngine.from_config(replace(_config(engine_config, model_dir, num_blocks=14),
+                                           speculative=spec))
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, host_gib=None, num_blocks=14))
+    prompt, more = _session(9)
+    out1 = engine.generate([prompt], GREEDY)[0]
+    assert out1 == ref.generate([prompt], GREEDY)[0]
+    turn2 = prompt + out1 + more
+    keys = request_block_hashes(turn2, BLOCK, None)[: (len(turn2) - 1) // BLOCK]
+    num_stored = (len(prompt) + len(out1)) // BLOCK
+    gpu_ids = [engine.scheduler.kv.pool.lookup(k) for k in keys[:num_stored]]
+    assert None not in gpu_ids
+    before = _cache_rows(engine, gpu_ids)
+    mtp_rows = engine.runner.caches[engine.config.model.num_hidden_layers].kv[gpu_ids]
+    assert mtp_rows.float().abs().sum() > 0  # the drafts wrote the MTP layer's rows
+    for seed in (10, 11):
+        other = _tokens(seed, 130)
+        assert engine.generate([other], GREEDY) == ref.generate([other], GREEDY)
+    assert all(engine.scheduler.kv.pool.lookup(k) is None for k in keys[:num_stored])
+    hits = engine.stats().offload_hits
+    assert engine.generate([turn2], GREEDY)[0] == ref.generate([turn2], GREEDY)[0]
+    assert engine.stats().offload_hits - hits == num_stored * BLOCK
+    new_ids = [engine.scheduler.kv.pool.lookup(k) for k in keys[:num_stored]]
+    for b, a in zip(before, _cache_rows(engine, new_ids), strict=True):
+        assert torch.equal(b, a)
+    assert engine.stats().spec_decode_num_drafts > 0
+    _check_drained(engine)
