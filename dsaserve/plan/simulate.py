@@ -33,12 +33,13 @@ from dsaserve.core import (
     SchedulerOutput,
 )
 from dsaserve.engine.scheduler import Scheduler
-from dsaserve.kv.prefix_cache import extend_block_hashes
+from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.plan import costmodel as cm
 from dsaserve.plan.deployment import Deployment
 from dsaserve.plan.parts import Parts
 from dsaserve.plan.simtrace import TraceSession
 from dsaserve.plan.steptime import StepTime, StepTimeModel
+from dsaserve.router.scoring import Candidate, ScoringWeights, longest_prefix_match, pick
 from dsaserve.spec.rejection import num_accepted_drafts
 
 # Calibration: (replica index, its step's SchedulerOutput) → (wall seconds, the runner's output).
@@ -138,7 +139,7 @@ class Replica:
     def __init__(self, index: int, scheduler: Scheduler) -> None:
         self.index = index
         self.scheduler = scheduler
-        self.step_time = StepTime()
+        self.num_routed = 0  # requests the router sent here
 
 
 class Simulator:
@@ -353,7 +354,9 @@ class Simulator:
 
     # ---- routing --------------------------------------------------------------------------------
     def _route(self, request: Request) -> Replica:
-        """The deployment's router policy over the replicas (llm-d's scorer weights)."""
+        """The deployment's router policy over the replicas. `prefix` is `dsaserve router`'s
+        own pick (router/scoring.py: llm-d's weights) with the precise view: each replica's
+        real block pool, looked up with the hashes the engines compute."""
         replicas = self.replicas
         if len(replicas) == 1:
             return replicas[0]
@@ -364,27 +367,18 @@ class Simulator:
         loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in replicas]
         if policy == "load":
             return replicas[loads.index(min(loads))]
-        block = replicas[0].scheduler.block_size
-        extend_block_hashes(request.block_hashes, request.prompt_token_ids, block,
-                            request.cache_salt)
-        hashes = request.block_hashes
-        max_load = max(max(loads), 1)
-        best, best_score = replicas[0], float("-inf")
-        for r, load in zip(replicas, loads, strict=True):
-            pool = r.scheduler.kv.pool
-            matched = next((i for i, h in enumerate(hashes) if pool.lookup(h) is None),
-                           len(hashes))
-            prefix = matched / len(hashes) if hashes else 0.0
-            score = (PREFIX_WEIGHT * prefix + KV_WEIGHT * (1 - r.scheduler.kv.usage)
-                     + QUEUE_WEIGHT * (1 - load / max_load))
-            if score > best_score:
-                best, best_score = r, score
-        request.block_hashes = []  # the engine hashes again with its own state
+        hashes = request_block_hashes(request.prompt_token_ids, replicas[0].scheduler.block_size,
+                                      request.cache_salt)
+        candidates = [
+            Candidate(matched_blocks=longest_prefix_match(hashes, lambda h, r=r:
+                                                          r.scheduler.kv.pool.lookup(h)
+                                                          is not None),
+                      num_waiting=r.scheduler.num_waiting, kv_usage=r.scheduler.kv.usage,
+                      num_active=load, num_routed=r.num_routed)
+            for r, load in zip(replicas, loads, strict=True)]
+        best = replicas[pick(candidates, len(hashes), ScoringWeights())]
+        best.num_routed += 1
         return best
-
-
-# llm-d's documented default weights (VLLM_NOTES §4.4): prefix 3, KV utilisation 2, queue 2.
-PREFIX_WEIGHT, KV_WEIGHT, QUEUE_WEIGHT = 3.0, 2.0, 2.0
 
 
 def replica_kv_capacity(model: ModelConfig, deployment: Deployment,
