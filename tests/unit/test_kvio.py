@@ -1,0 +1,128 @@
+"""Moving real caches through a plan: the target equals the caches the decode rank would have
+written itself, byte for byte (bf16 and FP8 formats, IndexShare and MTP layers, B_s ≠ B_t)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dsaserve.disagg import kvio
+from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.kernels import formats
+from dsaserve.kv import layout
+from dsaserve.model.dsa import LayerCache
+
+L, R, D = 128, 16, 32  # latent, RoPE and indexer widths (fp8_ds_mla needs L % 128 == 0)
+HAS_INDEX = (True, False, True)  # a full layer, an IndexShare layer, the MTP layer
+
+
+def _caches(num_blocks: int, b: int, fp8: bool, gen: torch.Generator) -> list[LayerCache]:
+    """Caches filled with random bytes, so that a stray or a missing write shows."""
+    out = []
+    for has_index in HAS_INDEX:
+        kv = torch.empty(formats.mla_cache_shape(num_blocks, b, fp8, L, R),
+                         dtype=torch.uint8 if fp8 else torch.bfloat16)
+        index = torch.empty(formats.index_cache_shape(num_blocks, b, fp8, D),
+                            dtype=torch.uint8 if fp8 else torch.bfloat16)
+        for t in (kv, index):
+            t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                    dtype=torch.uint8, generator=gen))
+        out.append(LayerCache(kv=kv, index=index if has_index else None))
+    return out
+
+
+def _write(caches: list[LayerCache], kv: KVLayout, rank: int, pos: torch.Tensor,
+           data: list[tuple[torch.Tensor, ...]]) -> None:
+    """What the engine does: rank `rank` writes the positions it owns (owner writes)."""
+    slots = layout.slot_mapping(pos, torch.zeros_like(pos), torch.tensor([kv.block_ids]),
+                                kv.block_size, kv.dcp_size, rank, kv.interleave)
+    for cache, (c, k_pe, k) in zip(caches, data, strict=True):
+        formats.write_mla_cache(cache.kv, slots, c[pos], k_pe[pos])
+        if cache.index is not None:
+            formats.write_index_cache(cache.index, slots, k[pos])
+
+
+def _table(rng: random.Random, num_tokens: int, b: int, n: int) -> tuple[tuple[int, ...], int]:
+    blocks = -(-num_tokens // (b * n))
+    num_blocks = 3 * blocks + 2
+    return tuple(rng.sample(range(num_blocks), blocks)), num_blocks
+
+
+def _bytes(caches: list[LayerCache]) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) for c in caches for t in (c.kv, c.index) if t is not None]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("ns,i_s,bs,nt,i_t,bt", [
+    (1, 1, 4, 1, 1, 4),  # plain copy
+    (2, 4, 4, 1, 1, 4),  # whole pages (vLLM's interleave = block size)
+    (2, 1, 4, 1, 1, 8),  # token round robin into bigger pages
+    (4, 2, 4, 1, 2, 2),  # into smaller pages
+    (2, 2, 8, 2, 1, 4),  # DCP on both sides, different interleaves
+    (4, 1, 2, 2, 2, 4),
+])
+def test_transfer_equals_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: int, nt: int,
+                                            i_t: int, bt: int) -> None:
+    rng = random.Random(hash((fp8, ns, i_s, bs, nt, i_t, bt)))
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    num_tokens = rng.randint(2 * ns * bs, 5 * ns * bs + 3)
+    cached = rng.choice([0, bt * nt, rng.randint(1, num_tokens - 1)])  # decode's own prefix
+    data = [tuple(torch.randn(num_tokens, w, generator=gen) * 3 for w in (L, R, D))
+            for _ in HAS_INDEX]  # per layer: c, k_pe, indexer key of every position
+    pos = torch.arange(num_tokens)
+
+    s_ids, s_blocks = _table(rng, num_tokens, bs, ns)
+    d_ids, d_blocks = _table(rng, num_tokens, bt, nt)
+    src, dst = KVLayout(s_ids, bs, ns, i_s), KVLayout(d_ids, bt, nt, i_t)
+    src_caches = [_caches(s_blocks, bs, fp8, gen) for _ in range(ns)]
+    for r, caches in enumerate(src_caches):
+        _write(caches, src, r, pos, data)
+    # Two identical targets: `got` holds the cached prefix and receives the rest by transfer,
+    # `want` is the decode rank writing every token itself.
+    seed = rng.randint(0, 2**31)
+    got = [_caches(d_blocks, bt, fp8, torch.Generator().manual_seed(seed + q)) for q in range(nt)]
+    want = [_caches(d_blocks, bt, fp8, torch.Generator().manual_seed(seed + q)) for q in range(nt)]
+    for q in range(nt):
+        _write(got[q], dst, q, pos[:cached], data)
+        _write(want[q], dst, q, pos, data)
+
+    plan = plan_transfer(src, dst, cached, num_tokens)
+    kvio.check_compatible(src_caches[0], got[0])
+    moved = kvio.apply_plan(plan, src_caches, got)
+
+    for q in range(nt):
+        for g, w in zip(_bytes(got[q]), _bytes(want[q]), strict=True):
+            assert torch.equal(g, w)
+    rb = kvio.row_bytes(got[0])
+    assert rb.kv == ((L + 4 * L // 128 + 2 * R,) * 3 if fp8 else (2 * (L + R),) * 3)
+    assert rb.index == tuple((D + 4 if fp8 else 2 * D) * h for h in HAS_INDEX)
+    assert moved == plan.nbytes(rb) == (num_tokens - cached) * rb.per_token
+
+
+def test_fp8_index_page_is_handled_exactly() -> None:
+    """One token's key in a buffer is its D value bytes, then its scale, taken from the two
+    halves of the page (a row-major read of the page would mix tokens)."""
+    b = 4
+    cache = LayerCache(kv=torch.zeros(2, b, 656, dtype=torch.uint8),
+                       index=torch.zeros(2, b * (D + 4), dtype=torch.uint8))
+    k = torch.randn(2 * b, D)
+    formats.write_index_cache(cache.index, torch.arange(2 * b), k)
+    buf = kvio.gather_rows([cache], torch.tensor([6]))
+    values, scale = formats.read_index_cache(cache.index, torch.tensor([6]), D)
+    key = buf[656:]
+    assert key.numel() == D + 4
+    assert torch.equal(key[:D], values[0].view(torch.uint8))
+    assert torch.equal(key[D:].view(torch.float32), scale)
+
+
+def test_incompatible_formats_are_refused() -> None:
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="same format"):
+        kvio.check_compatible(_caches(2, 4, True, gen), _caches(2, 4, False, gen))
+    with pytest.raises(ValueError, match="layers"):
+        kvio.check_compatible(_caches(2, 4, True, gen), _caches(2, 4, True, gen)[:2])
+    with pytest.raises(ValueError, match="out must be"):
+        kvio.gather_rows(_caches(2, 4, True, gen), torch.tensor([0, 1]),
+                         out=torch.empty(10, dtype=torch.uint8))
