@@ -75,8 +75,30 @@ def check_compatible(src: Sequence[LayerCache], dst: Sequence[LayerCache]) -> No
             raise ValueError(f"layer {i}: indexer caches differ: {s_idx} vs {d_idx}")
 
 
-def _split_slots(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return slots // block_size, slots % block_size
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., w] → the same bytes as the widest integer words its strides allow
+    ([..., w/k], k = 8, 4 or 2): torch's CPU index copies move rows of few wide elements several
+    times faster than rows of bytes."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        k = dtype.itemsize
+        if (t.shape[-1] % k == 0 and t.stride(-1) == 1 and t.storage_offset() % k == 0
+                and all(st % k == 0 for st in t.stride()[:-1])):
+            return t.view(dtype)
+    return t
+
+
+def _like(rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Buffer rows [n, w] uint8 as `words`' dtype (a copy when the buffer offset is unaligned)."""
+    if words.dtype == torch.uint8:
+        return rows
+    out = _words(rows)
+    return out if out.dtype == words.dtype else rows.clone().view(words.dtype)
+
+
+def _parts(cache: LayerCache) -> list[torch.Tensor]:
+    """The cache's byte views in buffer order: kv rows, then the index rows, or the FP8 page's
+    values then scales (their bytes sit side by side in the buffer: one D+4-byte key)."""
+    return [_kv_rows(cache.kv), *_index_parts(cache)]
 
 
 def gather_rows(caches: Sequence[LayerCache], slots: torch.Tensor,
@@ -93,22 +115,21 @@ def gather_rows(caches: Sequence[LayerCache], slots: torch.Tensor,
                          f"{out.dtype} {tuple(out.shape)}")
     slots = slots.to(device=caches[0].kv.device, dtype=torch.int64)
     offset = 0
-
-    def put(rows: torch.Tensor) -> None:  # rows [n, w] uint8 → the next n·w buffer bytes
-        nonlocal offset
-        width = rows.shape[1]
-        out[offset: offset + n * width].view(n, width).copy_(rows)
-        offset += n * width
-
     for cache in caches:
-        block, off = _split_slots(slots, cache.kv.shape[1])
-        put(_kv_rows(cache.kv).index_select(0, slots))  # [n, kv_bytes]
-        parts = _index_parts(cache)
-        if len(parts) == 1:
-            put(parts[0].index_select(0, slots))  # [n, 2·D]
-        elif parts:
-            values, scales = parts
-            put(torch.cat((values[block, off], scales[block, off]), dim=1))  # [n, D+4]
+        parts = _parts(cache)
+        width = sum(p.shape[-1] for p in parts)  # this layer's bytes per token
+        dest = out[offset: offset + n * width].view(n, width)  # [n, width]
+        col = 0
+        for part in parts:
+            w = part.shape[-1]
+            if part.dim() == 2:  # [num_slots, w]: rows indexed by slot
+                rows = _words(part).index_select(0, slots)
+            else:  # [num_blocks, B, w]: an FP8 page half, indexed by (block, offset)
+                block_size = part.shape[1]
+                rows = _words(part)[slots // block_size, slots % block_size]
+            dest[:, col: col + w].copy_(rows.view(torch.uint8))
+            col += w
+        offset += n * width
     return out[:offset]
 
 
@@ -124,25 +145,23 @@ def scatter_rows(caches: Sequence[LayerCache], slots: torch.Tensor, buf: torch.T
     slots = slots.to(device=device, dtype=torch.int64)
     buf = buf.to(device)
     offset = 0
-
-    def take(width: int) -> torch.Tensor:  # the next n·width buffer bytes as [n, width]
-        nonlocal offset
-        rows = buf[offset: offset + n * width].view(n, width)
-        offset += n * width
-        return rows
-
     for cache in caches:
-        block, off = _split_slots(slots, cache.kv.shape[1])
-        kv = _kv_rows(cache.kv)
-        kv.index_copy_(0, slots, take(kv.shape[1]))
-        parts = _index_parts(cache)
-        if len(parts) == 1:
-            parts[0].index_copy_(0, slots, take(parts[0].shape[1]))
-        elif parts:
-            values, scales = parts
-            rows = take(values.shape[2] + scales.shape[2])  # [n, D+4]
-            values[block, off] = rows[:, : values.shape[2]]
-            scales[block, off] = rows[:, values.shape[2]:]
+        parts = _parts(cache)
+        width = sum(p.shape[-1] for p in parts)
+        src = buf[offset: offset + n * width].view(n, width)  # [n, width]
+        col = 0
+        for part in parts:
+            w = part.shape[-1]
+            words = _words(part)
+            rows = src[:, col: col + w]
+            rows = _like(rows if col == 0 and w == width else rows.contiguous(), words)
+            if part.dim() == 2:
+                words.index_copy_(0, slots, rows)
+            else:
+                block_size = part.shape[1]
+                words[slots // block_size, slots % block_size] = rows
+            col += w
+        offset += n * width
 
 
 def apply_plan(plan: TransferPlan, src: Sequence[Sequence[LayerCache]],
