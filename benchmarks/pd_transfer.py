@@ -145,23 +145,33 @@ def _fp8_caches(num_blocks: int, block_size: int, layers: int) -> list[LayerCach
     ) for _ in range(layers)]
 
 
-def measure_relayout(tokens: int, layers: int, interleave: int, block_size: int = 64,
-                     dcp: int = 8) -> tuple[float, float, int]:
-    """(gather GB/s, scatter GB/s, runs) for prefill rank 0's share (DCP `dcp`) into a DP rank."""
+def measure_relayout(tokens: int, layers: int, interleave: int, repeat: int,
+                     block_size: int = 64, dcp: int = 8) -> tuple[float, float, int]:
+    """(gather GB/s, scatter GB/s, runs) for prefill rank 0's share (DCP `dcp`) into a DP rank,
+    best of `repeat`; checks the bytes against the plan and the rows against the source."""
     per_rank_blocks = -(-tokens // (block_size * dcp))
     src = KVLayout(tuple(range(per_rank_blocks)), block_size, dcp, interleave)
     dst = KVLayout(tuple(range(per_rank_blocks * dcp)), block_size)
-    pair = plan_transfer(src, dst, 0, tokens).pair(0, 0)
+    plan = plan_transfer(src, dst, 0, tokens)
+    pair = plan.pair(0, 0)
     src_caches = _fp8_caches(per_rank_blocks, block_size, layers)
     dst_caches = _fp8_caches(per_rank_blocks * dcp, block_size, layers)
     src_slots, dst_slots = pair.src_slots(), pair.dst_slots()
     buf = kvio.gather_rows(src_caches, src_slots)  # warm-up, and the buffer
-    start = time.perf_counter()
-    kvio.gather_rows(src_caches, src_slots, out=buf)
-    gather = time.perf_counter() - start
-    start = time.perf_counter()
-    kvio.scatter_rows(dst_caches, dst_slots, buf)
-    scatter = time.perf_counter() - start
+    if buf.numel() != pair.num_rows * kvio.row_bytes(src_caches).per_token:
+        raise RuntimeError("re-layout: the buffer is not the size the plan says")
+    gather = scatter = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        kvio.gather_rows(src_caches, src_slots, out=buf)
+        gather = min(gather, time.perf_counter() - start)
+        start = time.perf_counter()
+        kvio.scatter_rows(dst_caches, dst_slots, buf)
+        scatter = min(scatter, time.perf_counter() - start)
+    kv_src = src_caches[-1].kv.view(-1, src_caches[-1].kv.shape[-1])
+    kv_dst = dst_caches[-1].kv.view(-1, dst_caches[-1].kv.shape[-1])
+    if not torch.equal(kv_src[src_slots], kv_dst[dst_slots]):
+        raise RuntimeError("re-layout: the target rows differ from the source rows")
     return buf.numel() / gather / 1e9, buf.numel() / scatter / 1e9, pair.num_runs
 
 
@@ -208,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for tokens in args.tokens:
         for interleave in (1, 64):
-            gather, scatter, runs = measure_relayout(tokens, args.layers, interleave)
+            gather, scatter, runs = measure_relayout(tokens, args.layers, interleave,
+                                                     args.repeat)
             print(f"| {tokens:,} | {interleave} | {runs:,} | {gather:.2f} | {scatter:.2f} |")
     return 0
 
