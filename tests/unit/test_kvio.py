@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dsaserve.disagg import kvio
+from dsaserve.disagg import descriptors, kvio
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
 from dsaserve.kernels import formats
 from dsaserve.kv import layout
@@ -54,17 +54,20 @@ def _bytes(caches: list[LayerCache]) -> list[torch.Tensor]:
     return [t.view(torch.uint8) for c in caches for t in (c.kv, c.index) if t is not None]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("ns,i_s,bs,nt,i_t,bt", [
+LAYOUTS = [  # (N_s, I_s, B_s, N_t, I_t, B_t)
     (1, 1, 4, 1, 1, 4),  # plain copy
     (2, 4, 4, 1, 1, 4),  # whole pages (vLLM's interleave = block size)
     (2, 1, 4, 1, 1, 8),  # token round robin into bigger pages
     (4, 2, 4, 1, 2, 2),  # into smaller pages
     (2, 2, 8, 2, 1, 4),  # DCP on both sides, different interleaves
     (4, 1, 2, 2, 2, 4),
-])
-def test_transfer_equals_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: int, nt: int,
-                                            i_t: int, bt: int) -> None:
+]
+
+
+def _scenario(fp8: bool, ns: int, i_s: int, bs: int, nt: int, i_t: int, bt: int):
+    """Source caches of every prefill rank, and two identical sets of target caches: `got`
+    holds the decode side's cached prefix and is to receive the rest, `want` is the decode
+    rank having written every token itself. Returns (plan, src, got, want)."""
     rng = random.Random(hash((fp8, ns, i_s, bs, nt, i_t, bt)))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     num_tokens = rng.randint(2 * ns * bs, 5 * ns * bs + 3)
@@ -79,26 +82,79 @@ def test_transfer_equals_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: in
     src_caches = [_caches(s_blocks, bs, fp8, gen) for _ in range(ns)]
     for r, caches in enumerate(src_caches):
         _write(caches, src, r, pos, data)
-    # Two identical targets: `got` holds the cached prefix and receives the rest by transfer,
-    # `want` is the decode rank writing every token itself.
     seed = rng.randint(0, 2**31)
     got = [_caches(d_blocks, bt, fp8, torch.Generator().manual_seed(seed + q)) for q in range(nt)]
     want = [_caches(d_blocks, bt, fp8, torch.Generator().manual_seed(seed + q)) for q in range(nt)]
     for q in range(nt):
         _write(got[q], dst, q, pos[:cached], data)
         _write(want[q], dst, q, pos, data)
+    return plan_transfer(src, dst, cached, num_tokens), src_caches, got, want
 
-    plan = plan_transfer(src, dst, cached, num_tokens)
+
+def _assert_same(got: list[list[LayerCache]], want: list[list[LayerCache]]) -> None:
+    for g_rank, w_rank in zip(got, want, strict=True):
+        for g, w in zip(_bytes(g_rank), _bytes(w_rank), strict=True):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("ns,i_s,bs,nt,i_t,bt", LAYOUTS)
+def test_transfer_equals_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: int, nt: int,
+                                            i_t: int, bt: int) -> None:
+    plan, src_caches, got, want = _scenario(fp8, ns, i_s, bs, nt, i_t, bt)
     kvio.check_compatible(src_caches[0], got[0])
     moved = kvio.apply_plan(plan, src_caches, got)
-
-    for q in range(nt):
-        for g, w in zip(_bytes(got[q]), _bytes(want[q]), strict=True):
-            assert torch.equal(g, w)
+    _assert_same(got, want)
     rb = kvio.row_bytes(got[0])
     assert rb.kv == ((L + 4 * L // 128 + 2 * R,) * 3 if fp8 else (2 * (L + R),) * 3)
     assert rb.index == tuple((D + 4 if fp8 else 2 * D) * h for h in HAS_INDEX)
-    assert moved == plan.nbytes(rb) == (num_tokens - cached) * rb.per_token
+    assert moved == plan.nbytes(rb) == (plan.end - plan.start) * rb.per_token
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("ns,i_s,bs,nt,i_t,bt", LAYOUTS)
+def test_byte_segments_equal_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: int, nt: int,
+                                               i_t: int, bt: int) -> None:
+    """The zero-copy form: copying the plan's byte segments between whole cache tensors (what
+    a NIXL READ of registered caches does) gives the same target, and moves plan.nbytes."""
+    plan, src_caches, got, want = _scenario(fp8, ns, i_s, bs, nt, i_t, bt)
+    moved = 0
+    for pair in plan.pairs:
+        src_fmt = descriptors.layer_formats(src_caches[pair.src_rank])
+        dst_fmt = descriptors.layer_formats(got[pair.dst_rank])
+        layers = descriptors.plan_segments(pair, src_fmt, dst_fmt)
+        moved += descriptors.segments_nbytes(layers)
+        src_regions = descriptors.cache_regions(src_caches[pair.src_rank])
+        dst_regions = descriptors.cache_regions(got[pair.dst_rank])
+        for i, layer in enumerate(layers):
+            for part, segs in layer.items():
+                a, b = src_regions[f"L{i}.{part}"], dst_regions[f"L{i}.{part}"]
+                for s, d, n in segs.tolist():
+                    b[d: d + n] = a[s: s + n]
+    _assert_same(got, want)
+    assert moved == plan.nbytes(kvio.row_bytes(got[0]))
+
+
+@pytest.mark.parametrize("b", [4, 16])
+def test_whole_pages_are_one_segment_per_page(b: int) -> None:
+    """I = B_s = B_t: every MLA and FP8 indexer segment is whole pages (a page's values and
+    scales travel as one), and pages with consecutive ids on both sides merge.
+
+        position page p : 0  1  2  3  4  5
+        source rank     : 0  1  0  1  0  1      source page 5 6 9 (each rank's p // 2)
+        target page     : 1  7  2  8 11 12      → (5, 6) → (1, 2) and (7, 8) merge
+    """
+    src = KVLayout((5, 6, 9), b, 2, b)
+    dst = KVLayout((1, 7, 2, 8, 11, 12), b)
+    plan = plan_transfer(src, dst, 0, 6 * b)
+    fmt = [descriptors.LayerFormat(b, 656, 132, True)]
+    page = b * 132
+    for pair in plan.pairs:
+        (layer,) = descriptors.plan_segments(pair, fmt, fmt)
+        assert layer["kv"].tolist() == [[5 * b * 656, [1, 7][pair.src_rank] * b * 656, 2 * b * 656],
+                                        [9 * b * 656, [11, 12][pair.src_rank] * b * 656, b * 656]]
+        assert layer["index"].tolist() == [[5 * page, [1, 7][pair.src_rank] * page, 2 * page],
+                                           [9 * page, [11, 12][pair.src_rank] * page, page]]
 
 
 def test_fp8_index_page_is_handled_exactly() -> None:
