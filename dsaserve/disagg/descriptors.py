@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.disagg.relayout import CopyRuns
+from dsaserve.disagg.transport import KVTransport
 from dsaserve.model.dsa import LayerCache
 
 _SCALE = 4  # bytes of an FP8 indexer key's fp32 scale
@@ -126,6 +127,16 @@ def segments_nbytes(layers: Sequence[dict[str, torch.Tensor]]) -> int:
     return sum(int(seg[:, 2].sum()) for layer in layers for seg in layer.values())
 
 
+def for_read(segs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(src, dst, n) segments as a transport READ's (local, remote, n): the reader is the target."""
+    return [(d, s, n) for s, d, n in segs.tolist()]
+
+
+def for_write(segs: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(src, dst, n) segments as a transport WRITE's (local, remote, n): the source writes."""
+    return [(s, d, n) for s, d, n in segs.tolist()]
+
+
 def cache_regions(caches: Sequence[LayerCache]) -> dict[str, torch.Tensor]:
     """The caches as named flat byte views, the names `plan_segments`' keys take per layer:
     "L{i}.kv", "L{i}.index" (register these with a transport)."""
@@ -134,4 +145,23 @@ def cache_regions(caches: Sequence[LayerCache]) -> dict[str, torch.Tensor]:
         out[f"L{i}.kv"] = cache.kv.reshape(-1).view(torch.uint8)
         if cache.index is not None:
             out[f"L{i}.index"] = cache.index.reshape(-1).view(torch.uint8)
+    return out
+
+
+def register_caches(transport: KVTransport, caches: Sequence[LayerCache]) -> list[LayerCache]:
+    """The same caches (contents copied) in memory `transport` registered, one region per tensor
+    named as in `cache_regions`; a runner swaps them in at start-up so that peers can READ or
+    WRITE its cache pages directly."""
+    out = []
+    for i, cache in enumerate(caches):
+        moved = []
+        for part, tensor in (("kv", cache.kv), ("index", cache.index)):
+            if tensor is None:
+                moved.append(None)
+                continue
+            region = transport.allocate(f"L{i}.{part}", tensor.numel() * tensor.element_size())
+            view = region.view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            moved.append(view)
+        out.append(LayerCache(kv=moved[0], index=moved[1]))
     return out

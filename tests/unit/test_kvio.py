@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from dsaserve.disagg import descriptors, kvio
+from dsaserve.disagg import descriptors, kvio, transport
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
 from dsaserve.kernels import formats
 from dsaserve.kv import layout
@@ -155,6 +155,48 @@ def test_whole_pages_are_one_segment_per_page(b: int) -> None:
                                         [9 * b * 656, [11, 12][pair.src_rank] * b * 656, b * 656]]
         assert layer["index"].tolist() == [[5 * page, [1, 7][pair.src_rank] * page, 2 * page],
                                            [9 * page, [11, 12][pair.src_rank] * page, page]]
+
+
+BACKENDS = [
+    "shm",
+    pytest.param("nixl", marks=pytest.mark.skipif(not transport.nixl_available(),
+                                                  reason="nixl not installed")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_copy_read_through_a_transport(backend: str) -> None:
+    """Caches in registered memory; the decode agent READs the plan's segments straight from
+    each prefill agent's caches into its own, and each prefill agent is told it may free."""
+    plan, src_caches, got, want = _scenario(True, 2, 1, 4, 1, 1, 8)
+    agents = [transport.make_transport(backend, f"{backend}-prefill-{r}") for r in range(2)]
+    decode = transport.make_transport(backend, f"{backend}-decode-0")
+    try:
+        src_caches = [descriptors.register_caches(a, c) for a, c in zip(agents, src_caches,
+                                                                          strict=True)]
+        got = [descriptors.register_caches(decode, got[0])]
+        peers = [decode.add_peer(a.metadata()) for a in agents]
+        for a in agents:
+            a.add_peer(decode.metadata())
+        dst_fmt = descriptors.layer_formats(got[0])
+        moved = 0
+        for pair in plan.to_target(0):
+            peer = peers[pair.src_rank]
+            layers = descriptors.plan_segments(
+                pair, descriptors.layer_formats(src_caches[pair.src_rank]), dst_fmt)
+            moved += descriptors.segments_nbytes(layers)
+            xfers = [decode.read(peer, f"L{i}.{part}", f"L{i}.{part}", descriptors.for_read(segs))
+                     for i, layer in enumerate(layers) for part, segs in layer.items()]
+            for x in xfers:
+                decode.wait(x, timeout_s=10)
+            decode.send_notification(peer, b"req-0 done")
+        _assert_same(got, want)
+        assert moved == plan.nbytes(kvio.row_bytes(got[0]))
+        for a in agents:
+            a.wait_notification(decode.name, b"req-0 done", timeout_s=10)
+    finally:
+        for a in [*agents, decode]:
+            a.close()
 
 
 def test_fp8_index_page_is_handled_exactly() -> None:
