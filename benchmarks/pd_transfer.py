@@ -14,7 +14,9 @@ measurements per backend and request size:
      `--repeat`, bytes compared;
   2. re-layout: gathering one prefill rank's share out of its DCP-8 caches and scattering it into
      a DP decode rank's pages (kvio), in one process, for interleave 1 (token round robin) and
-     interleave = block size (whole pages).
+     interleave = block size (whole pages);
+  3. zero-copy: the same share READ segment by segment from registered caches into registered
+     caches (descriptors), per backend and interleave: how the segment count costs.
 
 The "16 GPUs" column is the cost model: a DP decode rank receives the request's whole KV over its
 own 400 Gb/s InfiniBand link (50 GB/s), the 8 prefill ranks sending 1/8 each in parallel, so the
@@ -31,7 +33,7 @@ import time
 import torch
 
 from dsaserve.config import ModelConfig
-from dsaserve.disagg import kvio, transport
+from dsaserve.disagg import descriptors, kvio, transport
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
 from dsaserve.kernels import formats
 from dsaserve.model.dsa import LayerCache
@@ -175,10 +177,47 @@ def measure_relayout(tokens: int, layers: int, interleave: int, repeat: int,
     return buf.numel() / gather / 1e9, buf.numel() / scatter / 1e9, pair.num_runs
 
 
+def measure_zero_copy(backend: str, tokens: int, layers: int, interleave: int, repeat: int,
+                      block_size: int = 64, dcp: int = 8) -> tuple[float, int]:
+    """(GB/s, segments): the decode agent READs prefill rank 0's share straight from its
+    registered caches into its own (descriptors.plan_segments); two agents in this process."""
+    per_rank_blocks = -(-tokens // (block_size * dcp))
+    src = KVLayout(tuple(range(per_rank_blocks)), block_size, dcp, interleave)
+    dst = KVLayout(tuple(range(per_rank_blocks * dcp)), block_size)
+    pair = plan_transfer(src, dst, 0, tokens).pair(0, 0)
+    tag = f"{interleave}-{tokens}"
+    with transport.make_transport(backend, f"zc-prefill-{tag}") as p, \
+            transport.make_transport(backend, f"zc-decode-{tag}") as d:
+        src_caches = descriptors.register_caches(p, _fp8_caches(per_rank_blocks, block_size,
+                                                                layers))
+        dst_caches = descriptors.register_caches(d, _fp8_caches(per_rank_blocks * dcp,
+                                                                block_size, layers))
+        peer = d.add_peer(p.metadata())
+        segs = descriptors.plan_segments(pair, descriptors.layer_formats(src_caches),
+                                         descriptors.layer_formats(dst_caches))
+        nbytes = descriptors.segments_nbytes(segs)
+        if nbytes != pair.num_rows * kvio.row_bytes(src_caches).per_token:
+            raise RuntimeError("zero-copy: the segments do not move the plan's bytes")
+        reads = [(f"L{i}.{part}", descriptors.for_read(s))
+                 for i, layer in enumerate(segs) for part, s in layer.items()]
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for x in [d.read(peer, name, name, s) for name, s in reads]:
+                d.wait(x, 600)
+            best = min(best, time.perf_counter() - start)
+        kv_src = src_caches[-1].kv.view(-1, src_caches[-1].kv.shape[-1])
+        kv_dst = dst_caches[-1].kv.view(-1, dst_caches[-1].kv.shape[-1])
+        if not torch.equal(kv_src[pair.src_slots()], kv_dst[pair.dst_slots()]):
+            raise RuntimeError("zero-copy: the target rows differ from the source rows")
+    return nbytes / best / 1e9, sum(len(s) for _, s in reads)
+
+
 # ---- the table -----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    help="request lengths (default 32768 131072; --smoke: 256 1024)")
     ap.add_argument("--layers", type=int, default=4, help="fp8 layers moved (MLA + indexer)")
     ap.add_argument("--backends", nargs="+", default=["shm", "nixl"])
     ap.add_argument("--repeat", type=int, default=3)
@@ -188,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     # machine torch's default intra-op threads also contend with each other (10x slower here).
     torch.set_num_threads(1)
     if args.smoke:
-        args.tokens, args.layers, args.repeat = [256, 1024], 1, 1
+        args.tokens, args.layers, args.repeat = args.tokens or [256, 1024], 1, 1
+    args.tokens = args.tokens or [32768, 131072]
     full = glm53_bytes_per_token()
     sample = sample_bytes_per_token(args.layers)
     backends = [b for b in args.backends if b != "nixl" or transport.nixl_available()]
@@ -221,6 +261,18 @@ def main(argv: list[str] | None = None) -> int:
             gather, scatter, runs = measure_relayout(tokens, args.layers, interleave,
                                                      args.repeat)
             print(f"| {tokens:,} | {interleave} | {runs:,} | {gather:.2f} | {scatter:.2f} |")
+    print()
+    print("Zero-copy (descriptors): the decode agent READs the same share straight from the "
+          "prefill agent's registered caches (two agents, one process)")
+    print()
+    print("| backend | tokens | interleave | segments | GB/s |")
+    print("|---|---|---|---|---|")
+    for backend in backends:
+        for tokens in args.tokens:
+            for interleave in (1, 64):
+                gbps, nseg = measure_zero_copy(backend, tokens, args.layers, interleave,
+                                               args.repeat)
+                print(f"| {backend} | {tokens:,} | {interleave} | {nseg:,} | {gbps:.2f} |")
     return 0
 
 
