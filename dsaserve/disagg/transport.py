@@ -274,6 +274,7 @@ class ShmTransport(KVTransport):
         self._inbox: dict[str, list[bytes]] = {}
         self._gone: set[str] = set()  # peers whose notification connection closed
         self._pids: dict[str, int] = {}  # peer → process id (same machine)
+        self._senders: set[str] = set()  # peers that opened a notification connection to us
         self._lock = threading.Lock()
         self._listener = _listen("127.0.0.1", 0)
         self._closed = False
@@ -292,6 +293,8 @@ class ShmTransport(KVTransport):
         sender = None
         try:
             sender = _recv_frame(conn).decode()
+            with self._lock:
+                self._senders.add(sender)
             while True:
                 msg = _recv_frame(conn)
                 with self._lock:
@@ -393,14 +396,16 @@ class ShmTransport(KVTransport):
         """A peer is gone when its process is (same machine), or when it closed the connection
         it notifies us on; notifications it sent before remain readable."""
         with self._lock:
-            gone = peer in self._gone and not self._inbox.get(peer)
-        pid = self._pids.get(peer)
-        if pid is not None and not gone:
+            if self._inbox.get(peer):  # unread mail: read it before declaring the peer gone
+                return
+            gone = peer in self._gone  # its connection closed, every frame before read
+            connected = peer in self._senders
+        if not gone and not connected:  # no connection to drain: ask the process table
             try:
-                os.kill(pid, 0)
+                os.kill(self._pids[peer], 0)
             except ProcessLookupError:
                 gone = True
-            except PermissionError:  # alive, another user's
+            except (KeyError, PermissionError):  # unknown pid, or alive as another user
                 pass
         if gone:
             raise TransferError(f"{self.name}: peer {peer!r} is gone (its process exited)")
