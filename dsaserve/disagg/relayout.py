@@ -23,9 +23,12 @@ Example: N_s = 2, I_s = 2, B_s = 4, source table [7, 3] → N_t = 1, B_t = 4, ta
     rank 1 → 0 : (30 → 2, 2 rows)  (12 → 38, 2)  (14 → 10, 2)
 
 With I_s = B_s = B_t (vLLM's forced choice) the same request moves whole pages: position page p
-lives whole on source rank p % N_s, page p // N_s, and lands whole on target page p, so every run
-is one page or more (a partial page only at the ends of the range). Any other interleave degrades
-to shorter runs, never to a wrong row.
+lives whole on source rank p % N_s, in its block table entry p // N_s, and lands whole in the
+target's entry p, so every run is one page or more (a partial page only at the ends of the range).
+Any other interleave degrades to shorter runs, never to a wrong row.
+
+Ranks here are DCP ranks. Ranks that replicate a cache (TP without DCP) hold identical rows: on
+the source side any one of them can send; on the target side each needs the rows (N_t = 1 each).
 """
 
 from __future__ import annotations

@@ -57,6 +57,8 @@ class Region:
     nbytes: int
     address: int  # NIXL: the base address; shm: unused (0)
     path: str = ""  # shm: the backing file
+    mem: str = "DRAM"  # NIXL memory type: "DRAM" (host) or "VRAM" (a GPU's)
+    device: int = 0  # NIXL device id (the GPU index for VRAM)
     tensor: torch.Tensor | None = None  # [nbytes] uint8, local regions only
 
 
@@ -90,6 +92,12 @@ class KVTransport(abc.ABC):
     @abc.abstractmethod
     def allocate(self, name: str, nbytes: int) -> torch.Tensor:
         """A new registered region of `nbytes` >= 1 (a [nbytes] uint8 CPU tensor, zeroed)."""
+
+    def register(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Register an existing contiguous tensor (e.g. a KV cache) as region `name`; returns
+        its bytes as a flat uint8 view. Backends that can only move their own memory refuse."""
+        raise TransferError(f"{self.backend} transport: it can only move memory it allocated "
+                            "(allocate(), or descriptors.register_caches)")
 
     def _new_region(self, name: str, nbytes: int) -> None:
         if name in self.regions:
@@ -315,7 +323,7 @@ class ShmTransport(KVTransport):
         self._files.append(path)
         self._maps.append(mapped)
         tensor = torch.frombuffer(mapped, dtype=torch.uint8)  # [nbytes]
-        self.regions[name] = Region(name, nbytes, 0, str(path), tensor)
+        self.regions[name] = Region(name, nbytes, 0, str(path), tensor=tensor)
         return tensor
 
     def metadata(self) -> bytes:
@@ -459,17 +467,26 @@ class NixlTransport(KVTransport):
         self._closed = False
 
     def allocate(self, name: str, nbytes: int) -> torch.Tensor:
-        self._new_region(name, nbytes)
-        tensor = torch.zeros(nbytes, dtype=torch.uint8)  # [nbytes]
-        self._reg.append(self._agent.register_memory(tensor))
-        self.regions[name] = Region(name, nbytes, tensor.data_ptr(), tensor=tensor)
-        return tensor
+        self._new_region(name, nbytes)  # refuses nbytes < 1 before allocating
+        return self.register(name, torch.zeros(nbytes, dtype=torch.uint8))  # [nbytes]
+
+    def register(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise TransferError(f"{self.name}: region {name!r} must be a contiguous tensor")
+        flat = tensor.reshape(-1).view(torch.uint8)  # [nbytes], the same memory
+        self._new_region(name, flat.numel())
+        self._reg.append(self._agent.register_memory(flat))
+        mem = "VRAM" if flat.is_cuda else "DRAM"
+        self.regions[name] = Region(name, flat.numel(), flat.data_ptr(), mem=mem,
+                                    device=flat.device.index or 0, tensor=flat)
+        return flat
 
     def metadata(self) -> bytes:
         return json.dumps({
             "backend": self.backend, "agent": self.name,
             "nixl": base64.b64encode(self._agent.get_agent_metadata()).decode(),
-            "regions": {r.name: [r.nbytes, r.address] for r in self.regions.values()},
+            "regions": {r.name: [r.nbytes, r.address, r.mem, r.device]
+                        for r in self.regions.values()},
         }).encode()
 
     def add_peer(self, metadata: bytes) -> str:
@@ -479,7 +496,8 @@ class NixlTransport(KVTransport):
         name = self._agent.add_remote_agent(base64.b64decode(meta["nixl"]))
         # add_remote_agent returns bytes while notifications are keyed by str: one name, as str.
         name = name.decode() if isinstance(name, bytes) else name
-        regions = {n: Region(n, nbytes, addr) for n, (nbytes, addr) in meta["regions"].items()}
+        regions = {n: Region(n, nbytes, addr, mem=mem, device=dev)
+                   for n, (nbytes, addr, mem, dev) in meta["regions"].items()}
         self.peers[name] = Peer(name, regions)
         return name
 
@@ -492,9 +510,9 @@ class NixlTransport(KVTransport):
                 self.send_notification(peer, notify)
             return Transfer(peer, notify)
         local_descs = self._agent.get_xfer_descs(
-            [(mine.address + lo, n, 0) for lo, _, n in segs], "DRAM")
+            [(mine.address + lo, n, mine.device) for lo, _, n in segs], mine.mem)
         remote_descs = self._agent.get_xfer_descs(
-            [(theirs.address + ro, n, 0) for _, ro, n in segs], "DRAM")
+            [(theirs.address + ro, n, theirs.device) for _, ro, n in segs], theirs.mem)
         try:
             handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer, notify)
             state = self._agent.transfer(handle)

@@ -62,6 +62,22 @@ def test_read_write_and_notifications(backend: str) -> None:
             prod.wait_notification(back, b"never", timeout_s=0.2)
 
 
+@pytest.mark.skipif(not transport.nixl_available(), reason=NO_NIXL)
+def test_nixl_registers_existing_tensors() -> None:
+    """A cache tensor the runner already has (any dtype and shape) is registered in place and
+    read by a peer; shared memory refuses, it moves only what it allocated."""
+    cache = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    with make_transport("nixl", "reg-p") as prod, make_transport("nixl", "reg-d") as cons:
+        flat = prod.register("L0.kv", cache)
+        assert flat.data_ptr() == cache.data_ptr() and flat.numel() == cache.numel() * 2
+        dst = cons.allocate("L0.kv", flat.numel())
+        peer = cons.add_peer(prod.metadata())
+        cons.wait(cons.read(peer, "L0.kv", "L0.kv", [(16, 32, 64)]), timeout_s=10)
+        assert torch.equal(dst[16:80], flat[32:96]) and not bool(dst[:16].any())
+    with make_transport("shm", "reg-shm") as t, pytest.raises(TransferError, match="allocated"):
+        t.register("x", cache)
+
+
 def test_bad_requests_are_clear_errors() -> None:
     with make_transport("shm", "a") as a, make_transport("shm", "b") as b:
         a.allocate("x", 100)
