@@ -1,0 +1,280 @@
+"""P/D KV transfer speed between two processes on this machine, and what the 16-GPU deployment's
+links would take (one table).
+
+    python benchmarks/pd_transfer.py                    # 32K and 128K tokens, shm and NIXL
+    python benchmarks/pd_transfer.py --layers 8 --tokens 32768
+    python benchmarks/pd_transfer.py --smoke            # tiny sizes, checks every byte (CI)
+
+A request's KV is measured on a few GLM-5.3-shaped fp8 layers (656-byte MLA rows, 132-byte indexer
+keys), then scaled to the whole model's 54,728 B per token (DESIGN §2, from the cost model). Two
+measurements per backend and request size:
+
+  1. transport: the consumer (decode side, a spawned process) READs the producer's registered
+     buffer of the request's rows, and the producer WRITEs it back; GB/s of each, best of
+     `--repeat`, bytes compared;
+  2. re-layout: gathering one prefill rank's share out of its DCP-8 caches and scattering it into
+     a DP decode rank's pages (kvio), in one process, for interleave 1 (token round robin) and
+     interleave = block size (whole pages);
+  3. zero-copy: the same share READ segment by segment from registered caches into registered
+     caches (descriptors), per backend and interleave: how the segment count costs.
+
+The "16 GPUs" column is the cost model: a DP decode rank receives the request's whole KV over its
+own 400 Gb/s InfiniBand link (50 GB/s), the 8 prefill ranks sending 1/8 each in parallel, so the
+receiving link bounds the time: bytes / 50 GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import torch
+
+from dsaserve.config import ModelConfig
+from dsaserve.disagg import descriptors, kvio, transport
+from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.kernels import formats
+from dsaserve.model.dsa import LayerCache
+from dsaserve.model.presets import preset_config
+from dsaserve.plan import costmodel
+
+IB_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU, one direction, GB/s
+L, R, D = 512, 64, 128  # GLM-5.3 latent, RoPE and indexer widths
+
+
+def glm53_bytes_per_token() -> int:
+    """The whole model's KV bytes per token (78 MLA layers, 21 indexer layers, the MTP layer)."""
+    model = ModelConfig.from_hf(preset_config("glm-5.3"))
+    return costmodel.kv_bytes_per_token(model, "fp8_ds_mla").total
+
+
+def sample_bytes_per_token(layers: int) -> int:
+    """The benchmark's layers: each an fp8_ds_mla row and an FP8 indexer key."""
+    return layers * (formats.mla_row_bytes(L, R) + formats.index_token_bytes(D))
+
+
+# ---- transport: two processes --------------------------------------------------------------
+def _consumer(backend: str, port: int, sizes: list[int], repeat: int, q: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    with transport.make_transport(backend, "bench-decode") as t:
+        for i, n in enumerate(sizes):
+            t.allocate(f"r{i}", n)
+        side = transport.SideChannel(t.metadata)
+        q.put(("port", side.port, t.backend))
+        peer = t.add_peer(transport.fetch_metadata(port))
+        for i, n in enumerate(sizes):
+            best = float("inf")
+            for k in range(repeat):
+                start = time.perf_counter()
+                t.wait(t.read(peer, f"r{i}", f"r{i}", notify=f"read {i} {k}".encode()), 600)
+                best = min(best, time.perf_counter() - start)
+            got = t.regions[f"r{i}"].tensor
+            q.put(("read", i, n / best / 1e9, int(got.sum(dtype=torch.int64))))
+            t.regions[f"r{i}"].tensor.zero_()
+            q.put(("zeroed", i))
+            t.wait_notification(peer, f"written {i}".encode(), 600)
+            q.put(("write-check", i, int(got.sum(dtype=torch.int64))))
+        t.wait_notification(peer, b"bye", 600)
+        side.close()
+
+
+def _get(q: mp.Queue, proc: mp.Process, timeout_s: float = 600.0) -> tuple:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return q.get(timeout=0.2)
+        except Exception:
+            if not proc.is_alive():
+                raise RuntimeError(f"consumer exited with {proc.exitcode}") from None
+    raise TimeoutError("consumer did not report")
+
+
+def measure_transport(backend: str, sizes: list[int], repeat: int) -> list[tuple[float, float]]:
+    """(READ GB/s, WRITE GB/s) per size, between this process and a spawned one."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    with transport.make_transport(backend, "bench-prefill") as t:
+        sums = []
+        for i, n in enumerate(sizes):
+            buf = t.allocate(f"r{i}", n)
+            buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
+            sums.append(int(buf.sum(dtype=torch.int64)))
+        side = transport.SideChannel(t.metadata)
+        proc = ctx.Process(target=_consumer, args=(backend, side.port, sizes, repeat, q))
+        proc.start()
+        try:
+            _, port, their = _get(q, proc)
+            assert their == t.backend == backend, (their, t.backend, backend)
+            peer = t.add_peer(transport.fetch_metadata(port))
+            for i, n in enumerate(sizes):
+                for k in range(repeat):
+                    t.wait_notification(peer, f"read {i} {k}".encode(), 600)
+                _, _, read_gbps, checksum = _get(q, proc)
+                if checksum != sums[i]:
+                    raise RuntimeError(f"{backend}: READ of {n} bytes delivered other bytes")
+                _get(q, proc)  # the consumer cleared its copy
+                best = float("inf")
+                for k in range(repeat):
+                    notify = f"written {i}".encode() if k == repeat - 1 else b""
+                    start = time.perf_counter()
+                    t.wait(t.write(peer, f"r{i}", f"r{i}", notify=notify), 600)
+                    best = min(best, time.perf_counter() - start)
+                _, _, checksum = _get(q, proc)
+                if checksum != sums[i]:
+                    raise RuntimeError(f"{backend}: WRITE of {n} bytes delivered other bytes")
+                out.append((read_gbps, n / best / 1e9))
+            t.send_notification(peer, b"bye")
+            proc.join(60)
+        finally:
+            side.close()
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    return out
+
+
+# ---- re-layout: one process ----------------------------------------------------------------
+def _fp8_caches(num_blocks: int, block_size: int, layers: int) -> list[LayerCache]:
+    return [LayerCache(
+        kv=torch.randint(0, 256, formats.mla_cache_shape(num_blocks, block_size, True, L, R),
+                         dtype=torch.uint8),
+        index=torch.randint(0, 256, formats.index_cache_shape(num_blocks, block_size, True, D),
+                            dtype=torch.uint8),
+    ) for _ in range(layers)]
+
+
+def measure_relayout(tokens: int, layers: int, interleave: int, repeat: int,
+                     block_size: int = 64, dcp: int = 8) -> tuple[float, float, int]:
+    """(gather GB/s, scatter GB/s, runs) for prefill rank 0's share (DCP `dcp`) into a DP rank,
+    best of `repeat`; checks the bytes against the plan and the rows against the source."""
+    per_rank_blocks = -(-tokens // (block_size * dcp))
+    src = KVLayout(tuple(range(per_rank_blocks)), block_size, dcp, interleave)
+    dst = KVLayout(tuple(range(per_rank_blocks * dcp)), block_size)
+    plan = plan_transfer(src, dst, 0, tokens)
+    pair = plan.pair(0, 0)
+    src_caches = _fp8_caches(per_rank_blocks, block_size, layers)
+    dst_caches = _fp8_caches(per_rank_blocks * dcp, block_size, layers)
+    src_slots, dst_slots = pair.src_slots(), pair.dst_slots()
+    buf = kvio.gather_rows(src_caches, src_slots)  # warm-up, and the buffer
+    if buf.numel() != pair.num_rows * kvio.row_bytes(src_caches).per_token:
+        raise RuntimeError("re-layout: the buffer is not the size the plan says")
+    gather = scatter = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        kvio.gather_rows(src_caches, src_slots, out=buf)
+        gather = min(gather, time.perf_counter() - start)
+        start = time.perf_counter()
+        kvio.scatter_rows(dst_caches, dst_slots, buf)
+        scatter = min(scatter, time.perf_counter() - start)
+    kv_src = src_caches[-1].kv.view(-1, src_caches[-1].kv.shape[-1])
+    kv_dst = dst_caches[-1].kv.view(-1, dst_caches[-1].kv.shape[-1])
+    if not torch.equal(kv_src[src_slots], kv_dst[dst_slots]):
+        raise RuntimeError("re-layout: the target rows differ from the source rows")
+    return buf.numel() / gather / 1e9, buf.numel() / scatter / 1e9, pair.num_runs
+
+
+def measure_zero_copy(backend: str, tokens: int, layers: int, interleave: int, repeat: int,
+                      block_size: int = 64, dcp: int = 8) -> tuple[float, int]:
+    """(GB/s, segments): the decode agent READs prefill rank 0's share straight from its
+    registered caches into its own (descriptors.plan_segments); two agents in this process."""
+    per_rank_blocks = -(-tokens // (block_size * dcp))
+    src = KVLayout(tuple(range(per_rank_blocks)), block_size, dcp, interleave)
+    dst = KVLayout(tuple(range(per_rank_blocks * dcp)), block_size)
+    pair = plan_transfer(src, dst, 0, tokens).pair(0, 0)
+    tag = f"{interleave}-{tokens}"
+    with transport.make_transport(backend, f"zc-prefill-{tag}") as p, \
+            transport.make_transport(backend, f"zc-decode-{tag}") as d:
+        src_caches = descriptors.register_caches(p, _fp8_caches(per_rank_blocks, block_size,
+                                                                layers))
+        dst_caches = descriptors.register_caches(d, _fp8_caches(per_rank_blocks * dcp,
+                                                                block_size, layers))
+        peer = d.add_peer(p.metadata())
+        segs = descriptors.plan_segments(pair, descriptors.layer_formats(src_caches),
+                                         descriptors.layer_formats(dst_caches))
+        nbytes = descriptors.segments_nbytes(segs)
+        if nbytes != pair.num_rows * kvio.row_bytes(src_caches).per_token:
+            raise RuntimeError("zero-copy: the segments do not move the plan's bytes")
+        reads = [(f"L{i}.{part}", descriptors.for_read(s))
+                 for i, layer in enumerate(segs) for part, s in layer.items()]
+        best = float("inf")
+        for _ in range(repeat):
+            start = time.perf_counter()
+            for x in [d.read(peer, name, name, s) for name, s in reads]:
+                d.wait(x, 600)
+            best = min(best, time.perf_counter() - start)
+        kv_src = src_caches[-1].kv.view(-1, src_caches[-1].kv.shape[-1])
+        kv_dst = dst_caches[-1].kv.view(-1, dst_caches[-1].kv.shape[-1])
+        if not torch.equal(kv_src[pair.src_slots()], kv_dst[pair.dst_slots()]):
+            raise RuntimeError("zero-copy: the target rows differ from the source rows")
+    return nbytes / best / 1e9, sum(len(s) for _, s in reads)
+
+
+# ---- the table -----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+",
+                    help="request lengths (default 32768 131072; --smoke: 256 1024)")
+    ap.add_argument("--layers", type=int, default=4, help="fp8 layers moved (MLA + indexer)")
+    ap.add_argument("--backends", nargs="+", default=["shm", "nixl"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
+    args = ap.parse_args(argv)
+    # One copy thread per process, as a connector's transfer thread would have; on a small shared
+    # machine torch's default intra-op threads also contend with each other (10x slower here).
+    torch.set_num_threads(1)
+    if args.smoke:
+        args.tokens, args.layers, args.repeat = args.tokens or [256, 1024], 1, 1
+    args.tokens = args.tokens or [32768, 131072]
+    full = glm53_bytes_per_token()
+    sample = sample_bytes_per_token(args.layers)
+    backends = [b for b in args.backends if b != "nixl" or transport.nixl_available()]
+    skipped = sorted(set(args.backends) - set(backends))
+
+    print(f"KV per token: GLM-5.3 whole model {full:,} B (cost model); measured on {args.layers} "
+          f"fp8 layers = {sample:,} B; times scaled by {full / sample:.2f}")
+    if skipped:
+        print(f"not measured (not installed): {', '.join(skipped)}")
+    sizes = [t * sample for t in args.tokens]
+    print()
+    print("| backend | tokens | bytes moved | READ GB/s | WRITE GB/s | whole-model request | "
+          "READ time here | 16 GPUs (IB 50 GB/s) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for backend in backends:
+        for tokens, (read, write) in zip(args.tokens, measure_transport(backend, sizes,
+                                                                        args.repeat), strict=True):
+            req = tokens * full
+            print(f"| {backend} | {tokens:,} | {tokens * sample / 1e6:,.1f} MB | {read:.2f} | "
+                  f"{write:.2f} | {req / 1e9:.2f} GB | {req / read / 1e9 * 1e3:,.0f} ms | "
+                  f"{req / IB_GBPS / 1e9 * 1e3:,.1f} ms |")
+    print()
+    print("Re-layout (kvio, one process): prefill rank 0 of DCP 8 (block 64) → a DP decode "
+          "rank (block 64)")
+    print()
+    print("| tokens | interleave | runs | gather GB/s | scatter GB/s |")
+    print("|---|---|---|---|---|")
+    for tokens in args.tokens:
+        for interleave in (1, 64):
+            gather, scatter, runs = measure_relayout(tokens, args.layers, interleave,
+                                                     args.repeat)
+            print(f"| {tokens:,} | {interleave} | {runs:,} | {gather:.2f} | {scatter:.2f} |")
+    print()
+    print("Zero-copy (descriptors): the decode agent READs the same share straight from the "
+          "prefill agent's registered caches (two agents, one process)")
+    print()
+    print("| backend | tokens | interleave | segments | GB/s |")
+    print("|---|---|---|---|---|")
+    for backend in backends:
+        for tokens in args.tokens:
+            for interleave in (1, 64):
+                gbps, nseg = measure_zero_copy(backend, tokens, args.layers, interleave,
+                                               args.repeat)
+                print(f"| {backend} | {tokens:,} | {interleave} | {nseg:,} | {gbps:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

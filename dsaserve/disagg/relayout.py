@@ -1,0 +1,214 @@
+"""P/D re-layout: which rows of which prefill rank go to which slots of which decode rank.
+
+The prefill engine stores a request's KV sharded over its DCP ranks (N_s, interleave I_s, page
+B_s); a decode rank needs the same tokens in its own layout (N_t, I_t, B_t; N_t = 1 for a DP
+rank). Both sides address a token the one way `dsaserve.kv.layout` defines:
+
+    owner(t) = (t // I) % N        slot(t) = table[local(t) // B]·B + local(t) % B
+
+so for every position t in the range to move (the decode side's cached prefix is skipped) the
+row at slot_s(t) on rank owner_s(t) is copied to slot_t(t) on rank owner_t(t). A plan groups
+those copies by (source rank → target rank) and coalesces them into maximal runs in which the
+source and the target slot both advance by one.
+
+Example: N_s = 2, I_s = 2, B_s = 4, source table [7, 3] → N_t = 1, B_t = 4, target table
+[5, 0, 9, 2]; the decode side holds t < 4 already, so [4, 16) moves:
+
+    position t    :  4  5  6  7 |  8  9 10 11 | 12 13 14 15
+    source rank   :  0  0  1  1 |  0  0  1  1 |  0  0  1  1
+    source slot   : 30 31 30 31 | 12 13 12 13 | 14 15 14 15    (page 7 = slots 28-31, 3 = 12-15)
+    target slot   :  0  1  2  3 | 36 37 38 39 |  8  9 10 11    (page 0, 9, 2)
+
+    rank 0 → 0 : (30 → 0, 2 rows)  (12 → 36, 2)  (14 → 8, 2)
+    rank 1 → 0 : (30 → 2, 2 rows)  (12 → 38, 2)  (14 → 10, 2)
+
+With I_s = B_s = B_t (vLLM's forced choice) the same request moves whole pages: position page p
+lives whole on source rank p % N_s, in its block table entry p // N_s, and lands whole in the
+target's entry p, so every run is one page or more (a partial page only at the ends of the range).
+Any other interleave degrades to shorter runs, never to a wrong row.
+
+Ranks here are DCP ranks. Ranks that replicate a cache (TP without DCP) hold identical rows: on
+the source side any one of them can send; on the target side each needs the rows (N_t = 1 each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsaserve.kv import layout
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where one engine keeps one request's KV: its scheduler block table and the paging rule."""
+
+    block_ids: tuple[int, ...]  # the request's scheduler (virtual) block ids, B·N tokens each
+    block_size: int  # B: tokens per physical page on a rank
+    dcp_size: int = 1  # N
+    interleave: int = 1  # I
+
+    def __post_init__(self) -> None:
+        layout.check_interleave(self.block_size, self.interleave)
+        if self.dcp_size < 1:
+            raise ValueError(f"dcp_size: must be >= 1, got {self.dcp_size}")
+        object.__setattr__(self, "block_ids", tuple(int(b) for b in self.block_ids))
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.dcp_size
+
+
+@dataclass(frozen=True)
+class CopyRuns:
+    """The rows one source rank sends one target rank: run k copies `length[k]` rows from source
+    slots [src_start[k], +length[k]) to target slots [dst_start[k], +length[k]). Runs are in
+    position order, so the expanded slot lists pair row for row."""
+
+    src_rank: int
+    dst_rank: int
+    src_start: torch.Tensor  # [R] int64, first source slot of each run
+    dst_start: torch.Tensor  # [R] int64, first target slot of each run
+    length: torch.Tensor  # [R] int64, rows per run (>= 1)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.length.numel())
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.length.sum())
+
+    def src_slots(self) -> torch.Tensor:  # [num_rows] int64, source slots in position order
+        return expand_runs(self.src_start, self.length)
+
+    def dst_slots(self) -> torch.Tensor:  # [num_rows] int64, target slots in the same order
+        return expand_runs(self.dst_start, self.length)
+
+
+@dataclass(frozen=True)
+class RowBytes:
+    """Bytes one token takes in each cache layer (the MTP layer is one more layer): the MLA row
+    and the indexer key, 0 on IndexShare layers that keep no keys."""
+
+    kv: tuple[int, ...]  # [num_layers]
+    index: tuple[int, ...]  # [num_layers]
+
+    def __post_init__(self) -> None:
+        if len(self.kv) != len(self.index):
+            raise ValueError(f"RowBytes: {len(self.kv)} kv layers but {len(self.index)} index")
+
+    @property
+    def per_token(self) -> int:
+        return sum(self.kv) + sum(self.index)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """Every copy one request needs, grouped by (source rank, target rank); pairs with nothing
+    to move are absent (both sides compute the same plan, so neither waits for them)."""
+
+    start: int  # first position moved (the decode side's cached prefix ends here)
+    end: int  # one past the last position moved
+    src_dcp_size: int
+    dst_dcp_size: int
+    pairs: tuple[CopyRuns, ...] = field(default_factory=tuple)  # sorted by (src, dst) rank
+
+    @property
+    def num_rows(self) -> int:
+        """Rows moved per cache layer: end − start, each token once."""
+        return sum(p.num_rows for p in self.pairs)
+
+    def pair(self, src_rank: int, dst_rank: int) -> CopyRuns | None:
+        for p in self.pairs:
+            if (p.src_rank, p.dst_rank) == (src_rank, dst_rank):
+                return p
+        return None
+
+    def from_source(self, src_rank: int) -> list[CopyRuns]:
+        """What source rank `src_rank` sends (to each target rank that needs its rows)."""
+        return [p for p in self.pairs if p.src_rank == src_rank]
+
+    def to_target(self, dst_rank: int) -> list[CopyRuns]:
+        """What target rank `dst_rank` receives (from each source rank holding its rows)."""
+        return [p for p in self.pairs if p.dst_rank == dst_rank]
+
+    def nbytes(self, row_bytes: RowBytes) -> int:
+        """Bytes the plan moves over all layers: rows × bytes per token."""
+        return self.num_rows * row_bytes.per_token
+
+
+def expand_runs(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Runs → the slots they cover:  (start [5, 20], length [3, 2]) → [5, 6, 7, 20, 21]."""
+    start = start.to(torch.int64)
+    ends = torch.cumsum(length.to(torch.int64), 0)  # [R] one past each run's last row
+    rows = torch.arange(int(ends[-1]) if ends.numel() else 0, dtype=torch.int64)  # [total]
+    run = torch.searchsorted(ends, rows, right=True)  # [total] run of each row
+    # (searchsorted, not repeat_interleave: the latter is ~100x slower on CPU for short inputs)
+    return start[run] + rows - (ends - length)[run]
+
+
+def owned_slots(positions: torch.Tensor, kv: KVLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner rank, slot on that rank) of each position [T] under `kv`, from `layout`'s rules.
+
+    Raises if the block table does not cover a position (an unallocated or missing block)."""
+    positions = positions.to(torch.int64)
+    if positions.numel() == 0:
+        return positions.clone(), positions.clone()
+    needed = int(positions.max()) // kv.tokens_per_block + 1
+    if needed > len(kv.block_ids):
+        raise ValueError(
+            f"block table: {len(kv.block_ids)} blocks of {kv.tokens_per_block} tokens cannot "
+            f"hold position {int(positions.max())}"
+        )
+    table = torch.tensor([kv.block_ids], dtype=torch.int64)  # [1, num_blocks]
+    rows = torch.zeros_like(positions)  # every position is in request row 0 of `table`
+    owner = layout.dcp_owner(positions, kv.dcp_size, kv.interleave)  # [T]
+    slot = torch.full_like(positions, layout.PAD_SLOT_ID)  # [T]
+    for rank in range(kv.dcp_size):
+        on_rank = layout.slot_mapping(positions, rows, table, kv.block_size, kv.dcp_size, rank,
+                                      kv.interleave)  # [T], −1 where not owned by `rank`
+        slot = torch.where(owner == rank, on_rank, slot)
+    if bool((slot < 0).any()):
+        bad = int(positions[slot < 0][0])
+        raise ValueError(f"block table: position {bad} falls in an unallocated (−1) block")
+    return owner, slot
+
+
+def plan_transfer(src: KVLayout, dst: KVLayout, num_cached_on_dst: int,
+                  num_tokens: int) -> TransferPlan:
+    """The copies that move positions [num_cached_on_dst, num_tokens) from `src` to `dst`.
+
+    Run k of a pair extends while the next token of the same (source, target) pair sits at the
+    next source slot and the next target slot; runs are therefore maximal in position order.
+    Vectorised over tokens: O(T log T) for the grouping sort, T = num_tokens − num_cached_on_dst.
+    """
+    if not 0 <= num_cached_on_dst <= num_tokens:
+        raise ValueError(
+            f"num_cached_on_dst: {num_cached_on_dst} must be in [0, num_tokens = {num_tokens}]"
+        )
+    plan = TransferPlan(num_cached_on_dst, num_tokens, src.dcp_size, dst.dcp_size)
+    pos = torch.arange(num_cached_on_dst, num_tokens, dtype=torch.int64)  # [T]
+    if pos.numel() == 0:
+        return plan
+    s_rank, s_slot = owned_slots(pos, src)  # [T], [T]
+    d_rank, d_slot = owned_slots(pos, dst)  # [T], [T]
+    pair = s_rank * dst.dcp_size + d_rank  # [T] pair id
+    order = torch.sort(pair, stable=True).indices  # group by pair, position order inside
+    pair, s_slot, d_slot = pair[order], s_slot[order], d_slot[order]
+    breaks = torch.ones_like(pair, dtype=torch.bool)  # [T] a run starts here
+    breaks[1:] = ((pair[1:] != pair[:-1]) | (s_slot[1:] != s_slot[:-1] + 1)
+                  | (d_slot[1:] != d_slot[:-1] + 1))
+    first = torch.nonzero(breaks).squeeze(1)  # [R] index of each run's first token
+    length = torch.diff(first, append=torch.tensor([pair.numel()]))  # [R]
+    run_pair = pair[first]  # [R]
+    pairs = []
+    for p in torch.unique_consecutive(run_pair).tolist():
+        sel = run_pair == p
+        pairs.append(CopyRuns(
+            src_rank=p // dst.dcp_size, dst_rank=p % dst.dcp_size,
+            src_start=s_slot[first[sel]], dst_start=d_slot[first[sel]], length=length[sel],
+        ))
+    return TransferPlan(num_cached_on_dst, num_tokens, src.dcp_size, dst.dcp_size, tuple(pairs))
+

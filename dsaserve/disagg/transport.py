@@ -1,0 +1,592 @@
+"""Moving KV bytes between processes: one interface, two backends (shared memory, NIXL).
+
+    producer (prefill rank)                         consumer (decode rank)
+    ───────────────────────                         ──────────────────────
+    t = make_transport("nixl" | "shm", name)        t = make_transport(..., name)
+    buf = t.allocate("kv", nbytes)  # registered    dst = t.allocate("kv", nbytes)
+    side = SideChannel(t.metadata)  # 127.0.0.1 ──► peer = t.add_peer(fetch_metadata(port))
+                                                    h = t.read(peer, "kv", "kv", notify=b"req-1")
+                                                    t.wait(h, timeout_s)      # bytes are here
+    t.wait_notification(peer, b"req-1", timeout_s)  ◄── the notification: the producer may free
+    (or the producer writes: t.write(...), and the consumer waits for the notification instead)
+
+A transfer moves `segments` [(local offset, remote offset, nbytes)] between two registered
+regions (the whole region by default), so a plan's runs can later become descriptors without a
+staging copy. The notification goes to the peer once the data has moved (NIXL's semantics: READ
+notifies the data's owner, WRITE the receiver).
+
+Metadata travels over our own side channel bound to one address (127.0.0.1 by default, never a
+wildcard); NIXL's metadata listener (which binds 0.0.0.0) stays off. A peer that dies gives a
+`TransferError` when it is used, and a wait gives `TransferTimeout` after `timeout_s`: never a hang.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import json
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+Segments = Sequence[tuple[int, int, int]]  # (local offset, remote offset, nbytes)
+
+
+class TransferError(RuntimeError):
+    """A transfer or a notification failed (dead peer, bad region, backend error)."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """Nothing arrived within the timeout (the peer may be dead or stuck)."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """A registered, contiguous byte range: ours (`tensor` set) or a peer's (from metadata)."""
+
+    name: str
+    nbytes: int
+    address: int  # NIXL: the base address; shm: unused (0)
+    path: str = ""  # shm: the backing file
+    mem: str = "DRAM"  # NIXL memory type: "DRAM" (host) or "VRAM" (a GPU's)
+    device: int = 0  # NIXL device id (the GPU index for VRAM)
+    tensor: torch.Tensor | None = None  # [nbytes] uint8, local regions only
+
+
+@dataclass
+class Peer:
+    name: str
+    regions: dict[str, Region]
+    notify_port: int = 0  # shm: the peer's notification listener on 127.0.0.1
+
+
+class Transfer:
+    """A posted transfer; `KVTransport.wait` completes it."""
+
+    def __init__(self, peer: str, notify: bytes, handle: object = None) -> None:
+        self.peer, self.notify, self.handle = peer, notify, handle
+        self.done = handle is None
+
+
+class KVTransport(abc.ABC):
+    """Register memory, tell peers about it, move bytes to or from their memory, notify."""
+
+    backend: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.regions: dict[str, Region] = {}
+        self.peers: dict[str, Peer] = {}
+        self._pending: dict[str, list[bytes]] = {}  # notifications polled, not yet waited for
+
+    # ---- memory ------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def allocate(self, name: str, nbytes: int) -> torch.Tensor:
+        """A new registered region of `nbytes` >= 1 (a [nbytes] uint8 CPU tensor, zeroed)."""
+
+    def register(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Register an existing contiguous tensor (e.g. a KV cache) as region `name`; returns
+        its bytes as a flat uint8 view. Backends that can only move their own memory refuse."""
+        raise TransferError(f"{self.backend} transport: it can only move memory it allocated "
+                            "(allocate(), or descriptors.register_caches)")
+
+    def _new_region(self, name: str, nbytes: int) -> None:
+        if name in self.regions:
+            raise TransferError(f"{self.name}: region {name!r} exists")
+        if nbytes < 1:
+            raise TransferError(f"{self.name}: region {name!r} needs >= 1 byte, got {nbytes}")
+
+    def _region(self, name: str) -> Region:
+        if name not in self.regions:
+            raise TransferError(
+                f"{self.name}: no local region {name!r} (have {list(self.regions)})")
+        return self.regions[name]
+
+    # ---- peers -------------------------------------------------------------------------------
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent and its regions (call after allocating)."""
+
+    @abc.abstractmethod
+    def add_peer(self, metadata: bytes) -> str:
+        """Connect to the agent that produced `metadata`; returns its name."""
+
+    def _peer_region(self, peer: str, name: str) -> Region:
+        if peer not in self.peers:
+            raise TransferError(f"{self.name}: unknown peer {peer!r} (add_peer first)")
+        regions = self.peers[peer].regions
+        if name not in regions:
+            raise TransferError(f"{self.name}: peer {peer!r} has no region {name!r}")
+        return regions[name]
+
+    def _segments(self, local: Region, remote: Region, segments: Segments | None) -> Segments:
+        if segments is None:
+            if local.nbytes != remote.nbytes:
+                raise TransferError(f"regions {local.name!r} ({local.nbytes} B) and "
+                                    f"{remote.name!r} ({remote.nbytes} B) differ in size")
+            return [(0, 0, local.nbytes)]
+        for lo, ro, n in segments:
+            if lo < 0 or ro < 0 or n < 0 or lo + n > local.nbytes or ro + n > remote.nbytes:
+                raise TransferError(f"segment ({lo}, {ro}, {n}) is outside {local.name!r} "
+                                    f"({local.nbytes} B) or {remote.name!r} ({remote.nbytes} B)")
+        return segments
+
+    # ---- transfers ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+             notify: bytes = b"") -> Transfer:
+        """Pull the peer's region `remote` into our region `local`; the peer gets `notify`."""
+
+    @abc.abstractmethod
+    def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+              notify: bytes = b"") -> Transfer:
+        """Push our region `local` into the peer's region `remote`; the peer gets `notify`."""
+
+    @abc.abstractmethod
+    def wait(self, xfer: Transfer, timeout_s: float) -> None:
+        """Block until `xfer` completed; TransferError if it failed, TransferTimeout."""
+
+    @abc.abstractmethod
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        """A notification not tied to a transfer (e.g. "nothing to read, free the blocks")."""
+
+    @abc.abstractmethod
+    def _poll_notifications(self) -> dict[str, list[bytes]]:
+        """Notifications that arrived since the last call, by sender name."""
+
+    def wait_notification(self, peer: str, msg: bytes, timeout_s: float) -> None:
+        """Block until `peer` sent exactly `msg` (consumed); TransferTimeout otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for sender, msgs in self._poll_notifications().items():
+                self._pending.setdefault(sender, []).extend(msgs)
+            pending = self._pending.get(peer, [])
+            if msg in pending:
+                pending.remove(msg)
+                return
+            self._check_peer_alive(peer)
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"{self.name}: no notification {msg!r} from {peer!r} within {timeout_s} s")
+            time.sleep(0.0005)
+
+    def _check_peer_alive(self, peer: str) -> None:  # noqa: B027 (optional hook)
+        """Raise TransferError early when the backend knows `peer` is gone."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release every region and connection (idempotent)."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the side channel ------------------------------------------------------------------------
+_WILDCARDS = {"", "0.0.0.0", "::", "*"}
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack("!Q", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack("!Q", _recv_exact(sock, 8))
+    return _recv_exact(sock, n)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    if host in _WILDCARDS:
+        raise ValueError(f"side channel: refusing to listen on the wildcard address {host!r}; "
+                         "bind one interface (127.0.0.1 on one machine)")
+    sock = socket.create_server((host, port))
+    return sock
+
+
+class SideChannel:
+    """Serves `payload()` (this agent's metadata) to whoever connects, on one address only."""
+
+    def __init__(self, payload: Callable[[], bytes], host: str = "127.0.0.1",
+                 port: int = 0) -> None:
+        self._payload = payload
+        self._sock = _listen(host, port)
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-side-channel")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                try:
+                    _send_frame(conn, self._payload())
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def fetch_metadata(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0) -> bytes:
+    """A peer's metadata from its SideChannel; TransferError if it cannot be reached in time."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            return _recv_frame(sock)
+    except OSError as e:
+        raise TransferError(f"side channel {host}:{port}: {e}") from e
+
+
+# ---- shared memory ---------------------------------------------------------------------------
+def _shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+class ShmTransport(KVTransport):
+    """Regions are files in /dev/shm that a peer maps; a transfer is a memcpy by the initiator.
+    Notifications go over a 127.0.0.1 TCP connection per peer, which also tells when a peer died
+    (its end closes). Single machine only."""
+
+    backend = "shm"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self._maps: list[mmap.mmap] = []
+        self._files: list[Path] = []
+        self._remote: dict[tuple[str, str], torch.Tensor] = {}  # (peer, region) → mapped bytes
+        self._out: dict[str, socket.socket] = {}  # peer → connection we send notifications on
+        self._inbox: dict[str, list[bytes]] = {}
+        self._gone: set[str] = set()  # peers whose notification connection closed
+        self._pids: dict[str, int] = {}  # peer → process id (same machine)
+        self._senders: set[str] = set()  # peers that opened a notification connection to us
+        self._lock = threading.Lock()
+        self._listener = _listen("127.0.0.1", 0)
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="shm-notify").start()
+
+    # notification plumbing: one reader thread per incoming connection
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read_notifications, args=(conn,), daemon=True).start()
+
+    def _read_notifications(self, conn: socket.socket) -> None:
+        sender = None
+        try:
+            sender = _recv_frame(conn).decode()
+            with self._lock:
+                self._senders.add(sender)
+            while True:
+                msg = _recv_frame(conn)
+                with self._lock:
+                    self._inbox.setdefault(sender, []).append(msg)
+        except (OSError, ConnectionError):
+            if sender is not None:
+                with self._lock:
+                    self._gone.add(sender)
+        finally:
+            conn.close()
+
+    def allocate(self, name: str, nbytes: int) -> torch.Tensor:
+        self._new_region(name, nbytes)
+        path = _shm_dir() / f"dsaserve-kv-{self.name}-{name}-{uuid.uuid4().hex[:8]}"
+        with open(path, "w+b") as f:
+            f.truncate(nbytes)
+            mapped = mmap.mmap(f.fileno(), nbytes)
+        self._files.append(path)
+        self._maps.append(mapped)
+        tensor = torch.frombuffer(mapped, dtype=torch.uint8)  # [nbytes]
+        self.regions[name] = Region(name, nbytes, 0, str(path), tensor=tensor)
+        return tensor
+
+    def metadata(self) -> bytes:
+        return json.dumps({
+            "backend": self.backend, "agent": self.name, "pid": os.getpid(),
+            "notify_port": self._listener.getsockname()[1],
+            "regions": {r.name: [r.nbytes, r.path] for r in self.regions.values()},
+        }).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        meta = json.loads(metadata)
+        if meta.get("backend") != self.backend:
+            raise TransferError(f"peer metadata is for {meta.get('backend')!r}, not shm")
+        regions = {n: Region(n, nbytes, 0, path) for n, (nbytes, path) in meta["regions"].items()}
+        self.peers[meta["agent"]] = Peer(meta["agent"], regions, meta["notify_port"])
+        self._pids[meta["agent"]] = int(meta["pid"])
+        return meta["agent"]
+
+    def _remote_bytes(self, peer: str, name: str) -> torch.Tensor:
+        region = self._peer_region(peer, name)
+        key = (peer, name)
+        if key not in self._remote:
+            try:
+                with open(region.path, "r+b") as f:
+                    mapped = mmap.mmap(f.fileno(), region.nbytes)
+            except OSError as e:
+                raise TransferError(f"{self.name}: peer {peer!r} region {name!r}: {e} "
+                                    "(is the peer alive?)") from e
+            self._maps.append(mapped)
+            self._remote[key] = torch.frombuffer(mapped, dtype=torch.uint8)[: region.nbytes]
+        return self._remote[key]
+
+    def _copy(self, peer: str, local: str, remote: str, segments: Segments | None,
+              notify: bytes, pull: bool) -> Transfer:
+        mine = self._region(local)
+        theirs = self._remote_bytes(peer, remote)
+        for lo, ro, n in self._segments(mine, self._peer_region(peer, remote), segments):
+            a, b = mine.tensor[lo: lo + n], theirs[ro: ro + n]
+            (a if pull else b).copy_(b if pull else a)
+        if notify:
+            self.send_notification(peer, notify)
+        return Transfer(peer, notify)
+
+    def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+             notify: bytes = b"") -> Transfer:
+        self._check_peer_alive(peer)
+        return self._copy(peer, local, remote, segments, notify, pull=True)
+
+    def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+              notify: bytes = b"") -> Transfer:
+        self._check_peer_alive(peer)
+        return self._copy(peer, local, remote, segments, notify, pull=False)
+
+    def wait(self, xfer: Transfer, timeout_s: float) -> None:
+        return None  # the copy finished inside read/write
+
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        if peer not in self.peers:
+            raise TransferError(f"{self.name}: unknown peer {peer!r} (add_peer first)")
+        try:
+            if peer not in self._out:
+                sock = socket.create_connection(("127.0.0.1", self.peers[peer].notify_port),
+                                                timeout=5.0)
+                _send_frame(sock, self.name.encode())
+                self._out[peer] = sock
+            _send_frame(self._out[peer], msg)
+        except OSError as e:
+            self._out.pop(peer, None)
+            raise TransferError(f"{self.name}: cannot notify peer {peer!r}: {e} "
+                                "(is the peer alive?)") from e
+
+    def _poll_notifications(self) -> dict[str, list[bytes]]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, {}
+        return inbox
+
+    def _check_peer_alive(self, peer: str) -> None:
+        """A peer is gone when its process is (same machine), or when it closed the connection
+        it notifies us on; notifications it sent before remain readable."""
+        with self._lock:
+            if self._inbox.get(peer):  # unread mail: read it before declaring the peer gone
+                return
+            gone = peer in self._gone  # its connection closed, every frame before read
+            connected = peer in self._senders
+        if not gone and not connected:  # no connection to drain: ask the process table
+            try:
+                os.kill(self._pids[peer], 0)
+            except ProcessLookupError:
+                gone = True
+            except (KeyError, PermissionError):  # unknown pid, or alive as another user
+                pass
+        if gone:
+            raise TransferError(f"{self.name}: peer {peer!r} is gone (its process exited)")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._listener.close()
+        for sock in self._out.values():
+            sock.close()
+        self._remote.clear()
+        for path in self._files:
+            path.unlink(missing_ok=True)
+        # The maps stay open until garbage collection: a tensor a caller still holds keeps
+        # pointing at valid memory (the file is already unlinked).
+        self.regions.clear()
+
+
+# ---- NIXL ------------------------------------------------------------------------------------
+def nixl_available() -> bool:
+    return _import_nixl() is not None
+
+
+def _import_nixl():
+    """nixl's agent API: the `nixl` meta package, or `nixl_cu12` / `nixl_cu13` installed alone."""
+    for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return __import__(module, fromlist=["nixl_agent"])
+        except ImportError:
+            continue
+    return None
+
+
+class NixlTransport(KVTransport):
+    """NIXL agent with the UCX backend on host memory (DRAM). UCX's peer error handling is off
+    ("none"), which shared-memory transports need; a dead peer then surfaces as a timeout."""
+
+    backend = "nixl"
+
+    def __init__(self, name: str) -> None:
+        api = _import_nixl()
+        if api is None:
+            raise TransferError("nixl is not installed (pip install 'dsaserve[nixl]')")
+        super().__init__(name)
+        # No listener thread: NIXL's own metadata listener binds every interface.
+        config = api.nixl_agent_config(enable_listen_thread=False, backends=[])
+        self._agent = api.nixl_agent(name, config)
+        self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
+        self._reg: list[object] = []
+        self._closed = False
+
+    def allocate(self, name: str, nbytes: int) -> torch.Tensor:
+        self._new_region(name, nbytes)  # refuses nbytes < 1 before allocating
+        return self.register(name, torch.zeros(nbytes, dtype=torch.uint8))  # [nbytes]
+
+    def register(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_contiguous():
+            raise TransferError(f"{self.name}: region {name!r} must be a contiguous tensor")
+        flat = tensor.reshape(-1).view(torch.uint8)  # [nbytes], the same memory
+        self._new_region(name, flat.numel())
+        self._reg.append(self._agent.register_memory(flat))
+        mem = "VRAM" if flat.is_cuda else "DRAM"
+        self.regions[name] = Region(name, flat.numel(), flat.data_ptr(), mem=mem,
+                                    device=flat.device.index or 0, tensor=flat)
+        return flat
+
+    def metadata(self) -> bytes:
+        return json.dumps({
+            "backend": self.backend, "agent": self.name,
+            "nixl": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+            "regions": {r.name: [r.nbytes, r.address, r.mem, r.device]
+                        for r in self.regions.values()},
+        }).encode()
+
+    def add_peer(self, metadata: bytes) -> str:
+        meta = json.loads(metadata)
+        if meta.get("backend") != self.backend:
+            raise TransferError(f"peer metadata is for {meta.get('backend')!r}, not nixl")
+        name = self._agent.add_remote_agent(base64.b64decode(meta["nixl"]))
+        # add_remote_agent returns bytes while notifications are keyed by str: one name, as str.
+        name = name.decode() if isinstance(name, bytes) else name
+        regions = {n: Region(n, nbytes, addr, mem=mem, device=dev)
+                   for n, (nbytes, addr, mem, dev) in meta["regions"].items()}
+        self.peers[name] = Peer(name, regions)
+        return name
+
+    def _post(self, op: str, peer: str, local: str, remote: str, segments: Segments | None,
+              notify: bytes) -> Transfer:
+        mine, theirs = self._region(local), self._peer_region(peer, remote)
+        segs = [s for s in self._segments(mine, theirs, segments) if s[2] > 0]
+        if not segs:
+            if notify:
+                self.send_notification(peer, notify)
+            return Transfer(peer, notify)
+        local_descs = self._agent.get_xfer_descs(
+            [(mine.address + lo, n, mine.device) for lo, _, n in segs], mine.mem)
+        remote_descs = self._agent.get_xfer_descs(
+            [(theirs.address + ro, n, theirs.device) for _, ro, n in segs], theirs.mem)
+        try:
+            handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer, notify)
+            state = self._agent.transfer(handle)
+        except Exception as e:  # nixl raises its own exception types
+            raise TransferError(f"{self.name}: {op} with {peer!r} failed to start: {e}") from e
+        if state == "ERR":
+            raise TransferError(f"{self.name}: {op} with {peer!r} failed to start")
+        return Transfer(peer, notify, handle)
+
+    def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+             notify: bytes = b"") -> Transfer:
+        return self._post("READ", peer, local, remote, segments, notify)
+
+    def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
+              notify: bytes = b"") -> Transfer:
+        return self._post("WRITE", peer, local, remote, segments, notify)
+
+    def wait(self, xfer: Transfer, timeout_s: float) -> None:
+        if xfer.done:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                state = self._agent.check_xfer_state(xfer.handle)
+            except Exception as e:
+                raise TransferError(f"{self.name}: transfer with {xfer.peer!r}: {e}") from e
+            if state == "DONE":
+                break
+            if state == "ERR":
+                raise TransferError(f"{self.name}: transfer with {xfer.peer!r} failed")
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"{self.name}: transfer with {xfer.peer!r} not done within {timeout_s} s "
+                    "(is the peer alive?)")
+            time.sleep(0.0002)
+        xfer.done = True
+        self._agent.release_xfer_handle(xfer.handle)
+
+    def send_notification(self, peer: str, msg: bytes) -> None:
+        if peer not in self.peers:
+            raise TransferError(f"{self.name}: unknown peer {peer!r} (add_peer first)")
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as e:
+            raise TransferError(f"{self.name}: cannot notify {peer!r}: {e}") from e
+
+    def _poll_notifications(self) -> dict[str, list[bytes]]:
+        notifs = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in notifs.items()}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for peer in list(self.peers):
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:  # best effort: the peer may already be gone
+                pass
+        for reg in self._reg:
+            self._agent.deregister_memory(reg)
+        self._reg.clear()
+        self.regions.clear()
+
+
+# ---- the registry ----------------------------------------------------------------------------
+TRANSPORTS: dict[str, type[KVTransport]] = {"shm": ShmTransport, "nixl": NixlTransport}
+
+
+def make_transport(backend: str, name: str) -> KVTransport:
+    """`backend`: "shm", "nixl", or "auto" (NIXL when importable, else shared memory)."""
+    if backend == "auto":
+        backend = "nixl" if nixl_available() else "shm"
+    if backend not in TRANSPORTS:
+        raise ValueError(f"kv transport: unknown backend {backend!r}; known: "
+                         f"{sorted(TRANSPORTS)} or 'auto'")
+    return TRANSPORTS[backend](name)

@@ -1,0 +1,112 @@
+"""KV transports in one process: two agents, READ / WRITE with segments, notifications, errors.
+The two-process tests (spawned peers, a dead peer) are in tests/parallel/test_kv_transport_2p.py."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from dsaserve.disagg import transport
+from dsaserve.disagg.transport import (
+    SideChannel,
+    TransferError,
+    TransferTimeout,
+    fetch_metadata,
+    make_transport,
+)
+
+NO_NIXL = "nixl not installed (pip install 'dsaserve[nixl]')"
+BACKENDS = [
+    "shm",
+    pytest.param("nixl", marks=pytest.mark.skipif(not transport.nixl_available(), reason=NO_NIXL)),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_write_and_notifications(backend: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    with make_transport(backend, f"p-{backend}") as prod, \
+            make_transport(backend, f"d-{backend}") as cons:
+        assert type(prod) is transport.TRANSPORTS[backend] and prod.backend == backend
+        src = prod.allocate("src", 1 << 16)
+        src.copy_(torch.randint(0, 256, (1 << 16,), dtype=torch.uint8, generator=gen))
+        dst = cons.allocate("dst", 1 << 16)
+        inbox = cons.allocate("inbox", 1000)
+        side = SideChannel(prod.metadata)
+        try:
+            peer = cons.add_peer(fetch_metadata(side.port))
+        finally:
+            side.close()
+        back = prod.add_peer(cons.metadata())
+        assert isinstance(peer, str) and peer == prod.name and back == cons.name
+
+        # READ: the consumer pulls; the producer is told it may free.
+        cons.wait(cons.read(peer, "dst", "src", notify=b"req-1 read"), timeout_s=10)
+        assert torch.equal(dst, src)
+        prod.wait_notification(back, b"req-1 read", timeout_s=10)
+
+        # WRITE with segments: two runs of the source land at two offsets of the inbox.
+        segs = [(100, 0, 300), (5000, 600, 400)]  # (local, remote, nbytes)
+        prod.wait(prod.write(back, "src", "inbox", segs, notify=b"req-2"), timeout_s=10)
+        cons.wait_notification(peer, b"req-2", timeout_s=10)
+        assert torch.equal(inbox[:300], src[100:400])
+        assert torch.equal(inbox[600:1000], src[5000:5400])
+        assert not bool(inbox[300:600].any())
+
+        # A notification without data (nothing to read: free the blocks), and one never sent.
+        cons.send_notification(peer, b"req-3 nothing")
+        prod.wait_notification(back, b"req-3 nothing", timeout_s=10)
+        with pytest.raises(TransferTimeout, match="no notification b'never'"):
+            prod.wait_notification(back, b"never", timeout_s=0.2)
+
+
+@pytest.mark.skipif(not transport.nixl_available(), reason=NO_NIXL)
+def test_nixl_registers_existing_tensors() -> None:
+    """A cache tensor the runner already has (any dtype and shape) is registered in place and
+    read by a peer; shared memory refuses, it moves only what it allocated."""
+    cache = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    with make_transport("nixl", "reg-p") as prod, make_transport("nixl", "reg-d") as cons:
+        flat = prod.register("L0.kv", cache)
+        assert flat.data_ptr() == cache.data_ptr() and flat.numel() == cache.numel() * 2
+        dst = cons.allocate("L0.kv", flat.numel())
+        peer = cons.add_peer(prod.metadata())
+        cons.wait(cons.read(peer, "L0.kv", "L0.kv", [(16, 32, 64)]), timeout_s=10)
+        assert torch.equal(dst[16:80], flat[32:96]) and not bool(dst[:16].any())
+    with make_transport("shm", "reg-shm") as t, pytest.raises(TransferError, match="allocated"):
+        t.register("x", cache)
+
+
+def test_bad_requests_are_clear_errors() -> None:
+    with make_transport("shm", "a") as a, make_transport("shm", "b") as b:
+        a.allocate("x", 100)
+        b.allocate("y", 50)
+        peer = a.add_peer(b.metadata())
+        with pytest.raises(TransferError, match="differ in size"):
+            a.read(peer, "x", "y")
+        with pytest.raises(TransferError, match="outside"):
+            a.read(peer, "x", "y", [(0, 40, 20)])
+        with pytest.raises(TransferError, match="no region 'z'"):
+            a.read(peer, "x", "z")
+        with pytest.raises(TransferError, match="unknown peer"):
+            a.read("nobody", "x", "y")
+        with pytest.raises(TransferError, match="exists"):
+            a.allocate("x", 10)
+        with pytest.raises(TransferError, match="not shm"):
+            a.add_peer(b'{"backend": "nixl"}')
+    with pytest.raises(ValueError, match="wildcard"):
+        SideChannel(lambda: b"", host="0.0.0.0")
+    with pytest.raises(ValueError, match="unknown backend"):
+        make_transport("rdma", "x")
+    # Nothing listens on a port we just closed: a clear error, not a hang.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(TransferError, match="side channel"):
+        fetch_metadata(port, timeout_s=1)
+
+
+def test_auto_picks_nixl_when_importable() -> None:
+    with make_transport("auto", "auto-agent") as t:
+        assert t.backend == ("nixl" if transport.nixl_available() else "shm")
