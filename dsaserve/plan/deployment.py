@@ -3,12 +3,14 @@
     dp8xep router=prefix             8 data-parallel replicas, experts sharded over all 8 GPUs
     dp8xep mtp=3 acceptance=2.99     the same with MTP3 at a synthetic acceptance length
     tp8                              one replica of 8 tensor-parallel ranks
-    pcp8xdcp8xep8 kv=fp8_ds_mla      one replica: PCP 8, DCP 8 over the same ranks, EP 8
+    pcp8xdcp8xep8 offload=512GiB     one replica: PCP 8, DCP 8 over the same ranks, EP 8, a
+                                     512 GiB host KV tier (64 GiB per rank)
 
 Layout terms join with `x`: dp, tp, pcp, dcp take a count; `ep` may carry one, which must equal
 the GPUs its experts span (dp × pcp × tp). Options are `key=value`: router (prefix | load |
 round-robin), kv (fp8_ds_mla | bf16), block-size, max-num-seqs, max-num-batched-tokens,
-gpu-memory-utilization, and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
+gpu-memory-utilization, offload=SIZE (GiB of host KV tier per replica, as
+--kv-offloading-size), and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
 synthetic rates for a mean acceptance length L).
 """
 
@@ -24,7 +26,7 @@ ROUTERS = ("prefix", "load", "round-robin")
 # Parts of the reference deployment that arrive with later work; named so the error says so.
 _NOT_YET = {
     "prefill": "prefill/decode disaggregation", "decode": "prefill/decode disaggregation",
-    "offload": "the CPU offload tier", "hisparse": "hybrid HiSparse", "host": "hybrid HiSparse",
+    "hisparse": "hybrid HiSparse", "host": "hybrid HiSparse",
 }
 
 
@@ -40,6 +42,7 @@ class Deployment:
     gpu_memory_utilization: float = 0.9
     # MTP drafts per step, accepted at fixed synthetic rates (vLLM's benchmark mode)
     speculative: SpecConfig | None = None
+    offload_bytes: int = 0  # host KV tier of each replica, over its ranks (0: none)
 
     @property
     def num_gpus(self) -> int:
@@ -119,12 +122,15 @@ def parse_deployment(text: str) -> Deployment:
             kwargs["kv_dtype"] = value
         elif field_name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             kwargs[field_name] = _number(text, key, value, int)
+        elif key == "offload":
+            size = value.removesuffix("GiB").removesuffix("G")
+            kwargs["offload_bytes"] = int(_number(text, key, size, float) * 2**30)
         elif field_name == "gpu_memory_utilization":
             kwargs[field_name] = _number(text, key, value, float)
         else:
             raise ConfigError(f"--deployment {text!r}: unknown option {key!r} (router, kv, "
                               "block-size, max-num-seqs, max-num-batched-tokens, "
-                              "gpu-memory-utilization)")
+                              "gpu-memory-utilization, offload, mtp, acceptance)")
     return Deployment(spec=text, parallel=parallel, **kwargs)  # type: ignore[arg-type]
 
 

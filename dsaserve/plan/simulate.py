@@ -15,6 +15,7 @@ order, each after the previous one ends plus its think time, then takes the next
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import statistics
@@ -113,6 +114,7 @@ class SimResult:
                                                                         for r in done),
             "bottleneck": self.busy.bound,
             **self._acceptance(),
+            **self._host_tier(sum(r.prompt_tokens for r in done)),
             "max_context": self.max_context,
             "steps": self.num_steps,
         }
@@ -128,18 +130,44 @@ class SimResult:
                 1 + sum(st.spec_decode_num_accepted_tokens for st in stats) / drafts}
 
 
+    def _host_tier(self, prompt_tokens: int) -> dict[str, float]:
+        """Of the prompt tokens, the share loaded from the host tier (in the hit rate too)."""
+        stats = [s.stats() for s in self.schedulers]
+        if not any(st.num_host_blocks for st in stats):
+            return {}
+        return {"host_hit_rate": sum(st.offload_hits for st in stats) / prompt_tokens}
+
+
 def _p90(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
 class Replica:
-    """One engine replica: the real scheduler and its priced steps."""
+    """One engine replica: the real scheduler, and its host-tier copies on the host link (each
+    direction one copy stream, jobs in order; every rank copies its shard over its own link)."""
 
-    def __init__(self, index: int, scheduler: Scheduler) -> None:
+    def __init__(self, index: int, scheduler: Scheduler, copy_seconds_per_block: float) -> None:
         self.index = index
         self.scheduler = scheduler
         self.num_routed = 0  # requests the router sent here
+        self.copy_seconds_per_block = copy_seconds_per_block
+        self.done_at: dict[str, list[float]] = {"load": [], "store": []}  # per job, in job order
+
+    def start_copies(self, so: SchedulerOutput, now: float) -> None:
+        for kind, jobs in (("load", so.kv_loads), ("store", so.kv_stores)):
+            times = self.done_at[kind]
+            for job in jobs:
+                start = max(now, times[-1]) if times else now
+                times.append(start + len(job.gpu_block_ids) * self.copy_seconds_per_block)
+
+    def copies_done(self, kind: str, now: float) -> int:
+        return bisect.bisect_right(self.done_at[kind], now)
+
+    def next_copy(self, now: float) -> float | None:
+        """When the next copy in flight lands (None: none is)."""
+        pending = [t for times in self.done_at.values() for t in times if t > now]
+        return min(pending, default=None)
 
 
 class Simulator:
@@ -179,10 +207,20 @@ class Simulator:
         sched = SchedulerConfig(max_num_seqs=deployment.max_num_seqs,
                                 max_num_batched_tokens=deployment.max_num_batched_tokens,
                                 max_model_len=max_len)
+        # The host KV tier: each rank holds offload_bytes / ranks, in pages of its own shard.
+        rank_block = deployment.block_size * cm.kv_bytes_per_token(model, deployment.kv_dtype).total
+        num_host_blocks = deployment.offload_bytes // par.world_size // rank_block
+        if deployment.offload_bytes and num_host_blocks * block_tokens < max_len:
+            raise ConfigError(f"--deployment {deployment.spec!r}: offload holds "
+                              f"{num_host_blocks * block_tokens} tokens, less than one request "
+                              f"of {max_len}")
         self.replicas = [
             Replica(i, Scheduler(sched, cache, self.kv_blocks,
                                  dcp_size=par.decode_context_parallel_size,
-                                 num_speculative_tokens=self.num_drafts))
+                                 num_speculative_tokens=self.num_drafts,
+                                 num_host_blocks=num_host_blocks,
+                                 host_block_bytes=rank_block * par.world_size),
+                    rank_block / (parts.host_gbps.value * 1e9))
             for i in range(deployment.replicas)]
         # Lock-step replicas form one group; otherwise each replica steps on its own.
         self.groups = ([self.replicas] if deployment.lockstep
@@ -276,6 +314,7 @@ class Simulator:
                 batch.append((n, req.num_computed_tokens + n))
                 if req.num_computed_tokens + known == req.num_tokens:  # samples, then drafts
                     contexts.append(req.num_tokens)
+            replica.start_copies(so, now)
             outputs.append(so)
             batches.append(batch)
             drafting.append(contexts)
@@ -287,6 +326,9 @@ class Simulator:
                                  else None, drafting=d)
                  for b, d in zip(batches, drafting, strict=True)]
         duration = max(t.total for t in times)
+        if not any(so.num_scheduled_tokens for so in outputs):  # only copies in flight: wait
+            landing = [t for r in group if (t := r.next_copy(now)) is not None]
+            duration = max(min(landing, default=now) - now, 0.0)
         ran: list[ModelRunnerOutput | None] = [None] * len(group)
         if self.measure is not None:  # calibration: real runners, the wall clock
             results = [self.measure(r.index, so) for r, so in zip(group, outputs, strict=True)]
@@ -305,15 +347,17 @@ class Simulator:
         for replica, so, out in zip(self.groups[g], outputs, ran, strict=True):
             sched = replica.scheduler
             if out is None:
-                out = self._modelled_output(sched, so)
+                out = self._modelled_output(replica, so, now)
             for request_output in sched.update_from_output(so, out):
                 self._record(request_output, now)
         self._start_step(g, now)
 
-    def _modelled_output(self, sched: Scheduler, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _modelled_output(self, replica: Replica, so: SchedulerOutput,
+                         now: float) -> ModelRunnerOutput:
         """What the real runner would return, but for token identity: a token wherever it samples
         one; with MTP, the drafts accepted at the synthetic rates (spec/rejection.py's rule),
-        then the target's token, and k new drafts."""
+        then the target's token, and k new drafts; the host-tier copies landed by now."""
+        sched = replica.scheduler
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         verify = [rid for rid in so.num_scheduled_tokens if so.scheduled_spec_token_ids.get(rid)]
@@ -334,7 +378,9 @@ class Simulator:
             sampled[rid] = list(spec[: accepted.get(rid, 0)]) + [SAMPLED_TOKEN]
             if self.num_drafts:
                 drafts[rid] = [SAMPLED_TOKEN] * self.num_drafts
-        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts)
+        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts,
+                                 num_kv_loads_done=replica.copies_done("load", now),
+                                 num_kv_stores_done=replica.copies_done("store", now))
 
     def _record(self, out: RequestOutput, now: float) -> None:
         record = self._records[out.request_id]

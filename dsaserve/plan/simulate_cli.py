@@ -39,6 +39,7 @@ COLUMNS = (  # (summary key, header, format)
     ("ttft_median", "TTFT med s", "{:.3f}"),
     ("ttft_p90", "TTFT P90 s", "{:.3f}"),
     ("cache_hit_rate", "hit rate", "{:.1%}"),
+    ("host_hit_rate", "from host", "{:.1%}"),
     ("acceptance_length", "MTP accept", "{:.2f}"),
     ("bottleneck", "bound", "{}"),
     ("max_context", "max ctx", "{:,}"),

@@ -250,3 +250,26 @@ def test_bad_mtp_specs(spec, words):
     with pytest.raises(ConfigError, match="--deployment") as e:
         parse_deployment(spec)
     assert words in str(e.value)
+
+
+def test_host_tier_keeps_prefixes_a_small_gpu_pool_evicts(tmp_path):
+    """offload=SIZE runs the engine's own OffloadManager: with a GPU pool too small for the
+    sessions' histories, later turns find their prefix in the host tier instead of prefilling
+    it again; copies land on the host link's clock, and both tiers drain."""
+    traces = _write_traces(tmp_path, sessions=4, turns=4)
+    spec = "tp1 block-size=16 offload=0.01"
+    _, host = _simulate(traces, spec, concurrency=4, num_blocks=30)
+    _, plain = _simulate(traces, "tp1 block-size=16", concurrency=4, num_blocks=30)
+    for result in (host, plain):
+        assert len(result.records) == 16 and not result.rejected
+        assert all(r.finish is not None for r in result.records)
+    s_host, s_plain = host.summary(), plain.summary()
+    assert s_host["host_hit_rate"] > 0 and "host_hit_rate" not in s_plain
+    assert s_host["cache_hit_rate"] > s_plain["cache_hit_rate"]
+    for sched in host.schedulers:
+        sched.check_integrity()
+        assert not sched.offload.busy
+        assert sched.offload.host.num_free_blocks == sched.offload.host.num_blocks
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    with pytest.raises(ConfigError, match="offload holds"):
+        _simulate(traces, "tp1 block-size=16 offload=0.00001", concurrency=1, num_blocks=30)
