@@ -67,7 +67,7 @@ class _Batch:
     meta: AttentionMetadata
     query_start_loc: list[int]  # [R+1] global rows
     starts: list[int]  # [R] position of each request's first row
-    step_tokens: list[list[int]]  # [R] known tokens then drafts, from the first row on
+    step_tokens: list[list[int]]  # [R] the rows' tokens (known, then drafts) and the next known
     num_drafts: list[int]  # [R] drafts each request verifies this step
     samples: list[bool]  # [R] whether the step reaches the request's last known token
 
@@ -357,7 +357,9 @@ class ModelRunner:
         for rid in req_ids:
             st = self.requests[rid]
             start, n, drafts = st.num_computed_tokens, num_scheduled[rid], spec.get(rid, ())
-            seq = st.token_ids[start:] + list(drafts)  # [known after start | drafts]
+            # this step's inputs and the token after them: known tokens, then drafts (a request
+            # with drafts has one known token left; a prefill chunk has no drafts)
+            seq = st.token_ids[start : start + n + 1] + list(drafts)
             tokens += seq[:n]
             starts.append(start)
             counts.append(n)

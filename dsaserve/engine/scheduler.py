@@ -18,14 +18,14 @@ Speculative decoding (MTP, k drafts) is still "n tokens this step". A decode req
 schedules its last token plus the drafts; every step that samples also reserves k − 1 lookahead
 slots, where the MTP layer's later draft steps write their keys:
 
-    positions   | computed ............ | t | d1 d2 d3 | (lookahead: d1..d(k-1) of the MTP)
-    this step                           |-- 1 + k --|
-    after       | computed ............ | t  d1 | x |         2 of 3 drafts accepted, x emitted
+    positions   | computed ............ | t  d1 d2 d3 | + k − 1 lookahead (MTP draft steps)
+    this step                           |--- 1 + k ---|
+    after       | computed ............ | t  d1 | x |     d1 accepted, d2 rejected: x emitted
 
-`num_computed_tokens` then advances by the accepted tokens only (t, d1), the emitted ones (d1, x)
-are appended with the stop rules applied to each, and blocks past the request's tokens are
-given back (they held rejected drafts only; full blocks are cached only up to the computed
-tokens, so a rejected token never enters the prefix cache).
+`num_computed_tokens` then advances by the step's inputs whose KV is valid (t, d1), the emitted
+tokens (d1, x) are appended with the stop rules applied to each, and blocks past the request's
+tokens are given back (they held rejected drafts or lookahead only; full blocks are cached only up
+to the computed tokens, so a rejected token never enters the prefix cache).
 """
 
 from __future__ import annotations

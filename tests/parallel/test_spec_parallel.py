@@ -58,11 +58,28 @@ def spec_engine(request, draftable, parallel_config, assert_gone
     assert_gone(pids)
 
 
-def test_greedy_with_mtp_matches_single_rank(spec_engine, prompts, greedy, draftable_reference):
+def _spec_counters(stats) -> tuple:
+    return (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens_per_pos)
+
+
+def test_greedy_with_mtp_matches_single_rank(request, spec_engine, prompts, greedy,
+                                             draftable_reference, draftable, parallel_config):
     for _ in range(2):  # the second round starts from prefix hits
         assert spec_engine.generate(prompts, greedy) == draftable_reference
         spec_engine.check_integrity()
     stats = spec_engine.stats()
+    layout = request.node.callspec.params["spec_engine"]
+    if layout != "dp2":  # one engine sees the same batches as a single rank would
+        # The same drafts are proposed and accepted as on a single rank with MTP: the MTP
+        # layer's cache and its draft steps are right under this layout, not only the target.
+        kw = {k: v for k, v in LAYOUTS[layout].items() if k == "max_num_batched_tokens"}
+        single = LLMEngine.from_config(dataclasses.replace(
+            parallel_config(**kw), model_path=str(draftable),
+            speculative=SpecConfig(num_speculative_tokens=3)))
+        for _ in range(2):
+            single.generate(prompts, greedy)
+        assert _spec_counters(stats) == _spec_counters(single.stats())
     assert stats.num_free_blocks == stats.num_total_blocks
     assert stats.prefix_cache_hits > 0
     assert stats.spec_decode_num_accepted_tokens > 0
