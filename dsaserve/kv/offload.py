@@ -94,6 +94,8 @@ class OffloadManager:
             if host_id is None:
                 break
             hits.append(host_id)
+        if self.kv.drop_last_hit and hits:  # MTP: the chain's last block is recomputed (manager)
+            hits.pop()
         if request.request_id not in self._queried:
             self._queried.add(request.request_id)
             self.queries += request.num_tokens
