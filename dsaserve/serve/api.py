@@ -90,6 +90,8 @@ _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
     kind = _ERROR_TYPES.get(status, "Error")
+    # Messages may quote client text; a lone surrogate in it would make the error body unencodable.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 

@@ -1,7 +1,8 @@
 """OpenAI request and response bodies (pydantic), plus vLLM's extensions that benchmarks send.
 
 Requests accept unknown fields (clients send many we do not use) but type-check every field we read;
-values are range-checked once, by `SamplingParams`, so the messages match offline use.
+values are range-checked once, by `SamplingParams`, so the messages match offline use. No string in
+a body may hold a lone UTF-16 surrogate (valid JSON, invalid Unicode: tokenizers cannot encode it).
 Responses mirror OpenAI's JSON so the official client parses them unmodified.
 """
 
@@ -9,13 +10,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
+
+from dsaserve.serve.limits import find_lone_surrogate
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := find_lone_surrogate(data)) is not None:
+            raise PydanticCustomError("lone_surrogate", "{where}: a lone UTF-16 surrogate is not "
+                                      "valid Unicode text", {"where": where})
+        return data
 
 
 class StreamOptions(_Request):
@@ -44,8 +56,24 @@ class _SamplingFields(_Request):
     frequency_penalty: float = 0.0
 
 
+# Messages stay plain dicts (the chat template validates them, with messages that name the
+# offending message); the schema documents what the template understands.
+_CONTENT_PART = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGES_SCHEMA = {
+    "type": "array", "minItems": 1, "title": "Messages",
+    "items": {"type": "object", "required": ["role"], "additionalProperties": True, "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART},
+                              {"type": "null"}]},
+        "name": {"type": "string"},
+    }},
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)] = Field(
+        min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's successor of max_tokens
 
 
