@@ -30,7 +30,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from dsaserve.config import ConfigError
 from dsaserve.core import RequestError, SamplingParams
 from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
+from dsaserve.serve.middleware import BodySizeLimitMiddleware
 from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
 from dsaserve.serve.protocol import (
     ChatChoice,
@@ -72,6 +74,9 @@ class ServerConfig:
     timeout_keep_alive_s: int = 3600
     # ZMQ endpoints publishing KV events (one per DP replica; empty when disabled), for /kv_info.
     kv_events_endpoints: tuple[str, ...] = ()
+    # Larger bodies get a 413 before they are parsed. 32 MiB holds a 1M-token prompt as token ids
+    # (~7 bytes each in JSON) or as text.
+    max_request_body_bytes: int = 32 * 2**20
 
 
 class APIError(Exception):
@@ -85,7 +90,8 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailable"}
+                405: "MethodNotAllowed", 413: "RequestTooLarge", 500: "InternalServerError",
+                503: "ServiceUnavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
@@ -211,7 +217,16 @@ def _completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any], vocab_size
 
 
 def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                     num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+                     num_prompt_tokens: int, max_model_len: int,
+                     default_max_tokens: int | None = None) -> SamplingParams:
+    """`max_tokens` as the client sent it (None: absent); `default_max_tokens` replaces an absent
+    one, capped to the context (None: the rest of the context)."""
+    check_supported(body)
+    chat = isinstance(body, ChatCompletionRequest)
+    check_lengths(num_prompt_tokens, max_tokens, max_model_len,
+                  prompt_field="messages" if chat else "prompt",
+                  max_tokens_field="max_completion_tokens"
+                  if chat and body.max_completion_tokens is not None else "max_tokens")
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -220,8 +235,8 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true",
                        param="stream_options")
-    if max_tokens is None:  # the rest of the context, as vLLM does (the engine caps the total)
-        max_tokens = max(max_model_len - num_prompt_tokens, 1)
+    if max_tokens is None:  # the rest of the context, as vLLM does, or the default if shorter
+        max_tokens = min(max_model_len - num_prompt_tokens, default_max_tokens or max_model_len)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -304,12 +319,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     max_model_len = engine.config.scheduler.max_model_len
     metrics = ServerMetrics(model_name, engine.stats)
     app = FastAPI(title="dsaserve", version="0.1.0")
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
 
     # ---- errors --------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestLimitError)
+    async def _limit_error(_: Request, e: RequestLimitError) -> JSONResponse:
         return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(RequestValidationError)
@@ -445,8 +465,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         stops = _stop_strings(body.stop)
         prompt_ids = await asyncio.to_thread(_completion_prompt, tokenizer, body.prompt,
                                              engine.config.model.vocab_size)
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
+        params = _sampling_params(body, body.max_tokens, len(prompt_ids), max_model_len,
+                                  COMPLETION_DEFAULT_MAX_TOKENS)
         request_id = new_id("cmpl")
         gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
 

@@ -42,6 +42,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the model name clients send (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* requests")
+    s.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
+                   help="larger request bodies get a 413 before they are parsed "
+                   "(default: %(default)s, 32 MiB)")
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
@@ -70,7 +73,8 @@ def server_config_from_args(args: argparse.Namespace, model: str,
     from dsaserve.serve.api import ServerConfig
 
     return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
-                        host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints)
+                        host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints,
+                        max_request_body_bytes=args.max_request_body_bytes)
 
 
 def model_from_args(args: argparse.Namespace) -> str:
