@@ -2,7 +2,8 @@
 metrics. One app serves one model through one AsyncEngine.
 
 A request's life here:
-    1. authenticate (/v1/*), parse and type-check the body (pydantic; bad input → 400);
+    1. authenticate (all but /health), limit the body size (→ 413), parse and type-check the
+       body (pydantic; bad input or an unimplemented field → 400);
     2. render the chat template / tokenize off the event loop; build SamplingParams (→ 400);
     3. admission by the engine core (prompt too long → 400; engine dead → 503);
     4. outputs → incremental detokenization → stop strings → SSE chunks or one JSON body;
@@ -12,7 +13,6 @@ A request's life here:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -25,11 +25,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsaserve.config import ConfigError
 from dsaserve.core import RequestError, SamplingParams
 from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from dsaserve.serve.auth import APIKeyMiddleware
 from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
 from dsaserve.serve.middleware import BodySizeLimitMiddleware
@@ -67,7 +67,7 @@ class ServerConfig:
     """The HTTP side of `dsaserve serve` (the engine has its own EngineConfig)."""
 
     served_model_name: str
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    api_key: str | None = None  # when set, all but /health need `Authorization: Bearer <key>`
     host: str = "127.0.0.1"
     port: int = 8000
     # Agent sessions idle between turns for minutes; a short keep-alive would cut their connections.
@@ -292,23 +292,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-class _APIKeyMiddleware:
-    """401 for /v1/* without `Authorization: Bearer <key>` (checked before the body is parsed)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
-                await error_response(401, message)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI app for one AsyncEngine; the caller owns the engine (and shuts it down)."""
     tokenizer = engine.tokenizer
@@ -320,8 +303,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(model_name, engine.stats)
     app = FastAPI(title="dsaserve", version="0.1.0")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    if config.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+    if config.api_key:  # added last: the outermost, so nothing runs for an unauthorized client
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
     # ---- errors --------------------------------------------------------------------------------
     @app.exception_handler(APIError)

@@ -41,7 +41,8 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* requests")
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                   "(default: $DSASERVE_API_KEY, else $VLLM_API_KEY, else none)")
     s.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
                    help="larger request bodies get a 413 before they are parsed "
                    "(default: %(default)s, 32 MiB)")
@@ -71,8 +72,10 @@ def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig:
 def server_config_from_args(args: argparse.Namespace, model: str,
                             kv_events_endpoints: tuple[str, ...] = ()) -> ServerConfig:
     from dsaserve.serve.api import ServerConfig
+    from dsaserve.serve.auth import api_key_from_env
 
-    return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
+    return ServerConfig(served_model_name=args.served_model_name or model,
+                        api_key=args.api_key or api_key_from_env(),
                         host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints,
                         max_request_body_bytes=args.max_request_body_bytes)
 
