@@ -28,8 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsaserve.config import ConfigError
 from dsaserve.core import RequestError, SamplingParams
-from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from dsaserve.serve.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestStream,
+    StreamOverflowError,
+)
 from dsaserve.serve.auth import APIKeyMiddleware
+from dsaserve.serve.guard_metrics import GuardCollector
 from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
 from dsaserve.serve.middleware import BodySizeLimitMiddleware
@@ -90,8 +96,8 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowed", 413: "RequestTooLarge", 500: "InternalServerError",
-                503: "ServiceUnavailable"}
+                405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestTooLarge",
+                500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
@@ -193,7 +199,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        dead = self.finish_reason is None and self.stream.finished  # ended by EngineDeadError
+        # Ended by EngineDeadError (an overflow is an abort: the client's doing, not the engine's).
+        dead = self.finish_reason is None and self.stream.finished and not self.stream.overflowed
         self.stream.abort()
         reason = self.finish_reason or ("error" if dead else "abort")
         self._tracker.on_finish(reason, self.num_prompt_tokens)
@@ -301,6 +308,11 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name
     max_model_len = engine.config.scheduler.max_model_len
     metrics = ServerMetrics(model_name, engine.stats)
+    guards = GuardCollector(model_name)
+    guards.counter("stream_buffer_overflows", "Requests aborted because their client stopped "
+                   "reading (more than --max-stream-buffer outputs behind).",
+                   lambda: engine.num_stream_overflows)
+    metrics.registry.register(guards)
     app = FastAPI(title="dsaserve", version="0.1.0")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:  # added last: the outermost, so nothing runs for an unauthorized client
@@ -390,6 +402,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     yield frame
             except EngineDeadError as e:
                 yield _sse(error_body(500, f"engine failed: {e}"))
+            except StreamOverflowError as e:
+                yield _sse(error_body(408, str(e)))
             yield _SSE_DONE
 
         # Starlette cancels the body when the client disconnects, then runs the background task.
@@ -404,6 +418,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return await unless_disconnected(request, collect(gen))
         except EngineDeadError as e:
             raise APIError(500, f"engine failed: {e}") from e
+        except StreamOverflowError as e:
+            raise APIError(408, str(e)) from e
         finally:
             gen.close()
 

@@ -46,6 +46,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
                    help="larger request bodies get a 413 before they are parsed "
                    "(default: %(default)s, 32 MiB)")
+    s.add_argument("--max-stream-buffer", type=int_at_least(1), default=1024,
+                   help="engine outputs a stream may hold for a client that is not reading; past "
+                   "it the request is aborted (default: %(default)s)")
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     server_config = server_config_from_args(args, model,
                                             tuple(p.endpoint for p in publishers))
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(llm, max_stream_buffer=args.max_stream_buffer)
     try:
         app = create_app(engine, server_config)
         print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
