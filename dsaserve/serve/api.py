@@ -35,6 +35,7 @@ from dsaserve.serve.async_engine import (
     StreamOverflowError,
 )
 from dsaserve.serve.auth import APIKeyMiddleware
+from dsaserve.serve.drain import DrainMiddleware, DrainState
 from dsaserve.serve.guard_metrics import GuardCollector
 from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
@@ -315,8 +316,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     metrics.registry.register(guards)
     app = FastAPI(title="dsaserve", version="0.1.0")
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
-    if config.api_key:  # added last: the outermost, so nothing runs for an unauthorized client
+    if config.api_key:  # added late: outer, so nothing runs for an unauthorized client
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.state.drain = DrainState()  # started by the serving loop (drain.DrainingServer)
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
+    guards.gauge("draining", "1 while the server drains for shutdown.",
+                 lambda: app.state.drain.draining)
+    guards.counter("requests_refused_draining", "Requests refused (503) while draining.",
+                   lambda: app.state.drain.num_refused)
 
     # ---- errors --------------------------------------------------------------------------------
     @app.exception_handler(APIError)
