@@ -83,6 +83,8 @@ class Report:
     end: Sample  # after the clients stopped and the engine went idle
     rss_peak_mib: float | None
     rss_growth: float | None  # (end - start) / start
+    rss_series: list[tuple[float, float]]  # (seconds since the start, MiB) every ~10 s: a leak
+    # grows steadily; allocator high-water marks level off
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,11 +229,15 @@ async def soak(url: str, model: str, api_key: str, pid: int | None, clients: int
     start = await asyncio.to_thread(sample, url, pid, headers)
     # Served requests before this point were the warm-up's; the figures count the whole run.
     peak = start.rss_mib
+    series: list[tuple[float, float]] = []
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1.0)
         rss = rss_mib(pid)
         if rss is not None and peak is not None:
             peak = max(peak, rss)
+            now = time.monotonic() - begin
+            if not series or now - series[-1][0] >= 10:
+                series.append((round(now), round(rss)))
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - begin
     # The end: wait for the engine to go idle (aborts travel through its inbox).
@@ -249,7 +255,8 @@ async def soak(url: str, model: str, api_key: str, pid: int | None, clients: int
                   error_examples=tally.errors[:5], requests_per_s=tally.served / elapsed,
                   latency_p50_s=percentile(lat, 50), latency_p99_s=percentile(lat, 99),
                   ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99),
-                  start=start, end=end, rss_peak_mib=peak, rss_growth=growth)
+                  start=start, end=end, rss_peak_mib=peak, rss_growth=growth,
+                  rss_series=series)
 
 
 def print_report(r: Report) -> None:
@@ -266,6 +273,8 @@ def print_report(r: Report) -> None:
     growth = "-" if r.rss_growth is None else f"{100 * r.rss_growth:+.1f} %"
     print(f"  RSS after warm-up {mib(r.start.rss_mib)}, end {mib(r.end.rss_mib)} ({growth}), "
           f"peak {mib(r.rss_peak_mib)}")
+    if r.rss_series:
+        print("  RSS over time: " + ", ".join(f"{t:.0f} s {m:.0f}" for t, m in r.rss_series))
     print(f"  KV usage after warm-up {100 * r.start.kv_usage:.1f} % "
           f"({r.start.running:.0f} running), end {100 * r.end.kv_usage:.1f} % "
           f"({r.end.running:.0f} running, {r.end.waiting:.0f} waiting)")
