@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_harness import MODEL_NAME, serve
 
-from dsaserve.core import RequestOutput, SamplingParams
+from dsaserve.core import RequestError, RequestOutput, SamplingParams
 from dsaserve.engine.sampler import make_generator, sample
 from dsaserve.serve.api import Generation, ServerConfig, create_app, error_body, find_stop
 from dsaserve.serve.async_engine import RequestStream
@@ -56,6 +56,19 @@ def test_lone_surrogates_are_400_naming_the_field(client, path, body, where) -> 
     r = post_raw(client, path, body)
     assert r.status_code == 400, r.text
     assert f"{where}: a lone UTF-16 surrogate" in r.json()["error"]["message"]
+
+
+def test_engine_refuses_an_unencodable_salt_itself(engine) -> None:
+    """Offline callers and the router reach the engine without the HTTP check: the salt is hashed
+    in a step shared by every request, so the engine refuses it at admission (was: engine dead)."""
+
+    async def add() -> None:
+        await engine.add_request("salty", list(range(5, 45)), SamplingParams(max_tokens=2),
+                                 cache_salt="\ud800")
+
+    with pytest.raises(RequestError, match="cache_salt"):
+        asyncio.run(add())
+    assert engine.is_alive
 
 
 def test_find_lone_surrogate_paths() -> None:
