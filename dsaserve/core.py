@@ -18,6 +18,10 @@ class EngineDeadError(RuntimeError):
     been stopped and no request in flight can complete."""
 
 
+_GREEDY_TEMPERATURE = 1e-5  # vLLM's _SAMPLING_EPS
+_GREEDY_TOP_P = 1e-6
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens; validated on construction (a bad value raises RequestError)."""
@@ -49,7 +53,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding. Also below these values, where sampling is argmax in effect and its fp32
+        maths breaks (a step would fail for the whole batch): logits / 1e-38 overflow to inf, and a
+        top_p under fp32's smallest positive rounds to 0 and drops every token. With top_p < 1e-6
+        the nucleus is the top token alone for any vocabulary under 10^6 (its mass is ≥ 1/V)."""
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_p < _GREEDY_TOP_P
 
 
 class RequestStatus(enum.Enum):

@@ -94,6 +94,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        try:  # hashed as UTF-8 into the first block: a lone surrogate would fail a shared step
+            (cache_salt or "").encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError("cache_salt: a lone UTF-16 surrogate is not valid Unicode") from e
         self.scheduler.add_request(Request(
             request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
             arrival_time=time.monotonic(), cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from dsaserve.config import ModelConfig
+from dsaserve.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +43,10 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LISTED = 5
 
 
-class LoadError(ValueError):
-    """The checkpoint does not fit the module; the message names the offending tensor."""
+class LoadError(ConfigError):
+    """The checkpoint does not fit the module, or a shard cannot be read; the message names the
+    offending tensor and file. A ConfigError, so the CLIs report it as a start-up error, not a
+    traceback."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,11 +61,18 @@ def _weight_map(model_dir: str | Path) -> dict[str, Path]:
             raw = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise LoadError(f"{index}: not a safetensors index ({e!r})") from e
-        return {name: model_dir / fname for name, fname in raw.items()}
+        weight_map = {name: model_dir / fname for name, fname in raw.items()}
+        absent = sorted({p.name for p in weight_map.values() if not p.is_file()})
+        if absent:
+            raise LoadError(f"{index}: lists shards that are missing: {_listing(absent)}")
+        return weight_map
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except SafetensorError as e:
+            raise LoadError(f"{single}: unreadable ({e}): a truncated or corrupt shard?") from e
     raise LoadError(f"no checkpoint in {model_dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
 
 
@@ -167,9 +176,13 @@ class _ShardReader:
 
     def get(self, name: str) -> torch.Tensor:
         path = self._weight_map[name]
-        if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        return self._handles[path].get_tensor(name)
+        try:
+            if path not in self._handles:
+                self._handles[path] = self._stack.enter_context(
+                    safe_open(str(path), framework="pt"))
+            return self._handles[path].get_tensor(name)
+        except (OSError, SafetensorError) as e:
+            raise LoadError(f"{name}: unreadable ({e}): a truncated or corrupt shard?") from e
 
 
 def _read_dequantized(reader: _ShardReader, name: str, block: tuple[int, int]) -> torch.Tensor:
@@ -277,10 +290,13 @@ def _load(
                      disable=not progress):
         with _ShardReader(weight_map) as reader:
             for name in to_load[path]:
-                value = _read_dequantized(reader, name, block)
-                if narrow is not None:
-                    value = narrow(name, value)
-                _copy(_destination(name, targets), value, name)
+                try:
+                    value = _read_dequantized(reader, name, block)
+                    if narrow is not None:
+                        value = narrow(name, value)
+                    _copy(_destination(name, targets), value, name)
+                except LoadError as e:  # name the file too: it is the one to re-download
+                    raise LoadError(f"{e} (in {path})") from e
 
 
 def _listing(names: Iterable[str]) -> str:

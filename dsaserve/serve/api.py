@@ -2,7 +2,8 @@
 metrics. One app serves one model through one AsyncEngine.
 
 A request's life here:
-    1. authenticate (/v1/*), parse and type-check the body (pydantic; bad input → 400);
+    1. authenticate (all but /health), limit the body size (→ 413), parse and type-check the
+       body (pydantic; bad input or an unimplemented field → 400);
     2. render the chat template / tokenize off the event loop; build SamplingParams (→ 400);
     3. admission by the engine core (prompt too long → 400; engine dead → 503);
     4. outputs → incremental detokenization → stop strings → SSE chunks or one JSON body;
@@ -12,7 +13,6 @@ A request's life here:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
@@ -25,12 +25,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dsaserve.config import ConfigError
 from dsaserve.core import RequestError, SamplingParams
-from dsaserve.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from dsaserve.serve.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    RequestStream,
+    StreamOverflowError,
+)
+from dsaserve.serve.auth import APIKeyMiddleware
+from dsaserve.serve.drain import DrainMiddleware, DrainState
+from dsaserve.serve.guard_metrics import GuardCollector
+from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
+from dsaserve.serve.middleware import BodySizeLimitMiddleware
 from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
 from dsaserve.serve.protocol import (
     ChatChoice,
@@ -65,13 +74,16 @@ class ServerConfig:
     """The HTTP side of `dsaserve serve` (the engine has its own EngineConfig)."""
 
     served_model_name: str
-    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    api_key: str | None = None  # when set, all but /health need `Authorization: Bearer <key>`
     host: str = "127.0.0.1"
     port: int = 8000
     # Agent sessions idle between turns for minutes; a short keep-alive would cut their connections.
     timeout_keep_alive_s: int = 3600
     # ZMQ endpoints publishing KV events (one per DP replica; empty when disabled), for /kv_info.
     kv_events_endpoints: tuple[str, ...] = ()
+    # Larger bodies get a 413 before they are parsed. 32 MiB holds a 1M-token prompt as token ids
+    # (~7 bytes each in JSON) or as text.
+    max_request_body_bytes: int = 32 * 2**20
 
 
 class APIError(Exception):
@@ -85,11 +97,14 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowed", 500: "InternalServerError", 503: "ServiceUnavailable"}
+                405: "MethodNotAllowed", 408: "RequestTimeout", 413: "RequestTooLarge",
+                500: "InternalServerError", 503: "ServiceUnavailable"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> ErrorResponse:
     kind = _ERROR_TYPES.get(status, "Error")
+    # Messages may quote client text; a lone surrogate in it would make the error body unencodable.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
 
 
@@ -185,7 +200,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
-        dead = self.finish_reason is None and self.stream.finished  # ended by EngineDeadError
+        # Ended by EngineDeadError (an overflow is an abort: the client's doing, not the engine's).
+        dead = self.finish_reason is None and self.stream.finished and not self.stream.overflowed
         self.stream.abort()
         reason = self.finish_reason or ("error" if dead else "abort")
         self._tracker.on_finish(reason, self.num_prompt_tokens)
@@ -209,7 +225,16 @@ def _completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any], vocab_size
 
 
 def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
-                     num_prompt_tokens: int, max_model_len: int) -> SamplingParams:
+                     num_prompt_tokens: int, max_model_len: int,
+                     default_max_tokens: int | None = None) -> SamplingParams:
+    """`max_tokens` as the client sent it (None: absent); `default_max_tokens` replaces an absent
+    one, capped to the context (None: the rest of the context)."""
+    check_supported(body)
+    chat = isinstance(body, ChatCompletionRequest)
+    check_lengths(num_prompt_tokens, max_tokens, max_model_len,
+                  prompt_field="messages" if chat else "prompt",
+                  max_tokens_field="max_completion_tokens"
+                  if chat and body.max_completion_tokens is not None else "max_tokens")
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -218,8 +243,8 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only allowed when stream is true",
                        param="stream_options")
-    if max_tokens is None:  # the rest of the context, as vLLM does (the engine caps the total)
-        max_tokens = max(max_model_len - num_prompt_tokens, 1)
+    if max_tokens is None:  # the rest of the context, as vLLM does, or the default if shorter
+        max_tokens = min(max_model_len - num_prompt_tokens, default_max_tokens or max_model_len)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -275,23 +300,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-class _APIKeyMiddleware:
-    """401 for /v1/* without `Authorization: Bearer <key>` (checked before the body is parsed)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._expected):
-                message = "invalid or missing API key: send 'Authorization: Bearer <key>'"
-                await error_response(401, message)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     """The FastAPI app for one AsyncEngine; the caller owns the engine (and shuts it down)."""
     tokenizer = engine.tokenizer
@@ -301,13 +309,29 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name
     max_model_len = engine.config.scheduler.max_model_len
     metrics = ServerMetrics(model_name, engine.stats)
+    guards = GuardCollector(model_name)
+    guards.counter("stream_buffer_overflows", "Requests aborted because their client stopped "
+                   "reading (more than --max-stream-buffer outputs behind).",
+                   lambda: engine.num_stream_overflows)
+    metrics.registry.register(guards)
     app = FastAPI(title="dsaserve", version="0.1.0")
-    if config.api_key:
-        app.add_middleware(_APIKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    if config.api_key:  # added late: outer, so nothing runs for an unauthorized client
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    app.state.drain = DrainState()  # started by the serving loop (drain.DrainingServer)
+    app.add_middleware(DrainMiddleware, state=app.state.drain)
+    guards.gauge("draining", "1 while the server drains for shutdown.",
+                 lambda: app.state.drain.draining)
+    guards.counter("requests_refused_draining", "Requests refused (503) while draining.",
+                   lambda: app.state.drain.num_refused)
 
     # ---- errors --------------------------------------------------------------------------------
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestLimitError)
+    async def _limit_error(_: Request, e: RequestLimitError) -> JSONResponse:
         return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(RequestValidationError)
@@ -385,6 +409,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                     yield frame
             except EngineDeadError as e:
                 yield _sse(error_body(500, f"engine failed: {e}"))
+            except StreamOverflowError as e:
+                yield _sse(error_body(408, str(e)))
             yield _SSE_DONE
 
         # Starlette cancels the body when the client disconnects, then runs the background task.
@@ -399,6 +425,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             return await unless_disconnected(request, collect(gen))
         except EngineDeadError as e:
             raise APIError(500, f"engine failed: {e}") from e
+        except StreamOverflowError as e:
+            raise APIError(408, str(e)) from e
         finally:
             gen.close()
 
@@ -443,8 +471,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         stops = _stop_strings(body.stop)
         prompt_ids = await asyncio.to_thread(_completion_prompt, tokenizer, body.prompt,
                                              engine.config.model.vocab_size)
-        max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
+        params = _sampling_params(body, body.max_tokens, len(prompt_ids), max_model_len,
+                                  COMPLETION_DEFAULT_MAX_TOKENS)
         request_id = new_id("cmpl")
         gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
 

@@ -17,6 +17,11 @@ Continuous batching falls out of the loop: requests that arrive during a step jo
 If the engine raises, the core marks itself dead: every request in flight receives EngineDeadError,
 later requests are refused at once, and `is_alive` turns false (so /health fails). Nothing waits
 forever, because the death and every new registration are serialised by one lock.
+
+A stream holds at most `max_stream_buffer` outputs its consumer has not taken: a client that stops
+reading blocks its HTTP writer, not the engine, and once its backlog passes the bound the request
+is aborted (freeing its KV blocks) and its buffer dropped; the consumer, if it ever reads again,
+gets StreamOverflowError. Memory per stream is bounded whatever the client does.
 """
 
 from __future__ import annotations
@@ -82,7 +87,13 @@ class Admitted:
     """The engine accepted the request (sent before any output, so errors can still be a 400)."""
 
 
-StreamItem = Admitted | RequestOutput | RequestError | EngineDeadError
+class StreamOverflowError(RuntimeError):
+    """The consumer fell more than `max_stream_buffer` outputs behind; the request was aborted."""
+
+
+StreamItem = Admitted | RequestOutput | RequestError | EngineDeadError | StreamOverflowError
+# Outputs (engine steps) one stream may hold unread: seconds of a client's stall at any step time.
+DEFAULT_MAX_STREAM_BUFFER = 1024
 
 
 class RequestStream:
@@ -97,13 +108,32 @@ class RequestStream:
     ) -> None:
         self.request_id = request_id
         self.loop = loop
-        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()  # bounded by _put
         self.finished = False
+        self.overflowed = False
         self._owner = owner
+
+    def _put(self, item: StreamItem) -> None:
+        """On the stream's loop: enqueue, or abort the request once its consumer is too far
+        behind. Items that end the stream are always taken, so the consumer always sees an end."""
+        if self.overflowed:
+            return  # aborted: late outputs of the request are dropped
+        if (isinstance(item, RequestOutput) and not item.finished
+                and self.queue.qsize() >= self._owner.max_stream_buffer):
+            self.overflowed = True
+            while not self.queue.empty():  # free the backlog now, not when the client returns
+                self.queue.get_nowait()
+            self.queue.put_nowait(StreamOverflowError(
+                f"the client fell {self._owner.max_stream_buffer} outputs behind; "
+                "the request was aborted"))
+            self._owner.num_stream_overflows += 1
+            self._owner._abort(self.request_id)  # not abort(): the consumer must still see why
+            return
+        self.queue.put_nowait(item)
 
     async def _next(self) -> StreamItem:
         item = await self.queue.get()
-        if isinstance(item, RequestError | EngineDeadError):
+        if isinstance(item, RequestError | EngineDeadError | StreamOverflowError):
             self.finished = True
             raise item
         if isinstance(item, RequestOutput) and item.finished:
@@ -132,8 +162,11 @@ class AsyncEngine:
     Started on construction; `shutdown()` stops the thread (requests in flight get EngineDeadError).
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER) -> None:
         self._engine = engine
+        self.max_stream_buffer = max_stream_buffer
+        self.num_stream_overflows = 0  # requests aborted for a slow consumer (event-loop side)
         self._inbox: queue.Queue[EngineCoreMessage] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # registered by loops, popped by either side
         self._live: set[str] = set()  # ids the engine holds; touched by the core thread only
@@ -310,4 +343,4 @@ class AsyncEngine:
 
 def _deliver(batch: list[tuple[RequestStream, StreamItem]]) -> None:
     for stream, item in batch:
-        stream.queue.put_nowait(item)
+        stream._put(item)

@@ -30,6 +30,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
+    return value
+
+
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("model_positional", nargs="?", default=None, metavar="MODEL",
                    help=f"model directory or built-in preset (default: {DEFAULT_MODEL})")
@@ -41,7 +51,17 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: MODEL as given)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer <key>' on /v1/* requests")
+                   help="require 'Authorization: Bearer <key>' on every route but /health "
+                   "(default: $DSASERVE_API_KEY, else $VLLM_API_KEY, else none)")
+    s.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,
+                   help="larger request bodies get a 413 before they are parsed "
+                   "(default: %(default)s, 32 MiB)")
+    s.add_argument("--max-stream-buffer", type=int_at_least(1), default=1024,
+                   help="engine outputs a stream may hold for a client that is not reading; past "
+                   "it the request is aborted (default: %(default)s)")
+    s.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
+                   "finish for up to this long, then end them (default: %(default)s; 0: at once)")
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
@@ -68,9 +88,12 @@ def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig:
 def server_config_from_args(args: argparse.Namespace, model: str,
                             kv_events_endpoints: tuple[str, ...] = ()) -> ServerConfig:
     from dsaserve.serve.api import ServerConfig
+    from dsaserve.serve.auth import api_key_from_env
 
-    return ServerConfig(served_model_name=args.served_model_name or model, api_key=args.api_key,
-                        host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints)
+    return ServerConfig(served_model_name=args.served_model_name or model,
+                        api_key=args.api_key or api_key_from_env(),
+                        host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints,
+                        max_request_body_bytes=args.max_request_body_bytes)
 
 
 def model_from_args(args: argparse.Namespace) -> str:
@@ -89,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from dsaserve.kv.events import attach_kv_event_publishers
     from dsaserve.serve.api import create_app
     from dsaserve.serve.async_engine import AsyncEngine
+    from dsaserve.serve.drain import DrainingServer
 
     model = model_from_args(args)
     engine_config = engine_config_from_args(args, model)
@@ -101,14 +125,17 @@ def run(args: argparse.Namespace) -> int:
         raise
     server_config = server_config_from_args(args, model,
                                             tuple(p.endpoint for p in publishers))
-    engine = AsyncEngine(llm)
+    engine = AsyncEngine(llm, max_stream_buffer=args.max_stream_buffer)
     try:
         app = create_app(engine, server_config)
         print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
               f"on http://{server_config.host}:{server_config.port}", file=sys.stderr)
-        uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    timeout_keep_alive=server_config.timeout_keep_alive_s,
-                    timeout_graceful_shutdown=30, log_level="warning")
+        # The drain has let requests finish (or ended them); uvicorn's own wait is a backstop.
+        config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
+                                timeout_keep_alive=server_config.timeout_keep_alive_s,
+                                timeout_graceful_shutdown=10, log_level="warning")
+        DrainingServer(config, app.state.drain, args.shutdown_timeout,
+                       on_timeout=engine.shutdown).run()
     finally:
         engine.shutdown()
         for publisher in publishers:

@@ -1,7 +1,8 @@
 """OpenAI request and response bodies (pydantic), plus vLLM's extensions that benchmarks send.
 
 Requests accept unknown fields (clients send many we do not use) but type-check every field we read;
-values are range-checked once, by `SamplingParams`, so the messages match offline use.
+values are range-checked once, by `SamplingParams`, so the messages match offline use. No string in
+a body may hold a lone UTF-16 surrogate (valid JSON, invalid Unicode: tokenizers cannot encode it).
 Responses mirror OpenAI's JSON so the official client parses them unmodified.
 """
 
@@ -9,13 +10,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
+
+from dsaserve.serve.limits import find_lone_surrogate, unsupported
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := find_lone_surrogate(data)) is not None:
+            raise PydanticCustomError("lone_surrogate", "{where}: a lone UTF-16 surrogate is not "
+                                      "valid Unicode text", {"where": where})
+        return data
 
 
 class StreamOptions(_Request):
@@ -42,16 +54,78 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Accepted and ignored: they ask nothing of generation.
+    user: str | None = None  # OpenAI: an end-user id for abuse monitoring
+    metadata: dict[str, Any] | None = None  # OpenAI: tags for stored completions
+    service_tier: str | None = None  # OpenAI: a billing tier
+    # Declared so the schema lists them; anything but "off" is a 400 (dsaserve.serve.limits).
+    logit_bias: Any = unsupported({}, why="no logit processors")
+    best_of: Any = unsupported(1, why="one sequence per request")
+    store: Any = unsupported(False, why="nothing is stored")
+    priority: Any = unsupported(0, why="first-come, first-served scheduling")
+    response_format: Any = unsupported({"type": "text"}, why="no structured output")
+    structured_outputs: Any = unsupported(why="no structured output")  # vLLM's, and its guided_*
+    guided_json: Any = unsupported(why="no structured output")
+    guided_regex: Any = unsupported(why="no structured output")
+    guided_choice: Any = unsupported(why="no structured output")
+    guided_grammar: Any = unsupported(why="no structured output")
+    min_p: Any = unsupported(0, why="sampling has temperature, top_p and top_k")
+    repetition_penalty: Any = unsupported(1, why="no penalties")
+    use_beam_search: Any = unsupported(False, why="no beam search")
+    length_penalty: Any = unsupported(1, why="no beam search")
+    bad_words: Any = unsupported([], why="no logit processors")
+    allowed_token_ids: Any = unsupported(why="no logit processors")
+    prompt_logprobs: Any = unsupported(why="no logprobs")
+    include_stop_str_in_output: Any = unsupported(False, why="stop strings are always cut")
+    skip_special_tokens: Any = unsupported(True, why="special tokens are always skipped")
+    spaces_between_special_tokens: Any = unsupported(True, why="special tokens are skipped")
+    truncate_prompt_tokens: Any = unsupported(why="a prompt beyond the context is a 400")
+
+
+# Messages stay plain dicts (the chat template validates them, with messages that name the
+# offending message); the schema documents what the template understands.
+_CONTENT_PART = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_MESSAGES_SCHEMA = {
+    "type": "array", "minItems": 1, "title": "Messages",
+    "items": {"type": "object", "required": ["role"], "additionalProperties": True, "properties": {
+        "role": {"enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART},
+                              {"type": "null"}]},
+        "name": {"type": "string"},
+    }},
+}
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)] = Field(
+        min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's successor of max_tokens
+    logprobs: Any = unsupported(False, why="no logprobs")
+    top_logprobs: Any = unsupported(0, why="no logprobs")
+    tools: Any = unsupported([], why="no tool calling")
+    tool_choice: Any = unsupported("none", why="no tool calling")
+    parallel_tool_calls: Any = unsupported(False, True, why="no tool calling")
+    functions: Any = unsupported([], why="no tool calling")
+    function_call: Any = unsupported("none", why="no tool calling")
+    modalities: Any = unsupported(["text"], why="text only")
+    audio: Any = unsupported(why="text only")
+    prediction: Any = unsupported(why="no predicted outputs")
+    reasoning_effort: Any = unsupported(why="the chat template takes no options")
+    web_search_options: Any = unsupported(why="no tools")
+    chat_template: Any = unsupported(why="the model's template is used")
+    chat_template_kwargs: Any = unsupported({}, why="the chat template takes no options")
+    add_generation_prompt: Any = unsupported(True, why="the assistant turn is always opened")
+    continue_final_message: Any = unsupported(False, why="the assistant turn is always opened")
+    documents: Any = unsupported(why="the chat template takes no options")
+    echo: Any = unsupported(False, why="the prompt is never echoed")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: Any = unsupported(why="no logprobs")  # an int here: 0 still asks for logprobs
+    suffix: Any = unsupported("", why="no insertion")
 
 
 # ------------------------------------------------------------------------------------------------
