@@ -90,7 +90,9 @@ class BackendPool:
         self.by_url = {b.url: b for b in self.backends}
         self._on_recovered = on_recovered
         self._on_info = on_info
-        self._client = httpx.AsyncClient(timeout=config.health_check_timeout_s)
+        key = config.backend_api_key
+        auth = {"Authorization": f"Bearer {key}"} if key else None
+        self._client = httpx.AsyncClient(timeout=config.health_check_timeout_s, headers=auth)
         self._task: asyncio.Task[None] | None = None
 
     def healthy(self) -> list[Backend]:

@@ -19,6 +19,7 @@ from dsaserve.router.scoring import (
     DEFAULT_QUEUE_WEIGHT,
     ScoringWeights,
 )
+from dsaserve.serve.auth import api_key_from_env
 
 _DEFAULTS = RouterConfig(backends=("http://127.0.0.1:8000",))
 
@@ -45,6 +46,9 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     w.add_argument("--queue-weight", type=float, default=DEFAULT_QUEUE_WEIGHT)
     w.add_argument("--kv-cache-weight", type=float, default=DEFAULT_KV_WEIGHT)
     w.add_argument("--active-request-weight", type=float, default=DEFAULT_ACTIVE_WEIGHT)
+    p.add_argument("--backend-api-key", default=None, metavar="KEY",
+                   help="the backends' --api-key, for the router's own calls to them (default: "
+                        "$DSASERVE_API_KEY, else $VLLM_API_KEY); clients send their own")
     lim = p.add_argument_group("limits and faults")
     lim.add_argument("--prefix-index-capacity", type=int, default=d.prefix_index_capacity,
                      help="approximate index: block hashes kept per backend (LRU)")
@@ -86,7 +90,8 @@ def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout, connect_timeout_s=args.connect_timeout,
         health_check_interval_s=args.health_check_interval,
         health_check_max_backoff_s=args.health_check_max_backoff,
-        load_scrape_interval_s=args.load_scrape_interval)
+        load_scrape_interval_s=args.load_scrape_interval,
+        backend_api_key=args.backend_api_key or api_key_from_env())
 
 
 def run(args: argparse.Namespace) -> int:

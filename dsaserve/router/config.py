@@ -34,6 +34,9 @@ class RouterConfig:
     load_scrape_interval_s: float = 0.5  # /metrics of every healthy backend
     # Agent sessions idle between turns for minutes; a short keep-alive would cut their connections.
     timeout_keep_alive_s: int = 3600
+    # Sent on the router's own calls (/kv_info, /metrics, /v1/models) to backends started with
+    # --api-key; proxied requests carry the client's own Authorization header.
+    backend_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.backends:

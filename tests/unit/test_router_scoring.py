@@ -254,3 +254,28 @@ def test_each_dp_replica_publishes_on_its_own_port_and_the_subscriber_follows() 
         for p in publishers:
             p.close()
     assert attach_kv_event_publishers(engine, KVEventsConfig()) == []  # disabled: nothing bound
+
+
+def test_the_router_sends_the_backends_key_on_its_own_calls(monkeypatch) -> None:
+    """Backends started with --api-key guard /kv_info and /metrics: the router's own client
+    carries --backend-api-key (or the same environment variables serve reads), never logged."""
+    import asyncio
+
+    import argparse
+
+    from dsaserve.router.backends import BackendPool
+    from dsaserve.router.cli import add_parser, router_config_from_args
+
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["router", "--backend", "http://127.0.0.1:9"])
+    config = router_config_from_args(args)
+    assert config.backend_api_key == "from-env" and "from-env" not in repr(config)
+    backends = BackendPool(RouterConfig(backends=("http://127.0.0.1:9",), backend_api_key="k"))
+    assert backends._client.headers["authorization"] == "Bearer k"
+    asyncio.run(backends._client.aclose())
+    monkeypatch.delenv("VLLM_API_KEY")
+    plain = BackendPool(RouterConfig(backends=("http://127.0.0.1:9",)))
+    assert "authorization" not in plain._client.headers
+    asyncio.run(plain._client.aclose())
