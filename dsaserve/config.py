@@ -21,6 +21,17 @@ class ConfigError(ValueError):
     """A configuration value is missing or invalid; the message names the field."""
 
 
+def json_object(text: str, flag: str) -> dict[str, Any]:
+    """A flag's JSON object (vLLM's --*-config flags); ConfigError naming the flag otherwise."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: invalid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{flag}: expected a JSON object")
+    return raw
+
+
 # Defaults of the Hugging Face config classes (transformers 5.23) for keys a config.json may omit.
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "glm_moe_dsa": dict(
@@ -396,12 +407,7 @@ class AttentionConfig:
     def from_json(text: str | None, backend: str = "reference") -> AttentionConfig:
         if not text:
             return AttentionConfig(backend=backend)
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"--attention-config: invalid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError("--attention-config: expected a JSON object")
+        raw = json_object(text, "--attention-config")
         known = {"backend", "sparse_mla_force_mqa"}
         unknown = set(raw) - known
         if unknown:
@@ -543,12 +549,7 @@ class SpecConfig:
         flag = "--speculative-config"
         if not text:
             return None
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag}: invalid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{flag}: expected a JSON object")
+        raw = json_object(text, flag)
         known = {"method", "num_speculative_tokens", "rejection_sample_method",
                  "synthetic_acceptance_length", "synthetic_acceptance_rates"}
         unknown = set(raw) - known
@@ -701,12 +702,7 @@ class OffloadConfig:
 
 def _transfer_config_bytes(text: str) -> int:
     flag = "--kv-transfer-config"
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{flag}: not valid JSON ({e.msg})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{flag}: expected a JSON object")
+    raw = json_object(text, flag)
     if raw.get("kv_connector") != OFFLOAD_CONNECTOR:
         raise ConfigError(
             f"{flag}: kv_connector must be {OFFLOAD_CONNECTOR!r}, got {raw.get('kv_connector')!r}"
