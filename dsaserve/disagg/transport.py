@@ -402,21 +402,32 @@ class ShmTransport(KVTransport):
 
     def _check_peer_alive(self, peer: str) -> None:
         """A peer is gone when its process is (same machine), or when it closed the connection
-        it notifies us on; notifications it sent before remain readable."""
-        with self._lock:
-            if self._inbox.get(peer):  # unread mail: read it before declaring the peer gone
-                return
-            gone = peer in self._gone  # its connection closed, every frame before read
-            connected = peer in self._senders
-        if not gone and not connected:  # no connection to drain: ask the process table
-            try:
-                os.kill(self._pids[peer], 0)
-            except ProcessLookupError:
-                gone = True
-            except (KeyError, PermissionError):  # unknown pid, or alive as another user
-                pass
-        if gone:
-            raise TransferError(f"{self.name}: peer {peer!r} is gone (its process exited)")
+        it notifies us on; notifications it sent before remain readable. A peer whose process
+        exited while its connection is still being drained is given a moment, so that what it
+        sent is read first (the reader thread marks the connection closed)."""
+        deadline = time.monotonic() + 1.0
+        while True:
+            with self._lock:
+                if self._inbox.get(peer):  # unread mail: read it before declaring the peer gone
+                    return
+                gone = peer in self._gone  # its connection closed, every frame before read
+                connected = peer in self._senders
+            if not gone:
+                if not self._process_exited(peer):
+                    return
+                gone = not connected or time.monotonic() > deadline
+            if gone:
+                raise TransferError(f"{self.name}: peer {peer!r} is gone (its process exited)")
+            time.sleep(0.01)
+
+    def _process_exited(self, peer: str) -> bool:
+        try:
+            os.kill(self._pids[peer], 0)
+        except ProcessLookupError:
+            return True
+        except (KeyError, PermissionError):  # unknown pid, or alive as another user
+            pass
+        return False
 
     def close(self) -> None:
         if self._closed:

@@ -259,9 +259,8 @@ def test_each_dp_replica_publishes_on_its_own_port_and_the_subscriber_follows() 
 def test_the_router_sends_the_backends_key_on_its_own_calls(monkeypatch) -> None:
     """Backends started with --api-key guard /kv_info and /metrics: the router's own client
     carries --backend-api-key (or the same environment variables serve reads), never logged."""
-    import asyncio
-
     import argparse
+    import asyncio
 
     from dsaserve.router.backends import BackendPool
     from dsaserve.router.cli import add_parser, router_config_from_args
