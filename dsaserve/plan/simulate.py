@@ -7,10 +7,12 @@ simulated clock, the model runner replaced by the step-time model (plan/steptime
           └──────── request finished ◄── Scheduler.update_from_output(sampled tokens)
 
 What is real: admission, chunked prefill, the token budget, preemption, prefix-cache hits and
-evictions (the KVCacheManager and BlockPool, with the KV blocks a GPU of the layout holds), and
-the prefix router's lookups (the replicas' real block pools). What is modelled: each step's
-duration. AgentX's concurrency semantics: c session slots; a slot runs its session's turns in
-order, each after the previous one ends plus its think time, then takes the next session.
+evictions (the KVCacheManager and BlockPool, with the KV blocks a GPU of the layout holds), the
+host KV tier's OffloadManager, MTP's draft scheduling and synthetic acceptance rule, and
+`dsaserve router`'s pick over the replicas' real block pools. What is modelled: each step's
+duration, and each host copy's (the host link). AgentX's concurrency semantics: c session slots;
+a slot runs its session's turns in order, each after the previous one ends plus its think time,
+then takes the next session.
 """
 
 from __future__ import annotations
