@@ -207,6 +207,8 @@ class ModelRunner:
         # 0. host-tier copies start first and overlap the forward (kv/copier.py)
         if self.copier is not None:
             self.copier.start(so)
+            if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps
+                self.copier.wait_for_one()
             return self.copier.report(self._execute(so))
         return self._execute(so)
 

@@ -71,6 +71,13 @@ class KVCopier:
                 self.num_done[kind] += 1
         return self.num_done["load"], self.num_done["store"]
 
+    def wait_for_one(self) -> None:
+        """Block until the oldest copy in flight lands: for a step with nothing to compute, so
+        that an engine waiting only on copies sleeps instead of spinning empty steps."""
+        pending = [p[0][1] for p in self._pending.values() if p and p[0][1] is not None]
+        if pending:
+            pending[0].synchronize()
+
     def report(self, output: ModelRunnerOutput) -> ModelRunnerOutput:
         loads, stores = self.poll()
         return replace(output, num_kv_loads_done=loads, num_kv_stores_done=stores)
