@@ -56,7 +56,7 @@ class FakeRunner:
         self.kv: list[list[tuple[int, int] | None]] = [[None] * slots for _ in range(dcp_size)]
         self.reqs: dict[str, _RunnerReq] = {}
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             self.reqs.pop(rid, None)
         for new in so.new_requests:
@@ -70,6 +70,9 @@ class FakeRunner:
                 del st.block_ids[c.num_kept_blocks :]
             st.block_ids += c.new_block_ids
             st.num_computed_tokens = c.num_computed_tokens
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diff(so)
         sampled: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
             st, req = self.reqs[rid], self.sched.requests[rid]
@@ -492,18 +495,7 @@ class SpecFakeRunner(FakeRunner):
                     self.kv[r][slot] = (p, t)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in so.finished_request_ids:
-            self.reqs.pop(rid, None)
-        for new in so.new_requests:
-            self.reqs[new.request_id] = _RunnerReq(list(new.token_ids), list(new.block_ids),
-                                                   new.num_computed_tokens)
-        for c in so.cached_requests:
-            st = self.reqs[c.request_id]
-            st.token_ids += c.new_token_ids
-            if c.num_kept_blocks is not None:
-                del st.block_ids[c.num_kept_blocks :]
-            st.block_ids += c.new_block_ids
-            st.num_computed_tokens = c.num_computed_tokens
+        self._apply_diff(so)
         sampled: dict[str, list[int]] = {}
         drafts: dict[str, list[int]] = {}
         for rid, n in so.num_scheduled_tokens.items():
