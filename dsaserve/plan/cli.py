@@ -414,7 +414,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weight format (default: %(default)s, 128x128 block scales)")
     m.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                    help="fraction of HBM the engine may use (default: %(default)s)")
-    m.add_argument("--activation-reserve-gib", type=_non_negative_float, default=4.0,
+    m.add_argument("--activation-reserve-gib", type=_non_negative_float,
+                   default=cm.DEFAULT_ACTIVATION_RESERVE_GIB,
                    metavar="GIB",
                    help="HBM kept for activations and temporaries (default %(default)s GiB: "
                         "one layer's 1M-token context gathered in bf16, 1.1 GiB, plus an "

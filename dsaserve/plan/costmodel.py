@@ -40,6 +40,9 @@ FP32 = 4
 # Pages of 64 tokens each request keeps resident per MLA layer while it reads the rest from the host
 # pool (the write tail: the page being filled and the one before it).
 HISPARSE_TAIL_PAGES = 2
+# HBM kept for activations and temporaries: one layer's 1M-token context gathered in bf16
+# (1.1 GiB) plus an 8K-token step's activations (`dsaserve plan` and `simulate`).
+DEFAULT_ACTIVATION_RESERVE_GIB = 4.0
 PAGE_TOKENS = 64
 
 

@@ -17,10 +17,10 @@ then takes the next session.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import statistics
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +47,6 @@ from dsaserve.spec.rejection import num_accepted_drafts
 
 # Calibration: (replica index, its step's SchedulerOutput) → (wall seconds, the runner's output).
 MeasureStep = Callable[[int, SchedulerOutput], tuple[float, ModelRunnerOutput]]
-ACTIVATION_RESERVE = 4 << 30  # as `dsaserve plan`'s default: one layer's 1M context in bf16 + slack
 SAMPLED_TOKEN = 1  # what the simulated runner "samples" (requests ignore EOS, as AgentX's do)
 
 
@@ -88,7 +87,6 @@ class SimResult:
     num_steps: int
     max_context: int  # the longest context one replica can hold
     kv_blocks: int  # KV blocks of one replica (scheduler blocks of block_size × dcp tokens)
-    end_time: float
     schedulers: list[Scheduler] = field(repr=False, default_factory=list)
 
     def summary(self) -> dict[str, float | int | str]:
@@ -154,22 +152,28 @@ class Replica:
         self.scheduler = scheduler
         self.num_routed = 0  # requests the router sent here
         self.copy_seconds_per_block = copy_seconds_per_block
-        self.done_at: dict[str, list[float]] = {"load": [], "store": []}  # per job, in job order
+        # Per direction: landing times of the jobs in flight (in job order), jobs landed so far.
+        self._in_flight: dict[str, deque[float]] = {"load": deque(), "store": deque()}
+        self._num_landed = {"load": 0, "store": 0}
 
     def start_copies(self, so: SchedulerOutput, now: float) -> None:
         for kind, jobs in (("load", so.kv_loads), ("store", so.kv_stores)):
-            times = self.done_at[kind]
-            for job in jobs:
+            times = self._in_flight[kind]
+            for job in jobs:  # one stream per direction: a job starts when the last one landed
                 start = max(now, times[-1]) if times else now
                 times.append(start + len(job.gpu_block_ids) * self.copy_seconds_per_block)
 
     def copies_done(self, kind: str, now: float) -> int:
-        return bisect.bisect_right(self.done_at[kind], now)
+        """Jobs of `kind` landed by `now` (what the runner reports: a count since the start)."""
+        times = self._in_flight[kind]
+        while times and times[0] <= now:
+            times.popleft()
+            self._num_landed[kind] += 1
+        return self._num_landed[kind]
 
-    def next_copy(self, now: float) -> float | None:
+    def next_copy(self) -> float | None:
         """When the next copy in flight lands (None: none is)."""
-        pending = [t for times in self.done_at.values() for t in times if t > now]
-        return min(pending, default=None)
+        return min((t[0] for t in self._in_flight.values() if t), default=None)
 
 
 class Simulator:
@@ -246,7 +250,6 @@ class Simulator:
     def run(self) -> SimResult:
         for slot in range(self.concurrency):
             self._start_session(slot, 0.0)
-        now = 0.0
         while self._events:
             now, _, kind, payload = heapq.heappop(self._events)
             if kind == "arrive":
@@ -259,7 +262,7 @@ class Simulator:
         return SimResult(deployment=self.deployment, concurrency=self.concurrency,
                          records=list(self._records.values()), rejected=self._rejected,
                          busy=self._total, num_steps=self._num_steps,
-                         max_context=self.max_context, kv_blocks=self.kv_blocks, end_time=now,
+                         max_context=self.max_context, kv_blocks=self.kv_blocks,
                          schedulers=[r.scheduler for r in self.replicas])
 
     def _push(self, t: float, kind: str, payload: object) -> None:
@@ -329,7 +332,7 @@ class Simulator:
                  for b, d in zip(batches, drafting, strict=True)]
         duration = max(t.total for t in times)
         if not any(so.num_scheduled_tokens for so in outputs):  # only copies in flight: wait
-            landing = [t for r in group if (t := r.next_copy(now)) is not None]
+            landing = [t for r in group if (t := r.next_copy()) is not None]
             duration = max(min(landing, default=now) - now, 0.0)
         ran: list[ModelRunnerOutput | None] = [None] * len(group)
         if self.measure is not None:  # calibration: real runners, the wall clock
@@ -438,7 +441,7 @@ def replica_kv_capacity(model: ModelConfig, deployment: Deployment,
     kv = cm.kv_bytes_per_token(model, deployment.kv_dtype)
     weights = cm.weight_bytes_per_gpu(cm.weight_bytes(model), par)
     budget = cm.MemoryBudget(parts.hbm_bytes, deployment.gpu_memory_utilization, weights,
-                             ACTIVATION_RESERVE)
+                             int(cm.DEFAULT_ACTIVATION_RESERVE_GIB * 2**30))
     blocks = budget.kv_room // (deployment.block_size * kv.total) if budget.kv_room > 0 else 0
     if blocks < 1:
         raise ConfigError(f"--deployment {deployment.spec!r}: the weights ({weights / 2**30:.1f} "

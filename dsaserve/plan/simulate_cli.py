@@ -21,6 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dsaserve.config import ConfigError
+from dsaserve.plan.cli import _positive_float
 from dsaserve.plan.deployment import parse_deployment
 from dsaserve.plan.hardware import GIB
 from dsaserve.plan.parts import H200, Curve, Measured, Parts
@@ -47,23 +48,10 @@ COLUMNS = (  # (summary key, header, format)
 
 
 def _concurrencies(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers joined by ',', got {text!r}")
-    return values
+    """Positive integers joined by ',' (argparse names the flag)."""
+    from dsaserve.plan.cli import _positive_int
 
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    return tuple(_positive_int(v) for v in text.split(","))
 
 
 def add_parser(subparsers: Any) -> None:
@@ -77,11 +65,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default="glm-5.3",
                    help="a preset (glm-5.3, deepseek-v3.2, tiny-glm5, tiny-dsv32) or a config.json")
     p.add_argument("--gpu", default="h200", choices=sorted(PARTS))
-    p.add_argument("--hbm-gib", type=_positive, default=None,
+    p.add_argument("--hbm-gib", type=_positive_float, default=None,
                    help="GPU memory to plan with (default: the GPU's)")
     p.add_argument("--concurrency", type=_concurrencies, default=(8,),
                    help="session slots, e.g. 8,16,32 (default: 8)")
-    p.add_argument("--duration", type=_positive, default=None,
+    p.add_argument("--duration", type=_positive_float, default=None,
                    help="stop starting turns after S simulated seconds (default: whole workload)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", default=None, metavar="FILE",
