@@ -10,6 +10,17 @@ A request's life here:
        max_retries; after that the client gets a clear error (502/503 JSON, or an SSE error frame);
     5. stream the backend's bytes through; a client that leaves closes the upstream stream, which
        makes `serve` abort the request and free its KV blocks.
+
+P/D (`--prefill ... --decode ...`), vLLM's two-step protocol, so that the engines behind could be
+vLLM's as well as ours: step 4 becomes
+    4a. prefill: pick a prefill engine (prefix + load scores over the prefill engines), send it the
+        request as a one-token, non-streaming completion with `kv_transfer_params:
+        {"do_remote_decode": true}`; its answer carries the params that locate the KV;
+    4b. decode: pick a decode engine (the same scores over the decode engines: one that still
+        holds the session's prefix pulls only the new blocks), send it the client's request with
+        those params, and stream its answer as in 5.
+A 4xx from the prefill engine is the client's answer; a prefill engine that answers without
+params is a 502 naming it (started without a KV connector).
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +41,7 @@ from starlette.background import BackgroundTask
 
 from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.router.backends import Backend, BackendPool
-from dsaserve.router.config import RouterConfig
+from dsaserve.router.config import Role, RouterConfig
 from dsaserve.router.events import KVEventSubscriber
 from dsaserve.router.metrics import RouterMetrics
 from dsaserve.router.policy import Decision, Picker
@@ -42,6 +54,22 @@ logger = logging.getLogger(__name__)
 _FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 BACKEND_HEADER = "x-dsaserve-backend"  # which backend served the response (debugging, tests)
 PREFIX_HEADER = "x-dsaserve-prefix-match"  # "matched/total" blocks the choice was scored with
+PREFILL_HEADER = "x-dsaserve-prefill-backend"  # P/D: which prefill engine made the KV
+
+# What a prefill request asks for (vLLM's field names): compute the prompt's KV, keep it for a
+# decode engine to pull, return where it is. The remote_* fields are the producer's to fill.
+PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as its P/D prefill step: one token, no stream, the KV kept."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(kv_transfer_params=dict(PREFILL_KV_TRANSFER_PARAMS), stream=False, max_tokens=1)
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
 
 
 class RouterError(Exception):
@@ -194,7 +222,12 @@ class Router:
             hashes = await self.block_hashes(path, body)
             stream = bool(body.get("stream"))
             headers = {k: v for k, v in request.headers.items() if k in _FORWARDED_HEADERS}
-            response = await self._send(request, path, raw, headers, hashes, stream, release)
+            if self.config.disaggregated:
+                response = await self._send_pd(request, path, body, headers, hashes, stream,
+                                               release)
+            else:
+                response = await self._send(request, path, raw, headers, hashes, stream,
+                                            release)
         except BaseException:
             release()
             raise
@@ -202,13 +235,41 @@ class Router:
             release()  # a streaming response releases its slot when it ends
         return response
 
+    async def _send_pd(self, request: Request, path: str, body: dict[str, Any],
+                       headers: dict[str, str], hashes: dict[int, list[bytes]], stream: bool,
+                       release: Callable[[], None]) -> Response:
+        """Steps 4a and 4b: prefill on one engine, decode on another with its kv_transfer_params."""
+        t0 = time.monotonic()
+        prefill = await self._send(request, path, json.dumps(prefill_body(body)).encode(),
+                                   headers, hashes, False, lambda: None, role="prefill")
+        self.metrics.pd_prefill_seconds.observe(time.monotonic() - t0)
+        if prefill.status_code != 200:
+            return prefill  # the client's mistake (4xx) or no prefill engine could do it (5xx)
+        prefill_url = prefill.headers.get(BACKEND_HEADER, "?")
+        try:
+            params = json.loads(bytes(prefill.body))["kv_transfer_params"]
+            if not isinstance(params, dict):
+                raise TypeError(type(params).__name__)
+        except (ValueError, KeyError, TypeError) as e:
+            self.metrics.proxy_errors.labels(prefill_url, "no_kv_transfer_params").inc()
+            return error_response(502, f"router: prefill backend {prefill_url} answered without "
+                                  f"kv_transfer_params ({type(e).__name__}); is it started with "
+                                  f"--kv-transfer-config and a KV connector?")
+        decode_raw = json.dumps({**body, "kv_transfer_params": params}).encode()
+        response = await self._send(request, path, decode_raw, headers, hashes, stream, release,
+                                    role="decode")
+        response.headers[PREFILL_HEADER] = prefill_url
+        return response
+
     async def _send(self, request: Request, path: str, raw: bytes, headers: dict[str, str],
                     hashes: dict[int, list[bytes]], stream: bool,
-                    release: Callable[[], None]) -> Response:
+                    release: Callable[[], None], role: Role = "both") -> Response:
+        """Forward to one backend of `role`, retrying others before anything was streamed."""
         tried: list[str] = []
         last_error = "no healthy backend"
+        candidates = self.pool.with_role(role)
         for attempt in range(self.config.max_retries + 1):
-            decision = self.picker.choose(self.pool.backends, hashes, exclude=tried)
+            decision = self.picker.choose(candidates, hashes, exclude=tried)
             if decision is None:
                 break
             b = decision.backend
@@ -232,7 +293,8 @@ class Router:
             last_error = f"{b.url}: {result}"
         if not tried:
             self.metrics.rejected.labels("no_backend").inc()
-            return error_response(503, "router: no healthy backend (all are down or "
+            kind = "" if role == "both" else f"{role} "
+            return error_response(503, f"router: no healthy {kind}backend (all are down or "
                                   "being retried); retry later")
         return JSONResponse(error_body(502, f"router: every backend tried failed "
                                        f"({len(tried)} tried); last: {last_error}")
@@ -344,10 +406,15 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if router.pool.healthy():
+        # Serving needs a healthy backend of every role the deployment has.
+        roles = {b.role for b in router.pool.backends}
+        missing = [r for r in roles if not any(b.healthy for b in router.pool.with_role(r))]
+        if not missing:
             return Response(status_code=200)
-        down = "; ".join(f"{b.url}: {b.last_error}" for b in router.pool.backends)
-        return error_response(503, f"router: no healthy backend ({down})")
+        down = "; ".join(f"{b.url}: {b.last_error}" for b in router.pool.backends
+                         if b.role in missing)
+        kind = "" if missing == ["both"] else "/".join(sorted(missing)) + " "
+        return error_response(503, f"router: no healthy {kind}backend ({down})")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -370,7 +437,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def state() -> dict[str, Any]:
         """The router's view of its backends (for operators and tests)."""
         return {"policy": config.policy, "prefix_index": config.prefix_index, "backends": [
-            {"url": b.url, "healthy": b.healthy, "last_error": b.last_error,
+            {"url": b.url, "role": b.role, "healthy": b.healthy, "last_error": b.last_error,
              "block_size": b.block_size, "kv_events_endpoints": list(b.kv_events_endpoints),
              "num_active": b.num_active, "num_routed": b.num_routed,
              "num_waiting": b.load.num_waiting, "kv_usage": b.load.kv_usage,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from dsaserve.router.config import RouterConfig
+from dsaserve.router.config import Role, RouterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class Backend:
     """Mutable state of one backend; touched only on the router's event loop."""
 
     url: str
+    role: Role = "both"
     healthy: bool = True  # optimistic until the first check: a cold start routes at once
     checked: bool = False  # has a health check answered at least once
     consecutive_failures: int = 0
@@ -86,7 +87,7 @@ class BackendPool:
                  on_recovered: Callable[[Backend], None] = lambda b: None,
                  on_info: Callable[[Backend], None] = lambda b: None) -> None:
         self.config = config
-        self.backends = [Backend(url.rstrip("/")) for url in config.backends]
+        self.backends = [Backend(url.rstrip("/"), role) for url, role in config.roles()]
         self.by_url = {b.url: b for b in self.backends}
         self._on_recovered = on_recovered
         self._on_info = on_info
@@ -97,6 +98,9 @@ class BackendPool:
 
     def healthy(self) -> list[Backend]:
         return [b for b in self.backends if b.healthy]
+
+    def with_role(self, role: Role) -> list[Backend]:
+        return [b for b in self.backends if b.role == role]
 
     # ---- life ---------------------------------------------------------------------------------
     async def start(self) -> None:

@@ -3,6 +3,8 @@
     dsaserve router --backend http://127.0.0.1:8001 --backend http://127.0.0.1:8002 --port 8000
     dsaserve router --backend ... --prefix-index precise     # follow the backends' KV events
     dsaserve router --backend ... --policy round-robin       # the baseline
+    dsaserve router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \
+                    --decode http://127.0.0.1:8201             # P/D: vLLM's two-step protocol
 """
 
 from __future__ import annotations
@@ -28,8 +30,13 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     from dsaserve.serve.cli import _port
 
     d = _DEFAULTS
-    p.add_argument("--backend", action="append", required=True, metavar="URL",
+    p.add_argument("--backend", action="append", default=[], metavar="URL",
                    help="a `dsaserve serve` base URL (repeat for each backend)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="P/D: a prefill engine (`serve --kv-transfer-config` with a KV "
+                        "connector); repeat for each; needs --decode")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="P/D: a decode engine; repeat for each; needs --prefill")
     p.add_argument("--host", default=d.host,
                    help="address to listen on (default: %(default)s; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=_port, default=d.port, help="(default: %(default)s)")
@@ -80,7 +87,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Raises ConfigError naming the flag."""
     return RouterConfig(
-        backends=tuple(u.rstrip("/") for u in args.backend), policy=args.policy,
+        backends=tuple(u.rstrip("/") for u in args.backend),
+        prefill_backends=tuple(u.rstrip("/") for u in args.prefill),
+        decode_backends=tuple(u.rstrip("/") for u in args.decode), policy=args.policy,
         prefix_index=args.prefix_index, tokenizer=args.tokenizer, host=args.host, port=args.port,
         weights=ScoringWeights(prefix=args.prefix_weight, queue=args.queue_weight,
                                kv=args.kv_cache_weight, active=args.active_request_weight),
@@ -101,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     config = router_config_from_args(args)
     app = create_router_app(config)
-    print(f"dsaserve: routing ({config.policy}, {config.prefix_index} index) over "
-          f"{len(config.backends)} backends on http://{config.host}:{config.port}",
-          file=sys.stderr)
+    over = (f"{len(config.prefill_backends)} prefill + {len(config.decode_backends)} decode "
+            f"backends (P/D)" if config.disaggregated else f"{len(config.backends)} backends")
+    print(f"dsaserve: routing ({config.policy}, {config.prefix_index} index) over {over} on "
+          f"http://{config.host}:{config.port}", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port,
                 timeout_keep_alive=config.timeout_keep_alive_s, timeout_graceful_shutdown=30,
                 log_level="warning")

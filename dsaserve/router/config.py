@@ -10,11 +10,17 @@ from dsaserve.router.scoring import ScoringWeights
 
 Policy = Literal["prefix", "load", "round-robin"]
 PrefixIndexKind = Literal["approximate", "precise"]
+Role = Literal["both", "prefill", "decode"]  # aggregated `serve`, or one side of a P/D pair
 
 
 @dataclass(frozen=True)
 class RouterConfig:
-    backends: tuple[str, ...]  # base URLs of `dsaserve serve` processes
+    backends: tuple[str, ...] = ()  # base URLs of aggregated `dsaserve serve` processes
+    # P/D disaggregation (docs/router.md): each request is prefilled on one of `prefill_backends`
+    # (kv_transfer_params do_remote_decode, one token) and decoded on one of `decode_backends`,
+    # which pulls the KV through the connector. Both or neither, and not with `backends`.
+    prefill_backends: tuple[str, ...] = ()
+    decode_backends: tuple[str, ...] = ()
     policy: Policy = "prefix"  # prefix: weighted prefix + load; load: weights without prefix
     prefix_index: PrefixIndexKind = "approximate"  # precise: replay the backends' KV events
     weights: ScoringWeights = field(default_factory=ScoringWeights)
@@ -38,13 +44,33 @@ class RouterConfig:
     # --api-key; proxied requests carry the client's own Authorization header.
     backend_api_key: str | None = field(default=None, repr=False)
 
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_backends)
+
+    def roles(self) -> list[tuple[str, Role]]:
+        """Every backend URL with its role, in flag order."""
+        return ([(u, "both") for u in self.backends]
+                + [(u, "prefill") for u in self.prefill_backends]
+                + [(u, "decode") for u in self.decode_backends])
+
     def __post_init__(self) -> None:
-        if not self.backends:
-            raise ConfigError("--backend: give at least one backend URL")
-        for url in self.backends:
+        if bool(self.prefill_backends) != bool(self.decode_backends):
+            missing = "--decode" if self.prefill_backends else "--prefill"
+            raise ConfigError(f"{missing}: P/D routing needs at least one --prefill and one "
+                              f"--decode backend")
+        if self.backends and self.prefill_backends:
+            raise ConfigError("--backend: not with --prefill/--decode (a router serves either "
+                              "aggregated backends or one P/D deployment)")
+        if not self.backends and not self.prefill_backends:
+            raise ConfigError("--backend: give at least one backend URL (or --prefill and "
+                              "--decode URLs)")
+        flags = {"both": "--backend", "prefill": "--prefill", "decode": "--decode"}
+        for url, role in self.roles():
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"--backend: expected http://HOST:PORT, got {url!r}")
-        if len(set(self.backends)) != len(self.backends):
+                raise ConfigError(f"{flags[role]}: expected http://HOST:PORT, got {url!r}")
+        urls = [u for u, _ in self.roles()]
+        if len(set(urls)) != len(urls):
             raise ConfigError("--backend: a backend is listed twice")
         if self.policy not in ("prefix", "load", "round-robin"):
             raise ConfigError(f"--policy: expected prefix, load or round-robin, "

@@ -62,7 +62,8 @@ class RouterMetrics:
             buckets=RATIO_BUCKETS, registry=r)
         self.proxy_errors = Counter(PREFIX + "proxy_errors",
                                     "Failed forwards, by backend and kind (connect, timeout, "
-                                    "status_5xx, stream).", ["backend", "kind"], registry=r)
+                                    "status_5xx, stream, no_kv_transfer_params).",
+                                    ["backend", "kind"], registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests sent again to another backend.",
                                registry=r)
         self.rejected = Counter(PREFIX + "rejected",
@@ -70,6 +71,11 @@ class RouterMetrics:
                                 ["reason"], registry=r)
         self.queued = Gauge(PREFIX + "queued_requests", "Requests waiting for a forwarding slot.",
                             registry=r)
+        self.pd_prefill_seconds = Histogram(
+            PREFIX + "pd_prefill_seconds",
+            "P/D: time of the prefill step (the prefill engine's answer, retries included).",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0),
+            registry=r)
         self.kv_event_batches = Counter(PREFIX + "kv_event_batches",
                                         "KV event batches received, by backend.", ["backend"],
                                         registry=r)
