@@ -185,7 +185,8 @@ class Router:
             return {}
         try:
             if path == "/v1/chat/completions":
-                ids = await asyncio.to_thread(render_chat, tokenizer, body.get("messages"))
+                ids = await asyncio.to_thread(render_chat, tokenizer, body.get("messages"),
+                                              body.get("chat_template_kwargs"))
             else:
                 # Ids outside the vocabulary are the backend's to reject: no bound here.
                 ids = await asyncio.to_thread(completion_prompt, tokenizer, body.get("prompt"),

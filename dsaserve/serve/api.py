@@ -210,9 +210,10 @@ class Generation:
 # ------------------------------------------------------------------------------------------------
 # Request → prompt ids + SamplingParams
 # ------------------------------------------------------------------------------------------------
-def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any] | None) -> list[int]:
     try:
-        return render_chat(tokenizer, messages)
+        return render_chat(tokenizer, messages, template_kwargs)
     except PromptError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -434,7 +435,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         stops = _stop_strings(body.stop)
-        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages)
+        prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages,
+                                             body.chat_template_kwargs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
         params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)

@@ -19,13 +19,28 @@ class PromptError(ValueError):
         self.param = param
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+# Variables the renderer sets itself: a request may not override them through its kwargs.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
+                                    "chat_template"})
+
+
+def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The chat template (the model's, else DEFAULT_CHAT_TEMPLATE) with the generation prompt,
-    tokenized."""
+    tokenized. `template_kwargs` are the request's `chat_template_kwargs` (vLLM's field: extra
+    template variables, e.g. GLM's `enable_thinking`)."""
     template = None if tokenizer.chat_template else DEFAULT_CHAT_TEMPLATE
+    kwargs = template_kwargs or {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise PromptError("chat_template_kwargs: expected an object of template variables",
+                          "chat_template_kwargs")
+    reserved = sorted(RESERVED_TEMPLATE_VARS & kwargs.keys())
+    if reserved:
+        raise PromptError(f"chat_template_kwargs: {reserved[0]!r} is set by the server, not by "
+                          "the request", "chat_template_kwargs")
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                             chat_template=template)
+                                             chat_template=template, **kwargs)
     except ChatTemplateError as e:  # already names the message or the template's complaint
         raise PromptError(str(e), "messages") from e
     except jinja2.TemplateError as e:  # the template failed on these messages' shape

@@ -114,7 +114,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = unsupported(why="the chat template takes no options")
     web_search_options: Any = unsupported(why="no tools")
     chat_template: Any = unsupported(why="the model's template is used")
-    chat_template_kwargs: Any = unsupported({}, why="the chat template takes no options")
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (vLLM's)
     add_generation_prompt: Any = unsupported(True, why="the assistant turn is always opened")
     continue_final_message: Any = unsupported(False, why="the assistant turn is always opened")
     documents: Any = unsupported(why="the chat template takes no options")

@@ -187,7 +187,6 @@ def test_lengths_that_fit_exactly_are_served(client) -> None:
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("/v1/chat/completions", {"tool_choice": "auto"}),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}}),
-    ("/v1/chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
     ("/v1/chat/completions", {"guided_json": {"type": "object"}}),
     ("/v1/chat/completions", {"min_p": 0.1}),
     ("/v1/chat/completions", {"repetition_penalty": 1.2}),
@@ -303,3 +302,33 @@ def test_stop_strings_on_multibyte_text_equal_brute_force(tok, data, gen) -> Non
     cut = find_stop(full, stops)
     assert text == (full if cut < 0 else full[:cut])
     assert reason == ("length" if cut < 0 else "stop")
+
+
+# ------------------------------------------------------------------------------------------------
+# chat_template_kwargs (vLLM's): template variables, the server's own ones reserved
+# ------------------------------------------------------------------------------------------------
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir) -> None:
+    from dsaserve.serve.prompt import PromptError, render_chat
+
+    tok = Tokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "{% if enable_thinking %}<think>{% else %}no-think{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    think = render_chat(tok, messages, {"enable_thinking": True})
+    plain = render_chat(tok, messages, {"enable_thinking": False})
+    assert tok.decode(think).endswith("<think>") and tok.decode(plain).endswith("no-think")
+    assert render_chat(tok, messages) == plain  # an undefined variable is falsy, as in HF
+    for bad in ({"messages": []}, {"add_generation_prompt": False}, [1], {1: 2}):
+        with pytest.raises(PromptError, match="chat_template_kwargs") as e:
+            render_chat(tok, messages, bad)  # type: ignore[arg-type]
+        assert e.value.param == "chat_template_kwargs"
+
+
+def test_chat_template_kwargs_over_http(client) -> None:
+    r = client.post("/v1/chat/completions",
+                    json=CHAT | {"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/chat/completions", json=CHAT | {"chat_template_kwargs": {"messages": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
+    r = client.post("/v1/chat/completions", json=CHAT | {"chat_template_kwargs": "x"})
+    assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
