@@ -174,7 +174,15 @@ class ZmqKVEventPublisher(KVEventSink):
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(endpoint)  # fails here (not in the thread) when the port is taken
+        try:  # fails here (not in the thread) when the port is taken
+            self._sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            from dsaserve.config import ConfigError
+
+            self._sock.close()
+            self._ctx.term()
+            raise ConfigError(f"--kv-events-config: cannot bind {endpoint}: {e} (another "
+                              "process or replica uses the port; pick a free endpoint)") from e
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -236,12 +244,18 @@ def attach_kv_event_publishers(engine: object, config: KVEventsConfig) -> list[Z
     if not config.enabled:
         return []
     replicas = getattr(engine, "replicas", None) or [engine]
-    publishers = []
-    for rank, replica in enumerate(replicas):
-        kv = replica.scheduler.kv  # type: ignore[attr-defined]
-        publisher = ZmqKVEventPublisher(config.replica_endpoint(rank), block_size=kv.block_size,
-                                        data_parallel_rank=rank, topic=config.topic,
-                                        max_queue_size=config.max_queue_size)
-        kv.pool.events = publisher
-        publishers.append(publisher)
+    publishers: list[ZmqKVEventPublisher] = []
+    try:
+        for rank, replica in enumerate(replicas):
+            kv = replica.scheduler.kv  # type: ignore[attr-defined]
+            publisher = ZmqKVEventPublisher(config.replica_endpoint(rank),
+                                            block_size=kv.block_size, data_parallel_rank=rank,
+                                            topic=config.topic,
+                                            max_queue_size=config.max_queue_size)
+            kv.pool.events = publisher
+            publishers.append(publisher)
+    except BaseException:  # a later replica's port is taken: the earlier ones' are given back
+        for publisher in publishers:
+            publisher.close()
+        raise
     return publishers

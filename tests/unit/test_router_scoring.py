@@ -14,6 +14,7 @@ from dsaserve.kv.events import (
     KVEventBatch,
     KVEventsConfig,
     KVEventSink,
+    ZmqKVEventPublisher,
     decode_batch,
     encode_batch,
 )
@@ -169,6 +170,25 @@ def test_kv_events_config_from_vllm_json() -> None:
     for bad in ('{"publisher": "kafka"}', '{"nope": 1}', "[1"):
         with pytest.raises(ConfigError):
             KVEventsConfig.from_json(bad)
+
+
+def test_a_taken_kv_events_port_is_a_flag_error() -> None:
+    import zmq
+
+    from dsaserve.bench.agentx import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    ctx = zmq.Context()
+    squatter = ctx.socket(zmq.PUB)
+    squatter.setsockopt(zmq.LINGER, 0)
+    squatter.bind(endpoint)
+    try:
+        with pytest.raises(ConfigError, match=r"--kv-events-config: cannot bind tcp://"):
+            ZmqKVEventPublisher(endpoint, block_size=16)
+    finally:
+        squatter.close()
+        ctx.term()
+    ZmqKVEventPublisher(endpoint, block_size=16).close()  # free again: it binds
 
 
 def test_connect_address_replaces_a_wildcard_host() -> None:
