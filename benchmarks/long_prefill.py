@@ -50,6 +50,7 @@ from dsaserve.config import (
 )
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.kernels.registry import register_backend
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.costmodel import prefill_flops
@@ -149,6 +150,17 @@ def floor_seconds(flops, first: int, end: int, indexer_tflops: float, mla_tflops
     """Kernel floor of prompt positions [first, end): cumulative FLOPs at the measured rates."""
     return ((flops.indexer(end) - flops.indexer(first)) / (indexer_tflops * 1e12)
             + (flops.mla(end) - flops.mla(first)) / (mla_tflops * 1e12))
+
+
+def split_backend(split: str) -> str:
+    """Register the triton backend with the indexer's logits split fixed → its name."""
+    from dsaserve.kernels.triton.backend import TritonBackend
+    from dsaserve.kernels.triton.indexer import IndexerConfig
+
+    name = f"triton-{split}"
+    register_backend(name, lambda: TritonBackend(
+        indexer_config=IndexerConfig(logits_split=split)))
+    return name
 
 
 def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
@@ -274,6 +286,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-context-parallel-size", "--pcp", dest="pcp", type=int, default=1)
     p.add_argument("--indexer-tflops", type=float, default=INDEXER_TFLOPS)
     p.add_argument("--mla-tflops", type=float, default=MLA_TFLOPS)
+    p.add_argument("--logits-split", choices=("rows", "keys"), default=None,
+                   help="the triton backend's indexer with IndexerConfig(logits_split=...): "
+                        "'keys' is the key-window merge before row passes (one GPU only; "
+                        "default: the backend as the engine builds it)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
@@ -291,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if args.max_num_batched_tokens == p.get_default("max_num_batched_tokens"):
             args.max_num_batched_tokens = 256
     args.lengths = sorted(parse_length(x) for x in args.lengths.split(","))
+    if args.logits_split is not None and (args.attention_backend != "triton" or args.pcp > 1):
+        p.error("--logits-split: the triton backend in this process only (no --pcp)")
     if args.max_num_batched_tokens < 1:
         p.error("--max-num-batched-tokens: must be >= 1")
     if args.pcp < 1:
@@ -312,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=False,
                                    overrides=glm53_shaped(args.layers))
+        if args.logits_split is not None:
+            args.attention_backend = split_backend(args.logits_split)
         cfg = engine_config(args, model_dir)
         flops = prefill_flops(cfg.model, cfg.parallel)
         threads = torch.get_num_threads()

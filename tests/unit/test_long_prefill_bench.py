@@ -82,3 +82,5 @@ def test_smoke_on_cpu(bench, tmp_path):
 def test_bad_flags(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--max-num-batched-tokens", "0"])
+    with pytest.raises(SystemExit):  # the reference backend has no indexer config to fix
+        bench.parse_args(["--smoke", "--logits-split", "keys"])
