@@ -163,8 +163,19 @@ def split_backend(split: str) -> str:
     return name
 
 
+def model_max_len(model_dir: Path) -> int:
+    return ModelConfig.from_file(model_dir).max_position_embeddings
+
+
+def fit_lengths(lengths: list[int], max_len: int) -> list[int]:
+    """Prompt lengths that leave their one output token within max_len positions."""
+    return sorted({min(n, max_len - 1) for n in lengths})
+
+
 def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
-    max_len = max(args.lengths) + 64
+    # A prompt leaves room for its one output token within max_model_len, and max_model_len
+    # stays within the model's positions: a "1M" prompt is 1M − 1 tokens (fit_lengths).
+    max_len = min(max(args.lengths) + 64, model_max_len(model_dir))
     dcp_tokens = args.block_size  # a scheduler block: B tokens (no DCP here)
     blocks = -(-max_len // dcp_tokens) + 8
     return EngineConfig(
@@ -185,6 +196,8 @@ def prompt(vocab: int, n: int, seed: int) -> list[int]:
 
 
 def _sync(device: str) -> None:
+    """Wait for this process's GPU work ("cpu": nothing to wait for; under PCP a step returns
+    once every worker's is done)."""
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -212,10 +225,11 @@ def prefill(engine: LLMEngine, ids: list[int], device: str
 def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> Result:
     vocab = engine.config.model.vocab_size
     ids = prompt(vocab, length, seed=length)
-    on_device = args.device == "cuda"
+    # The GPU is this process's only without PCP (under PCP each worker holds its own).
+    on_device = args.device == "cuda" and args.pcp == 1
     if on_device:
         torch.cuda.reset_peak_memory_stats()
-    token, steps = prefill(engine, ids, args.device)
+    token, steps = prefill(engine, ids, args.device if on_device else "cpu")
     peak = torch.cuda.max_memory_allocated() if on_device else None
     profile = None
     if args.profile and args.pcp == 1:
@@ -332,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                                    overrides=glm53_shaped(args.layers))
         if args.logits_split is not None:
             args.attention_backend = split_backend(args.logits_split)
+        args.lengths = fit_lengths(args.lengths, model_max_len(model_dir))
         cfg = engine_config(args, model_dir)
         flops = prefill_flops(cfg.model, cfg.parallel)
         threads = torch.get_num_threads()
@@ -341,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             # Warm-up: two chunks and a bit (the first chunk's and later chunks' kernels).
             warm = min(max(args.lengths), 2 * args.max_num_batched_tokens + 1)
-            prefill(engine, prompt(cfg.model.vocab_size, warm, seed=1), args.device)
+            prefill(engine, prompt(cfg.model.vocab_size, warm, seed=1),
+                    args.device if args.pcp == 1 else "cpu")
             results = []
             for n in args.lengths:
                 results.append(measure(engine, args, n, flops))

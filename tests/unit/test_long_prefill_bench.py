@@ -36,6 +36,8 @@ def test_lengths_and_categories(bench):
     with pytest.raises(ValueError, match="--lengths"):
         bench.parse_length("1G")
     assert bench.human(1 << 20) == "1M" and bench.human(131072) == "128K"
+    # GLM-5.3 has 2^20 positions: a "1M" prompt leaves its output token room
+    assert bench.fit_lengths([4096, 1 << 20, 1 << 21], 1 << 20) == [4096, (1 << 20) - 1]
     names = {
         "_indexer_logits_kernel": "indexer logits", "indexer_logits_kernel<2, 4>": "indexer logits",
         "topk_rows_kernel": "top-k", "_threshold_kernel": "top-k",
