@@ -249,7 +249,8 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
     reqs, toks, tile_lens = _tiles(meta.query_start_loc, block_t)
     s_out = max(local_lens, default=0)
-    # Full-width rows per pass within the logits budget (key windows instead: _topk_windowed).
+    # Full-width rows per pass within the logits budget (logits_split="keys": key windows,
+    # indexer_topk).
     max_rows = config.max_logits_bytes // (4 * max(s_out, 1))
     passes = [] if config.logits_split == "keys" or max_rows >= meta.num_tokens else \
         _row_passes(toks, tile_lens, max_rows)
@@ -258,7 +259,7 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     flat: list[int] = []
     for first, _, a, b in passes:
         flat += reqs[a:b] + [t - first for t in toks[a:b]] + tile_lens[a:b]
-    flat_t = torch.tensor(flat, dtype=torch.int32).to(device)
+    flat_t = torch.tensor(flat, dtype=torch.int32).to(device) if passes else None
     row_passes = [_RowPass(first, end, flat_t[3 * a : 3 * b].view(3, b - a))
                   for first, end, a, b in passes]
     plan = _StepPlan(
@@ -315,7 +316,7 @@ class IndexerConfig:
     max_logits_bytes: int = 2**31  # logits workspace bound; past it, several passes
     # How a step past max_logits_bytes is split: "rows" (passes of query rows over every key;
     # no merging) or "keys" (key windows, each window's top-k merged into a running one: the
-    # way before row passes, kept for comparison and for rows too long for a single tile).
+    # way before row passes, kept for comparison; docs/long_prefill.md).
     logits_split: str = "rows"
 
     def __post_init__(self) -> None:
