@@ -684,7 +684,7 @@ def bench_topk() -> None:
     """The top-k stage alone on the indexer's own logits (prefill and decode shapes)."""
     print("top-2048 of indexer logits rows", flush=True)
     cases = [([CONTEXT], [4096], "prefill T=4096 S=128K"),
-             # A window of a 1M-token context (indexer_topk's key windows: 512 tokens × 1M keys
+             # A row pass of a 1M-token context (indexer_topk: 512 tokens × 1M keys
              # is the 2 GiB logits bound): rows longer than the top-k caches its maxima for.
              ([1 << 20], [512], "prefill window T=512 S=1M")]
     cases += [([65536] * 64, [s_q] * 64, f"decode b=64 s_q={s_q} S=64K")  # 4: MTP's verify

@@ -3,6 +3,7 @@ state, applies the scheduler's typed diff, runs the model on the flattened batch
 
 from __future__ import annotations
 
+import array
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,24 @@ def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, 
         index = model.index_head_dim * elem
     n_index = sum(model.has_indexer(i) for i in range(num_layers))
     return block_size * (num_layers * mla + n_index * index)
+
+
+def _host_ints(values: list[int], code: str, dtype: torch.dtype) -> torch.Tensor:
+    """A list of ints → a CPU tensor through the buffer protocol (array `code` matching
+    `dtype`): four times faster than torch.tensor on a list, which converts item by item."""
+    if not values:
+        return torch.zeros(0, dtype=dtype)
+    return torch.frombuffer(array.array(code, values), dtype=dtype)
+
+
+def _positions(starts: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request r computes counts[r] tokens from position starts[r] → (positions [N], request
+    index [N]) int64, flattened request by request."""
+    n = torch.tensor(counts, dtype=torch.int64)  # [R]
+    first = torch.cumsum(n, 0) - n  # [R] each request's first row
+    req = torch.repeat_interleave(torch.arange(len(counts)), n)  # [N]
+    rows = torch.arange(int(n.sum()))  # [N]
+    return torch.tensor(starts, dtype=torch.int64)[req] + rows - first[req], req
 
 
 @dataclass(frozen=True)
@@ -379,25 +398,22 @@ class ModelRunner:
                   tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Request r computes counts[r] tokens at positions starts[r]..; `tokens` [N] are their
         ids in the global order → (this rank's input ids, metadata, global query_start_loc)."""
-        positions: list[int] = []
-        req_index: list[int] = []
         qsl = [0]
         seq_lens: list[int] = []
-        for r, (start, n) in enumerate(zip(starts, counts, strict=True)):
-            positions += range(start, start + n)
-            req_index += [r] * n
+        for start, n in zip(starts, counts, strict=True):
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
         global_qsl = list(qsl)
+        # Host tensors built without Python loops over tokens or blocks (a 16K-token chunk of
+        # a 1M-token prompt: 16K positions and 16K block ids per step; docs/long_prefill.md).
+        pos_t, req_t = _positions(starts, counts)  # [N], [N] int64
         width = max(len(self.requests[rid].block_ids) for rid in req_ids)
         table = torch.full((len(req_ids), width), -1, dtype=torch.int32)
         for r, rid in enumerate(req_ids):
             ids = self.requests[rid].block_ids
-            table[r, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+            table[r, : len(ids)] = _host_ints(ids, "i", torch.int32)
         dev = self.device
-        pos_t = torch.tensor(positions, dtype=torch.int64)
-        req_t = torch.tensor(req_index, dtype=torch.int64)
-        tok_t = torch.tensor(tokens, dtype=torch.int64)
+        tok_t = _host_ints(tokens, "q", torch.int64)
         slots = layout.slot_mapping(
             pos_t, req_t, table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
         )

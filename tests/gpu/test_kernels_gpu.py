@@ -243,14 +243,18 @@ def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
 
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
-@pytest.mark.parametrize("path", ["torch_topk", "row_topk", "key_windows", "two_token_tiles"])
+@pytest.mark.parametrize("path", ["torch_topk", "row_topk", "key_windows", "row_passes",
+                                  "two_token_tiles"])
 def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
     meta, cache, q, w = _indexer_case(g, heads, dcp)
     # Rows up to 4000 keys: the default list (4096) sends them to torch.topk, a 2048 list
-    # through row_topk; a logits budget of 1024 keys per row scores them in 4 windows.
+    # through row_topk; a logits budget of 1024 keys per row scores them in 4 windows, or
+    # the rows in passes of about a quarter of them over every key.
     config = {"torch_topk": indexer.IndexerConfig(),
               "row_topk": indexer.IndexerConfig(list_len=TOPK),
-              "key_windows": indexer.IndexerConfig(max_logits_bytes=4 * len(q) * 1024),
+              "key_windows": indexer.IndexerConfig(max_logits_bytes=4 * len(q) * 1024,
+                                                   logits_split="keys"),
+              "row_passes": indexer.IndexerConfig(max_logits_bytes=4 * len(q) * 1024),
               "two_token_tiles": indexer.IndexerConfig(rows_per_tile=128)}[path]
     logits, limits = indexer.indexer_logits_paged(q, w, cache, meta, config)
     scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK, config)

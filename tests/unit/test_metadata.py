@@ -34,3 +34,20 @@ def test_for_requests_flattens_the_last_tokens_of_each_request(dcp):
 def test_for_requests_rejects_more_new_tokens_than_context():
     with pytest.raises(ValueError, match="request 1 has 5 new tokens of 3"):
         AttentionMetadata.for_requests((4, 3), (1, 5), torch.zeros(2, 1, dtype=torch.int32), 8)
+
+
+def test_runner_host_tensors_match_the_python_loops():
+    """The runner's positions / request index / int lists, built without Python loops over
+    tokens, equal the loops they replaced (zero-token requests and empty lists included)."""
+    from dsaserve.engine.runner import _host_ints, _positions
+
+    starts, counts = [5, 0, 1_000_000, 7], [3, 0, 4, 1]
+    pos, req = _positions(starts, counts)
+    want_pos = [p for s, n in zip(starts, counts, strict=True) for p in range(s, s + n)]
+    want_req = [r for r, n in enumerate(counts) for _ in range(n)]
+    assert pos.tolist() == want_pos and req.tolist() == want_req
+    assert pos.dtype == req.dtype == torch.int64
+    ids = [3, -1, 2**31 - 1, 0]
+    assert _host_ints(ids, "i", torch.int32).tolist() == ids
+    assert _host_ints([2**40], "q", torch.int64).tolist() == [2**40]
+    assert _host_ints([], "q", torch.int64).shape == (0,)

@@ -213,10 +213,12 @@ def _index_meta(g: torch.Generator, dcp_size: int, dcp_rank: int, block_size: in
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
 @pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
-@pytest.mark.parametrize("windowed", [False, True], ids=["one_pass", "key_windows"])
+@pytest.mark.parametrize("windowed", [False, "keys", "rows"],
+                         ids=["one_pass", "key_windows", "row_passes"])
 def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
-    """windowed: a logits budget of 32 keys per row, so the keys are scored 32 at a time and
-    each window's top-k merged into the running one."""
+    """windowed: a logits budget of 32 keys per row; "keys": the keys are scored 32 at a time
+    and each window's top-k merged into the running one; "rows": the rows in passes of whole
+    tiles over every key (of at most 32·T / 67 rows: the step has T rows over 67 keys)."""
     g = _gen()
     heads, head_dim, block_size, topk = 16, 32, 16, 8
     meta = _index_meta(g, *dcp, block_size)
@@ -228,7 +230,9 @@ def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
     q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
     w = torch.randn(meta.num_tokens, heads, generator=g)
     config = k.indexer.IndexerConfig(max_logits_bytes=4 * meta.num_tokens * 32 if windowed
-                                     else 2**31)
+                                     else 2**31, logits_split=windowed or "rows")
+    if windowed == "rows":
+        assert len(k.indexer._step_plan(meta, q, cache, config).row_passes) > 1
     scores, pos = k.indexer.indexer_topk(q, w, cache, meta, topk, config)
     ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, meta, topk)
     assert torch.equal(pos >= 0, ref_pos >= 0) and torch.equal(scores > -1e30, pos >= 0)
@@ -609,6 +613,12 @@ def test_workspace_indices(k):
 def test_tiles_and_splits(k):
     assert k.indexer._tiles((0, 3, 4, 6), 2) == ([0, 0, 1, 2], [0, 2, 3, 4], [2, 1, 1, 2])
     assert k.indexer._tiles((0, 0, 5), 4) == ([1, 1], [0, 4], [4, 1])
+    # Row passes: whole tiles, in order, at most max_rows rows unless one tile is longer.
+    passes = k.indexer._row_passes
+    assert passes([0, 4, 8, 9], [4, 4, 1, 3], 8) == [(0, 8, 0, 2), (8, 12, 2, 4)]
+    assert passes([0, 4, 8, 9], [4, 4, 1, 3], 3) == [(0, 4, 0, 1), (4, 8, 1, 2), (8, 9, 2, 3),
+                                                      (9, 12, 3, 4)]
+    assert passes([0, 4], [4, 4], 100) == [(0, 8, 0, 2)] and passes([], [], 8) == []
     choose = k.sparse_mla.choose_num_splits
     assert choose(4096, 64, 132) == 1 and choose(128, 64, 132) == 1  # a wave already
     assert choose(32, 64, 132) == 4 and choose(28, 64, 132) == 4

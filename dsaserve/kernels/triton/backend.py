@@ -33,8 +33,10 @@ class TritonBackend:
 
     name = "triton"
 
-    def __init__(self, mla_config: sparse_mla.SparseMlaConfig | None = None) -> None:
+    def __init__(self, mla_config: sparse_mla.SparseMlaConfig | None = None,
+                 indexer_config: indexer.IndexerConfig | None = None) -> None:
         self.mla_config = mla_config
+        self.indexer_config = indexer_config or indexer.IndexerConfig()
         self._reference = ReferenceBackend()
 
     def prepare(self, device: torch.device) -> None:
@@ -122,4 +124,4 @@ class TritonBackend:
         [T, topk] int32) of the best keys this rank stores, in any order, (−inf, −1) padded."""
         if not _use_kernels(q):
             return self._reference.indexer_topk(q, weights, index_cache, meta, topk)
-        return indexer.indexer_topk(q, weights, index_cache, meta, topk)
+        return indexer.indexer_topk(q, weights, index_cache, meta, topk, self.indexer_config)

@@ -14,6 +14,13 @@ page read from the paged cache serves BLOCK_T·H rows of the fp8 matmul:
         and the max of every row_topk.GROUP keys (what the top-k's threshold is taken from)
       keys at or past a token's causal limit are written as −inf
 
+When a step's [T, S] fp32 logits would pass IndexerConfig.max_logits_bytes (a 16K-token chunk
+over more than 32K keys), the query rows are scored in passes of whole tiles, each over every
+key (`_row_passes`): a row's top-k never depends on another row, so nothing is merged and no
+pass costs more than its share of the logits. (Scoring key windows instead and merging each
+window's top-k into a running one repeats a sort of 2·k candidates per row per window: at 1M
+keys, 32 merges per row per layer, costlier than the window's logits.)
+
 Top-k then runs over the logits rows: for rows longer than row_topk's candidate list, the CUDA
 kernel kernels/cuda/topk_rows.cu where it builds, else row_topk.topk_rows (both: a threshold
 from the group maxima, one pass, a short list); torch.topk otherwise. Keys are this rank's
@@ -183,6 +190,34 @@ class _StepPlan:
     block_t: int  # tokens per tile
     cuda_shape: cuda_logits.Shape | None  # the CUDA logits kernel's block, if it runs
     num_sms: int  # multiprocessors of the device (the CUDA kernel's grid sizing), 0 on the CPU
+    row_passes: tuple[_RowPass, ...]  # () : every row in one pass (see _row_passes)
+
+
+@dataclass(frozen=True)
+class _RowPass:
+    """Query rows [first, end) of a step, whole tiles of it, scored in one logits launch."""
+
+    first: int
+    end: int
+    tiles: torch.Tensor  # [3, n] int32: the pass's tiles, first token counted from `first`
+
+
+def _row_passes(toks: list[int], lens: list[int], max_rows: int
+                ) -> list[tuple[int, int, int, int]]:
+    """Group consecutive tiles (first token, length; they cover the rows in order) into passes
+    of at most max_rows rows (at least one tile each) → (first row, end row, first tile, end
+    tile) per pass:
+
+        toks 0 4 8 9, lens 4 4 1 3, max_rows 8  →  (0, 8, 0, 2) (8, 12, 2, 4)
+    """
+    passes: list[tuple[int, int, int, int]] = []
+    first_tile = 0
+    for i in range(len(toks) + 1):
+        if i == len(toks) or (i > first_tile and toks[i] + lens[i] - toks[first_tile] > max_rows):
+            if i > first_tile:
+                passes.append((toks[first_tile], toks[i - 1] + lens[i - 1], first_tile, i))
+            first_tile = i
+    return passes
 
 
 _last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
@@ -213,13 +248,28 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     # Tiles of up to rows_per_tile (tokens × heads): one page read serves all of them.
     block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
     reqs, toks, tile_lens = _tiles(meta.query_start_loc, block_t)
+    s_out = max(local_lens, default=0)
+    # Full-width rows per pass within the logits budget (logits_split="keys": key windows,
+    # indexer_topk).
+    max_rows = config.max_logits_bytes // (4 * max(s_out, 1))
+    passes = [] if config.logits_split == "keys" or max_rows >= meta.num_tokens else \
+        _row_passes(toks, tile_lens, max_rows)
+    # Every pass's tiles [3, n], rebased to its first row, back to back: one host → device
+    # copy, and each pass's tiles a contiguous view of it.
+    flat: list[int] = []
+    for first, _, a, b in passes:
+        flat += reqs[a:b] + [t - first for t in toks[a:b]] + tile_lens[a:b]
+    flat_t = torch.tensor(flat, dtype=torch.int32).to(device) if passes else None
+    row_passes = [_RowPass(first, end, flat_t[3 * a : 3 * b].view(3, b - a))
+                  for first, end, a, b in passes]
     plan = _StepPlan(
         limits=limits, limits_i32=limits.to(torch.int32),
         tiles=torch.tensor([reqs, toks, tile_lens], dtype=torch.int32, device=device),
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
-        s_out=max(local_lens, default=0), block_t=block_t, cuda_shape=cuda_shape,
+        s_out=s_out, block_t=block_t, cuda_shape=cuda_shape,
         num_sms=torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda" else 0,
+        row_passes=tuple(row_passes),
     )
     _last_plan = (weakref.ref(meta), key, plan)
     return plan
@@ -263,12 +313,19 @@ class IndexerConfig:
     # on a GPU or on first use), "triton" (row_topk, three launches), None: cuda where it
     # builds (needs nvcc), else triton.
     topk_kernel: str | None = None
-    max_logits_bytes: int = 2**31  # logits workspace bound; longer contexts go in key windows
+    max_logits_bytes: int = 2**31  # logits workspace bound; past it, several passes
+    # How a step past max_logits_bytes is split: "rows" (passes of query rows over every key;
+    # no merging) or "keys" (key windows, each window's top-k merged into a running one: the
+    # way before row passes, kept for comparison; docs/long_prefill.md).
+    logits_split: str = "rows"
 
     def __post_init__(self) -> None:
         if self.cuda_shape is not None and len(self.cuda_shape) not in (3, 4):
             raise ValueError(f"indexer: cuda_shape must be (consumers, depth, rows[, linear]), "
                              f"got {self.cuda_shape!r}")
+        if self.logits_split not in ("rows", "keys"):
+            raise ValueError(f"indexer: logits_split must be 'rows' or 'keys', "
+                             f"got {self.logits_split!r}")
         if self.topk_kernel not in (None, "cuda", "triton"):
             raise ValueError(f"indexer: topk_kernel must be 'cuda', 'triton' or None, "
                              f"got {self.topk_kernel!r}")
@@ -339,12 +396,16 @@ def _aligned_rows(num_rows: int, cols: int, device: torch.device) -> torch.Tenso
 
 def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
             meta: AttentionMetadata, config: IndexerConfig,
-            window: tuple[int, int] | None = None,
+            window: tuple[int, int] | None = None, rows: _RowPass | None = None,
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logits over the local keys [start, start + length) of `window` (default: all):
     (logits [T, length], group maxima [T, ceil(length / row_topk.GROUP)], limits [T] int64),
-    columns and limits counted from `start` (a multiple of the block size)."""
+    columns and limits counted from `start` (a multiple of the block size). With `rows`, only
+    the pass's query rows: q and weights are the step's, the results [end − first, …]."""
     _check_inputs(q, weights)
+    plan_q = q
+    if rows is not None:
+        q, weights = q[rows.first : rows.end], weights[rows.first : rows.end]
     num_tokens, num_heads, head_dim = q.shape
     device = q.device
     fp8 = index_cache.dtype == torch.uint8
@@ -358,15 +419,19 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         raise ValueError(f"indexer: block size {block_size} must be a power of two >= 16")
     if not index_cache.is_contiguous():
         raise ValueError("indexer: index_cache must be contiguous (pages are addressed flat)")
-    plan = _step_plan(meta, q, index_cache, config)
+    plan = _step_plan(meta, plan_q, index_cache, config)
     start, length = window or (0, plan.s_out)
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
                          f"inside the {plan.s_out} local keys")
+    tiles, limits, limits_i32 = plan.tiles, plan.limits, plan.limits_i32
+    if rows is not None:  # the kernel sees the pass's rows as a step of their own
+        tiles = rows.tiles
+        limits, limits_i32 = limits[rows.first : rows.end], limits_i32[rows.first : rows.end]
     if window is None:
-        limits, limits_i32, block_table = plan.limits, plan.limits_i32, plan.block_table
+        block_table = plan.block_table
     else:  # the kernel sees the window as a sequence of its own
-        limits = (plan.limits - start).clamp(0, length)
+        limits = (limits - start).clamp(0, length)
         limits_i32 = limits.to(torch.int32)
         block_table = plan.block_table[:, start // block_size:]
     logits = _aligned_rows(num_tokens, length, device)
@@ -374,7 +439,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if num_tokens == 0 or length == 0:
         return logits, group_max, limits
     num_pages = triton.cdiv(length, block_size)
-    num_tiles = plan.tiles.shape[1]
+    num_tiles = tiles.shape[1]
     cuda_shape = plan.cuda_shape
     gluon = not cuda_shape and _use_gluon(q, index_cache, config, num_heads * plan.block_t,
                                           block_size)
@@ -386,21 +451,21 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     # The kernels index rows as (token · H + head) · D and weights as token · H + head.
     q_in, w_in = q.contiguous(), weights.float().contiguous()
     if cuda_shape:
-        cuda_logits.launch(q_in, w_in, index_cache, block_table, plan.tiles, limits_i32, logits,
+        cuda_logits.launch(q_in, w_in, index_cache, block_table, tiles, limits_i32, logits,
                            group_max, shape=cuda_shape, pages_per_prog=per_prog)
         return logits, group_max, limits
     if gluon:
         from dsaserve.kernels.triton import indexer_gluon
 
         indexer_gluon.launch_logits_gluon(
-            q_in.view(-1, head_dim), w_in.view(-1), cache, block_table, plan.tiles, limits_i32,
+            q_in.view(-1, head_dim), w_in.view(-1), cache, block_table, tiles, limits_i32,
             logits, group_max, num_heads=num_heads, head_dim=head_dim, block_size=block_size,
             block_t=plan.block_t, pages_per_prog=per_prog, pairs=config.gluon_pairs)
         return logits, group_max, limits
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
     _indexer_logits_kernel[grid](
-        q_in, w_in, cache, block_table, plan.tiles[0],
-        plan.tiles[1], plan.tiles[2], limits_i32, logits, group_max,
+        q_in, w_in, cache, block_table, tiles[0], tiles[1], tiles[2], limits_i32, logits,
+        group_max,
         block_table.stride(0), logits.stride(0), group_max.stride(0), length,
         H=num_heads, D=head_dim, BS=block_size, KV_FP8=fp8, BLOCK_T=plan.block_t,
         PAGES_PER_PROG=per_prog, GROUP=row_topk.GROUP,
@@ -435,10 +500,11 @@ def _window_len(num_tokens: int, s_out: int, block_size: int, config: IndexerCon
 def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                  meta: AttentionMetadata, k: int, config: IndexerConfig,
                  window: tuple[int, int] | None,
-                 index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of one key window → (scores [T, k], local key indices [T, k] from the start of the
-    window, −1 past the row's visible keys); chosen keys first."""
-    logits, group_max, limits = _logits(q, weights, index_cache, meta, config, window)
+                 index_dtype: torch.dtype = torch.int64, rows: _RowPass | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of one key window (of one row pass: rows) → (scores [T, k], local key indices
+    [T, k] from the start of the window, −1 past the row's visible keys); chosen keys first."""
+    logits, group_max, limits = _logits(q, weights, index_cache, meta, config, window, rows)
     length = logits.shape[1]
     kk = min(k, length)
     if length > (config.list_len or row_topk.list_size(kk)):
@@ -449,7 +515,7 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         return row_topk.topk_rows(logits, group_max, limits, kk, list_len=config.list_len,
                                   index_dtype=index_dtype)
     values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
-    keep = torch.arange(kk, device=q.device)[None, :] < limits.clamp(max=kk)[:, None]
+    keep = torch.arange(kk, device=logits.device)[None, :] < limits.clamp(max=kk)[:, None]
     values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
     if kk < k:
         values = torch.nn.functional.pad(values, (0, k - kk), value=float("-inf"))
@@ -490,9 +556,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
     the local top-k, and merging every rank's lists by score gives the global top-k exactly
     (DESIGN §6). Batches whose rows are longer than row_topk's candidate list go through
     row_topk.topk_rows (a threshold from the group maxima, one pass, a short list); others
-    through torch.topk. When T × S_out fp32 logits would pass config.max_logits_bytes, the keys
-    are scored in windows and each window's top-k merged into the running one, so the logits
-    never take more than that (a 1M-key context with T = 4096 would need 16 GiB at once).
+    through torch.topk. When T × S_out fp32 logits would pass config.max_logits_bytes (a 1M-key
+    context with T = 4096 would need 16 GiB at once), the rows are scored in passes of whole
+    tiles over every key (the plan's row_passes), or with logits_split="keys" the keys in
+    windows, each window's top-k merged into the running one; either way the logits never take
+    more than that.
     """
     _check_inputs(q, weights)
     num_tokens = q.shape[0]
@@ -501,6 +569,18 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         return (torch.full((num_tokens, topk), float("-inf"), device=q.device),
                 torch.full((num_tokens, topk), -1, dtype=torch.int32, device=q.device))
     block_size = meta.block_size
+    index_dtype = torch.int32 if meta.dcp_size == 1 else torch.int64
+    if plan.row_passes:
+        # Rows in passes over every key (the plan's, shared by the step's indexer layers).
+        values = torch.empty(num_tokens, topk, dtype=torch.float32, device=q.device)
+        local = torch.empty(num_tokens, topk, dtype=index_dtype, device=q.device)
+        for rows in plan.row_passes:
+            v, i = _topk_window(q, weights, index_cache, meta, topk, config, None, index_dtype,
+                                rows)
+            values[rows.first : rows.end], local[rows.first : rows.end] = v, i
+        if meta.dcp_size == 1:
+            return values, local
+        return _global_positions(values, local, meta)
     step = _window_len(num_tokens, plan.s_out, block_size, config)
     if step >= plan.s_out and meta.dcp_size == 1:
         # Local positions are the answer, with (−inf, −1) padding already in place: a decode
@@ -519,6 +599,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                 continue
             values, local = _merge_best(torch.cat([values, v], 1), torch.cat([local, i], 1),
                                         topk)
+    return _global_positions(values, local, meta)
+
+
+def _global_positions(values: torch.Tensor, local: torch.Tensor, meta: AttentionMetadata
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local key indices [T, k] (−1: none) → request-local token positions, int32."""
     found = local >= 0  # values are already −inf where local is −1
     pos = layout.dcp_global_position(local.clamp_min(0), meta.dcp_size, meta.dcp_rank,
                                      meta.interleave)
