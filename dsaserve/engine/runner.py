@@ -12,7 +12,7 @@ import torch
 
 from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from dsaserve.engine import step_results
+from dsaserve.engine import staging, step_results
 from dsaserve.engine.sampler import make_generator, sample_on_device
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
@@ -251,7 +251,8 @@ class ModelRunner:
         plain = [r for r in range(len(req_ids)) if batch.samples[r] and not batch.num_drafts[r]]
         tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
         if plain:
-            logits = self.model.compute_logits(hidden[[qsl[r + 1] - 1 for r in plain]])  # [M, V]
+            (last_rows,) = staging.upload_lists([[qsl[r + 1] - 1 for r in plain]], dev)
+            logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
             states = [self.requests[req_ids[r]] for r in plain]
             tokens, lps = sample_on_device(logits, [s.params for s in states],
                                            [s.generator for s in states])
@@ -264,11 +265,12 @@ class ModelRunner:
             # by repeating the last row; padded rows are never read)
             rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
                      for i in range(k + 1)] for r in verify]
-            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev).flatten()])
+            rows_d, draft_ids, num_drafts = staging.upload([
+                torch.tensor(rows).flatten(),
+                torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
+                torch.tensor([batch.num_drafts[r] for r in verify])], dev)  # [M]
+            logits = self.model.compute_logits(hidden[rows_d])
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
-            draft_ids = torch.tensor([self._drafts_of(batch, r, k) for r in verify],
-                                     dtype=torch.int64, device=dev)  # [M, k]
-            num_drafts = torch.tensor([batch.num_drafts[r] for r in verify], device=dev)
             states = [self.requests[req_ids[r]] for r in verify]
             accepted, final = rejection_sample_on_device(
                 logits, draft_ids, num_drafts, [s.params for s in states],
@@ -305,12 +307,13 @@ class ModelRunner:
         dev = self.device
         plus = torch.cat((torch.zeros(len(samples.plain), dtype=torch.int64, device=dev),
                           samples.accepted))  # [D]
+        next_d, rows_d, pos_d = staging.upload_lists([next_ids, base_rows, base_pos], dev)
         return DraftInputs(
-            next_token_ids=torch.tensor(next_ids, dtype=torch.int64, device=dev),
-            rows=torch.tensor(base_rows, dtype=torch.int64, device=dev) + plus,
+            next_token_ids=next_d,
+            rows=rows_d + plus,
             tokens=torch.cat((samples.plain_tokens, samples.emitted.gather(
                 1, samples.accepted[:, None])[:, 0])),
-            positions=torch.tensor(base_pos, dtype=torch.int64, device=dev) + plus,
+            positions=pos_d + plus,
             request_ids=[req_ids[r] for r in drafting],
             max_positions=[p + batch.num_drafts[r] for p, r in zip(base_pos, drafting,
                                                                     strict=True)],
@@ -437,7 +440,7 @@ class ModelRunner:
             and self.dcp_size == 1
             and max(seq_lens) <= self.model_cfg.index_topk
         )
-        pcp_meta = None
+        pcp_host: list[torch.Tensor] = []
         if self.groups.pcp.size > 1:
             # This rank computes only its share of the rows (replicated requests: all of them).
             query_lens = [qsl[r + 1] - qsl[r] for r in range(len(req_ids))]
@@ -447,19 +450,22 @@ class ModelRunner:
             qsl = [0]
             for c in counts_local:
                 qsl.append(qsl[-1] + c)
-            pcp_meta = PcpMetadata(
-                local_index=local.to(dev),
-                restore_index=part.restore_index.to(dev),
-                padded_len=part.padded_len,
-                write_slots=slots.to(dev),
-                replicated=part.replicated, query_lens=tuple(query_lens),
-            )
+            pcp_host = [local, part.restore_index, slots]
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
+        # one asynchronous host → device copy for all of it (engine/staging.py)
+        pos_d, req_d, slots_d, table_d, tok_d, *pcp_d = staging.upload(
+            [pos_t, req_t, slots, table, tok_t, *pcp_host], dev)
+        pcp_meta = None
+        if pcp_d:
+            pcp_meta = PcpMetadata(
+                local_index=pcp_d[0], restore_index=pcp_d[1], padded_len=part.padded_len,
+                write_slots=pcp_d[2], replicated=part.replicated, query_lens=tuple(query_lens),
+            )
         meta = AttentionMetadata(
-            positions=pos_t.to(dev),
-            req_indices=req_t.to(dev),
-            slot_mapping=slots.to(dev),
-            block_table=table.to(dev),
+            positions=pos_d,
+            req_indices=req_d,
+            slot_mapping=slots_d,
+            block_table=table_d,
             query_start_loc=tuple(qsl),
             seq_lens=tuple(seq_lens),
             block_size=self.block_size,
@@ -469,4 +475,4 @@ class ModelRunner:
             interleave=self.interleave,
             pcp=pcp_meta,
         )
-        return tok_t.to(dev), meta, global_qsl
+        return tok_d, meta, global_qsl
