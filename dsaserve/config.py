@@ -421,6 +421,35 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class CompilationConfig:
+    """`--compilation-config` JSON (vLLM's flag; only `cudagraph_capture_sizes` is read) and
+    `--enforce-eager`. Capture sizes count tokens of a decode batch (requests × (1 + drafts));
+    None: the default buckets up to the largest decode batch (engine/cudagraph.py)."""
+
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False
+
+    @staticmethod
+    def from_json(text: str | None, enforce_eager: bool = False) -> CompilationConfig:
+        flag = "--compilation-config"
+        if not text:
+            return CompilationConfig(enforce_eager=enforce_eager)
+        raw = json_object(text, flag)
+        known = {"cudagraph_capture_sizes"}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        sizes = raw.get("cudagraph_capture_sizes")
+        if sizes is not None:
+            if not isinstance(sizes, list) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+                raise ConfigError(f"{flag}: cudagraph_capture_sizes must be a list of integers "
+                                  f">= 1, got {sizes!r}")
+            sizes = tuple(sorted(set(sizes)))
+        return CompilationConfig(cudagraph_capture_sizes=sizes, enforce_eager=enforce_eager)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """world = dp × pcp × tp; dcp is a view over pcp (or tp) ranks, never extra ranks."""
 
@@ -595,6 +624,7 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpecConfig | None = None  # None: no speculative decoding
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
     offload: OffloadConfig = field(default_factory=lambda: OffloadConfig())
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"

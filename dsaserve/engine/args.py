@@ -18,6 +18,7 @@ from pathlib import Path
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
+    CompilationConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
@@ -73,6 +74,15 @@ def _speculative_config_json(text: str) -> str:
         SpecConfig.from_json(text)
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+    return text
+
+
+def _compilation_config_json(text: str) -> str:
+    """Validated at parse time, built with --enforce-eager."""
+    try:
+        CompilationConfig.from_json(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--compilation-config: ")) from None
     return text
 
 
@@ -139,6 +149,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"num_speculative_tokens": 3}\'; benchmarks: add '
                         '"rejection_sample_method": "synthetic" and '
                         '"synthetic_acceptance_length": 2.99')
+    g.add_argument("--compilation-config", type=_compilation_config_json, default=None,
+                   help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '
+                        "sizes (tokens) captured as CUDA graphs; default: buckets up to "
+                        "--max-num-seqs x (1 + drafts) (docs/decode.md)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never use CUDA graphs (always on the CPU)")
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 
@@ -214,6 +230,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             backend=resolve_attention_backend(args.attention_backend, device)),
         parallel=parallel,
         speculative=speculative,
+        compilation=CompilationConfig.from_json(args.compilation_config, args.enforce_eager),
         offload=OffloadConfig.from_flags(args.kv_offloading_size, args.kv_offloading_backend,
                                          args.kv_transfer_config),
         dtype=args.dtype,

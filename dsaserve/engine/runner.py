@@ -4,6 +4,7 @@ state, applies the scheduler's typed diff, runs the model on the flattened batch
 from __future__ import annotations
 
 import array
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,8 @@ import torch
 
 from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
-from dsaserve.engine.sampler import make_generator, sample
+from dsaserve.engine import staging, step_results
+from dsaserve.engine.sampler import make_generator, sample_on_device
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
@@ -29,8 +31,8 @@ from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
 from dsaserve.parallel.tp import checkpoint_narrower, first_expert, shard_model
-from dsaserve.spec.mtp import DraftRequest, MtpDrafter
-from dsaserve.spec.rejection import rejection_sample
+from dsaserve.spec.mtp import DraftInputs, MtpDrafter
+from dsaserve.spec.rejection import emitted_tokens, rejection_sample_on_device
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ class ModelRunner:
         self._seed_counter = config.seed
         spec = config.speculative
         self.drafter = None if spec is None else MtpDrafter(
-            self.model, self.caches, spec.num_speculative_tokens, self._decode_metadata)
+            self.model, self.caches, spec.num_speculative_tokens, self._draft_metadata)
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
 
@@ -241,55 +243,62 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
 
-        # 3. forward; then sample (or verify drafts) for requests whose known tokens are done
+        # 3. forward; then sample (or verify drafts) for requests whose known tokens are done,
+        #    the results left on the device
         hidden = self.model(batch.input_ids, batch.meta, self.caches)  # [N, hidden]
-        emitted, logprobs = self._sample(req_ids, batch, hidden)
+        samples = self._sample(req_ids, batch, hidden)
 
         # 4. speculative decoding: the MTP layer drafts the next step's tokens
-        drafts: dict[str, list[int]] = {}
+        drafts, drafting = None, []
         if self.drafter is not None:
-            drafts = self.drafter.propose(hidden, batch.meta,
-                                          self._draft_requests(req_ids, batch, emitted))
-        return ModelRunnerOutput(sampled_token_ids=emitted, logprobs=logprobs,
-                                 draft_token_ids=drafts)
+            inputs = self._draft_inputs(req_ids, batch, samples)
+            drafts, drafting = self.drafter.propose(hidden, batch.meta, inputs), inputs.request_ids
+
+        # 5. the step's one host sync: everything sampled, copied at once
+        host = step_results.read_back(samples, drafts)
+        return ModelRunnerOutput(
+            sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(req_ids)},
+            logprobs={req_ids[r]: lps for r, lps in host.logprobs.items()},
+            draft_token_ids=dict(zip(drafting, host.drafts, strict=True)))
 
     def _sample(self, req_ids: list[str], batch: _Batch, hidden: torch.Tensor
-                ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
-        """Tokens emitted per request: one sampled at the last row, or (with drafts) the
-        accepted drafts and one more token from the rejection sampler."""
-        emitted: dict[str, list[int]] = {rid: [] for rid in req_ids}
-        logprobs: dict[str, list[float]] = {}
+                ) -> step_results.DeviceSamples:
+        """Per sampling request: one token sampled at its last row, or (with drafts) the
+        accepted drafts and one more token from the rejection sampler; on the device."""
         qsl = batch.query_start_loc
-        plain = [r for r, rid in enumerate(req_ids) if batch.samples[r] and not batch.num_drafts[r]]
+        dev = hidden.device
+        plain = [r for r in range(len(req_ids)) if batch.samples[r] and not batch.num_drafts[r]]
+        tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
         if plain:
-            logits = self.model.compute_logits(hidden[[qsl[r + 1] - 1 for r in plain]])  # [M, V]
+            (last_rows,) = staging.upload_lists([[qsl[r + 1] - 1 for r in plain]], dev)
+            logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
             states = [self.requests[req_ids[r]] for r in plain]
-            tokens, lps = sample(logits, [s.params for s in states], [s.generator for s in states])
-            for r, tok, lp in zip(plain, tokens, lps, strict=True):
-                emitted[req_ids[r]], logprobs[req_ids[r]] = [tok], [lp]
-        verify = [r for r, rid in enumerate(req_ids) if batch.samples[r] and batch.num_drafts[r]]
+            tokens, lps = sample_on_device(logits, [s.params for s in states],
+                                           [s.generator for s in states])
+        verify = [r for r in range(len(req_ids)) if batch.samples[r] and batch.num_drafts[r]]
+        accepted = torch.zeros(0, dtype=torch.int64, device=dev)
+        emitted = emitted_lps = torch.zeros(0, 1, dtype=torch.int64, device=dev)
         if verify:
             k = max(batch.num_drafts[r] for r in verify)
             # rows of each verifying request: its last token and its drafts ([M, k+1], padded
             # by repeating the last row; padded rows are never read)
             rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
                      for i in range(k + 1)] for r in verify]
-            logits = self.model.compute_logits(hidden[torch.tensor(rows).flatten()])
+            rows_d, draft_ids, num_drafts = staging.upload([
+                torch.tensor(rows).flatten(),
+                torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
+                torch.tensor([batch.num_drafts[r] for r in verify])], dev)  # [M]
+            logits = self.model.compute_logits(hidden[rows_d])
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
-            draft_ids = torch.tensor([self._drafts_of(batch, r, k) for r in verify],
-                                     dtype=torch.int64, device=logits.device)  # [M, k]
-            num_drafts = torch.tensor([batch.num_drafts[r] for r in verify], device=logits.device)
             states = [self.requests[req_ids[r]] for r in verify]
-            runs = rejection_sample(logits, draft_ids, num_drafts, [s.params for s in states],
-                                    [s.generator for s in states], self._synthetic_rates)
-            # log-probabilities of the emitted tokens (token i of a run comes from row i)
-            picked = torch.tensor([(run + [0] * (k + 1))[: k + 1] for run in runs],
-                                  device=logits.device)  # [M, k+1]
-            lps = logits.log_softmax(-1).gather(-1, picked[..., None])[..., 0].tolist()
-            for m, (r, run) in enumerate(zip(verify, runs, strict=True)):
-                emitted[req_ids[r]] = run
-                logprobs[req_ids[r]] = lps[m][: len(run)]
-        return emitted, logprobs
+            accepted, final = rejection_sample_on_device(
+                logits, draft_ids, num_drafts, [s.params for s in states],
+                [s.generator for s in states], self._synthetic_rates)
+            # token i of a run comes from row i: its log-probability there
+            emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
+            emitted_lps = logits.log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
+        return step_results.DeviceSamples(plain, tokens, lps, verify, accepted, emitted,
+                                          emitted_lps)
 
     @staticmethod
     def _drafts_of(batch: _Batch, r: int, k: int) -> list[int]:
@@ -298,24 +307,36 @@ class ModelRunner:
         drafts = batch.step_tokens[r][len(batch.step_tokens[r]) - d:] if d else []
         return drafts + [-1] * (k - d)
 
-    def _draft_requests(self, req_ids: list[str], batch: _Batch,
-                        emitted: dict[str, list[int]]) -> list[DraftRequest]:
-        """What MTP step 0 reads per request: the token after each row's input (for the last
-        accepted row, the token emitted this step) and where drafting continues from."""
-        out = []
+    def _draft_inputs(self, req_ids: list[str], batch: _Batch,
+                      samples: step_results.DeviceSamples) -> DraftInputs:
+        """What MTP step 0 reads: the token after each row's input (host-known: the next prompt
+        token or draft; the emitted token is put in on the device at the last accepted row) and
+        where each sampling request's drafting continues from (device rows and positions)."""
         qsl = batch.query_start_loc
-        for r, rid in enumerate(req_ids):
-            n, start, seq = qsl[r + 1] - qsl[r], batch.starts[r], batch.step_tokens[r]
-            run = emitted[rid]
+        next_ids: list[int] = []
+        for r in range(len(req_ids)):
+            n, seq = qsl[r + 1] - qsl[r], batch.step_tokens[r]
             nxt = seq[1 : n + 1]
-            nxt += [run[-1] if run else 0] * (n - len(nxt))  # rows past the known tokens
-            last_row = None
-            if run:  # run = accepted drafts + one token: the last accepted row is len(run) − 1
-                last_row = n - 1 - batch.num_drafts[r] + len(run) - 1
-                nxt[last_row] = run[-1]
-            out.append(DraftRequest(rid, qsl[r], tuple(nxt), last_row,
-                                    start + (last_row if last_row is not None else 0)))
-        return out
+            next_ids += nxt + [0] * (n - len(nxt))  # rows past the known tokens: overwritten
+        # the last row before the drafts (plain requests: the last row), then + accepted
+        drafting = samples.plain + samples.verify
+        base_rows = [qsl[r + 1] - 1 - batch.num_drafts[r] for r in drafting]
+        base_pos = [batch.starts[r] + qsl[r + 1] - qsl[r] - 1 - batch.num_drafts[r]
+                    for r in drafting]
+        dev = self.device
+        plus = torch.cat((torch.zeros(len(samples.plain), dtype=torch.int64, device=dev),
+                          samples.accepted))  # [D]
+        next_d, rows_d, pos_d = staging.upload_lists([next_ids, base_rows, base_pos], dev)
+        return DraftInputs(
+            next_token_ids=next_d,
+            rows=rows_d + plus,
+            tokens=torch.cat((samples.plain_tokens, samples.emitted.gather(
+                1, samples.accepted[:, None])[:, 0])),
+            positions=pos_d + plus,
+            request_ids=[req_ids[r] for r in drafting],
+            max_positions=[p + batch.num_drafts[r] for p, r in zip(base_pos, drafting,
+                                                                    strict=True)],
+        )
 
     def execute_all_logits(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Like execute, but returns the logits of every scheduled token ([n, V] per request) and
@@ -390,9 +411,21 @@ class ModelRunner:
         input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
         return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples)
 
-    def _decode_metadata(self, req_ids: list[str], positions: list[int]) -> AttentionMetadata:
-        """Metadata for one token per request at the given positions (MTP draft steps)."""
-        return self._metadata(req_ids, positions, [1] * len(req_ids), [0] * len(req_ids))[1]
+    def _draft_metadata(self, req_ids: list[str], positions: torch.Tensor,
+                        max_positions: list[int]) -> AttentionMetadata:
+        """Metadata for one token per request at device-side `positions` [D] (MTP draft steps),
+        each at most max_positions[r]: the host-side parts (context lengths, the PCP view of
+        rows that are all replicated) are built at the bound, the positions and the slots they
+        write from the device values. Keys between a row's position and the bound are masked
+        by the causal limit (positions)."""
+        meta = self._metadata(req_ids, max_positions, [1] * len(req_ids), [0] * len(req_ids))[1]
+        req_t = torch.arange(len(req_ids), device=self.device)
+        slots = layout.slot_mapping(positions, req_t, meta.block_table, self.block_size,
+                                    self.dcp_size, self.dcp_rank, self.interleave)
+        pcp_meta = meta.pcp
+        if pcp_meta is not None:  # one row per request: replicated, local rows = global rows
+            pcp_meta = dataclasses.replace(pcp_meta, write_slots=slots)
+        return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta)
 
     def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
                   tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
@@ -423,7 +456,7 @@ class ModelRunner:
             and self.dcp_size == 1
             and max(seq_lens) <= self.model_cfg.index_topk
         )
-        pcp_meta = None
+        pcp_host: list[torch.Tensor] = []
         if self.groups.pcp.size > 1:
             # This rank computes only its share of the rows (replicated requests: all of them).
             query_lens = [qsl[r + 1] - qsl[r] for r in range(len(req_ids))]
@@ -433,19 +466,22 @@ class ModelRunner:
             qsl = [0]
             for c in counts_local:
                 qsl.append(qsl[-1] + c)
-            pcp_meta = PcpMetadata(
-                local_index=local.to(dev),
-                restore_index=part.restore_index.to(dev),
-                padded_len=part.padded_len,
-                write_slots=slots.to(dev),
-                replicated=part.replicated, query_lens=tuple(query_lens),
-            )
+            pcp_host = [local, part.restore_index, slots]
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
+        # one asynchronous host → device copy for all of it (engine/staging.py)
+        pos_d, req_d, slots_d, table_d, tok_d, *pcp_d = staging.upload(
+            [pos_t, req_t, slots, table, tok_t, *pcp_host], dev)
+        pcp_meta = None
+        if pcp_d:
+            pcp_meta = PcpMetadata(
+                local_index=pcp_d[0], restore_index=pcp_d[1], padded_len=part.padded_len,
+                write_slots=pcp_d[2], replicated=part.replicated, query_lens=tuple(query_lens),
+            )
         meta = AttentionMetadata(
-            positions=pos_t.to(dev),
-            req_indices=req_t.to(dev),
-            slot_mapping=slots.to(dev),
-            block_table=table.to(dev),
+            positions=pos_d,
+            req_indices=req_d,
+            slot_mapping=slots_d,
+            block_table=table_d,
             query_start_loc=tuple(qsl),
             seq_lens=tuple(seq_lens),
             block_size=self.block_size,
@@ -455,4 +491,4 @@ class ModelRunner:
             interleave=self.interleave,
             pcp=pcp_meta,
         )
-        return tok_t.to(dev), meta, global_qsl
+        return tok_d, meta, global_qsl

@@ -32,18 +32,28 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
+def sample_on_device(
+    logits: torch.Tensor,  # [R, V] fp32
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row [R] int64 and its log-probability under the unfiltered distribution
+    [R] fp32, both left on the device (the step copies its results to the host once)."""
+    logprobs = logits.log_softmax(-1)  # [R, V]
+    tokens = logits.argmax(-1)  # [R]; greedy rows keep this
+    for r, p in enumerate(params):  # each request draws from its own generator
+        if p.greedy:
+            continue
+        row = filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
+        tokens[r] = torch.multinomial(row.softmax(-1), 1, generator=generators[r])[0]
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
 def sample(
     logits: torch.Tensor,  # [R, V] fp32
     params: list[SamplingParams],
     generators: list[torch.Generator],
 ) -> tuple[list[int], list[float]]:
-    """One token per row, and its log-probability under the unfiltered distribution."""
-    logprobs = logits.log_softmax(-1)  # [R, V]
-    tokens = logits.argmax(-1)  # [R]; greedy rows keep this
-    for r, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
-        tokens[r] = torch.multinomial(row.softmax(-1), 1, generator=generators[r])[0]
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    """sample_on_device, read back: one token per row and its log-probability."""
+    tokens, chosen = sample_on_device(logits, params, generators)
     return tokens.tolist(), chosen.tolist()

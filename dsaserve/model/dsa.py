@@ -29,6 +29,7 @@ from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend
 from dsaserve.kv import layout
+from dsaserve.model import moe_compute
 from dsaserve.model.rope import RotaryTable, apply_rope
 from dsaserve.parallel import cp_attention, ep
 from dsaserve.parallel.groups import Group, ParallelGroups
@@ -371,26 +372,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        local = ids - self.first  # experts held elsewhere fall outside [0, count)
-        count = self.w13.shape[0]
-        flat = local.flatten()
-        held = (flat >= 0) & (flat < count)
-        order = torch.nonzero(held)[:, 0]
-        order = order[flat[order].argsort(stable=True)]
-        counts = torch.bincount(flat[order], minlength=count).tolist()
-        token_of = order // ids.shape[1]
-        w_sorted = weights.flatten()[order]
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start : start + n]
-            gate, up = F.linear(x[tok], self.w13[expert]).split(self.inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert])
-            out.index_add_(0, tok, y.float() * w_sorted[start : start + n, None])
-            start += n
-        return out
+        # without reading the routing on the host where the batch allows (model/moe_compute.py)
+        return moe_compute.routed_experts(x, self.w13, self.w2, ids, weights, self.first)
 
 
 class MoE(nn.Module):

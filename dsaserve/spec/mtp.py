@@ -20,6 +20,12 @@ before anything reads them. A prefix hit is safe because the KV manager recomput
 matched block (the key at a block's last position depends on the next block's first token).
 
 Drafts are greedy (the argmax of the MTP logits: vLLM's default draft_sample_method).
+
+Nothing here reads device data on the host: how many drafts a request accepted decides which row
+drafting continues from and at which position, and both stay on the device. The draft steps'
+metadata takes the positions as a device tensor and, for what must be host-known (context
+lengths that size loops and grids), the bound reached when every draft is accepted; keys past a
+row's true position are masked by the causal limit that every backend derives from positions.
 """
 
 from __future__ import annotations
@@ -34,19 +40,22 @@ from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 
 
 @dataclass(frozen=True)
-class DraftRequest:
-    """One request's part of the step, as the drafter needs it."""
+class DraftInputs:
+    """What the drafter needs from the step, on the device except the host-known bounds."""
 
-    request_id: str
-    row_start: int  # first row of the request in the step's global batch
-    next_token_ids: tuple[int, ...]  # per row: the token after the row's input (step 0 input)
-    last_row: int | None  # row (within the request) of its last accepted position; None: no draft
-    last_position: int  # position of that row
+    next_token_ids: torch.Tensor  # [N] int64: the token after each row's input (step 0 input);
+    # at each drafting request's last accepted row it is overwritten with `tokens`
+    rows: torch.Tensor  # [D] int64: global row of each drafting request's last accepted position
+    tokens: torch.Tensor  # [D] int64: the token emitted at that row this step
+    positions: torch.Tensor  # [D] int64: the position of that row
+    request_ids: list[str]  # [D] the drafting requests, in batch order
+    max_positions: list[int]  # [D] host: the largest position `positions` can hold
 
 
-# (request ids, one position each) → metadata for one token per request; built by the runner so
-# that slot maps, DCP ownership and the PCP view are the target's.
-MetadataBuilder = Callable[[list[str], list[int]], AttentionMetadata]
+# (request ids, positions [D] on the device, the bound of each on the host) → metadata for one
+# token per request; built by the runner so that slot maps, DCP ownership and the PCP view are
+# the target's.
+MetadataBuilder = Callable[[list[str], torch.Tensor, list[int]], AttentionMetadata]
 
 
 class MtpDrafter:
@@ -64,27 +73,23 @@ class MtpDrafter:
         self,
         hidden: torch.Tensor,  # [N, hidden] the target's post-norm states, global batch order
         meta: AttentionMetadata,  # the target's metadata for this step
-        requests: list[DraftRequest],  # in batch order, covering all N rows
-    ) -> dict[str, list[int]]:
-        """Write the MTP layer's KV for every row of the step; k drafts per drafting request."""
-        device = hidden.device
+        inputs: DraftInputs,
+    ) -> torch.Tensor | None:
+        """Write the MTP layer's KV for every row of the step → drafts [D, k] int64 on the
+        device (None when no request drafts)."""
         # 1. step 0 over the step's rows (prefill chunks included: it fills the MTP cache)
-        next_ids = torch.tensor([t for r in requests for t in r.next_token_ids],
-                                dtype=torch.int64, device=device)  # [N]
+        next_ids = inputs.next_token_ids.index_put((inputs.rows,), inputs.tokens)  # [N]
         h = self.model.forward_mtp(next_ids, hidden, meta, self.caches)  # [N, hidden]
-        drafting = [r for r in requests if r.last_row is not None]
-        if not drafting:
-            return {}
-        rows = torch.tensor([r.row_start + r.last_row for r in drafting], device=device)
-        h = h[rows]  # [D, hidden]
+        if not inputs.request_ids:
+            return None
+        h = h[inputs.rows]  # [D, hidden]
         token = self.model.compute_logits(h).argmax(-1)  # [D] d1
         drafts = [token]
         # 2. steps 1..k−1: one token per drafting request, one position further each time
-        ids = [r.request_id for r in drafting]
         for j in range(1, self.k):
-            step_meta = self.metadata_for(ids, [r.last_position + j for r in drafting])
+            step_meta = self.metadata_for(inputs.request_ids, inputs.positions + j,
+                                          [p + j for p in inputs.max_positions])
             h = self.model.forward_mtp(token, h, step_meta, self.caches)  # [D, hidden]
             token = self.model.compute_logits(h).argmax(-1)
             drafts.append(token)
-        table = torch.stack(drafts, dim=1).tolist()  # [D, k]
-        return {rid: row for rid, row in zip(ids, table, strict=True)}
+        return torch.stack(drafts, dim=1)  # [D, k]

@@ -73,7 +73,7 @@ def recovery_probs(
     rows = torch.arange(probs.shape[0], device=probs.device)
     p = probs[rows, num_accepted]  # [R, V]
     rejected = num_accepted < num_drafts  # [R]
-    if residual and bool(rejected.any()):
+    if residual:  # computed for every row and selected: no host test of `rejected`
         x = draft_ids.gather(1, num_accepted.clamp(max=draft_ids.shape[1] - 1)[:, None])  # [R, 1]
         res = p.scatter_add(-1, x.clamp(min=0), -torch.ones_like(x, dtype=p.dtype)).clamp(min=0)
         # A rejection implies p_j(x_j) < 1, so the residual has mass; guard against rounding.
@@ -83,15 +83,16 @@ def recovery_probs(
     return p
 
 
-def rejection_sample(
+def rejection_sample_on_device(
     logits: torch.Tensor,  # [R, k+1, V] fp32 target logits (rows past 1 + d_r: anything)
     draft_ids: torch.Tensor,  # [R, k] int64
     num_drafts: torch.Tensor,  # [R] int64
     params: list[SamplingParams],
     generators: list[torch.Generator],
     conditional_rates: torch.Tensor | None = None,  # [≥ k]: synthetic mode
-) -> list[list[int]]:
-    """Verify every request's drafts: per request, its accepted drafts and one more token."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify every request's drafts → (accepted drafts [R] int64, the token emitted after
+    them [R] int64), left on the device."""
     num_reqs, k = draft_ids.shape
     probs = target_probs(logits, params)  # [R, k+1, V]
     # 1. one uniform per draft from the request's generator (greedy requests draw nothing:
@@ -108,5 +109,30 @@ def rejection_sample(
     for r, p in enumerate(params):
         if not p.greedy:
             tokens[r] = torch.multinomial(final[r], 1, generator=generators[r])[0]
+    return accepted, tokens
+
+
+def emitted_tokens(draft_ids: torch.Tensor, accepted: torch.Tensor,
+                   tokens: torch.Tensor) -> torch.Tensor:
+    """draft_ids [R, k], accepted [R], tokens [R] → [R, k+1] the tokens each request emits
+    (its accepted drafts, then the token after them), 0 past them."""
+    k = draft_ids.shape[1]
+    col = torch.arange(k + 1, device=draft_ids.device)[None, :]  # [1, k+1]
+    drafts = torch.cat((draft_ids.clamp(min=0), draft_ids.new_zeros(draft_ids.shape[0], 1)), 1)
+    out = torch.where(col < accepted[:, None], drafts, 0)
+    return torch.where(col == accepted[:, None], tokens[:, None], out)
+
+
+def rejection_sample(
+    logits: torch.Tensor,  # [R, k+1, V] fp32 target logits (rows past 1 + d_r: anything)
+    draft_ids: torch.Tensor,  # [R, k] int64
+    num_drafts: torch.Tensor,  # [R] int64
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+    conditional_rates: torch.Tensor | None = None,  # [≥ k]: synthetic mode
+) -> list[list[int]]:
+    """Verify every request's drafts: per request, its accepted drafts and one more token."""
+    accepted, tokens = rejection_sample_on_device(logits, draft_ids, num_drafts, params,
+                                                  generators, conditional_rates)
     accepted_l, tokens_l, drafts_l = accepted.tolist(), tokens.tolist(), draft_ids.tolist()
-    return [drafts_l[r][: accepted_l[r]] + [tokens_l[r]] for r in range(num_reqs)]
+    return [drafts_l[r][: accepted_l[r]] + [tokens_l[r]] for r in range(draft_ids.shape[0])]

@@ -1,0 +1,250 @@
+"""The decode step on one GPU: wall time against the sum of its kernels, eager against a CUDA
+graph, and tokens/s per user with MTP3 (synthetic acceptance 2.99) against no MTP.
+
+    python benchmarks/decode.py --out docs/decode_h200.md      # GLM-5.3-shaped, 2 layers + MTP
+    python benchmarks/decode.py --smoke                        # tiny model on the CPU (CI)
+
+Each row is a batch of B requests at a context of C tokens, decoding in steady state: the runner
+is given the requests with C tokens already computed (the KV pages hold zeros; the step's cost
+does not depend on their values) and the same decode step is run again and again. Per row:
+
+* step wall time (host clock around `ModelRunner.execute`, the host copy of the results
+  included) and the sum of the GPU kernels of one step (torch.profiler, device time): their
+  ratio is how host-bound the step is (1.0 = the GPU never waits for the host);
+* "graph": the same with the target's forward replayed from a CUDA graph captured for this
+  step (sampling, rejection and MTP drafting stay eager);
+* tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
+  MTP3 at synthetic acceptance 2.99) over the step's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+
+from dsaserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
+from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
+from dsaserve.engine import cudagraph
+from dsaserve.engine.runner import ModelRunner
+from dsaserve.model.make_model import make_model
+from dsaserve.model.presets import glm53_shaped
+
+BLOCK = 64
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    context: int
+    batch: int
+    mtp: bool
+    graph: bool
+    wall_ms: float  # median step wall time
+    kernels_ms: float  # GPU kernels of one step (device time; NaN on the CPU)
+    tokens_per_step: float  # emitted per request per step
+    note: str = ""
+
+    @property
+    def tokens_per_s_user(self) -> float:
+        return self.tokens_per_step / (self.wall_ms / 1e3)
+
+
+class _GraphedForward:
+    """Stands in for the runner's model: the target forward replayed from a CUDA graph captured
+    at its first call (the benchmark repeats one step, so its metadata is fixed); every other
+    attribute (logits, the MTP layer) is the model's own, eager."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._pool: cudagraph.GraphPool | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids, meta, caches):
+        if self._pool is None:
+            self._pool = cudagraph.GraphPool(lambda ids: self._model(ids, meta, caches))
+            self._pool.capture(input_ids.shape[0], {"ids": input_ids})
+        return self._pool.replay(input_ids.shape[0], {"ids": input_ids})
+
+
+def _config(model_dir: Path, context: int, batch: int, mtp: bool, device: str, dtype: str,
+            kv: str) -> EngineConfig:
+    k = 3 if mtp else 0
+    per_request = -(-(context + 2 * k + 2) // BLOCK)
+    cfg = EngineConfig(
+        model_path=str(model_dir), model=ModelConfig.from_file(model_dir),
+        cache=CacheConfig(block_size=BLOCK, kv_cache_dtype=kv,
+                          num_gpu_blocks=per_request * batch + 1, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * (1 + k),
+                                  max_model_len=per_request * BLOCK),
+        attention=AttentionConfig(backend="triton" if device == "cuda" else "reference",
+                                  sparse_mla_force_mqa=True),
+        dtype=dtype, device=device,
+    )
+    if mtp:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(
+            '{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
+            '"synthetic", "synthetic_acceptance_length": 2.99}'))
+    return cfg
+
+
+def _steps(context: int, batch: int, k: int, vocab: int
+           ) -> tuple[SchedulerOutput, SchedulerOutput]:
+    """(the step that hands the runner its requests, the step repeated after it): every request
+    has `context` tokens computed, one known token left and (MTP) k drafts to verify."""
+    per_request = -(-(context + 2 * k + 2) // BLOCK)
+    g = torch.Generator().manual_seed(0)
+    new, sched, spec = [], {}, {}
+    for r in range(batch):
+        tokens = tuple(torch.randint(4, vocab, (context + 1,), generator=g).tolist())
+        blocks = tuple(range(r * per_request, (r + 1) * per_request))
+        new.append(NewRequestData(f"r{r}", tokens, GREEDY, blocks, context))
+        sched[f"r{r}"] = 1 + k
+        if k:
+            spec[f"r{r}"] = tuple(torch.randint(4, vocab, (k,), generator=g).tolist())
+    first = SchedulerOutput(tuple(new), (), sched, (), spec)
+    return first, SchedulerOutput((), (), sched, (), spec)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
+            args: argparse.Namespace) -> Row:
+    k = 3 if mtp else 0
+    cfg = _config(model_dir, context, batch, mtp, args.device, args.dtype, args.kv_cache_dtype)
+    runner = ModelRunner(cfg)
+    first, again = _steps(context, batch, k, cfg.model.vocab_size)
+    note = ""
+    try:
+        runner.execute(first)
+        if graph:
+            runner.model = _GraphedForward(runner.model)
+        for _ in range(args.warmup):
+            runner.execute(again)
+        times, emitted = [], []
+        for _ in range(args.steps):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            out = runner.execute(again)
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+            emitted.append(sum(map(len, out.sampled_token_ids.values())) / batch)
+        kernels = math.nan
+        if args.device == "cuda":
+            activities = [torch.profiler.ProfilerActivity.CPU,
+                          torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(4):
+                    runner.execute(again)
+                _sync(args.device)
+            # the kernels themselves (device events), not the host ops that launched them
+            kernels = sum(e.self_device_time_total for e in prof.events()
+                          if e.device_type == DeviceType.CUDA) / 4 / 1e3
+        times.sort()
+        wall = 1e3 * times[len(times) // 2]
+        per_step = sum(emitted) / len(emitted)
+    except (RuntimeError, torch.OutOfMemoryError) as e:  # report the row, keep the table
+        wall, kernels, per_step, note = math.nan, math.nan, math.nan, f"failed: {e}"[:120]
+    del runner
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return Row(context, batch, mtp, graph, wall, kernels, per_step, note)
+
+
+def table(rows: list[Row], title: str) -> list[str]:
+    lines = [title, "",
+             "| context | batch | MTP3 | graph | step wall (ms) | GPU kernels (ms) | wall / "
+             "kernels | tokens / step / user | tokens/s/user | MTP3 speed-up |",
+             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
+    plain = {(r.context, r.batch, r.graph): r for r in rows if not r.mtp}
+    for r in rows:
+        ratio = r.wall_ms / r.kernels_ms if r.kernels_ms > 0 else math.nan
+        base = plain.get((r.context, r.batch, r.graph))
+        speed = (f"{r.tokens_per_s_user / base.tokens_per_s_user:.2f}×"
+                 if r.mtp and base is not None else "")
+        lines.append(
+            f"| {r.context} | {r.batch} | {'yes' if r.mtp else 'no'} | "
+            f"{'yes' if r.graph else 'no'} | {r.wall_ms:.2f} | {r.kernels_ms:.3f} | "
+            f"{ratio:.2f} | {r.tokens_per_step:.2f} | {r.tokens_per_s_user:.1f} | {speed} |"
+            + (f" {r.note}" if r.note else ""))
+    return lines
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
+                                         ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--contexts", type=_ints, default=[8192, 131072])
+    p.add_argument("--batches", type=_ints, default=[1, 16, 64])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--model", type=Path, default=None, help="an existing checkpoint (with MTP)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
+    p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.contexts, args.batches, args.steps, args.warmup = [40], [1, 2], 2, 1
+        if args.device == "cpu":
+            args.dtype, args.kv_cache_dtype = "float32", "auto"
+    graphs = [False, True] if args.device == "cuda" else [False]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is not None:
+            model_dir, shape = args.model, str(args.model.name)
+        elif args.smoke:
+            model_dir, shape = make_model("tiny-glm5", Path(tmp) / "tiny"), "tiny-glm5"
+        else:
+            model_dir = make_model("glm-5.3", Path(tmp) / "glm53", overrides={
+                **glm53_shaped(args.layers), "num_nextn_predict_layers": 1})
+            shape = f"GLM-5.3-shaped, {args.layers} layers + MTP"
+        rows = []
+        for context in args.contexts:
+            for batch in args.batches:
+                for graph in graphs:
+                    for mtp in (False, True):
+                        row = measure(model_dir, context, batch, mtp, graph, args)
+                        print(row, file=sys.stderr)
+                        rows.append(row)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    lines = table(rows, f"{shape}, {args.dtype}, {args.kv_cache_dtype} KV, {device}; median of "
+                        f"{args.steps} steps")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    return 0 if all(not r.note for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""How the routed experts held on this rank are computed, without the host seeing the routing.
+
+Three formulations of the same sum `out[t] = Σ_j w[t, j] · expert_{ids[t, j]}(x[t])`:
+
+* **grouped** (CUDA, bf16, `torch._grouped_mm` present): the (token, choice) pairs sorted by
+  expert, one grouped GEMM per projection over contiguous groups whose ends are computed on the
+  device; no host sync, one launch per projection whatever the routing.
+* **dense** (small batches elsewhere): every held expert on every token, weighted by a
+  [N, E] matrix that is zero off the chosen experts; no host sync, E× the FLOPs, which a decode
+  batch on the CPU can afford.
+* **looped** (large batches elsewhere: prefill): the sorted pairs, one GEMM per expert that
+  received tokens; the per-expert counts are read on the host (one sync per layer, in prefill).
+
+Pairs routed to experts held on another rank (EP) are dropped (weight 0); each path adds the
+experts' contributions in ascending expert order, in fp32.
+
+    pairs (t, j) flattened:  p = t·k + j          expert e(p) = ids[t, j] − first
+    sorted by e (stable):    order [P]            group ends: ends[e] = #pairs with expert ≤ e
+    rows of group e:         order[ends[e−1] : ends[e]]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Dense path up to this many (token × held expert) products: decode batches, not prefill.
+DENSE_MAX_TOKEN_EXPERTS = 4096
+
+
+def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """torch._grouped_mm runs bf16 on CUDA (sm90+); dims must be multiples of 16 bytes."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
+
+
+def sorted_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids/weights [N, k] → (token of each sorted pair [P], its weight [P] fp32, group ends
+    [count] int32): pairs sorted by local expert, all on the device. Pairs of experts held
+    elsewhere sort last, past ends[-1], in no group."""
+    local = (ids - first).flatten()  # [P]
+    local = torch.where((local >= 0) & (local < count), local, count)
+    order = local.argsort(stable=True)  # [P]
+    ends = torch.searchsorted(local[order], torch.arange(count, device=ids.device), right=True)
+    return order // ids.shape[1], weights.flatten().float()[order], ends.to(torch.int32)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor, first: int) -> torch.Tensor:
+    """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs."""
+    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0])
+    xs = x[token_of]  # [P, H]
+    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [P, H]
+    # rows past the last group (experts held elsewhere) are left unwritten: select, not scale
+    in_group = torch.arange(xs.shape[0], device=x.device) < ends[-1]
+    y = torch.where(in_group[:, None], y.float() * w_sorted[:, None], 0.0)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token_of, y)
+
+
+def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor, first: int) -> torch.Tensor:
+    """Every held expert on every token; the unchosen ones weighted 0."""
+    count, inter = w13.shape[0], w2.shape[2]
+    local = ids - first  # [N, k]
+    held = (local >= 0) & (local < count)
+    mix = torch.zeros(x.shape[0], count + 1, dtype=torch.float32, device=x.device)  # [N, E+1]
+    # experts held elsewhere land in the spare column E, which is never read
+    mix.scatter_add_(1, torch.where(held, local, count), weights.float())
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(count):  # ascending expert order, as the looped path adds them
+        gate, up = F.linear(x, w13[e]).split(inter, dim=-1)
+        out += F.linear(F.silu(gate) * up, w2[e]).float() * mix[:, e, None]
+    return out
+
+
+def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, first: int) -> torch.Tensor:
+    """One GEMM per expert that received tokens; reads the group ends on the host."""
+    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0])
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, end in enumerate(ends.tolist()):  # the one host read (prefill)
+        if end == start:
+            continue
+        tok = token_of[start:end]
+        gate, up = F.linear(x[tok], w13[expert]).split(inter, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, tok, y.float() * w_sorted[start:end, None])
+        start = end
+    return out
+
+
+def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, first: int) -> torch.Tensor:
+    """The formulation for this batch (chosen from host-known shapes, never from routing)."""
+    if grouped_mm_available(x, w13):
+        return grouped_experts(x, w13, w2, ids, weights, first)
+    if x.shape[0] * w13.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
+        return dense_experts(x, w13, w2, ids, weights, first)
+    return looped_experts(x, w13, w2, ids, weights, first)

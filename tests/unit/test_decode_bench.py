@@ -1,0 +1,24 @@
+"""benchmarks/decode.py --smoke: the decode benchmark's whole path (steady-state steps with and
+without MTP3 at synthetic acceptance 2.99, the table) on the tiny model, on the CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def test_decode_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
+    spec = importlib.util.spec_from_file_location("decode_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decode_bench", bench)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "decode.md"
+    assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.count("\n| 40 |") == 4  # batches 1 and 2, with and without MTP3
+    rows = [line.split("|") for line in text.splitlines() if line.startswith("| 40 |")]
+    per_step = {(r[2].strip(), r[3].strip()): float(r[8]) for r in rows}
+    assert per_step[("1", "no")] == 1.0
+    assert 2.0 <= per_step[("1", "yes")] <= 3.0  # 1 + accepted drafts (synthetic 2.99)

@@ -1,0 +1,86 @@
+"""Host syncs: the counter (engine/syncs.py) sees the reads that stall a GPU, and one decode step
+of the tiny engine (plain, and verifying + drafting with MTP3) reads the device once: the copy
+of its results (engine/step_results.py). The attention backend's own host code is left out (on
+the CPU the reference backend serves; the GPU backend's is checked with cuda_sync_debug)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsaserve.config import SpecConfig
+from dsaserve.core import SamplingParams
+from dsaserve.engine import step_results
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.syncs import SyncCounter
+
+
+def test_counter_sees_host_reads_and_nothing_else():
+    x = torch.arange(6.0)
+    with SyncCounter() as syncs:
+        y = (x * 2).sum()  # device work only
+        _ = x[torch.tensor([0, 2])]  # integer index: no read
+        assert syncs.count == 0
+        y.item()
+        x.tolist()
+        x.nonzero()
+        _ = x[x > 2]  # boolean mask: sized from the data
+        if (x > 3).any():  # __bool__
+            pass
+        host = x.cpu()
+        host.tolist()  # already on the host: free
+    assert syncs.count == 6, syncs.report()
+    assert "test_host_syncs.py" in syncs.report()
+
+
+def test_counter_excludes_paths():
+    with SyncCounter(exclude=("engine/",)) as syncs:
+        step_results.read_back(step_results.DeviceSamples(
+            [0], torch.tensor([5]), torch.tensor([-0.5]), [], torch.zeros(0, dtype=torch.int64),
+            torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, 1)), None)
+    assert syncs.count == 0
+
+
+def test_read_back_unpacks_every_part():
+    samples = step_results.DeviceSamples(
+        plain=[2], plain_tokens=torch.tensor([7]), plain_logprobs=torch.tensor([-0.25]),
+        verify=[0, 1], accepted=torch.tensor([2, 0]),
+        emitted=torch.tensor([[4, 5, 6, 0], [9, 0, 0, 0]]),
+        emitted_logprobs=torch.tensor([[-1.0, -2.0, -3.0, 0.0], [-4.0, 0.0, 0.0, 0.0]]))
+    drafts = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    with SyncCounter() as syncs:
+        host = step_results.read_back(samples, drafts)
+    assert syncs.count == 1
+    assert host.tokens == {2: [7], 0: [4, 5, 6], 1: [9]}
+    assert host.logprobs == {2: [-0.25], 0: [-1.0, -2.0, -3.0], 1: [-4.0]}
+    assert host.drafts == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_decode_step_reads_the_device_once(engine_config, model_dirs, k):
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
+    if k is not None:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+    engine = LLMEngine.from_config(cfg)
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, top_k=5, ignore_eos=True)]
+    for i, p in enumerate(params):
+        engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)), p)
+    for _ in range(3):  # prefill, then decode steps (with MTP: drafts to verify)
+        engine.step()
+    so = engine.scheduler.schedule()
+    assert all(n == 1 + len(so.scheduled_spec_token_ids.get(rid, ()))
+               for rid, n in so.num_scheduled_tokens.items()), "not a decode step"
+    if k is not None:
+        assert so.scheduled_spec_token_ids, "no drafts verified"
+    with SyncCounter(exclude=("kernels/",)) as syncs:
+        out = engine.runner.execute(so)
+    assert syncs.count == 1, syncs.report()
+    assert "step_results.py" in syncs.report()
+    engine.scheduler.update_from_output(so, out)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
