@@ -91,3 +91,30 @@ def test_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv):
                                            buffer=4 * topk))
     assert _run(engine, prompts, params) == want
     assert int(engine.runner.hisparse.rows_from_host) > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_plan_concurrency_equals_engine_admission(model_dirs, engine_config, kv):
+    """`dsaserve plan`'s HiSparse bound by host memory is what the engine admits."""
+    from dsaserve.plan import costmodel as cm
+
+    model_dir = model_dirs["tiny-glm5"]
+    cfg = _config(engine_config, model_dir, kv=kv, dtype="bfloat16")
+    plan_kv = cm.kv_bytes_per_token(cfg.model, "bf16" if kv == "auto" else kv)
+    ctx = cfg.scheduler.max_model_len
+    host = (5 * ctx + 40) * plan_kv.mla_all_layers  # room for 5 requests and change
+    cfg = replace(cfg, hisparse=HiSparseConfig(host_pool_bytes=host))
+    plan = cm.hisparse_concurrency(plan_kv, ctx, kv_room=1 << 40, host_pool_bytes=host,
+                                   hot_rows=cfg.hisparse_buffer_rows,
+                                   block_size=cfg.cache.block_size)
+    assert plan.by_host == 5
+    engine = LLMEngine.from_config(cfg)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(_prompts(8, seed=3)):
+        engine.add_request(str(i), p, params)
+    engine.step()
+    assert len(engine.scheduler.running) == plan.by_host
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
