@@ -118,3 +118,31 @@ def test_plan_concurrency_equals_engine_admission(model_dirs, engine_config, kv)
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_integrity()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_later_turn_prefix_is_mirrored(model_dirs, engine_config, offload):
+    """A second turn starts from a computed prefix (a GPU prefix hit, or with the host KV tier
+    in the same engine, as a MultiConnector sets up, a prefix evicted by other sessions and
+    loaded back): it is mirrored on arrival, so its hot reads from the host pool are exact."""
+    from dsaserve.config import OffloadConfig
+
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    a, b, c, more = _prompts(4, seed=7, base=30)
+    blocks = 12 if offload else 64
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, hisparse=False))
+    cfg = _config(engine_config, model_dir, buffer=16, num_blocks=blocks)
+    if offload:
+        cfg = replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=8 << 20))
+    engine = LLMEngine.from_config(cfg)
+    turn1 = _run(engine, [a], params)[0]
+    assert turn1 == ref.generate([a], params)[0]
+    if offload:  # other sessions take the GPU pool
+        _run(engine, [b + c], params)
+        _run(engine, [c + more], params)
+    turn2 = a + turn1 + more[:9]
+    assert _run(engine, [turn2], params) == ref.generate([turn2], params)
+    st = engine.stats()
+    hits = st.offload_hits if offload else st.prefix_cache_hits
+    assert hits > 0
