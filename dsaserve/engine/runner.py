@@ -220,7 +220,7 @@ class ModelRunner:
 
     def hisparse_spec(self) -> int:
         """Requests the HiSparse host pool admits at once on this rank (0: HiSparse off)."""
-        return 0 if self.hisparse is None else self.hisparse.hot[0].shape[0]
+        return 0 if self.hisparse is None else self.hisparse.max_requests
 
     def check_hisparse(self) -> None:
         """HiSparse invariants (kv/hisparse/runtime.py), for tests through `executor.call`."""

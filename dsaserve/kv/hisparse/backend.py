@@ -48,7 +48,7 @@ class HiSparseBackend:
                                                    kv_lora_rank)
         # 2. residency: hits, misses fetched, each selected row's hot slot
         rows = rt.resolve(layer, positions, meta, step)  # [T, K] flat hot rows
-        # 3. sparse MLA over the hot buffer (the same kernel: a region is a page of S+1 rows)
+        # 3. sparse MLA over the hot buffer (the same kernel: it is laid out as a paged cache)
         o, lse = self.inner.sparse_mla(q, rt.hot[layer], rows, scale, kv_lora_rank)
         if step.num_hot == step.num_reqs:
             return o, lse

@@ -8,14 +8,17 @@ and the per-step description the attention backend reads (`HiSparseStep`).
     host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
         │ miss fetch (residency.resolve → gather)
         ▼
-    hot buffer hot[l]  [C, S+1, row]   region c's slot s: flat row c·(S+1) + s (s = S: trash)
+    hot buffer hot[l]  [C·P/B, B, row] region c's slot s: flat row c·P + s (s = S: trash),
+                                       P = S + 1 rounded up to whole pages of B rows
 
 Rows at positions the request has computed before this step come from the host pool; rows
 written during this step (the step's own rows, MTP drafts) are not mirrored yet and come from
 their GPU pages, which are still resident (vLLM keeps the write tail resident for the same
-reason). On the CPU the host pool is ordinary memory and a fetch is an index_select (the
-documented fallback); on CUDA the fetch goes through the host (a sync, correct but slow) until
-the zero-copy gather kernel exists.
+reason). The hot buffer is laid out as a paged cache with the engine's page size, so any
+backend's sparse MLA reads it as it reads the paged cache. On the CPU the host pool is ordinary
+memory and a fetch is an index_select (the documented fallback); on CUDA the pool is pinned but
+the fetch still goes through the host (a sync, correct but slow) until the zero-copy gather
+kernel exists.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsaserve.kv.hisparse.residency import resolve
+from dsaserve.kv.host_pool import _pin
 
 if TYPE_CHECKING:
     from dsaserve.kernels.metadata import AttentionMetadata
@@ -69,8 +73,14 @@ class HiSparseRuntime:
         shapes = [(c.kv.shape[2:], c.kv.dtype) for c in caches]
         # the durable copy: MLA rows only (indexer keys stay in GPU pages)
         self.host = [torch.zeros((num_host_blocks, block_size, *s), dtype=d) for s, d in shapes]
-        self.hot = [torch.zeros((max_requests, buffer_rows + 1, *s), dtype=d, device=device)
+        if device.type == "cuda":
+            for t in self.host:  # page-locked like the host KV tier (kv/host_pool.py)
+                _pin(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
+        self.region_rows = -(-(buffer_rows + 1) // block_size) * block_size  # P
+        pages = max_requests * self.region_rows // block_size
+        self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
                     for s, d in shapes]
+        self.max_requests = max_requests
         self.slot_token = [torch.full((max_requests, buffer_rows), -1, dtype=torch.int64,
                                       device=device) for _ in caches]
         self.slot_stamp = [torch.full_like(t, -1) for t in self.slot_token]
@@ -186,7 +196,7 @@ class HiSparseRuntime:
                 step: HiSparseStep) -> torch.Tensor:
         """positions [T, K] request-local (−1 pad) → [T, K] flat rows of hot[layer] (−1 for
         pads and rows not read through a hot buffer), after fetching the misses."""
-        s1 = self.buffer_rows + 1
+        s1 = self.region_rows
         regions = step.hot_regions
         res = resolve(positions, step.row_region, step.row_rank, self.slot_token[layer][regions],
                       self.slot_stamp[layer][regions], self._stamp, step.max_rows)
@@ -202,7 +212,7 @@ class HiSparseRuntime:
                meta: AttentionMetadata, step: HiSparseStep) -> None:
         """Fill the missed slots: from the host pool below mirrored_upto, else from the
         request's GPU page. Masked entries read row 0 and land in the trash slot."""
-        b, s1 = self.block_size, self.buffer_rows + 1
+        b, s1 = self.block_size, self.region_rows
         pos = miss_pos.clamp(min=0)  # [Rh, W]
         blk, off = pos // b, pos % b
         host_rows = self.host_table[step.hot_regions].gather(1, blk) * b + off
@@ -225,7 +235,7 @@ class HiSparseRuntime:
         held = sum(len(e.host_blocks) for e in self.entries.values())
         assert len(self._free_blocks) + held == self.num_host_blocks, "host blocks leak"
         assert len(set(self._free_blocks)) == len(self._free_blocks)
-        assert len(self._free_regions) + len(self.entries) == self.hot[0].shape[0]
+        assert len(self._free_regions) + len(self.entries) == self.max_requests
         assert set(self.entries) == set(requests), "HiSparse state for unknown requests"
         b, s = self.block_size, self.buffer_rows
         for rid, e in self.entries.items():
@@ -241,7 +251,9 @@ class HiSparseRuntime:
                 tok = self.slot_token[layer][e.region].cpu()
                 full = tok >= 0
                 assert int(full.sum()) == len(set(tok[full].tolist())), "a token in two slots"
-                hot = self.hot[layer][e.region, :s].cpu()[full]
+                regions = self.hot[layer].view(self.max_requests, self.region_rows,
+                                               *self.hot[layer].shape[2:])
+                hot = regions[e.region, :s].cpu()[full]
                 p = tok[full]
                 rows = host[torch.tensor(e.host_blocks)[p // b] * b + p % b]
                 assert torch.equal(hot.view(torch.uint8), rows.view(torch.uint8)), (
