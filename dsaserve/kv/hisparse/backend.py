@@ -18,6 +18,8 @@ class HiSparseBackend:
         self.runtime: HiSparseRuntime | None = None  # set once the caches exist
 
     def __getattr__(self, name: str):  # counters and helpers of the wrapped backend
+        if name == "inner":  # not set yet: no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def prepare(self, device):

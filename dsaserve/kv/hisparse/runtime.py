@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsaserve.kv.hisparse.residency import resolve
-from dsaserve.kv.host_pool import _pin
+from dsaserve.kv.host_pool import pin_host_memory
 
 if TYPE_CHECKING:
     from dsaserve.kernels.metadata import AttentionMetadata
@@ -75,7 +75,7 @@ class HiSparseRuntime:
         self.host = [torch.zeros((num_host_blocks, block_size, *s), dtype=d) for s, d in shapes]
         if device.type == "cuda":
             for t in self.host:  # page-locked like the host KV tier (kv/host_pool.py)
-                _pin(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
+                pin_host_memory(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
         self.region_rows = -(-(buffer_rows + 1) // block_size) * block_size  # P
         pages = max_requests * self.region_rows // block_size
         self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
