@@ -402,22 +402,37 @@ class AttentionConfig:
 
     backend: str = "reference"
     sparse_mla_force_mqa: bool = False
+    # hisparse_config.device_buffer_size: hot-buffer rows per request (None: the default)
+    hisparse_device_buffer_size: int | None = None
+    hisparse_config_given: bool = False  # whether hisparse_config was in the JSON
 
     @staticmethod
     def from_json(text: str | None, backend: str = "reference") -> AttentionConfig:
         if not text:
             return AttentionConfig(backend=backend)
-        raw = json_object(text, "--attention-config")
-        known = {"backend", "sparse_mla_force_mqa"}
+        flag = "--attention-config"
+        raw = json_object(text, flag)
+        known = {"backend", "sparse_mla_force_mqa", "hisparse_config"}
         unknown = set(raw) - known
         if unknown:
-            raise ConfigError(
-                f"--attention-config: unknown keys {sorted(unknown)}; known: {sorted(known)}"
-            )
+            raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         force = raw.get("sparse_mla_force_mqa", False)
         if not isinstance(force, bool):
-            raise ConfigError("--attention-config: sparse_mla_force_mqa must be true or false")
-        return AttentionConfig(backend=str(raw.get("backend", backend)), sparse_mla_force_mqa=force)
+            raise ConfigError(f"{flag}: sparse_mla_force_mqa must be true or false")
+        hs = raw.get("hisparse_config")
+        size = None
+        if hs is not None:
+            if not isinstance(hs, dict) or set(hs) - {"device_buffer_size"}:
+                raise ConfigError(f"{flag}: hisparse_config must be an object with only "
+                                  "device_buffer_size")
+            size = hs.get("device_buffer_size")
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                     or not 1 <= size <= HISPARSE_MAX_BUFFER_ROWS):
+                raise ConfigError(f"{flag}: hisparse_config.device_buffer_size must be an "
+                                  f"integer in [1, {HISPARSE_MAX_BUFFER_ROWS}], got {size!r}")
+        return AttentionConfig(backend=str(raw.get("backend", backend)), sparse_mla_force_mqa=force,
+                               hisparse_device_buffer_size=size,
+                               hisparse_config_given=hs is not None)
 
 
 @dataclass(frozen=True)
@@ -626,6 +641,7 @@ class EngineConfig:
     speculative: SpecConfig | None = None  # None: no speculative decoding
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     offload: OffloadConfig = field(default_factory=lambda: OffloadConfig())
+    hisparse: HiSparseConfig | None = None  # None: the MLA KV stays in GPU pages only
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
@@ -656,6 +672,7 @@ class EngineConfig:
                 f"--max-model-len: {self.scheduler.max_model_len} exceeds the model's "
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
+        self._validate_hisparse()
         if self.speculative is not None and not self.model.has_mtp:
             raise ConfigError(
                 "--speculative-config: method 'mtp' needs a model with an MTP layer "
@@ -667,12 +684,61 @@ class EngineConfig:
         """Drafts per step (0 without speculative decoding)."""
         return self.speculative.num_speculative_tokens if self.speculative is not None else 0
 
+    @property
+    def hisparse_buffer_rows(self) -> int:
+        """Hot-buffer rows per request and layer: hisparse_config.device_buffer_size, by default
+        (query rows + 1) × index_topk as vLLM (the union of every verify row's top-k plus one
+        top-k of LRU slack)."""
+        given = self.attention.hisparse_device_buffer_size
+        if given is not None:
+            return given
+        return (1 + self.num_speculative_tokens + 1) * self.model.index_topk
+
+    def _validate_hisparse(self) -> None:
+        flag = "--kv-transfer-config"
+        if self.hisparse is None:
+            if self.attention.hisparse_config_given:
+                raise ConfigError("--attention-config: hisparse_config needs --kv-transfer-config "
+                                  f"with kv_connector {HISPARSE_CONNECTOR!r}")
+            return
+        m = self.model
+        if m.index_topk < 1 or not any(m.has_indexer(i) for i in range(m.num_hidden_layers)):
+            raise ConfigError(f"{flag}: {HISPARSE_CONNECTOR} needs a model with an indexer "
+                              "(index_topk): it selects which rows the hot buffer holds")
+        if self.parallel.decode_context_parallel_size > 1:
+            raise ConfigError(f"{flag}: {HISPARSE_CONNECTOR} does not run with "
+                              "--decode-context-parallel-size > 1 (as in vLLM)")
+        if self.parallel.prefill_context_parallel_size > 1:
+            raise ConfigError(f"{flag}: {HISPARSE_CONNECTOR} is for decode engines; it does not "
+                              "run with --prefill-context-parallel-size > 1")
+        rows = 1 + self.num_speculative_tokens
+        need = rows * m.index_topk
+        size = self.hisparse_buffer_rows
+        if size < need:
+            raise ConfigError(
+                f"--attention-config: hisparse_config.device_buffer_size {size} is smaller than "
+                f"the top-k union of one step ({rows} query rows × index_topk {m.index_topk} = "
+                f"{need})")
+        if size > HISPARSE_MAX_BUFFER_ROWS:
+            raise ConfigError(
+                f"--attention-config: hisparse_config.device_buffer_size {size} exceeds "
+                f"{HISPARSE_MAX_BUFFER_ROWS} (give a smaller one explicitly)")
+        ram = physical_memory_bytes()
+        replicas = self.parallel.data_parallel_size
+        if ram is not None and self.hisparse.host_pool_bytes * replicas > ram:
+            raise ConfigError(
+                f"{flag}: {replicas} data-parallel engines × "
+                f"{self.hisparse.host_pool_bytes / 2**30:.1f} GiB of HiSparse host pool exceed "
+                f"the machine's {ram / 2**30:.1f} GiB")
+
 
 # ------------------------------------------------------------------------------------------------
 # The host-memory KV tier (docs/offload.md)
 # ------------------------------------------------------------------------------------------------
 OFFLOAD_SIZE_FLAG = "--kv-offloading-size"
 OFFLOAD_CONNECTOR = "OffloadingConnector"
+HISPARSE_CONNECTOR = "HiSparseConnector"
+MULTI_CONNECTOR = "MultiConnector"
 
 
 def physical_memory_bytes() -> int | None:
@@ -717,7 +783,11 @@ class OffloadConfig:
                 f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
             )
         if transfer_json is not None:
-            return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(transfer_json),
+            offload = [c for c in transfer_connectors(transfer_json)
+                       if c["kv_connector"] == OFFLOAD_CONNECTOR]
+            if not offload:
+                return OffloadConfig()
+            return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(offload[0]),
                                  flag="--kv-transfer-config")
         if size_gib is None:
             if backend is not None:
@@ -730,15 +800,37 @@ class OffloadConfig:
         return OffloadConfig(cpu_bytes_to_use=int(size_gib * 2**30))
 
 
-def _transfer_config_bytes(text: str) -> int:
+def transfer_connectors(text: str) -> list[dict[str, Any]]:
+    """The connectors of `--kv-transfer-config`: one, or the list inside a MultiConnector
+    (`"kv_connector_extra_config":{"connectors":[...]}`), each checked for a known name, role
+    kv_both and at most once."""
     flag = "--kv-transfer-config"
     raw = json_object(text, flag)
-    if raw.get("kv_connector") != OFFLOAD_CONNECTOR:
-        raise ConfigError(
-            f"{flag}: kv_connector must be {OFFLOAD_CONNECTOR!r}, got {raw.get('kv_connector')!r}"
-        )
-    if raw.get("kv_role", "kv_both") != "kv_both":
-        raise ConfigError(f"{flag}: kv_role must be 'kv_both', got {raw.get('kv_role')!r}")
+    if raw.get("kv_connector") == MULTI_CONNECTOR:
+        extra = raw.get("kv_connector_extra_config") or {}
+        items = extra.get("connectors") if isinstance(extra, dict) else None
+        if not isinstance(items, list) or not items or not all(isinstance(c, dict)
+                                                               for c in items):
+            raise ConfigError(f"{flag}: {MULTI_CONNECTOR} needs kv_connector_extra_config."
+                              "connectors, a non-empty list of connector objects")
+    else:
+        items = [raw]
+    known = (OFFLOAD_CONNECTOR, HISPARSE_CONNECTOR)
+    names = []
+    for c in items:
+        if c.get("kv_connector") not in known:
+            raise ConfigError(f"{flag}: kv_connector must be one of {list(known)} (or "
+                              f"{MULTI_CONNECTOR} of them), got {c.get('kv_connector')!r}")
+        if c.get("kv_role", "kv_both") != "kv_both":
+            raise ConfigError(f"{flag}: kv_role must be 'kv_both', got {c.get('kv_role')!r}")
+        names.append(c["kv_connector"])
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{flag}: each connector at most once, got {names}")
+    return items
+
+
+def _transfer_config_bytes(raw: dict[str, Any]) -> int:
+    flag = "--kv-transfer-config"
     extra = raw.get("kv_connector_extra_config") or {}
     size = extra.get("cpu_bytes_to_use") if isinstance(extra, dict) else None
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -747,3 +839,41 @@ def _transfer_config_bytes(text: str) -> int:
             f"got {size!r}"
         )
     return size
+
+
+# ------------------------------------------------------------------------------------------------
+# Hybrid HiSparse decode (docs/hisparse.md)
+# ------------------------------------------------------------------------------------------------
+HISPARSE_MAX_BUFFER_ROWS = 32768  # vLLM's bound (int16 slot indices)
+
+
+@dataclass(frozen=True)
+class HiSparseConfig:
+    """HiSparseConnector: the MLA KV of every request mirrored in a host pool of
+    `host_pool_bytes` per engine (vLLM: per DP replica), read through a per-request hot buffer of
+    `EngineConfig.hisparse_buffer_rows` rows. The buffer size lives in `--attention-config`
+    (`AttentionConfig.hisparse_device_buffer_size`), as in vLLM."""
+
+    host_pool_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.host_pool_bytes <= 0:
+            raise ConfigError("--kv-transfer-config: kv_connector_extra_config.host_pool_gib "
+                              "must be > 0")
+
+    @staticmethod
+    def from_transfer_json(text: str | None) -> HiSparseConfig | None:
+        """The HiSparseConnector of `--kv-transfer-config`, alone or inside a MultiConnector
+        (`"kv_connector_extra_config":{"host_pool_gib":48}`); None when it has none."""
+        if text is None:
+            return None
+        found = [c for c in transfer_connectors(text) if c["kv_connector"] == HISPARSE_CONNECTOR]
+        if not found:
+            return None
+        extra = found[0].get("kv_connector_extra_config") or {}
+        gib = extra.get("host_pool_gib") if isinstance(extra, dict) else None
+        if isinstance(gib, bool) or not isinstance(gib, int | float) or not gib > 0:
+            raise ConfigError("--kv-transfer-config: HiSparseConnector needs "
+                              "kv_connector_extra_config.host_pool_gib > 0, got "
+                              f"{gib!r}")
+        return HiSparseConfig(host_pool_bytes=int(gib * 2**30))

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -55,7 +56,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         # The host KV tier: as many blocks as the smallest rank has; a block is all ranks' shards.
         host = executor.call("host_tier_spec") if config.offload.enabled else [(0, 0)]
-        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks,
+        sched = config.scheduler
+        if config.hisparse is not None:  # admission by host capacity (kv/hisparse/admission.py)
+            admits = min(executor.call("hisparse_spec"))
+            sched = dataclasses.replace(sched, max_num_seqs=min(sched.max_num_seqs, admits))
+        self.scheduler = Scheduler(sched, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    num_host_blocks=min(n for n, _ in host),
@@ -119,6 +124,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.config.hisparse is not None:  # host pool, hot buffers, mirror bytes per rank
+            self.executor.call("check_hisparse")
 
     def shutdown(self) -> None:
         """Stop the worker processes, or release the in-process runner's weights and KV cache."""

@@ -20,6 +20,9 @@ from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.kv.copier import KVCopier
+from dsaserve.kv.hisparse.admission import check_admits_one, hisparse_admission
+from dsaserve.kv.hisparse.backend import HiSparseBackend
+from dsaserve.kv.hisparse.runtime import HiSparseRuntime, HiSparseStep
 from dsaserve.kv.host_pool import (
     HostKVPool,
     bytes_per_host_block,
@@ -123,6 +126,8 @@ class ModelRunner:
         # Cut to this rank's part before anything is allocated or read (parallel/tp.py).
         sharded = self.groups.world_size > 1
         backend = get_backend(config.attention.backend)
+        if config.hisparse is not None:  # decode through hot buffers (kv/hisparse/)
+            backend = HiSparseBackend(backend)
         backend.prepare(self.device)
         self.model = DsaForCausalLM.build(
             self.model_cfg, with_mtp=with_mtp, backend=backend,
@@ -137,6 +142,9 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
         self.copier = self._host_tier()  # None without --kv-offloading-size
+        self.hisparse = self._hisparse()  # None without the HiSparseConnector
+        if self.hisparse is not None:
+            backend.runtime = self.hisparse
         self.requests: dict[str, _ReqState] = {}
         self._seed_counter = config.seed
         spec = config.speculative
@@ -210,6 +218,37 @@ class ModelRunner:
         logger.info("host KV tier: %d blocks, %.2f GiB on this rank", num, pool.nbytes / 2**30)
         return KVCopier(pool, self.device)
 
+    def _hisparse(self) -> HiSparseRuntime | None:
+        """This rank's HiSparse host pool and hot buffers; admission reserves each request's
+        whole window (max_model_len and the MTP lookahead) in the pool."""
+        cfg = self.config
+        if cfg.hisparse is None:
+            return None
+        per_token = sum(c.kv[0, 0].numel() * c.kv.element_size() for c in self.caches)
+        window = cfg.scheduler.max_model_len + max(cfg.num_speculative_tokens - 1, 0)
+        adm = hisparse_admission(cfg.hisparse.host_pool_bytes, per_token, window,
+                                 self.block_size)
+        check_admits_one(adm, per_token, self.block_size)
+        requests = min(adm.max_requests, cfg.scheduler.max_num_seqs)
+        logger.info("HiSparse: host pool of %d blocks (%.2f GiB), %d requests, %d hot rows",
+                    adm.num_host_blocks, adm.num_host_blocks * self.block_size * per_token
+                    / 2**30, requests, cfg.hisparse_buffer_rows)
+        return HiSparseRuntime(
+            self.caches, num_host_blocks=adm.num_host_blocks,
+            blocks_per_request=adm.blocks_per_request, max_requests=requests,
+            buffer_rows=cfg.hisparse_buffer_rows, max_query_rows=1 + cfg.num_speculative_tokens,
+            block_size=self.block_size, device=self.device)
+
+    def hisparse_spec(self) -> int:
+        """Requests the HiSparse host pool admits at once on this rank (0: HiSparse off)."""
+        return 0 if self.hisparse is None else self.hisparse.max_requests
+
+    def check_hisparse(self) -> None:
+        """HiSparse invariants (kv/hisparse/runtime.py), for tests through `executor.call`."""
+        if self.hisparse is not None:
+            self.hisparse.check_integrity({rid: (st.num_computed_tokens, st.block_ids)
+                                           for rid, st in self.requests.items()})
+
     def host_tier_spec(self) -> tuple[int, int]:
         """(host blocks, bytes of one block on this rank); (0, 0) without a host tier."""
         if self.copier is None:
@@ -254,7 +293,10 @@ class ModelRunner:
             inputs = self._draft_inputs(req_ids, batch, samples)
             drafts, drafting = self.drafter.propose(hidden, batch.meta, inputs), inputs.request_ids
 
-        # 5. the step's one host sync: everything sampled, copied at once
+        # 5. HiSparse: the rows this step wrote join the durable host copy
+        self._mirror(req_ids, batch)
+
+        # 6. the step's one host sync: everything sampled, copied at once
         host = step_results.read_back(samples, drafts)
         return ModelRunnerOutput(
             sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(req_ids)},
@@ -364,11 +406,33 @@ class ModelRunner:
                                dtype=torch.int64, device=self.device)
             h_mtp = self.model.forward_mtp(ids, hidden, batch.meta, self.caches)
             mtp = per_request(self.model.compute_logits(h_mtp))
+        self._mirror(req_ids, batch)
         return per_request(self.model.compute_logits(hidden)), mtp
+
+    def _mirror(self, req_ids: list[str], batch: _Batch) -> None:
+        """Copy the positions the step may have written (its rows, then the MTP drafts') of
+        every request to the HiSparse host pool."""
+        if self.hisparse is None:
+            return
+        reach = self.config.num_speculative_tokens
+        qsl = batch.query_start_loc
+        self.hisparse.mirror({
+            rid: (batch.starts[r], batch.starts[r] + qsl[r + 1] - qsl[r] + reach,
+                  self.requests[rid].block_ids)
+            for r, rid in enumerate(req_ids)})
+
+    def _hisparse_step(self, req_ids: list[str], starts: list[int],
+                       counts: list[int]) -> HiSparseStep | None:
+        if self.hisparse is None:
+            return None
+        return self.hisparse.step(req_ids, starts, counts,
+                                  [self.requests[rid].num_computed_tokens for rid in req_ids])
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
+            if self.hisparse is not None:
+                self.hisparse.remove(rid)
         for new in so.new_requests:
             self._seed_counter += 1
             self.requests[new.request_id] = _ReqState(
@@ -378,6 +442,8 @@ class ModelRunner:
                 generator=make_generator(new.sampling_params, self.device, self._seed_counter),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            if self.hisparse is not None:
+                self.hisparse.add(new.request_id, new.num_computed_tokens, list(new.block_ids))
         for cached in so.cached_requests:
             st = self.requests[cached.request_id]
             st.token_ids.extend(cached.new_token_ids)
@@ -490,5 +556,6 @@ class ModelRunner:
             dcp_rank=self.dcp_rank,
             interleave=self.interleave,
             pcp=pcp_meta,
+            hisparse=self._hisparse_step(req_ids, starts, counts),
         )
         return tok_d, meta, global_qsl

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dsaserve.kv import layout
+
+if TYPE_CHECKING:
+    from dsaserve.kv.hisparse.runtime import HiSparseStep
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class AttentionMetadata:
     dcp_rank: int = 0
     interleave: int = 1
     pcp: PcpMetadata | None = None  # None: this rank computes every row of the batch
+    hisparse: HiSparseStep | None = None  # None: every row reads the paged cache
 
     def shared_requests(self) -> tuple[bool, ...]:
         """Per request: are its rows identical on every rank of the DCP group (so partial results

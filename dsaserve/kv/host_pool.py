@@ -61,7 +61,7 @@ def num_host_blocks(cpu_bytes_to_use: int, world_size: int, block_bytes: int,
     return num
 
 
-def _pin(owner: object, raw: torch.Tensor, flag: str) -> None:
+def pin_host_memory(owner: object, raw: torch.Tensor, flag: str) -> None:
     """Page-lock `raw` in place (cudaHostRegister) while `owner` lives. Not `pin_memory=True`:
     PyTorch's pinned allocator rounds every allocation up to a power of two, which would turn a
     40 GiB tier into 64 GiB of locked memory."""
@@ -102,7 +102,7 @@ class HostKVPool:
                 f"{flag}: could not allocate {total / 2**30:.2f} GiB of host memory on this "
                 f"rank ({e})") from None
         if pin:
-            _pin(self, raw, flag)
+            pin_host_memory(self, raw, flag)
         skip = -raw.data_ptr() % PAGE_BYTES
         self._raw = raw  # keeps the allocation alive; regions are views
         self.buffer = raw[skip : skip + total]  # [total] uint8, page-aligned

@@ -89,7 +89,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
         ("gpu_per_request", "GPU bytes per request",
          "all indexer keys + (hot rows + 2 tail pages of 64) per MLA layer"),
         ("by_hbm_full", "all KV in HBM", "KV room // (context x total bytes per token)"),
-        ("by_host", "HiSparse, bounded by host", "host pool // host bytes per request"),
+        ("by_host", "HiSparse, bounded by host", "host blocks // blocks per request (whole "
+                                                 "64-token blocks, as the engine admits)"),
         ("by_hbm", "HiSparse, bounded by HBM", "KV room // GPU bytes per request"),
         ("concurrency", "HiSparse concurrency", "the smaller of the two bounds"),
     )),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+from dsaserve.kv.hisparse.admission import hisparse_admission
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
 WeightDType = Literal["fp8", "bf16"]
@@ -434,9 +435,14 @@ class HiSparseConcurrency:
     def by_hbm_full(self) -> int:
         return max(self.kv_room, 0) // self.gpu_bytes_full
 
+    block_size: int = PAGE_TOKENS  # the host pool's block (admission reserves whole blocks)
+
     @property
     def by_host(self) -> int:
-        return self.host_pool_bytes // self.host_bytes
+        """What the engine's scheduler admits: the same function (kv/hisparse/admission.py)."""
+        per_token = self.host_bytes // self.context
+        return hisparse_admission(self.host_pool_bytes, per_token, self.context,
+                                  self.block_size).max_requests
 
     @property
     def by_hbm_hisparse(self) -> int:
@@ -452,7 +458,8 @@ class HiSparseConcurrency:
 
 
 def hisparse_concurrency(
-    kv: KVBytesPerToken, context: int, kv_room: int, host_pool_bytes: int, hot_rows: int
+    kv: KVBytesPerToken, context: int, kv_room: int, host_pool_bytes: int, hot_rows: int,
+    block_size: int = PAGE_TOKENS,
 ) -> HiSparseConcurrency:
     mla_layers = kv.num_layers + kv.num_mtp_layers
     gpu_rows_per_layer = min(context, hot_rows + HISPARSE_TAIL_PAGES * PAGE_TOKENS)
@@ -465,4 +472,5 @@ def hisparse_concurrency(
         host_bytes=context * kv.mla_all_layers,
         gpu_bytes_hisparse=context * kv.indexer_all_layers
         + gpu_rows_per_layer * mla_layers * kv.mla_row,
+        block_size=block_size,
     )

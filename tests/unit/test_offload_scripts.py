@@ -33,3 +33,17 @@ def test_agentic_replay_smoke(monkeypatch, tmp_path, capsys) -> None:
     off, on = rows[-2].split(" | "), rows[-1].split(" | ")
     assert off[0] == "| off" and off[4] == "0"  # no host hits without the tier
     assert int(on[4]) > 0  # with it, evicted history comes back from the host
+
+
+def test_hisparse_benchmark_smoke(tmp_path, monkeypatch) -> None:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hisparse.py"
+    spec = importlib.util.spec_from_file_location("hisparse_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "hisparse_bench", bench)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "hisparse.md"
+    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| overlap | all-GPU (ms) | HiSparse (ms)")
+    missed = [float(r.split(" | ")[4].replace(",", "")) for r in rows[1:]]
+    assert len(missed) == 5 and missed[-1] < missed[0]  # more overlap, fewer misses

@@ -1,0 +1,40 @@
+"""How many requests a HiSparse host pool admits: one function for the engine's scheduler and
+`dsaserve plan`, so that the plan's concurrency is what the engine admits.
+
+Admission reserves a request's whole window (`max_model_len` tokens, whole blocks) in the host
+pool, as vLLM does: a request admitted can always be mirrored to the end, and GPU pages and hot
+buffers are only a cache of it. Pure integer maths (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsaserve.config import ConfigError
+
+
+@dataclass(frozen=True)
+class HiSparseAdmission:
+    num_host_blocks: int  # blocks of `block_size` tokens the pool holds
+    blocks_per_request: int  # one request's reserved window
+    max_requests: int  # requests admitted at once (the host-memory bound)
+
+
+def hisparse_admission(host_pool_bytes: int, mla_bytes_per_token: int, max_model_len: int,
+                       block_size: int) -> HiSparseAdmission:
+    """host_pool_bytes of MLA rows (every layer, the MTP layer's included: `mla_bytes_per_token`
+    per token) in blocks of block_size tokens; each request reserves ceil(max_model_len / B)."""
+    num = host_pool_bytes // (block_size * mla_bytes_per_token)
+    per_request = -(-max_model_len // block_size)
+    return HiSparseAdmission(num_host_blocks=num, blocks_per_request=per_request,
+                             max_requests=num // per_request)
+
+
+def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_size: int) -> None:
+    """Start-up error naming the flag when the pool cannot hold one max-length request."""
+    if adm.max_requests < 1:
+        need = adm.blocks_per_request * block_size * mla_bytes_per_token
+        raise ConfigError(
+            f"--kv-transfer-config: host_pool_gib holds {adm.num_host_blocks} blocks of "
+            f"{block_size} tokens, less than one request of --max-model-len needs "
+            f"({adm.blocks_per_request} blocks, {need / 2**30:.4f} GiB)")

@@ -1,0 +1,103 @@
+"""The residency step: which hot-buffer slot holds each row the indexer selected, and which rows
+must be fetched first. Pure, batched PyTorch with no host sync (no `.item()`, no data-dependent
+shapes), so the same maths can be captured in a graph or ported to a kernel.
+
+One hot buffer ("region") per request, S slots, each slot holding one token's MLA row:
+
+    slot_token [G, S]  token position held by each slot (−1: empty)
+    slot_stamp [G, S]  step stamp of its last use (−1: empty; stamps grow every call)
+
+A step's query rows of one request select top-k positions each; their union U is resolved:
+
+    U sorted, duplicates masked  ──►  hit: the slot already holding it, stamp := now
+                                 └─►  miss: the next victim, victims taken in order of
+                                      (stamp, slot) ascending (empty slots first, then LRU)
+
+Misses are assigned to victims in ascending position order. Because the stamps of this step's
+hits are the largest, victims never evict a row this step needs as long as |U| ≤ S, which the
+configuration guarantees (S ≥ query rows × top-k). Index S of a region is a trash slot: masked
+writes go there instead of being filtered out (which would need a data-dependent shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Residency:
+    """The outcome of one residency step over R regions (the step's hot requests)."""
+
+    hot_slots: torch.Tensor  # [T, K] int64 slot in its request's region (−1: pad or not hot)
+    miss_pos: torch.Tensor  # [R, W] int64 token position to fetch (−1: no fetch)
+    miss_slot: torch.Tensor  # [R, W] int64 slot to fill (S = the trash slot: no fetch)
+    slot_token: torch.Tensor  # [R, S] int64 the regions' tables after the step
+    slot_stamp: torch.Tensor  # [R, S] int64
+    num_misses: torch.Tensor  # [R] int64 rows fetched per region (a device count, not synced)
+
+
+def union_positions(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
+                    num_regions: int, max_rows: int) -> torch.Tensor:
+    """topk [T, K] positions (−1 pad), row_region [T] (−1: row not hot), row_rank [T] (the row's
+    index among its request's rows, < max_rows) → [R, max_rows·K] every hot row's selection laid
+    side by side per region, −1 padded (duplicates kept)."""
+    t, k = topk.shape
+    width = max_rows * k
+    out = torch.full((num_regions + 1, width), -1, dtype=torch.int64, device=topk.device)
+    region = torch.where(row_region >= 0, row_region, num_regions)  # not hot → trash row
+    col = row_rank[:, None] * k + torch.arange(k, device=topk.device)  # [T, K]
+    out[region[:, None].expand(t, k), col] = topk.long()
+    return out[:num_regions]
+
+
+def resolve(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
+            slot_token: torch.Tensor, slot_stamp: torch.Tensor, stamp: int,
+            max_rows: int) -> Residency:
+    """One residency step.
+
+    topk [T, K] request-local positions (−1 pad); row_region [T] index into the R regions given
+    (−1: the row reads the paged cache); row_rank [T] < max_rows; slot_token / slot_stamp [R, S]
+    the regions' tables (not modified); stamp > every stamp in slot_stamp.
+    """
+    num_regions, size = slot_token.shape
+    dev = topk.device
+    union = union_positions(topk, row_region, row_rank, num_regions, max_rows)  # [R, W]
+    # 1. the union: sorted, each position once
+    union, _ = union.sort(dim=1)
+    first = torch.ones_like(union, dtype=torch.bool)
+    first[:, 1:] = union[:, 1:] != union[:, :-1]
+    wanted = first & (union >= 0)  # [R, W]
+    # 2. hits: binary search in each region's sorted table
+    held, held_slot = slot_token.sort(dim=1)  # [R, S]
+    at = torch.searchsorted(held, union).clamp(max=size - 1)  # [R, W]
+    hit = wanted & (held.gather(1, at) == union)
+    miss = wanted & ~hit
+    trash = torch.full_like(union, size)
+    # 3. hits are touched (stamp := now); the trash column absorbs masked writes
+    tokens = torch.cat([slot_token, torch.full((num_regions, 1), -1, dtype=torch.int64,
+                                                device=dev)], dim=1)  # [R, S+1]
+    stamps = torch.cat([slot_stamp, torch.full((num_regions, 1), -1, dtype=torch.int64,
+                                               device=dev)], dim=1)
+    now = torch.full_like(union, stamp)
+    stamps.scatter_(1, torch.where(hit, held_slot.gather(1, at), trash), now)
+    # 4. victims in (stamp, slot) order: empty slots, then least recently used
+    order_key = stamps[:, :size] * (size + 1) + torch.arange(size, device=dev)
+    victims = order_key.argsort(dim=1)  # [R, S]
+    rank = (miss.long().cumsum(dim=1) - 1).clamp(0, size - 1)  # k-th miss → k-th victim
+    miss_slot = torch.where(miss, victims.gather(1, rank), trash)  # [R, W]
+    tokens.scatter_(1, miss_slot, union)
+    stamps.scatter_(1, miss_slot, now)
+    tokens, stamps = tokens[:, :size], stamps[:, :size]
+    # 5. each selected row's slot: search the updated tables per query row
+    new_held, new_slot = tokens.sort(dim=1)
+    region = row_region.clamp(min=0)
+    row_held = new_held[region]  # [T, S]
+    at_row = torch.searchsorted(row_held, topk.long()).clamp(max=size - 1)  # [T, K]
+    slots = new_slot[region].gather(1, at_row)
+    hot = (topk >= 0) & (row_region >= 0)[:, None]
+    hot_slots = torch.where(hot, slots, -1)
+    return Residency(hot_slots=hot_slots, miss_pos=torch.where(miss, union, -1),
+                     miss_slot=miss_slot, slot_token=tokens, slot_stamp=stamps,
+                     num_misses=miss.sum(dim=1))

@@ -1,0 +1,260 @@
+"""One rank's HiSparse state (in the runner): the host pool holding every tracked request's MLA
+rows (the durable copy), one hot buffer per request and layer on the device, their slot tables,
+and the per-step description the attention backend reads (`HiSparseStep`).
+
+    GPU pages  kv[l]  [G, B, row]      written by the model; still read for fresh rows
+        │ mirror (end of each step: the rows the step wrote; at admission: a prefix hit)
+        ▼
+    host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
+        │ miss fetch (residency.resolve → gather)
+        ▼
+    hot buffer hot[l]  [C·P/B, B, row] region c's slot s: flat row c·P + s (s = S: trash),
+                                       P = S + 1 rounded up to whole pages of B rows
+
+Rows at positions the request has computed before this step come from the host pool; rows
+written during this step (the step's own rows, MTP drafts) are not mirrored yet and come from
+their GPU pages, which are still resident (vLLM keeps the write tail resident for the same
+reason). The hot buffer is laid out as a paged cache with the engine's page size, so any
+backend's sparse MLA reads it as it reads the paged cache. On the CPU the host pool is ordinary
+memory and a fetch is an index_select (the documented fallback); on CUDA the pool is pinned but
+the fetch still goes through the host (a sync, correct but slow) until the zero-copy gather
+kernel exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsaserve.kv.hisparse.residency import resolve
+from dsaserve.kv.host_pool import pin_host_memory
+
+if TYPE_CHECKING:
+    from dsaserve.kernels.metadata import AttentionMetadata
+    from dsaserve.model.dsa import LayerCache
+
+
+@dataclass(frozen=True)
+class HiSparseStep:
+    """What one forward's attention needs to route rows through hot buffers (built by the
+    runner with the step's metadata; host lists, device tensors)."""
+
+    tracked_regions: torch.Tensor  # [Rt] regions of the call's tracked requests
+    tracked_from: torch.Tensor  # [Rt] first position the call writes for each (stale above)
+    hot_regions: torch.Tensor  # [Rh] regions of the requests read through their hot buffer
+    hot_requests: torch.Tensor  # [Rh] their rows in meta.block_table
+    mirrored_upto: torch.Tensor  # [Rh] positions below are in the host pool
+    row_region: torch.Tensor  # [T] index into hot_regions (−1: the row reads GPU pages)
+    row_rank: torch.Tensor  # [T] the row's index among its request's rows
+    row_hot: torch.Tensor  # [T] bool
+    max_rows: int
+    num_hot: int  # requests read through hot buffers
+    num_reqs: int
+
+
+@dataclass
+class _Entry:
+    region: int
+    host_blocks: list[int]
+
+
+class HiSparseRuntime:
+    def __init__(self, caches: list[LayerCache], *, num_host_blocks: int,
+                 blocks_per_request: int, max_requests: int, buffer_rows: int,
+                 max_query_rows: int, block_size: int, device: torch.device) -> None:
+        self.caches = caches
+        self.block_size = block_size
+        self.buffer_rows = buffer_rows  # S
+        self.max_query_rows = max_query_rows  # 1 + drafts: a step's rows of one decode
+        self.blocks_per_request = blocks_per_request
+        self.device = device
+        shapes = [(c.kv.shape[2:], c.kv.dtype) for c in caches]
+        # the durable copy: MLA rows only (indexer keys stay in GPU pages)
+        self.host = [torch.zeros((num_host_blocks, block_size, *s), dtype=d) for s, d in shapes]
+        if device.type == "cuda":
+            for t in self.host:  # page-locked like the host KV tier (kv/host_pool.py)
+                pin_host_memory(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
+        self.region_rows = -(-(buffer_rows + 1) // block_size) * block_size  # P
+        pages = max_requests * self.region_rows // block_size
+        self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
+                    for s, d in shapes]
+        self.max_requests = max_requests
+        self.slot_token = [torch.full((max_requests, buffer_rows), -1, dtype=torch.int64,
+                                      device=device) for _ in caches]
+        self.slot_stamp = [torch.full_like(t, -1) for t in self.slot_token]
+        self.host_table = torch.zeros((max_requests, blocks_per_request), dtype=torch.int64,
+                                      device=device)  # region → its reserved host blocks
+        self._stamp = 0
+        self._layer_of = {c.kv.data_ptr(): i for i, c in enumerate(caches)}
+        self.entries: dict[str, _Entry] = {}
+        self._free_blocks = list(range(num_host_blocks))
+        self._free_regions = list(range(max_requests))
+        self.rows_missed = torch.zeros((), dtype=torch.int64, device=device)  # all layers, steps
+        self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)  # of those
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host[0].shape[0]
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, rid: str, num_computed: int, block_ids: list[int]) -> None:
+        """Reserve the request's host window and a hot region; mirror a prefix it starts with
+        (GPU prefix hit or host-tier load)."""
+        if rid in self.entries:
+            self.remove(rid)
+        if len(self._free_blocks) < self.blocks_per_request or not self._free_regions:
+            raise RuntimeError("HiSparse: host pool full; the scheduler admitted too many requests")
+        blocks = [self._free_blocks.pop() for _ in range(self.blocks_per_request)]
+        region = self._free_regions.pop()
+        self.entries[rid] = _Entry(region, blocks)
+        self.host_table[region] = torch.tensor(blocks, dtype=torch.int64)
+        for tok, st in zip(self.slot_token, self.slot_stamp, strict=True):
+            tok[region] = -1
+            st[region] = -1
+        if num_computed:
+            self.mirror({rid: (0, num_computed, block_ids)})
+
+    def remove(self, rid: str) -> None:
+        e = self.entries.pop(rid, None)
+        if e is not None:
+            self._free_blocks += e.host_blocks
+            self._free_regions.append(e.region)
+
+    def mirror(self, ranges: dict[str, tuple[int, int, list[int]]]) -> None:
+        """Copy positions [lo, hi) of each request (its GPU block ids given) from the GPU pages
+        to the host pool, every layer."""
+        gpu, host = [], []
+        b = self.block_size
+        for rid, (lo, hi, block_ids) in ranges.items():
+            blocks = self.entries[rid].host_blocks
+            for p in range(lo, min(hi, len(block_ids) * b)):
+                gpu.append(block_ids[p // b] * b + p % b)
+                host.append(blocks[p // b] * b + p % b)
+        if not gpu:
+            return
+        g = torch.tensor(gpu, dtype=torch.int64, device=self.device)
+        h = torch.tensor(host, dtype=torch.int64)
+        for cache, pool in zip(self.caches, self.host, strict=True):
+            rows = cache.kv.flatten(0, 1).index_select(0, g)  # [n, row]
+            pool.flatten(0, 1).index_copy_(0, h, rows.cpu())
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self, req_ids: list[str], starts: list[int], counts: list[int],
+             computed: list[int]) -> HiSparseStep | None:
+        """The description of one forward: request r computes counts[r] rows from starts[r];
+        computed[r] rows of it were computed before this engine step (mirrored). A request
+        reads through its hot buffer when its context outgrows the buffer and it decodes
+        (at most 1 + drafts rows)."""
+        dev = self.device
+        t_regions, t_from, h_regions, h_reqs, h_upto = [], [], [], [], []
+        row_region: list[int] = []
+        row_rank: list[int] = []
+        for r, rid in enumerate(req_ids):
+            e = self.entries.get(rid)
+            n = counts[r]
+            hot = (e is not None and starts[r] + n > self.buffer_rows
+                   and n <= self.max_query_rows)
+            if e is not None:
+                t_regions.append(e.region)
+                t_from.append(starts[r])
+            if hot:
+                row_region += [len(h_regions)] * n
+                h_regions.append(e.region)
+                h_reqs.append(r)
+                h_upto.append(computed[r])
+            else:
+                row_region += [-1] * n
+            row_rank += range(n)
+        if not t_regions:
+            return None
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=dev)
+
+        rr = t(row_region)
+        return HiSparseStep(
+            tracked_regions=t(t_regions), tracked_from=t(t_from), hot_regions=t(h_regions),
+            hot_requests=t(h_reqs), mirrored_upto=t(h_upto), row_region=rr, row_rank=t(row_rank),
+            row_hot=rr >= 0, max_rows=self.max_query_rows, num_hot=len(h_regions),
+            num_reqs=len(req_ids))
+
+    def layer_of(self, kv: torch.Tensor) -> int:
+        return self._layer_of[kv.data_ptr()]
+
+    def invalidate(self, layer: int, step: HiSparseStep) -> None:
+        """Forget hot copies of positions this forward rewrites (rejected drafts, MTP rows)."""
+        regions = step.tracked_regions
+        tok = self.slot_token[layer][regions]  # [Rt, S]
+        stale = tok >= step.tracked_from[:, None]
+        self.slot_token[layer][regions] = torch.where(stale, -1, tok)
+        st = self.slot_stamp[layer][regions]
+        self.slot_stamp[layer][regions] = torch.where(stale, -1, st)
+
+    def resolve(self, layer: int, positions: torch.Tensor, meta: AttentionMetadata,
+                step: HiSparseStep) -> torch.Tensor:
+        """positions [T, K] request-local (−1 pad) → [T, K] flat rows of hot[layer] (−1 for
+        pads and rows not read through a hot buffer), after fetching the misses."""
+        s1 = self.region_rows
+        regions = step.hot_regions
+        res = resolve(positions, step.row_region, step.row_rank, self.slot_token[layer][regions],
+                      self.slot_stamp[layer][regions], self._stamp, step.max_rows)
+        self._stamp += 1
+        self.slot_token[layer][regions] = res.slot_token
+        self.slot_stamp[layer][regions] = res.slot_stamp
+        self.rows_missed += res.num_misses.sum()
+        self._fetch(layer, res.miss_pos, res.miss_slot, meta, step)
+        region_of_row = regions[step.row_region.clamp(min=0)]  # [T]
+        return torch.where(res.hot_slots >= 0, region_of_row[:, None] * s1 + res.hot_slots, -1)
+
+    def _fetch(self, layer: int, miss_pos: torch.Tensor, miss_slot: torch.Tensor,
+               meta: AttentionMetadata, step: HiSparseStep) -> None:
+        """Fill the missed slots: from the host pool below mirrored_upto, else from the
+        request's GPU page. Masked entries read row 0 and land in the trash slot."""
+        b, s1 = self.block_size, self.region_rows
+        pos = miss_pos.clamp(min=0)  # [Rh, W]
+        blk, off = pos // b, pos % b
+        host_rows = self.host_table[step.hot_regions].gather(1, blk) * b + off
+        table = meta.block_table[step.hot_requests].long()  # [Rh, max_blocks]
+        gpu_rows = table.gather(1, blk.clamp(max=table.shape[1] - 1)).clamp(min=0) * b + off
+        from_host = (miss_pos < step.mirrored_upto[:, None])[..., None]
+        self.rows_from_host += (from_host[..., 0] & (miss_pos >= 0)).sum()
+        host = self.host[layer].flatten(0, 1)
+        src_host = host.index_select(0, host_rows.flatten().cpu()).to(self.device)
+        src_gpu = self.caches[layer].kv.flatten(0, 1).index_select(0, gpu_rows.flatten())
+        rows = torch.where(from_host.flatten(0, 1), src_host, src_gpu)  # [Rh·W, row]
+        dest = step.hot_regions[:, None] * s1 + miss_slot  # [Rh, W]
+        self.hot[layer].flatten(0, 1).index_copy_(0, dest.flatten(), rows)
+
+    # ---- invariants --------------------------------------------------------------------------
+    def check_integrity(self, requests: dict[str, tuple[int, list[int]]]) -> None:
+        """requests: the runner's (num_computed_tokens, GPU block ids) per live request.
+        Pools balance; only live requests hold state; the host copy equals the GPU pages
+        for every computed position; every hot slot holds the bytes of the token it records."""
+        held = sum(len(e.host_blocks) for e in self.entries.values())
+        assert len(self._free_blocks) + held == self.num_host_blocks, "host blocks leak"
+        assert len(set(self._free_blocks)) == len(self._free_blocks)
+        assert len(self._free_regions) + len(self.entries) == self.max_requests
+        assert set(self.entries) == set(requests), "HiSparse state for unknown requests"
+        b, s = self.block_size, self.buffer_rows
+        for rid, e in self.entries.items():
+            computed, block_ids = requests[rid]
+            pos = torch.arange(computed)
+            host_rows = torch.tensor(e.host_blocks)[pos // b] * b + pos % b
+            gpu_rows = torch.tensor(block_ids, dtype=torch.int64)[pos // b] * b + pos % b
+            for layer, cache in enumerate(self.caches):
+                host = self.host[layer].flatten(0, 1)
+                gpu = cache.kv.flatten(0, 1).cpu()
+                assert torch.equal(host[host_rows].view(torch.uint8),
+                                   gpu[gpu_rows].view(torch.uint8)), (rid, layer, "mirror")
+                tok = self.slot_token[layer][e.region].cpu()
+                full = tok >= 0
+                assert int(full.sum()) == len(set(tok[full].tolist())), "a token in two slots"
+                regions = self.hot[layer].view(self.max_requests, self.region_rows,
+                                               *self.hot[layer].shape[2:])
+                hot = regions[e.region, :s].cpu()[full]
+                p = tok[full]
+                rows = host[torch.tensor(e.host_blocks)[p // b] * b + p % b]
+                assert torch.equal(hot.view(torch.uint8), rows.view(torch.uint8)), (
+                    rid, layer, "a hot slot does not hold its recorded token's row")
