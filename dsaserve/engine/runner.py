@@ -491,7 +491,11 @@ class ModelRunner:
         pcp_meta = meta.pcp
         if pcp_meta is not None:  # one row per request: replicated, local rows = global rows
             pcp_meta = dataclasses.replace(pcp_meta, write_slots=slots)
-        return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta)
+        hs = meta.hisparse
+        if hs is not None:  # hot copies are stale from the position really written, not the bound
+            hs = dataclasses.replace(hs, tracked_from=positions[hs.tracked_requests])
+        return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta,
+                                   hisparse=hs)
 
     def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
                   tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:

@@ -42,6 +42,7 @@ class HiSparseStep:
     runner with the step's metadata; host lists, device tensors)."""
 
     tracked_regions: torch.Tensor  # [Rt] regions of the call's tracked requests
+    tracked_requests: torch.Tensor  # [Rt] their rows in the call's batch
     tracked_from: torch.Tensor  # [Rt] first position the call writes for each (stale above)
     hot_regions: torch.Tensor  # [Rh] regions of the requests read through their hot buffer
     hot_requests: torch.Tensor  # [Rh] their rows in meta.block_table
@@ -148,7 +149,7 @@ class HiSparseRuntime:
         reads through its hot buffer when its context outgrows the buffer and it decodes
         (at most 1 + drafts rows)."""
         dev = self.device
-        t_regions, t_from, h_regions, h_reqs, h_upto = [], [], [], [], []
+        t_regions, t_reqs, t_from, h_regions, h_reqs, h_upto = [], [], [], [], [], []
         row_region: list[int] = []
         row_rank: list[int] = []
         for r, rid in enumerate(req_ids):
@@ -158,6 +159,7 @@ class HiSparseRuntime:
                    and n <= self.max_query_rows)
             if e is not None:
                 t_regions.append(e.region)
+                t_reqs.append(r)
                 t_from.append(starts[r])
             if hot:
                 row_region += [len(h_regions)] * n
@@ -175,7 +177,8 @@ class HiSparseRuntime:
 
         rr = t(row_region)
         return HiSparseStep(
-            tracked_regions=t(t_regions), tracked_from=t(t_from), hot_regions=t(h_regions),
+            tracked_regions=t(t_regions), tracked_requests=t(t_reqs), tracked_from=t(t_from),
+            hot_regions=t(h_regions),
             hot_requests=t(h_reqs), mirrored_upto=t(h_upto), row_region=rr, row_rank=t(row_rank),
             row_hot=rr >= 0, max_rows=self.max_query_rows, num_hot=len(h_regions),
             num_reqs=len(req_ids))
