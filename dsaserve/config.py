@@ -596,6 +596,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpecConfig | None = None  # None: no speculative decoding
     offload: OffloadConfig = field(default_factory=lambda: OffloadConfig())
+    disagg: DisaggConfig | None = None  # P/D: --kv-transfer-config with NixlConnector
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
@@ -682,13 +683,18 @@ class OffloadConfig:
         """From `--kv-offloading-size GIB --kv-offloading-backend native` or the equivalent
         `--kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
         "kv_connector_extra_config":{"cpu_bytes_to_use":N}}'` (vLLM's spellings)."""
-        if size_gib is not None and transfer_json is not None:
-            raise ConfigError(
-                f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
-            )
         if transfer_json is not None:
-            return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(transfer_json),
-                                 flag="--kv-transfer-config")
+            if size_gib is not None and not _names_nixl(transfer_json):
+                raise ConfigError(
+                    f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
+                )
+            size = _transfer_config_bytes(transfer_json)
+            if size_gib is not None and size:
+                raise ConfigError(
+                    f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
+                )
+            if size or size_gib is None:
+                return OffloadConfig(cpu_bytes_to_use=size, flag="--kv-transfer-config")
         if size_gib is None:
             if backend is not None:
                 raise ConfigError(f"--kv-offloading-backend: needs {OFFLOAD_SIZE_FLAG}")
@@ -700,13 +706,47 @@ class OffloadConfig:
         return OffloadConfig(cpu_bytes_to_use=int(size_gib * 2**30))
 
 
-def _transfer_config_bytes(text: str) -> int:
+def transfer_connectors(text: str) -> list[dict[str, Any]]:
+    """The connectors of `--kv-transfer-config`: the one given, or each of a MultiConnector's
+    `kv_connector_extra_config.connectors` (vLLM's composition)."""
     flag = "--kv-transfer-config"
     raw = json_object(text, flag)
-    if raw.get("kv_connector") != OFFLOAD_CONNECTOR:
+    if raw.get("kv_connector") != MULTI_CONNECTOR:
+        return [raw]
+    extra = raw.get("kv_connector_extra_config") or {}
+    connectors = extra.get("connectors") if isinstance(extra, dict) else None
+    if not isinstance(connectors, list) or not connectors or not all(
+            isinstance(c, dict) for c in connectors):
+        raise ConfigError(f"{flag}: MultiConnector needs kv_connector_extra_config.connectors, "
+                          "a non-empty list of connector objects")
+    names = [c.get("kv_connector") for c in connectors]
+    if len(set(names)) != len(names) or not set(names) <= {OFFLOAD_CONNECTOR, NIXL_CONNECTOR}:
+        raise ConfigError(f"{flag}: MultiConnector composes at most one {NIXL_CONNECTOR!r} and "
+                          f"one {OFFLOAD_CONNECTOR!r}, got {names}")
+    return connectors
+
+
+def _names_nixl(text: str) -> bool:
+    try:
+        return any(c.get("kv_connector") == NIXL_CONNECTOR for c in transfer_connectors(text))
+    except ConfigError:
+        return False
+
+
+def _transfer_config_bytes(text: str) -> int:
+    flag = "--kv-transfer-config"
+    offloading = [c for c in transfer_connectors(text)
+                  if c.get("kv_connector") == OFFLOAD_CONNECTOR]
+    if not offloading:
+        raw = json_object(text, flag)
+        if raw.get("kv_connector") == NIXL_CONNECTOR:
+            DisaggConfig.from_json(text)  # its own errors first (e.g. a missing kv_role)
+            return 0
         raise ConfigError(
-            f"{flag}: kv_connector must be {OFFLOAD_CONNECTOR!r}, got {raw.get('kv_connector')!r}"
+            f"{flag}: kv_connector must be {OFFLOAD_CONNECTOR!r}, {NIXL_CONNECTOR!r} or "
+            f"{MULTI_CONNECTOR!r}, got {raw.get('kv_connector')!r}"
         )
+    raw = offloading[0]
     if raw.get("kv_role", "kv_both") != "kv_both":
         raise ConfigError(f"{flag}: kv_role must be 'kv_both', got {raw.get('kv_role')!r}")
     extra = raw.get("kv_connector_extra_config") or {}
@@ -717,3 +757,115 @@ def _transfer_config_bytes(text: str) -> int:
             f"got {size!r}"
         )
     return size
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefill/decode disaggregation (docs/disagg.md)
+# ------------------------------------------------------------------------------------------------
+NIXL_CONNECTOR = "NixlConnector"
+MULTI_CONNECTOR = "MultiConnector"
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"  # vLLM's, seconds
+DEFAULT_ABORT_TIMEOUT_S = 480.0  # vLLM's default
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's default
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """The P/D KV connector (`--kv-transfer-config` with kv_connector NixlConnector).
+
+    A producer (kv_producer / kv_both) holds a finished prefill's blocks until every consumer
+    has read them or `abort_timeout_s` passed, and serves its transport metadata on
+    `side_channel_host:side_channel_port` (+ the DP rank); a consumer (kv_consumer / kv_both)
+    reads a prompt's KV from there. `backend`: "nixl", "shm" or "auto" (NIXL when importable)."""
+
+    kv_role: str = "kv_both"
+    backend: str = "auto"
+    engine_id: str = ""  # "" → a fresh uuid at start-up
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT  # 0: any free port (tests)
+    abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
+    transfer_timeout_s: float = 30.0  # a consumer's reads and metadata fetch
+    flag: str = "--kv-transfer-config"
+
+    def __post_init__(self) -> None:
+        f = self.flag
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"{f}: kv_role must be one of {list(KV_ROLES)}, got "
+                              f"{self.kv_role!r}")
+        if self.backend not in ("auto", "nixl", "shm"):
+            raise ConfigError(f"{f}: kv_connector_extra_config.backend must be 'auto', 'nixl' or "
+                              f"'shm', got {self.backend!r}")
+        if self.side_channel_host in ("", "0.0.0.0", "::", "*"):
+            raise ConfigError(f"{f}: the side channel binds one address, not a wildcard "
+                              f"({self.side_channel_host!r})")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"{f}: side channel port {self.side_channel_port} out of range")
+        if not self.abort_timeout_s > 0:
+            raise ConfigError(f"{ABORT_TIMEOUT_ENV}: must be > 0 seconds, got "
+                              f"{self.abort_timeout_s}")
+        if not self.transfer_timeout_s > 0:
+            raise ConfigError(f"{f}: transfer_timeout_s must be > 0, got "
+                              f"{self.transfer_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @staticmethod
+    def from_json(text: str | None, env: dict[str, str] | None = None) -> DisaggConfig | None:
+        """From `--kv-transfer-config` (None when it names no NixlConnector). The timeout, side
+        channel host and port come from vLLM's environment variables unless
+        kv_connector_extra_config gives `abort_timeout_s`, `side_channel_host`,
+        `side_channel_port`."""
+        if text is None:
+            return None
+        flag = "--kv-transfer-config"
+        nixl = [c for c in transfer_connectors(text) if c.get("kv_connector") == NIXL_CONNECTOR]
+        if not nixl:
+            return None
+        raw = nixl[0]
+        if "kv_role" not in raw:
+            raise ConfigError(f"{flag}: {NIXL_CONNECTOR} needs kv_role (one of "
+                              f"{list(KV_ROLES)})")
+        extra = raw.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{flag}: kv_connector_extra_config must be an object")
+        env = dict(os.environ) if env is None else env
+
+        def number(key: str, env_key: str | None, default: float, kind: type) -> Any:
+            value: Any = extra.get(key)
+            where = f"{flag}: kv_connector_extra_config.{key}"
+            if value is None and env_key is not None and env.get(env_key):
+                value, where = env[env_key], env_key
+                try:
+                    value = kind(value)
+                except ValueError:
+                    raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            return kind(value)
+
+        engine_id = raw.get("engine_id", extra.get("engine_id", ""))
+        if not isinstance(engine_id, str):
+            raise ConfigError(f"{flag}: engine_id must be a string, got {engine_id!r}")
+        return DisaggConfig(
+            kv_role=raw["kv_role"],
+            backend=extra.get("backend", "auto"),
+            engine_id=engine_id,
+            side_channel_host=extra.get("side_channel_host",
+                                        env.get(SIDE_CHANNEL_HOST_ENV) or "127.0.0.1"),
+            side_channel_port=number("side_channel_port", SIDE_CHANNEL_PORT_ENV,
+                                     DEFAULT_SIDE_CHANNEL_PORT, int),
+            abort_timeout_s=number("abort_timeout_s", ABORT_TIMEOUT_ENV,
+                                   DEFAULT_ABORT_TIMEOUT_S, float),
+            transfer_timeout_s=number("transfer_timeout_s", None, 30.0, float),
+        )

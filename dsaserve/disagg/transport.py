@@ -179,6 +179,13 @@ class KVTransport(abc.ABC):
                     f"{self.name}: no notification {msg!r} from {peer!r} within {timeout_s} s")
             time.sleep(0.0005)
 
+    def take_notifications(self) -> dict[str, list[bytes]]:
+        """Every notification not yet waited for, by sender (consumed)."""
+        for sender, msgs in self._poll_notifications().items():
+            self._pending.setdefault(sender, []).extend(msgs)
+        out, self._pending = self._pending, {}
+        return out
+
     def _check_peer_alive(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Raise TransferError early when the backend knows `peer` is gone."""
 

@@ -19,6 +19,7 @@ from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
     ConfigError,
+    DisaggConfig,
     EngineConfig,
     ModelConfig,
     OffloadConfig,
@@ -151,7 +152,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='the same as a connector: \'{"kv_connector":"OffloadingConnector",'
                         '"kv_role":"kv_both","kv_connector_extra_config":'
-                        '{"cpu_bytes_to_use":N}}\'')
+                        '{"cpu_bytes_to_use":N}}\'; P/D disaggregation (docs/disagg.md): '
+                        '\'{"kv_connector":"NixlConnector","kv_role":"kv_both",'
+                        '"kv_connector_extra_config":{"backend":"nixl"|"shm"}}\'; both: '
+                        'MultiConnector with kv_connector_extra_config.connectors')
 
     p = parser.add_argument_group("parallel (vLLM names)")
     p.add_argument("-tp", "--tensor-parallel-size", type=pos, default=1)
@@ -216,6 +220,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         speculative=speculative,
         offload=OffloadConfig.from_flags(args.kv_offloading_size, args.kv_offloading_backend,
                                          args.kv_transfer_config),
+        disagg=DisaggConfig.from_json(args.kv_transfer_config),
         dtype=args.dtype,
         device=device,
         seed=args.seed,
