@@ -209,6 +209,12 @@ class ModelRunner:
         assert self.connector is not None, "no P/D connector"
         return self.connector.metadata()
 
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token over every cache layer of this rank (what P/D moves per row)."""
+        from dsaserve.disagg.kvio import row_bytes
+
+        return row_bytes(self.caches).per_token
+
     def kv_bytes_received(self) -> int:
         """Bytes this rank READ from prefill engines so far (P/D; tests check the layouts')."""
         return self.connector.bytes_received if self.connector is not None else 0

@@ -13,6 +13,7 @@ import pytest
 
 from dsaserve.config import ConfigError, DisaggConfig, SpecConfig
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
+from dsaserve.disagg import offline
 from dsaserve.disagg.transport import nixl_available
 from dsaserve.engine.engine import LLMEngine
 
@@ -33,37 +34,18 @@ def _engines(config, backend="shm", **kw) -> tuple[LLMEngine, LLMEngine]:
 
 
 def _prefill(p: LLMEngine, rid: str, prompt: list[int]) -> KVTransferParams:
-    p.add_request(rid, prompt, PREFILL, kv_transfer_params=KVTransferParams(do_remote_decode=True))
-    while True:
-        for out in p.step():
-            if out.request_id == rid and out.finished:
-                assert out.kv_transfer_params is not None and out.error is None
-                return out.kv_transfer_params
+    return offline.prefill(p, rid, prompt)
 
 
 def _decode(p: LLMEngine, d: LLMEngine, rid: str, prompt: list[int],
             params: KVTransferParams, sampling: SamplingParams = GREEDY) -> list[int]:
-    d.add_request(rid, prompt, sampling, kv_transfer_params=params)
-    tokens: list[int] = []
-    while d.has_unfinished_requests():
-        for out in d.step():
-            assert out.error is None, out.error
-            tokens += out.new_token_ids
-        if p.has_unfinished_requests():
-            p.step()  # the producer learns that its blocks were read
-    deadline = time.monotonic() + 10
-    while p.has_unfinished_requests() and time.monotonic() < deadline:
-        p.step()
-    return tokens
+    return offline.decode(p, d, rid, prompt, params, sampling)
 
 
 def _pd(p, d, prompts, sampling=GREEDY, tag="r") -> list[list[int]]:
-    outs = []
-    for i, prompt in enumerate(prompts):
-        params = _prefill(p, f"{tag}{i}", prompt)
-        outs.append(_decode(p, d, f"{tag}{i}", prompt, params, sampling))
-        for e in (p, d):
-            e.check_integrity()
+    outs = offline.generate(p, d, prompts, sampling, tag)
+    for e in (p, d):
+        e.check_integrity()
     assert not p.has_unfinished_requests(), "the producer still holds blocks"
     return outs
 
