@@ -477,8 +477,11 @@ class NixlTransport(KVTransport):
         if api is None:
             raise TransferError("nixl is not installed (pip install 'dsaserve[nixl]')")
         super().__init__(name)
-        # No listener thread: NIXL's own metadata listener binds every interface.
-        config = api.nixl_agent_config(enable_listen_thread=False, backends=[])
+        # No listener thread: NIXL's own metadata listener binds every interface. No progress
+        # thread either: it polls UCX without pause, a core per agent taken from the engine's
+        # compute; transfers and notifications progress when we poll them (wait, notifications).
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                       backends=[])
         self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg: list[object] = []

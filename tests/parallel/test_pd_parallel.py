@@ -55,7 +55,7 @@ def _hits(decode) -> int:
 ], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i16-to-dp2-fp8", "tp2dcp2-to-1rank-fp8"])
 def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, greedy,
                                prefill_layout, decode_dp, dtype, hang_guard):
-    prompts, reference = prompts[:3], reference_outputs[:3]
+    prompts, reference = prompts[:2], reference_outputs[:2]
     if dtype != "auto":
         ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype))
         reference = ref_engine.generate(prompts, greedy)
