@@ -38,7 +38,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dsaserve.config import DisaggConfig
+from dsaserve.config import ConfigError, DisaggConfig
 from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
 from dsaserve.disagg import descriptors
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
@@ -231,6 +231,11 @@ class ConnectorWorker:
         """The caches peers read from or into: NIXL registers them in place (host or GPU memory);
         shared memory needs its own files, so the caches move there."""
         self.formats = descriptors.layer_formats(caches)
+        if self.transport.backend != "nixl" and caches[0].kv.device.type != "cpu":
+            # shm can only move host memory it allocated: the caches would leave the GPU
+            self.transport.close()
+            raise ConfigError(f"{self.config.flag}: backend {self.transport.backend!r} cannot "
+                              f"move {caches[0].kv.device.type} caches; use 'nixl'")
         if self.transport.backend == "nixl":
             for name, region in descriptors.cache_regions(caches).items():
                 self.transport.register(name, region)
