@@ -105,12 +105,28 @@ def stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
             p.wait()
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def run_pd(args: argparse.Namespace, model: str) -> int:
     import uvicorn
 
     from dsaserve.disagg.proxy import create_proxy
 
     spec = parse_pd_spec(args.pd)
+    # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     if args.served_model_name:
         for flags in spec.values():
             flags += ["--served-model-name", args.served_model_name]
@@ -120,7 +136,8 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
     try:
         for name in _SIDES:
             print(f"dsaserve: {name}: {shlex.join(commands[name])}", file=sys.stderr)
-            procs.append(subprocess.Popen(commands[name], env=dict(os.environ)))
+            procs.append(subprocess.Popen(commands[name], env=dict(os.environ),
+                                          preexec_fn=_die_with_parent))
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
         for name, proc in zip(_SIDES, procs, strict=True):
             wait_healthy(urls[name], proc, args.pd_start_timeout)

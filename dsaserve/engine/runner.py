@@ -209,6 +209,12 @@ class ModelRunner:
         assert self.connector is not None, "no P/D connector"
         return self.connector.metadata()
 
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the P/D transport's shared memory files
+        and NIXL registrations (idempotent)."""
+        if self.connector is not None:
+            self.connector.close()
+
     def kv_row_bytes(self) -> int:
         """Bytes of one token over every cache layer of this rank (what P/D moves per row)."""
         from dsaserve.disagg.kvio import row_bytes

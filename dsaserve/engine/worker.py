@@ -138,6 +138,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
             except EOFError:
                 os._exit(1)  # the engine core is gone: nobody is left to report to
             if isinstance(message, Shutdown):
+                runner.close()
                 break
             send(conn, _handle(runner, spec.rank, message))
     except BaseException:
