@@ -273,6 +273,16 @@ def _shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
 
+def remove_shm_files(agent: str) -> int:
+    """Unlink the /dev/shm files of a shm agent that died without closing (a killed process
+    cannot); the number removed. For launchers and tests, once the agent is known dead."""
+    removed = 0
+    for path in _shm_dir().glob(f"dsaserve-kv-{agent}-*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
 class ShmTransport(KVTransport):
     """Regions are files in /dev/shm that a peer maps; a transfer is a memcpy by the initiator.
     Notifications go over a 127.0.0.1 TCP connection per peer, which also tells when a peer died

@@ -100,3 +100,50 @@ def test_pd_mtp_from_pcp_prefill(parallel_config, draftable_dirs, prompts, greed
         finally:
             p.shutdown()
             d.shutdown()
+
+
+def test_prefill_ranks_killed_then_next_request(parallel_config, prompts, greedy, hang_guard):
+    """The prefill engine's worker processes are killed (and their memory swept) after its
+    prefill, before the decode engine reads: that request fails with an error (no crash, no
+    leaked block), and the decode engine serves the next request from a fresh prefill engine."""
+    import base64
+    import json
+    import os
+    import signal
+
+    from dsaserve.disagg.transport import remove_shm_files
+
+    with hang_guard(300):
+        d = LLMEngine.from_config(_with(parallel_config(), "kv_consumer", "auto"))
+        p = LLMEngine.from_config(_with(parallel_config(pcp=2, dcp=2), "kv_producer", "auto"))
+        agents = [json.loads(base64.b64decode(json.loads(m)["transport"]))["agent"]
+                  for m in p.scheduler.connector.rank_metadata]
+        try:
+            params = offline.prefill(p, "doomed", prompts[0])
+            d.add_request("doomed", prompts[0], greedy, kv_transfer_params=params)  # checked
+            for pid in p.executor.pids:
+                os.kill(pid, signal.SIGKILL)
+            # A dead shm agent's files would still hold the right bytes (nothing to fail on):
+            # gone with a launcher's sweep, as on a real node its GPU memory is
+            for agent in agents:
+                remove_shm_files(agent)
+            errors = []
+            while d.has_unfinished_requests():
+                errors += [o.error for o in d.step() if o.error]
+            assert len(errors) == 1 and "prefill engine failed" in errors[0], errors
+            d.check_integrity()
+            s = d.stats()
+            assert s.num_free_blocks == s.num_total_blocks
+            p.shutdown()
+            p = LLMEngine.from_config(_with(parallel_config(), "kv_producer", "auto"))
+            reference = LLMEngine.from_config(_with(parallel_config(), None, "auto"))
+            want = reference.generate([prompts[1]], greedy)
+            reference.shutdown()
+            assert offline.generate(p, d, [prompts[1]], greedy, tag="next") == want
+            for e in (p, d):
+                e.check_integrity()
+        finally:
+            p.shutdown()
+            d.shutdown()
+            for agent in agents:
+                remove_shm_files(agent)
