@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -89,7 +88,6 @@ class ConnectorScheduler:
     # consumer: request id → the prefill ranks' transport metadata, one per DCP rank
     _remote: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     _snapshot: bytes = b""  # the side channel's payload (replaced whole: read by its thread)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.config.is_producer:

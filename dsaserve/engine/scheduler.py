@@ -120,7 +120,8 @@ class Scheduler:
             raise RequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len}"
             )
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (
+                self.connector is not None and request.request_id in self.connector.held):
             raise RequestError(f"request id {request.request_id!r} is already in use")
         fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
         if not fresh or request.block_ids:

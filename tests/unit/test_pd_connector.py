@@ -112,6 +112,8 @@ def test_bad_and_replayed_params_are_refused(model_dirs, engine_config, mixed_pr
     p, d = _engines(config)
     try:
         params = _prefill(p, "a", prompt)
+        with pytest.raises(RequestError, match="already in use"):  # its blocks are held
+            p.add_request("a", prompt, PREFILL)
         bad = [
             (dataclasses.replace(params, remote_engine_id="nope"), "unknown remote_engine_id"),
             (dataclasses.replace(params, remote_block_ids=params.remote_block_ids[::-1]),
