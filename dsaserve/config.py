@@ -642,6 +642,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     offload: OffloadConfig = field(default_factory=lambda: OffloadConfig())
     hisparse: HiSparseConfig | None = None  # None: the MLA KV stays in GPU pages only
+    disagg: DisaggConfig | None = None  # P/D: --kv-transfer-config with NixlConnector
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
@@ -778,17 +779,16 @@ class OffloadConfig:
         """From `--kv-offloading-size GIB --kv-offloading-backend native` or the equivalent
         `--kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
         "kv_connector_extra_config":{"cpu_bytes_to_use":N}}'` (vLLM's spellings)."""
-        if size_gib is not None and transfer_json is not None:
-            raise ConfigError(
-                f"{OFFLOAD_SIZE_FLAG}: give it or --kv-transfer-config, not both"
-            )
         if transfer_json is not None:
             offload = [c for c in transfer_connectors(transfer_json)
                        if c["kv_connector"] == OFFLOAD_CONNECTOR]
-            if not offload:
-                return OffloadConfig()
-            return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(offload[0]),
-                                 flag="--kv-transfer-config")
+            if offload:
+                if size_gib is not None:
+                    raise ConfigError(f"{OFFLOAD_SIZE_FLAG}: give it or an {OFFLOAD_CONNECTOR} "
+                                      "in --kv-transfer-config, not both")
+                return OffloadConfig(cpu_bytes_to_use=_transfer_config_bytes(offload[0]),
+                                     flag="--kv-transfer-config")
+            # Other connectors only (P/D, HiSparse): --kv-offloading-size may add the host tier.
         if size_gib is None:
             if backend is not None:
                 raise ConfigError(f"--kv-offloading-backend: needs {OFFLOAD_SIZE_FLAG}")
@@ -802,8 +802,9 @@ class OffloadConfig:
 
 def transfer_connectors(text: str) -> list[dict[str, Any]]:
     """The connectors of `--kv-transfer-config`: one, or the list inside a MultiConnector
-    (`"kv_connector_extra_config":{"connectors":[...]}`), each checked for a known name, role
-    kv_both and at most once."""
+    (`"kv_connector_extra_config":{"connectors":[...]}`, vLLM's composition), each checked for a
+    known name, at most once; the host-memory connectors take role kv_both only (the P/D one's
+    role is DisaggConfig's to check)."""
     flag = "--kv-transfer-config"
     raw = json_object(text, flag)
     if raw.get("kv_connector") == MULTI_CONNECTOR:
@@ -815,14 +816,15 @@ def transfer_connectors(text: str) -> list[dict[str, Any]]:
                               "connectors, a non-empty list of connector objects")
     else:
         items = [raw]
-    known = (OFFLOAD_CONNECTOR, HISPARSE_CONNECTOR)
+    known = (OFFLOAD_CONNECTOR, HISPARSE_CONNECTOR, NIXL_CONNECTOR)
     names = []
     for c in items:
         if c.get("kv_connector") not in known:
             raise ConfigError(f"{flag}: kv_connector must be one of {list(known)} (or "
                               f"{MULTI_CONNECTOR} of them), got {c.get('kv_connector')!r}")
-        if c.get("kv_role", "kv_both") != "kv_both":
-            raise ConfigError(f"{flag}: kv_role must be 'kv_both', got {c.get('kv_role')!r}")
+        if c["kv_connector"] != NIXL_CONNECTOR and c.get("kv_role", "kv_both") != "kv_both":
+            raise ConfigError(f"{flag}: kv_role of {c['kv_connector']} must be 'kv_both', got "
+                              f"{c.get('kv_role')!r}")
         names.append(c["kv_connector"])
     if len(set(names)) != len(names):
         raise ConfigError(f"{flag}: each connector at most once, got {names}")
@@ -877,3 +879,113 @@ class HiSparseConfig:
                               "kv_connector_extra_config.host_pool_gib > 0, got "
                               f"{gib!r}")
         return HiSparseConfig(host_pool_bytes=int(gib * 2**30))
+
+# ------------------------------------------------------------------------------------------------
+# Prefill/decode disaggregation (docs/disagg.md)
+# ------------------------------------------------------------------------------------------------
+NIXL_CONNECTOR = "NixlConnector"
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+ABORT_TIMEOUT_ENV = "VLLM_NIXL_ABORT_REQUEST_TIMEOUT"  # vLLM's, seconds
+DEFAULT_ABORT_TIMEOUT_S = 480.0  # vLLM's default
+SIDE_CHANNEL_HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+DEFAULT_SIDE_CHANNEL_PORT = 5600  # vLLM's default
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """The P/D KV connector (`--kv-transfer-config` with kv_connector NixlConnector).
+
+    A producer (kv_producer / kv_both) holds a finished prefill's blocks until every consumer
+    has read them or `abort_timeout_s` passed, and serves its transport metadata on
+    `side_channel_host:side_channel_port` (+ the DP rank); a consumer (kv_consumer / kv_both)
+    reads a prompt's KV from there. `backend`: "nixl", "shm" or "auto" (NIXL when importable)."""
+
+    kv_role: str = "kv_both"
+    backend: str = "auto"
+    engine_id: str = ""  # "" → a fresh uuid at start-up
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT  # 0: any free port (tests)
+    abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
+    transfer_timeout_s: float = 30.0  # a consumer's reads and metadata fetch
+    flag: str = "--kv-transfer-config"
+
+    def __post_init__(self) -> None:
+        f = self.flag
+        if self.kv_role not in KV_ROLES:
+            raise ConfigError(f"{f}: kv_role must be one of {list(KV_ROLES)}, got "
+                              f"{self.kv_role!r}")
+        if self.backend not in ("auto", "nixl", "shm"):
+            raise ConfigError(f"{f}: kv_connector_extra_config.backend must be 'auto', 'nixl' or "
+                              f"'shm', got {self.backend!r}")
+        if self.side_channel_host in ("", "0.0.0.0", "::", "*"):
+            raise ConfigError(f"{f}: the side channel binds one address, not a wildcard "
+                              f"({self.side_channel_host!r})")
+        if not 0 <= self.side_channel_port < 65536:
+            raise ConfigError(f"{f}: side channel port {self.side_channel_port} out of range")
+        if not self.abort_timeout_s > 0:
+            raise ConfigError(f"{ABORT_TIMEOUT_ENV}: must be > 0 seconds, got "
+                              f"{self.abort_timeout_s}")
+        if not self.transfer_timeout_s > 0:
+            raise ConfigError(f"{f}: transfer_timeout_s must be > 0, got "
+                              f"{self.transfer_timeout_s}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @staticmethod
+    def from_json(text: str | None, env: dict[str, str] | None = None) -> DisaggConfig | None:
+        """From `--kv-transfer-config` (None when it names no NixlConnector). The timeout, side
+        channel host and port come from vLLM's environment variables unless
+        kv_connector_extra_config gives `abort_timeout_s`, `side_channel_host`,
+        `side_channel_port`."""
+        if text is None:
+            return None
+        flag = "--kv-transfer-config"
+        nixl = [c for c in transfer_connectors(text) if c.get("kv_connector") == NIXL_CONNECTOR]
+        if not nixl:
+            return None
+        raw = nixl[0]
+        if "kv_role" not in raw:
+            raise ConfigError(f"{flag}: {NIXL_CONNECTOR} needs kv_role (one of "
+                              f"{list(KV_ROLES)})")
+        extra = raw.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{flag}: kv_connector_extra_config must be an object")
+        env = dict(os.environ) if env is None else env
+
+        def number(key: str, env_key: str | None, default: float, kind: type) -> Any:
+            value: Any = extra.get(key)
+            where = f"{flag}: kv_connector_extra_config.{key}"
+            if value is None and env_key is not None and env.get(env_key):
+                value, where = env[env_key], env_key
+                try:
+                    value = kind(value)
+                except ValueError:
+                    raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            if value is None:
+                return default
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{where}: expected a number, got {value!r}")
+            return kind(value)
+
+        engine_id = raw.get("engine_id", extra.get("engine_id", ""))
+        if not isinstance(engine_id, str):
+            raise ConfigError(f"{flag}: engine_id must be a string, got {engine_id!r}")
+        return DisaggConfig(
+            kv_role=raw["kv_role"],
+            backend=extra.get("backend", "auto"),
+            engine_id=engine_id,
+            side_channel_host=extra.get("side_channel_host",
+                                        env.get(SIDE_CHANNEL_HOST_ENV) or "127.0.0.1"),
+            side_channel_port=number("side_channel_port", SIDE_CHANNEL_PORT_ENV,
+                                     DEFAULT_SIDE_CHANNEL_PORT, int),
+            abort_timeout_s=number("abort_timeout_s", ABORT_TIMEOUT_ENV,
+                                   DEFAULT_ABORT_TIMEOUT_S, float),
+            transfer_timeout_s=number("transfer_timeout_s", None, 30.0, float),
+        )

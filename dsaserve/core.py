@@ -60,11 +60,83 @@ class SamplingParams:
         return self.temperature < _GREEDY_TEMPERATURE or self.top_p < _GREEDY_TOP_P
 
 
+@dataclass(frozen=True)
+class KVTransferParams:
+    """vLLM's `kv_transfer_params` of a request or a response (P/D disaggregation, NixlConnector
+    field names), plus the source layout our re-layout needs (docs/disagg.md).
+
+    A prefill request carries `do_remote_decode`; its response carries `do_remote_prefill` and
+    where the KV is (`remote_*`), which the decode request then carries."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_request_id: str | None = None
+    remote_block_ids: tuple[int, ...] = ()
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+    # ours: the prefill engine's KV layout and how many prompt tokens its blocks hold
+    remote_block_size: int = 0
+    remote_dcp_size: int = 1
+    remote_interleave: int = 1
+    remote_num_tokens: int = 0
+
+    _FIELDS = ("do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_request_id",
+               "remote_block_ids", "remote_host", "remote_port", "tp_size", "remote_block_size",
+               "remote_dcp_size", "remote_interleave", "remote_num_tokens")
+
+    @classmethod
+    def from_json(cls, raw: object) -> KVTransferParams:
+        """From a client's JSON object; RequestError (→ 400) naming the bad field. Unknown
+        fields are ignored, as vLLM does (proxies add their own)."""
+        if not isinstance(raw, dict):
+            raise RequestError(f"kv_transfer_params: expected an object, got {raw!r}")
+        kw: dict[str, object] = {}
+        for name in ("do_remote_decode", "do_remote_prefill"):
+            v = raw.get(name, False)
+            if not isinstance(v, bool):
+                raise RequestError(f"kv_transfer_params.{name}: expected a boolean, got {v!r}")
+            kw[name] = v
+        for name in ("remote_engine_id", "remote_request_id", "remote_host"):
+            v = raw.get(name)
+            if v is not None and not isinstance(v, str):
+                raise RequestError(f"kv_transfer_params.{name}: expected a string, got {v!r}")
+            kw[name] = v
+        for name, low in (("remote_port", 1), ("tp_size", 1), ("remote_block_size", 0),
+                          ("remote_dcp_size", 1), ("remote_interleave", 1),
+                          ("remote_num_tokens", 0)):
+            v = raw.get(name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise RequestError(
+                    f"kv_transfer_params.{name}: expected an integer >= {low}, got {v!r}")
+            kw[name] = v
+        ids = raw.get("remote_block_ids", [])
+        if not isinstance(ids, list) or not all(
+                isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
+            raise RequestError("kv_transfer_params.remote_block_ids: expected a list of "
+                               f"non-negative integers, got {ids!r}")
+        kw["remote_block_ids"] = tuple(ids)
+        params = cls(**kw)  # type: ignore[arg-type]
+        if params.do_remote_decode and params.do_remote_prefill:
+            raise RequestError("kv_transfer_params: do_remote_decode and do_remote_prefill "
+                               "cannot both be true")
+        return params
+
+    def to_json(self) -> dict[str, object]:
+        out = {name: getattr(self, name) for name in self._FIELDS}
+        out["remote_block_ids"] = list(self.remote_block_ids)
+        return out
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
-    # Its prefix is being copied from the host KV tier into its GPU blocks (vLLM's name).
+    # Its prefix is being copied from the host KV tier, or its prompt's KV read from a prefill
+    # engine (P/D), into its GPU blocks (vLLM's name).
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -103,6 +175,7 @@ class Request:
     # Draft tokens (MTP) proposed after the last step, to be verified by the next one; they are
     # not part of the request's tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    kv_transfer_params: KVTransferParams | None = None  # P/D (disagg/connector.py)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -159,6 +232,19 @@ class KVTransfer:
 
 
 @dataclass(frozen=True)
+class KVRecv:
+    """P/D, consumer side: read positions [num_cached, num_tokens) of a prompt from the prefill
+    engine's blocks into this engine's `block_ids` (re-laid out, disagg/relayout.py)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]  # this engine's scheduler blocks for the whole prompt
+    num_cached: int  # the prefix this engine holds already (not moved)
+    num_tokens: int  # one past the last position moved
+    remote: KVTransferParams
+    remote_ranks: tuple[bytes, ...]  # transport metadata of one prefill rank per DCP rank
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
@@ -169,6 +255,8 @@ class SchedulerOutput:
     scheduled_spec_token_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
     kv_stores: tuple[KVTransfer, ...] = ()  # GPU → host, started before this step's forward
     kv_loads: tuple[KVTransfer, ...] = ()  # host → GPU, into blocks no scheduled request reads
+    # P/D: prompts whose KV the runner reads from a prefill engine before this step's forward
+    kv_recvs: tuple[KVRecv, ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -194,6 +282,11 @@ class ModelRunnerOutput:
     # executor reports the minimum over ranks).
     num_kv_loads_done: int = 0
     num_kv_stores_done: int = 0
+    # P/D: prompts whose remote KV arrived (consumer), failed reads with the reason, and held
+    # prompts every consumer has read (producer: their blocks may go)
+    kv_recvs_done: tuple[str, ...] = ()
+    kv_recvs_failed: dict[str, str] = field(default_factory=dict)
+    kv_sends_done: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,6 +301,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    kv_transfer_params: KVTransferParams | None = None  # P/D: what the decode request needs
+    error: str | None = None  # why the request failed (e.g. its remote KV could not be read)
 
 
 @dataclass(frozen=True)

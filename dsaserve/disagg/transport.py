@@ -179,6 +179,13 @@ class KVTransport(abc.ABC):
                     f"{self.name}: no notification {msg!r} from {peer!r} within {timeout_s} s")
             time.sleep(0.0005)
 
+    def take_notifications(self) -> dict[str, list[bytes]]:
+        """Every notification not yet waited for, by sender (consumed)."""
+        for sender, msgs in self._poll_notifications().items():
+            self._pending.setdefault(sender, []).extend(msgs)
+        out, self._pending = self._pending, {}
+        return out
+
     def _check_peer_alive(self, peer: str) -> None:  # noqa: B027 (optional hook)
         """Raise TransferError early when the backend knows `peer` is gone."""
 
@@ -264,6 +271,16 @@ def fetch_metadata(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0) 
 # ---- shared memory ---------------------------------------------------------------------------
 def _shm_dir() -> Path:
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
+def remove_shm_files(agent: str) -> int:
+    """Unlink the /dev/shm files of a shm agent that died without closing (a killed process
+    cannot); the number removed. For launchers and tests, once the agent is known dead."""
+    removed = 0
+    for path in _shm_dir().glob(f"dsaserve-kv-{agent}-*"):
+        path.unlink(missing_ok=True)
+        removed += 1
+    return removed
 
 
 class ShmTransport(KVTransport):
@@ -470,8 +487,11 @@ class NixlTransport(KVTransport):
         if api is None:
             raise TransferError("nixl is not installed (pip install 'dsaserve[nixl]')")
         super().__init__(name)
-        # No listener thread: NIXL's own metadata listener binds every interface.
-        config = api.nixl_agent_config(enable_listen_thread=False, backends=[])
+        # No listener thread: NIXL's own metadata listener binds every interface. No progress
+        # thread either: it polls UCX without pause, a core per agent taken from the engine's
+        # compute; transfers and notifications progress when we poll them (wait, notifications).
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
+                                       backends=[])
         self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg: list[object] = []

@@ -20,6 +20,7 @@ from dsaserve.config import (
     CacheConfig,
     CompilationConfig,
     ConfigError,
+    DisaggConfig,
     EngineConfig,
     HiSparseConfig,
     ModelConfig,
@@ -168,9 +169,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     o.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='the same as a connector: \'{"kv_connector":"OffloadingConnector",'
                         '"kv_role":"kv_both","kv_connector_extra_config":'
-                        '{"cpu_bytes_to_use":N}}\'; or "HiSparseConnector" with '
-                        '{"host_pool_gib":G} (hybrid HiSparse decode, docs/hisparse.md); or '
-                        'both in a "MultiConnector" with {"connectors":[...]}')
+                        '{"cpu_bytes_to_use":N}}\'; "HiSparseConnector" with '
+                        '{"host_pool_gib":G} (hybrid HiSparse decode, docs/hisparse.md); P/D '
+                        '(docs/disagg.md): \'{"kv_connector":"NixlConnector","kv_role":'
+                        '"kv_both","kv_connector_extra_config":{"backend":"nixl"|"shm"}}\'; '
+                        'several: "MultiConnector" with {"connectors":[...]}')
 
     p = parser.add_argument_group("parallel (vLLM names)")
     p.add_argument("-tp", "--tensor-parallel-size", type=pos, default=1)
@@ -237,6 +240,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         offload=OffloadConfig.from_flags(args.kv_offloading_size, args.kv_offloading_backend,
                                          args.kv_transfer_config),
         hisparse=HiSparseConfig.from_transfer_json(args.kv_transfer_config),
+        disagg=DisaggConfig.from_json(args.kv_transfer_config),
         dtype=args.dtype,
         device=device,
         seed=args.seed,

@@ -22,6 +22,7 @@ from dsaserve.config import EngineConfig
 from dsaserve.core import (
     EngineDeadError,
     EngineStats,
+    KVTransferParams,
     ModelRunnerOutput,
     RequestError,
     RequestOutput,
@@ -78,7 +79,8 @@ class DataParallelEngine:
         except (OSError, ValueError):
             tokenizer = None  # token-id-only use (benchmarks, tests) needs none
         try:
-            replicas = [LLMEngine(config, executor, tokenizer) for executor in executors]
+            replicas = [LLMEngine(config, executor, tokenizer, dp_rank=i)
+                        for i, executor in enumerate(executors)]
         except BaseException:
             for executor in executors:
                 executor.shutdown()
@@ -87,14 +89,16 @@ class DataParallelEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    *, cache_salt: str | None = None) -> None:
+                    *, cache_salt: str | None = None,
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Pin the request to the least loaded replica; raises RequestError like LLMEngine (ids
         are unique across replicas, not only within one)."""
         if request_id in self._owner:
             raise RequestError(f"request id {request_id!r} is already in use")
         index = pick_replica([self._load(r) for r in self.replicas])
         self.replicas[index].add_request(request_id, prompt_token_ids, params,
-                                         cache_salt=cache_salt)
+                                         cache_salt=cache_salt,
+                                         kv_transfer_params=kv_transfer_params)
         self._owner[request_id] = index
 
     def abort_request(self, request_id: str) -> None:
@@ -108,7 +112,9 @@ class DataParallelEngine:
             # 1. schedule every replica (this process, CPU only)
             scheduled = [r.scheduler.schedule() for r in self.replicas]
             # 2. start every replica with something to run or forget: they compute concurrently
-            busy = [not so.is_empty or bool(so.finished_request_ids) for so in scheduled]
+            busy = [not so.is_empty or bool(so.finished_request_ids) or bool(so.kv_recvs)
+                    or (r.scheduler.connector is not None and r.scheduler.connector.num_held > 0)
+                    for r, so in zip(self.replicas, scheduled, strict=True)]
             for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
                 if b:
                     replica.executor.execute_async(so)

@@ -10,17 +10,26 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dsaserve.config import EngineConfig
-from dsaserve.core import EngineStats, Request, RequestError, RequestOutput, SamplingParams
+from dsaserve.core import (
+    EngineStats,
+    KVTransferParams,
+    Request,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
+    from dsaserve.disagg.connector import ConnectorScheduler
     from dsaserve.engine.dp import DataParallelEngine
 
 
@@ -46,7 +55,7 @@ class LLMEngine:
     Not thread-safe: one owner thread calls every method."""
 
     def __init__(self, config: EngineConfig, executor: Executor | ModelRunner,
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, *, dp_rank: int = 0) -> None:
         self.config = config
         if isinstance(executor, ModelRunner):
             executor = InProcessExecutor(executor)
@@ -60,15 +69,34 @@ class LLMEngine:
         if config.hisparse is not None:  # admission by host capacity (kv/hisparse/admission.py)
             admits = min(executor.call("hisparse_spec"))
             sched = dataclasses.replace(sched, max_num_seqs=min(sched.max_num_seqs, admits))
+        self.connector = self._kv_connector(dp_rank)
         self.scheduler = Scheduler(sched, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    num_host_blocks=min(n for n, _ in host),
-                                   host_block_bytes=sum(b for _, b in host))
+                                   host_block_bytes=sum(b for _, b in host),
+                                   connector=self.connector)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
+
+    def _kv_connector(self, dp_rank: int) -> ConnectorScheduler | None:
+        """P/D: the connector's scheduler half, with every rank's transport metadata."""
+        disagg = self.config.disagg
+        if disagg is None:
+            return None
+        from dsaserve.disagg.connector import ConnectorScheduler, EngineLayout
+
+        p = self.config.parallel
+        engine_id = disagg.engine_id or uuid.uuid4().hex
+        if p.data_parallel_size > 1:
+            engine_id = f"{engine_id}-dp{dp_rank}"
+        return ConnectorScheduler(
+            disagg, engine_id,
+            EngineLayout(self.config.cache.block_size, p.decode_context_parallel_size,
+                         p.cp_kv_cache_interleave_size, p.tensor_parallel_size),
+            self.executor.call("kv_connector_metadata"), dp_rank=dp_rank)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine | DataParallelEngine:
@@ -92,7 +120,8 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-                    *, cache_salt: str | None = None) -> None:
+                    *, cache_salt: str | None = None,
+                    kv_transfer_params: KVTransferParams | None = None) -> None:
         """Queue a request; raises RequestError (a client's mistake) before anything is allocated,
         so a bad request never reaches (and never fails) a step that other requests share."""
         vocab = self.config.model.vocab_size
@@ -103,10 +132,36 @@ class LLMEngine:
             (cache_salt or "").encode("utf-8")
         except UnicodeEncodeError as e:
             raise RequestError("cache_salt: a lone UTF-16 surrogate is not valid Unicode") from e
-        self.scheduler.add_request(Request(
-            request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
-            arrival_time=time.monotonic(), cache_salt=cache_salt, eos_token_ids=self.eos_token_ids,
-        ))
+        kv_transfer_params = self._check_kv_transfer(request_id, prompt_token_ids,
+                                                     kv_transfer_params)
+        try:
+            self.scheduler.add_request(Request(
+                request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                sampling_params=params, arrival_time=time.monotonic(), cache_salt=cache_salt,
+                eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params,
+            ))
+        except RequestError:
+            if self.connector is not None:
+                self.connector.forget(request_id)
+            raise
+
+    def _check_kv_transfer(self, request_id: str, prompt_token_ids: Sequence[int],
+                           params: KVTransferParams | None) -> KVTransferParams | None:
+        """P/D params checked before anything is allocated: RequestError (→ 400) for a request
+        this engine cannot serve, or whose remote KV is not (or no longer) there."""
+        if params is None or not (params.do_remote_decode or params.do_remote_prefill):
+            return None
+        if self.connector is None:
+            raise RequestError("kv_transfer_params: this engine has no P/D connector "
+                               "(--kv-transfer-config with kv_connector NixlConnector)")
+        if params.do_remote_decode and not self.connector.config.is_producer:
+            raise RequestError("kv_transfer_params: do_remote_decode on an engine whose kv_role "
+                               f"is {self.connector.config.kv_role!r}")
+        if params.do_remote_prefill:
+            if request_id in self.scheduler.requests:
+                raise RequestError(f"request id {request_id!r} is already in use")
+            self.connector.check_request(request_id, params, len(prompt_token_ids))
+        return params
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort_requests([request_id])
@@ -129,6 +184,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the worker processes, or release the in-process runner's weights and KV cache."""
+        if self.connector is not None:
+            self.connector.close()
         self.executor.shutdown()
         self.runner = None
 

@@ -112,6 +112,8 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         """Drop the runner: its weights and KV cache are freed once nothing else holds them."""
+        if self.runner is not None:
+            self.runner.close()
         self.runner = None
 
 

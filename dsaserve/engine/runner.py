@@ -6,13 +6,15 @@ from __future__ import annotations
 import array
 import dataclasses
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.engine import staging, step_results
 from dsaserve.engine.sampler import make_generator, sample_on_device
 from dsaserve.kernels import formats
@@ -141,6 +143,7 @@ class ModelRunner:
         )
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
+        self.connector = self._kv_connector()  # None without a P/D --kv-transfer-config
         self.copier = self._host_tier()  # None without --kv-offloading-size
         self.hisparse = self._hisparse()  # None without the HiSparseConnector
         if self.hisparse is not None:
@@ -249,6 +252,39 @@ class ModelRunner:
             self.hisparse.check_integrity({rid: (st.num_computed_tokens, st.block_ids)
                                            for rid, st in self.requests.items()})
 
+    def _kv_connector(self) -> ConnectorWorker | None:
+        """P/D: this rank's transport, with the caches moved into (or registered as) memory
+        peers can READ; must run before anything else holds the cache tensors."""
+        if self.config.disagg is None:
+            return None
+        connector = ConnectorWorker(
+            self.config.disagg, rank=self.groups.rank, dcp_rank=self.dcp_rank,
+            world_size=self.groups.world_size, block_size=self.block_size,
+            dcp_size=self.dcp_size, interleave=self.interleave)
+        self.caches = connector.register(self.caches)
+        return connector
+
+    def kv_connector_metadata(self) -> bytes:
+        """This rank's transport metadata for the engine's side channel (P/D)."""
+        assert self.connector is not None, "no P/D connector"
+        return self.connector.metadata()
+
+    def close(self) -> None:
+        """Release what outlives the process otherwise: the P/D transport's shared memory files
+        and NIXL registrations (idempotent)."""
+        if self.connector is not None:
+            self.connector.close()
+
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token over every cache layer of this rank (what P/D moves per row)."""
+        from dsaserve.disagg.kvio import row_bytes
+
+        return row_bytes(self.caches).per_token
+
+    def kv_bytes_received(self) -> int:
+        """Bytes this rank READ from prefill engines so far (P/D; tests check the layouts')."""
+        return self.connector.bytes_received if self.connector is not None else 0
+
     def host_tier_spec(self) -> tuple[int, int]:
         """(host blocks, bytes of one block on this rank); (0, 0) without a host tier."""
         if self.copier is None:
@@ -264,7 +300,19 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # 0. host-tier copies start first and overlap the forward (kv/copier.py)
+        # 0. P/D: prompts' KV read from prefill engines before anything reads it; held blocks
+        #    their consumers have read (disagg/connector.py)
+        if self.connector is not None:
+            done, failed = self.connector.receive(so.kv_recvs)
+            sent = self.connector.poll_sends()
+            if so.is_empty and not so.kv_recvs and not sent:
+                time.sleep(0.002)  # only held blocks or reads pending: do not spin empty steps
+            return replace(self._execute_tiered(so), kv_recvs_done=done, kv_recvs_failed=failed,
+                           kv_sends_done=sent)
+        return self._execute_tiered(so)
+
+    def _execute_tiered(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # host-tier copies start first and overlap the forward (kv/copier.py)
         if self.copier is not None:
             self.copier.start(so)
             if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps

@@ -31,11 +31,15 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from dsaserve.config import CacheConfig, ConfigError, SchedulerConfig
 from dsaserve.core import (
     CachedRequestData,
     EngineStats,
+    KVRecv,
+    KVTransferParams,
     ModelRunnerOutput,
     NewRequestData,
     Request,
@@ -46,6 +50,9 @@ from dsaserve.core import (
 )
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
+
+if TYPE_CHECKING:
+    from dsaserve.disagg.connector import ConnectorScheduler
 
 
 class Scheduler:
@@ -59,6 +66,7 @@ class Scheduler:
         *,
         num_host_blocks: int = 0,
         host_block_bytes: int = 0,
+        connector: ConnectorScheduler | None = None,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
@@ -82,6 +90,11 @@ class Scheduler:
         self.offload: OffloadManager | None = None
         if num_host_blocks:
             self.offload = OffloadManager(self.kv, num_host_blocks, host_block_bytes)
+        # P/D (disagg/connector.py): finished prefills' blocks held for their consumers, and
+        # decode requests whose prompt KV the runner is reading from a prefill engine
+        self.connector = connector
+        self.receiving: dict[str, Request] = {}
+        self._kv_recvs: list[KVRecv] = []
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the tail
@@ -107,7 +120,8 @@ class Scheduler:
             raise RequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len}"
             )
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (
+                self.connector is not None and request.request_id in self.connector.held):
             raise RequestError(f"request id {request.request_id!r} is already in use")
         fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
         if not fresh or request.block_ids:
@@ -127,6 +141,7 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load holds its blocks
                 self.waiting.remove(req)
+            self.receiving.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ABORTED
             self._release(req)
             self._aborted_outputs.append(self._make_output(req, ()))
@@ -173,7 +188,9 @@ class Scheduler:
         if self.num_preemptions == num_preempted_before:
             while self.waiting and budget > 0 and self._num_active() < self.config.max_num_seqs:
                 req = self.waiting[0]
-                load = self._start_load(req)
+                load = self._start_recv(req)
+                if load is None:
+                    load = self._start_load(req)
                 if load is not None:
                     if load:
                         continue
@@ -188,6 +205,7 @@ class Scheduler:
         # 3. the diff, with the host-tier copies to start
         finished, self._finished_ids = tuple(self._finished_ids), []
         stores, loads = self.offload.take_transfers() if self.offload else ((), ())
+        recvs, self._kv_recvs = tuple(self._kv_recvs), []
         return SchedulerOutput(
             new_requests=tuple(new),
             cached_requests=tuple(cached),
@@ -196,6 +214,7 @@ class Scheduler:
             scheduled_spec_token_ids=spec,
             kv_stores=stores,
             kv_loads=loads,
+            kv_recvs=recvs,
         )
 
     def update_from_output(
@@ -206,6 +225,8 @@ class Scheduler:
         outputs = self.take_aborted_outputs()
         if self.offload is not None:
             self._finish_transfers(runner_output)
+        if self.connector is not None:
+            outputs += self._finish_remote(runner_output)
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
             if req is None or req.status != RequestStatus.RUNNING:
@@ -252,11 +273,15 @@ class Scheduler:
             self.kv.cache_full_blocks(req)
             if self.offload is not None:
                 self.offload.offer(req)
+            params = None
             if req.is_finished:
                 self.running.remove(req)
-                self._release(req)
+                if self.connector is not None and self.connector.should_hold(req):
+                    params = self._hold(req)
+                else:
+                    self._release(req)
             if new_tokens or req.is_finished:
-                outputs.append(self._make_output(req, new_tokens))
+                outputs.append(self._make_output(req, new_tokens, params))
         return outputs
 
     # ---- helpers of the step --------------------------------------------------------------------
@@ -323,7 +348,8 @@ class Scheduler:
 
     def _num_active(self) -> int:
         """Requests holding a seat: running, or loading their prefix from the host tier."""
-        return len(self.running) + (self.offload.num_loading if self.offload else 0)
+        return (len(self.running) + len(self.receiving)
+                + (self.offload.num_loading if self.offload else 0))
 
     def _start_load(self, req: Request) -> bool | None:
         """If waiting `req`'s prefix continues in the host tier and the GPU pool has room for its
@@ -351,6 +377,62 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens + len(host_hits) * self.block_size
         self.offload.start_load(req, blocks[len(hits):], host_hits)
         return True
+
+    def _start_recv(self, req: Request) -> bool | None:
+        """P/D consumer: if waiting `req` takes its prompt's KV from a prefill engine, allocate
+        blocks for the whole prompt (its own cached prefix reused, not moved) and hand the runner
+        the read: it waits (WAITING_FOR_REMOTE_KVS) until the rows landed; True then. False when
+        the pool has no room yet; None when it reads nothing remote."""
+        params = req.kv_transfer_params
+        if self.connector is None or params is None or not params.do_remote_prefill:
+            return None
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits) is None:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit_tokens
+        self.receiving[req.request_id] = req
+        self._kv_recvs.append(self.connector.recv(req, num_hit_tokens))
+        return True
+
+    def _finish_remote(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """P/D: prompts whose KV arrived start running (computed up to the last prompt token,
+        recomputed for its logits); failed reads end their request with the reason; held blocks
+        every consumer read, or whose time is up, are freed."""
+        assert self.connector is not None
+        outputs = []
+        for request_id in runner_output.kv_recvs_done:
+            req = self.receiving.pop(request_id, None)
+            if req is None:
+                continue
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = req.num_tokens - 1
+            req.kv_transfer_params = None  # read once: a preemption recomputes locally
+            self.kv.cache_full_blocks(req)
+            self.running.append(req)
+        for request_id, reason in runner_output.kv_recvs_failed.items():
+            req = self.receiving.pop(request_id, None)
+            if req is None:
+                continue
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._release(req)
+            outputs.append(replace(self._make_output(req, ()), error=reason))
+        for req in self.connector.release(runner_output.kv_sends_done):
+            self.kv.free(req)
+        return outputs
+
+    def _hold(self, req: Request) -> KVTransferParams:
+        """P/D producer: finished `req` leaves the scheduler, but its blocks stay with the
+        connector until its consumers have read them."""
+        assert self.connector is not None
+        if self.offload is not None:
+            self.offload.forget(req)
+        del self.requests[req.request_id]
+        self._forget_in_runner(req.request_id)
+        return self.connector.hold(req)
 
     def _finish_transfers(self, runner_output: ModelRunnerOutput) -> None:
         """Retire copies every rank finished; requests whose prefix landed start running (newest:
@@ -423,6 +505,8 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """A finished or aborted request leaves: blocks freed, the runner told."""
         self.kv.free(req)
+        if self.connector is not None:
+            self.connector.forget(req.request_id)
         if self.offload is not None:
             self.offload.forget(req)
         del self.requests[req.request_id]
@@ -434,7 +518,8 @@ class Scheduler:
             self._finished_ids.append(request_id)
 
     @staticmethod
-    def _make_output(req: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+    def _make_output(req: Request, new_tokens: tuple[int, ...],
+                     kv_transfer_params: KVTransferParams | None = None) -> RequestOutput:
         finished = req.is_finished
         return RequestOutput(
             request_id=req.request_id,
@@ -444,12 +529,15 @@ class Scheduler:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=len(req.output_token_ids),
+            kv_transfer_params=kv_transfer_params,
         )
 
     # ---- introspection --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        """Requests live, or host-tier copies still in flight (they hold blocks until done)."""
-        return bool(self.requests) or (self.offload is not None and self.offload.busy)
+        """Requests live, host-tier copies still in flight or P/D blocks held (they hold blocks
+        until done)."""
+        return (bool(self.requests) or (self.offload is not None and self.offload.busy)
+                or (self.connector is not None and self.connector.num_held > 0))
 
     @property
     def num_running(self) -> int:
@@ -462,7 +550,7 @@ class Scheduler:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting) + (
+            num_waiting=len(self.waiting) + len(self.receiving) + (
                 len(self.offload.loading_requests()) if self.offload else 0),
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_blocks,
@@ -491,14 +579,15 @@ class Scheduler:
         over live requests, queue membership and per-request token/block consistency, and — once
         no request is live — every block free (nothing leaked)."""
         live = list(self.requests.values())
-        self.kv.check_integrity(live, self.offload.gpu_holds() if self.offload else None)
+        held = [h.request for h in self.connector.held.values()] if self.connector else []
+        self.kv.check_integrity(live + held, self.offload.gpu_holds() if self.offload else None)
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
         loading = self.offload.loading_requests() if self.offload else []
         if self.offload is not None:
             self.offload.check_integrity(self.requests)
-        if sorted(running_ids + waiting_ids + [r.request_id for r in loading]) != sorted(
-                self.requests):
+        if sorted(running_ids + waiting_ids + [r.request_id for r in loading]
+                  + list(self.receiving)) != sorted(self.requests):
             raise AssertionError(
                 f"scheduler: running {running_ids} + waiting {waiting_ids} (+ loading) != live "
                 f"requests {sorted(self.requests)}"
@@ -535,8 +624,11 @@ class Scheduler:
         for req in loading:
             if req.request_id in self._runner_num_tokens:
                 raise AssertionError(f"scheduler: loading {req.request_id!r} known to the runner")
+        for req in self.receiving.values():
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                raise AssertionError(f"scheduler: receiving {req.request_id!r} is {req.status}")
         busy = self.offload is not None and self.offload.busy
-        if not live and not busy and self.kv.num_free_blocks != self.kv.num_blocks:
+        if not live and not busy and not held and self.kv.num_free_blocks != self.kv.num_blocks:
             raise AssertionError(
                 f"scheduler: no live request but {self.kv.num_blocks - self.kv.num_free_blocks} "
                 "blocks are in use (leaked)"

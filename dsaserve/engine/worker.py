@@ -138,6 +138,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
             except EOFError:
                 os._exit(1)  # the engine core is gone: nobody is left to report to
             if isinstance(message, Shutdown):
+                runner.close()
                 break
             send(conn, _handle(runner, spec.rank, message))
     except BaseException:
@@ -171,11 +172,14 @@ def _start(spec: WorkerSpec) -> ModelRunner:
 def _handle(runner: ModelRunner, rank: int, message: ToWorker) -> FromWorker:
     if isinstance(message, ExecuteStep):
         output = runner.execute(message.scheduler_output)
-        if rank != 0 and runner.copier is not None:  # only the host-tier copy counts matter
+        if rank != 0 and (runner.copier is not None or runner.connector is not None):
+            # only the host-tier copy counts and the P/D read failures matter
             output = ModelRunnerOutput(sampled_token_ids={},
                                        num_kv_loads_done=output.num_kv_loads_done,
-                                       num_kv_stores_done=output.num_kv_stores_done)
-        return StepDone(rank, output if rank == 0 or runner.copier is not None else None)
+                                       num_kv_stores_done=output.num_kv_stores_done,
+                                       kv_recvs_failed=output.kv_recvs_failed)
+        keep = rank == 0 or runner.copier is not None or runner.connector is not None
+        return StepDone(rank, output if keep else None)
     if isinstance(message, CallMethod):
         return CallResult(rank, getattr(runner, message.name)(*message.args))
     raise TypeError(f"worker rank {rank}: unexpected message {type(message).__name__}")

@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsaserve.config import ConfigError
-from dsaserve.core import RequestError, SamplingParams
+from dsaserve.core import KVTransferParams, RequestError, SamplingParams
 from dsaserve.serve.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -163,6 +163,8 @@ class Generation:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None  # P/D: from the final output
+        self.error: str | None = None  # the engine failed this request (e.g. its remote KV)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._tracker = tracker
         self._held = ""  # text that may be the start of a stop string
@@ -183,6 +185,9 @@ class Generation:
                 if out.finished:
                     text += self._detok.flush()
                     self.finish_reason = out.finish_reason
+                    self.error = out.error
+                    if out.kv_transfer_params is not None:
+                        self.kv_transfer_params = out.kv_transfer_params.to_json()
                 if self.stop and (i := find_stop(text, self.stop)) >= 0:
                     text = text[:i]
                     self.finish_reason = "stop"
@@ -276,6 +281,14 @@ def _sse(obj: BaseModel) -> str:
 
 
 _SSE_DONE = "data: [DONE]\n\n"
+
+
+def _dump(response: BaseModel) -> dict[str, Any]:
+    """A response as JSON; `kv_transfer_params` only where P/D set it (vLLM's field)."""
+    out = response.model_dump()
+    if out.get("kv_transfer_params") is None:
+        out.pop("kv_transfer_params", None)
+    return out
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
@@ -392,11 +405,15 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                            f"'{model_name}').", param="model")
 
     async def start(request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    stops: tuple[str, ...], cache_salt: str | None) -> Generation:
+                    stops: tuple[str, ...], body: ChatCompletionRequest | CompletionRequest
+                    ) -> Generation:
         tracker = metrics.track()
         try:
+            kv_params = (None if body.kv_transfer_params is None
+                         else KVTransferParams.from_json(body.kv_transfer_params))
             stream = await engine.add_request(request_id, prompt_ids, params,
-                                              cache_salt=cache_salt)
+                                              cache_salt=body.cache_salt,
+                                              kv_transfer_params=kv_params)
         except RequestError as e:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
@@ -423,7 +440,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
 
     async def complete(request: Request, gen: Generation) -> str | None:
         try:
-            return await unless_disconnected(request, collect(gen))
+            text = await unless_disconnected(request, collect(gen))
+            if gen.error is not None:
+                raise APIError(500, gen.error)
+            return text
         except EngineDeadError as e:
             raise APIError(500, f"engine failed: {e}") from e
         except StreamOverflowError as e:
@@ -441,7 +461,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             else body.max_completion_tokens
         params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
         request_id = new_id("chatcmpl")
-        gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
+        gen = await start(request_id, prompt_ids, params, stops, body)
 
         def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
             choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
@@ -462,8 +482,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if text is None:
             return Response(status_code=499)  # the client left; nobody reads this
         choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason)
-        return JSONResponse(ChatCompletionResponse(
-            id=request_id, model=model_name, choices=[choice], usage=gen.usage).model_dump())
+        return JSONResponse(_dump(ChatCompletionResponse(
+            id=request_id, model=model_name, choices=[choice], usage=gen.usage,
+            kv_transfer_params=gen.kv_transfer_params)))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -476,7 +497,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         params = _sampling_params(body, body.max_tokens, len(prompt_ids), max_model_len,
                                   COMPLETION_DEFAULT_MAX_TOKENS)
         request_id = new_id("cmpl")
-        gen = await start(request_id, prompt_ids, params, stops, body.cache_salt)
+        gen = await start(request_id, prompt_ids, params, stops, body)
 
         def chunk(text: str, finish_reason: str | None = None) -> str:
             choice = CompletionChoice(text=text, finish_reason=finish_reason)
@@ -496,7 +517,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if text is None:
             return Response(status_code=499)
         choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
-        return JSONResponse(CompletionResponse(
-            id=request_id, model=model_name, choices=[choice], usage=gen.usage).model_dump())
+        return JSONResponse(_dump(CompletionResponse(
+            id=request_id, model=model_name, choices=[choice], usage=gen.usage,
+            kv_transfer_params=gen.kv_transfer_params)))
 
     return app

@@ -35,7 +35,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from dsaserve.core import EngineDeadError, EngineStats, RequestError, RequestOutput, SamplingParams
+from dsaserve.core import (
+    EngineDeadError,
+    EngineStats,
+    KVTransferParams,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from dsaserve.config import EngineConfig
@@ -55,6 +62,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -205,6 +213,7 @@ class AsyncEngine:
         params: SamplingParams,
         *,
         cache_salt: str | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> RequestStream:
         """Hand a request to the core and wait until it is admitted.
 
@@ -218,7 +227,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
-            self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
+            self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
+                                       kv_transfer_params))
         try:
             item = await stream._next()
         except BaseException:
@@ -285,7 +295,7 @@ class AsyncEngine:
             try:
                 self._engine.add_request(
                     message.request_id, message.prompt_token_ids, message.params,
-                    cache_salt=message.cache_salt,
+                    cache_salt=message.cache_salt, kv_transfer_params=message.kv_transfer_params,
                 )
             except RequestError as e:
                 self._post([(message.request_id, e)])

@@ -3,6 +3,7 @@
     dsaserve serve                      # the built-in tiny model on 127.0.0.1:8000
     dsaserve serve /models/glm-5.3 --served-model-name glm-5.3 --max-model-len 131072 \\
         --kv-cache-dtype fp8_ds_mla --api-key "$KEY" --host 0.0.0.0
+    dsaserve serve --pd 'prefill: -pcp 2 -dcp 2 ; decode: -dp 2'   # P/D on one machine
 """
 
 from __future__ import annotations
@@ -66,6 +67,14 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
                    "\"endpoint\":\"tcp://127.0.0.1:5557\"}' (DP replica i binds port + i)")
+    d = p.add_argument_group("P/D on one machine (docs/disagg.md)")
+    d.add_argument("--pd", default=None, metavar="'prefill: FLAGS ; decode: FLAGS'",
+                   help="start a prefill and a decode server of MODEL with these flags and serve "
+                   "a proxy that sends each request to one, then the other, on --host/--port")
+    d.add_argument("--pd-kv-backend", choices=("auto", "nixl", "shm"), default="auto",
+                   help="--pd: the KV transport (default: %(default)s: NIXL when importable)")
+    d.add_argument("--pd-start-timeout", type=_seconds, default=600.0, metavar="SECONDS",
+                   help="--pd: how long the servers may take to become healthy")
     add_engine_args(p)
     p.set_defaults(func=run)
     return p
@@ -115,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     from dsaserve.serve.drain import DrainingServer
 
     model = model_from_args(args)
+    if getattr(args, "pd", None) is not None:
+        from dsaserve.disagg.launch import run_pd
+
+        return run_pd(args, model)
     engine_config = engine_config_from_args(args, model)
     kv_events = kv_events_config_from_args(args)
     llm = LLMEngine.from_config(engine_config)

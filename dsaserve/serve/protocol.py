@@ -49,6 +49,8 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False  # vLLM extension
     min_tokens: int = 0  # vLLM extension
     cache_salt: str | None = None  # vLLM extension: isolates this tenant's prefix-cache entries
+    # vLLM extension: P/D disaggregation (docs/disagg.md), checked by KVTransferParams.from_json
+    kv_transfer_params: dict[str, Any] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -178,6 +180,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: what the decode request needs
 
 
 class DeltaMessage(BaseModel):
@@ -217,6 +220,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: what the decode request needs
 
 
 class ModelCard(BaseModel):

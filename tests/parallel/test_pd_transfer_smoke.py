@@ -24,3 +24,14 @@ def test_pd_transfer_smoke(capsys, monkeypatch):
     assert "| shm | 1,024 |" in out and "| nixl |" not in out
     assert "| 1,024 | 64 | 2 |" in out  # whole pages: rank 0 holds 2 pages of 64 tokens
     assert "| shm | 1,024 | 64 | 4 |" in out  # zero-copy: 2 pages × (MLA, indexer) segments
+
+
+def test_pd_e2e_smoke(capsys, monkeypatch):
+    """benchmarks/pd_e2e.py: two engines through the connector, the table printed."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "pd_e2e", raising=False)
+    bench = importlib.import_module("pd_e2e")
+    assert bench.FULL_RECORD == 54_728
+    assert bench.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| 48 |" in out and "| 96 |" in out

@@ -1,0 +1,318 @@
+"""The P/D KV connector: vLLM's NixlConnector protocol over our re-layout and transports.
+
+Split as vLLM splits it: a scheduler-side half in the engine core (what to hold, what to read,
+the side channel) and a worker-side half in each rank's runner (the caches in registered memory,
+the READs, the notifications).
+
+    client / proxy          prefill engine (producer)              decode engine (consumer)
+    ──────────────          ─────────────────────────              ────────────────────────
+    {do_remote_decode} ───► prefill, 1 token; blocks HELD
+                 ◄───────── kv_transfer_params: do_remote_prefill, remote_engine_id,
+                            remote_request_id, remote_block_ids, remote_host/port, layout
+    {do_remote_prefill, …} ───────────────────────────────────────► fetch metadata (side channel):
+                                                                     engine id, held request and
+                                                                     its blocks checked (→ 400)
+                                                                    allocate (own prefix skipped),
+                                                                    WAITING_FOR_REMOTE_KVS
+                                   rank r's caches ◄── READ ─────── each rank: plan_transfer →
+                                                                    its pairs' byte segments
+                            rank 0 ◄── notification {req, of} ───── every consumer rank, once read
+                            blocks freed when `of` ranks notified
+                            (or after VLLM_NIXL_ABORT_REQUEST_TIMEOUT)
+                                                                    computed = prompt − 1: the last
+                                                                    prompt token is recomputed (its
+                                                                    logits give the first token)
+
+The consumer READs straight from the producer's cache tensors (zero-copy segments,
+`descriptors.plan_segments`); the producer does no work per request beyond holding blocks.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dsaserve.config import ConfigError, DisaggConfig
+from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
+from dsaserve.disagg import descriptors
+from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.disagg.transport import (
+    KVTransport,
+    SideChannel,
+    TransferError,
+    fetch_metadata,
+    make_transport,
+)
+from dsaserve.model.dsa import LayerCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """How an engine pages its KV (what a peer's re-layout needs) and its TP size."""
+
+    block_size: int
+    dcp_size: int
+    interleave: int
+    tp_size: int
+
+
+# ================================================================================================
+# Scheduler side (engine core)
+# ================================================================================================
+@dataclass
+class _Held:
+    request: Request
+    deadline: float  # time.monotonic() after which the blocks are freed unread
+
+
+@dataclass
+class ConnectorScheduler:
+    """The engine core's half. Producer: holds finished prefills' blocks and serves the side
+    channel (transport metadata of every rank + the held requests, for the consumer's checks).
+    Consumer: resolves a request's `kv_transfer_params` into a `KVRecv` for the runner."""
+
+    config: DisaggConfig
+    engine_id: str
+    layout: EngineLayout
+    rank_metadata: list[bytes]  # per rank, ConnectorWorker.metadata()
+    dp_rank: int = 0
+    held: dict[str, _Held] = field(default_factory=dict)
+    side_channel: SideChannel | None = None
+    # consumer: request id → the prefill ranks' transport metadata, one per DCP rank
+    _remote: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
+    _snapshot: bytes = b""  # the side channel's payload (replaced whole: read by its thread)
+
+    def __post_init__(self) -> None:
+        if self.config.is_producer:
+            port = self.config.side_channel_port
+            self.side_channel = SideChannel(
+                lambda: self._snapshot, self.config.side_channel_host,
+                port + self.dp_rank if port else 0)
+        self._publish()
+
+    # ---- producer --------------------------------------------------------------------------
+    def should_hold(self, req: Request) -> bool:
+        p = req.kv_transfer_params
+        return (self.config.is_producer and p is not None and p.do_remote_decode
+                and req.status != RequestStatus.FINISHED_ABORTED)
+
+    def hold(self, req: Request) -> KVTransferParams:
+        """Keep `req`'s blocks for its consumers; the params its response carries."""
+        self.held[req.request_id] = _Held(req, time.monotonic() + self.config.abort_timeout_s)
+        self._publish()
+        assert self.side_channel is not None
+        return KVTransferParams(
+            do_remote_prefill=True, remote_engine_id=self.engine_id,
+            remote_request_id=req.request_id, remote_block_ids=tuple(req.block_ids),
+            remote_host=self.side_channel.host, remote_port=self.side_channel.port,
+            tp_size=self.layout.tp_size, remote_block_size=self.layout.block_size,
+            remote_dcp_size=self.layout.dcp_size, remote_interleave=self.layout.interleave,
+            remote_num_tokens=req.num_prompt_tokens)
+
+    def release(self, sent: Sequence[str], now: float | None = None) -> list[Request]:
+        """Held requests to free: every consumer read them (`sent`), or their time is up."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for rid in list(self.held):
+            if rid in sent or self.held[rid].deadline <= now:
+                if rid not in sent:
+                    logger.warning("P/D: request %s was not read within %.0f s; its blocks are "
+                                   "freed", rid, self.config.abort_timeout_s)
+                out.append(self.held.pop(rid).request)
+        if out:
+            self._publish()
+        return out
+
+    def _publish(self) -> None:
+        self._snapshot = json.dumps({
+            "engine_id": self.engine_id,
+            "ranks": [base64.b64encode(m).decode() for m in self.rank_metadata],
+            "held": {rid: h.request.block_ids for rid, h in self.held.items()},
+        }).encode()
+
+    # ---- consumer --------------------------------------------------------------------------
+    def check_request(self, request_id: str, params: KVTransferParams,
+                      num_prompt_tokens: int) -> None:
+        """A decode request's params against the prefill engine's side channel: the engine id,
+        the request still held, with these blocks. RequestError (→ 400) otherwise; nothing is
+        allocated yet."""
+        if not self.config.is_consumer:
+            raise RequestError("kv_transfer_params: do_remote_prefill on an engine whose "
+                               f"kv_role is {self.config.kv_role!r}")
+        missing = [n for n in ("remote_engine_id", "remote_request_id", "remote_host",
+                               "remote_port") if getattr(params, n) is None]
+        if missing or not params.remote_block_size:
+            raise RequestError(f"kv_transfer_params: missing {missing or ['remote_block_size']}")
+        if params.remote_num_tokens != num_prompt_tokens:
+            raise RequestError(
+                f"kv_transfer_params: the prefill held {params.remote_num_tokens} prompt tokens, "
+                f"this prompt has {num_prompt_tokens}")
+        assert params.remote_host is not None and params.remote_port is not None
+        try:
+            raw = json.loads(fetch_metadata(params.remote_port, params.remote_host,
+                                            self.config.transfer_timeout_s))
+        except (TransferError, ValueError) as e:
+            raise RequestError(f"kv_transfer_params: the prefill engine at "
+                               f"{params.remote_host}:{params.remote_port} cannot be reached "
+                               f"({e})") from None
+        if raw.get("engine_id") != params.remote_engine_id:
+            raise RequestError(f"kv_transfer_params: unknown remote_engine_id "
+                               f"{params.remote_engine_id!r} (that address serves "
+                               f"{raw.get('engine_id')!r})")
+        held = raw.get("held", {}).get(params.remote_request_id)
+        if held is None:
+            raise RequestError(f"kv_transfer_params: request {params.remote_request_id!r} is not "
+                               "held by the prefill engine (already consumed, expired or unknown)")
+        if list(params.remote_block_ids) != held:
+            raise RequestError("kv_transfer_params: remote_block_ids do not match the blocks "
+                               f"the prefill engine holds for {params.remote_request_id!r}")
+        ranks = [base64.b64decode(m) for m in raw["ranks"]]
+        by_dcp: dict[int, bytes] = {}
+        for m in ranks:
+            by_dcp.setdefault(json.loads(m)["dcp_rank"], m)
+        if sorted(by_dcp) != list(range(params.remote_dcp_size)):
+            raise RequestError(f"kv_transfer_params: remote_dcp_size {params.remote_dcp_size} "
+                               f"does not match the prefill engine's ranks {sorted(by_dcp)}")
+        self._remote[request_id] = tuple(by_dcp[d] for d in range(params.remote_dcp_size))
+
+    def recv(self, req: Request, num_cached: int) -> KVRecv:
+        """The runner's job for a consumer request whose blocks are allocated: every prompt
+        position but the last past `num_cached` (the last is recomputed for its logits)."""
+        assert req.kv_transfer_params is not None
+        return KVRecv(request_id=req.request_id, block_ids=tuple(req.block_ids),
+                      num_cached=num_cached, num_tokens=req.num_prompt_tokens - 1,
+                      remote=req.kv_transfer_params,
+                      remote_ranks=self._remote.pop(req.request_id))
+
+    def forget(self, request_id: str) -> None:
+        self._remote.pop(request_id, None)
+
+    @property
+    def num_held(self) -> int:
+        return len(self.held)
+
+    def close(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+
+
+# ================================================================================================
+# Worker side (one per rank, in the runner)
+# ================================================================================================
+_NOTIFY_PREFIX = b"pd-read:"
+
+
+class ConnectorWorker:
+    """One rank's half: its caches in transport-registered memory, the READs of `KVRecv`s,
+    and (on a producer's rank 0) counting the consumers' notifications."""
+
+    def __init__(self, config: DisaggConfig, *, rank: int, dcp_rank: int, world_size: int,
+                 block_size: int, dcp_size: int, interleave: int) -> None:
+        self.config = config
+        self.rank, self.dcp_rank, self.world_size = rank, dcp_rank, world_size
+        self.layout = (block_size, dcp_size, interleave)
+        self.transport: KVTransport = make_transport(
+            config.backend, f"dsaserve-{uuid.uuid4().hex[:12]}-r{rank}")
+        self.formats: list[descriptors.LayerFormat] = []
+        self._peers: dict[str, str] = {}  # metadata agent name → transport peer name
+        self._counts: dict[str, int] = {}  # producer: notifications per held request
+        self.bytes_received = 0  # consumer: bytes READ so far (all requests)
+
+    def register(self, caches: list[LayerCache]) -> list[LayerCache]:
+        """The caches peers read from or into: NIXL registers them in place (host or GPU memory);
+        shared memory needs its own files, so the caches move there."""
+        self.formats = descriptors.layer_formats(caches)
+        if self.transport.backend != "nixl" and caches[0].kv.device.type != "cpu":
+            # shm can only move host memory it allocated: the caches would leave the GPU
+            self.transport.close()
+            raise ConfigError(f"{self.config.flag}: backend {self.transport.backend!r} cannot "
+                              f"move {caches[0].kv.device.type} caches; use 'nixl'")
+        if self.transport.backend == "nixl":
+            for name, region in descriptors.cache_regions(caches).items():
+                self.transport.register(name, region)
+            return caches
+        return descriptors.register_caches(self.transport, caches)
+
+    def metadata(self) -> bytes:
+        return json.dumps({
+            "rank": self.rank, "dcp_rank": self.dcp_rank,
+            "transport": base64.b64encode(self.transport.metadata()).decode(),
+            "formats": [vars(f) for f in self.formats],
+        }).encode()
+
+    # ---- consumer --------------------------------------------------------------------------
+    def receive(self, recvs: Sequence[KVRecv]) -> tuple[tuple[str, ...], dict[str, str]]:
+        """READ each request's rows this rank needs, then notify the producer's rank 0; the ids
+        done and the failed ones with the reason."""
+        done: list[str] = []
+        failed: dict[str, str] = {}
+        for recv in recvs:
+            try:
+                self._receive_one(recv)
+                done.append(recv.request_id)
+            except (TransferError, ValueError, KeyError) as e:
+                logger.warning("P/D: reading request %s's KV failed: %s", recv.request_id, e)
+                failed[recv.request_id] = f"reading the prompt's KV from the prefill engine " \
+                                          f"failed: {e}"
+        return tuple(done), failed
+
+    def _receive_one(self, recv: KVRecv) -> None:
+        remote = recv.remote
+        metas = [json.loads(m) for m in recv.remote_ranks]  # [src DCP rank]
+        peers = [self._peer(m) for m in metas]
+        block_size, dcp_size, interleave = self.layout
+        src = KVLayout(remote.remote_block_ids, remote.remote_block_size,
+                       remote.remote_dcp_size, remote.remote_interleave)
+        dst = KVLayout(recv.block_ids, block_size, dcp_size, interleave)
+        plan = plan_transfer(src, dst, recv.num_cached, recv.num_tokens)
+        timeout = self.config.transfer_timeout_s
+        xfers = []
+        for pair in plan.to_target(self.dcp_rank):
+            src_formats = [descriptors.LayerFormat(**f) for f in metas[pair.src_rank]["formats"]]
+            for i, layer in enumerate(descriptors.plan_segments(pair, src_formats, self.formats)):
+                for part, segs in layer.items():
+                    name = f"L{i}.{part}"
+                    xfers.append(self.transport.read(peers[pair.src_rank], name, name,
+                                                     descriptors.for_read(segs)))
+                    self.bytes_received += int(segs[:, 2].sum())
+        for xfer in xfers:
+            self.transport.wait(xfer, timeout)
+        msg = {"req": remote.remote_request_id, "of": self.world_size}
+        self.transport.send_notification(peers[0], _NOTIFY_PREFIX + json.dumps(msg).encode())
+
+    def _peer(self, meta: dict) -> str:
+        blob = base64.b64decode(meta["transport"])
+        agent = json.loads(blob)["agent"]
+        if agent not in self._peers:
+            self._peers[agent] = self.transport.add_peer(blob)
+        return self._peers[agent]
+
+    # ---- producer --------------------------------------------------------------------------
+    def poll_sends(self) -> tuple[str, ...]:
+        """Held requests every consumer rank has read (rank 0 counts; others see none)."""
+        out = []
+        for msgs in self.transport.take_notifications().values():
+            for raw in msgs:
+                if not raw.startswith(_NOTIFY_PREFIX):
+                    continue
+                try:
+                    msg = json.loads(raw[len(_NOTIFY_PREFIX):])
+                    rid, of = str(msg["req"]), int(msg["of"])
+                except (ValueError, KeyError, TypeError):
+                    logger.warning("P/D: ignoring a malformed notification %r", raw[:80])
+                    continue
+                self._counts[rid] = self._counts.get(rid, 0) + 1
+                if self._counts[rid] >= of:
+                    del self._counts[rid]
+                    out.append(rid)
+        return tuple(out)
+
+    def close(self) -> None:
+        self.transport.close()

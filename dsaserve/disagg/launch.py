@@ -1,0 +1,150 @@
+"""`dsaserve serve --pd 'prefill: FLAGS ; decode: FLAGS'`: a whole P/D deployment on one machine.
+
+    dsaserve serve MODEL --port 8000 --pd 'prefill: -pcp 2 -dcp 2 ; decode: -dp 2'
+
+starts a prefill server (kv_producer) and a decode server (kv_consumer) as two processes on
+127.0.0.1, each `dsaserve serve MODEL FLAGS` with the connector's `--kv-transfer-config` added,
+waits until both are healthy, then serves the P/D proxy (disagg/proxy.py) on --host/--port.
+Ending the proxy (Ctrl-C, SIGTERM) stops both servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+from dsaserve.config import ConfigError
+
+FLAG = "--pd"
+_SIDES = ("prefill", "decode")
+_OWN_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
+
+
+def parse_pd_spec(spec: str) -> dict[str, list[str]]:
+    """'prefill: FLAGS ; decode: FLAGS' → {"prefill": [...], "decode": [...]}."""
+    out: dict[str, list[str]] = {}
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        name, sep, flags = part.partition(":")
+        name = name.strip()
+        if not sep or name not in _SIDES:
+            raise ConfigError(f"{FLAG}: expected 'prefill: FLAGS ; decode: FLAGS', got part "
+                              f"{part.strip()!r}")
+        if name in out:
+            raise ConfigError(f"{FLAG}: {name!r} given twice")
+        try:
+            out[name] = shlex.split(flags)
+        except ValueError as e:
+            raise ConfigError(f"{FLAG}: {name}: {e}") from None
+        own = [f for f in out[name] if f.split("=")[0] in _OWN_FLAGS]
+        if own:
+            raise ConfigError(f"{FLAG}: {name}: {own[0]} is set by the launcher")
+    for name in _SIDES:
+        out.setdefault(name, [])
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_commands(model: str, spec: dict[str, list[str]], ports: dict[str, int],
+                    side_channel_port: int, backend: str) -> dict[str, list[str]]:
+    """The two `dsaserve serve` command lines."""
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
+    out = {}
+    for name in _SIDES:
+        extra = {"backend": backend}
+        if name == "prefill":
+            extra["side_channel_port"] = side_channel_port
+        kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": roles[name],
+                         "kv_connector_extra_config": extra})
+        out[name] = [sys.executable, "-m", "dsaserve.serve.cli", model, *spec[name],
+                     "--host", "127.0.0.1", "--port", str(ports[name]),
+                     "--kv-transfer-config", kv]
+    return out
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url}: not healthy within {timeout_s:.0f} s")
+
+
+def stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
+    """SIGTERM (the servers drain), then SIGKILL whatever is still there."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
+def run_pd(args: argparse.Namespace, model: str) -> int:
+    import uvicorn
+
+    from dsaserve.disagg.proxy import create_proxy
+
+    spec = parse_pd_spec(args.pd)
+    # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    if args.served_model_name:
+        for flags in spec.values():
+            flags += ["--served-model-name", args.served_model_name]
+    ports = {name: free_port() for name in _SIDES}
+    commands = server_commands(model, spec, ports, free_port(), args.pd_kv_backend)
+    procs: list[subprocess.Popen] = []
+    try:
+        for name in _SIDES:
+            print(f"dsaserve: {name}: {shlex.join(commands[name])}", file=sys.stderr)
+            procs.append(subprocess.Popen(commands[name], env=dict(os.environ),
+                                          preexec_fn=_die_with_parent))
+        urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
+        for name, proc in zip(_SIDES, procs, strict=True):
+            wait_healthy(urls[name], proc, args.pd_start_timeout)
+        print(f"dsaserve: P/D proxy on http://{args.host}:{args.port} (prefill {urls['prefill']}, "
+              f"decode {urls['decode']})", file=sys.stderr)
+        uvicorn.run(create_proxy(urls["prefill"], urls["decode"]), host=args.host,
+                    port=args.port, log_level="warning")
+    finally:
+        stop(procs)
+    return 0

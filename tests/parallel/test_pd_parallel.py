@@ -1,0 +1,149 @@
+"""P/D between multi-rank engines on gloo processes (shared memory transport): greedy output
+through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1 and = block size,
+TP2 × DCP2) and a decode engine (1 rank, DP2) equals the single-rank engine's, bf16 and
+fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the MTP rows that came over); the
+bytes each request moved are what the layouts require; nothing leaks on either side."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dsaserve.config import DisaggConfig, SpecConfig
+from dsaserve.disagg import offline
+from dsaserve.engine.dp import DataParallelEngine
+from dsaserve.engine.engine import LLMEngine
+
+pytestmark = pytest.mark.parallel
+
+
+def _with(config, role: str | None, dtype: str, spec: SpecConfig | None = None,
+          model_path=None):
+    """`config` with a cache dtype, MTP, a checkpoint and a P/D role (None: aggregated)."""
+    cache = dataclasses.replace(config.cache, kv_cache_dtype=dtype)
+    disagg = None if role is None else DisaggConfig(kv_role=role, backend="shm",
+                                                    side_channel_port=0)
+    return dataclasses.replace(config, cache=cache, speculative=spec, disagg=disagg,
+                               model_path=str(model_path or config.model_path))
+
+
+def _per_token(decode) -> int:
+    """Bytes of one token over every cache layer (identical on every decode rank)."""
+    from dsaserve.disagg.kvio import row_bytes
+
+    if isinstance(decode, DataParallelEngine):
+        return _per_token(decode.replicas[0])
+    if decode.runner is not None:
+        return row_bytes(decode.runner.caches).per_token
+    return decode.executor.call("kv_row_bytes")[0]  # a worker process's runner
+
+
+def _received(decode) -> int:
+    replicas = decode.replicas if isinstance(decode, DataParallelEngine) else [decode]
+    return sum(sum(r.executor.call("kv_bytes_received")) for r in replicas)
+
+
+def _hits(decode) -> int:
+    return decode.stats().prefix_cache_hits
+
+
+@pytest.mark.parametrize("prefill_layout,decode_dp,dtype", [
+    (dict(pcp=2, dcp=2, interleave=1), 1, "auto"),
+    (dict(pcp=2, dcp=2, interleave=16), 2, "fp8_ds_mla"),
+    (dict(tp=2, dcp=2), 1, "fp8_ds_mla"),
+], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i16-to-dp2-fp8", "tp2dcp2-to-1rank-fp8"])
+def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, greedy,
+                               prefill_layout, decode_dp, dtype, hang_guard):
+    prompts, reference = prompts[:2], reference_outputs[:2]
+    if dtype != "auto":
+        ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype))
+        reference = ref_engine.generate(prompts, greedy)
+        ref_engine.shutdown()
+    with hang_guard(300):
+        p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype))
+        d = LLMEngine.from_config(_with(parallel_config(dp=decode_dp), "kv_consumer", dtype))
+        try:
+            hits = _hits(d)
+            assert offline.generate(p, d, prompts, greedy) == reference
+            # bytes: every prompt position but the last, less what the decode side had cached
+            moved = sum(len(q) - 1 for q in prompts) - (_hits(d) - hits)
+            assert _received(d) == moved * _per_token(d)
+            for e in (p, d):
+                e.check_integrity()
+                s = e.stats()
+                assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+
+def test_pd_mtp_from_pcp_prefill(parallel_config, draftable_dirs, prompts, greedy, hang_guard):
+    """MTP3 on both sides, the prefill engine PCP2 × DCP2: the decode side's acceptance equals
+    the single-rank engine's (its drafts read the MTP layer's rows that were moved)."""
+    spec = SpecConfig(num_speculative_tokens=3)
+    path = draftable_dirs["tiny-glm5"]
+    prompts = prompts[:2]
+    ref = LLMEngine.from_config(_with(parallel_config(), None, "auto", spec, path))
+    reference = ref.generate(prompts, greedy)
+    accepted = ref.stats().spec_decode_num_accepted_tokens
+    ref.shutdown()
+    with hang_guard(300):
+        p = LLMEngine.from_config(_with(parallel_config(pcp=2, dcp=2), "kv_producer", "auto",
+                                        spec, path))
+        d = LLMEngine.from_config(_with(parallel_config(), "kv_consumer", "auto", spec, path))
+        try:
+            assert offline.generate(p, d, prompts, greedy) == reference
+            assert accepted > 0 and d.stats().spec_decode_num_accepted_tokens == accepted
+            for e in (p, d):
+                e.check_integrity()
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+
+def test_prefill_ranks_killed_then_next_request(parallel_config, prompts, greedy, hang_guard):
+    """The prefill engine's worker processes are killed (and their memory swept) after its
+    prefill, before the decode engine reads: that request fails with an error (no crash, no
+    leaked block), and the decode engine serves the next request from a fresh prefill engine."""
+    import base64
+    import json
+    import os
+    import signal
+
+    from dsaserve.disagg.transport import remove_shm_files
+
+    with hang_guard(300):
+        d = LLMEngine.from_config(_with(parallel_config(), "kv_consumer", "auto"))
+        p = LLMEngine.from_config(_with(parallel_config(pcp=2, dcp=2), "kv_producer", "auto"))
+        agents = [json.loads(base64.b64decode(json.loads(m)["transport"]))["agent"]
+                  for m in p.scheduler.connector.rank_metadata]
+        try:
+            params = offline.prefill(p, "doomed", prompts[0])
+            d.add_request("doomed", prompts[0], greedy, kv_transfer_params=params)  # checked
+            for pid in p.executor.pids:
+                os.kill(pid, signal.SIGKILL)
+            # A dead shm agent's files would still hold the right bytes (nothing to fail on):
+            # gone with a launcher's sweep, as on a real node its GPU memory is
+            for agent in agents:
+                remove_shm_files(agent)
+            errors = []
+            while d.has_unfinished_requests():
+                errors += [o.error for o in d.step() if o.error]
+            assert len(errors) == 1 and "prefill engine failed" in errors[0], errors
+            d.check_integrity()
+            s = d.stats()
+            assert s.num_free_blocks == s.num_total_blocks
+            p.shutdown()
+            p = LLMEngine.from_config(_with(parallel_config(), "kv_producer", "auto"))
+            reference = LLMEngine.from_config(_with(parallel_config(), None, "auto"))
+            want = reference.generate([prompts[1]], greedy)
+            reference.shutdown()
+            assert offline.generate(p, d, [prompts[1]], greedy, tag="next") == want
+            for e in (p, d):
+                e.check_integrity()
+        finally:
+            p.shutdown()
+            d.shutdown()
+            for agent in agents:
+                remove_shm_files(agent)

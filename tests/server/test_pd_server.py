@@ -1,0 +1,164 @@
+"""P/D over HTTP: a prefill server, a decode server (NixlConnector over shared memory) and the
+proxy between them. Text through the proxy equals the aggregated server's (completions, chat,
+streaming); the prefill response carries vLLM's kv_transfer_params; corrupt or replayed params
+are a 400; a prefill engine gone mid-transfer fails that request with an error and the decode
+server serves the next; no block is leaked on either side."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from server_harness import MODEL_NAME, LiveServer, serve
+
+from dsaserve.disagg.launch import parse_pd_spec, server_commands
+from dsaserve.disagg.proxy import create_proxy
+
+pytestmark = pytest.mark.server
+
+PROMPT = "The harbour town woke early. Before the sun"
+CHAT = [{"role": "user", "content": "Tell me about the harbour town."}]
+
+
+def _kv(role: str) -> str:
+    return json.dumps({"kv_connector": "NixlConnector", "kv_role": role,
+                       "kv_connector_extra_config": {"backend": "shm", "side_channel_port": 0}})
+
+
+@pytest.fixture(scope="module")
+def servers(make_async_engine) -> Iterator[dict]:
+    engines = {"agg": make_async_engine(),
+               "prefill": make_async_engine("--kv-transfer-config", _kv("kv_producer")),
+               "decode": make_async_engine("--kv-transfer-config", _kv("kv_consumer"))}
+    with serve(engines["agg"]) as agg, serve(engines["prefill"]) as p, \
+            serve(engines["decode"]) as d:
+        proxy = LiveServer(create_proxy(p.url, d.url, timeout_s=60))
+        try:
+            yield {"agg": agg, "prefill": p, "decode": d, "proxy": proxy, "engines": engines}
+        finally:
+            proxy.close()
+
+
+def _check_no_leak(servers) -> None:
+    for name in ("prefill", "decode"):
+        engine = servers["engines"][name]
+
+        def check(e):
+            e.check_integrity()
+            s = e.stats()
+            return s.num_free_blocks == s.num_total_blocks and not e.has_unfinished_requests()
+
+        assert engine.call_in_core(check), f"{name}: blocks still in use"
+
+
+def _post(server: LiveServer, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def test_proxy_equals_aggregated(servers) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0,
+            "ignore_eos": True}
+    ref = _post(servers["agg"], "/v1/completions", body).json()["choices"][0]["text"]
+    r = _post(servers["proxy"], "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == ref
+    assert r.json()["usage"]["completion_tokens"] == 12
+    chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10, "temperature": 0.0,
+            "ignore_eos": True}
+    ref_chat = _post(servers["agg"], "/v1/chat/completions", chat).json()
+    r = _post(servers["proxy"], "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"] == ref_chat["choices"][0]["message"]
+    # streamed through the proxy
+    with httpx.stream("POST", f"{servers['proxy'].url}/v1/completions",
+                      json=dict(body, stream=True), timeout=60) as s:
+        frames = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert frames[-1] == "[DONE]"
+    text = "".join(c["text"] for f in frames[:-1] for c in json.loads(f)["choices"])
+    assert text == ref
+    _check_no_leak(servers)
+
+
+def test_prefill_params_then_replay_is_400(servers) -> None:
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    r = _post(servers["prefill"], "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    for field in ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                  "remote_block_ids", "remote_host", "remote_port", "tp_size"):
+        assert field in params
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    decode = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0,
+              "ignore_eos": True}
+    for corrupt, message in [
+        (dict(params, remote_engine_id="someone-else"), "remote_engine_id"),
+        (dict(params, remote_block_ids=[10**6]), "remote_block_ids"),
+        (dict(params, remote_block_ids="x"), "remote_block_ids"),
+        ("not an object", "kv_transfer_params"),
+    ]:
+        r = _post(servers["decode"], "/v1/completions", dict(decode, kv_transfer_params=corrupt))
+        assert r.status_code == 400, r.text
+        assert message in r.json()["error"]["message"]
+    r = _post(servers["decode"], "/v1/completions", dict(decode, kv_transfer_params=params))
+    assert r.status_code == 200, r.text
+    assert "kv_transfer_params" not in r.json()  # only where P/D set it
+    r = _post(servers["decode"], "/v1/completions", dict(decode, kv_transfer_params=params))
+    assert r.status_code == 400 and "not held" in r.json()["error"]["message"]
+    _check_no_leak(servers)
+
+
+def test_prefill_engine_gone_mid_transfer(servers) -> None:
+    """The prefill side's KV disappears between the decode side's check and its read (as when
+    the prefill process dies): that request gets an error, the next one is served."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = _post(servers["prefill"], "/v1/completions", body).json()["kv_transfer_params"]
+    decode_engine = servers["engines"]["decode"]
+
+    def break_reads(e):  # the decode rank's view of the prefill agent now points at nothing
+        t = e.runner.connector.transport
+        saved = {k: dict(v.regions) for k, v in t.peers.items()}
+        for peer in t.peers.values():
+            peer.regions = {n: type(r)(r.name, r.nbytes, 0, r.path + "-gone")
+                            for n, r in peer.regions.items()}
+        t._remote.clear()
+        return saved
+
+    saved = decode_engine.call_in_core(break_reads)
+    decode = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0,
+              "ignore_eos": True, "kv_transfer_params": params}
+    r = _post(servers["decode"], "/v1/completions", decode)
+    assert r.status_code == 500, r.text
+    assert "reading the prompt's KV from the prefill engine failed" in \
+        r.json()["error"]["message"]
+
+    def restore(e):
+        t = e.runner.connector.transport
+        for name, regions in saved.items():
+            t.peers[name].regions = regions
+
+    decode_engine.call_in_core(restore)
+    # the next request through the proxy is served (the prefill side frees the unread blocks
+    # after its timeout: test_pd_connector.py)
+    r = _post(servers["proxy"], "/v1/completions", dict(body, max_tokens=3, ignore_eos=True,
+                                                         kv_transfer_params=None))
+    assert r.status_code == 200, r.text
+    decode_engine.call_in_core(lambda e: e.check_integrity())
+
+
+def test_pd_spec_parsing() -> None:
+    spec = parse_pd_spec("prefill: -pcp 2 -dcp 2 ; decode: -dp 2")
+    assert spec == {"prefill": ["-pcp", "2", "-dcp", "2"], "decode": ["-dp", "2"]}
+    cmds = server_commands("tiny-glm5", spec, {"prefill": 1, "decode": 2}, 3, "shm")
+    kv = json.loads(cmds["prefill"][cmds["prefill"].index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_producer" and kv["kv_connector_extra_config"] == {
+        "backend": "shm", "side_channel_port": 3}
+    from dsaserve.config import ConfigError
+
+    for bad, message in [("middle: -dp 2", "expected"), ("prefill: --port 3", "--port"),
+                         ("prefill: ; prefill:", "twice")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_pd_spec(bad)

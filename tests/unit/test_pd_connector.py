@@ -1,0 +1,205 @@
+"""The P/D connector in the engine, two single-rank engines in one process (shm; NIXL where it
+imports): greedy output through P/D equals the aggregated engine's (bf16 and fp8_ds_mla; MTP
+and multi-rank layouts are in tests/parallel/test_pd_parallel.py), bytes moved equal what the
+layouts require, a later turn moves only the blocks the decode engine lacks, corrupt or replayed
+params are refused, unread blocks are freed after the timeout, and nothing leaks on either
+side."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from dsaserve.config import ConfigError, DisaggConfig, OffloadConfig
+from dsaserve.core import KVTransferParams, RequestError, SamplingParams
+from dsaserve.disagg import offline
+from dsaserve.disagg.transport import nixl_available
+from dsaserve.engine.engine import LLMEngine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PREFILL = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])
+
+
+def _disagg(role: str, backend: str = "shm", **kw) -> DisaggConfig:
+    return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0, **kw)
+
+
+def _engines(config, backend="shm", **kw) -> tuple[LLMEngine, LLMEngine]:
+    p = LLMEngine.from_config(dataclasses.replace(config, disagg=_disagg("kv_producer", backend,
+                                                                         **kw)))
+    d = LLMEngine.from_config(dataclasses.replace(config, disagg=_disagg("kv_consumer", backend)))
+    return p, d
+
+
+def _prefill(p: LLMEngine, rid: str, prompt: list[int]) -> KVTransferParams:
+    return offline.prefill(p, rid, prompt)
+
+
+def _decode(p: LLMEngine, d: LLMEngine, rid: str, prompt: list[int],
+            params: KVTransferParams, sampling: SamplingParams = GREEDY) -> list[int]:
+    return offline.decode(p, d, rid, prompt, params, sampling)
+
+
+def _pd(p, d, prompts, sampling=GREEDY, tag="r") -> list[list[int]]:
+    outs = offline.generate(p, d, prompts, sampling, tag)
+    for e in (p, d):
+        e.check_integrity()
+    assert not p.has_unfinished_requests(), "the producer still holds blocks"
+    return outs
+
+
+def _received(d: LLMEngine) -> int:
+    return sum(d.executor.call("kv_bytes_received"))
+
+
+@pytest.mark.parametrize("backend,dtype", [("shm", "auto"), (BACKENDS[-1], "fp8_ds_mla")])
+def test_pd_equals_aggregated(model_dirs, engine_config, mixed_prompts, backend, dtype):
+    config = engine_config(model_dirs["tiny-glm5"], kv_cache_dtype=dtype)
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts, GREEDY)
+    p, d = _engines(config, backend)
+    try:
+        assert _pd(p, d, prompts) == reference
+        # bytes: every prompt position but the last (recomputed), minus the decode side's own
+        # cached prefix, × the bytes of one token over every cache layer
+        from dsaserve.disagg.kvio import row_bytes
+
+        per_token = row_bytes(d.runner.caches).per_token
+        assert per_token > 0
+        before = _received(d)
+        d_hits = d.stats().prefix_cache_hits
+        params = _prefill(p, "again", prompts[0])
+        out = _decode(p, d, "again", prompts[0], params)
+        assert out == reference[0]
+        cached = d.stats().prefix_cache_hits - d_hits  # whole blocks the decode side held
+        assert cached > 0
+        assert _received(d) - before == (len(prompts[0]) - 1 - cached) * per_token
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_second_turn_moves_only_new_blocks(model_dirs, engine_config, mixed_prompts):
+    """Also: the prefill engine keeps its host KV tier (MultiConnector: NIXL + offloading)."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompt = mixed_prompts()[4]  # 87 tokens
+    p = LLMEngine.from_config(dataclasses.replace(
+        config, offload=OffloadConfig(cpu_bytes_to_use=64 << 20), disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(dataclasses.replace(config, disagg=_disagg("kv_consumer")))
+    try:
+        first = _pd(p, d, [prompt], tag="t1-")[0]
+        from dsaserve.disagg.kvio import row_bytes
+
+        per_token = row_bytes(d.runner.caches).per_token
+        turn2 = prompt + first + mixed_prompts(seed=1)[0][:20]
+        before = _received(d)
+        reference = LLMEngine.from_config(config).generate([turn2], GREEDY)[0]
+        assert _pd(p, d, [turn2], tag="t2-")[0] == reference
+        # the decode engine holds the first turn's full blocks (16 tokens each)
+        held = (len(prompt) + len(first) - 1) // 16 * 16
+        assert _received(d) - before == (len(turn2) - 1 - held) * per_token
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_bad_and_replayed_params_are_refused(model_dirs, engine_config, mixed_prompts):
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompt = mixed_prompts()[0]
+    p, d = _engines(config)
+    try:
+        params = _prefill(p, "a", prompt)
+        with pytest.raises(RequestError, match="already in use"):  # its blocks are held
+            p.add_request("a", prompt, PREFILL)
+        bad = [
+            (dataclasses.replace(params, remote_engine_id="nope"), "unknown remote_engine_id"),
+            (dataclasses.replace(params, remote_block_ids=params.remote_block_ids[::-1]),
+             "remote_block_ids"),
+            (dataclasses.replace(params, remote_request_id="zzz"), "not held"),
+            (dataclasses.replace(params, remote_num_tokens=3), "prompt tokens"),
+            (dataclasses.replace(params, remote_port=1), "cannot be reached"),
+        ]
+        for wrong, message in bad:
+            with pytest.raises(RequestError, match=message):
+                d.add_request("x", prompt, GREEDY, kv_transfer_params=wrong)
+            d.check_integrity()
+        assert _decode(p, d, "a", prompt, params)  # the real one still works
+        with pytest.raises(RequestError, match="not held"):  # replayed: already consumed
+            d.add_request("a2", prompt, GREEDY, kv_transfer_params=params)
+        with pytest.raises(RequestError, match="kv_role"):  # the producer does not consume
+            p.add_request("b", prompt, GREEDY, kv_transfer_params=params)
+        for e in (p, d):
+            e.check_integrity()
+            assert e.stats().num_free_blocks == e.stats().num_total_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_unread_blocks_freed_after_timeout(model_dirs, engine_config, mixed_prompts):
+    config = engine_config(model_dirs["tiny-glm5"])
+    p = LLMEngine.from_config(dataclasses.replace(
+        config, disagg=_disagg("kv_producer", abort_timeout_s=0.3)))
+    try:
+        _prefill(p, "orphan", mixed_prompts()[0])
+        assert p.has_unfinished_requests()  # held for a consumer that never comes
+        assert p.stats().num_free_blocks < p.stats().num_total_blocks
+        p.check_integrity()
+        deadline = time.monotonic() + 10
+        while p.has_unfinished_requests() and time.monotonic() < deadline:
+            p.step()
+        p.check_integrity()
+        assert p.stats().num_free_blocks == p.stats().num_total_blocks
+    finally:
+        p.shutdown()
+
+
+def test_no_connector_refuses_params(model_dirs, engine_config, mixed_prompts):
+    e = LLMEngine.from_config(engine_config(model_dirs["tiny-glm5"]))
+    with pytest.raises(RequestError, match="no P/D connector"):
+        e.add_request("a", mixed_prompts()[0], PREFILL,
+                      kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    e.check_integrity()
+
+
+def test_params_json_round_trip_and_errors():
+    p = KVTransferParams(do_remote_prefill=True, remote_engine_id="e", remote_request_id="r",
+                         remote_block_ids=(3, 1), remote_host="127.0.0.1", remote_port=5600,
+                         remote_block_size=16, remote_num_tokens=40)
+    assert KVTransferParams.from_json(p.to_json()) == p
+    for raw, field in [([], "expected an object"), ({"do_remote_decode": 1}, "do_remote_decode"),
+                       ({"remote_block_ids": [-1]}, "remote_block_ids"),
+                       ({"remote_port": "x"}, "remote_port"),
+                       ({"do_remote_decode": True, "do_remote_prefill": True}, "both")]:
+        with pytest.raises(RequestError, match=field):
+            KVTransferParams.from_json(raw)
+
+
+def test_transfer_config_parsing():
+    nixl = ('{"kv_connector":"NixlConnector","kv_role":"kv_consumer",'
+            '"kv_connector_extra_config":{"backend":"shm"}}')
+    c = DisaggConfig.from_json(nixl, env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "12"})
+    assert (c.kv_role, c.backend, c.abort_timeout_s, c.is_producer) == ("kv_consumer", "shm",
+                                                                         12.0, False)
+    multi = ('{"kv_connector":"MultiConnector","kv_role":"kv_both","kv_connector_extra_config":'
+             '{"connectors":[{"kv_connector":"NixlConnector","kv_role":"kv_both"},'
+             '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+             '"kv_connector_extra_config":{"cpu_bytes_to_use":1048576}}]}}')
+    assert DisaggConfig.from_json(multi, env={}).kv_role == "kv_both"
+    assert OffloadConfig.from_flags(None, None, multi).cpu_bytes_to_use == 1048576
+    assert OffloadConfig.from_flags(None, None, nixl).cpu_bytes_to_use == 0
+    assert DisaggConfig.from_json('{"kv_connector":"OffloadingConnector"}', env={}) is None
+    for text, message in [
+        ('{"kv_connector":"NixlConnector"}', "kv_role"),
+        ('{"kv_connector":"NixlConnector","kv_role":"x"}', "kv_role"),
+        ('{"kv_connector":"NixlConnector","kv_role":"kv_both",'
+         '"kv_connector_extra_config":{"backend":"tcp"}}', "backend"),
+        ('{"kv_connector":"MultiConnector"}', "connectors"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            DisaggConfig.from_json(text, env={})
+    with pytest.raises(ConfigError, match="VLLM_NIXL_ABORT_REQUEST_TIMEOUT"):
+        DisaggConfig.from_json(nixl, env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "0"})
