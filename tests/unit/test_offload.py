@@ -246,7 +246,11 @@ def test_flags_both_spellings(parse) -> None:
     (["--kv-transfer-config", "{"], "--kv-transfer-config"),
     (["--kv-transfer-config", '{"kv_connector":"NixlConnector"}'], "--kv-transfer-config"),
     (["--kv-transfer-config", '{"kv_connector":"OffloadingConnector"}'], "--kv-transfer-config"),
-    (["--kv-offloading-size", "1", "--kv-transfer-config", "{}"], "--kv-offloading-size"),
+    # both spellings of the host tier at once (with a P/D or HiSparse connector it may be added)
+    (["--kv-offloading-size", "1", "--kv-transfer-config",
+      '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+      '"kv_connector_extra_config":{"cpu_bytes_to_use":536870912}}'], "--kv-offloading-size"),
+    (["--kv-offloading-size", "1", "--kv-transfer-config", "{}"], "--kv-transfer-config"),
     (["--kv-offloading-size", "1", "--no-enable-prefix-caching"], "--kv-offloading-size"),
 ])
 def test_bad_flags_name_themselves(parse, argv, flag) -> None:
