@@ -67,5 +67,23 @@ def write_checkpoint(out_dir: str | Path, state: dict[str, torch.Tensor], raw: d
     return out
 
 
+def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """A single-file checkpoint's tensors as a training state dict: FP8 weights dequantized to
+    fp32 by their block scales (the loader's rule), everything else as stored."""
+    from safetensors.torch import load_file
+
+    from dsaserve.model.loader import SCALE_SUFFIX, dequantize_fp8_blocks
+
+    stored = load_file(str(Path(model_dir) / "model.safetensors"))
+    state = {}
+    for name, t in stored.items():
+        if name.endswith(SCALE_SUFFIX):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t = dequantize_fp8_blocks(t, stored[name + SCALE_SUFFIX])
+        state[name] = t.float()
+    return state
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")

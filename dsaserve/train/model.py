@@ -139,6 +139,9 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, self.h * (self.nope + self.v_dim))
         self.o_proj = _linear(self.h * self.v_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
+        # Measurements (benchmarks/trained_model.py) set a dict here: each forward stores its
+        # attention probabilities [B, H, T, T] and indexer scores [B, T, T] into it.
+        self.probe: dict[str, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: Mode,
                 shared: Topk, with_indexer: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -168,6 +171,8 @@ class MLAAttention(nn.Module):
         attn = scores.float().masked_fill(~visible[:, None], float("-inf")).softmax(-1)
         o = torch.einsum("bhts,bshv->bthv", attn.to(v.dtype), v).reshape(b, t, -1)
         kl = indexer_kl(idx_scores, attn, visible) if idx_scores is not None else None
+        if self.probe is not None:
+            self.probe.update(attn=attn.detach(), scores=idx_scores)
         return self.o_proj(o), kl
 
 
