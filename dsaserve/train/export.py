@@ -85,5 +85,42 @@ def read_state(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def restore(src: str | Path, dst: str | Path, *, fp8: bool, store_dtype: str | None) -> Path:
+    """Write the checkpoint at `src` again into `dst`, FP8 block-quantized and/or with its
+    unquantized tensors in `store_dtype` (how the shipped model is made small: train in fp32,
+    store FP8 + bf16). training.json comes along."""
+    from dsaserve.model.presets import DEEPSEEK_V3_2
+
+    src = Path(src)
+    raw = json.loads((src / "config.json").read_text())
+    raw.pop("quantization_config", None)
+    if fp8:
+        raw["quantization_config"] = dict(DEEPSEEK_V3_2["quantization_config"])
+    extra_path = src / "training.json"
+    extra = json.loads(extra_path.read_text()) if extra_path.is_file() else None
+    return write_checkpoint(dst, read_state(src), raw,
+                            HFTokenizer.from_file(str(src / "tokenizer.json")), extra,
+                            store_dtype=store_dtype)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dsaserve.train.export",
+                                description="re-store a trained checkpoint (FP8, bf16 storage)")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--fp8", action="store_true", help="FP8 e4m3 matrices, 128x128 block scales")
+    p.add_argument("--store-dtype", choices=sorted(_DTYPES), default=None,
+                   help="dtype of the unquantized tensors (default: the config's torch_dtype)")
+    args = p.parse_args(argv)
+    print(restore(args.src, args.dst, fp8=args.fp8, store_dtype=args.store_dtype))
+    return 0
+
+
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -163,3 +163,15 @@ def test_topk_mask_is_dense_below_k():
     mask = topk_mask(scores, 4)
     assert mask[0, :4].equal(torch.ones(4, 6, dtype=torch.bool).tril()[:4])
     assert mask[0, 4:].sum(-1).tolist() == [4, 4]
+
+
+def test_resolve_trained_model(monkeypatch, tmp_path):
+    from dsaserve.config import ConfigError
+    from dsaserve.engine import args as engine_args
+    from dsaserve.model.presets import TRAINED_MODEL
+
+    monkeypatch.setattr(engine_args, "trained_model_dir", lambda: tmp_path)
+    with pytest.raises(ConfigError, match="--model tiny-trained: the package has no trained"):
+        engine_args.resolve_model(TRAINED_MODEL)
+    (tmp_path / "config.json").write_text("{}")
+    assert engine_args.resolve_model(TRAINED_MODEL) == tmp_path
