@@ -49,12 +49,13 @@ SIZES: dict[str, dict[str, Any]] = {
               "q_lora_rank": 128, "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 16,
               "n_routed_experts": 8, "index_topk": 64,
               "indexer_types": ["full", "shared", "full", "shared"]},
-    # The H200 model (~15M parameters).
-    "base": {"vocab_size": 4096, "hidden_size": 384, "intermediate_size": 1024,
-             "moe_intermediate_size": 192, "num_hidden_layers": 6, "num_attention_heads": 6,
-             "q_lora_rank": 192, "qk_nope_head_dim": 64, "v_head_dim": 64, "index_n_heads": 16,
+    # The H200 model: the small widths with a larger vocabulary and top-k 256 of its longer
+    # windows (~9M parameters, ~10 MB as FP8 + bf16; the GPU buys tokens and context, not width).
+    "base": {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+             "moe_intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "q_lora_rank": 128, "qk_nope_head_dim": 32, "v_head_dim": 32, "index_n_heads": 16,
              "n_routed_experts": 8, "index_topk": 256,
-             "indexer_types": ["full", "shared", "full", "shared", "full", "shared"]},
+             "indexer_types": ["full", "shared", "full", "shared"]},
 }
 
 
