@@ -183,7 +183,7 @@ TINY_PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5, "tiny-dsv32":
 # a glm_moe_dsa checkpoint that writes Python. The default of `generate`, `serve` and `make demo`;
 # the random presets above stay for tests.
 TRAINED_MODEL = "tiny-trained"
-DEFAULT_MODEL = "tiny-glm5"
+DEFAULT_MODEL = TRAINED_MODEL
 
 
 def trained_model_dir() -> Path:

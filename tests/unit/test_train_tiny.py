@@ -16,6 +16,7 @@ from dsaserve.config import ModelConfig
 from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.loader import dequantize_fp8_blocks
+from dsaserve.model.presets import trained_model_dir
 from dsaserve.train import corpus
 from dsaserve.train.export import write_checkpoint
 from dsaserve.train.model import TrainDsa, topk_mask
@@ -175,3 +176,24 @@ def test_resolve_trained_model(monkeypatch, tmp_path):
         engine_args.resolve_model(TRAINED_MODEL)
     (tmp_path / "config.json").write_text("{}")
     assert engine_args.resolve_model(TRAINED_MODEL) == tmp_path
+
+
+@pytest.mark.skipif(not (trained_model_dir() / "config.json").is_file(),
+                    reason="no trained checkpoint shipped")
+def test_shipped_model_matches_hf(engine_config, tmp_path):
+    """The shipped checkpoint (FP8 matrices, bf16 rest) read by our loader gives HF's logits, in
+    fp32, on a held-out file: HF reads the same weights dequantized into an fp32 copy."""
+    from dsaserve.tokenizer import Tokenizer
+    from dsaserve.train.export import restore
+
+    shipped = trained_model_dir()
+    assert sum(f.stat().st_size for f in shipped.iterdir()) < 11_000_000
+    cfg = ModelConfig.from_file(shipped)
+    assert cfg.model_type == "glm_moe_dsa" and cfg.fp8_weights is not None and cfg.has_mtp
+    plain = restore(shipped, tmp_path / "fp32", fp8=False, store_dtype="float32")
+    tok = Tokenizer.from_pretrained(shipped)
+    n = cfg.index_topk + 32  # past top-k: the indexer's choice matters
+    ids = tok.encode(corpus.read_text(corpus.list_sources(corpus.stdlib_root())[-1]))[:n]
+    runner = ModelRunner(engine_config(shipped, block_size=16, num_blocks=16, dtype="float32"))
+    ours = run_chunks(runner, ids, [n - 40, 40], block_size=16)
+    assert _max_rel_err(ours, _hf_logits(plain, "tiny-glm5", ids)) <= 1e-4
