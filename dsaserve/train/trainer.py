@@ -38,10 +38,11 @@ Phase = Literal["dense", "indexer_warmup", "sparse"]
 # Model sizes (config.json overrides of the tiny-glm5 preset). All keep the real attention widths
 # (512 latent, 64 RoPE, 128 indexer dims) so the fp8_ds_mla and indexer-key formats apply as is.
 SIZES: dict[str, dict[str, Any]] = {
-    # For tests: seconds on a CPU.
+    # For tests: seconds on a CPU. 16 indexer heads, as the tiny presets: with few heads, scores
+    # tie at 0 (every head's ReLU off) and the training and serving top-k break ties differently.
     "micro": {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
               "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "q_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 4,
+              "q_lora_rank": 32, "qk_nope_head_dim": 16, "v_head_dim": 16, "index_n_heads": 16,
               "n_routed_experts": 4, "index_topk": 8, "indexer_types": ["full", "shared"]},
     # The CPU-trained default model: minutes on one core.
     "small": {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,

@@ -26,9 +26,9 @@ SEQ = 48  # > the micro top-k (8): the sparse path is exercised
 
 
 def _micro(out) -> TrainConfig:
-    return TrainConfig(out=out, size="micro", steps=24, batch_size=4, seq_len=SEQ, max_files=12,
-                       log_every=100, eval_windows=4, warmup_steps=3, dense_frac=0.6,
-                       indexer_warmup_frac=0.2, lr=1e-2)
+    return TrainConfig(out=out, size="micro", steps=16, batch_size=4, seq_len=SEQ, max_files=6,
+                       log_every=100, eval_windows=3, warmup_steps=2, dense_frac=0.5,
+                       indexer_warmup_frac=0.25, lr=1e-2)
 
 
 @pytest.fixture(scope="module")
