@@ -70,7 +70,7 @@ def held_out_loss(model: TrainDsa, stream: torch.Tensor, lengths: list[int]) -> 
 
     out = {}
     for length in lengths:
-        windows = eval_windows(stream, max(1, 16 * 256 // length), length)
+        windows = eval_windows(stream, max(1, 16 * 256 // length), length)  # 4096 tokens
         out[length] = {m: evaluate(model, windows, m, batch=4) for m in ("sparse", "dense")}
         print(f"held-out loss @ {length}: " + "; ".join(
             f"{m} lm {v['lm']:.3f} mtp {v['mtp']:.3f}" for m, v in out[length].items()))
@@ -165,7 +165,7 @@ def indexer_recall(model: TrainDsa, stream: torch.Tensor, contexts: list[int],
              if layer.self_attn.indexer is not None]
     out = {}
     for ctx in contexts:
-        ids = stream[:ctx].long()[None]
+        ids = stream[:ctx].long()[None].to(model.inv_freq.device)
         for _, a in attns:
             a.probe = {}
         with torch.no_grad():
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=3)
     p.add_argument("--mtp-prompts", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu",
+                   help="where the training forward runs (loss, recall; 16K contexts need a GPU)")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["loss", "samples", "mtp", "overlap", "recall"])
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -209,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_file(model_dir)
     model = TrainDsa(cfg).eval()
     model.load_state_dict(read_state(model_dir))
+    model.to(args.device)
     print(f"{model_dir}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; "
           f"{len(files)} held-out files, {stream.numel()} tokens")
     results: dict = {"model": str(args.model)}

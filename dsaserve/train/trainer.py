@@ -251,8 +251,8 @@ def train(cfg: TrainConfig, log=print) -> dict[str, Any]:
 
     wall = time.perf_counter() - t_start
     summary = {
-        "train_config": {k: (str(v) if isinstance(v, Path) else v)
-                         for k, v in asdict(cfg).items()},
+        # The output path is left out: the checkpoint may ship and must not name this machine.
+        "train_config": {k: v for k, v in asdict(cfg).items() if k != "out"},
         "parameters": n_params, "train_tokens": tokens, "wall_seconds": round(wall, 1),
         "device": str(device), "torch": torch.__version__,
         "python": platform.python_version(), "corpus_root_python_files": len(corp.train_files)
