@@ -1,4 +1,4 @@
-"""`dsaserve` command line: make-model, generate, serve, router, plan, simulate.
+"""`dsaserve` command line: make-model, generate, serve, router, plan, simulate, train-tiny.
 
 Only the generated text goes to stdout; logs and progress go to stderr, so that scripts can use
 the output.
@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dsaserve.plan import simulate_cli
     from dsaserve.router import cli as router_cli
     from dsaserve.serve import cli as serve_cli
+    from dsaserve.train import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="dsaserve", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="WARNING",
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
+    train_cli.add_parser(sub)
     return parser
 
 

@@ -15,7 +15,7 @@ text below; the same bytes come out of every build, so tiny checkpoints are repr
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,38 +119,38 @@ class ChatTemplateError(TokenizerError, jinja2.TemplateError):
 # ------------------------------------------------------------------------------------------------
 # The tiny tokenizer
 # ------------------------------------------------------------------------------------------------
-def _train_tiny() -> HFTokenizer:
-    """Byte-level BPE trained on _CORPUS; special tokens first, so they get ids 0..3."""
+def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE of `vocab_size` entries trained on `texts`; the special tokens first, so
+    they get ids 0..3. Deterministic: the same texts in the same order give the same merges."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
         special_tokens=list(TINY_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
-    if tok.get_vocab_size() != TINY_VOCAB_SIZE:  # the corpus ran out of pairs to merge
-        raise TokenizerError(
-            f"tiny tokenizer: trained {tok.get_vocab_size()} entries, expected {TINY_VOCAB_SIZE}"
-        )
+    tok.train_from_iterator(texts, trainer=trainer)
+    if tok.get_vocab_size() != vocab_size:  # the corpus ran out of pairs to merge
+        raise TokenizerError(f"BPE: trained {tok.get_vocab_size()} entries, expected {vocab_size}")
     for expected_id, token in enumerate(TINY_SPECIAL_TOKENS):
         if tok.token_to_id(token) != expected_id:
-            raise TokenizerError(f"tiny tokenizer: {token} got id {tok.token_to_id(token)}")
+            raise TokenizerError(f"BPE: {token} got id {tok.token_to_id(token)}")
     return tok
 
 
-def build_tiny_tokenizer(out_dir: str | Path, *, model_max_length: int = 4096) -> Path:
-    """Write the tiny tokenizer (`tokenizer.json`, `tokenizer_config.json`) into `out_dir`.
+def _train_tiny() -> HFTokenizer:
+    """Byte-level BPE trained on _CORPUS."""
+    return train_bpe(_CORPUS.splitlines(keepends=True), TINY_VOCAB_SIZE)
 
-    Byte-identical on every call with the same arguments: the training is deterministic and the JSON
-    is written with sorted, fixed formatting.
-    """
+
+def save_tokenizer(tok: HFTokenizer, out_dir: str | Path, *, model_max_length: int = 4096) -> Path:
+    """Write `tok` as `tokenizer.json` + `tokenizer_config.json` (eos `<|endoftext|>`, the built-in
+    chat template) into `out_dir`. Byte-identical for the same tokenizer: sorted, fixed JSON."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = _train_tiny()
     (out / "tokenizer.json").write_text(tok.to_str(pretty=True) + "\n", encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -167,6 +167,15 @@ def build_tiny_tokenizer(out_dir: str | Path, *, model_max_length: int = 4096) -
     text = json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False)
     (out / "tokenizer_config.json").write_text(text + "\n", encoding="utf-8")
     return out
+
+
+def build_tiny_tokenizer(out_dir: str | Path, *, model_max_length: int = 4096) -> Path:
+    """Write the tiny tokenizer (`tokenizer.json`, `tokenizer_config.json`) into `out_dir`.
+
+    Byte-identical on every call with the same arguments: the training is deterministic and the JSON
+    is written with sorted, fixed formatting.
+    """
+    return save_tokenizer(_train_tiny(), out_dir, model_max_length=model_max_length)
 
 
 # ------------------------------------------------------------------------------------------------

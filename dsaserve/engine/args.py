@@ -29,7 +29,7 @@ from dsaserve.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from dsaserve.model.presets import DEFAULT_MODEL, TINY_PRESETS
+from dsaserve.model.presets import DEFAULT_MODEL, TINY_PRESETS, TRAINED_MODEL, trained_model_dir
 
 CACHE_DIR_ENV = "DSASERVE_CACHE_DIR"
 
@@ -263,7 +263,8 @@ def models_cache_dir() -> Path:
 
 
 def resolve_model(name_or_path: str = DEFAULT_MODEL) -> Path:
-    """A model directory: an existing directory as is, or a tiny preset built once into the cache.
+    """A model directory: an existing directory as is, the shipped trained model (`tiny-trained`),
+    or a tiny random preset built once into the cache.
 
     Presets are built into a temporary sibling directory and renamed into place, so a directory
     under the cache is always complete and concurrent processes (parallel test runs) never see half
@@ -272,10 +273,16 @@ def resolve_model(name_or_path: str = DEFAULT_MODEL) -> Path:
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path
+    if name_or_path == TRAINED_MODEL:
+        shipped = trained_model_dir()
+        if not (shipped / "config.json").is_file():
+            raise ConfigError(f"--model {TRAINED_MODEL}: the package has no trained checkpoint "
+                              f"at {shipped} (an install without package data?)")
+        return shipped
     if name_or_path not in TINY_PRESETS:
         raise ConfigError(
             f"--model: {name_or_path!r} is neither a model directory nor a built-in preset "
-            f"(presets: {', '.join(sorted(TINY_PRESETS))})"
+            f"(presets: {', '.join(sorted([TRAINED_MODEL, *TINY_PRESETS]))})"
         )
     final = models_cache_dir() / name_or_path
     if final.is_dir():

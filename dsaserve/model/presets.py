@@ -10,6 +10,7 @@ indexer heads so that indexer ties are rare.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 # GLM-5.2/5.3 (`glm_moe_dsa`): MODEL_SPEC.md §1.2. IndexShare: full = {0,1,2,6,10,...,74}.
@@ -177,7 +178,17 @@ TINY_DSV32: dict[str, Any] = {
 
 REAL_PRESETS: dict[str, dict[str, Any]] = {"glm-5.3": GLM_5_3, "deepseek-v3.2": DEEPSEEK_V3_2}
 TINY_PRESETS: dict[str, dict[str, Any]] = {"tiny-glm5": TINY_GLM5, "tiny-dsv32": TINY_DSV32}
-DEFAULT_MODEL = "tiny-glm5"
+
+# The trained tiny model shipped inside the package (`dsaserve train-tiny`, docs/trained_model.md):
+# a glm_moe_dsa checkpoint that writes Python. The default of `generate`, `serve` and `make demo`;
+# the random presets above stay for tests.
+TRAINED_MODEL = "tiny-trained"
+DEFAULT_MODEL = TRAINED_MODEL
+
+
+def trained_model_dir() -> Path:
+    """The shipped trained checkpoint's directory (package data)."""
+    return Path(__file__).parent / "tiny_trained"
 
 
 def glm53_shaped(num_layers: int, num_experts: int = 8) -> dict[str, Any]:
