@@ -94,7 +94,8 @@ class KVTransferParams:
             raise RequestError(f"kv_transfer_params: expected an object, got {raw!r}")
         kw: dict[str, object] = {}
         for name in ("do_remote_decode", "do_remote_prefill"):
-            v = raw.get(name, False)
+            v = raw.get(name)
+            v = False if v is None else v
             if not isinstance(v, bool):
                 raise RequestError(f"kv_transfer_params.{name}: expected a boolean, got {v!r}")
             kw[name] = v
@@ -113,7 +114,8 @@ class KVTransferParams:
                 raise RequestError(
                     f"kv_transfer_params.{name}: expected an integer >= {low}, got {v!r}")
             kw[name] = v
-        ids = raw.get("remote_block_ids", [])
+        ids = raw.get("remote_block_ids")
+        ids = [] if ids is None else ids  # vLLM's proxy sends the remote_* fields as null
         if not isinstance(ids, list) or not all(
                 isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in ids):
             raise RequestError("kv_transfer_params.remote_block_ids: expected a list of "

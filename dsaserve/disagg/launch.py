@@ -4,8 +4,9 @@
 
 starts a prefill server (kv_producer) and a decode server (kv_consumer) as two processes on
 127.0.0.1, each `dsaserve serve MODEL FLAGS` with the connector's `--kv-transfer-config` added,
-waits until both are healthy, then serves the P/D proxy (disagg/proxy.py) on --host/--port.
-Ending the proxy (Ctrl-C, SIGTERM) stops both servers.
+waits until both are healthy, then serves `dsaserve router` in front of them on --host/--port
+(its P/D mode: vLLM's two-step protocol, docs/router.md). Ending the router (Ctrl-C, SIGTERM)
+stops both servers.
 """
 
 from __future__ import annotations
@@ -122,7 +123,8 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def run_pd(args: argparse.Namespace, model: str) -> int:
     import uvicorn
 
-    from dsaserve.disagg.proxy import create_proxy
+    from dsaserve.router.app import create_router_app
+    from dsaserve.router.config import RouterConfig
 
     spec = parse_pd_spec(args.pd)
     # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
@@ -141,10 +143,12 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
         for name, proc in zip(_SIDES, procs, strict=True):
             wait_healthy(urls[name], proc, args.pd_start_timeout)
-        print(f"dsaserve: P/D proxy on http://{args.host}:{args.port} (prefill {urls['prefill']}, "
-              f"decode {urls['decode']})", file=sys.stderr)
-        uvicorn.run(create_proxy(urls["prefill"], urls["decode"]), host=args.host,
-                    port=args.port, log_level="warning")
+        router = RouterConfig(prefill_backends=(urls["prefill"],),
+                              decode_backends=(urls["decode"],), host=args.host, port=args.port)
+        print(f"dsaserve: P/D router on http://{args.host}:{args.port} (prefill "
+              f"{urls['prefill']}, decode {urls['decode']})", file=sys.stderr)
+        uvicorn.run(create_router_app(router), host=args.host, port=args.port,
+                    timeout_keep_alive=router.timeout_keep_alive_s, log_level="warning")
     finally:
         stop(procs)
     return 0

@@ -70,7 +70,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = p.add_argument_group("P/D on one machine (docs/disagg.md)")
     d.add_argument("--pd", default=None, metavar="'prefill: FLAGS ; decode: FLAGS'",
                    help="start a prefill and a decode server of MODEL with these flags and serve "
-                   "a proxy that sends each request to one, then the other, on --host/--port")
+                   "`dsaserve router` in P/D mode (prefill, then decode) on --host/--port")
     d.add_argument("--pd-kv-backend", choices=("auto", "nixl", "shm"), default="auto",
                    help="--pd: the KV transport (default: %(default)s: NIXL when importable)")
     d.add_argument("--pd-start-timeout", type=_seconds, default=600.0, metavar="SECONDS",

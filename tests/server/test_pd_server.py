@@ -1,8 +1,9 @@
-"""P/D over HTTP: a prefill server, a decode server (NixlConnector over shared memory) and the
-proxy between them. Text through the proxy equals the aggregated server's (completions, chat,
-streaming); the prefill response carries vLLM's kv_transfer_params; corrupt or replayed params
-are a 400; a prefill engine gone mid-transfer fails that request with an error and the decode
-server serves the next; no block is leaked on either side."""
+"""P/D over HTTP: a prefill server, a decode server (NixlConnector over shared memory) and
+`dsaserve router` in P/D mode between them. Text through the router equals the aggregated
+server's (completions, chat, streaming); the prefill response carries vLLM's
+kv_transfer_params; corrupt or replayed params are a 400; a prefill engine gone mid-transfer
+fails that request with an error and the decode server serves the next; no block is leaked on
+either side."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 from server_harness import MODEL_NAME, LiveServer, serve
 
 from dsaserve.disagg.launch import parse_pd_spec, server_commands
-from dsaserve.disagg.proxy import create_proxy
+from dsaserve.router.app import PREFILL_HEADER, create_router_app
+from dsaserve.router.config import RouterConfig
 
 pytestmark = pytest.mark.server
 
@@ -34,7 +36,8 @@ def servers(make_async_engine) -> Iterator[dict]:
                "decode": make_async_engine("--kv-transfer-config", _kv("kv_consumer"))}
     with serve(engines["agg"]) as agg, serve(engines["prefill"]) as p, \
             serve(engines["decode"]) as d:
-        proxy = LiveServer(create_proxy(p.url, d.url, timeout_s=60))
+        proxy = LiveServer(create_router_app(RouterConfig(
+            prefill_backends=(p.url,), decode_backends=(d.url,), request_timeout_s=60)))
         try:
             yield {"agg": agg, "prefill": p, "decode": d, "proxy": proxy, "engines": engines}
         finally:
@@ -63,6 +66,7 @@ def test_proxy_equals_aggregated(servers) -> None:
     ref = _post(servers["agg"], "/v1/completions", body).json()["choices"][0]["text"]
     r = _post(servers["proxy"], "/v1/completions", body)
     assert r.status_code == 200, r.text
+    assert r.headers[PREFILL_HEADER] == servers["prefill"].url
     assert r.json()["choices"][0]["text"] == ref
     assert r.json()["usage"]["completion_tokens"] == 12
     chat = {"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10, "temperature": 0.0,

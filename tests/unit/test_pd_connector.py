@@ -170,6 +170,10 @@ def test_params_json_round_trip_and_errors():
                          remote_block_ids=(3, 1), remote_host="127.0.0.1", remote_port=5600,
                          remote_block_size=16, remote_num_tokens=40)
     assert KVTransferParams.from_json(p.to_json()) == p
+    # vLLM's proxy asks for a prefill with every remote_* field present and null
+    vllm_proxy = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert KVTransferParams.from_json(vllm_proxy) == KVTransferParams(do_remote_decode=True)
     for raw, field in [([], "expected an object"), ({"do_remote_decode": 1}, "do_remote_decode"),
                        ({"remote_block_ids": [-1]}, "remote_block_ids"),
                        ({"remote_port": "x"}, "remote_port"),
