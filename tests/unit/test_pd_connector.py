@@ -2,8 +2,8 @@
 imports): greedy output through P/D equals the aggregated engine's (bf16 and fp8_ds_mla; MTP
 and multi-rank layouts are in tests/parallel/test_pd_parallel.py), bytes moved equal what the
 layouts require, a later turn moves only the blocks the decode engine lacks, corrupt or replayed
-params are refused, unread blocks are freed after the timeout, and nothing leaks on either
-side."""
+params are refused, unread blocks are freed after the timeout, a HiSparse decode engine reads
+the transferred prefix through its host pool, and nothing leaks on either side."""
 
 from __future__ import annotations
 
@@ -207,3 +207,41 @@ def test_transfer_config_parsing():
             DisaggConfig.from_json(text, env={})
     with pytest.raises(ConfigError, match="VLLM_NIXL_ABORT_REQUEST_TIMEOUT"):
         DisaggConfig.from_json(nixl, env={"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "0"})
+
+
+def _long_prompts(config) -> list[list[int]]:
+    """Two prompts longer than the tiny model's top-k (so decode reads through the buffer)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    n = config.model.index_topk + 8
+    return [torch.randint(4, 512, (n + 5 * i,), generator=g).tolist() for i in range(2)]
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8_ds_mla"])
+def test_pd_into_a_hisparse_decode_engine(model_dirs, engine_config, dtype):
+    """Decode {HiSparse}: the rows read from the prefill engine land in GPU pages and are
+    mirrored into the decode engine's host pool at admission; decoding through a hot buffer of
+    top-k rows (misses served from that pool) gives the aggregated engine's greedy output."""
+    from dsaserve.config import HiSparseConfig
+
+    config = engine_config(model_dirs["tiny-glm5"], kv_cache_dtype=dtype, max_model_len=160)
+    prompts = _long_prompts(config)
+    reference = LLMEngine.from_config(config).generate(prompts, GREEDY)
+    topk = config.model.index_topk
+    hot = dataclasses.replace(
+        config, hisparse=HiSparseConfig(host_pool_bytes=16 << 20),
+        attention=dataclasses.replace(config.attention, hisparse_device_buffer_size=topk,
+                                      hisparse_config_given=True))
+    p = LLMEngine.from_config(dataclasses.replace(config, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(dataclasses.replace(hot, disagg=_disagg("kv_consumer")))
+    try:
+        assert _pd(p, d, prompts) == reference
+        d.step()  # an empty step tells the runner which requests ended
+        d.executor.call("check_hisparse")
+        rt = d.runner.hisparse
+        assert int(rt.rows_from_host) > 0  # the transferred prefix was read from the host pool
+        assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
