@@ -77,10 +77,11 @@ def _host_ints(values: list[int], code: str, dtype: torch.dtype) -> torch.Tensor
 def _positions(starts: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Request r computes counts[r] tokens from position starts[r] → (positions [N], request
     index [N]) int64, flattened request by request."""
+    total = sum(counts)  # N, known on the host: no tensor is read back for sizes
     n = torch.tensor(counts, dtype=torch.int64)  # [R]
     first = torch.cumsum(n, 0) - n  # [R] each request's first row
-    req = torch.repeat_interleave(torch.arange(len(counts)), n)  # [N]
-    rows = torch.arange(int(n.sum()))  # [N]
+    req = torch.repeat_interleave(torch.arange(len(counts)), n, output_size=total)  # [N]
+    rows = torch.arange(total)  # [N]
     return torch.tensor(starts, dtype=torch.int64)[req] + rows - first[req], req
 
 
