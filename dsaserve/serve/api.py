@@ -425,6 +425,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             try:
                 async for frame in frames:
                     yield frame
+                if gen.error is not None:  # the engine failed this request (only this one)
+                    yield _sse(error_body(500, gen.error))
             except EngineDeadError as e:
                 yield _sse(error_body(500, f"engine failed: {e}"))
             except StreamOverflowError as e:

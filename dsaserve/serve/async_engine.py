@@ -300,6 +300,16 @@ class AsyncEngine:
             except RequestError as e:
                 self._post([(message.request_id, e)])
                 return
+            except Exception as e:  # a bug met by this request alone: fail it, keep the engine
+                logger.exception("engine core: adding request %s failed", message.request_id)
+                self._engine.check_integrity()  # torn state raises: the core dies (run())
+                failed = RequestOutput(
+                    request_id=message.request_id, new_token_ids=(), finished=True,
+                    finish_reason="abort", num_prompt_tokens=len(message.prompt_token_ids),
+                    num_cached_tokens=0, num_output_tokens=0,
+                    error=f"internal error while adding the request: {type(e).__name__}: {e}")
+                self._post([(message.request_id, Admitted()), (message.request_id, failed)])
+                return
             self._live.add(message.request_id)
             self._post([(message.request_id, Admitted())])
         elif isinstance(message, Abort):

@@ -172,3 +172,33 @@ def test_openai_client_raises_on_a_stream_cut_by_engine_death(failing_engine) ->
             for i, _ in enumerate(stream):
                 if i == 2:
                     fail.set()
+
+
+def test_an_unexpected_error_adding_one_request_fails_only_it(make_async_engine,
+                                                               tiny_model_dir: Path) -> None:
+    """An engine bug met while adding one request (not a RequestError): that request gets a 500
+    naming it, the engine core lives on and serves the next request, nothing leaks."""
+    llm = LLMEngine.from_config(server_engine_config(tiny_model_dir))
+    real_add = llm.add_request
+
+    def add_request(request_id, prompt_token_ids, params, **kw):
+        if params.max_tokens == 7:  # the poisoned request
+            raise IndexError("injected bug in add_request")
+        return real_add(request_id, prompt_token_ids, params, **kw)
+
+    llm.add_request = add_request
+    engine = make_async_engine(engine=llm)
+    with serve(engine) as server:
+        url = f"{server.url}/v1/completions"
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 7}, timeout=30)
+        assert r.status_code == 500 and "injected bug" in r.json()["error"]["message"]
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 7, "stream": True}, timeout=30)
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]  # an error frame, not a silent "abort"
+        assert error["code"] == 500 and "injected bug in add_request" in error["message"]
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert engine.call_in_core(lambda e: e.stats().num_free_blocks
+                                   == e.stats().num_total_blocks)
