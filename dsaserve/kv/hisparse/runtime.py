@@ -129,14 +129,19 @@ class HiSparseRuntime:
         gpu, host = [], []
         b = self.block_size
         for rid, (lo, hi, block_ids) in ranges.items():
-            blocks = self.entries[rid].host_blocks
-            for p in range(lo, min(hi, len(block_ids) * b)):
-                gpu.append(block_ids[p // b] * b + p % b)
-                host.append(blocks[p // b] * b + p % b)
+            hi = min(hi, len(block_ids) * b)
+            if hi <= lo:
+                continue
+            # Tensor maths, not a Python loop per position: a 1M-token prefix arrives at once.
+            pos = torch.arange(lo, hi)  # [n]
+            blk, off = pos // b, pos % b
+            gpu.append(torch.tensor(block_ids, dtype=torch.int64)[blk] * b + off)
+            host.append(torch.tensor(self.entries[rid].host_blocks, dtype=torch.int64)[blk] * b
+                        + off)
         if not gpu:
             return
-        g = torch.tensor(gpu, dtype=torch.int64, device=self.device)
-        h = torch.tensor(host, dtype=torch.int64)
+        g = torch.cat(gpu).to(self.device)
+        h = torch.cat(host)
         for cache, pool in zip(self.caches, self.host, strict=True):
             rows = cache.kv.flatten(0, 1).index_select(0, g)  # [n, row]
             pool.flatten(0, 1).index_copy_(0, h, rows.cpu())
