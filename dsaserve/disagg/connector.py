@@ -139,10 +139,11 @@ class ConnectorScheduler:
 
     # ---- consumer --------------------------------------------------------------------------
     def check_request(self, request_id: str, params: KVTransferParams,
-                      num_prompt_tokens: int) -> None:
+                      num_prompt_tokens: int, fetched: dict | None = None) -> None:
         """A decode request's params against the prefill engine's side channel: the engine id,
         the request still held, with these blocks. RequestError (→ 400) otherwise; nothing is
-        allocated yet."""
+        allocated yet. `fetched`: the side channel's answer, read beforehand off the engine
+        core's thread (fetch_remote); without it the core reads it here."""
         if not self.config.is_consumer:
             raise RequestError("kv_transfer_params: do_remote_prefill on an engine whose "
                                f"kv_role is {self.config.kv_role!r}")
@@ -154,14 +155,8 @@ class ConnectorScheduler:
             raise RequestError(
                 f"kv_transfer_params: the prefill held {params.remote_num_tokens} prompt tokens, "
                 f"this prompt has {num_prompt_tokens}")
-        assert params.remote_host is not None and params.remote_port is not None
-        try:
-            raw = json.loads(fetch_metadata(params.remote_port, params.remote_host,
-                                            self.config.transfer_timeout_s))
-        except (TransferError, ValueError) as e:
-            raise RequestError(f"kv_transfer_params: the prefill engine at "
-                               f"{params.remote_host}:{params.remote_port} cannot be reached "
-                               f"({e})") from None
+        raw = fetched if fetched is not None else fetch_remote(params,
+                                                               self.config.transfer_timeout_s)
         if raw.get("engine_id") != params.remote_engine_id:
             raise RequestError(f"kv_transfer_params: unknown remote_engine_id "
                                f"{params.remote_engine_id!r} (that address serves "
@@ -201,6 +196,24 @@ class ConnectorScheduler:
     def close(self) -> None:
         if self.side_channel is not None:
             self.side_channel.close()
+
+
+def fetch_remote(params: KVTransferParams, timeout_s: float) -> dict:
+    """The side channel's answer for a decode request's params (network I/O: callers off the
+    engine core's thread do it first, so an unreachable prefill host stalls one request, not
+    every step). RequestError (→ 400) when it cannot be read."""
+    if params.remote_host is None or params.remote_port is None:
+        raise RequestError("kv_transfer_params: missing remote_host / remote_port")
+    try:
+        raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s))
+    except (TransferError, ValueError) as e:
+        raise RequestError(f"kv_transfer_params: the prefill engine at "
+                           f"{params.remote_host}:{params.remote_port} cannot be reached "
+                           f"({e})") from None
+    if not isinstance(raw, dict):
+        raise RequestError("kv_transfer_params: the prefill engine's side channel answered "
+                           "something other than an object")
+    return raw
 
 
 # ================================================================================================

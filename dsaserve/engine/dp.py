@@ -90,7 +90,8 @@ class DataParallelEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, cache_salt: str | None = None,
-                    kv_transfer_params: KVTransferParams | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | None = None,
+                    kv_remote: dict | None = None) -> None:
         """Pin the request to the least loaded replica; raises RequestError like LLMEngine (ids
         are unique across replicas, not only within one)."""
         if request_id in self._owner:
@@ -98,7 +99,8 @@ class DataParallelEngine:
         index = pick_replica([self._load(r) for r in self.replicas])
         self.replicas[index].add_request(request_id, prompt_token_ids, params,
                                          cache_salt=cache_salt,
-                                         kv_transfer_params=kv_transfer_params)
+                                         kv_transfer_params=kv_transfer_params,
+                                         kv_remote=kv_remote)
         self._owner[request_id] = index
 
     def abort_request(self, request_id: str) -> None:

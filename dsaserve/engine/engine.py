@@ -121,9 +121,12 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                     *, cache_salt: str | None = None,
-                    kv_transfer_params: KVTransferParams | None = None) -> None:
+                    kv_transfer_params: KVTransferParams | None = None,
+                    kv_remote: dict | None = None) -> None:
         """Queue a request; raises RequestError (a client's mistake) before anything is allocated,
-        so a bad request never reaches (and never fails) a step that other requests share."""
+        so a bad request never reaches (and never fails) a step that other requests share.
+        `kv_remote`: the prefill engine's side-channel answer for a P/D decode request, already
+        read (disagg.connector.fetch_remote); without it it is read here."""
         vocab = self.config.model.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
@@ -133,7 +136,7 @@ class LLMEngine:
         except UnicodeEncodeError as e:
             raise RequestError("cache_salt: a lone UTF-16 surrogate is not valid Unicode") from e
         kv_transfer_params = self._check_kv_transfer(request_id, prompt_token_ids,
-                                                     kv_transfer_params)
+                                                     kv_transfer_params, kv_remote)
         try:
             self.scheduler.add_request(Request(
                 request_id=request_id, prompt_token_ids=list(prompt_token_ids),
@@ -146,7 +149,8 @@ class LLMEngine:
             raise
 
     def _check_kv_transfer(self, request_id: str, prompt_token_ids: Sequence[int],
-                           params: KVTransferParams | None) -> KVTransferParams | None:
+                           params: KVTransferParams | None,
+                           kv_remote: dict | None) -> KVTransferParams | None:
         """P/D params checked before anything is allocated: RequestError (→ 400) for a request
         this engine cannot serve, or whose remote KV is not (or no longer) there."""
         if params is None or not (params.do_remote_decode or params.do_remote_prefill):
@@ -160,7 +164,8 @@ class LLMEngine:
         if params.do_remote_prefill:
             if request_id in self.scheduler.requests:
                 raise RequestError(f"request id {request_id!r} is already in use")
-            self.connector.check_request(request_id, params, len(prompt_token_ids))
+            self.connector.check_request(request_id, params, len(prompt_token_ids),
+                                         kv_remote)
         return params
 
     def abort_request(self, request_id: str) -> None:

@@ -63,6 +63,7 @@ class AddRequest:
     params: SamplingParams
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    kv_remote: dict | None = None  # P/D: the prefill engine's side channel, read beforehand
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,16 @@ class AsyncEngine:
         Raises RequestError when the engine rejects it (→ HTTP 400) and EngineDeadError when the
         core is gone (→ 503); either way nothing is left allocated.
         """
+        kv_remote = None
+        disagg = self.config.disagg
+        if (kv_transfer_params is not None and kv_transfer_params.do_remote_prefill
+                and disagg is not None and disagg.is_consumer):
+            # Network I/O here, on a worker thread: a slow or unreachable prefill host stalls
+            # this request only, never the engine core's steps.
+            from dsaserve.disagg.connector import fetch_remote
+
+            kv_remote = await asyncio.to_thread(fetch_remote, kv_transfer_params,
+                                                disagg.transfer_timeout_s)
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         with self._lock:
             if self._dead_reason is not None:
@@ -228,7 +239,7 @@ class AsyncEngine:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
-                                       kv_transfer_params))
+                                       kv_transfer_params, kv_remote))
         try:
             item = await stream._next()
         except BaseException:
@@ -296,6 +307,7 @@ class AsyncEngine:
                 self._engine.add_request(
                     message.request_id, message.prompt_token_ids, message.params,
                     cache_salt=message.cache_salt, kv_transfer_params=message.kv_transfer_params,
+                    kv_remote=message.kv_remote,
                 )
             except RequestError as e:
                 self._post([(message.request_id, e)])

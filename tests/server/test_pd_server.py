@@ -166,3 +166,49 @@ def test_pd_spec_parsing() -> None:
                          ("prefill: ; prefill:", "twice")]:
         with pytest.raises(ConfigError, match=message):
             parse_pd_spec(bad)
+
+
+def test_an_unreachable_prefill_host_stalls_only_its_request(make_async_engine) -> None:
+    """The side channel is read off the engine core's thread: while one decode request waits on
+    a prefill host that accepts but never answers, another request is served; the stuck one then
+    gets a 400 naming the host."""
+    import socket
+    import threading
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    port = silent.getsockname()[1]
+    accepted = threading.Event()
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        conn, _ = silent.accept()
+        conns.append(conn)
+        accepted.set()  # holds the connection open and says nothing
+
+    threading.Thread(target=accept, daemon=True).start()
+    kv = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer",
+                     "kv_connector_extra_config": {"backend": "shm", "transfer_timeout_s": 3}})
+    engine = make_async_engine("--kv-transfer-config", kv)
+    params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_request_id": "r",
+              "remote_block_ids": [0], "remote_host": "127.0.0.1", "remote_port": port,
+              "remote_block_size": 16, "remote_num_tokens": 3}
+    try:
+        with serve(engine) as server:
+            stuck: list[httpx.Response] = []
+            t = threading.Thread(target=lambda: stuck.append(_post(
+                server, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, 6, 7],
+                                            "max_tokens": 2, "kv_transfer_params": params})))
+            t.start()
+            assert accepted.wait(30)
+            r = _post(server, "/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT,
+                                                  "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and t.is_alive()  # served while the other one waits
+            t.join(60)
+            assert stuck[0].status_code == 400
+            assert f"127.0.0.1:{port} cannot be reached" in stuck[0].json()["error"]["message"]
+    finally:
+        for c in conns:
+            c.close()
+        silent.close()
