@@ -61,31 +61,19 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _attention_config_json(text: str) -> str:
-    """Validated here so a typo is reported at parse time; built for real with the backend flag."""
-    try:
-        AttentionConfig.from_json(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--attention-config: ")) from None
-    return text
+def _json_flag(flag: str, parse: Callable[[str], object]) -> Callable[[str], str]:
+    """An argparse type for a JSON flag: checked by its config's parser at parse time, so a typo
+    is reported there; kept as text, built for real once the model and the other flags are
+    known (e.g. the attention backend, the model's MTP layer, --enforce-eager)."""
 
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
+        return text
 
-def _speculative_config_json(text: str) -> str:
-    """Validated at parse time (the model's MTP layer is checked once the model is known)."""
-    try:
-        SpecConfig.from_json(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
-    return text
-
-
-def _compilation_config_json(text: str) -> str:
-    """Validated at parse time, built with --enforce-eager."""
-    try:
-        CompilationConfig.from_json(text)
-    except ConfigError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--compilation-config: ")) from None
-    return text
+    return check
 
 
 def resolve_attention_backend(name: str, device: str) -> str:
@@ -141,17 +129,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="engine seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weight / activation dtype; auto: the checkpoint's")
-    g.add_argument("--attention-config", type=_attention_config_json, default=None,
+    g.add_argument("--attention-config", default=None,
+                   type=_json_flag("--attention-config", AttentionConfig.from_json),
                    help='JSON object, e.g. \'{"sparse_mla_force_mqa": true}\'')
     g.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
                    help="attention kernels; auto: triton on a CUDA device, reference on the CPU "
                         "(default: %(default)s)")
-    g.add_argument("--speculative-config", type=_speculative_config_json, default=None,
+    g.add_argument("--speculative-config", default=None,
+                   type=_json_flag("--speculative-config", SpecConfig.from_json),
                    help='MTP speculative decoding, JSON, e.g. \'{"method": "mtp", '
                         '"num_speculative_tokens": 3}\'; benchmarks: add '
                         '"rejection_sample_method": "synthetic" and '
                         '"synthetic_acceptance_length": 2.99')
-    g.add_argument("--compilation-config", type=_compilation_config_json, default=None,
+    g.add_argument("--compilation-config", default=None,
+                   type=_json_flag("--compilation-config", CompilationConfig.from_json),
                    help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '
                         "sizes (tokens) captured as CUDA graphs; default: buckets up to "
                         "--max-num-seqs x (1 + drafts) (docs/decode.md)")
