@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.smoke:
             model_dir, shape = make_model("tiny-glm5", Path(tmp) / "tiny"), "tiny-glm5"
         else:
-            model_dir = make_model("glm-5.3", Path(tmp) / "glm53", overrides={
-                **glm53_shaped(args.layers), "num_nextn_predict_layers": 1})
+            model_dir = make_model("glm-5.3", Path(tmp) / "glm53",
+                                   overrides=glm53_shaped(args.layers, mtp=True))
             shape = f"GLM-5.3-shaped, {args.layers} layers + MTP"
         rows = []
         for context in args.contexts:

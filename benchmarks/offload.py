@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_model("tiny-glm5", Path(tmp) / "tiny")
         else:
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=True,
-                                   overrides={**glm53_shaped(args.layers),
-                                              "num_nextn_predict_layers": 1})
+                                   overrides=glm53_shaped(args.layers, mtp=True))
         tables = [bandwidth(args, device), ttft(args, model_dir, device),
                   decode_under_copies(args, model_dir, device)]
     text = "\n\n".join("\n".join(t) for t in tables) + "\n"

@@ -131,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_model("tiny-glm5", Path(tmp) / "tiny")
         else:
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=True,
-                                   overrides={**glm53_shaped(args.layers),
-                                              "num_nextn_predict_layers": 1})
+                                   overrides=glm53_shaped(args.layers, mtp=True))
         rows = run(args, model_dir, device)
     header = f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}\n"
     text = header + "\n" + "\n".join(rows) + "\n"

@@ -191,13 +191,14 @@ def trained_model_dir() -> Path:
     return Path(__file__).parent / "tiny_trained"
 
 
-def glm53_shaped(num_layers: int, num_experts: int = 8) -> dict[str, Any]:
+def glm53_shaped(num_layers: int, num_experts: int = 8, mtp: bool = False) -> dict[str, Any]:
     """Overrides of the glm-5.3 preset for a GPU test model: the real attention and indexer
     dimensions (64 heads, 576/512 latent, 32 × 128 indexer, top-2048) with few layers and
-    experts, a small vocabulary and no MTP layer (for `make_model(..., overrides=)`)."""
+    experts, a small vocabulary, and the MTP layer only when `mtp` (for
+    `make_model(..., overrides=)`)."""
     return {"num_hidden_layers": num_layers, "n_routed_experts": num_experts,
             "num_experts_per_tok": 2, "first_k_dense_replace": 1, "vocab_size": 8192,
-            "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16"}
+            "num_nextn_predict_layers": int(mtp), "torch_dtype": "bfloat16"}
 
 
 def preset_config(name: str) -> dict[str, Any]:
