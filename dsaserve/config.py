@@ -658,13 +658,7 @@ class EngineConfig:
             raise ConfigError(
                 f"--dtype: expected auto, bfloat16, float16 or float32, got {self.dtype!r}"
             )
-        ram = physical_memory_bytes()
-        replicas = self.parallel.data_parallel_size
-        if ram is not None and self.offload.cpu_bytes_to_use * replicas > ram:
-            raise ConfigError(
-                f"{self.offload.flag}: {replicas} data-parallel engines × "
-                f"{self.offload.cpu_bytes_to_use / 2**30:.1f} GiB of host KV exceed the "
-                f"machine's {ram / 2**30:.1f} GiB")
+        self._check_host_memory()
         if self.offload.enabled and not self.cache.enable_prefix_caching:
             # The host tier finds blocks by the prefix cache's keys.
             raise ConfigError(f"{self.offload.flag}: needs --enable-prefix-caching")
@@ -695,6 +689,24 @@ class EngineConfig:
             return given
         return (1 + self.num_speculative_tokens + 1) * self.model.index_topk
 
+    def _check_host_memory(self) -> None:
+        """Every host-memory tier of every data-parallel engine together (the host KV tier and
+        the HiSparse pool are separate allocations) must fit the machine."""
+        ram = physical_memory_bytes()
+        tiers = [(self.offload.flag, self.offload.cpu_bytes_to_use, "host KV tier")]
+        if self.hisparse is not None:
+            tiers.append(("--kv-transfer-config", self.hisparse.host_pool_bytes,
+                          "HiSparse host pool"))
+        tiers = [t for t in tiers if t[1] > 0]
+        replicas = self.parallel.data_parallel_size
+        total = replicas * sum(nbytes for _, nbytes, _ in tiers)
+        if ram is None or total <= ram:
+            return
+        flags = "/".join(dict.fromkeys(flag for flag, _, _ in tiers))
+        what = " + ".join(f"{nbytes / 2**30:.1f} GiB of {name}" for _, nbytes, name in tiers)
+        raise ConfigError(f"{flags}: {replicas} data-parallel engines × ({what}) exceed the "
+                          f"machine's {ram / 2**30:.1f} GiB")
+
     def _validate_hisparse(self) -> None:
         flag = "--kv-transfer-config"
         if self.hisparse is None:
@@ -724,13 +736,6 @@ class EngineConfig:
             raise ConfigError(
                 f"--attention-config: hisparse_config.device_buffer_size {size} exceeds "
                 f"{HISPARSE_MAX_BUFFER_ROWS} (give a smaller one explicitly)")
-        ram = physical_memory_bytes()
-        replicas = self.parallel.data_parallel_size
-        if ram is not None and self.hisparse.host_pool_bytes * replicas > ram:
-            raise ConfigError(
-                f"{flag}: {replicas} data-parallel engines × "
-                f"{self.hisparse.host_pool_bytes / 2**30:.1f} GiB of HiSparse host pool exceed "
-                f"the machine's {ram / 2**30:.1f} GiB")
 
 
 # ------------------------------------------------------------------------------------------------

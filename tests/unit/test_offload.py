@@ -404,3 +404,16 @@ def test_host_hit_with_mtp_drafts(model_dirs, engine_config) -> None:
         assert torch.equal(b, a)
     assert engine.stats().spec_decode_num_drafts > 0
     _check_drained(engine)
+
+
+def test_host_tiers_are_counted_together(parse) -> None:
+    """The host KV tier and the HiSparse pool each fit the machine, but not both at once."""
+    from dsaserve.config import physical_memory_bytes
+
+    ram_gib = physical_memory_bytes() / 2**30
+    hisparse = ('{"kv_connector":"HiSparseConnector","kv_role":"kv_both",'
+                f'"kv_connector_extra_config":{{"host_pool_gib":{ram_gib * 0.6:.3f}}}}}')
+    with pytest.raises(ConfigError, match=r"--kv-offloading-size/--kv-transfer-config: 1 "
+                                          r"data-parallel engines × \(.* host KV tier \+ .* "
+                                          r"HiSparse host pool\)"):
+        parse(["--kv-offloading-size", f"{ram_gib * 0.6:.3f}", "--kv-transfer-config", hisparse])
