@@ -86,3 +86,15 @@ def test_bad_flags(bench):
         bench.parse_args(["--smoke", "--max-num-batched-tokens", "0"])
     with pytest.raises(SystemExit):  # the reference backend has no indexer config to fix
         bench.parse_args(["--smoke", "--logits-split", "keys"])
+
+
+def test_prepare_host_time_runs(capsys):
+    """benchmarks/prepare_host_time.py (docs/long_prefill.md's host-work table), tiny."""
+    path = _PATH.parent / "prepare_host_time.py"
+    spec = importlib.util.spec_from_file_location("prepare_host_time", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--chunk", "64", "--at", "0,4096", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["0", "4096"]
+    assert all(float(r.split("|")[2]) > 0 for r in rows[1:])
