@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -226,9 +227,9 @@ def decode_under_copies(args: argparse.Namespace, model_dir: Path,
     jobs = _Jobs(KVCopier(pool, device))
     ids = list(range(n))
 
-    def steps(with_copies: bool) -> tuple[float, int]:
+    def steps(with_copies: bool, count: int) -> tuple[list[float], int]:
         times, copied = [], 0
-        for _ in range(args.decode_steps):
+        for _ in range(count):
             if with_copies:
                 loads, stores = jobs.copier.poll()
                 if loads == jobs.next["load"]:
@@ -241,18 +242,29 @@ def decode_under_copies(args: argparse.Namespace, model_dir: Path,
             t0 = time.perf_counter()
             engine.step()  # sampling reads the tokens back: the step's end is synchronous
             times.append(time.perf_counter() - t0)
-        jobs.copier.drain()
-        return sum(times) / len(times), copied
+        if with_copies:
+            jobs.copier.drain()
+        return times, copied
 
-    base, _ = steps(False)
-    loaded, copied = steps(True)
+    # Rounds alternate without / with copies, so that the context's growth and any drift of the
+    # clocks fall on both sides alike; the median step of each side is compared.
+    rounds = 4
+    plain: list[float] = []
+    loaded: list[float] = []
+    copied = 0
+    for _ in range(rounds):
+        plain += steps(False, max(1, args.decode_steps // rounds))[0]
+        times, moved = steps(True, max(1, args.decode_steps // rounds))
+        loaded += times
+        copied += moved
+    base, with_copies = statistics.median(plain), statistics.median(loaded)
     engine.shutdown()
     return [f"decode steps of {args.decode_reqs} requests at {args.decode_ctx:,} tokens of "
             f"context while the copier streams {args.copy_tokens:,}-token loads and stores of "
             f"the full record", "",
-            "| without copies (ms) | with copies (ms) | ratio | GiB copied meanwhile |",
+            "| median step, no copies (ms) | with copies (ms) | ratio | GiB copied meanwhile |",
             "|---:|---:|---:|---:|",
-            f"| {base * 1e3:.2f} | {loaded * 1e3:.2f} | {loaded / base:.3f} | "
+            f"| {base * 1e3:.2f} | {with_copies * 1e3:.2f} | {with_copies / base:.3f} | "
             f"{copied / 2**30:.1f} |"]
 
 
@@ -276,8 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
     p.add_argument("--backend", default="triton", choices=("reference", "triton"))
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--tables", default="bandwidth,ttft,decode",
+                   help="which tables, comma-separated (bandwidth, ttft, decode)")
     p.add_argument("--out", type=Path, default=None, help="also write the tables here")
     args = p.parse_args(argv)
+    wanted = set(args.tables.split(","))
+    if not wanted or wanted - {"bandwidth", "ttft", "decode"}:
+        p.error(f"--tables: expected some of bandwidth,ttft,decode, got {args.tables!r}")
     if args.smoke:
         args.prefixes, args.bw_tokens, args.copy_tokens = [64], [256], 256
         args.bw_mla_layers, args.bw_index_layers, args.block_size = 3, 2, 16
@@ -291,8 +308,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=True,
                                    overrides=glm53_shaped(args.layers, mtp=True))
-        tables = [bandwidth(args, device), ttft(args, model_dir, device),
-                  decode_under_copies(args, model_dir, device)]
+        tables = [make() for name, make in (
+            ("bandwidth", lambda: bandwidth(args, device)),
+            ("ttft", lambda: ttft(args, model_dir, device)),
+            ("decode", lambda: decode_under_copies(args, model_dir, device))) if name in wanted]
     text = "\n\n".join("\n".join(t) for t in tables) + "\n"
     header = f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}\n"
     print(header + "\n" + text)

@@ -209,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = Tokenizer.from_pretrained(model_dir)
     files, stream = _held_out(model_dir, tok)
     cfg = ModelConfig.from_file(model_dir)
+    # a context plus its decode steps must fit the model's positions (16K for the base size)
+    fits = [c for c in args.contexts if c + args.decode_steps + 8 <= cfg.max_position_embeddings]
+    if fits != args.contexts:
+        print(f"contexts {sorted(set(args.contexts) - set(fits))} skipped: beyond the model's "
+              f"{cfg.max_position_embeddings} positions with {args.decode_steps} decode steps")
+        args.contexts = fits
     model = TrainDsa(cfg).eval()
     model.load_state_dict(read_state(model_dir))
     model.to(args.device)

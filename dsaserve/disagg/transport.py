@@ -477,21 +477,27 @@ def _import_nixl():
 
 
 class NixlTransport(KVTransport):
-    """NIXL agent with the UCX backend on host memory (DRAM). UCX's peer error handling is off
-    ("none"), which shared-memory transports need; a dead peer then surfaces as a timeout."""
+    """NIXL agent with the UCX backend on host (DRAM) or GPU (VRAM) memory. UCX's peer error
+    handling is off ("none"), which shared-memory transports need; a dead peer then surfaces as
+    a timeout."""
 
     backend = "nixl"
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, progress_thread: bool | None = None) -> None:
         api = _import_nixl()
         if api is None:
             raise TransferError("nixl is not installed (pip install 'dsaserve[nixl]')")
         super().__init__(name)
-        # No listener thread: NIXL's own metadata listener binds every interface. No progress
-        # thread either: it polls UCX without pause, a core per agent taken from the engine's
-        # compute; transfers and notifications progress when we poll them (wait, notifications).
-        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False,
-                                       backends=[])
+        # No listener thread: NIXL's own metadata listener binds every interface.
+        # The progress thread (`progress_thread`; default: on where CUDA is, as vLLM runs NIXL)
+        # polls UCX without pause, a core per agent. Without it transfers progress only when
+        # this agent is polled (wait, notifications): enough for host memory, where a READ is
+        # one-sided, but a READ of GPU memory stalled on the H200 while the source agent was
+        # not polled (UCX's GPU protocols need the target's progress too).
+        if progress_thread is None:
+            progress_thread = torch.cuda.is_available()
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread,
+                                       enable_listen_thread=False, backends=[])
         self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg: list[object] = []

@@ -1,11 +1,13 @@
-"""The host-tier scripts run end to end on CPU at tiny sizes, so they cannot rot before the
-coordinator runs them on a GPU: benchmarks/offload.py --smoke and the agentic replay."""
+"""The host-tier scripts run end to end on CPU at tiny sizes, so they cannot rot between
+GPU runs: benchmarks/offload.py --smoke and the agentic replay."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+
+import pytest
 
 
 def test_offload_benchmark_smoke(tmp_path, monkeypatch) -> None:
@@ -18,9 +20,11 @@ def test_offload_benchmark_smoke(tmp_path, monkeypatch) -> None:
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text()
     for header in ("| tokens | GiB | store D2H (GB/s)", "| prefix | recompute",
-                   "| without copies (ms) | with copies (ms)"):
+                   "| median step, no copies (ms) | with copies (ms)"):
         assert header in text
     assert bench.FULL_RECORD == 54_728  # GLM-5.3's whole per-token record (DESIGN §2)
+    with pytest.raises(SystemExit):  # an unknown table names the flag, before any work
+        bench.main(["--smoke", "--tables", "decode,bogus"])
 
 
 def test_agentic_replay_smoke(monkeypatch, tmp_path, capsys) -> None:

@@ -1,0 +1,40 @@
+"""NIXL READs of GPU memory between two agents in one process (what `benchmarks/pd_e2e.py` and a
+one-GPU P/D test do): the bytes arrive with the transport's default progress thread; the case
+without it is printed, not asserted (it documents why the default is on where CUDA is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.disagg import transport
+from dsaserve.disagg.transport import NixlTransport, TransferTimeout
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not transport.nixl_available(), reason="nixl not installed")]
+
+NBYTES = 64 << 20
+
+
+def _read(progress_thread: bool | None, timeout_s: float) -> bool:
+    with NixlTransport("vram-src", progress_thread) as src, \
+            NixlTransport("vram-dst", progress_thread) as dst:
+        a = src.register("kv", torch.randint(0, 256, (NBYTES,), dtype=torch.uint8,
+                                             device="cuda"))
+        b = dst.register("kv", torch.zeros(NBYTES, dtype=torch.uint8, device="cuda"))
+        peer = dst.add_peer(src.metadata())
+        try:
+            dst.wait(dst.read(peer, "kv", "kv"), timeout_s)
+        except TransferTimeout:
+            return False
+        torch.cuda.synchronize()
+        assert torch.equal(a, b)
+        return True
+
+
+def test_vram_read_with_the_default_progress_thread() -> None:
+    assert _read(None, timeout_s=30)
+
+
+def test_vram_read_without_a_progress_thread_is_reported() -> None:
+    print("VRAM READ without a progress thread:", "done" if _read(False, 5) else "stalled")
