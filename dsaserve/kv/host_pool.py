@@ -64,10 +64,11 @@ def num_host_blocks(cpu_bytes_to_use: int, world_size: int, block_bytes: int,
 def pin_host_memory(owner: object, raw: torch.Tensor, flag: str) -> None:
     """Page-lock `raw` in place (cudaHostRegister) while `owner` lives. Not `pin_memory=True`:
     PyTorch's pinned allocator rounds every allocation up to a power of two, which would turn a
-    40 GiB tier into 64 GiB of locked memory."""
+    40 GiB tier into 64 GiB of locked memory. Mapped too, so kernels can read it in place
+    (HiSparse's zero-copy fetch)."""
     cudart = torch.cuda.cudart()
     nbytes = raw.numel()
-    err = cudart.cudaHostRegister(raw.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
+    err = cudart.cudaHostRegister(raw.data_ptr(), nbytes, 3)  # Portable | Mapped
     if int(err) != 0:
         raise ConfigError(
             f"{flag}: could not pin {nbytes / 2**30:.2f} GiB of host memory on this rank "

@@ -40,7 +40,7 @@ from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
 _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
-            "indexer", "backend", "norm", "rotary", "mla_work")
+            "indexer", "backend", "norm", "rotary", "mla_work", "row_gather")
 
 
 def _patch_interpreter_index() -> None:
@@ -669,3 +669,23 @@ def test_choose_grid(k):
     assert choose(64, 64, 132, splits=1, num_ctas=7) == (7, 1)
     assert choose(16, 64, 132, splits=1, num_ctas=100) == (16, 1)
     assert choose(16, 64, 132, splits=1) == (16, 1)
+
+
+@pytest.mark.parametrize("row_bytes", [656, 1152])  # an fp8_ds_mla row; a bf16 latent+rope row
+def test_row_gather_matches_the_reference_fetch(k, row_bytes):
+    from dsaserve.kv.hisparse.fetch import fetch_rows_reference
+
+    g = _gen()
+    host = torch.randint(0, 256, (40, row_bytes), dtype=torch.uint8, generator=g)
+    gpu = torch.randint(0, 256, (30, row_bytes), dtype=torch.uint8, generator=g)
+    n = 21  # not a multiple of the rows per program
+    dst_idx = torch.randperm(25, generator=g)[:n]
+    dst_idx[::3] = -1  # masked entries fetch nothing
+    host_idx = torch.randint(0, 40, (n,), generator=g)
+    gpu_idx = torch.randint(0, 30, (n,), generator=g)
+    from_host = torch.rand(n, generator=g) < 0.5
+    want = torch.randint(0, 256, (25, row_bytes), dtype=torch.uint8, generator=g)
+    got = want.clone()
+    fetch_rows_reference(want, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
+    k.row_gather.row_gather(got, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
+    assert torch.equal(got, want)

@@ -16,9 +16,8 @@ written during this step (the step's own rows, MTP drafts) are not mirrored yet 
 their GPU pages, which are still resident (vLLM keeps the write tail resident for the same
 reason). The hot buffer is laid out as a paged cache with the engine's page size, so any
 backend's sparse MLA reads it as it reads the paged cache. On the CPU the host pool is ordinary
-memory and a fetch is an index_select (the documented fallback); on CUDA the pool is pinned but
-the fetch still goes through the host (a sync, correct but slow) until the zero-copy gather
-kernel exists.
+memory and a fetch is an index_select (the documented fallback); on CUDA the pool is pinned and
+mapped, and one Triton launch reads the missed rows in place (`fetch.py`), with no host sync.
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsaserve.kv.hisparse.fetch import fetch_rows
 from dsaserve.kv.hisparse.residency import resolve
 from dsaserve.kv.host_pool import pin_host_memory
 
@@ -219,7 +219,7 @@ class HiSparseRuntime:
     def _fetch(self, layer: int, miss_pos: torch.Tensor, miss_slot: torch.Tensor,
                meta: AttentionMetadata, step: HiSparseStep) -> None:
         """Fill the missed slots: from the host pool below mirrored_upto, else from the
-        request's GPU page. Masked entries read row 0 and land in the trash slot."""
+        request's GPU page (`fetch.fetch_rows`: zero copy on CUDA)."""
         b, s1 = self.block_size, self.region_rows
         pos = miss_pos.clamp(min=0)  # [Rh, W]
         blk, off = pos // b, pos % b
@@ -228,12 +228,12 @@ class HiSparseRuntime:
         gpu_rows = table.gather(1, blk.clamp(max=table.shape[1] - 1)).clamp(min=0) * b + off
         from_host = (miss_pos < step.mirrored_upto[:, None])[..., None]
         self.rows_from_host += (from_host[..., 0] & (miss_pos >= 0)).sum()
-        host = self.host[layer].flatten(0, 1)
-        src_host = host.index_select(0, host_rows.flatten().cpu()).to(self.device)
-        src_gpu = self.caches[layer].kv.flatten(0, 1).index_select(0, gpu_rows.flatten())
-        rows = torch.where(from_host.flatten(0, 1), src_host, src_gpu)  # [Rh·W, row]
-        dest = step.hot_regions[:, None] * s1 + miss_slot  # [Rh, W]
-        self.hot[layer].flatten(0, 1).index_copy_(0, dest.flatten(), rows)
+        # masked entries (miss_slot = the trash slot S) fetch nothing
+        dest = torch.where(miss_slot < self.buffer_rows,
+                           step.hot_regions[:, None] * s1 + miss_slot, -1)  # [Rh, W]
+        fetch_rows(self.hot[layer].flatten(0, 1), dest.flatten(),
+                   self.host[layer].flatten(0, 1), host_rows.flatten(),
+                   self.caches[layer].kv.flatten(0, 1), gpu_rows.flatten(), from_host.flatten())
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self, requests: dict[str, tuple[int, list[int]]]) -> None:
