@@ -318,6 +318,9 @@ class IndexerConfig:
     # no merging) or "keys" (key windows, each window's top-k merged into a running one: the
     # way before row passes, kept for comparison; docs/long_prefill.md).
     logits_split: str = "rows"
+    # Row passes on a GPU: each pass's top-k on a side stream, overlapping the next pass's
+    # logits (docs/long_prefill.md); False runs them in turn on the step's stream.
+    overlap_topk: bool = True
 
     def __post_init__(self) -> None:
         if self.cuda_shape is not None and len(self.cuda_shape) not in (3, 4):
@@ -504,7 +507,27 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of one key window (of one row pass: rows) → (scores [T, k], local key indices
     [T, k] from the start of the window, −1 past the row's visible keys); chosen keys first."""
-    logits, group_max, limits = _logits(q, weights, index_cache, meta, config, window, rows)
+    return _select(_logits(q, weights, index_cache, meta, config, window, rows), k, config,
+                   index_dtype)
+
+
+def _topk_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the row passes' top-k run on (one per device, made once). High priority: as
+    the logits kernel's blocks retire, the top-k's blocks take the freed SMs first."""
+    if device not in _TOPK_STREAMS:
+        _TOPK_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _TOPK_STREAMS[device]
+
+
+_TOPK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
+            config: IndexerConfig, index_dtype: torch.dtype,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, L], group maxima, limits [T]) → the top-k (scores [T, k], local key indices
+    [T, k], −1 past the row's visible keys); chosen keys first."""
+    logits, group_max, limits = scored
     length = logits.shape[1]
     kk = min(k, length)
     if length > (config.list_len or row_topk.list_size(kk)):
@@ -574,10 +597,24 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         # Rows in passes over every key (the plan's, shared by the step's indexer layers).
         values = torch.empty(num_tokens, topk, dtype=torch.float32, device=q.device)
         local = torch.empty(num_tokens, topk, dtype=index_dtype, device=q.device)
+        side = (_topk_stream(q.device) if config.overlap_topk and q.is_cuda
+                and not torch.cuda.is_current_stream_capturing() else None)
         for rows in plan.row_passes:
-            v, i = _topk_window(q, weights, index_cache, meta, topk, config, None, index_dtype,
-                                rows)
-            values[rows.first : rows.end], local[rows.first : rows.end] = v, i
+            logits = _logits(q, weights, index_cache, meta, config, None, rows)
+            if side is None:
+                v, i = _select(logits, topk, config, index_dtype)
+                values[rows.first : rows.end], local[rows.first : rows.end] = v, i
+                continue
+            # This pass's top-k on the side stream while the next pass's logits run on the
+            # main one; the allocator must not hand its logits to the next pass meanwhile.
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):
+                v, i = _select(logits, topk, config, index_dtype)
+                values[rows.first : rows.end], local[rows.first : rows.end] = v, i
+            for t in logits:
+                t.record_stream(side)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
         if meta.dcp_size == 1:
             return values, local
         return _global_positions(values, local, meta)
