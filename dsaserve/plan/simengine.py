@@ -48,7 +48,7 @@ class EngineCapacity:
     """What one replica of an engine holds."""
 
     kv_blocks: int  # scheduler blocks of block_size × dcp tokens
-    max_context: int  # the longest context memory holds for one request
+    max_context: int  # the longest context one request can have (memory, max-model-len=)
     max_model_len: int  # the scheduler's limit: max_context, the model's and the spec's
     max_num_seqs: int  # requests at once (HiSparse: what the host pool admits, as the engine)
 
@@ -79,7 +79,7 @@ def engine_capacity(model: ModelConfig, d: Deployment, parts: Parts,
                 raise ConfigError(f"--deployment {d.spec!r}: the weights ({weights / 2**30:.1f} "
                                   f"GiB per GPU) leave no room for KV on a {parts.name}")
             max_context = cm.max_context_tokens(room, kv, par.decode_context_parallel_size)
-        return EngineCapacity(blocks, max_context,
+        return EngineCapacity(blocks, min(max_context, d.max_model_len or max_context),
                               min(blocks * block_tokens - lookahead, limit), d.max_num_seqs)
     topk = model.index_topk
     hot_rows = d.hot_rows or (1 + _num_drafts(d)) * topk
@@ -98,14 +98,15 @@ def engine_capacity(model: ModelConfig, d: Deployment, parts: Parts,
     adm = hisparse_admission(d.hisparse_host_bytes, kv.mla_all_layers, max_len + lookahead,
                              d.block_size)
     seqs = min(adm.max_requests, d.max_num_seqs)
+    longest = min(max_context, host_tokens, d.max_model_len or host_tokens)
     if num_blocks is not None:
-        return EngineCapacity(num_blocks, max_context, max_len, seqs)
+        return EngineCapacity(num_blocks, longest, max_len, seqs)
     # Hot buffers are reserved for every admitted request; the rest holds indexer-key pages,
     # at least one request of max_len.
     need = -(-(max_len + lookahead) // d.block_size) * d.block_size * kv.indexer_all_layers
     seqs = max(min(seqs, (room - need) // hot_bytes), 1)
     blocks = (room - seqs * hot_bytes) // (d.block_size * kv.indexer_all_layers)
-    return EngineCapacity(blocks, min(max_context, host_tokens), max_len, seqs)
+    return EngineCapacity(blocks, longest, max_len, seqs)
 
 
 def _num_drafts(d: Deployment) -> int:
