@@ -93,7 +93,7 @@ class ConnectorScheduler:
         if self.config.is_producer:
             port = self.config.side_channel_port
             self.side_channel = SideChannel(
-                lambda: self._snapshot, self.config.side_channel_host,
+                self.payload, self.config.side_channel_host,
                 port + self.dp_rank if port else 0)
         self._publish()
 
@@ -129,6 +129,10 @@ class ConnectorScheduler:
         if out:
             self._publish()
         return out
+
+    def payload(self) -> bytes:
+        """What the side channel serves now (JSON: engine id, ranks' metadata, held blocks)."""
+        return self._snapshot
 
     def _publish(self) -> None:
         self._snapshot = json.dumps({

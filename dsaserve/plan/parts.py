@@ -72,7 +72,11 @@ class Parts:
     nvlink_gbps: Measured = Measured(450.0, "GB/s", "datasheet (NVLink 4)")
     host_gbps: Measured = Measured(55.0, "GB/s", "H200 run, pinned host <-> GPU copies "
                                                  "(ECOSYSTEM)")
+    # P/D KV transfers: one 400 Gb/s InfiniBand NIC per GPU (the HGX H200 reference design).
     network_gbps: Measured = Measured(50.0, "GB/s", "datasheet (400 Gb/s per GPU, HGX)")
+    network_latency_us: Measured = Measured(
+        500.0, "us", "assumed (one P/D read: side-channel check, RDMA READ set-up, the read "
+                     "notification; not measured across hosts yet)")
     # Fixed costs no run of ours has isolated yet.
     collective_latency_us: Measured = Measured(15.0, "us", "assumed (one NCCL collective on "
                                                            "8 NVLink GPUs)")

@@ -1,18 +1,24 @@
 """A discrete-event simulation of a deployment: dsaserve's own scheduler and KV manager on a
 simulated clock, the model runner replaced by the step-time model (plan/steptime.py).
 
-    session slots (concurrency c) ──► router ──► replica r: Scheduler.schedule()
+    session slots (concurrency c) ──► router ──► engine replica: Scheduler.schedule()
           ▲   turn k+1 after think time            │ step priced by StepTimeModel (lock-step
           │                                        ▼ replicas: the slowest rank's time)
           └──────── request finished ◄── Scheduler.update_from_output(sampled tokens)
 
+P/D (`prefill=…; decode=…`): the router sends each turn to a prefill replica as a one-token
+request whose blocks the engine's connector then holds, and, once it finished, to a decode
+replica with the returned kv_transfer_params; the decode request waits for its KV
+(WAITING_FOR_REMOTE_KVS) while the read crosses the network (plan/simpd.py).
+
 What is real: admission, chunked prefill, the token budget, preemption, prefix-cache hits and
 evictions (the KVCacheManager and BlockPool, with the KV blocks a GPU of the layout holds), the
-host KV tier's OffloadManager, MTP's draft scheduling and synthetic acceptance rule, and
-`dsaserve router`'s pick over the replicas' real block pools. What is modelled: each step's
-duration, and each host copy's (the host link). AgentX's concurrency semantics: c session slots;
-a slot runs its session's turns in order, each after the previous one ends plus its think time,
-then takes the next session.
+host KV tier's OffloadManager, MTP's draft scheduling and synthetic acceptance rule, the P/D
+connector's scheduler side, HiSparse admission by host capacity, and `dsaserve router`'s pick
+over the replicas' real block pools. What is modelled: each step's duration, each host copy's
+(the host link) and each KV read's (the network). AgentX's concurrency semantics: c session
+slots; a slot runs its session's turns in order, each after the previous one ends plus its think
+time, then takes the next session.
 """
 
 from __future__ import annotations
@@ -20,49 +26,36 @@ from __future__ import annotations
 import heapq
 import itertools
 import statistics
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from dsaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
-from dsaserve.core import (
-    ModelRunnerOutput,
-    Request,
-    RequestError,
-    RequestOutput,
-    SamplingParams,
-    SchedulerOutput,
-)
+from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.core import KVTransferParams, Request, RequestError, RequestOutput, SamplingParams
 from dsaserve.engine.scheduler import Scheduler
-from dsaserve.kv.prefix_cache import request_block_hashes
-from dsaserve.plan import costmodel as cm
-from dsaserve.plan.deployment import Deployment
+from dsaserve.plan.deployment import Deployment, PDDeployment
 from dsaserve.plan.parts import Parts
+from dsaserve.plan.simengine import MeasureStep, Replica, SimEngine, engine_capacity
+from dsaserve.plan.simpd import KVLink, make_connector, side_channel_payload
 from dsaserve.plan.simtrace import TraceSession
-from dsaserve.plan.steptime import StepTime, StepTimeModel
-from dsaserve.router.scoring import Candidate, ScoringWeights, longest_prefix_match, pick
-from dsaserve.spec.rejection import num_accepted_drafts
-
-# Calibration: (replica index, its step's SchedulerOutput) → (wall seconds, the runner's output).
-MeasureStep = Callable[[int, SchedulerOutput], tuple[float, ModelRunnerOutput]]
-SAMPLED_TOKEN = 1  # what the simulated runner "samples" (requests ignore EOS, as AgentX's do)
+from dsaserve.plan.steptime import StepTime
 
 
 @dataclass
 class RequestRecord:
-    """One simulated request's timeline (seconds of simulated time)."""
+    """One simulated turn's timeline (seconds of simulated time), as the client sees it."""
 
     request_id: str
     session: str
-    replica: int
+    replica: int  # the replica that prefilled it (P/D: of the prefill engine)
     arrival: float
     prompt_tokens: int
     output_tokens: int = 0
     cached_tokens: int = 0
     first_token: float | None = None
     finish: float | None = None
+    decode_replica: int | None = None  # P/D: the decode replica
+    prefilled: float | None = None  # P/D: when the prefill engine finished (blocks held)
+    kv_landed: float | None = None  # P/D: when its KV had reached the decode replica
 
     @property
     def ttft(self) -> float:
@@ -78,16 +71,36 @@ class RequestRecord:
 
 
 @dataclass
+class EngineSummary:
+    """One engine of the run: its busy time by part and its capacity per replica."""
+
+    busy: StepTime
+    kv_blocks: int
+    max_context: int
+    max_num_seqs: int
+
+
+@dataclass
 class SimResult:
-    deployment: Deployment
+    deployment: Deployment | PDDeployment
     concurrency: int
     records: list[RequestRecord]
     rejected: list[tuple[str, int, str]]  # (session, turn, why)
-    busy: StepTime  # the replicas' step time by part, summed
+    engines: dict[str, EngineSummary]  # "engine", or "prefill" and "decode"
     num_steps: int
-    max_context: int  # the longest context one replica can hold
-    kv_blocks: int  # KV blocks of one replica (scheduler blocks of block_size × dcp tokens)
     schedulers: list[Scheduler] = field(repr=False, default_factory=list)
+
+    @property
+    def max_context(self) -> int:
+        """The longest context the deployment serves (P/D: both engines must hold it)."""
+        return min(e.max_context for e in self.engines.values())
+
+    @property
+    def bottleneck(self) -> str:
+        """The step part that takes the most time (P/D: per engine)."""
+        if len(self.engines) == 1:
+            return next(iter(self.engines.values())).busy.bound
+        return " ".join(f"{name[0].upper()}:{e.busy.bound}" for name, e in self.engines.items())
 
     def summary(self) -> dict[str, float | int | str]:
         """AgentX's headline numbers (docs/agentx.md) over the finished requests."""
@@ -100,25 +113,26 @@ class SimResult:
         itls = [r.itl for r in done if r.itl is not None]
         e2e = [(r.finish - r.arrival) / r.output_tokens for r in done]  # type: ignore[operator]
         ttft = [r.ttft for r in done]
+        gpus = self.deployment.num_gpus
         return {
             "requests": len(done),
             "rejected": len(self.rejected),
-            "throughput_per_gpu": tokens / window / self.deployment.num_gpus if window else 0.0,
-            "output_per_gpu": (sum(r.output_tokens for r in done) / window
-                               / self.deployment.num_gpus) if window else 0.0,
+            "throughput_per_gpu": tokens / window / gpus if window else 0.0,
+            "output_per_gpu": (sum(r.output_tokens for r in done) / window / gpus
+                               if window else 0.0),
             "p90_interactivity": 1 / _p90(itls) if itls else 0.0,
             "p90_e2e_interactivity": 1 / _p90(e2e),
             "ttft_median": statistics.median(ttft),
             "ttft_p90": _p90(ttft),
             "cache_hit_rate": sum(r.cached_tokens for r in done) / sum(r.prompt_tokens
                                                                         for r in done),
-            "bottleneck": self.busy.bound,
+            "bottleneck": self.bottleneck,
             **self._acceptance(),
             **self._host_tier(sum(r.prompt_tokens for r in done)),
+            **self._transfers(done),
             "max_context": self.max_context,
             "steps": self.num_steps,
         }
-
 
     def _acceptance(self) -> dict[str, float]:
         """MTP's mean acceptance length over every replica (vLLM's: tokens per verify step)."""
@@ -129,7 +143,6 @@ class SimResult:
         return {"acceptance_length":
                 1 + sum(st.spec_decode_num_accepted_tokens for st in stats) / drafts}
 
-
     def _host_tier(self, prompt_tokens: int) -> dict[str, float]:
         """Of the prompt tokens, the share loaded from the host tier (in the hit rate too)."""
         stats = [s.stats() for s in self.schedulers]
@@ -137,114 +150,79 @@ class SimResult:
             return {}
         return {"host_hit_rate": sum(st.offload_hits for st in stats) / prompt_tokens}
 
+    @staticmethod
+    def _transfers(done: list[RequestRecord]) -> dict[str, float]:
+        """P/D: median time from the end of the prefill to the KV on the decode replica (the
+        decode replica's admission, the NIC queues, the bytes and the latency)."""
+        waits = [r.kv_landed - r.prefilled for r in done
+                 if r.kv_landed is not None and r.prefilled is not None]
+        return {"kv_transfer_median": statistics.median(waits)} if waits else {}
+
 
 def _p90(values: Sequence[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
 
 
-class Replica:
-    """One engine replica: the real scheduler, and its host-tier copies on the host link (each
-    direction one copy stream, jobs in order; every rank copies its shard over its own link)."""
-
-    def __init__(self, index: int, scheduler: Scheduler, copy_seconds_per_block: float) -> None:
-        self.index = index
-        self.scheduler = scheduler
-        self.num_routed = 0  # requests the router sent here
-        self.copy_seconds_per_block = copy_seconds_per_block
-        # Per direction: landing times of the jobs in flight (in job order), jobs landed so far.
-        self._in_flight: dict[str, deque[float]] = {"load": deque(), "store": deque()}
-        self._num_landed = {"load": 0, "store": 0}
-
-    def start_copies(self, so: SchedulerOutput, now: float) -> None:
-        for kind, jobs in (("load", so.kv_loads), ("store", so.kv_stores)):
-            times = self._in_flight[kind]
-            for job in jobs:  # one stream per direction: a job starts when the last one landed
-                start = max(now, times[-1]) if times else now
-                times.append(start + len(job.gpu_block_ids) * self.copy_seconds_per_block)
-
-    def copies_done(self, kind: str, now: float) -> int:
-        """Jobs of `kind` landed by `now` (what the runner reports: a count since the start)."""
-        times = self._in_flight[kind]
-        while times and times[0] <= now:
-            times.popleft()
-            self._num_landed[kind] += 1
-        return self._num_landed[kind]
-
-    def next_copy(self) -> float | None:
-        """When the next copy in flight lands (None: none is)."""
-        return min((t[0] for t in self._in_flight.values() if t), default=None)
-
-
 class Simulator:
-    def __init__(self, model: ModelConfig, deployment: Deployment, parts: Parts,
+    def __init__(self, model: ModelConfig, deployment: Deployment | PDDeployment, parts: Parts,
                  sessions: Sequence[TraceSession], concurrency: int,
                  duration: float | None = None, *, num_blocks: int | None = None,
                  record_steps: bool = False, measure: MeasureStep | None = None) -> None:
         """`num_blocks` overrides the KV blocks per replica that memory allows (as vLLM's
-        --num-gpu-blocks-override); `record_steps` keeps `step_log`: per step and replica, the
-        tokens scheduled per request and the free KV blocks after scheduling. `measure` runs
-        each step on real model runners instead (calibration): it executes replica i's
-        SchedulerOutput and returns (wall seconds, the runner's output); the model's
-        prediction for every such step is kept in `step_times` as (measured, predicted)."""
+        --num-gpu-blocks-override; P/D: on both engines); `record_steps` keeps `step_log`: per
+        step and replica, the tokens scheduled per request and the free KV blocks after
+        scheduling. `measure` runs each step on real model runners instead (calibration, one
+        engine only): it executes replica i's SchedulerOutput and returns (wall seconds, the
+        runner's output); the model's prediction for every such step is kept in `step_times`
+        as (measured, predicted)."""
         if concurrency < 1:
             raise ConfigError(f"--concurrency: must be >= 1, got {concurrency}")
         self.model, self.deployment, self.parts = model, deployment, parts
         self.sessions = list(sessions)
         self.concurrency = concurrency
         self.duration = duration
-        par = deployment.parallel
-        spec = deployment.speculative
-        self.num_drafts = spec.num_speculative_tokens if spec is not None else 0
-        self.times = StepTimeModel(model, par, parts, deployment.kv_dtype, self.num_drafts)
-        # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
-        self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
-        self._uniforms = torch.Generator().manual_seed(0)
-        self.kv_blocks, self.max_context = replica_kv_capacity(model, deployment, parts)
-        block_tokens = deployment.block_size * par.decode_context_parallel_size
-        if num_blocks is not None:
-            self.kv_blocks, self.max_context = num_blocks, num_blocks * block_tokens
-        # The MTP draft steps write k − 1 slots past a request's last token.
-        lookahead = max(self.num_drafts - 1, 0)
-        max_len = min(self.kv_blocks * block_tokens - lookahead, model.max_position_embeddings)
-        cache = CacheConfig(block_size=deployment.block_size,
-                            kv_cache_dtype="fp8_ds_mla" if deployment.kv_dtype == "fp8_ds_mla"
-                            else "auto", enable_prefix_caching=True)
-        sched = SchedulerConfig(max_num_seqs=deployment.max_num_seqs,
-                                max_num_batched_tokens=deployment.max_num_batched_tokens,
-                                max_model_len=max_len)
-        # The host KV tier: each rank holds offload_bytes / ranks, in pages of its own shard.
-        rank_block = deployment.block_size * cm.kv_bytes_per_token(model, deployment.kv_dtype).total
-        num_host_blocks = deployment.offload_bytes // par.world_size // rank_block
-        if deployment.offload_bytes and num_host_blocks * block_tokens < max_len:
-            raise ConfigError(f"--deployment {deployment.spec!r}: offload holds "
-                              f"{num_host_blocks * block_tokens} tokens, less than one request "
-                              f"of {max_len}")
-        self.replicas = [
-            Replica(i, Scheduler(sched, cache, self.kv_blocks,
-                                 dcp_size=par.decode_context_parallel_size,
-                                 num_speculative_tokens=self.num_drafts,
-                                 num_host_blocks=num_host_blocks,
-                                 host_block_bytes=rank_block * par.world_size),
-                    rank_block / (parts.host_gbps.value * 1e9))
-            for i in range(deployment.replicas)]
-        # Lock-step replicas form one group; otherwise each replica steps on its own.
-        self.groups = ([self.replicas] if deployment.lockstep
-                       else [[r] for r in self.replicas])
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
-        self._busy = [False] * len(self.groups)
+        kw = dict(num_blocks=num_blocks, record_steps=record_steps)
+        self.link: KVLink | None = None
+        if isinstance(deployment, PDDeployment):
+            if measure is not None:
+                raise ConfigError("calibration runs one engine, not P/D")
+            pre, dec = deployment.prefill, deployment.decode
+            self.engines = {
+                "prefill": SimEngine("prefill", model, pre, parts, self._push, self._on_prefill,
+                                     connector=lambda i: make_connector(pre, "kv_producer", i),
+                                     **kw),  # type: ignore[arg-type]
+                "decode": SimEngine("decode", model, dec, parts, self._push, self._on_output,
+                                    connector=lambda i: make_connector(dec, "kv_consumer", i),
+                                    **kw),  # type: ignore[arg-type]
+            }
+            self.link = KVLink(model, parts, self.engines["prefill"], self.engines["decode"])
+            self.engines["decode"].link = self.link
+        else:
+            self.engines = {"engine": SimEngine("engine", model, deployment, parts, self._push,
+                                                self._on_output, measure=measure,
+                                                **kw)}  # type: ignore[arg-type]
+        self.entry = next(iter(self.engines.values()))  # where a turn arrives
         self._records: dict[str, RequestRecord] = {}
         self._turn_of: dict[str, tuple[int, int]] = {}  # request id → (slot, turn)
         self._rejected: list[tuple[str, int, str]] = []
         self._next_session = 0
         self._slot_session: dict[int, TraceSession] = {}
-        self._rr = 0
-        self._total = StepTime()
-        self._num_steps = 0
-        self.step_log: list[tuple[int, dict[str, int], int]] | None = [] if record_steps else None
-        self.measure = measure
-        self.step_times: list[tuple[float, float]] = []
+
+    # ---- what tests and calibration read --------------------------------------------------------
+    @property
+    def replicas(self) -> list[Replica]:
+        return [r for e in self.engines.values() for r in e.replicas]
+
+    @property
+    def step_log(self) -> list[tuple[int, dict[str, int], int]] | None:
+        return self.entry.step_log
+
+    @property
+    def step_times(self) -> list[tuple[float, float]]:
+        return self.entry.step_times
 
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -255,15 +233,22 @@ class Simulator:
             if kind == "arrive":
                 slot, turn = payload  # type: ignore[misc]
                 self._arrive(slot, turn, now)
-            else:
-                self._finish_step(payload, now)  # type: ignore[arg-type]
+            elif kind == "step":
+                engine, g, outputs, ran = payload  # type: ignore[misc]
+                engine.finish_step(g, outputs, ran, now)
+            else:  # "wake": a copy or read landed on an idle group
+                engine, g = payload  # type: ignore[misc]
+                engine.wake(g, now)
         for replica in self.replicas:
             replica.scheduler.check_integrity()
-        return SimResult(deployment=self.deployment, concurrency=self.concurrency,
-                         records=list(self._records.values()), rejected=self._rejected,
-                         busy=self._total, num_steps=self._num_steps,
-                         max_context=self.max_context, kv_blocks=self.kv_blocks,
-                         schedulers=[r.scheduler for r in self.replicas])
+        return SimResult(
+            deployment=self.deployment, concurrency=self.concurrency,
+            records=list(self._records.values()), rejected=self._rejected,
+            engines={name: EngineSummary(e.busy, e.capacity.kv_blocks, e.capacity.max_context,
+                                         e.capacity.max_num_seqs)
+                     for name, e in self.engines.items()},
+            num_steps=sum(e.num_steps for e in self.engines.values()),
+            schedulers=[r.scheduler for r in self.replicas])
 
     def _push(self, t: float, kind: str, payload: object) -> None:
         heapq.heappush(self._events, (t, next(self._seq), kind, payload))
@@ -281,13 +266,20 @@ class Simulator:
         session = self._slot_session[slot]
         t = session.turns[turn]
         rid = f"{session.id}/{turn}"
+        prompt = session.prompt(turn, self.model.vocab_size)
+        pd = self.link is not None
+        # P/D: the prefill engine computes one token and holds the blocks for the decode engine.
         request = Request(
-            request_id=rid, prompt_token_ids=session.prompt(turn, self.model.vocab_size),
-            sampling_params=SamplingParams(max_tokens=t.output_tokens, temperature=0.0,
-                                           ignore_eos=True),
-            arrival_time=now)
-        replica = self._route(request)
+            request_id=rid, prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=1 if pd else t.output_tokens,
+                                           temperature=0.0, ignore_eos=True),
+            arrival_time=now,
+            kv_transfer_params=KVTransferParams(do_remote_decode=True) if pd else None)
+        replica = self.entry.route(request)
         try:
+            if pd and len(prompt) >= self.engines["decode"].max_model_len:
+                raise RequestError(f"prompt has {len(prompt)} tokens; max_model_len of the "
+                                   f"decode engine is {self.engines['decode'].max_model_len}")
             replica.scheduler.add_request(request)
         except RequestError as e:  # longer than a replica can hold: the session cannot go on
             self._rejected.append((session.id, turn, str(e)))
@@ -297,101 +289,48 @@ class Simulator:
                                            replica=replica.index, arrival=now,
                                            prompt_tokens=t.input_tokens)
         self._turn_of[rid] = (slot, turn)
-        self._kick(replica, now)
+        self.entry.kick(replica, now)
 
-    def _kick(self, replica: Replica, now: float) -> None:
-        g = next(i for i, group in enumerate(self.groups) if replica in group)
-        if not self._busy[g]:
-            self._start_step(g, now)
-
-    def _start_step(self, g: int, now: float) -> None:
-        group = self.groups[g]
-        if not any(r.scheduler.has_unfinished_requests() for r in group):
-            self._busy[g] = False
+    def _on_prefill(self, engine: SimEngine, replica: Replica, out: RequestOutput,
+                    now: float) -> None:
+        """P/D: a prefill finished with its blocks held; the decode request goes to the decode
+        engine with the returned params, checked against the producer's side channel."""
+        if not out.finished:
             return
-        outputs, batches, drafting = [], [], []
-        for replica in group:
-            so = replica.scheduler.schedule()
-            batch, contexts = [], []
-            for rid, n in so.num_scheduled_tokens.items():
-                req = replica.scheduler.requests[rid]
-                known = n - len(so.scheduled_spec_token_ids.get(rid, ()))
-                batch.append((n, req.num_computed_tokens + n))
-                if req.num_computed_tokens + known == req.num_tokens:  # samples, then drafts
-                    contexts.append(req.num_tokens)
-            replica.start_copies(so, now)
-            outputs.append(so)
-            batches.append(batch)
-            drafting.append(contexts)
-            if self.step_log is not None and so.num_scheduled_tokens:
-                self.step_log.append((replica.index, dict(so.num_scheduled_tokens),
-                                      replica.scheduler.kv.num_free_blocks))
-        engine_tokens = sum(n for batch in batches for n, _ in batch)
-        times = [self.times.step(b, engine_tokens=engine_tokens if self.deployment.lockstep
-                                 else None, drafting=d)
-                 for b, d in zip(batches, drafting, strict=True)]
-        duration = max(t.total for t in times)
-        if not any(so.num_scheduled_tokens for so in outputs):  # only copies in flight: wait
-            landing = [t for r in group if (t := r.next_copy()) is not None]
-            duration = max(min(landing, default=now) - now, 0.0)
-        ran: list[ModelRunnerOutput | None] = [None] * len(group)
-        if self.measure is not None:  # calibration: real runners, the wall clock
-            results = [self.measure(r.index, so) for r, so in zip(group, outputs, strict=True)]
-            ran = [out for _, out in results]
-            measured = max(seconds for seconds, _ in results)
-            self.step_times.append((measured, duration))
-            duration = measured
-        for t in times:
-            self._total = self._total + t
-        self._num_steps += 1
-        self._busy[g] = True
-        self._push(now + duration, "step", (g, outputs, ran))
+        params = out.kv_transfer_params
+        if params is None:
+            raise RuntimeError(f"P/D: prefill of {out.request_id!r} ended without "
+                               f"kv_transfer_params ({out.finish_reason})")
+        record = self._records[out.request_id]
+        record.cached_tokens = out.num_cached_tokens
+        record.prefilled = now
+        slot, turn = self._turn_of[out.request_id]
+        session = self._slot_session[slot]
+        request = Request(
+            request_id=out.request_id,
+            prompt_token_ids=session.prompt(turn, self.model.vocab_size),
+            sampling_params=SamplingParams(max_tokens=session.turns[turn].output_tokens,
+                                           temperature=0.0, ignore_eos=True),
+            arrival_time=now, kv_transfer_params=params)
+        decode = self.engines["decode"]
+        target = decode.route(request)
+        assert target.connector is not None and params.remote_engine_id is not None
+        producer = self.link.producers[params.remote_engine_id]  # type: ignore[union-attr]
+        target.connector.check_request(out.request_id, params, request.num_prompt_tokens,
+                                       fetched=side_channel_payload(producer))
+        target.scheduler.add_request(request)  # its length was checked at arrival
+        record.decode_replica = target.index
+        decode.kick(target, now)
 
-    def _finish_step(self, payload: tuple[int, list, list], now: float) -> None:
-        g, outputs, ran = payload
-        for replica, so, out in zip(self.groups[g], outputs, ran, strict=True):
-            sched = replica.scheduler
-            if out is None:
-                out = self._modelled_output(replica, so, now)
-            for request_output in sched.update_from_output(so, out):
-                self._record(request_output, now)
-        self._start_step(g, now)
-
-    def _modelled_output(self, replica: Replica, so: SchedulerOutput,
-                         now: float) -> ModelRunnerOutput:
-        """What the real runner would return, but for token identity: a token wherever it samples
-        one; with MTP, the drafts accepted at the synthetic rates (spec/rejection.py's rule),
-        then the target's token, and k new drafts; the host-tier copies landed by now."""
-        sched = replica.scheduler
-        sampled: dict[str, list[int]] = {}
-        drafts: dict[str, list[int]] = {}
-        verify = [rid for rid in so.num_scheduled_tokens if so.scheduled_spec_token_ids.get(rid)]
-        accepted: dict[str, int] = {}
-        if verify:
-            k = self.num_drafts
-            num = torch.tensor([len(so.scheduled_spec_token_ids[rid]) for rid in verify])
-            ids = torch.full((len(verify), k), SAMPLED_TOKEN)
-            uniforms = torch.rand(len(verify), k, generator=self._uniforms)
-            counts = num_accepted_drafts(torch.empty(0), ids, num, uniforms, self._rates)
-            accepted = dict(zip(verify, counts.tolist(), strict=True))
-        for rid, n in so.num_scheduled_tokens.items():
-            req = sched.requests.get(rid)
-            spec = so.scheduled_spec_token_ids.get(rid, ())
-            if req is None or req.num_computed_tokens + n - len(spec) != req.num_tokens:
-                sampled[rid] = []
-                continue
-            sampled[rid] = list(spec[: accepted.get(rid, 0)]) + [SAMPLED_TOKEN]
-            if self.num_drafts:
-                drafts[rid] = [SAMPLED_TOKEN] * self.num_drafts
-        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=drafts,
-                                 num_kv_loads_done=replica.copies_done("load", now),
-                                 num_kv_stores_done=replica.copies_done("store", now))
-
-    def _record(self, out: RequestOutput, now: float) -> None:
+    def _on_output(self, engine: SimEngine, replica: Replica, out: RequestOutput,
+                   now: float) -> None:
         record = self._records[out.request_id]
         if out.new_token_ids and record.first_token is None:
             record.first_token = now
-            record.cached_tokens = out.num_cached_tokens
+            if self.link is None:
+                record.cached_tokens = out.num_cached_tokens
+            else:
+                record.kv_landed = self.link.reads[out.request_id][1]
         record.output_tokens = out.num_output_tokens
         if not out.finished:
             return
@@ -403,47 +342,10 @@ class Simulator:
         else:
             self._start_session(slot, now)
 
-    # ---- routing --------------------------------------------------------------------------------
-    def _route(self, request: Request) -> Replica:
-        """The deployment's router policy over the replicas. `prefix` is `dsaserve router`'s
-        own pick (router/scoring.py: llm-d's weights) with the precise view: each replica's
-        real block pool, looked up with the hashes the engines compute."""
-        replicas = self.replicas
-        if len(replicas) == 1:
-            return replicas[0]
-        policy = self.deployment.router
-        if policy == "round-robin":
-            self._rr += 1
-            return replicas[(self._rr - 1) % len(replicas)]
-        loads = [r.scheduler.num_running + r.scheduler.num_waiting for r in replicas]
-        if policy == "load":
-            return replicas[loads.index(min(loads))]
-        hashes = request_block_hashes(request.prompt_token_ids, replicas[0].scheduler.block_size,
-                                      request.cache_salt)
-        candidates = [
-            Candidate(matched_blocks=longest_prefix_match(hashes, lambda h, r=r:
-                                                          r.scheduler.kv.pool.lookup(h)
-                                                          is not None),
-                      num_waiting=r.scheduler.num_waiting, kv_usage=r.scheduler.kv.usage,
-                      num_active=load, num_routed=r.num_routed)
-            for r, load in zip(replicas, loads, strict=True)]
-        best = replicas[pick(candidates, len(hashes), ScoringWeights())]
-        best.num_routed += 1
-        return best
-
 
 def replica_kv_capacity(model: ModelConfig, deployment: Deployment,
                         parts: Parts) -> tuple[int, int]:
-    """(KV blocks of one replica, longest context one request can have) from the GPU's memory:
-    HBM × utilisation − weights per GPU − activation reserve, in pages of block_size tokens of
-    the whole per-token record (DESIGN §2); a scheduler block is one page on each DCP rank."""
-    par = deployment.parallel
-    kv = cm.kv_bytes_per_token(model, deployment.kv_dtype)
-    weights = cm.weight_bytes_per_gpu(cm.weight_bytes(model), par)
-    budget = cm.MemoryBudget(parts.hbm_bytes, deployment.gpu_memory_utilization, weights,
-                             int(cm.DEFAULT_ACTIVATION_RESERVE_GIB * 2**30))
-    blocks = budget.kv_room // (deployment.block_size * kv.total) if budget.kv_room > 0 else 0
-    if blocks < 1:
-        raise ConfigError(f"--deployment {deployment.spec!r}: the weights ({weights / 2**30:.1f} "
-                          f"GiB per GPU) leave no room for KV on a {parts.name}")
-    return blocks, cm.max_context_tokens(budget.kv_room, kv, par.decode_context_parallel_size)
+    """(KV blocks of one replica, longest context one request can have) from the GPU's memory
+    (simengine.engine_capacity)."""
+    cap = engine_capacity(model, deployment, parts)
+    return cap.kv_blocks, cap.max_context

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from dsaserve.config import ConfigError
 from dsaserve.plan.cli import _positive_float
-from dsaserve.plan.deployment import parse_deployment
+from dsaserve.plan.deployment import Deployment, parse_deployment
 from dsaserve.plan.hardware import GIB
 from dsaserve.plan.parts import H200, Curve, Measured, Parts
 from dsaserve.plan.simtrace import load_traces
@@ -42,6 +42,7 @@ COLUMNS = (  # (summary key, header, format)
     ("cache_hit_rate", "hit rate", "{:.1%}"),
     ("host_hit_rate", "from host", "{:.1%}"),
     ("acceptance_length", "MTP accept", "{:.2f}"),
+    ("kv_transfer_median", "KV xfer med s", "{:.3f}"),
     ("bottleneck", "bound", "{}"),
     ("max_context", "max ctx", "{:,}"),
 )
@@ -98,7 +99,12 @@ def render_table(results: list[SimResult]) -> str:
     for spec in dict.fromkeys(r.deployment.spec for r in results):
         rows = [r for r in results if r.deployment.spec == spec]
         gpus = rows[0].deployment.num_gpus
-        lines.append(f"{spec}  ({gpus} GPUs, {rows[0].kv_blocks:,} KV blocks per replica)")
+        engines = ", ".join(
+            f"{'' if name == 'engine' else name + ': '}{e.kv_blocks:,} KV blocks"
+            + (f", {e.max_num_seqs} seqs" if e.max_num_seqs != _default_seqs(rows[0], name)
+               else "")
+            for name, e in rows[0].engines.items())
+        lines.append(f"{spec}  ({gpus} GPUs; per replica {engines})")
         table = [[h for _, h, _ in COLUMNS]]
         for r in rows:
             s = {"concurrency": r.concurrency, **r.summary()}
@@ -114,6 +120,13 @@ def render_table(results: list[SimResult]) -> str:
     return "\n".join(lines)
 
 
+def _default_seqs(result: SimResult, engine: str) -> int:
+    """The spec's max-num-seqs for `engine` (the header names admission that lowered it)."""
+    d = result.deployment
+    spec = d if isinstance(d, Deployment) else getattr(d, engine)
+    return spec.max_num_seqs
+
+
 def render_json(results: list[SimResult], parts: Parts) -> str:
     def figure(v: Measured | Curve) -> dict[str, Any]:
         return dataclasses.asdict(v)
@@ -121,8 +134,12 @@ def render_json(results: list[SimResult], parts: Parts) -> str:
     out = {
         "parts": {k: figure(v) for k, v in parts.figures().items()},
         "runs": [{"deployment": r.deployment.spec, "gpus": r.deployment.num_gpus,
-                  "concurrency": r.concurrency, "kv_blocks": r.kv_blocks,
-                  "busy_seconds": dataclasses.asdict(r.busy), **r.summary()} for r in results],
+                  "concurrency": r.concurrency,
+                  "engines": {name: {"kv_blocks": e.kv_blocks, "max_num_seqs": e.max_num_seqs,
+                                     "max_context": e.max_context,
+                                     "busy_seconds": dataclasses.asdict(e.busy)}
+                              for name, e in r.engines.items()},
+                  **r.summary()} for r in results],
     }
     return json.dumps(out, indent=1) + "\n"
 

@@ -15,6 +15,8 @@ lock-step) layer by layer:
     comm      TP all-reduces, EP dispatch/combine, PCP gathers of new rows and cached contexts,
               DCP merges: bytes over NVLink plus one latency per collective
     overhead  a per-layer launch gap and a per-step fixed cost (graph replay, sampling)
+    host      hybrid HiSparse: the hot-buffer misses of decode rows whose context outgrows the
+              buffer, 656-byte rows over the host link (not overlapped with compute, as built)
 
 Rows: under PCP a prefill chunk's rows are split over the group, decode rows are replicated
 (DESIGN §5). A row is a decode row when its request computes at most 1 + k tokens (k MTP drafts
@@ -44,6 +46,7 @@ class StepTime:
     mla: float = 0.0
     comm: float = 0.0
     overhead: float = 0.0
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -57,6 +60,16 @@ class StepTime:
     def __add__(self, other: StepTime) -> StepTime:
         return StepTime(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                            for f in fields(self)})
+
+
+@dataclass(frozen=True)
+class HiSparseReads:
+    """Hybrid HiSparse decode as the simulator models it: a request whose context exceeds
+    `hot_rows` reads its selected rows through its hot buffer, and of each layer's top-k the
+    rows the previous step did not select (1 − `overlap`) miss and come from the host pool."""
+
+    hot_rows: int
+    overlap: float
 
 
 @dataclass(frozen=True)
@@ -87,8 +100,11 @@ class StepTimeModel:
     in lock-step with it when their experts are shared over EP)."""
 
     def __init__(self, model: ModelConfig, par: ParallelConfig, parts: Parts,
-                 kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0) -> None:
+                 kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0,
+                 hisparse: HiSparseReads | None = None) -> None:
+        """`hisparse`: decode rows read through hot buffers (None: from GPU pages)."""
         cm.check_layout(model, par)
+        self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
         self.num_drafts = num_drafts  # MTP drafts per step (0: no speculative decoding)
         self.decode_rows = 1 + num_drafts  # a request's rows in a decode (verify) step
@@ -160,8 +176,21 @@ class StepTimeModel:
             for _ in range(self.num_drafts):
                 t = t + one
         layers = m.num_hidden_layers + (self.num_drafts if drafting else 0)
+        t = t + StepTime(host=self._hot_misses(batch))
         return t + StepTime(overhead=(layers * p.kernel_overhead_us.value
                                       + p.step_overhead_us.value) * 1e-6)
+
+    def _hot_misses(self, batch: Sequence[tuple[int, int]]) -> float:
+        """Seconds of host-link reads for the step's hot-buffer misses: per hot decode request
+        and MLA layer (the MTP layer's included), (1 − overlap) × top-k rows of 656 B. A
+        verify step's 1 + k rows select nearly the same rows, so they count once."""
+        hs = self.hisparse
+        if hs is None:
+            return 0.0
+        topk = self.model.index_topk
+        hot = sum(min(c, topk) for n, c in batch if n <= self.decode_rows and c > hs.hot_rows)
+        rows = hot * (1 - hs.overlap) * (self.kv.num_layers + self.kv.num_mtp_layers)
+        return rows * self.kv.mla_row / (self.parts.host_gbps.value * 1e9)
 
     def _gemm(self, params: int, n_rows: float) -> float:
         """A weight matrix of `params` FP8 values times `n_rows` rows: compute or weight reads."""

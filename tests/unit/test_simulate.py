@@ -86,7 +86,8 @@ def test_deployment_specs():
     ("", "empty"), ("dq8", "bad layout term"), ("dp8xep4", "ep4 must span all 8"),
     ("pcp8xdcp4", "dcp must equal"), ("tp8 router=random", "router must be"),
     ("tp8 kv", "key=value"), ("tp8 max-num-seqs=0", "positive"), ("tp8 colour=red", "unknown"),
-    ("pcp8xdcp8xep8 hisparse", "not simulated yet"), ("tp8 offload=-1", "positive"),
+    ("dp8xep hisparse", "needs host="),
+    ("pcp8xdcp8xep8 hisparse host=48GiB", "without PCP or DCP"), ("tp8 offload=-1", "positive"),
 ])
 def test_bad_deployment_specs_name_the_flag(spec, words):
     with pytest.raises(ConfigError, match="--deployment") as e:
