@@ -12,7 +12,8 @@ prefill engine and a decode engine (P/D).
         acceptance=2.99; router=prefix
                                      P/D: 8 GPUs of prefill, 8 of decode, the prompt's KV moved
                                      over the network; the router picks the prefill engine by
-                                     prefix, the decode engine by load (its own router= option)
+                                     prefix + load, the decode engine too (its own router= option
+                                     overrides)
 
 Layout terms join with `x`: dp, tp, pcp, dcp take a count; `ep` may carry one, which must equal
 the GPUs its experts span (dp × pcp × tp). Options are `key=value`: router (prefix | load |
@@ -80,7 +81,8 @@ class Deployment:
 @dataclass(frozen=True)
 class PDDeployment:
     """Prefill/decode disaggregation: two engines, the router in front of both (prefill picked
-    by `router`, decode by the decode engine's own `router` option, `load` unless given)."""
+    by `router`, decode by the decode engine's own `router` option, `router` unless given, as
+    `dsaserve router` picks both)."""
 
     spec: str
     prefill: Deployment
@@ -121,7 +123,8 @@ def _parse_pd(text: str) -> PDDeployment:
     prefill = _parse_engine(" ".join(prefill_words), text)
     decode_words = parts["decode"].split()
     if not any(w.startswith("router=") for w in decode_words):
-        decode_words.append("router=load")  # the decode engine: least load unless told
+        # the decode engine as `dsaserve router` picks it: by the same policy (prefix + load)
+        decode_words.append(f"router={router}")
     decode = _parse_engine(" ".join(decode_words), text)
     if prefill.speculative is not None:
         raise ConfigError(f"--deployment {text!r}: mtp= belongs to the decode engine (the prefill "

@@ -54,7 +54,10 @@ def test_pd_spec_parses_both_engines():
     d = parse_deployment("prefill=pcp8xdcp8xep8 offload=512GiB; decode=dp8xep hisparse "
                          "host=48GiB mtp=3 acceptance=2.99; router=prefix")
     assert isinstance(d, PDDeployment) and d.num_gpus == 16
-    assert (d.prefill.router, d.decode.router) == ("prefix", "load")
+    # both engines picked as `dsaserve router` picks them, unless the decode section says
+    assert (d.prefill.router, d.decode.router) == ("prefix", "prefix")
+    own = parse_deployment("prefill=dp2; decode=dp2 router=load; router=prefix")
+    assert (own.prefill.router, own.decode.router) == ("prefix", "load")
     assert d.decode.hisparse and d.decode.hisparse_host_bytes == 48 * 2**30
     assert d.decode.speculative is not None and d.prefill.offload_bytes == 512 * 2**30
 
@@ -89,7 +92,7 @@ def test_pd_serves_every_turn_and_leaks_no_block(tmp_path):
         assert r.output_tokens == expected[r.request_id].output_tokens
         assert r.arrival < r.prefilled <= r.kv_landed <= r.first_token <= r.finish
         assert r.decode_replica is not None
-    assert {r.decode_replica for r in result.records} == {0, 1}  # least load spreads them
+    assert {r.decode_replica for r in result.records} == {0, 1}  # the load term spreads them
     for engine in sim.engines.values():
         for replica in engine.replicas:
             replica.scheduler.check_integrity()
