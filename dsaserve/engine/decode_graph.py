@@ -81,6 +81,10 @@ class DecodeGraphs:
         self.caches = caches
         self.q = rows_per_request
         self.sizes = tuple(n for n in sizes if n % self.q == 0)  # the others never fit
+        if not self.sizes:
+            logger.warning("--compilation-config: no cudagraph_capture_sizes is a multiple of "
+                           "1 + num_speculative_tokens = %d; decode steps run as they are",
+                           self.q)
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.capture = capture
