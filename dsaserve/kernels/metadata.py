@@ -67,7 +67,7 @@ class AttentionMetadata:
     # what backends derive from this step's host values once and reuse in every layer (the
     # indexer's plan); lives as long as the metadata (a captured graph holds its own), and a
     # dataclasses.replace of it starts empty
-    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False,
+    derived: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False,
                                     compare=False)
 
     def shared_requests(self) -> tuple[bool, ...]:

@@ -178,8 +178,11 @@ def _tiles(query_start_loc: tuple[int, ...],
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """What the logits kernel needs from one step's metadata, identical for every indexer layer
-    of the step: built once (host work and small copies), then reused by the other layers."""
+    """What the logits kernel needs from one step's host-side metadata, identical for every
+    indexer layer of the step: built once (host work and small copies) and kept on the metadata
+    (meta.derived), then reused by the other layers. Nothing in it depends on device values:
+    a CUDA graph captured over one metadata object stays valid when its positions change
+    (_limits reads them at every call)."""
 
     local_lens: torch.Tensor  # [R + 1] int64: 0, then each request's local keys
     tiles: torch.Tensor  # [3, num_tiles] int32: request, first token, length
