@@ -11,8 +11,9 @@ does not depend on their values) and the same decode step is run again and again
 * step wall time (host clock around `ModelRunner.execute`, the host copy of the results
   included) and the sum of the GPU kernels of one step (torch.profiler, device time): their
   ratio is how host-bound the step is (1.0 = the GPU never waits for the host);
-* "graph": the same with the target's forward replayed from a CUDA graph captured for this
-  step (sampling, rejection and MTP drafting stay eager);
+* "graph": the same with the runner's own decode path (engine/decode_graph.py): the target's
+  forward replayed from the CUDA graph the runner captured for this batch size at its first
+  step (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
 * tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
   MTP3 at synthetic acceptance 2.99) over the step's wall time.
 """
@@ -33,13 +34,13 @@ from torch.autograd import DeviceType
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
 )
 from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
-from dsaserve.engine import cudagraph
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
@@ -64,27 +65,8 @@ class Row:
         return self.tokens_per_step / (self.wall_ms / 1e3)
 
 
-class _GraphedForward:
-    """Stands in for the runner's model: the target forward replayed from a CUDA graph captured
-    at its first call (the benchmark repeats one step, so its metadata is fixed); every other
-    attribute (logits, the MTP layer) is the model's own, eager."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._model = model
-        self._pool: cudagraph.GraphPool | None = None
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-    def __call__(self, input_ids, meta, caches):
-        if self._pool is None:
-            self._pool = cudagraph.GraphPool(lambda ids: self._model(ids, meta, caches))
-            self._pool.capture(input_ids.shape[0], {"ids": input_ids})
-        return self._pool.replay(input_ids.shape[0], {"ids": input_ids})
-
-
-def _config(model_dir: Path, context: int, batch: int, mtp: bool, device: str, dtype: str,
-            kv: str) -> EngineConfig:
+def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, device: str,
+            dtype: str, kv: str) -> EngineConfig:
     k = 3 if mtp else 0
     per_request = -(-(context + 2 * k + 2) // BLOCK)
     cfg = EngineConfig(
@@ -95,7 +77,7 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, device: str, d
                                   max_model_len=per_request * BLOCK),
         attention=AttentionConfig(backend="triton" if device == "cuda" else "reference",
                                   sparse_mla_force_mqa=True),
-        dtype=dtype, device=device,
+        dtype=dtype, device=device, compilation=CompilationConfig(enforce_eager=not graph),
     )
     if mtp:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(
@@ -130,15 +112,14 @@ def _sync(device: str) -> None:
 def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
             args: argparse.Namespace) -> Row:
     k = 3 if mtp else 0
-    cfg = _config(model_dir, context, batch, mtp, args.device, args.dtype, args.kv_cache_dtype)
+    cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
+                  args.kv_cache_dtype)
     runner = ModelRunner(cfg)
     first, again = _steps(context, batch, k, cfg.model.vocab_size)
     note = ""
     try:
         runner.execute(first)
-        if graph:
-            runner.model = _GraphedForward(runner.model)
-        for _ in range(args.warmup):
+        for _ in range(args.warmup):  # the graph is captured at the first of them
             runner.execute(again)
         times, emitted = [], []
         for _ in range(args.steps):
@@ -162,6 +143,9 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
         times.sort()
         wall = 1e3 * times[len(times) // 2]
         per_step = sum(emitted) / len(emitted)
+        graphs = runner.decode_graphs
+        if graph and (graphs is None or not graphs.num_replays):
+            note = "no graph replayed"
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report the row, keep the table
         wall, kernels, per_step, note = math.nan, math.nan, math.nan, f"failed: {e}"[:120]
     del runner

@@ -15,7 +15,8 @@ import torch
 from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from dsaserve.disagg.connector import ConnectorWorker
-from dsaserve.engine import staging, step_results
+from dsaserve.engine import cudagraph, staging, step_results
+from dsaserve.engine.decode_graph import DecodeGraphs
 from dsaserve.engine.sampler import make_generator, sample_on_device
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
@@ -156,6 +157,7 @@ class ModelRunner:
             self.model, self.caches, spec.num_speculative_tokens, self._draft_metadata)
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
+        self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -253,6 +255,22 @@ class ModelRunner:
             self.hisparse.check_integrity({rid: (st.num_computed_tokens, st.block_ids)
                                            for rid, st in self.requests.items()})
 
+    def _decode_graphs(self, backend) -> DecodeGraphs | None:
+        """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
+        unless --enforce-eager or a step's rows are not whole on this rank (PCP, DCP, HiSparse).
+        Graphs are captured on CUDA with a capturable backend, and only on a single rank: the
+        EP dispatch reads the largest batch of the group on the host."""
+        cfg = self.config
+        k = cfg.num_speculative_tokens
+        sizes = cudagraph.decode_sizes(cfg.compilation, cfg.scheduler.max_num_seqs, k)
+        if (not sizes or self.groups.pcp.size > 1 or self.dcp_size > 1
+                or self.hisparse is not None):
+            return None
+        capture = (self.device.type == "cuda" and backend.capturable
+                   and self.groups.world_size == 1)
+        return DecodeGraphs(self.model, self.caches, sizes, 1 + k, cfg.scheduler.max_model_len,
+                            self.block_size, self.device, capture)
+
     def _kv_connector(self) -> ConnectorWorker | None:
         """P/D: this rank's transport, with the caches moved into (or registered as) memory
         peers can READ; must run before anything else holds the cache tensors."""
@@ -331,9 +349,10 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
 
-        # 3. forward; then sample (or verify drafts) for requests whose known tokens are done,
-        #    the results left on the device
-        hidden = self.model(batch.input_ids, batch.meta, self.caches)  # [N, hidden]
+        # 3. forward (a decode-only step: padded, through static buffers, replayed from a CUDA
+        #    graph where graphs are on); then sample (or verify drafts) for requests whose
+        #    known tokens are done, the results left on the device
+        hidden = self._forward(batch)  # [N, hidden]
         samples = self._sample(req_ids, batch, hidden)
 
         # 4. speculative decoding: the MTP layer drafts the next step's tokens
@@ -351,6 +370,20 @@ class ModelRunner:
             sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(req_ids)},
             logprobs={req_ids[r]: lps for r, lps in host.logprobs.items()},
             draft_token_ids=dict(zip(drafting, host.drafts, strict=True)))
+
+    def _forward(self, batch: _Batch) -> torch.Tensor:
+        """The target forward → hidden [N, hidden]; a decode-only step (each request: its last
+        known token and its drafts) through the padded path when a capture size fits it."""
+        qsl = batch.query_start_loc
+        counts = [qsl[r + 1] - qsl[r] for r in range(len(batch.samples))]
+        decode_only = all(batch.samples) and all(
+            n == 1 + d for n, d in zip(counts, batch.num_drafts, strict=True))
+        size = None
+        if self.decode_graphs is not None and decode_only and not batch.meta.use_dense:
+            size = self.decode_graphs.size_for(counts)
+        if size is None:
+            return self.model(batch.input_ids, batch.meta, self.caches)
+        return self.decode_graphs.forward(size, counts, batch.input_ids, batch.meta)
 
     def _sample(self, req_ids: list[str], batch: _Batch, hidden: torch.Tensor
                 ) -> step_results.DeviceSamples:

@@ -6,13 +6,17 @@ layer. Tokens of a step are flattened request by request:
     tokens   | r0: t0 t1 t2 | r1: t0 | r2: t0 t1 |
     qsl      0              3        4          6      (query_start_loc, R+1 entries)
     seq_lens   r0: ctx+3      r1: ctx+1 r2: ctx+2      (context length after this step's tokens)
+
+A decode step replayed from a CUDA graph (engine/decode_graph.py) has `bounded_seq_lens`: its
+seq_lens are the bound max_model_len, the same at every replay, so that what the host sizes from
+them (grids, buffers) stays valid; each row's context is then given by its position only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -57,6 +61,14 @@ class AttentionMetadata:
     interleave: int = 1
     pcp: PcpMetadata | None = None  # None: this rank computes every row of the batch
     hisparse: HiSparseStep | None = None  # None: every row reads the paged cache
+    # seq_lens are an upper bound, not the lengths (a captured decode step): only positions
+    # say what a row may see, and nothing may read pages up to seq_lens
+    bounded_seq_lens: bool = False
+    # what backends derive from this step's host values once and reuse in every layer (the
+    # indexer's plan); lives as long as the metadata (a captured graph holds its own), and a
+    # dataclasses.replace of it starts empty
+    derived: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False,
+                                    compare=False)
 
     def shared_requests(self) -> tuple[bool, ...]:
         """Per request: are its rows identical on every rank of the DCP group (so partial results
@@ -85,6 +97,7 @@ class AttentionMetadata:
             seq_lens=tuple(self.seq_lens[r] for r in requests),
             block_size=self.block_size, use_dense=self.use_dense, dcp_size=self.dcp_size,
             dcp_rank=self.dcp_rank, interleave=self.interleave, pcp=None,
+            bounded_seq_lens=self.bounded_seq_lens,
         )
         return sub, idx
 

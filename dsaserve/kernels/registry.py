@@ -19,6 +19,9 @@ from dsaserve.kv import layout
 
 class AttentionBackend(Protocol):
     name: str
+    # Whether a decode step through it can be captured in a CUDA graph (no host reads of
+    # device data, grids sized from host metadata only; engine/decode_graph.py).
+    capturable: bool
 
     def prepare(self, device: torch.device) -> None:
         """Build ahead of serving on device what the backend would otherwise compile during the
@@ -65,6 +68,9 @@ class ReferenceBackend:
     """Plain PyTorch over the byte formats of kernels/formats.py; the oracle for the others."""
 
     name = "reference"
+    # It loops over requests on the host and reads a request's context length from the device
+    # when the metadata gives only a bound: decode steps run eager through it.
+    capturable = False
 
     def __init__(self) -> None:
         self.indexer_rows_scored = 0  # query rows this rank ran the indexer for (tests, metrics)
@@ -98,9 +104,13 @@ class ReferenceBackend:
             if start == end:
                 continue
             self.indexer_rows_scored += end - start
-            # This rank's keys of the request, in position order (all of them without DCP).
+            # This rank's keys of the request, in position order (all of them without DCP);
+            # with bounded seq_lens, those up to its last row (later pages may be unallocated)
+            seq_len = meta.seq_lens[r]
+            if meta.bounded_seq_lens:
+                seq_len = int(meta.positions[start:end].max()) + 1
             key_slots, key_pos = layout.context_slots(
-                meta.seq_lens[r], meta.block_table[r], meta.block_size,
+                seq_len, meta.block_table[r], meta.block_size,
                 meta.dcp_size, meta.dcp_rank, meta.interleave,
             )
             if key_pos.numel() == 0:  # this DCP rank stores none of the request's tokens yet

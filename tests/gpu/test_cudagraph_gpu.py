@@ -6,7 +6,9 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
   rows) captured for one step's metadata: every kernel of the decode path is capturable and the
   replay gives eager's hidden states and argmax tokens;
 * a decode step of the engine, under torch.cuda.set_sync_debug_mode("warn"), copies device data
-  to the host no more often than the CPU counter says (the one copy of the results)."""
+  to the host no more often than the CPU counter says (the one copy of the results);
+* the engine with graphs on (the runner's own padded decode path, engine/decode_graph.py) gives
+  the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -28,6 +31,8 @@ from dsaserve.core import SamplingParams
 from dsaserve.engine import cudagraph
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.syncs import SyncCounter
+from dsaserve.model.presets import trained_model_dir
+from dsaserve.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -94,8 +99,9 @@ def test_decode_step_device_to_host_copies(model_dirs, k):
         out = engine.runner.execute(so)
     assert syncs.count == 1, syncs.report()
     engine.scheduler.update_from_output(so, out)
-    # what CUDA itself reports (host → device copies of the metadata included: the persistent
-    # buffers of docs/decode.md remove those); printed for the record
+    # what CUDA itself reports (host → device copies of the metadata included: a device block
+    # table kept from the scheduler's diff would remove those, docs/decode.md); printed for
+    # the record
     so = engine.scheduler.schedule()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -105,3 +111,51 @@ def test_decode_step_device_to_host_copies(model_dirs, k):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     print(f"k={k}: {len(caught)} synchronizing CUDA calls in one decode step")
+
+
+_SNIPPETS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n",
+             "class Stack:\n    def __init__(self):\n", "for i in range(10):\n",
+             "def is_prime(n):\n    if n < 2:\n"]
+_JOINS = [0, 0, 1, 3, 3]  # the step each snippet's request joins at
+
+
+def _generate(compilation: CompilationConfig, k: int) -> tuple[dict[str, list[int]], LLMEngine]:
+    """The trained tiny model (confident logits: bf16 batch-shape differences do not flip its
+    argmax) on the triton backend, fp8_ds_mla KV; five requests of different lengths joining
+    at three steps and leaving at different ones: running batches of 1 to 5 requests, padded
+    (3 → 4, 5 → 8 requests; with MTP3 each request's slot holds 4 rows)."""
+    d = trained_model_dir()
+    cfg = EngineConfig(str(d), ModelConfig.from_file(d),
+                       cache=CacheConfig(block_size=64, num_gpu_blocks=128,
+                                         kv_cache_dtype="fp8_ds_mla"),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+                       attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
+                       dtype="bfloat16", device="cuda", compilation=compilation)
+    if k:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+    engine = LLMEngine.from_config(cfg)
+    tok = Tokenizer.from_pretrained(d)
+    outputs: dict[str, list[int]] = {}
+    for step in range(400):
+        for i, at in enumerate(_JOINS):
+            if at == step:
+                engine.add_request(f"r{i}", tok.encode(_SNIPPETS[i]), SamplingParams(
+                    max_tokens=24 + 8 * i, temperature=0.0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if step > max(_JOINS) and not engine.has_unfinished_requests():
+            break
+    engine.check_integrity()
+    return outputs, engine
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_engine_graphs_give_eager_tokens(k):
+    eager_out, eager = _generate(CompilationConfig(enforce_eager=True), k)
+    assert eager.runner.decode_graphs is None
+    graph_out, engine = _generate(CompilationConfig(), k)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.capture
+    assert graphs.num_replays > 0 and graphs.num_replays == graphs.num_steps
+    print(f"k={k}: {graphs.num_replays} replays over sizes {sorted(graphs._graphs)}")
+    assert graph_out == eager_out

@@ -253,6 +253,46 @@ def test_indexer_topk_matches_reference(k, fp8, dcp, windowed):
         assert bool((logits[t, int(limits[t]):] == float("-inf")).all())
 
 
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "float"])
+def test_indexer_bounded_metadata_follows_positions_across_steps(k, fp8):
+    """A captured decode step's view (engine/decode_graph.py): seq_lens at the bound, a block
+    table as wide as the bound (−1 past each request's pages), and ONE metadata object whose
+    positions are rewritten in place from step to step. Its top-k equals the reference's on
+    each step's exact metadata: the plan derived once holds nothing that depends on positions,
+    and pages past a row's position are never read."""
+    g = _gen()
+    heads, head_dim, block_size, topk, bound = 16, 32, 16, 8, 64
+    steps = [(40, 9, 23), (41, 30, 2)]  # seq_lens of two consecutive steps, 2 rows each
+    pages = [-(-max(s) // block_size) for s in zip(*steps, strict=True)]
+    exact_table = scattered_block_table(pages, g)
+    table = torch.full((3, bound // block_size), -1, dtype=torch.int32)
+    table[:, : exact_table.shape[1]] = exact_table
+    cache = torch.zeros(formats.index_cache_shape(sum(pages), block_size, fp8, head_dim),
+                        dtype=torch.uint8 if fp8 else torch.float32)
+    for r, s in enumerate(pages):
+        slots, _ = layout.context_slots(s * block_size, exact_table[r], block_size)
+        formats.write_index_cache(cache, slots, torch.randn(len(slots), head_dim, generator=g))
+    positions = torch.zeros(6, dtype=torch.int64)
+    bounded = AttentionMetadata(
+        positions=positions, req_indices=torch.arange(6) // 2, slot_mapping=torch.full((6,), -1),
+        block_table=table, query_start_loc=(0, 2, 4, 6), seq_lens=(bound,) * 3,
+        block_size=block_size, use_dense=False, bounded_seq_lens=True)
+    for seq_lens in steps:
+        exact = AttentionMetadata.for_requests(seq_lens, (2, 2, 2), exact_table, block_size)
+        positions.copy_(exact.positions)
+        q = torch.randn(6, heads, head_dim, generator=g)
+        w = torch.randn(6, heads, generator=g)
+        scores, pos = k.indexer.indexer_topk(q, w, cache, bounded, topk)
+        ref_scores, ref_pos = ReferenceBackend().indexer_topk(q, w, cache, exact, topk)
+        assert torch.equal(pos >= 0, ref_pos >= 0)
+        order = scores.sort(dim=1, descending=True)
+        assert torch.allclose(order.values, ref_scores, rtol=1e-5, atol=1e-5)
+        # the reference reads the same keys through the bounded metadata
+        again_scores, _ = ReferenceBackend().indexer_topk(q, w, cache, bounded, topk)
+        assert torch.equal(again_scores, ref_scores)
+    assert len(bounded.derived) == 1  # one plan, built at the first step
+
+
 def test_window_merge_keeps_the_best_and_breaks_ties_by_index(k):
     """Key windows are merged by (score, then smaller key index), as row_topk breaks ties, so
     a windowed top-k picks the same keys every run; −0.0 and +0.0 keep their float order."""

@@ -32,6 +32,9 @@ class TritonBackend:
     tolerances (bf16 operands ≤ 1e-2 relative; fp8 caches against the dequantized reference)."""
 
     name = "triton"
+    # Every decode-path kernel takes its sizes from shapes and the step's host metadata (at
+    # the bound under a graph), none from device values: a decode step can be captured.
+    capturable = True
 
     def __init__(self, mla_config: sparse_mla.SparseMlaConfig | None = None,
                  indexer_config: indexer.IndexerConfig | None = None) -> None:
@@ -89,7 +92,9 @@ class TritonBackend:
             return self._reference.sparse_mla_positions(q, kv_cache, positions, meta, scale,
                                                         kv_lora_rank)
         dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
-        if (kv_cache.dtype != torch.uint8 or meta.pcp is not None
+        # Bounded seq_lens (a captured decode step) say nothing about which pages hold rows:
+        # no workspace, whose pages would be read up to them.
+        if (kv_cache.dtype != torch.uint8 or meta.pcp is not None or meta.bounded_seq_lens
                 or not 0 < meta.num_tokens == q.shape[0]):
             found = slots.position_slots(positions, meta.req_indices, meta.block_table,
                                          meta.block_size, *dcp)

@@ -31,7 +31,6 @@ local top-k of (score, global position). The key writer is index_cache.py.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -179,11 +178,13 @@ def _tiles(query_start_loc: tuple[int, ...],
 
 @dataclass(frozen=True)
 class _StepPlan:
-    """What the logits kernel needs from one step's metadata, identical for every indexer layer
-    of the step: built once (host work and small copies), then reused by the other layers."""
+    """What the logits kernel needs from one step's host-side metadata, identical for every
+    indexer layer of the step: built once (host work and small copies) and kept on the metadata
+    (meta.derived), then reused by the other layers. Nothing in it depends on device values:
+    a CUDA graph captured over one metadata object stays valid when its positions change
+    (_limits reads them at every call)."""
 
-    limits: torch.Tensor  # [T] int64: visible local keys per token
-    limits_i32: torch.Tensor  # [T] int32, the kernel's copy
+    local_lens: torch.Tensor  # [R + 1] int64: 0, then each request's local keys
     tiles: torch.Tensor  # [3, num_tiles] int32: request, first token, length
     block_table: torch.Tensor  # [R, max_blocks] int32 on the device
     s_out: int  # longest local key sequence of the batch
@@ -220,30 +221,22 @@ def _row_passes(toks: list[int], lens: list[int], max_rows: int
     return passes
 
 
-_last_plan: tuple[weakref.ref, tuple, _StepPlan] | None = None
-
-
 def _max_query_len(meta: AttentionMetadata) -> int:
     return max((b - a for a, b in map(meta.query_range, range(meta.num_reqs))), default=1)
 
 
 def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tensor,
                config: IndexerConfig) -> _StepPlan:
-    global _last_plan
     num_heads, device = q.shape[1], q.device
-    key = (num_heads, str(device), q.dtype, index_cache.dtype, config)
-    if _last_plan is not None and _last_plan[0]() is meta and _last_plan[1] == key:
-        return _last_plan[2]
+    key = ("indexer", num_heads, str(device), q.dtype, index_cache.dtype, config)
+    plan = meta.derived.get(key)
+    if plan is not None:
+        return plan
     # Which logits kernel runs is decided here, once per step, and so are its tiles.
     cuda_shape = _cuda_shape(q, index_cache, config, meta)
     rows_per_tile = cuda_logits.block_rows(cuda_shape) if cuda_shape else config.rows_per_tile
     local_lens = [layout.dcp_local_seq_len(s, meta.dcp_size, meta.dcp_rank, meta.interleave)
                   for s in meta.seq_lens]
-    # Keys this rank owns among positions [0, pos] of each query: its visible local keys.
-    limits = layout.dcp_local_seq_len(meta.positions.to(device, torch.int64) + 1, meta.dcp_size,
-                                      meta.dcp_rank, meta.interleave)  # [T]
-    lens = torch.tensor([0] + local_lens, device=device)
-    limits = torch.minimum(limits, lens[meta.req_indices.to(device) + 1])
     max_len = _max_query_len(meta)
     # Tiles of up to rows_per_tile (tokens × heads): one page read serves all of them.
     block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
@@ -263,7 +256,7 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     row_passes = [_RowPass(first, end, flat_t[3 * a : 3 * b].view(3, b - a))
                   for first, end, a, b in passes]
     plan = _StepPlan(
-        limits=limits, limits_i32=limits.to(torch.int32),
+        local_lens=torch.tensor([0] + local_lens, dtype=torch.int64, device=device),
         tiles=torch.tensor([reqs, toks, tile_lens], dtype=torch.int32, device=device),
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
         s_out=s_out, block_t=block_t, cuda_shape=cuda_shape,
@@ -271,8 +264,17 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
         if device.type == "cuda" else 0,
         row_passes=tuple(row_passes),
     )
-    _last_plan = (weakref.ref(meta), key, plan)
+    meta.derived[key] = plan
     return plan
+
+
+def _limits(meta: AttentionMetadata, plan: _StepPlan) -> torch.Tensor:
+    """[T] int64: the local keys among positions [0, pos] of each query (its visible keys),
+    from the device positions; at most its request's local length."""
+    device = plan.local_lens.device
+    limits = layout.dcp_local_seq_len(meta.positions.to(device, torch.int64) + 1, meta.dcp_size,
+                                      meta.dcp_rank, meta.interleave)  # [T]
+    return torch.minimum(limits, plan.local_lens[meta.req_indices.to(device) + 1])
 
 
 @dataclass(frozen=True)
@@ -427,10 +429,11 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
                          f"inside the {plan.s_out} local keys")
-    tiles, limits, limits_i32 = plan.tiles, plan.limits, plan.limits_i32
+    tiles, limits = plan.tiles, _limits(meta, plan)
     if rows is not None:  # the kernel sees the pass's rows as a step of their own
         tiles = rows.tiles
-        limits, limits_i32 = limits[rows.first : rows.end], limits_i32[rows.first : rows.end]
+        limits = limits[rows.first : rows.end]
+    limits_i32 = limits.to(torch.int32)
     if window is None:
         block_table = plan.block_table
     else:  # the kernel sees the window as a sequence of its own

@@ -12,6 +12,8 @@ from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 
 
 class HiSparseBackend:
+    capturable = False  # the residency step runs on the host side of every layer
+
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name

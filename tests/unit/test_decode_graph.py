@@ -1,0 +1,117 @@
+"""The padded decode path (engine/decode_graph.py) on the CPU: decode-only steps run at a capture
+size through static buffers, padding rows copying live ones and writing nowhere. The engine's
+greedy output with it equals --enforce-eager's (no padding) over many steps, with batches that
+are not capture sizes, requests joining and leaving between steps, with MTP3 (drafts cut near
+max_tokens: padding inside a request) and without, bf16 and fp8_ds_mla KV; no block leaks.
+Replays of captured graphs are checked on a GPU (tests/gpu/test_cudagraph_gpu.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dsaserve.config import CompilationConfig, SpecConfig
+from dsaserve.core import SamplingParams
+from dsaserve.engine.decode_graph import pad_layout
+from dsaserve.engine.engine import LLMEngine
+
+
+def test_pad_layout_copies_live_rows_into_request_slots():
+    # the module's picture: rows 4, 2, 4 in slots of 4, size 16
+    lay = pad_layout([4, 2, 4], 4, 16)
+    assert lay.src_rows == [0, 1, 2, 3, 4, 5, 5, 5, 6, 7, 8, 9, 3, 3, 3, 3]
+    assert lay.writes == [True] * 6 + [False] * 2 + [True] * 4 + [False] * 4
+    assert lay.src_reqs == [0, 1, 2, 0]
+    assert lay.out_rows == [0, 1, 2, 3, 4, 5, 8, 9, 10, 11]
+    one = pad_layout([1, 1, 1], 1, 4)  # no drafts: one padding request
+    assert (one.src_rows, one.writes, one.out_rows) == ([0, 1, 2, 0], [True] * 3 + [False],
+                                                         [0, 1, 2])
+
+
+@pytest.mark.parametrize("counts,q,size", [([5], 4, 8), ([1, 1, 1], 4, 8), ([1], 4, 6),
+                                           ([], 1, 4), ([0], 1, 1)])
+def test_pad_layout_refuses_what_does_not_fit(counts, q, size):
+    with pytest.raises(ValueError, match="pad_layout"):
+        pad_layout(counts, q, size)
+
+
+# (max_tokens, the step it joins at): requests join while others decode and leave at
+# different steps; 3 or 5 running requests are no capture size (1, 2, 4, 8 of each q)
+_ARRIVALS = [(7, 0), (10, 0), (4, 0), (8, 2), (6, 4), (9, 4)]
+
+
+def _run(config, prompts) -> tuple[dict[str, list[int]], LLMEngine]:
+    engine = LLMEngine.from_config(config)
+    sizes: list[tuple[int, tuple[int, ...]]] = []
+    graphs = engine.runner.decode_graphs
+    if graphs is not None:  # record the (size, rows per request) of every padded step
+        forward = graphs.forward
+
+        def spy(size, counts, *args):
+            sizes.append((size, tuple(counts)))
+            return forward(size, counts, *args)
+
+        graphs.forward = spy
+    outputs: dict[str, list[int]] = {}
+    step = 0
+    while step < 200:
+        for i, (max_tokens, at) in enumerate(_ARRIVALS):
+            if at == step:
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+        if step > max(at for _, at in _ARRIVALS) and not engine.has_unfinished_requests():
+            break
+    engine.check_integrity()
+    stats = engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks, "a KV block leaked"
+    engine.padded_steps = sizes
+    return outputs, engine
+
+
+@pytest.mark.parametrize("k,dtype,kv", [
+    (0, "float32", "auto"), (3, "float32", "auto"), (3, "bfloat16", "auto"),
+    (0, "float32", "fp8_ds_mla"), (3, "float32", "fp8_ds_mla")],
+    ids=["fp32", "fp32-mtp3", "bf16-mtp3", "fp8_ds_mla", "fp8_ds_mla-mtp3"])
+def test_padded_decode_equals_eager(model_dirs, engine_config, mixed_prompts, k, dtype, kv):
+    base = engine_config(model_dirs["tiny-glm5"], kv_cache_dtype=kv, dtype=dtype,
+                         max_num_seqs=8, num_blocks=96)
+    if k:
+        base = dataclasses.replace(base, speculative=SpecConfig(num_speculative_tokens=k))
+    prompts = mixed_prompts(len(_ARRIVALS), seed=3)
+    eager_out, eager = _run(dataclasses.replace(
+        base, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    assert eager.runner.decode_graphs is None
+    sizes = (1, 2, 4, 8) if not k else (4, 8, 16, 32)
+    padded_out, padded = _run(dataclasses.replace(
+        base, compilation=CompilationConfig(cudagraph_capture_sizes=sizes)), prompts)
+    assert padded_out == eager_out
+    assert all(len(padded_out[f"r{i}"]) == n for i, (n, _) in enumerate(_ARRIVALS))
+    steps = padded.padded_steps
+    assert padded.runner.decode_graphs.num_steps == len(steps) > 5
+    assert padded.runner.decode_graphs.num_replays == 0  # no graphs on the CPU
+    q = 1 + k
+    assert any(len(c) * q < size for size, c in steps), "no step was padded with requests"
+    if k:
+        assert any(min(c) < q for _, c in steps), "no request was padded inside its slot"
+    if dtype == "float32" and kv == "auto":
+        # the same KV everywhere: padding rows wrote nowhere live
+        for a, b in zip(eager.runner.caches, padded.runner.caches, strict=True):
+            torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_and_large_batches_run_as_they_are(model_dirs, engine_config, mixed_prompts):
+    """Steps with prefill rows, and decode batches past the largest size, skip the padded
+    path; output is unchanged."""
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8, num_blocks=96)
+    prompts = mixed_prompts(len(_ARRIVALS), seed=4)
+    eager_out, _ = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    small_out, small = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(2,))), prompts)
+    assert small_out == eager_out
+    assert small.padded_steps and all(len(c) <= 2 for _, c in small.padded_steps)
