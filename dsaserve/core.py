@@ -259,6 +259,9 @@ class SchedulerOutput:
     kv_loads: tuple[KVTransfer, ...] = ()  # host → GPU, into blocks no scheduled request reads
     # P/D: prompts whose KV the runner reads from a prefill engine before this step's forward
     kv_recvs: tuple[KVRecv, ...] = ()
+    # HiSparse with fewer MLA pages than blocks (kv/hisparse/mla_pages.py): (block id, MLA page
+    # or −1: spilled) for every block whose page changed since the last step; applied first
+    mla_pages: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
