@@ -49,6 +49,7 @@ from dsaserve.core import (
     RequestStatus,
     SchedulerOutput,
 )
+from dsaserve.kv.hisparse.admission import min_mla_pages
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
@@ -96,7 +97,7 @@ class Scheduler:
         self._step = 0
         self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
         if num_mla_pages:
-            self.mla = self._mla_page_map(num_mla_pages, num_blocks, needed)
+            self.mla = self._mla_page_map(num_mla_pages, num_blocks)
         # The host KV tier (kv/offload.py), when the engine has one: it needs the block keys.
         self.offload: OffloadManager | None = None
         if num_host_blocks:
@@ -120,10 +121,13 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_per_pos = [0] * num_speculative_tokens
 
-    def _mla_page_map(self, num_pages: int, num_blocks: int, needed: int) -> MlaPageMap:
+    def _mla_page_map(self, num_pages: int, num_blocks: int) -> MlaPageMap:
+        """The page map of HiSparse spilling, its size checked against the pool and against
+        one request's window."""
         flag = "--attention-config: hisparse_config.device_mla_pages"
         if num_pages > num_blocks:
             raise ConfigError(f"{flag} {num_pages} exceeds the {num_blocks} KV blocks")
+        needed = min_mla_pages(self.config.max_model_len + self.num_lookahead, self.block_size)
         if num_pages < needed:
             # A prefill reads its GPU pages: a lone request of max_model_len must fit.
             raise ConfigError(

@@ -14,6 +14,7 @@ from dsaserve.config import ConfigError, HiSparseConfig, OffloadConfig, SpecConf
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.block_pool import BlockPool
+from dsaserve.kv.hisparse.admission import min_mla_pages, mla_pages_for
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap
 
 HOST = HiSparseConfig(host_pool_bytes=16 << 20)
@@ -139,9 +140,13 @@ def test_later_turn_prefix_hit_with_spilling(model_dirs, engine_config):
 
 
 def test_too_few_mla_pages_is_refused(model_dirs, engine_config):
+    """The least the engine accepts is one window (a prefill reads its pages): the rule
+    `dsaserve plan`'s suggestion starts from (kv/hisparse/admission.py)."""
     model_dir = model_dirs["tiny-glm5"]
+    least = min_mla_pages(64, B)
+    assert least == 16 == mla_pages_for(0, 64, B, tail_pages=2)
     with pytest.raises(ConfigError, match="device_mla_pages 15 cannot hold one request"):
-        LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=15))
+        LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=least - 1))
     with pytest.raises(ConfigError, match="device_mla_pages 101 exceeds the 100 KV blocks"):
         LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=101))
     cfg = _config(engine_config, model_dir, buffer=16, mla_pages=16)
