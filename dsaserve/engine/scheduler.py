@@ -578,6 +578,8 @@ class Scheduler:
 
     def _forget_in_runner(self, request_id: str) -> None:
         self._last_scheduled.pop(request_id, None)
+        if self.mla is not None:
+            self.mla.forget(request_id)
         if self._runner_num_tokens.pop(request_id, None) is not None:
             del self._runner_num_blocks[request_id]
             self._finished_ids.append(request_id)

@@ -62,6 +62,7 @@ class MlaPageMap:
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._changes: dict[int, int] = {}  # block id → page or SPILLED, since take_changes()
         self.num_spills = 0  # blocks spilled so far (a counter for tests and stats)
+        self._spilled_prefix: dict[str, int] = {}  # request id → its leading blocks spilled
 
     @property
     def num_free_pages(self) -> int:
@@ -95,13 +96,23 @@ class MlaPageMap:
         """Blocks that may spill, in spill order: the long decoders' resident blocks below
         their write tails, held by them alone; the least recently scheduled request first
         (ties: the older running one), and within a request its earliest positions first.
-        Lazy: pages are taken one at a time."""
+        Lazy: pages are taken one at a time. A request's spilled blocks are a prefix of its
+        table (spills go earliest first), skipped in O(1) through a cursor per request."""
         decoders = [(last_scheduled.get(r.request_id, -1), i, r) for i, r in enumerate(running)
                     if is_long_decoder(r, buffer_rows)]
         for _, _, req in sorted(decoders, key=lambda t: t[:2]):
-            for b in req.block_ids[: req.num_computed_tokens // block_size]:
+            blocks, end = req.block_ids, req.num_computed_tokens // block_size
+            i = self._spilled_prefix.get(req.request_id, 0)
+            while i < end and blocks[i] not in self.page_of:
+                i += 1
+            self._spilled_prefix[req.request_id] = i
+            for b in blocks[i:end]:
                 if b in self.page_of and self.pool.ref_count(b) == 1:
                     yield b
+
+    def forget(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted or preempted)."""
+        self._spilled_prefix.pop(request_id, None)
 
     def make_resident(self, block_ids: Sequence[int], victims: Iterable[int]) -> bool:
         """Give every block of `block_ids` (held by the caller's request) a page: a free page,
@@ -185,6 +196,11 @@ class MlaPageMap:
         for b in range(self.pool.num_blocks):
             if self.pool.block_hash(b) is not None and b not in self.page_of:
                 raise AssertionError(f"MLA pages: cached block {b} has no page")
+        running = list(running)
+        by_id = {r.request_id: r for r in running}
+        for rid, i in self._spilled_prefix.items():
+            if rid not in by_id or any(b in self.page_of for b in by_id[rid].block_ids[:i]):
+                raise AssertionError(f"MLA pages: stale spill cursor of {rid!r}")
         spillable: set[int] = set()
         for req in running:
             if is_long_decoder(req, buffer_rows):
