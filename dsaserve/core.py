@@ -336,6 +336,10 @@ class EngineStats:
     offload_bytes_loaded: int = 0
     num_host_blocks_used: int = 0
     num_host_blocks: int = 0
+    # HiSparse spilling (zeros when off): GPU MLA pages, those free, blocks spilled so far
+    num_mla_pages: int = 0
+    num_mla_pages_free: int = 0
+    hisparse_mla_spills: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

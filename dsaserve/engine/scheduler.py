@@ -629,6 +629,8 @@ class Scheduler:
             spec_decode_num_accepted_tokens=sum(self.spec_num_accepted_per_pos),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_num_accepted_per_pos),
             **(self._offload_stats() if self.offload else {}),
+            **(dict(num_mla_pages=self.mla.num_pages, num_mla_pages_free=self.mla.num_free_pages,
+                    hisparse_mla_spills=self.mla.num_spills) if self.mla else {}),
         )
 
     def _offload_stats(self) -> dict[str, int]:

@@ -83,7 +83,7 @@ def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, 
     assert engine.runner.caches[0].index.shape[0] == 100  # the indexer keeps a page per block
     got, most_running, most_blocks = _run(engine, prompts, params)
     assert got == want
-    assert engine.scheduler.mla.num_spills > 0
+    assert engine.scheduler.mla.num_spills == engine.stats().hisparse_mla_spills > 0
     assert most_running == len(prompts)
     assert most_blocks > pages  # more KV at once than the MLA pages hold: concurrency beyond HBM
     assert engine.stats().num_preemptions == 0
@@ -176,3 +176,18 @@ def test_page_map_spills_lru_and_keeps_idle_pages():
     assert a[2] not in mla.page_of and pool.lookup(b"h2") is None and mla.num_spills == 1
     changes = dict(mla.take_changes())
     assert changes[a[2]] == -1 and changes[c[0]] >= 0 and not mla.take_changes()
+
+
+def test_spill_metrics():
+    """The page usage gauge and the spill counter appear only when spilling is on."""
+    from dsaserve.core import EngineStats
+    from dsaserve.serve.metrics import ServerMetrics
+
+    base = dict(num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
+                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+    on = EngineStats(**base, num_mla_pages=16, num_mla_pages_free=4, hisparse_mla_spills=7)
+    text = ServerMetrics("m", lambda: on).exposition().decode()
+    assert 'vllm:hisparse_mla_pages_usage_perc{model_name="m"} 0.75' in text
+    assert 'vllm:hisparse_mla_spilled_blocks_total{model_name="m"} 7.0' in text
+    off = ServerMetrics("m", lambda: EngineStats(**base)).exposition().decode()
+    assert "hisparse" not in off
