@@ -120,6 +120,22 @@ def test_without_pressure_nothing_spills(model_dirs, engine_config):
     assert engine.scheduler.mla.num_spills == 0
 
 
+def test_dense_path_reads_mla_pages(model_dirs, engine_config):
+    """Contexts within top-k take the dense path, which reads every row of the MLA pages (not
+    the block ids); then they grow past the buffer and spill."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    prompts = [p[:9] for p in _prompts(4, seed=15, lo=9, hi=12)]
+    ref_cfg = _config(engine_config, model_dir)
+    ref_cfg = replace(ref_cfg, attention=replace(ref_cfg.attention, sparse_mla_force_mqa=False))
+    want = LLMEngine.from_config(ref_cfg).generate(prompts, params)
+    cfg = _config(engine_config, model_dir, buffer=16, mla_pages=16)
+    cfg = replace(cfg, attention=replace(cfg.attention, sparse_mla_force_mqa=False))
+    engine = LLMEngine.from_config(cfg)
+    assert _run(engine, prompts, params)[0] == want
+    assert engine.scheduler.mla.num_spills > 0
+
+
 def test_later_turn_prefix_hit_with_spilling(model_dirs, engine_config):
     """A finished turn's cached blocks keep their pages (idle); another request's prefill takes
     some of them (tail blocks first, which leave the prefix cache) and a later turn still hits

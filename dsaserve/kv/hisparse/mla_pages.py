@@ -57,7 +57,9 @@ class MlaPageMap:
         self.num_pages = num_pages
         self.pool = pool
         self.page_of: dict[int, int] = {}  # block id → its MLA page (resident blocks only)
-        self._free_pages = list(range(num_pages - 1, -1, -1))  # pop() hands out page 0 first
+        # pop() hands out the last page first: block ids (the pool hands out 0 first) and pages
+        # differ from the start, so a block id used as a page shows up in any test
+        self._free_pages = list(range(num_pages))
         # free (ref 0) cached blocks keeping their page, least recently freed first
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._changes: dict[int, int] = {}  # block id → page or SPILLED, since take_changes()
