@@ -26,6 +26,11 @@ slots, where the MTP layer's later draft steps write their keys:
 tokens (d1, x) are appended with the stop rules applied to each, and blocks past the request's
 tokens are given back (they held rejected drafts or lookahead only; full blocks are cached only up
 to the computed tokens, so a rejected token never enters the prefix cache).
+
+HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
+are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
+older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
+request is admitted only when its prefill's pages can be found.
 """
 
 from __future__ import annotations
