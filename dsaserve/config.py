@@ -404,6 +404,10 @@ class AttentionConfig:
     sparse_mla_force_mqa: bool = False
     # hisparse_config.device_buffer_size: hot-buffer rows per request (None: the default)
     hisparse_device_buffer_size: int | None = None
+    # hisparse_config.device_mla_pages: GPU pages of the MLA cache (None: one per KV block, no
+    # spilling); fewer than the blocks makes long decoders' older MLA pages spill to the host
+    # pool (kv/hisparse/mla_pages.py)
+    hisparse_device_mla_pages: int | None = None
     hisparse_config_given: bool = False  # whether hisparse_config was in the JSON
 
     @staticmethod
@@ -420,18 +424,24 @@ class AttentionConfig:
         if not isinstance(force, bool):
             raise ConfigError(f"{flag}: sparse_mla_force_mqa must be true or false")
         hs = raw.get("hisparse_config")
-        size = None
+        size = pages = None
         if hs is not None:
-            if not isinstance(hs, dict) or set(hs) - {"device_buffer_size"}:
+            if not isinstance(hs, dict) or set(hs) - {"device_buffer_size", "device_mla_pages"}:
                 raise ConfigError(f"{flag}: hisparse_config must be an object with only "
-                                  "device_buffer_size")
+                                  "device_buffer_size and device_mla_pages")
             size = hs.get("device_buffer_size")
             if size is not None and (isinstance(size, bool) or not isinstance(size, int)
                                      or not 1 <= size <= HISPARSE_MAX_BUFFER_ROWS):
                 raise ConfigError(f"{flag}: hisparse_config.device_buffer_size must be an "
                                   f"integer in [1, {HISPARSE_MAX_BUFFER_ROWS}], got {size!r}")
+            pages = hs.get("device_mla_pages")
+            if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
+                                      or pages < 1):
+                raise ConfigError(f"{flag}: hisparse_config.device_mla_pages must be a positive "
+                                  f"integer, got {pages!r}")
         return AttentionConfig(backend=str(raw.get("backend", backend)), sparse_mla_force_mqa=force,
                                hisparse_device_buffer_size=size,
+                               hisparse_device_mla_pages=pages,
                                hisparse_config_given=hs is not None)
 
 
@@ -724,6 +734,15 @@ class EngineConfig:
         if self.parallel.prefill_context_parallel_size > 1:
             raise ConfigError(f"{flag}: {HISPARSE_CONNECTOR} is for decode engines; it does not "
                               "run with --prefill-context-parallel-size > 1")
+        if self.attention.hisparse_device_mla_pages is not None:
+            # The host tier's and P/D's copies address MLA rows by block id (not built yet).
+            pages = "--attention-config: hisparse_config.device_mla_pages"
+            if self.offload.enabled:
+                raise ConfigError(f"{pages} does not run with the host KV tier "
+                                  f"({self.offload.flag}) yet")
+            if self.disagg is not None:
+                raise ConfigError(f"{pages} does not run in a P/D engine "
+                                  "(kv_connector NixlConnector) yet")
         rows = 1 + self.num_speculative_tokens
         need = rows * m.index_topk
         size = self.hisparse_buffer_rows

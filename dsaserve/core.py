@@ -259,6 +259,9 @@ class SchedulerOutput:
     kv_loads: tuple[KVTransfer, ...] = ()  # host → GPU, into blocks no scheduled request reads
     # P/D: prompts whose KV the runner reads from a prefill engine before this step's forward
     kv_recvs: tuple[KVRecv, ...] = ()
+    # HiSparse with fewer MLA pages than blocks (kv/hisparse/mla_pages.py): (block id, MLA page
+    # or −1: spilled) for every block whose page changed since the last step; applied first
+    mla_pages: tuple[tuple[int, int], ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -333,6 +336,10 @@ class EngineStats:
     offload_bytes_loaded: int = 0
     num_host_blocks_used: int = 0
     num_host_blocks: int = 0
+    # HiSparse spilling (zeros when off): GPU MLA pages, those free, blocks spilled so far
+    num_mla_pages: int = 0
+    num_mla_pages_free: int = 0
+    hisparse_mla_spills: int = 0
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

@@ -69,13 +69,16 @@ class LLMEngine:
         if config.hisparse is not None:  # admission by host capacity (kv/hisparse/admission.py)
             admits = min(executor.call("hisparse_spec"))
             sched = dataclasses.replace(sched, max_num_seqs=min(sched.max_num_seqs, admits))
+        # HiSparse spilling: every rank has the same MLA page count (the flag's)
+        mla_pages = min(executor.call("hisparse_mla_pages")) if config.hisparse else 0
         self.connector = self._kv_connector(dp_rank)
         self.scheduler = Scheduler(sched, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    num_host_blocks=min(n for n, _ in host),
                                    host_block_bytes=sum(b for _, b in host),
-                                   connector=self.connector)
+                                   connector=self.connector, num_mla_pages=mla_pages,
+                                   hisparse_buffer_rows=config.hisparse_buffer_rows)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
@@ -185,7 +188,9 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if self.config.hisparse is not None:  # host pool, hot buffers, mirror bytes per rank
-            self.executor.call("check_hisparse")
+            mla = self.scheduler.mla
+            self.executor.call("check_hisparse", None if mla is None else (
+                dict(mla.page_of), mla.pending_changes()))
 
     def shutdown(self) -> None:
         """Stop the worker processes, or release the in-process runner's weights and KV cache."""

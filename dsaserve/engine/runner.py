@@ -53,9 +53,10 @@ def resolve_dtype(requested: str, model: ModelConfig) -> torch.dtype:
     return _DTYPES[name]
 
 
-def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, fp8: bool,
-                          dtype: torch.dtype) -> int:
-    """Bytes of one physical page over every cache layer (MLA rows + indexer keys where owned)."""
+def cache_page_bytes(model: ModelConfig, num_layers: int, block_size: int, fp8: bool,
+                     dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes of one physical page over every cache layer: (MLA rows, indexer keys where
+    owned). HiSparse spilling sizes the two caches apart."""
     elem = torch.empty((), dtype=dtype).element_size()
     if fp8:
         mla = formats.mla_row_bytes(model.kv_lora_rank, model.qk_rope_head_dim)
@@ -64,7 +65,13 @@ def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, 
         mla = model.kv_cache_width * elem
         index = model.index_head_dim * elem
     n_index = sum(model.has_indexer(i) for i in range(num_layers))
-    return block_size * (num_layers * mla + n_index * index)
+    return block_size * num_layers * mla, block_size * n_index * index
+
+
+def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, fp8: bool,
+                          dtype: torch.dtype) -> int:
+    """Bytes of one physical page over every cache layer (MLA rows + indexer keys where owned)."""
+    return sum(cache_page_bytes(model, num_layers, block_size, fp8, dtype))
 
 
 def _host_ints(values: list[int], code: str, dtype: torch.dtype) -> torch.Tensor:
@@ -143,8 +150,13 @@ class ModelRunner:
             narrow=checkpoint_narrower(self.model_cfg, self.groups, config.parallel),
             first_expert=first_expert(self.model_cfg, self.groups, config.parallel),
         )
+        # HiSparse spilling: the MLA cache has its own, smaller page count (0: one per block)
+        self.num_mla_pages = config.attention.hisparse_device_mla_pages or 0
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
+        # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id
+        self.mla_page_of = (torch.full((self.num_blocks,), -1, dtype=torch.int32)
+                            if self.num_mla_pages else None)
         self.connector = self._kv_connector()  # None without a P/D --kv-transfer-config
         self.copier = self._host_tier()  # None without --kv-offloading-size
         self.hisparse = self._hisparse()  # None without the HiSparseConnector
@@ -162,8 +174,11 @@ class ModelRunner:
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
         cfg = self.config
-        per_block = cache_bytes_per_block(self.model_cfg, self.model.num_cache_layers,
-                                          self.block_size, cfg.cache.fp8, self.dtype)
+        mla_page, index_page = cache_page_bytes(self.model_cfg, self.model.num_cache_layers,
+                                                self.block_size, cfg.cache.fp8, self.dtype)
+        # Spilling: the MLA pages are set apart first, the blocks (indexer pages) get the rest.
+        per_block = index_page if self.num_mla_pages else mla_page + index_page
+        mla_bytes = self.num_mla_pages * mla_page
         if cfg.cache.num_gpu_blocks is not None:
             return cfg.cache.num_gpu_blocks
         tokens_per_block = self.block_size * self.dcp_size
@@ -171,12 +186,12 @@ class ModelRunner:
         where = ""
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1.0 - cfg.cache.gpu_memory_utilization)
+            budget = free - total * (1.0 - cfg.cache.gpu_memory_utilization) - mla_bytes
             where = (f" ({free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB on {self.device}, "
                      f"{cfg.cache.gpu_memory_utilization} of it usable)")
         else:
             need = per_block * blocks_per_seq * cfg.scheduler.max_num_seqs
-            budget = min(_CPU_KV_BUDGET_BYTES, need)
+            budget = min(_CPU_KV_BUDGET_BYTES - mla_bytes, need)
         num = int(budget // per_block)
         if num < blocks_per_seq:
             raise ValueError(
@@ -193,17 +208,18 @@ class ModelRunner:
 
     def _allocate_caches(self, num_blocks: int) -> list[LayerCache]:
         m, b, fp8 = self.model_cfg, self.block_size, self.config.cache.fp8
+        pages = self.num_mla_pages or num_blocks  # MLA pages; indexer pages: one per block
         caches = []
         for i in range(self.model.num_cache_layers):
             if fp8:
                 row = formats.mla_row_bytes(m.kv_lora_rank, m.qk_rope_head_dim)
-                kv = torch.zeros(num_blocks, b, row, dtype=torch.uint8, device=self.device)
+                kv = torch.zeros(pages, b, row, dtype=torch.uint8, device=self.device)
                 index = torch.zeros(
                     num_blocks, b * (m.index_head_dim + 4), dtype=torch.uint8, device=self.device
                 )
             else:
                 kv = torch.zeros(
-                    num_blocks, b, m.kv_cache_width, dtype=self.dtype, device=self.device
+                    pages, b, m.kv_cache_width, dtype=self.dtype, device=self.device
                 )
                 index = torch.zeros(
                     num_blocks, b, m.index_head_dim, dtype=self.dtype, device=self.device
@@ -249,11 +265,36 @@ class ModelRunner:
         """Requests the HiSparse host pool admits at once on this rank (0: HiSparse off)."""
         return 0 if self.hisparse is None else self.hisparse.max_requests
 
-    def check_hisparse(self) -> None:
-        """HiSparse invariants (kv/hisparse/runtime.py), for tests through `executor.call`."""
-        if self.hisparse is not None:
-            self.hisparse.check_integrity({rid: (st.num_computed_tokens, st.block_ids)
-                                           for rid, st in self.requests.items()})
+    def hisparse_mla_pages(self) -> int:
+        """Pages of this rank's MLA cache when they are fewer than the blocks (0: no spilling)."""
+        return self.num_mla_pages
+
+    def check_hisparse(self, mla_pages: tuple[dict[int, int], dict[int, int]] | None = None
+                       ) -> None:
+        """HiSparse invariants (kv/hisparse/runtime.py), for tests through `executor.call`.
+        With spilling, `mla_pages` is the scheduler's page map (block id → page) and the changes
+        it has not sent yet: ours with those applied is the same map; no page is mapped twice;
+        every resident page of a live request holds the host pool's rows."""
+        if self.hisparse is None:
+            return
+        if self.mla_page_of is not None:
+            assert mla_pages is not None
+            expected, pending = mla_pages
+            ours = dict(enumerate(self.mla_page_of.tolist()))
+            assert len({p for p in ours.values() if p >= 0}) == sum(
+                p >= 0 for p in ours.values()), "an MLA page mapped twice"
+            ours.update(pending)
+            assert {b: p for b, p in ours.items() if p >= 0} == expected, (
+                "the runner's MLA page map is not the scheduler's")
+        self.hisparse.check_integrity({rid: (st.num_computed_tokens, self._mla_pages(st))
+                                       for rid, st in self.requests.items()})
+
+    def _mla_pages(self, st: _ReqState) -> list[int]:
+        """The request's MLA pages in block order (−1: spilled); its block ids without
+        spilling."""
+        if self.mla_page_of is None:
+            return st.block_ids
+        return self.mla_page_of[_host_ints(st.block_ids, "i", torch.int32).long()].tolist()
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
@@ -500,7 +541,7 @@ class ModelRunner:
         qsl = batch.query_start_loc
         self.hisparse.mirror({
             rid: (batch.starts[r], batch.starts[r] + qsl[r + 1] - qsl[r] + reach,
-                  self.requests[rid].block_ids)
+                  self._mla_pages(self.requests[rid]))
             for r, rid in enumerate(req_ids)})
 
     def _hisparse_step(self, req_ids: list[str], starts: list[int],
@@ -511,6 +552,9 @@ class ModelRunner:
                                   [self.requests[rid].num_computed_tokens for rid in req_ids])
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
+        if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
+            blocks, pages = zip(*so.mla_pages, strict=True)
+            self.mla_page_of[list(blocks)] = torch.tensor(pages, dtype=torch.int32)
         for rid in so.finished_request_ids:
             self.requests.pop(rid, None)
             if self.hisparse is not None:
@@ -525,7 +569,8 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
             if self.hisparse is not None:
-                self.hisparse.add(new.request_id, new.num_computed_tokens, list(new.block_ids))
+                self.hisparse.add(new.request_id, new.num_computed_tokens,
+                                  self._mla_pages(self.requests[new.request_id]))
         for cached in so.cached_requests:
             st = self.requests[cached.request_id]
             st.token_ids.extend(cached.new_token_ids)
@@ -576,8 +621,13 @@ class ModelRunner:
         hs = meta.hisparse
         if hs is not None:  # hot copies are stale from the position really written, not the bound
             hs = dataclasses.replace(hs, tracked_from=positions[hs.tracked_requests])
+        mla_slots = None
+        if meta.mla_block_table is not None:
+            mla_slots = layout.slot_mapping(positions, req_t, meta.mla_block_table,
+                                            self.block_size, self.dcp_size, self.dcp_rank,
+                                            self.interleave)
         return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta,
-                                   hisparse=hs)
+                                   hisparse=hs, mla_slot_mapping=mla_slots)
 
     def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
                   tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
@@ -602,6 +652,12 @@ class ModelRunner:
         slots = layout.slot_mapping(
             pos_t, req_t, table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
         )
+        mla_host: list[torch.Tensor] = []
+        if self.mla_page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
+            mla_table = torch.where(table >= 0, self.mla_page_of[table.clamp(min=0).long()], -1)
+            mla_slots = layout.slot_mapping(pos_t, req_t, mla_table, self.block_size,
+                                            self.dcp_size, self.dcp_rank, self.interleave)
+            mla_host = [mla_table, mla_slots]  # [R, max_blocks] pages (−1: spilled), [N]
         # The dense path reads a request's whole context from the local cache: only without DCP.
         use_dense = (
             not self.config.attention.sparse_mla_force_mqa
@@ -621,8 +677,9 @@ class ModelRunner:
             pcp_host = [local, part.restore_index, slots]
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
         # one asynchronous host → device copy for all of it (engine/staging.py)
-        pos_d, req_d, slots_d, table_d, tok_d, *pcp_d = staging.upload(
-            [pos_t, req_t, slots, table, tok_t, *pcp_host], dev)
+        pos_d, req_d, slots_d, table_d, tok_d, *rest = staging.upload(
+            [pos_t, req_t, slots, table, tok_t, *mla_host, *pcp_host], dev)
+        mla_d, pcp_d = rest[: len(mla_host)], rest[len(mla_host) :]
         pcp_meta = None
         if pcp_d:
             pcp_meta = PcpMetadata(
@@ -643,5 +700,7 @@ class ModelRunner:
             interleave=self.interleave,
             pcp=pcp_meta,
             hisparse=self._hisparse_step(req_ids, starts, counts),
+            mla_block_table=mla_d[0] if mla_d else None,
+            mla_slot_mapping=mla_d[1] if mla_d else None,
         )
         return tok_d, meta, global_qsl

@@ -26,11 +26,17 @@ slots, where the MTP layer's later draft steps write their keys:
 tokens (d1, x) are appended with the stop rules applied to each, and blocks past the request's
 tokens are given back (they held rejected drafts or lookahead only; full blocks are cached only up
 to the computed tokens, so a rejected token never enters the prefix cache).
+
+HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
+are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
+older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
+request is admitted only when its prefill's pages can be found.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -48,6 +54,8 @@ from dsaserve.core import (
     RequestStatus,
     SchedulerOutput,
 )
+from dsaserve.kv.hisparse.admission import min_mla_pages
+from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
 
@@ -67,6 +75,8 @@ class Scheduler:
         num_host_blocks: int = 0,
         host_block_bytes: int = 0,
         connector: ConnectorScheduler | None = None,
+        num_mla_pages: int = 0,
+        hisparse_buffer_rows: int = 0,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
@@ -86,6 +96,13 @@ class Scheduler:
             )
         self.kv = KVCacheManager(num_blocks, self.block_size, cache_config.enable_prefix_caching,
                                  drop_last_hit=num_speculative_tokens > 0)
+        # HiSparse spilling (kv/hisparse/mla_pages.py): fewer MLA pages than blocks
+        self.mla: MlaPageMap | None = None
+        self.hisparse_buffer_rows = hisparse_buffer_rows
+        self._step = 0
+        self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
+        if num_mla_pages:
+            self.mla = self._mla_page_map(num_mla_pages, num_blocks)
         # The host KV tier (kv/offload.py), when the engine has one: it needs the block keys.
         self.offload: OffloadManager | None = None
         if num_host_blocks:
@@ -108,6 +125,23 @@ class Scheduler:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_per_pos = [0] * num_speculative_tokens
+
+    def _mla_page_map(self, num_pages: int, num_blocks: int) -> MlaPageMap:
+        """The page map of HiSparse spilling, its size checked against the pool and against
+        one request's window."""
+        flag = "--attention-config: hisparse_config.device_mla_pages"
+        if num_pages > num_blocks:
+            raise ConfigError(f"{flag} {num_pages} exceeds the {num_blocks} KV blocks")
+        needed = min_mla_pages(self.config.max_model_len + self.num_lookahead, self.block_size)
+        if num_pages < needed:
+            # A prefill reads its GPU pages: a lone request of max_model_len must fit.
+            raise ConfigError(
+                f"{flag} {num_pages} cannot hold one request of --max-model-len "
+                f"{self.config.max_model_len} and {self.num_lookahead} lookahead tokens "
+                f"(needs {needed} pages of {self.block_size} tokens)")
+        mla = MlaPageMap(num_pages, self.kv.pool)
+        self.kv.on_free = mla.freed
+        return mla
 
     # ---- intake ---------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -173,6 +207,8 @@ class Scheduler:
             drafts = drafts[: n - num_known] if n > num_known else ()
             if not self._allocate_or_preempt(req, n + self._lookahead(req, n)):
                 break  # req itself was preempted: it was the newest, nothing follows it
+            if self.mla is not None and not self._mla_pages_or_preempt(req, n):
+                break
             num_scheduled[req.request_id] = n
             if drafts:
                 spec[req.request_id] = drafts
@@ -202,7 +238,10 @@ class Scheduler:
                 budget -= n
                 new.append(self._new_request_data(req))
 
-        # 3. the diff, with the host-tier copies to start
+        # 3. the diff, with the host-tier copies to start and the MLA pages that moved
+        for request_id in num_scheduled:
+            self._last_scheduled[request_id] = self._step
+        self._step += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
         stores, loads = self.offload.take_transfers() if self.offload else ((), ())
         recvs, self._kv_recvs = tuple(self._kv_recvs), []
@@ -215,6 +254,7 @@ class Scheduler:
             kv_stores=stores,
             kv_loads=loads,
             kv_recvs=recvs,
+            mla_pages=self.mla.take_changes() if self.mla is not None else (),
         )
 
     def update_from_output(
@@ -334,6 +374,28 @@ class Scheduler:
                 return False
         return True
 
+    def _mla_pages_or_preempt(self, req: Request, n: int) -> bool:
+        """HiSparse spilling: give running `req`'s blocks this step reads or writes on the GPU
+        an MLA page (all of them, or only the write tail when it reads through its hot
+        buffer), spilling long decoders' older pages, preempting the newest running requests
+        while that is not enough; False if `req` itself had to go."""
+        assert self.mla is not None
+        blocks = req.block_ids
+        if reads_through_buffer(req.num_computed_tokens, n, self.hisparse_buffer_rows,
+                                1 + self.num_spec):
+            blocks = blocks[req.num_computed_tokens // self.block_size:]
+        while not self.mla.make_resident(blocks, self._mla_victims()):
+            victim = self.running.pop()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _mla_victims(self) -> Iterator[int]:
+        assert self.mla is not None
+        return self.mla.victims(self.running, self._last_scheduled, self.block_size,
+                                self.hisparse_buffer_rows)
+
     def _preempt(self, req: Request) -> None:
         """Free all of `req`'s KV; it returns to the FRONT of the queue and later recomputes its
         prompt and its outputs so far (its cached full blocks usually survive as prefix hits)."""
@@ -451,8 +513,15 @@ class Scheduler:
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         lookahead = self.num_lookahead if n == remaining else 0
+        if self.mla is not None and not self.mla.can_provide(
+                self.kv.num_new_blocks(req, n + lookahead, len(hits)), self._mla_victims(),
+                keep=hits):
+            return 0  # a prefill reads its GPU pages: wait until pages are given back
         if self.kv.allocate_slots(req, n + lookahead, hits) is None:
             return 0
+        if self.mla is not None and not self.mla.make_resident(req.block_ids,
+                                                               self._mla_victims()):
+            raise RuntimeError("MLA pages: fewer than can_provide counted")
         self.waiting.popleft()
         self.running.append(req)
         req.status = RequestStatus.RUNNING
@@ -513,6 +582,9 @@ class Scheduler:
         self._forget_in_runner(req.request_id)
 
     def _forget_in_runner(self, request_id: str) -> None:
+        self._last_scheduled.pop(request_id, None)
+        if self.mla is not None:
+            self.mla.forget(request_id)
         if self._runner_num_tokens.pop(request_id, None) is not None:
             del self._runner_num_blocks[request_id]
             self._finished_ids.append(request_id)
@@ -562,6 +634,8 @@ class Scheduler:
             spec_decode_num_accepted_tokens=sum(self.spec_num_accepted_per_pos),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_num_accepted_per_pos),
             **(self._offload_stats() if self.offload else {}),
+            **(dict(num_mla_pages=self.mla.num_pages, num_mla_pages_free=self.mla.num_free_pages,
+                    hisparse_mla_spills=self.mla.num_spills) if self.mla else {}),
         )
 
     def _offload_stats(self) -> dict[str, int]:
@@ -592,6 +666,8 @@ class Scheduler:
                 f"scheduler: running {running_ids} + waiting {waiting_ids} (+ loading) != live "
                 f"requests {sorted(self.requests)}"
             )
+        if self.mla is not None:
+            self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows)
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
         for req in self.running:

@@ -15,7 +15,7 @@ them (grids, buffers) stays valid; each row's context is then given by its posit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +69,19 @@ class AttentionMetadata:
     # dataclasses.replace of it starts empty
     derived: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False,
                                     compare=False)
+    # HiSparse spilling: the MLA cache has its own pages (kv/hisparse/mla_pages.py); None: the
+    # block ids address the MLA pages as they do the indexer's
+    mla_block_table: torch.Tensor | None = None  # [R, max_blocks] int32 MLA pages, −1: none
+    mla_slot_mapping: torch.Tensor | None = None  # [N] int64 MLA slot each row writes
+
+    def for_mla(self) -> AttentionMetadata:
+        """The metadata that addresses the MLA cache: ours, or under HiSparse spilling the same
+        step over the MLA pages (the indexer keeps reading `self`)."""
+        if self.mla_block_table is None:
+            return self
+        return replace(self, block_table=self.mla_block_table,
+                       slot_mapping=self.mla_slot_mapping, mla_block_table=None,
+                       mla_slot_mapping=None)
 
     def shared_requests(self) -> tuple[bool, ...]:
         """Per request: are its rows identical on every rank of the DCP group (so partial results

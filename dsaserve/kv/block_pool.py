@@ -125,6 +125,11 @@ class BlockPool:
         self.events.stored([block_hash])
         return True
 
+    def uncache(self, block_id: int) -> None:
+        """Make the block unfindable (its contents are going away: HiSparse spilled its MLA
+        page); a block without a hash is left as it is."""
+        self._evict(block_id)
+
     def _evict(self, block_id: int) -> None:
         block_hash = self._hash[block_id]
         if block_hash is not None:

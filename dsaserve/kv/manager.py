@@ -14,7 +14,7 @@ already registered in the prefix cache.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dsaserve.core import Request
 from dsaserve.kv.block_pool import BlockPool
@@ -42,6 +42,9 @@ class KVCacheManager:
         self._queried: set[str] = set()  # requests counted in the stats since their last free()
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found cached
+        # Told of every block a request lets go of, after the pool dropped its reference (the
+        # HiSparse MLA page map gives back the pages of blocks that became free).
+        self.on_free: Callable[[Sequence[int]], None] | None = None
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -101,12 +104,7 @@ class KVCacheManager:
             raise ValueError(
                 f"new_computed_blocks: request {request.request_id!r} already holds blocks"
             )
-        num_tokens = (
-            request.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        )
-        num_new_blocks = max(
-            cdiv(num_tokens, self.block_size) - len(request.block_ids) - len(hits), 0
-        )
+        num_new_blocks = self.num_new_blocks(request, num_new_tokens, len(hits))
         num_free_hits = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             return None
@@ -117,6 +115,11 @@ class KVCacheManager:
         if hits:
             self._num_cached_blocks[request.request_id] = len(hits)
         return hits + new_blocks
+
+    def num_new_blocks(self, request: Request, num_new_tokens: int, num_hits: int = 0) -> int:
+        """Blocks `allocate_slots` takes from the free queue for these tokens and hits."""
+        num_tokens = request.num_computed_tokens + num_hits * self.block_size + num_new_tokens
+        return max(cdiv(num_tokens, self.block_size) - len(request.block_ids) - num_hits, 0)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the hashes of the request's blocks that are now full and computed, so later
@@ -139,13 +142,18 @@ class KVCacheManager:
         keep = cdiv(num_tokens, self.block_size)
         if len(request.block_ids) > keep:
             assert self._num_cached_blocks.get(request.request_id, 0) <= keep
-            self.pool.free(request.block_ids[keep:])
+            freed = request.block_ids[keep:]
+            self.pool.free(freed)
             del request.block_ids[keep:]
+            if self.on_free is not None:
+                self.on_free(freed)
         return len(request.block_ids)
 
     def free(self, request: Request) -> None:
         """Release every block of the request (ref−−). Cached blocks stay findable until reused."""
         self.pool.free(request.block_ids)
+        if self.on_free is not None:
+            self.on_free(request.block_ids)
         request.block_ids = []
         self._num_cached_blocks.pop(request.request_id, None)
         self._queried.discard(request.request_id)

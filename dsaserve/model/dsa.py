@@ -164,6 +164,7 @@ class MLAAttention(nn.Module):
         idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [n, D]
 
         # 2. cache writes: all ranks compute, the owner writes (PCP: gather every rank's rows first)
+        mla_meta = meta.for_mla()  # HiSparse spilling: MLA pages apart from the indexer's
         slots = meta.slot_mapping
         if meta.pcp is not None:
             pcp = self.groups.pcp
@@ -174,14 +175,15 @@ class MLAAttention(nn.Module):
             if idx_k is not None:
                 idx_k = cp_attention.gather_new_rows(idx_k, meta, pcp)
             slots = meta.pcp.write_slots
-        backend.write_kv(cache.kv, slots, c, k_pe)
+        # (HiSparse refuses PCP, so spilling's MLA slots never meet PCP's write slots)
+        backend.write_kv(cache.kv, slots if mla_meta is meta else mla_meta.slot_mapping, c, k_pe)
         if idx_k is not None:
             backend.write_index_k(cache.index, slots, idx_k)
 
         # 3. attention → o [n, heads of this rank, v]
         w_uk, w_uv = self._w_uk_uv()
         if meta.use_dense:
-            o, topk = self._dense_attention(q_nope, q_pe, meta, cache, w_uk, w_uv), prev_topk
+            o, topk = self._dense_attention(q_nope, q_pe, mla_meta, cache, w_uk, w_uv), prev_topk
         else:
             q_full = self._absorbed_query(q_nope, q_pe, w_uk)  # [n, H, L+R]
             if self.indexer is not None:
@@ -204,7 +206,7 @@ class MLAAttention(nn.Module):
                         f"layer {self.layer_idx}: a shared layer needs earlier top-k"
                     )
                 o_lat, _lse = backend.sparse_mla_positions(
-                    q_full, cache.kv, topk, meta, self.scale, self.kv_lora_rank
+                    q_full, cache.kv, topk, mla_meta, self.scale, self.kv_lora_rank
                 )  # [n, H, L]
             o = self._value_output(o_lat.to(w_uv.dtype), w_uv)  # [n, H, v]
         out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))

@@ -93,6 +93,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
                                                  "64-token blocks, as the engine admits)"),
         ("by_hbm", "HiSparse, bounded by HBM", "KV room // GPU bytes per request"),
         ("concurrency", "HiSparse concurrency", "the smaller of the two bounds"),
+        ("mla_pages", "GPU MLA pages (spilling)",
+         "hisparse_config.device_mla_pages: 2 tail pages per request + one --context prefill"),
     )),
 )
 _LABELS = {(s, k): label for s, _, lines in LINES for k, label, _ in lines}
@@ -322,6 +324,7 @@ def _hisparse_lines(h: cm.HiSparseConcurrency) -> list[Line]:
         Line("by_host", f"{h.by_host:,} requests", h.by_host),
         Line("by_hbm", f"{h.by_hbm_hisparse:,} requests", h.by_hbm_hisparse),
         Line("concurrency", f"{h.hisparse:,} requests (bounded by {h.bound})", h.hisparse),
+        Line("mla_pages", f"{h.mla_pages:,} pages of {h.block_size}", h.mla_pages),
     ]
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
-from dsaserve.kv.hisparse.admission import hisparse_admission
+from dsaserve.kv.hisparse.admission import hisparse_admission, mla_pages_for
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
 WeightDType = Literal["fp8", "bf16"]
@@ -455,6 +455,12 @@ class HiSparseConcurrency:
     @property
     def bound(self) -> str:
         return "host memory" if self.by_host <= self.by_hbm_hisparse else "HBM"
+
+    @property
+    def mla_pages(self) -> int:
+        """`hisparse_config.device_mla_pages` for this concurrency: every decoder's write tail
+        and one prefill of --context (the engine's rule, kv/hisparse/admission.py)."""
+        return mla_pages_for(self.hisparse, self.context, self.block_size, HISPARSE_TAIL_PAGES)
 
 
 def hisparse_concurrency(

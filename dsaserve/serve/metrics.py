@@ -61,6 +61,13 @@ class EngineStatsCollector(Collector):
                 ("external_prefix_cache_hits",
                  "Prompt tokens found in the host KV tier (after the GPU hit).", s.offload_hits),
             ]
+        if s.num_mla_pages:  # HiSparse spilling (docs/hisparse.md)
+            gauges.append(("hisparse_mla_pages_usage_perc",
+                           "GPU MLA pages in use (HiSparse): 1 = every page maps a block.",
+                           1 - s.num_mla_pages_free / s.num_mla_pages))
+            counters.append(("hisparse_mla_spilled_blocks",
+                             "Blocks whose GPU MLA page spilled to the HiSparse host pool.",
+                             s.hisparse_mla_spills))
         for name, doc, value in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
             g.add_metric([self._model_name], float(value))

@@ -39,6 +39,10 @@ def test_connector_alone_and_defaults(parse):
                    "--attention-config", '{"hisparse_config":{"device_buffer_size":40}}'])
     assert sized.hisparse_buffer_rows == 40
     assert parse([]).hisparse is None
+    assert sized.attention.hisparse_device_mla_pages is None  # no spilling unless asked
+    spill = parse(["--kv-transfer-config", HS, "--attention-config",
+                   '{"hisparse_config":{"device_mla_pages":300}}'])
+    assert spill.attention.hisparse_device_mla_pages == 300
 
 
 def test_multi_connector_with_offload(parse):
@@ -56,6 +60,12 @@ def test_multi_connector_with_offload(parse):
     (["--attention-config", '{"hisparse_config":{"device_buffer_size":64}}'],
      "--attention-config"),  # without the connector
     (["--attention-config", '{"hisparse_config":{"size":64}}'], "--attention-config"),
+    (["--attention-config", '{"hisparse_config":{"device_mla_pages":0}}',
+      "--kv-transfer-config", HS], "--attention-config"),
+    (["--attention-config", '{"hisparse_config":{"device_mla_pages":"many"}}',
+      "--kv-transfer-config", HS], "--attention-config"),
+    (["--attention-config", '{"hisparse_config":{"device_mla_pages":64}}',
+      "--kv-transfer-config", HS, "--kv-offloading-size", "1"], "--attention-config"),
     (["--kv-transfer-config", HS.replace("0.01", "0")], "--kv-transfer-config"),
     (["--kv-transfer-config", '{"kv_connector":"MultiConnector"}'], "--kv-transfer-config"),
     (["--kv-transfer-config", '{"kv_connector":"MultiConnector","kv_connector_extra_config":'

@@ -104,3 +104,12 @@ def test_union_positions_layout():
     topk = torch.tensor([[5, 6], [7, -1], [1, 2]])
     u = union_positions(topk, torch.tensor([1, 1, -1]), torch.tensor([0, 1, 0]), 2, 2)
     assert u.tolist() == [[-1, -1, -1, -1], [5, 6, 7, -1]]
+
+
+def test_union_positions_beside_a_long_chunk():
+    """A prefill chunk (not hot) in the batch ranks its rows past max_rows: they are ignored."""
+    topk = torch.tensor([[3, 4], [1, -1], [2, 0], [0, 1], [5, 6]])
+    region = torch.tensor([-1, -1, -1, -1, 0])  # a 4-row chunk, then one hot decode row
+    rank = torch.tensor([0, 1, 2, 3, 0])
+    u = union_positions(topk, region, rank, 1, 1)
+    assert u.tolist() == [[5, 6]]

@@ -30,6 +30,21 @@ def hisparse_admission(host_pool_bytes: int, mla_bytes_per_token: int, max_model
                              max_requests=num // per_request)
 
 
+def min_mla_pages(window_tokens: int, block_size: int) -> int:
+    """The fewest GPU MLA pages spilling runs with (`hisparse_config.device_mla_pages`): a
+    prefill reads its GPU pages, so one request's whole window (max_model_len and the MTP
+    lookahead) must fit."""
+    return -(-window_tokens // block_size)
+
+
+def mla_pages_for(concurrency: int, window_tokens: int, block_size: int,
+                  tail_pages: int) -> int:
+    """GPU MLA pages for `concurrency` long decoders, each keeping its write tail of
+    `tail_pages` resident, beside one prefill of a whole window: what `dsaserve plan` suggests
+    for `device_mla_pages` (the rest of every decoder's MLA rows spill)."""
+    return min_mla_pages(window_tokens, block_size) + concurrency * tail_pages
+
+
 def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_size: int) -> None:
     """Start-up error naming the flag when the pool cannot hold one max-length request."""
     if adm.max_requests < 1:

@@ -41,13 +41,16 @@ class Residency:
 def union_positions(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
                     num_regions: int, max_rows: int) -> torch.Tensor:
     """topk [T, K] positions (−1 pad), row_region [T] (−1: row not hot), row_rank [T] (the row's
-    index among its request's rows, < max_rows) → [R, max_rows·K] every hot row's selection laid
-    side by side per region, −1 padded (duplicates kept)."""
+    index among its request's rows, < max_rows for hot rows) → [R, max_rows·K] every hot row's
+    selection laid side by side per region, −1 padded (duplicates kept)."""
     t, k = topk.shape
     width = max_rows * k
     out = torch.full((num_regions + 1, width), -1, dtype=torch.int64, device=topk.device)
-    region = torch.where(row_region >= 0, row_region, num_regions)  # not hot → trash row
-    col = row_rank[:, None] * k + torch.arange(k, device=topk.device)  # [T, K]
+    hot = row_region >= 0
+    region = torch.where(hot, row_region, num_regions)  # not hot → trash row
+    # a prefill chunk's rows (not hot) rank past max_rows: they all land in column 0 of the trash
+    rank = torch.where(hot, row_rank, 0)
+    col = rank[:, None] * k + torch.arange(k, device=topk.device)  # [T, K]
     out[region[:, None].expand(t, k), col] = topk.long()
     return out[:num_regions]
 

@@ -2,7 +2,8 @@
 rows (the durable copy), one hot buffer per request and layer on the device, their slot tables,
 and the per-step description the attention backend reads (`HiSparseStep`).
 
-    GPU pages  kv[l]  [G, B, row]      written by the model; still read for fresh rows
+    GPU pages  kv[l]  [G, B, row]      written by the model; still read for fresh rows (G: the
+                                       blocks, or fewer MLA pages under spilling: mla_pages.py)
         │ mirror (end of each step: the rows the step wrote; at admission: a prefix hit)
         ▼
     host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsaserve.kv.hisparse.fetch import fetch_rows
+from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
 from dsaserve.kv.hisparse.residency import resolve
 from dsaserve.kv.host_pool import pin_host_memory
 
@@ -100,9 +102,9 @@ class HiSparseRuntime:
         return self.host[0].shape[0]
 
     # ---- requests --------------------------------------------------------------------------
-    def add(self, rid: str, num_computed: int, block_ids: list[int]) -> None:
+    def add(self, rid: str, num_computed: int, pages: list[int]) -> None:
         """Reserve the request's host window and a hot region; mirror a prefix it starts with
-        (GPU prefix hit or host-tier load)."""
+        (GPU prefix hit or host-tier load) from its MLA pages (a hit's pages are resident)."""
         if rid in self.entries:
             self.remove(rid)
         if len(self._free_blocks) < self.blocks_per_request or not self._free_regions:
@@ -115,7 +117,7 @@ class HiSparseRuntime:
             tok[region] = -1
             st[region] = -1
         if num_computed:
-            self.mirror({rid: (0, num_computed, block_ids)})
+            self.mirror({rid: (0, num_computed, pages)})
 
     def remove(self, rid: str) -> None:
         e = self.entries.pop(rid, None)
@@ -124,18 +126,19 @@ class HiSparseRuntime:
             self._free_regions.append(e.region)
 
     def mirror(self, ranges: dict[str, tuple[int, int, list[int]]]) -> None:
-        """Copy positions [lo, hi) of each request (its GPU block ids given) from the GPU pages
-        to the host pool, every layer."""
+        """Copy positions [lo, hi) of each request (its MLA pages given, resident over the
+        range: the write tail, or a prefix hit) from the GPU pages to the host pool, every
+        layer."""
         gpu, host = [], []
         b = self.block_size
-        for rid, (lo, hi, block_ids) in ranges.items():
-            hi = min(hi, len(block_ids) * b)
+        for rid, (lo, hi, pages) in ranges.items():
+            hi = min(hi, len(pages) * b)
             if hi <= lo:
                 continue
             # Tensor maths, not a Python loop per position: a 1M-token prefix arrives at once.
             pos = torch.arange(lo, hi)  # [n]
             blk, off = pos // b, pos % b
-            gpu.append(torch.tensor(block_ids, dtype=torch.int64)[blk] * b + off)
+            gpu.append(torch.tensor(pages, dtype=torch.int64)[blk] * b + off)
             host.append(torch.tensor(self.entries[rid].host_blocks, dtype=torch.int64)[blk] * b
                         + off)
         if not gpu:
@@ -160,8 +163,8 @@ class HiSparseRuntime:
         for r, rid in enumerate(req_ids):
             e = self.entries.get(rid)
             n = counts[r]
-            hot = (e is not None and starts[r] + n > self.buffer_rows
-                   and n <= self.max_query_rows)
+            hot = e is not None and reads_through_buffer(starts[r], n, self.buffer_rows,
+                                                         self.max_query_rows)
             if e is not None:
                 t_regions.append(e.region)
                 t_reqs.append(r)
@@ -219,7 +222,8 @@ class HiSparseRuntime:
     def _fetch(self, layer: int, miss_pos: torch.Tensor, miss_slot: torch.Tensor,
                meta: AttentionMetadata, step: HiSparseStep) -> None:
         """Fill the missed slots: from the host pool below mirrored_upto, else from the
-        request's GPU page (`fetch.fetch_rows`: zero copy on CUDA)."""
+        request's GPU page (`fetch.fetch_rows`: zero copy on CUDA; meta addresses the MLA
+        pages, and the write tail is resident)."""
         b, s1 = self.block_size, self.region_rows
         pos = miss_pos.clamp(min=0)  # [Rh, W]
         blk, off = pos // b, pos % b
@@ -237,9 +241,10 @@ class HiSparseRuntime:
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self, requests: dict[str, tuple[int, list[int]]]) -> None:
-        """requests: the runner's (num_computed_tokens, GPU block ids) per live request.
-        Pools balance; only live requests hold state; the host copy equals the GPU pages
-        for every computed position; every hot slot holds the bytes of the token it records."""
+        """requests: the runner's (num_computed_tokens, MLA pages, −1 where spilled) per live
+        request. Pools balance; only live requests hold state; the host copy equals the GPU
+        pages for every computed position still resident; every hot slot holds the bytes of
+        the token it records."""
         held = sum(len(e.host_blocks) for e in self.entries.values())
         assert len(self._free_blocks) + held == self.num_host_blocks, "host blocks leak"
         assert len(set(self._free_blocks)) == len(self._free_blocks)
@@ -247,10 +252,12 @@ class HiSparseRuntime:
         assert set(self.entries) == set(requests), "HiSparse state for unknown requests"
         b, s = self.block_size, self.buffer_rows
         for rid, e in self.entries.items():
-            computed, block_ids = requests[rid]
+            computed, pages = requests[rid]
             pos = torch.arange(computed)
+            page = torch.tensor(pages, dtype=torch.int64)[pos // b]
+            pos = pos[page >= 0]  # spilled positions are only in the host pool
             host_rows = torch.tensor(e.host_blocks)[pos // b] * b + pos % b
-            gpu_rows = torch.tensor(block_ids, dtype=torch.int64)[pos // b] * b + pos % b
+            gpu_rows = page[page >= 0] * b + pos % b
             for layer, cache in enumerate(self.caches):
                 host = self.host[layer].flatten(0, 1)
                 gpu = cache.kv.flatten(0, 1).cpu()

@@ -1,0 +1,215 @@
+"""Which GPU MLA page holds each block's MLA rows, or none: spilled (in the scheduler).
+
+With `hisparse_config.device_mla_pages` the MLA cache has fewer pages than there are blocks. The
+indexer keys keep one page per block id (what selects the rows must stay on the GPU); a block's
+MLA rows live in a page of the smaller MLA cache while HBM allows, and otherwise only in the
+HiSparse host pool, which holds every computed row already (mirrored as rows are written), so
+spilling a page moves no data:
+
+    block id   b0   b1   b2   b3   b4  (b5)       indexer pages: one per block id
+    MLA page   -    -    7    2    5              "-": spilled, read through the hot buffer
+                    ▲         └────┴── write tail: the block of num_computed_tokens onwards
+                    └── a long decoder's block below its write tail, held by it alone
+
+Rules (checked by `check_integrity`):
+- A block a step writes (the write tail, MTP lookahead included) has a page.
+- A request that reads its GPU pages directly (a prefill chunk, or a context within the hot
+  buffer) has a page for every block. Only a long decoder (`reads_through_buffer` for any step
+  it can take) reads through its hot buffer, and only its blocks below the write tail, held by
+  it alone, are spilled, least recently scheduled request first.
+- A block in the prefix cache has a page (a later request's hit mirrors its prefix from the GPU
+  page), so a spilled block leaves the prefix cache; a free cached block keeps its page until a
+  page is needed (idle pages are taken before anything is spilled).
+
+Pure bookkeeping on the host, no torch. The runner learns the map through
+`SchedulerOutput.mla_pages` (the changes since the last step).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+
+from dsaserve.core import Request
+from dsaserve.kv.block_pool import BlockPool
+
+SPILLED = -1  # the page of a block whose MLA rows are only in the host pool
+
+
+def reads_through_buffer(start: int, num_rows: int, buffer_rows: int,
+                         max_query_rows: int) -> bool:
+    """Whether a request computing `num_rows` rows from position `start` reads its MLA rows
+    through its hot buffer (decoding, context beyond the buffer) rather than its GPU pages. The
+    runner's `HiSparseRuntime.step` and the page map decide with this one function."""
+    return start + num_rows > buffer_rows and num_rows <= max_query_rows
+
+
+def is_long_decoder(req: Request, buffer_rows: int) -> bool:
+    """Every step `req` can take reads through its hot buffer: it decodes (one known token left,
+    so at most 1 + k rows with k drafts) and its context is beyond the buffer already."""
+    return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens >= buffer_rows
+
+
+class MlaPageMap:
+    def __init__(self, num_pages: int, pool: BlockPool) -> None:
+        if num_pages < 1:
+            raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.pool = pool
+        self.page_of: dict[int, int] = {}  # block id → its MLA page (resident blocks only)
+        # pop() hands out the last page first: block ids (the pool hands out 0 first) and pages
+        # differ from the start, so a block id used as a page shows up in any test
+        self._free_pages = list(range(num_pages))
+        # free (ref 0) cached blocks keeping their page, least recently freed first
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._changes: dict[int, int] = {}  # block id → page or SPILLED, since take_changes()
+        self.num_spills = 0  # blocks spilled so far (a counter for tests and stats)
+        self._spilled_prefix: dict[str, int] = {}  # request id → its leading blocks spilled
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    def pending_changes(self) -> dict[int, int]:
+        """The changes the next `take_changes` hands out (the runner has not seen them)."""
+        return dict(self._changes)
+
+    def take_changes(self) -> tuple[tuple[int, int], ...]:
+        """(block id, page or SPILLED) for every block whose page changed since the last call."""
+        changes, self._changes = tuple(self._changes.items()), {}
+        return changes
+
+    # ---- paired verbs: make_resident / freed, spill ------------------------------------------
+    def num_missing(self, block_ids: Iterable[int]) -> int:
+        return sum(1 for b in block_ids if b not in self.page_of)
+
+    def can_provide(self, num: int, victims: Iterable[int], keep: Sequence[int] = ()) -> bool:
+        """Whether `num` more pages can be found: free, idle or spilled from `victims`, those of
+        `keep` excepted (the caller's request is about to hold them)."""
+        keep_set = set(keep)
+        room = len(self._free_pages) + sum(1 for b in self._idle if b not in keep_set)
+        if room >= num:
+            return True
+        spillable = (b for b in victims if b not in keep_set)
+        return any(room + i + 1 >= num for i, _ in enumerate(spillable))
+
+    def victims(self, running: Sequence[Request], last_scheduled: dict[str, int],
+                block_size: int, buffer_rows: int) -> Iterator[int]:
+        """Blocks that may spill, in spill order: the long decoders' resident blocks below
+        their write tails, held by them alone; the least recently scheduled request first
+        (ties: the older running one), and within a request its earliest positions first.
+        Lazy: pages are taken one at a time. A request's spilled blocks are a prefix of its
+        table (spills go earliest first), skipped in O(1) through a cursor per request."""
+        decoders = [(last_scheduled.get(r.request_id, -1), i, r) for i, r in enumerate(running)
+                    if is_long_decoder(r, buffer_rows)]
+        for _, _, req in sorted(decoders, key=lambda t: t[:2]):
+            blocks, end = req.block_ids, req.num_computed_tokens // block_size
+            i = self._spilled_prefix.get(req.request_id, 0)
+            while i < end and blocks[i] not in self.page_of:
+                i += 1
+            self._spilled_prefix[req.request_id] = i
+            for b in blocks[i:end]:
+                if b in self.page_of and self.pool.ref_count(b) == 1:
+                    yield b
+
+    def forget(self, request_id: str) -> None:
+        """The request left the running set (finished, aborted or preempted)."""
+        self._spilled_prefix.pop(request_id, None)
+
+    def make_resident(self, block_ids: Sequence[int], victims: Iterable[int]) -> bool:
+        """Give every block of `block_ids` (held by the caller's request) a page: a free page,
+        else an idle cached block's (that block leaves the prefix cache), else one spilled from
+        `victims` (blocks in spill order, none of `block_ids`). False when they run out; the
+        pages found so far stay assigned (the caller preempts, which gives them back)."""
+        for b in block_ids:  # the request holds these again: their pages are not idle
+            self._idle.pop(b, None)
+        it: Iterator[int] = iter(victims)
+        for b in block_ids:
+            if b in self.page_of:
+                continue
+            page = self._take_page(it)
+            if page is None:
+                return False
+            self._map(b, page)
+        return True
+
+    def freed(self, block_ids: Sequence[int]) -> None:
+        """Blocks a request let go of, in table order (the pool's references already dropped):
+        one that became free keeps its page while it is findable in the prefix cache, else
+        gives it back. Idle pages are taken tail blocks first, as the pool evicts blocks, so a
+        shared prefix keeps its pages longest."""
+        for b in reversed(block_ids):
+            if self.pool.ref_count(b) or b not in self.page_of:
+                continue
+            if self.pool.block_hash(b) is not None:
+                self._idle.pop(b, None)
+                self._idle[b] = None
+            else:
+                self._idle.pop(b, None)
+                self._unmap(b)
+
+    def _take_page(self, victims: Iterator[int]) -> int | None:
+        if self._free_pages:
+            return self._free_pages.pop()
+        if self._idle:
+            b, _ = self._idle.popitem(last=False)
+            self.pool.uncache(b)
+            self._unmap(b)
+            return self._free_pages.pop()
+        for b in victims:
+            if b in self.page_of:  # the iterator is lazy: pages may have moved meanwhile
+                self.spill(b)
+                return self._free_pages.pop()
+        return None
+
+    def spill(self, block_id: int) -> None:
+        """Drop the block's page: its rows stay in the host pool. It leaves the prefix cache."""
+        assert self.pool.ref_count(block_id) == 1, "only a block one request holds spills"
+        self.pool.uncache(block_id)
+        self._unmap(block_id)
+        self.num_spills += 1
+
+    def _map(self, block_id: int, page: int) -> None:
+        self.page_of[block_id] = page
+        self._changes[block_id] = page
+
+    def _unmap(self, block_id: int) -> None:
+        self._free_pages.append(self.page_of.pop(block_id))
+        self._changes[block_id] = SPILLED
+
+    # ---- invariants --------------------------------------------------------------------------
+    def check_integrity(self, running: Iterable[Request], block_size: int,
+                        buffer_rows: int) -> None:
+        """Pages balance (free + mapped = total, no page twice); idle pages are exactly the free
+        blocks' pages, each findable in the prefix cache; every cached block has a page; an
+        in-use block without one is below the write tail of one long decoder holding it alone."""
+        pages = list(self.page_of.values())
+        if len(self._free_pages) + len(pages) != self.num_pages:
+            raise AssertionError(f"MLA pages: {len(self._free_pages)} free + {len(pages)} mapped "
+                                 f"!= {self.num_pages}")
+        if len(set(pages + self._free_pages)) != self.num_pages:
+            raise AssertionError("MLA pages: a page is mapped twice or both mapped and free")
+        idle = {b for b in self.page_of if self.pool.ref_count(b) == 0}
+        if idle != set(self._idle):
+            raise AssertionError(f"MLA pages: idle {sorted(self._idle)} != free blocks with a "
+                                 f"page {sorted(idle)}")
+        if any(self.pool.block_hash(b) is None for b in idle):
+            raise AssertionError("MLA pages: a free block keeps a page but is not cached")
+        for b in range(self.pool.num_blocks):
+            if self.pool.block_hash(b) is not None and b not in self.page_of:
+                raise AssertionError(f"MLA pages: cached block {b} has no page")
+        running = list(running)
+        by_id = {r.request_id: r for r in running}
+        for rid, i in self._spilled_prefix.items():
+            if rid not in by_id or any(b in self.page_of for b in by_id[rid].block_ids[:i]):
+                raise AssertionError(f"MLA pages: stale spill cursor of {rid!r}")
+        spillable: set[int] = set()
+        for req in running:
+            if is_long_decoder(req, buffer_rows):
+                spillable.update(req.block_ids[: req.num_computed_tokens // block_size])
+        for b in range(self.pool.num_blocks):
+            if self.pool.ref_count(b) and b not in self.page_of:
+                if b not in spillable or self.pool.ref_count(b) != 1:
+                    raise AssertionError(f"MLA pages: block {b} is spilled but a request may "
+                                         "read or write its GPU page")
+

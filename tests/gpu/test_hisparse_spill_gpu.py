@@ -1,0 +1,45 @@
+"""On a CUDA machine: HiSparse with fewer MLA pages than the requests' blocks (the triton backend,
+64-token pages): long decoders' pages spill, the hot buffers fetch their rows from the pinned
+host pool, and greedy output equals the all-GPU engine's, with every invariant checked after
+every step. Run on the device machine with `pytest -m gpu tests/gpu/test_hisparse_spill_gpu.py`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dsaserve.config import HiSparseConfig
+from dsaserve.core import SamplingParams
+from dsaserve.engine.engine import LLMEngine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_spilled_pages_on_cuda_equal_all_gpu(model_dirs, engine_config, preset, kv):
+    cfg = engine_config(model_dirs[preset], kv_cache_dtype=kv, block_size=64, num_blocks=64,
+                        max_model_len=256, dtype="bfloat16")
+    cfg = replace(cfg, device="cuda", attention=replace(cfg.attention, backend="triton"))
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLMEngine.from_config(cfg).generate(prompts, params)
+    pages = 4  # cdiv(256, 64): one max-length request; the four need 12-16 blocks together
+    att = replace(cfg.attention, hisparse_device_buffer_size=cfg.model.index_topk,
+                  hisparse_device_mla_pages=pages, hisparse_config_given=True)
+    engine = LLMEngine.from_config(replace(cfg, attention=att,
+                                           hisparse=HiSparseConfig(host_pool_bytes=64 << 20)))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    most_blocks = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        most_blocks = max(most_blocks, sum(len(r.block_ids) for r in engine.scheduler.running))
+        engine.check_integrity()
+    assert [out[str(i)] for i in range(len(prompts))] == want
+    assert engine.scheduler.mla.num_spills > 0 and most_blocks > pages

@@ -1,0 +1,209 @@
+"""HiSparse spilling on one rank (CPU): with far fewer MLA pages than the requests' blocks, long
+decoders' older MLA pages spill (their rows stay in the host pool) and greedy output still equals
+the all-GPU engine's; bf16 and fp8_ds_mla, with MTP3. Every invariant (page map, host pool, hot
+buffers, mirror bytes of resident pages) is checked after every step, and nothing leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dsaserve.config import ConfigError, HiSparseConfig, OffloadConfig, SpecConfig
+from dsaserve.core import SamplingParams
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.kv.block_pool import BlockPool
+from dsaserve.kv.hisparse.admission import min_mla_pages, mla_pages_for
+from dsaserve.kv.hisparse.mla_pages import MlaPageMap
+
+HOST = HiSparseConfig(host_pool_bytes=16 << 20)
+B = 4  # small blocks: many pages per request, so spills are fine-grained
+
+
+def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(4, 512, (m,), generator=g).tolist() for m in lens]
+
+
+def _config(engine_config, model_dir, *, kv: str = "auto", spec: int = 0,
+            buffer: int | None = None, mla_pages: int | None = None, max_model_len: int = 64,
+            num_blocks: int = 100):
+    cfg = engine_config(model_dir, kv_cache_dtype=kv, block_size=B, num_blocks=num_blocks,
+                        max_model_len=max_model_len)
+    if spec:
+        cfg = replace(cfg, speculative=SpecConfig(num_speculative_tokens=spec))
+    if buffer is None:
+        return cfg
+    att = replace(cfg.attention, hisparse_device_buffer_size=buffer,
+                  hisparse_device_mla_pages=mla_pages, hisparse_config_given=True)
+    return replace(cfg, attention=att, hisparse=HOST)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+         ) -> tuple[list[list[int]], int, int]:
+    """Step by step, every invariant checked after each step → (outputs, most requests running
+    at once, most blocks those running requests held at once)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    most_running = most_blocks = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        running = engine.scheduler.running
+        most_running = max(most_running, len(running))
+        most_blocks = max(most_blocks, sum(len(r.block_ids) for r in running))
+        engine.check_integrity()
+    engine.step()  # an empty step tells the runner which requests ended
+    engine.check_integrity()
+    rt, mla = engine.runner.hisparse, engine.scheduler.mla
+    assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+    pool = engine.scheduler.kv.pool
+    # nothing leaks: the only pages still mapped are free cached blocks' (prefix hits later)
+    assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None for b in mla.page_of)
+    return [out[str(i)] for i in range(len(prompts))], most_running, most_blocks
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, kv):
+    """Four requests of 10-13 blocks each over 17 MLA pages (one max-length request's worth):
+    all four decode at once, most of their MLA rows read from the host pool."""
+    model_dir = model_dirs[preset]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(4, seed=11, lo=30, hi=45)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv))
+    want = ref.generate(prompts, params)
+    topk = ref.config.model.index_topk
+    pages = 16  # cdiv(max_model_len 64, B): the least the engine accepts
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, buffer=topk,
+                                           mla_pages=pages))
+    assert engine.runner.caches[0].kv.shape[0] == pages  # the MLA cache is that small
+    assert engine.runner.caches[0].index.shape[0] == 100  # the indexer keeps a page per block
+    got, most_running, most_blocks = _run(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.mla.num_spills == engine.stats().hisparse_mla_spills > 0
+    assert most_running == len(prompts)
+    assert most_blocks > pages  # more KV at once than the MLA pages hold: concurrency beyond HBM
+    assert engine.stats().num_preemptions == 0
+    assert int(engine.runner.hisparse.rows_from_host) > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_spilled_pages_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv):
+    """MTP3: the write tail (1 + 3 verify rows and 2 lookahead slots) stays resident; rejected
+    drafts' blocks go back with their pages."""
+    model_dir = draftable_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, seed=12, lo=66, hi=90)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, max_model_len=128))
+    want = ref.generate(prompts, params)
+    topk = ref.config.model.index_topk
+    pages = 33  # cdiv(128 + 2 lookahead, B)
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, spec=3,
+                                           buffer=4 * topk, mla_pages=pages, max_model_len=128))
+    got, most_running, most_blocks = _run(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.mla.num_spills > 0
+    assert most_running == len(prompts) and most_blocks > pages
+
+
+def test_without_pressure_nothing_spills(model_dirs, engine_config):
+    """MLA pages for every block: the map is in use but no page ever spills."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, seed=13, lo=20, hi=40)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir))
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=100))
+    assert _run(engine, prompts, params)[0] == ref.generate(prompts, params)
+    assert engine.scheduler.mla.num_spills == 0
+
+
+def test_dense_path_reads_mla_pages(model_dirs, engine_config):
+    """Contexts within top-k take the dense path, which reads every row of the MLA pages (not
+    the block ids); then they grow past the buffer and spill."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    prompts = [p[:9] for p in _prompts(4, seed=15, lo=9, hi=12)]
+    ref_cfg = _config(engine_config, model_dir)
+    ref_cfg = replace(ref_cfg, attention=replace(ref_cfg.attention, sparse_mla_force_mqa=False))
+    want = LLMEngine.from_config(ref_cfg).generate(prompts, params)
+    cfg = _config(engine_config, model_dir, buffer=16, mla_pages=16)
+    cfg = replace(cfg, attention=replace(cfg.attention, sparse_mla_force_mqa=False))
+    engine = LLMEngine.from_config(cfg)
+    assert _run(engine, prompts, params)[0] == want
+    assert engine.scheduler.mla.num_spills > 0
+
+
+def test_later_turn_prefix_hit_with_spilling(model_dirs, engine_config):
+    """A finished turn's cached blocks keep their pages (idle); another request's prefill takes
+    some of them (tail blocks first, which leave the prefix cache) and a later turn still hits
+    the head of the first turn, mirrored into its host window from those pages."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    a, b, more = _prompts(3, seed=14, lo=28, hi=36)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir))
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=16))
+    turn1 = _run(engine, [a], params)[0][0]
+    assert turn1 == ref.generate([a], params)[0]
+    idle = set(engine.scheduler.mla.page_of)
+    assert _run(engine, [b], params)[0] == ref.generate([b], params)
+    assert idle - set(engine.scheduler.mla.page_of)  # b took idle pages
+    turn2 = a + turn1 + more[:9]
+    assert _run(engine, [turn2], params)[0] == ref.generate([turn2], params)
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_too_few_mla_pages_is_refused(model_dirs, engine_config):
+    """The least the engine accepts is one window (a prefill reads its pages): the rule
+    `dsaserve plan`'s suggestion starts from (kv/hisparse/admission.py)."""
+    model_dir = model_dirs["tiny-glm5"]
+    least = min_mla_pages(64, B)
+    assert least == 16 == mla_pages_for(0, 64, B, tail_pages=2)
+    with pytest.raises(ConfigError, match="device_mla_pages 15 cannot hold one request"):
+        LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=least - 1))
+    with pytest.raises(ConfigError, match="device_mla_pages 101 exceeds the 100 KV blocks"):
+        LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=101))
+    cfg = _config(engine_config, model_dir, buffer=16, mla_pages=16)
+    with pytest.raises(ConfigError, match="device_mla_pages does not run with the host KV"):
+        replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=8 << 20))
+
+
+def test_page_map_spills_lru_and_keeps_idle_pages():
+    """The map alone: free pages first, then idle cached blocks' pages (they leave the prefix
+    cache), then victims in the order given; a freed uncached block gives its page back."""
+    pool = BlockPool(8, enable_caching=True)
+    mla = MlaPageMap(3, pool)
+    a = pool.allocate(3)
+    assert mla.make_resident(a, iter(()))
+    assert sorted(mla.page_of.values()) == [0, 1, 2]
+    pool.cache_block(a[0], b"h0")
+    pool.free(a[:2])  # a[0] cached: idle, keeps its page; a[1] not cached: page back
+    mla.freed(a[:2])
+    assert a[0] in mla.page_of and a[1] not in mla.page_of and mla.num_free_pages == 1
+    b = pool.allocate(2)
+    assert mla.make_resident(b, iter(()))  # the free page, then a[0]'s idle one
+    assert a[0] not in mla.page_of and pool.lookup(b"h0") is None
+    c = pool.allocate(1)
+    assert not mla.make_resident(c, iter(()))  # nothing left to take
+    pool.cache_block(a[2], b"h2")
+    assert mla.make_resident(c, iter([a[2]]))  # a spill: a[2] leaves the prefix cache
+    assert a[2] not in mla.page_of and pool.lookup(b"h2") is None and mla.num_spills == 1
+    changes = dict(mla.take_changes())
+    assert changes[a[2]] == -1 and changes[c[0]] >= 0 and not mla.take_changes()
+
+
+def test_spill_metrics():
+    """The page usage gauge and the spill counter appear only when spilling is on."""
+    from dsaserve.core import EngineStats
+    from dsaserve.serve.metrics import ServerMetrics
+
+    base = dict(num_running=0, num_waiting=0, num_free_blocks=8, num_total_blocks=8,
+                prefix_cache_queries=0, prefix_cache_hits=0, num_preemptions=0)
+    on = EngineStats(**base, num_mla_pages=16, num_mla_pages_free=4, hisparse_mla_spills=7)
+    text = ServerMetrics("m", lambda: on).exposition().decode()
+    assert 'vllm:hisparse_mla_pages_usage_perc{model_name="m"} 0.75' in text
+    assert 'vllm:hisparse_mla_spilled_blocks_total{model_name="m"} 7.0' in text
+    off = ServerMetrics("m", lambda: EngineStats(**base)).exposition().decode()
+    assert "hisparse" not in off
