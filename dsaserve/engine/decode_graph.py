@@ -139,8 +139,15 @@ class DecodeGraphs:
             return self.model(ids, meta, self.caches)
         if size not in self._graphs:
             logger.info("capturing the decode forward of %d tokens in a CUDA graph", size)
-            graph, out = cudagraph.capture(lambda: self.model(ids, meta, self.caches),
-                                           self._pool)
+            try:
+                graph, out = cudagraph.capture(lambda: self.model(ids, meta, self.caches),
+                                               self._pool)
+            except RuntimeError as e:  # a kernel that cannot be captured: serve eager
+                logger.warning("capturing the decode forward of %d tokens failed (%s); decode "
+                               "steps run eager from now on (--enforce-eager says so at "
+                               "start-up)", size, e)
+                self.capture = False
+                return self.model(ids, meta, self.caches)
             self._pool = graph.pool()
             self._graphs[size] = (graph, out)
         graph, out = self._graphs[size]

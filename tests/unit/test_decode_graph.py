@@ -115,3 +115,39 @@ def test_prefill_and_large_batches_run_as_they_are(model_dirs, engine_config, mi
         cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(2,))), prompts)
     assert small_out == eager_out
     assert small.padded_steps and all(len(c) <= 2 for _, c in small.padded_steps)
+
+
+def test_a_decode_forward_that_cannot_be_captured_runs_eager(model_dirs, engine_config,
+                                                             mixed_prompts, monkeypatch, caplog):
+    """A capture that raises (a kernel CUDA cannot record) leaves the engine serving: the step
+    runs eager, a warning says so once, and the output is unchanged."""
+    from dsaserve.engine import cudagraph
+
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8, num_blocks=96)
+    prompts = mixed_prompts(len(_ARRIVALS), seed=5)
+    eager_out, _ = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cudagraph, "capture", refuse)
+    engine = LLMEngine.from_config(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))))
+    engine.runner.decode_graphs.capture = True  # as on a GPU with a capturable backend
+    outputs: dict[str, list[int]] = {}
+    for step in range(200):
+        for i, (max_tokens, at) in enumerate(_ARRIVALS):
+            if at == step:
+                engine.add_request(f"r{i}", prompts[i], SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if step > 4 and not engine.has_unfinished_requests():
+            break
+    engine.check_integrity()
+    assert outputs == eager_out
+    assert len(calls) == 1 and not engine.runner.decode_graphs.capture
+    assert "run eager" in caplog.text

@@ -321,8 +321,9 @@ class IndexerConfig:
     # way before row passes, kept for comparison; docs/long_prefill.md).
     logits_split: str = "rows"
     # Row passes on a GPU: each pass's top-k on a side stream, overlapping the next pass's
-    # logits (docs/long_prefill.md); False runs them in turn on the step's stream.
-    overlap_topk: bool = True
+    # logits. Off until measured against the serial order on the H200 (docs/long_prefill.md:
+    # kept if faster, deleted if not).
+    overlap_topk: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_shape is not None and len(self.cuda_shape) not in (3, 4):
