@@ -42,8 +42,10 @@ def test_pad_layout_refuses_what_does_not_fit(counts, q, size):
 _ARRIVALS = [(7, 0), (10, 0), (4, 0), (8, 2), (6, 4), (9, 4)]
 
 
-def _run(config, prompts) -> tuple[dict[str, list[int]], LLMEngine]:
+def _run(config, prompts, prepare=None) -> tuple[dict[str, list[int]], LLMEngine]:
     engine = LLMEngine.from_config(config)
+    if prepare is not None:
+        prepare(engine)
     sizes: list[tuple[int, tuple[int, ...]]] = []
     graphs = engine.runner.decode_graphs
     if graphs is not None:  # record the (size, rows per request) of every padded step
@@ -134,20 +136,13 @@ def test_a_decode_forward_that_cannot_be_captured_runs_eager(model_dirs, engine_
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(cudagraph, "capture", refuse)
-    engine = LLMEngine.from_config(dataclasses.replace(
-        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))))
-    engine.runner.decode_graphs.capture = True  # as on a GPU with a capturable backend
-    outputs: dict[str, list[int]] = {}
-    for step in range(200):
-        for i, (max_tokens, at) in enumerate(_ARRIVALS):
-            if at == step:
-                engine.add_request(f"r{i}", prompts[i], SamplingParams(
-                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if step > 4 and not engine.has_unfinished_requests():
-            break
-    engine.check_integrity()
+
+    def as_on_a_gpu(engine):  # a capturable backend on CUDA would capture
+        engine.runner.decode_graphs.capture = True
+
+    outputs, engine = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(1, 2, 4, 8))), prompts,
+        prepare=as_on_a_gpu)
     assert outputs == eager_out
     assert len(calls) == 1 and not engine.runner.decode_graphs.capture
     assert "run eager" in caplog.text
