@@ -41,6 +41,9 @@ FP32 = 4
 # Pages of 64 tokens each request keeps resident per MLA layer while it reads the rest from the host
 # pool (the write tail: the page being filled and the one before it).
 HISPARSE_TAIL_PAGES = 2
+# Tokens a decoder reserves past its window for MTP drafts (k − 1 lookahead slots) when the model
+# has an MTP layer: MTP3, as the reference deployment runs (the engine's scheduler, num_lookahead).
+MTP3_LOOKAHEAD = 2
 # HBM kept for activations and temporaries: one layer's 1M-token context gathered in bf16
 # (1.1 GiB) plus an 8K-token step's activations (`dsaserve plan` and `simulate`).
 DEFAULT_ACTIVATION_RESERVE_GIB = 4.0
@@ -436,6 +439,7 @@ class HiSparseConcurrency:
         return max(self.kv_room, 0) // self.gpu_bytes_full
 
     block_size: int = PAGE_TOKENS  # the host pool's block (admission reserves whole blocks)
+    lookahead: int = 0  # MTP lookahead tokens a prefill's pages cover past the window
 
     @property
     def by_host(self) -> int:
@@ -460,7 +464,8 @@ class HiSparseConcurrency:
     def mla_pages(self) -> int:
         """`hisparse_config.device_mla_pages` for this concurrency: every decoder's write tail
         and one prefill of --context (the engine's rule, kv/hisparse/admission.py)."""
-        return mla_pages_for(self.hisparse, self.context, self.block_size, HISPARSE_TAIL_PAGES)
+        return mla_pages_for(self.hisparse, self.context + self.lookahead, self.block_size,
+                             HISPARSE_TAIL_PAGES)
 
 
 def hisparse_concurrency(
@@ -479,4 +484,5 @@ def hisparse_concurrency(
         gpu_bytes_hisparse=context * kv.indexer_all_layers
         + gpu_rows_per_layer * mla_layers * kv.mla_row,
         block_size=block_size,
+        lookahead=MTP3_LOOKAHEAD if kv.num_mtp_layers else 0,
     )

@@ -228,6 +228,12 @@ def test_hisparse_concurrency(glm: ModelConfig) -> None:
     assert h.hisparse == 7 and h.bound == "host memory"
     big = cm.hisparse_concurrency(kv, ctx, room, host_pool_bytes=512 * GIB, hot_rows=10_240)
     assert big.hisparse == big.by_hbm_hisparse == 21 and big.bound == "HBM"
+    # the suggested MLA pages cover what the engine asks of spilling under MTP3: one prefill's
+    # window with the 2 lookahead slots (a window of whole pages needs one more), and the tails
+    from dsaserve.kv.hisparse.admission import min_mla_pages
+
+    assert h.mla_pages == min_mla_pages(ctx + 2, 64) + 7 * cm.HISPARSE_TAIL_PAGES
+    assert h.mla_pages == ctx // 64 + 1 + 7 * 2
 
 
 # ---- the CLI ----------------------------------------------------------------------------------
