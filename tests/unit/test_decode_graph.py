@@ -209,3 +209,64 @@ def test_drafts_reach_past_max_model_len(model_dirs, engine_config):
     assert padded.runner.decode_graphs.num_draft_steps > 5
     for a, b in zip(eager.runner.caches, padded.runner.caches, strict=True):
         torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+
+
+class _Rerun:
+    """A stand-in for a CUDA graph on the CPU: replay runs the recorded function again into
+    its first output, which is what a graph's replay gives when the function reads only
+    fixed addresses (the static buffers, another graph's static output)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+    def pool(self):
+        return None
+
+
+@pytest.mark.parametrize("refuse_drafts", [False, True], ids=["replayed", "drafts-refused"])
+def test_captured_drafts_read_the_target_graph_output(model_dirs, engine_config, mixed_prompts,
+                                                      monkeypatch, caplog, refuse_drafts):
+    """With graphs 'captured' (_Rerun), the drafts' graph reads the target graph's static
+    output and the static buffers only: the output is eager's, every padded step replays
+    both. A draft capture that raises leaves the engine serving eager, with a warning."""
+    from dsaserve.engine import cudagraph
+
+    cfg = dataclasses.replace(
+        engine_config(model_dirs["tiny-glm5"], dtype="float32", max_num_seqs=8, num_blocks=96),
+        speculative=_ACCEPTING)
+    prompts = mixed_prompts(len(_ARRIVALS), seed=6)
+    eager_out, _ = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    captured: list[int] = []
+
+    def capture(fn, pool=None, warmup=2):
+        captured.append(1)
+        if refuse_drafts and len(captured) == 2:  # the first size's drafts
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph = _Rerun(fn)
+        return graph, graph.out
+
+    monkeypatch.setattr(cudagraph, "capture", capture)
+    original = LLMEngine.from_config
+
+    def with_graphs(config):
+        engine = original(config)
+        engine.runner.decode_graphs.capture = True  # as on a GPU with a capturable backend
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "from_config", with_graphs)
+    out, engine = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(4, 8, 16, 32))), prompts)
+    assert out == eager_out
+    graphs = engine.runner.decode_graphs
+    assert graphs.num_draft_steps == graphs.num_steps > 3
+    if refuse_drafts:
+        assert len(captured) == 2 and not graphs.capture and "run eager" in caplog.text
+        assert graphs.num_replays == 1 and graphs.num_draft_replays == 0
+    else:
+        assert len(captured) == 2 * len(graphs._graphs) == 2 * len(graphs._draft_graphs)
+        assert graphs.num_replays == graphs.num_draft_replays == graphs.num_steps
