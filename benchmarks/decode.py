@@ -146,6 +146,8 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
         graphs = runner.decode_graphs
         if graph and (graphs is None or not graphs.num_replays):
             note = "no graph replayed"
+        elif graph and mtp and not graphs.num_draft_replays:
+            note = "no draft graph replayed"
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report the row, keep the table
         wall, kernels, per_step, note = math.nan, math.nan, math.nan, f"failed: {e}"[:120]
     del runner

@@ -20,19 +20,34 @@ constant request index of each row; query_start_loc every q rows; seq_lens the b
 max_model_len (`bounded_seq_lens`), so that everything the host sizes from them (the
 indexer's logits width and grid) is the same at every step and only positions give a row's
 context. Each step fills the buffers by device gathers from its own metadata.
+
+With MTP, the step's drafts (spec/mtp.py: draft_chain) run at the same size, as one more graph
+per size: step 0 over the padded rows with the target's padded metadata (the same slots, so
+the MTP layer's KV is written exactly where eager writes it), then the k − 1 one-row steps over
+the size / q request slots, slot s drafting from its row s·q + accepted (a live row: accepted ≤
+its drafts):
+
+    draft rows    r0: t d d d | r1: t d ¹ ¹ | r2: t d d d | ² ² ² ²
+                        ^             ^         ^           ^
+                  slot 0 (1 accepted), 1 (0), 2 (2); padding slot 3: its first row, r0's copy
+
+Draft step j writes at position + j of its slot (the lookahead blocks are in the table), a
+padding slot nowhere; its seq_lens are the bound max_model_len + k − 1.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dsaserve.engine import cudagraph, staging
 from dsaserve.kernels.metadata import AttentionMetadata
+from dsaserve.kv import layout as kv_layout
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
+from dsaserve.spec.mtp import DraftInputs, draft_chain
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +84,30 @@ def pad_layout(counts: Sequence[int], q: int, size: int) -> PaddedLayout:
     return PaddedLayout(src_rows, writes, list(range(len(counts))) + [0] * num_pad, out_rows)
 
 
+@dataclass(frozen=True)
+class _PaddedStep:
+    """The last step run through the buffers, for its drafts."""
+
+    size: int
+    num_reqs: int
+    src_rows: torch.Tensor  # [size] int64 the step row each padded row copies
+    out_rows: torch.Tensor  # [N] int64 the padded row of each step row
+    hidden: torch.Tensor  # [size, hidden] the target's padded output
+
+
 class DecodeGraphs:
     """The runner's padded decode path over one set of static buffers (the largest size; each
-    size uses their first rows). `capture`: record each size's forward in a CUDA graph at its
-    first step and replay it afterwards; otherwise run the forward eager over the buffers."""
+    size uses their first rows). `capture`: record each size's forward (and with MTP its
+    drafts) in a CUDA graph at its first step and replay it afterwards; otherwise run them
+    eager over the buffers. `num_drafts`: MTP's k (0: no drafting)."""
 
     def __init__(self, model: DsaForCausalLM, caches: list[LayerCache], sizes: Sequence[int],
-                 rows_per_request: int, max_model_len: int, block_size: int,
+                 num_drafts: int, max_model_len: int, block_size: int,
                  device: torch.device, capture: bool) -> None:
         self.model = model
         self.caches = caches
-        self.q = rows_per_request
+        self.k = num_drafts
+        self.q = 1 + num_drafts
         self.sizes = tuple(n for n in sizes if n % self.q == 0)  # the others never fit
         if not self.sizes:
             logger.warning("--compilation-config: no cudagraph_capture_sizes is a multiple of "
@@ -89,20 +117,36 @@ class DecodeGraphs:
         self.block_size = block_size
         self.capture = capture
         max_size = max(self.sizes, default=0)
-        width = -(-max_model_len // block_size)  # blocks of the longest request
+        # blocks of the longest request, with the draft steps' k − 1 lookahead positions
+        width = -(-(max_model_len + max(self.k - 1, 0)) // block_size)
+        max_reqs = max_size // self.q
         with torch.inference_mode():  # written inside the model's inference-mode forward
             self.input_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
             self.positions = torch.zeros(max_size, dtype=torch.int64, device=device)
             self.slots = torch.full((max_size,), -1, dtype=torch.int64, device=device)
-            self.block_table = torch.full((max_size // self.q, width), -1, dtype=torch.int32,
+            self.block_table = torch.full((max_reqs, width), -1, dtype=torch.int32,
                                           device=device)
             # row i belongs to request slot i // q, at every step
             self.req_indices = torch.arange(max_size, device=device) // self.q
+            # the drafts: step 0's input tokens, each slot's row, draft step j's positions and
+            # slots ([j − 1]); one row per request slot in the draft steps
+            self.draft_ids = torch.zeros(max_size, dtype=torch.int64, device=device)
+            self.draft_rows = torch.zeros(max_reqs, dtype=torch.int64, device=device)
+            self.draft_positions = torch.zeros(max(self.k - 1, 0), max_reqs, dtype=torch.int64,
+                                               device=device)
+            self.draft_slots = torch.full((max(self.k - 1, 0), max_reqs), -1,
+                                          dtype=torch.int64, device=device)
+            self.slot_indices = torch.arange(max_reqs, device=device)
         self._metas: dict[int, AttentionMetadata] = {}
+        self._draft_metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._last: _PaddedStep | None = None
         self.num_steps = 0  # steps run through the static buffers
         self.num_replays = 0  # of them, replayed from a graph
+        self.num_draft_steps = 0  # steps whose drafts ran through the static buffers
+        self.num_draft_replays = 0  # of them, replayed from a graph
 
     def size_for(self, counts: Sequence[int]) -> int | None:
         """The size a decode-only step whose requests have counts[r] rows runs at; None: it
@@ -129,31 +173,74 @@ class DecodeGraphs:
         table[:, :width].copy_(meta.block_table[src_reqs, :width])
         table[:, width:] = -1
         # 2. the forward over them: replayed, captured at the size's first step, or eager
-        return self._run(size)[out_rows]
-
-    def _run(self, size: int) -> torch.Tensor:
         self.num_steps += 1
         meta = self._metadata(size)
         ids = self.input_ids[:size]
+        hidden, replayed = self._run(self._graphs, size, "decode forward",
+                                     lambda: self.model(ids, meta, self.caches))
+        self.num_replays += replayed
+        self._last = _PaddedStep(size, len(counts), src_rows, out_rows, hidden)
+        return hidden[out_rows]
+
+    @torch.inference_mode()
+    def propose(self, inputs: DraftInputs) -> torch.Tensor:
+        """The MTP drafts of the step `forward` ran last (every request drafts: decode-only),
+        at its size → drafts [D, k] int64 in inputs' order, as MtpDrafter.propose gives them;
+        writes the MTP layer's KV as it does."""
+        step = self._last
+        assert step is not None and len(inputs.request_ids) == step.num_reqs, (
+            "propose follows forward, for the same decode-only step")
+        size, num_slots = step.size, step.size // self.q
+        # 1. step 0's tokens: the token after each copied row, the emitted one at the
+        #    drafting rows
+        next_ids = inputs.next_token_ids.index_put((inputs.rows,), inputs.tokens)  # [N]
+        self.draft_ids[:size].copy_(next_ids[step.src_rows])
+        # 2. the row each slot drafts from: its first (padding slots) or the accepted one
+        padded_rows = step.out_rows[inputs.rows]  # [D] in inputs' order
+        slot_of = padded_rows // self.q  # [D]
+        rows = self.draft_rows[:num_slots]
+        rows.copy_(self.slot_indices[:num_slots] * self.q)
+        rows.index_copy_(0, slot_of, padded_rows)
+        # 3. draft step j's positions and slots: one further each step, padding slots nowhere
+        base = self.positions[:size][rows]  # [slots]
+        live = self.slot_indices[:num_slots] < step.num_reqs
+        for j in range(1, self.k):
+            pos = self.draft_positions[j - 1, :num_slots]
+            pos.copy_(base + j)
+            written = kv_layout.slot_mapping(pos, self.slot_indices[:num_slots],
+                                             self.block_table[:num_slots], self.block_size)
+            self.draft_slots[j - 1, :num_slots].copy_(torch.where(live, written, -1))
+        # 4. the chain over them: replayed, captured at the size's first step, or eager
+        self.num_draft_steps += 1
+        meta, hidden = self._metadata(size), step.hidden
+        drafts, replayed = self._run(self._draft_graphs, size, "MTP drafts", lambda: draft_chain(
+            self.model, self.caches, self.k, self.draft_ids[:size], hidden, meta, rows,
+            lambda j: self._draft_metadata(num_slots, j)))
+        self.num_draft_replays += replayed
+        return drafts[slot_of]  # [D, k]
+
+    def _run(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int,
+             what: str, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """fn() over the static buffers of `size` → (its output, whether replayed). `fn` reads
+        only fixed addresses (a graph's static output included: the target's, for the
+        drafts)."""
         if not self.capture:
-            return self.model(ids, meta, self.caches)
-        if size not in self._graphs:
-            logger.info("capturing the decode forward of %d tokens in a CUDA graph", size)
+            return fn(), False
+        if size not in graphs:
+            logger.info("capturing the %s of %d tokens in a CUDA graph", what, size)
             try:
-                graph, out = cudagraph.capture(lambda: self.model(ids, meta, self.caches),
-                                               self._pool)
+                graph, out = cudagraph.capture(fn, self._pool)
             except RuntimeError as e:  # a kernel that cannot be captured: serve eager
-                logger.warning("capturing the decode forward of %d tokens failed (%s); decode "
-                               "steps run eager from now on (--enforce-eager says so at "
-                               "start-up)", size, e)
+                logger.warning("capturing the %s of %d tokens failed (%s); decode steps run "
+                               "eager from now on (--enforce-eager says so at start-up)",
+                               what, size, e)
                 self.capture = False
-                return self.model(ids, meta, self.caches)
+                return fn(), False
             self._pool = graph.pool()
-            self._graphs[size] = (graph, out)
-        graph, out = self._graphs[size]
+            graphs[size] = (graph, out)
+        graph, out = graphs[size]
         graph.replay()
-        self.num_replays += 1
-        return out
+        return out, True
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """The size's metadata over the static buffers: one object for every step, so that
@@ -172,3 +259,21 @@ class DecodeGraphs:
                 bounded_seq_lens=True,
             )
         return self._metas[size]
+
+    def _draft_metadata(self, num_slots: int, j: int) -> AttentionMetadata:
+        """Draft step j's metadata over the static buffers of `num_slots` request slots, one
+        row each; seq_lens the bound of its positions (lookahead included)."""
+        key = (num_slots, j)
+        if key not in self._draft_metas:
+            self._draft_metas[key] = AttentionMetadata(
+                positions=self.draft_positions[j - 1, :num_slots],
+                req_indices=self.slot_indices[:num_slots],
+                slot_mapping=self.draft_slots[j - 1, :num_slots],
+                block_table=self.block_table[:num_slots],
+                query_start_loc=tuple(range(num_slots + 1)),
+                seq_lens=(self.max_model_len + self.k - 1,) * num_slots,
+                block_size=self.block_size,
+                use_dense=False,
+                bounded_seq_lens=True,
+            )
+        return self._draft_metas[key]

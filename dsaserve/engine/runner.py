@@ -309,7 +309,7 @@ class ModelRunner:
             return None
         capture = (self.device.type == "cuda" and backend.capturable
                    and self.groups.world_size == 1)
-        return DecodeGraphs(self.model, self.caches, sizes, 1 + k, cfg.scheduler.max_model_len,
+        return DecodeGraphs(self.model, self.caches, sizes, k, cfg.scheduler.max_model_len,
                             self.block_size, self.device, capture)
 
     def _kv_connector(self) -> ConnectorWorker | None:
@@ -393,14 +393,20 @@ class ModelRunner:
         # 3. forward (a decode-only step: padded, through static buffers, replayed from a CUDA
         #    graph where graphs are on); then sample (or verify drafts) for requests whose
         #    known tokens are done, the results left on the device
-        hidden = self._forward(batch)  # [N, hidden]
+        padded = self._padded_size(batch)  # None: the step runs as it is
+        hidden = self._forward(batch, padded)  # [N, hidden]
         samples = self._sample(req_ids, batch, hidden)
 
-        # 4. speculative decoding: the MTP layer drafts the next step's tokens
+        # 4. speculative decoding: the MTP layer drafts the next step's tokens (at the padded
+        #    size after a padded forward)
         drafts, drafting = None, []
         if self.drafter is not None:
             inputs = self._draft_inputs(req_ids, batch, samples)
-            drafts, drafting = self.drafter.propose(hidden, batch.meta, inputs), inputs.request_ids
+            if padded is None:
+                drafts = self.drafter.propose(hidden, batch.meta, inputs)
+            else:
+                drafts = self.decode_graphs.propose(inputs)
+            drafting = inputs.request_ids
 
         # 5. HiSparse: the rows this step wrote join the durable host copy
         self._mirror(req_ids, batch)
@@ -412,18 +418,23 @@ class ModelRunner:
             logprobs={req_ids[r]: lps for r, lps in host.logprobs.items()},
             draft_token_ids=dict(zip(drafting, host.drafts, strict=True)))
 
-    def _forward(self, batch: _Batch) -> torch.Tensor:
-        """The target forward → hidden [N, hidden]; a decode-only step (each request: its last
-        known token and its drafts) through the padded path when a capture size fits it."""
+    def _padded_size(self, batch: _Batch) -> int | None:
+        """The size a decode-only step (each request: its last known token and its drafts)
+        runs at through the padded path; None: the step runs as it is."""
         qsl = batch.query_start_loc
         counts = [qsl[r + 1] - qsl[r] for r in range(len(batch.samples))]
         decode_only = all(batch.samples) and all(
             n == 1 + d for n, d in zip(counts, batch.num_drafts, strict=True))
-        size = None
-        if self.decode_graphs is not None and decode_only and not batch.meta.use_dense:
-            size = self.decode_graphs.size_for(counts)
+        if self.decode_graphs is None or not decode_only or batch.meta.use_dense:
+            return None
+        return self.decode_graphs.size_for(counts)
+
+    def _forward(self, batch: _Batch, size: int | None) -> torch.Tensor:
+        """The target forward → hidden [N, hidden], at `size` through the padded path."""
         if size is None:
             return self.model(batch.input_ids, batch.meta, self.caches)
+        qsl = batch.query_start_loc
+        counts = [qsl[r + 1] - qsl[r] for r in range(len(batch.samples))]
         return self.decode_graphs.forward(size, counts, batch.input_ids, batch.meta)
 
     def _sample(self, req_ids: list[str], batch: _Batch, hidden: torch.Tensor

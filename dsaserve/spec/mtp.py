@@ -77,19 +77,36 @@ class MtpDrafter:
     ) -> torch.Tensor | None:
         """Write the MTP layer's KV for every row of the step → drafts [D, k] int64 on the
         device (None when no request drafts)."""
-        # 1. step 0 over the step's rows (prefill chunks included: it fills the MTP cache)
         next_ids = inputs.next_token_ids.index_put((inputs.rows,), inputs.tokens)  # [N]
-        h = self.model.forward_mtp(next_ids, hidden, meta, self.caches)  # [N, hidden]
-        if not inputs.request_ids:
+        if not inputs.request_ids:  # step 0 still fills the MTP cache (prefill chunks)
+            self.model.forward_mtp(next_ids, hidden, meta, self.caches)
             return None
-        h = h[inputs.rows]  # [D, hidden]
-        token = self.model.compute_logits(h).argmax(-1)  # [D] d1
-        drafts = [token]
-        # 2. steps 1..k−1: one token per drafting request, one position further each time
-        for j in range(1, self.k):
-            step_meta = self.metadata_for(inputs.request_ids, inputs.positions + j,
-                                          [p + j for p in inputs.max_positions])
-            h = self.model.forward_mtp(token, h, step_meta, self.caches)  # [D, hidden]
-            token = self.model.compute_logits(h).argmax(-1)
-            drafts.append(token)
-        return torch.stack(drafts, dim=1)  # [D, k]
+        return draft_chain(
+            self.model, self.caches, self.k, next_ids, hidden, meta, inputs.rows,
+            lambda j: self.metadata_for(inputs.request_ids, inputs.positions + j,
+                                        [p + j for p in inputs.max_positions]))
+
+
+def draft_chain(
+    model: DsaForCausalLM,
+    caches: list[LayerCache],
+    k: int,
+    next_ids: torch.Tensor,  # [N] int64 step 0's input: the token after each row's
+    hidden: torch.Tensor,  # [N, hidden] the target's post-norm states
+    meta: AttentionMetadata,  # the target's metadata over the N rows
+    rows: torch.Tensor,  # [D] int64 the row each drafting request continues from
+    step_metadata: Callable[[int], AttentionMetadata],  # j → draft step j's, one row per request
+) -> torch.Tensor:  # [D, k] int64 drafts
+    """The MTP steps of one engine step (the module's story), device work only: the eager
+    drafter and the padded decode path (engine/decode_graph.py, which captures it) share it."""
+    # 1. step 0 over the step's rows (prefill chunks included: it fills the MTP cache)
+    h = model.forward_mtp(next_ids, hidden, meta, caches)  # [N, hidden]
+    h = h[rows]  # [D, hidden]
+    token = model.compute_logits(h).argmax(-1)  # [D] d1
+    drafts = [token]
+    # 2. steps 1..k−1: one token per drafting request, one position further each time
+    for j in range(1, k):
+        h = model.forward_mtp(token, h, step_metadata(j), caches)  # [D, hidden]
+        token = model.compute_logits(h).argmax(-1)
+        drafts.append(token)
+    return torch.stack(drafts, dim=1)  # [D, k]

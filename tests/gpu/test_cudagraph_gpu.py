@@ -8,7 +8,8 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
 * a decode step of the engine, under torch.cuda.set_sync_debug_mode("warn"), copies device data
   to the host no more often than the CPU counter says (the one copy of the results);
 * the engine with graphs on (the runner's own padded decode path, engine/decode_graph.py) gives
-  the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3."""
+  the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3 (with
+  MTP3 the drafts of every padded step replayed from their own graph too)."""
 
 from __future__ import annotations
 
@@ -157,5 +158,8 @@ def test_engine_graphs_give_eager_tokens(k):
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.capture
     assert graphs.num_replays > 0 and graphs.num_replays == graphs.num_steps
-    print(f"k={k}: {graphs.num_replays} replays over sizes {sorted(graphs._graphs)}")
+    # with MTP3 every padded step's drafts replay their graph; none without
+    assert graphs.num_draft_replays == graphs.num_draft_steps == (graphs.num_steps if k else 0)
+    print(f"k={k}: {graphs.num_replays} replays ({graphs.num_draft_replays} of drafts) over "
+          f"sizes {sorted(graphs._graphs)}")
     assert graph_out == eager_out

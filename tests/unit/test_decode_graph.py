@@ -3,6 +3,8 @@ size through static buffers, padding rows copying live ones and writing nowhere.
 greedy output with it equals --enforce-eager's (no padding) over many steps, with batches that
 are not capture sizes, requests joining and leaving between steps, with MTP3 (drafts cut near
 max_tokens: padding inside a request) and without, bf16 and fp8_ds_mla KV; no block leaks.
+With MTP the drafts of every padded step run at its size too (spec/mtp.py: draft_chain over
+the static buffers), drafts accepted or not, up to max_model_len; the MTP layer's KV is eager's.
 Replays of captured graphs are checked on a GPU (tests/gpu/test_cudagraph_gpu.py)."""
 
 from __future__ import annotations
@@ -75,35 +77,57 @@ def _run(config, prompts, prepare=None) -> tuple[dict[str, list[int]], LLMEngine
     return outputs, engine
 
 
-@pytest.mark.parametrize("k,dtype,kv", [
-    (0, "float32", "auto"), (3, "float32", "auto"), (3, "bfloat16", "auto"),
-    (0, "float32", "fp8_ds_mla"), (3, "float32", "fp8_ds_mla")],
-    ids=["fp32", "fp32-mtp3", "bf16-mtp3", "fp8_ds_mla", "fp8_ds_mla-mtp3"])
-def test_padded_decode_equals_eager(model_dirs, engine_config, mixed_prompts, k, dtype, kv):
+# synthetic acceptance (the same seeded draws in both engines): drafts are accepted whatever the
+# target says, so drafting continues from every row of a slot and the drafts are the output
+_ACCEPTING = SpecConfig(num_speculative_tokens=3, rejection_sample_method="synthetic",
+                        synthetic_acceptance_rates=(0.9, 0.6, 0.3))
+
+
+@pytest.mark.parametrize("k,dtype,kv,accepting", [
+    (0, "float32", "auto", False), (3, "float32", "auto", False),
+    (3, "bfloat16", "auto", False), (0, "float32", "fp8_ds_mla", False),
+    (3, "float32", "fp8_ds_mla", False), (1, "float32", "auto", False),
+    (3, "float32", "auto", True), (3, "float32", "fp8_ds_mla", True)],
+    ids=["fp32", "fp32-mtp3", "bf16-mtp3", "fp8_ds_mla", "fp8_ds_mla-mtp3", "fp32-mtp1",
+         "fp32-mtp3-accepting", "fp8_ds_mla-mtp3-accepting"])
+def test_padded_decode_equals_eager(model_dirs, engine_config, mixed_prompts, k, dtype, kv,
+                                    accepting):
     base = engine_config(model_dirs["tiny-glm5"], kv_cache_dtype=kv, dtype=dtype,
                          max_num_seqs=8, num_blocks=96)
     if k:
-        base = dataclasses.replace(base, speculative=SpecConfig(num_speculative_tokens=k))
+        spec = _ACCEPTING if accepting else SpecConfig(num_speculative_tokens=k)
+        base = dataclasses.replace(base, speculative=spec)
     prompts = mixed_prompts(len(_ARRIVALS), seed=3)
     eager_out, eager = _run(dataclasses.replace(
         base, compilation=CompilationConfig(enforce_eager=True)), prompts)
     assert eager.runner.decode_graphs is None
-    sizes = (1, 2, 4, 8) if not k else (4, 8, 16, 32)
+    sizes = {0: (1, 2, 4, 8), 1: (2, 4, 8, 16), 3: (4, 8, 16, 32)}[k]
     padded_out, padded = _run(dataclasses.replace(
         base, compilation=CompilationConfig(cudagraph_capture_sizes=sizes)), prompts)
     assert padded_out == eager_out
     assert all(len(padded_out[f"r{i}"]) == n for i, (n, _) in enumerate(_ARRIVALS))
     steps = padded.padded_steps
-    assert padded.runner.decode_graphs.num_steps == len(steps) > 5
-    assert padded.runner.decode_graphs.num_replays == 0  # no graphs on the CPU
+    graphs = padded.runner.decode_graphs
+    assert graphs.num_steps == len(steps) > (3 if accepting else 5)  # accepting: fewer steps
+    assert graphs.num_replays == graphs.num_draft_replays == 0  # no graphs on the CPU
+    # every padded step's drafts went through the padded path too (none without MTP)
+    assert graphs.num_draft_steps == (len(steps) if k else 0)
     q = 1 + k
     assert any(len(c) * q < size for size, c in steps), "no step was padded with requests"
     if k:
         assert any(min(c) < q for _, c in steps), "no request was padded inside its slot"
+    if accepting:  # drafting continued past a slot's first row
+        accepted = padded.stats().spec_decode_num_accepted_tokens_per_pos
+        assert accepted[0] > 0 and accepted[2] > 0, accepted
     if dtype == "float32" and kv == "auto":
-        # the same KV everywhere: padding rows wrote nowhere live
+        # the same KV everywhere (the MTP layer's last: its draft steps wrote only where eager
+        # did): padding rows wrote nowhere live
+        caches = padded.runner.caches
+        assert not k or len(caches) == padded.runner.model.cfg.num_hidden_layers + 1
         for a, b in zip(eager.runner.caches, padded.runner.caches, strict=True):
             torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+            if a.index is not None:
+                torch.testing.assert_close(a.index, b.index, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_and_large_batches_run_as_they_are(model_dirs, engine_config, mixed_prompts):
@@ -146,3 +170,98 @@ def test_a_decode_forward_that_cannot_be_captured_runs_eager(model_dirs, engine_
     assert outputs == eager_out
     assert len(calls) == 1 and not engine.runner.decode_graphs.capture
     assert "run eager" in caplog.text
+
+
+def test_drafts_reach_past_max_model_len(model_dirs, engine_config):
+    """Requests run to max_model_len with MTP3 drafts accepted: the last steps' draft steps
+    write their lookahead positions past max_model_len − 1 (blocks the scheduler reserved
+    for them), through the padded path as eager does; same output, same KV."""
+    cfg = dataclasses.replace(
+        engine_config(model_dirs["tiny-glm5"], dtype="float32", max_model_len=64,
+                      max_num_seqs=4, num_blocks=48),
+        speculative=_ACCEPTING)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 500, (n,), generator=gen).tolist() for n in (30, 41, 47)]
+
+    def run(compilation):
+        engine = LLMEngine.from_config(dataclasses.replace(cfg, compilation=compilation))
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=100, temperature=0.0,
+                                                          ignore_eos=True))
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks, "a KV block leaked"
+        return outputs, engine
+
+    eager_out, eager = run(CompilationConfig(enforce_eager=True))
+    padded_out, padded = run(CompilationConfig(cudagraph_capture_sizes=(4, 8, 16)))
+    assert padded_out == eager_out
+    assert all(len(p) + len(padded_out[f"r{i}"]) == 64 for i, p in enumerate(prompts))
+    assert padded.runner.decode_graphs.num_draft_steps > 5
+    for a, b in zip(eager.runner.caches, padded.runner.caches, strict=True):
+        torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
+
+
+class _Rerun:
+    """A stand-in for a CUDA graph on the CPU: replay runs the recorded function again into
+    its first output, which is what a graph's replay gives when the function reads only
+    fixed addresses (the static buffers, another graph's static output)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.out = fn()
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+    def pool(self):
+        return None
+
+
+@pytest.mark.parametrize("refuse_drafts", [False, True], ids=["replayed", "drafts-refused"])
+def test_captured_drafts_read_the_target_graph_output(model_dirs, engine_config, mixed_prompts,
+                                                      monkeypatch, caplog, refuse_drafts):
+    """With graphs 'captured' (_Rerun), the drafts' graph reads the target graph's static
+    output and the static buffers only: the output is eager's, every padded step replays
+    both. A draft capture that raises leaves the engine serving eager, with a warning."""
+    from dsaserve.engine import cudagraph
+
+    cfg = dataclasses.replace(
+        engine_config(model_dirs["tiny-glm5"], dtype="float32", max_num_seqs=8, num_blocks=96),
+        speculative=_ACCEPTING)
+    prompts = mixed_prompts(len(_ARRIVALS), seed=6)
+    eager_out, _ = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    captured: list[int] = []
+
+    def capture(fn, pool=None, warmup=2):
+        captured.append(1)
+        if refuse_drafts and len(captured) == 2:  # the first size's drafts
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph = _Rerun(fn)
+        return graph, graph.out
+
+    monkeypatch.setattr(cudagraph, "capture", capture)
+    original = LLMEngine.from_config
+
+    def with_graphs(config):
+        engine = original(config)
+        engine.runner.decode_graphs.capture = True  # as on a GPU with a capturable backend
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "from_config", with_graphs)
+    out, engine = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=(4, 8, 16, 32))), prompts)
+    assert out == eager_out
+    graphs = engine.runner.decode_graphs
+    assert graphs.num_draft_steps == graphs.num_steps > 3
+    if refuse_drafts:
+        assert len(captured) == 2 and not graphs.capture and "run eager" in caplog.text
+        assert graphs.num_replays == 1 and graphs.num_draft_replays == 0
+    else:
+        assert len(captured) == 2 * len(graphs._graphs) == 2 * len(graphs._draft_graphs)
+        assert graphs.num_replays == graphs.num_draft_replays == graphs.num_steps
