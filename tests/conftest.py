@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -165,3 +166,28 @@ def draftable_dirs(model_dirs, tmp_path_factory) -> dict[str, Path]:
             return self[preset]
 
     return _Dirs()
+
+
+def _weka_traces(root: Path, sessions: int, turns: int, block: int = 16,
+                 first: int = 96, grow: int = 48, out: int = 6) -> Path:
+    """Weka traces of growing sessions: each turn re-sends the previous prompt's blocks."""
+    weka = root / "weka"
+    weka.mkdir(parents=True)
+    for s in range(sessions):
+        requests, ids = [], list(range(first // block))
+        for k in range(turns):
+            if k:
+                ids += range(len(ids), len(ids) + grow // block)
+            requests.append({"t": 0.5 * k, "type": "s", "in": len(ids) * block, "out": out + s,
+                             "hash_ids": list(ids), "think_time": 0.25})
+        trace = {"id": f"s{s}", "block_size": block, "hash_id_scope": "local",
+                 "requests": requests}
+        (weka / f"s{s}.json").write_text(json.dumps(trace))
+    return root
+
+
+@pytest.fixture(scope="session")
+def weka_traces():
+    """_weka_traces(root, sessions, turns, ...) → root: growing sessions in the Weka trace form
+    (`dsaserve simulate --workload`)."""
+    return _weka_traces

@@ -25,24 +25,6 @@ from dsaserve.plan.simulate import Simulator, replica_kv_capacity
 from dsaserve.plan.steptime import StepTimeModel
 
 
-def _write_traces(root: Path, sessions: int, turns: int, block: int = 16,
-                  first: int = 96, grow: int = 48, out: int = 6) -> Path:
-    """Weka traces of growing sessions: each turn re-sends the previous prompt's blocks."""
-    weka = root / "weka"
-    weka.mkdir(parents=True)
-    for s in range(sessions):
-        requests, ids = [], list(range(first // block))
-        for k in range(turns):
-            if k:
-                ids += range(len(ids), len(ids) + grow // block)
-            requests.append({"t": 0.5 * k, "type": "s", "in": len(ids) * block, "out": out + s,
-                             "hash_ids": list(ids), "think_time": 0.25})
-        trace = {"id": f"s{s}", "block_size": block, "hash_id_scope": "local",
-                 "requests": requests}
-        (weka / f"s{s}.json").write_text(json.dumps(trace))
-    return root
-
-
 # ---- the step-time model -------------------------------------------------------------------------
 def test_decode_mla_reproduces_the_measured_curve():
     """At 64 heads over top-2048 keys (a GLM-5.3 DP rank), the sparse MLA part of a decode step
@@ -113,8 +95,8 @@ def _simulate(traces: Path, spec: str, concurrency: int, num_blocks: int = 64, *
     return sim, sim.run()
 
 
-def test_simulation_is_deterministic_and_conserves_requests_and_tokens(tmp_path):
-    traces = _write_traces(tmp_path, sessions=5, turns=4)
+def test_simulation_is_deterministic_and_conserves_requests_and_tokens(tmp_path, weka_traces):
+    traces = weka_traces(tmp_path, sessions=5, turns=4)
     sim, a = _simulate(traces, "dp2xep block-size=16 router=prefix", concurrency=3)
     _, b = _simulate(traces, "dp2xep block-size=16 router=prefix", concurrency=3)
     assert [vars(r) for r in a.records] == [vars(r) for r in b.records]
@@ -137,8 +119,8 @@ def test_simulation_is_deterministic_and_conserves_requests_and_tokens(tmp_path)
             assert cur.arrival == pytest.approx(prev.finish + s.turns[k].think_time_s)
 
 
-def test_prefix_router_keeps_sessions_on_their_replica(tmp_path):
-    traces = _write_traces(tmp_path, sessions=3, turns=4)
+def test_prefix_router_keeps_sessions_on_their_replica(tmp_path, weka_traces):
+    traces = weka_traces(tmp_path, sessions=3, turns=4)
     _, prefix = _simulate(traces, "dp2 block-size=16 router=prefix", concurrency=3)
     _, rr = _simulate(traces, "dp2 block-size=16 router=round-robin", concurrency=3)
     for result in (prefix, rr):
@@ -150,18 +132,18 @@ def test_prefix_router_keeps_sessions_on_their_replica(tmp_path):
     assert prefix.summary()["cache_hit_rate"] > rr.summary()["cache_hit_rate"]
 
 
-def test_too_long_requests_are_rejected_not_run(tmp_path):
-    traces = _write_traces(tmp_path, sessions=2, turns=3, first=96, grow=64)
+def test_too_long_requests_are_rejected_not_run(tmp_path, weka_traces):
+    traces = weka_traces(tmp_path, sessions=2, turns=3, first=96, grow=64)
     _, result = _simulate(traces, "tp1 block-size=16", concurrency=2, num_blocks=12)
     assert result.rejected  # 12 blocks × 16 tokens: the third turns (224 tokens) cannot fit
     assert all("max_model_len" in why for _, _, why in result.rejected)
     assert all(r.finish is not None for r in result.records)
 
 
-def test_schedule_and_kv_usage_equal_the_real_engine(tmp_path):
+def test_schedule_and_kv_usage_equal_the_real_engine(tmp_path, weka_traces):
     """No re-implementation: the simulated replica schedules exactly as an LLMEngine with the
     same configuration does, step by step, with the same free-block counts."""
-    traces = _write_traces(tmp_path, sessions=3, turns=1, first=160, out=5)
+    traces = weka_traces(tmp_path, sessions=3, turns=1, first=160, out=5)
     sim, _ = _simulate(traces, "tp1 block-size=16 max-num-batched-tokens=128", concurrency=3,
                        num_blocks=24, record_steps=True)
     path = resolve_model("tiny-glm5")
@@ -188,8 +170,8 @@ def test_schedule_and_kv_usage_equal_the_real_engine(tmp_path):
     assert any(len(n) > 1 for _, n, _ in real)  # requests shared steps (a real test)
 
 
-def test_cli_table_json_and_plot(tmp_path, capsys):
-    traces = _write_traces(tmp_path / "w", sessions=3, turns=2)
+def test_cli_table_json_and_plot(tmp_path, weka_traces, capsys):
+    traces = weka_traces(tmp_path / "w", sessions=3, turns=2)
     args = ["simulate", "--workload", str(traces), "--model", "tiny-glm5", "--hbm-gib", "6",
             "--deployment", "dp2xep block-size=16", "--concurrency", "1,2"]
     assert main(args) == 0
@@ -226,11 +208,11 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared
 
 
-def test_mtp_at_synthetic_acceptance(tmp_path):
+def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
     """MTP3 at acceptance 2.99 through the engine's own spec-decode scheduling: every turn still
     emits exactly its output length, the scheduler's counters give 2.99 tokens per verify step,
     and a lone session decodes faster per user than without drafts."""
-    traces = _write_traces(tmp_path, sessions=2, turns=2, out=300)
+    traces = weka_traces(tmp_path, sessions=2, turns=2, out=300)
     _, mtp = _simulate(traces, "tp1 block-size=16 mtp=3 acceptance=2.99", concurrency=1)
     _, plain = _simulate(traces, "tp1 block-size=16", concurrency=1)
     expected = {f"{s.id}/{k}": t.output_tokens for s in load_traces(traces)
@@ -253,11 +235,11 @@ def test_bad_mtp_specs(spec, words):
     assert words in str(e.value)
 
 
-def test_host_tier_keeps_prefixes_a_small_gpu_pool_evicts(tmp_path):
+def test_host_tier_keeps_prefixes_a_small_gpu_pool_evicts(tmp_path, weka_traces):
     """offload=SIZE runs the engine's own OffloadManager: with a GPU pool too small for the
     sessions' histories, later turns find their prefix in the host tier instead of prefilling
     it again; copies land on the host link's clock, and both tiers drain."""
-    traces = _write_traces(tmp_path, sessions=4, turns=4)
+    traces = weka_traces(tmp_path, sessions=4, turns=4)
     spec = "tp1 block-size=16 offload=0.01"
     _, host = _simulate(traces, spec, concurrency=4, num_blocks=30)
     _, plain = _simulate(traces, "tp1 block-size=16", concurrency=4, num_blocks=30)

@@ -4,7 +4,6 @@ the KV read priced on the network, and HiSparse admission by host capacity."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,6 @@ from dsaserve.plan.simtrace import load_traces
 from dsaserve.plan.simulate import Simulator
 
 PD = "prefill=dp2 block-size=16; decode=dp2 block-size=16; router=prefix"
-
-
-def _write_traces(root: Path, sessions: int, turns: int, first: int = 96, grow: int = 48,
-                  out: int = 6, block: int = 16) -> Path:
-    """Weka traces of growing sessions: each turn re-sends the previous prompt's blocks."""
-    weka = root / "weka"
-    weka.mkdir(parents=True)
-    for s in range(sessions):
-        requests, ids = [], list(range(first // block))
-        for k in range(turns):
-            if k:
-                ids += range(len(ids), len(ids) + grow // block)
-            requests.append({"t": 0.5 * k, "type": "s", "in": len(ids) * block, "out": out + s,
-                             "hash_ids": list(ids), "think_time": 0.25})
-        (weka / f"s{s}.json").write_text(json.dumps(
-            {"id": f"s{s}", "block_size": block, "hash_id_scope": "local",
-             "requests": requests}))
-    return root
 
 
 def _run(traces: Path, spec: str, concurrency: int, parts=H200, **kw):
@@ -80,11 +61,11 @@ def test_bad_pd_and_hisparse_specs_name_the_flag(spec, words):
     assert words in str(e.value) and spec in str(e.value)
 
 
-def test_pd_serves_every_turn_and_leaks_no_block(tmp_path):
+def test_pd_serves_every_turn_and_leaks_no_block(tmp_path, weka_traces):
     """Every turn is prefilled on a prefill replica (blocks held until read), decoded on a
     decode replica after its KV landed, and finishes with its output length; afterwards neither
     engine holds a block, and the producer's connectors hold nothing."""
-    traces = _write_traces(tmp_path, sessions=5, turns=3)
+    traces = weka_traces(tmp_path, sessions=5, turns=3)
     sim, result = _run(traces, PD, concurrency=3, num_blocks=64)
     expected = {f"{s.id}/{k}": t for s in load_traces(traces) for k, t in enumerate(s.turns)}
     assert {r.request_id for r in result.records} == set(expected) and not result.rejected
@@ -105,10 +86,10 @@ def test_pd_serves_every_turn_and_leaks_no_block(tmp_path):
     assert s["bottleneck"].startswith("P:") and " D:" in s["bottleneck"]
 
 
-def test_ttft_includes_the_kv_transfer(tmp_path):
+def test_ttft_includes_the_kv_transfer(tmp_path, weka_traces):
     """One session at a time: every turn's TTFT is the zero-latency link's plus the latency,
     and a slow link adds its bytes' time too."""
-    traces = _write_traces(tmp_path, sessions=2, turns=3)
+    traces = weka_traces(tmp_path, sessions=2, turns=3)
     _, fast = _run(traces, PD, concurrency=1, parts=_link(0.0), num_blocks=64)
     _, late = _run(traces, PD, concurrency=1, parts=_link(250_000.0), num_blocks=64)
     _, slow = _run(traces, PD, concurrency=1, parts=_link(0.0, gbps=1e-3), num_blocks=64)
@@ -125,11 +106,11 @@ def _hbm_for(kv_room: int, weights: int = 3_022_596) -> int:
     return int((kv_room + weights + 4 * 2**30) / 0.9) + 1
 
 
-def test_hisparse_admits_more_concurrent_decodes_at_the_same_hbm(tmp_path):
+def test_hisparse_admits_more_concurrent_decodes_at_the_same_hbm(tmp_path, weka_traces):
     """At the same HBM, HBM-only KV holds about four 600-token requests (the rest wait or are
     preempted); HiSparse keeps only indexer keys and hot buffers on the GPU, so all eight
     decode together, as many as its host pool admits."""
-    traces = _write_traces(tmp_path, sessions=8, turns=1, first=400, out=200)
+    traces = weka_traces(tmp_path, sessions=8, turns=1, first=400, out=200)
     parts = dataclasses.replace(H200, hbm_bytes=_hbm_for(10_000_000))
     spec = "tp1 block-size=16 max-model-len=1024"
     hs_spec = spec + " hisparse host=0.1GiB max-num-seqs=8"
