@@ -277,7 +277,9 @@ def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
 # The app
 # ------------------------------------------------------------------------------------------------
 def _sse(obj: BaseModel) -> str:
-    return f"data: {obj.model_dump_json()}\n\n"
+    """A streamed chunk; `kv_transfer_params` only on the one P/D set it on."""
+    unset = "kv_transfer_params" in type(obj).model_fields and obj.kv_transfer_params is None
+    return f"data: {obj.model_dump_json(exclude={'kv_transfer_params'} if unset else None)}\n\n"
 
 
 _SSE_DONE = "data: [DONE]\n\n"
@@ -465,15 +467,18 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         request_id = new_id("chatcmpl")
         gen = await start(request_id, prompt_ids, params, stops, body)
 
-        def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> str:
+        def chunk(delta: DeltaMessage, finish_reason: str | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> str:
             choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-            return _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[choice]))
+            return _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[choice],
+                                            kv_transfer_params=kv_transfer_params))
 
         async def frames() -> AsyncIterator[str]:
             yield chunk(DeltaMessage(role="assistant", content=""))
             async for piece in gen.deltas():
                 yield chunk(DeltaMessage(content=piece))
-            yield chunk(DeltaMessage(), gen.finish_reason)
+            # P/D: the params a decode request needs, known once the prefill finished
+            yield chunk(DeltaMessage(), gen.finish_reason, gen.kv_transfer_params)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[],
                                                usage=gen.usage))
@@ -501,14 +506,17 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         request_id = new_id("cmpl")
         gen = await start(request_id, prompt_ids, params, stops, body)
 
-        def chunk(text: str, finish_reason: str | None = None) -> str:
+        def chunk(text: str, finish_reason: str | None = None,
+                  kv_transfer_params: dict[str, Any] | None = None) -> str:
             choice = CompletionChoice(text=text, finish_reason=finish_reason)
-            return _sse(CompletionResponse(id=request_id, model=model_name, choices=[choice]))
+            return _sse(CompletionResponse(id=request_id, model=model_name, choices=[choice],
+                                           kv_transfer_params=kv_transfer_params))
 
         async def frames() -> AsyncIterator[str]:
             async for piece in gen.deltas():
                 yield chunk(piece)
-            yield chunk("", gen.finish_reason)
+            # P/D: the params a decode request needs, known once the prefill finished
+            yield chunk("", gen.finish_reason, gen.kv_transfer_params)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[],
                                               usage=gen.usage))

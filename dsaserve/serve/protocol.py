@@ -202,6 +202,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # P/D: on the chunk with finish_reason
 
 
 class CompletionChoice(BaseModel):

@@ -114,6 +114,36 @@ def test_prefill_params_then_replay_is_400(servers) -> None:
     _check_no_leak(servers)
 
 
+def test_streamed_prefill_carries_the_params_on_its_last_chunk(servers) -> None:
+    """A streamed prefill (vLLM's field on streamed chunks) carries kv_transfer_params on the
+    chunk with finish_reason only; a decode request with them gives the aggregated text."""
+    agg = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0,
+           "ignore_eos": True}
+    ref = _post(servers["agg"], "/v1/completions", agg).json()["choices"][0]["text"]
+    for path, key in (("/v1/completions", "text"), ("/v1/chat/completions", "delta")):
+        body = {"model": MODEL_NAME, "max_tokens": 1, "temperature": 0.0, "stream": True,
+                "kv_transfer_params": {"do_remote_decode": True},
+                **({"prompt": PROMPT} if key == "text" else {"messages": CHAT})}
+        with httpx.stream("POST", f"{servers['prefill'].url}{path}", json=body,
+                          timeout=60) as s:
+            frames = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        carrying = [f for f in frames if "kv_transfer_params" in f]
+        assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] is not None
+        assert carrying[0]["kv_transfer_params"]["do_remote_prefill"] is True
+        if key == "text":
+            r = _post(servers["decode"], path, dict(
+                agg, kv_transfer_params=carrying[0]["kv_transfer_params"]))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref
+        else:  # free the held blocks as a decode engine would
+            r = _post(servers["decode"], path, {
+                "model": MODEL_NAME, "messages": CHAT, "max_tokens": 2, "temperature": 0.0,
+                "kv_transfer_params": carrying[0]["kv_transfer_params"]})
+            assert r.status_code == 200, r.text
+    _check_no_leak(servers)
+
+
 def test_prefill_engine_gone_mid_transfer(servers) -> None:
     """The prefill side's KV disappears between the decode side's check and its read (as when
     the prefill process dies): that request gets an error, the next one is served."""
