@@ -12,8 +12,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
+    site=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        --target "$site" .whl/*.whl && export PYTHONPATH=$PYTHONPATH:$site
 fi
 run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log, its tail shown
     local limit=$1 name=$2

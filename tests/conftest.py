@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,18 @@ def weka_traces():
     """_weka_traces(root, sessions, turns, ...) → root: growing sessions in the Weka trace form
     (`dsaserve simulate --workload`)."""
     return _weka_traces
+
+
+@pytest.fixture
+def load_benchmark(monkeypatch):
+    """load_benchmark("decode") → benchmarks/decode.py as a module, registered in sys.modules
+    while the test runs (its dataclasses look their module up there)."""
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

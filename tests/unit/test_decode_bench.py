@@ -3,17 +3,9 @@ without MTP3 at synthetic acceptance 2.99, the table) on the tiny model, on the 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
-
-def test_decode_benchmark_smoke(tmp_path, monkeypatch) -> None:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
-    spec = importlib.util.spec_from_file_location("decode_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "decode_bench", bench)
-    spec.loader.exec_module(bench)
+def test_decode_benchmark_smoke(tmp_path, load_benchmark) -> None:
+    bench = load_benchmark("decode")
     out = tmp_path / "decode.md"
     assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
     text = out.read_text()

@@ -3,19 +3,11 @@ GPU runs: benchmarks/offload.py --smoke and the agentic replay."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 
-def test_offload_benchmark_smoke(tmp_path, monkeypatch) -> None:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "offload.py"
-    spec = importlib.util.spec_from_file_location("offload_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "offload_bench", bench)
-    spec.loader.exec_module(bench)
+def test_offload_benchmark_smoke(tmp_path, load_benchmark) -> None:
+    bench = load_benchmark("offload")
     out = tmp_path / "offload.md"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     text = out.read_text()
@@ -39,12 +31,8 @@ def test_agentic_replay_smoke(monkeypatch, tmp_path, capsys) -> None:
     assert int(on[4]) > 0  # with it, evicted history comes back from the host
 
 
-def test_hisparse_benchmark_smoke(tmp_path, monkeypatch) -> None:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hisparse.py"
-    spec = importlib.util.spec_from_file_location("hisparse_bench", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "hisparse_bench", bench)
-    spec.loader.exec_module(bench)
+def test_hisparse_benchmark_smoke(tmp_path, load_benchmark) -> None:
+    bench = load_benchmark("hisparse")
     out = tmp_path / "hisparse.md"
     assert bench.main(["--smoke", "--out", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
