@@ -1,7 +1,12 @@
 """On a CUDA machine: HiSparse with fewer MLA pages than the requests' blocks (the triton backend,
 64-token pages): long decoders' pages spill, the hot buffers fetch their rows from the pinned
 host pool, and greedy output equals the all-GPU engine's, with every invariant checked after
-every step. Run on the device machine with `pytest -m gpu tests/gpu/test_hisparse_spill_gpu.py`."""
+every step. Run on the device machine with `pytest -m gpu tests/gpu/test_hisparse_spill_gpu.py`.
+
+In float32: under spilling the scheduler runs other batches (fewer prefills fit at once), and in
+bf16 a GEMM's rounding depends on its batch — the all-GPU engine's own greedy output differs
+between its graphed and eager runs of these prompts (measured on the H100), so a bf16 comparison
+would test the GEMMs' batch invariance, not HiSparse."""
 
 from __future__ import annotations
 
@@ -21,8 +26,9 @@ pytestmark = [pytest.mark.gpu,
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
 def test_spilled_pages_on_cuda_equal_all_gpu(model_dirs, engine_config, preset, kv):
     cfg = engine_config(model_dirs[preset], kv_cache_dtype=kv, block_size=64, num_blocks=64,
-                        max_model_len=256, dtype="bfloat16")
-    cfg = replace(cfg, device="cuda", attention=replace(cfg.attention, backend="triton"))
+                        max_model_len=256, dtype="float32")
+    cfg = replace(cfg, device="cuda", attention=replace(cfg.attention, backend="triton"),
+                  compilation=replace(cfg.compilation, enforce_eager=True))
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
