@@ -152,15 +152,14 @@ def floor_seconds(flops, first: int, end: int, indexer_tflops: float, mla_tflops
             + (flops.mla(end) - flops.mla(first)) / (mla_tflops * 1e12))
 
 
-def split_backend(split: str, overlap_topk: bool = False) -> str:
-    """Register the triton backend with the indexer's logits split (and whether its top-k
-    overlaps the next pass's logits) fixed → its name."""
+def split_backend(split: str) -> str:
+    """Register the triton backend with the indexer's logits split fixed → its name."""
     from dsaserve.kernels.triton.backend import TritonBackend
     from dsaserve.kernels.triton.indexer import IndexerConfig
 
-    name = f"triton-{split}" + ("-overlap-topk" if overlap_topk else "")
+    name = f"triton-{split}"
     register_backend(name, lambda: TritonBackend(
-        indexer_config=IndexerConfig(logits_split=split, overlap_topk=overlap_topk)))
+        indexer_config=IndexerConfig(logits_split=split)))
     return name
 
 
@@ -305,9 +304,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the triton backend's indexer with IndexerConfig(logits_split=...): "
                         "'keys' is the key-window merge before row passes (one GPU only; "
                         "default: the backend as the engine builds it)")
-    p.add_argument("--overlap-topk", action="store_true",
-                   help="the triton backend's indexer with each row pass's top-k on a side "
-                        "stream, overlapping the next pass's logits (default: in turn)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
@@ -327,8 +323,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.lengths = sorted(parse_length(x) for x in args.lengths.split(","))
     if args.logits_split is not None and (args.attention_backend != "triton" or args.pcp > 1):
         p.error("--logits-split: the triton backend in this process only (no --pcp)")
-    if args.overlap_topk and (args.attention_backend != "triton" or args.pcp > 1):
-        p.error("--overlap-topk: the triton backend in this process only (no --pcp)")
     if args.max_num_batched_tokens < 1:
         p.error("--max-num-batched-tokens: must be >= 1")
     if args.pcp < 1:
@@ -350,9 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=False,
                                    overrides=glm53_shaped(args.layers))
-        if args.logits_split is not None or args.overlap_topk:
-            args.attention_backend = split_backend(args.logits_split or "rows",
-                                                   overlap_topk=args.overlap_topk)
+        if args.logits_split is not None:
+            args.attention_backend = split_backend(args.logits_split)
         args.lengths = fit_lengths(args.lengths, model_max_len(model_dir))
         cfg = engine_config(args, model_dir)
         flops = prefill_flops(cfg.model, cfg.parallel)

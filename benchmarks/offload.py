@@ -39,7 +39,7 @@ from dsaserve.config import (
 )
 from dsaserve.core import KVTransfer, SamplingParams, SchedulerOutput
 from dsaserve.engine.engine import LLMEngine
-from dsaserve.kv.copier import KVCopier
+from dsaserve.kv.copier import COPY_PIECE_BYTES, KVCopier
 from dsaserve.kv.host_pool import HostKVPool
 from dsaserve.model.dsa import LayerCache
 from dsaserve.model.make_model import make_model
@@ -64,6 +64,10 @@ def _sync_compute(device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
+def _piece_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.copy_piece_mib == 0 else int(args.copy_piece_mib * 2**20)
+
+
 # 1. bandwidth of the copier alone
 # ------------------------------------------------------------------------------------------------
 def record_caches(num_blocks: int, block: int, device: torch.device, mla_layers: int,
@@ -96,7 +100,7 @@ def bandwidth(args: argparse.Namespace, device: torch.device) -> list[str]:
     gpu_pool = num_blocks + num_blocks // 4  # the job's blocks scattered over a larger pool
     caches = record_caches(gpu_pool, block, device, args.bw_mla_layers, args.bw_index_layers)
     pool = HostKVPool(caches, num_blocks, pin=device.type == "cuda", flag="--kv-offloading-size")
-    jobs = _Jobs(KVCopier(pool, device))
+    jobs = _Jobs(KVCopier(pool, device, _piece_bytes(args)))
     rows = [f"copier alone: {args.bw_mla_layers} MLA + {args.bw_index_layers} indexer cache "
             f"layers, {pool.block_bytes // block:,} B per token, blocks of {block} tokens, "
             f"pinned: {pool.pinned}", "",
@@ -224,7 +228,7 @@ def decode_under_copies(args: argparse.Namespace, model_dir: Path,
     n = args.copy_tokens // block
     caches = record_caches(n, block, device, args.bw_mla_layers, args.bw_index_layers)
     pool = HostKVPool(caches, n, pin=device.type == "cuda", flag="--kv-offloading-size")
-    jobs = _Jobs(KVCopier(pool, device))
+    jobs = _Jobs(KVCopier(pool, device, _piece_bytes(args)))
     ids = list(range(n))
 
     def steps(with_copies: bool, count: int) -> tuple[list[float], int]:
@@ -285,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--copy-tokens", type=int, default=32768)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--copy-piece-mib", type=float, default=COPY_PIECE_BYTES / 2**20,
+                   help="the most one host<->GPU copy moves, MiB (0: a whole run of blocks); "
+                        "to compare the decode step's slowdown under copies")
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
     p.add_argument("--backend", default="triton", choices=("reference", "triton"))
     p.add_argument("--dtype", default="bfloat16")

@@ -3,6 +3,7 @@ links would take (one table).
 
     python benchmarks/pd_transfer.py                    # 32K and 128K tokens, shm and NIXL
     python benchmarks/pd_transfer.py --layers 8 --tokens 32768
+    python benchmarks/pd_transfer.py --backends nixl --memory vram     # GPU → GPU (NIXL, UCX)
     python benchmarks/pd_transfer.py --smoke            # tiny sizes, checks every byte (CI)
 
 A request's KV is measured on a few GLM-5.3-shaped fp8 layers (656-byte MLA rows, 132-byte indexer
@@ -56,11 +57,19 @@ def sample_bytes_per_token(layers: int) -> int:
 
 
 # ---- transport: two processes --------------------------------------------------------------
-def _consumer(backend: str, port: int, sizes: list[int], repeat: int, q: mp.Queue) -> None:
+def _region(t: transport.KVTransport, name: str, nbytes: int, memory: str) -> torch.Tensor:
+    """A registered region of host memory (the transport's own) or of the GPU's (VRAM)."""
+    if memory == "vram":
+        return t.register(name, torch.zeros(nbytes, dtype=torch.uint8, device="cuda"))
+    return t.allocate(name, nbytes)
+
+
+def _consumer(backend: str, port: int, sizes: list[int], repeat: int, q: mp.Queue,
+              memory: str) -> None:
     torch.set_num_threads(1)
     with transport.make_transport(backend, "bench-decode") as t:
         for i, n in enumerate(sizes):
-            t.allocate(f"r{i}", n)
+            _region(t, f"r{i}", n, memory)
         side = transport.SideChannel(t.metadata)
         q.put(("port", side.port, t.backend))
         peer = t.add_peer(transport.fetch_metadata(port))
@@ -91,8 +100,10 @@ def _get(q: mp.Queue, proc: mp.Process, timeout_s: float = 600.0) -> tuple:
     raise TimeoutError("consumer did not report")
 
 
-def measure_transport(backend: str, sizes: list[int], repeat: int) -> list[tuple[float, float]]:
-    """(READ GB/s, WRITE GB/s) per size, between this process and a spawned one."""
+def measure_transport(backend: str, sizes: list[int], repeat: int,
+                      memory: str = "dram") -> list[tuple[float, float]]:
+    """(READ GB/s, WRITE GB/s) per size, between this process and a spawned one, each side's
+    region in host memory ("dram") or on the GPU ("vram"; NIXL only)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     gen = torch.Generator().manual_seed(0)
@@ -100,11 +111,11 @@ def measure_transport(backend: str, sizes: list[int], repeat: int) -> list[tuple
     with transport.make_transport(backend, "bench-prefill") as t:
         sums = []
         for i, n in enumerate(sizes):
-            buf = t.allocate(f"r{i}", n)
+            buf = _region(t, f"r{i}", n, memory)
             buf.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen))
             sums.append(int(buf.sum(dtype=torch.int64)))
         side = transport.SideChannel(t.metadata)
-        proc = ctx.Process(target=_consumer, args=(backend, side.port, sizes, repeat, q))
+        proc = ctx.Process(target=_consumer, args=(backend, side.port, sizes, repeat, q, memory))
         proc.start()
         try:
             _, port, their = _get(q, proc)
@@ -221,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4, help="fp8 layers moved (MLA + indexer)")
     ap.add_argument("--backends", nargs="+", default=["shm", "nixl"])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--memory", choices=("dram", "vram"), default="dram",
+                    help="where the transport table's regions live: host memory, or each "
+                         "process's GPU (NIXL only; UCX's own variables, e.g. UCX_TLS or "
+                         "UCX_PROTO_INFO=y, choose and show its transports)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     args = ap.parse_args(argv)
     # One copy thread per process, as a connector's transfer thread would have; on a small shared
@@ -231,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     args.tokens = args.tokens or [32768, 131072]
     full = glm53_bytes_per_token()
     sample = sample_bytes_per_token(args.layers)
+    if args.memory == "vram" and not torch.cuda.is_available():
+        ap.error("--memory vram: no GPU here")
+    if args.memory == "vram" and set(args.backends) - {"nixl"}:
+        ap.error("--memory vram: only the nixl backend moves GPU memory (--backends nixl)")
     backends = [b for b in args.backends if b != "nixl" or transport.nixl_available()]
     skipped = sorted(set(args.backends) - set(backends))
 
@@ -240,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not measured (not installed): {', '.join(skipped)}")
     sizes = [t * sample for t in args.tokens]
     print()
+    print(f"Transport, two processes, regions in {args.memory.upper()}")
+    print()
     print("| backend | tokens | bytes moved | READ GB/s | WRITE GB/s | whole-model request | "
           "READ time here | 16 GPUs (IB 50 GB/s) |")
     print("|---|---|---|---|---|---|---|---|")
     for backend in backends:
-        for tokens, (read, write) in zip(args.tokens, measure_transport(backend, sizes,
-                                                                        args.repeat), strict=True):
+        speeds = measure_transport(backend, sizes, args.repeat, args.memory)
+        for tokens, (read, write) in zip(args.tokens, speeds, strict=True):
             req = tokens * full
             print(f"| {backend} | {tokens:,} | {tokens * sample / 1e6:,.1f} MB | {read:.2f} | "
                   f"{write:.2f} | {req / 1e9:.2f} GB | {req / read / 1e9 * 1e3:,.0f} ms | "

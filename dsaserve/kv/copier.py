@@ -25,15 +25,25 @@ import torch
 from dsaserve.core import KVTransfer, ModelRunnerOutput, SchedulerOutput
 from dsaserve.kv.host_pool import HostKVPool
 
+# The most bytes one host↔GPU copy moves. A copy engine runs its copies in order, whole: the
+# step's own small transfers (inputs in, sampled tokens out) queued behind a 20 MB layer copy
+# would wait ~0.5 ms at 45 GB/s, behind a 2 MiB piece ~45 µs (the decode step measured
+# 0.6 ms slower under copies; whether pieces remove it is owed: docs/offload.md). Bandwidth
+# with pieces: 42.4 / 48.5 GB/s load / store on an H100, as whole runs gave on the H200.
+COPY_PIECE_BYTES = 2 << 20
 
-def host_runs(host_block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive host ids as (position in the job, first host id, length).
+
+def host_runs(host_block_ids: tuple[int, ...],
+              max_len: int | None = None) -> list[tuple[int, int, int]]:
+    """Runs of consecutive host ids as (position in the job, first host id, length), each at most
+    `max_len` long (None: unbounded).
 
         host ids  7 8 9 3 4 12   →   (0, 7, 3) (3, 3, 2) (5, 12, 1)
+        max_len 2                →   (0, 7, 2) (2, 9, 1) (3, 3, 2) (5, 12, 1)
     """
     runs: list[tuple[int, int, int]] = []
     for i, h in enumerate(host_block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == h:
+        if runs and runs[-1][1] + runs[-1][2] == h and (max_len is None or runs[-1][2] < max_len):
             start, first, n = runs[-1]
             runs[-1] = (start, first, n + 1)
         else:
@@ -44,9 +54,11 @@ def host_runs(host_block_ids: tuple[int, ...]) -> list[tuple[int, int, int]]:
 class KVCopier:
     """Starts copy jobs and tracks their completion, per kind, in job-id order."""
 
-    def __init__(self, pool: HostKVPool, device: torch.device) -> None:
+    def __init__(self, pool: HostKVPool, device: torch.device,
+                 piece_bytes: int | None = COPY_PIECE_BYTES) -> None:
         self.pool = pool
         self.device = device
+        self.piece_bytes = piece_bytes  # the most one copy moves (None: a whole run)
         cuda = device.type == "cuda"
         # Separate streams: a long store never delays a load (each has its own copy engine).
         self._streams = {k: torch.cuda.Stream(device) if cuda else None for k in ("load", "store")}
@@ -117,17 +129,19 @@ class KVCopier:
         ids = torch.tensor(job.gpu_block_ids, dtype=torch.int64)  # [n] GPU block ids
         if self.device.type == "cuda":
             ids = ids.pin_memory().to(self.device, non_blocking=True)
-        runs = host_runs(job.host_block_ids)
         for region in self.pool.regions:
+            page_bytes = region.gpu[0].numel() * region.gpu.element_size()
+            runs = host_runs(job.host_block_ids, None if self.piece_bytes is None
+                             else max(1, self.piece_bytes // page_bytes))
             if kind == "store":
                 staged = region.gpu.index_select(0, ids)  # [n, page] on the device
                 for start, first, n in runs:
                     region.host[first : first + n].copy_(staged[start : start + n],
                                                          non_blocking=True)
             else:
-                if len(runs) == 1:
+                if len(runs) == 1 and self.device.type != "cuda":
                     first, n = runs[0][1], runs[0][2]
-                    staged = region.host[first : first + n].to(self.device, non_blocking=True)
+                    staged = region.host[first : first + n]
                 else:
                     staged = torch.empty(len(ids), region.gpu.shape[1], dtype=torch.uint8,
                                          device=self.device)  # [n, page]

@@ -244,7 +244,7 @@ def _indexer_case(g, heads: int, dcp: tuple[int, int] = (1, 0)):
 @pytest.mark.parametrize("heads", [32, 64])
 @pytest.mark.parametrize("dcp", [(1, 0), (2, 1)], ids=["dcp1", "dcp2rank1"])
 @pytest.mark.parametrize("path", ["torch_topk", "row_topk", "key_windows", "row_passes",
-                                  "row_passes_overlap_topk", "two_token_tiles"])
+                                  "two_token_tiles"])
 def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
     meta, cache, q, w = _indexer_case(g, heads, dcp)
     # Rows up to 4000 keys: the default list (4096) sends them to torch.topk, a 2048 list
@@ -255,8 +255,6 @@ def test_indexer_logits_and_topk_match_reference(g, heads, dcp, path):
               "key_windows": indexer.IndexerConfig(max_logits_bytes=4 * len(q) * 1024,
                                                    logits_split="keys"),
               "row_passes": indexer.IndexerConfig(max_logits_bytes=4 * len(q) * 1024),
-              "row_passes_overlap_topk": indexer.IndexerConfig(
-                  max_logits_bytes=4 * len(q) * 1024, overlap_topk=True),
               "two_token_tiles": indexer.IndexerConfig(rows_per_tile=128)}[path]
     logits, limits = indexer.indexer_logits_paged(q, w, cache, meta, config)
     scores, pos = indexer.indexer_topk(q, w, cache, meta, TOPK, config)

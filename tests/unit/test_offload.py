@@ -34,6 +34,8 @@ def _tokens(seed: int, n: int) -> list[int]:
 def test_host_runs() -> None:
     assert host_runs((7, 8, 9, 3, 4, 12)) == [(0, 7, 3), (3, 3, 2), (5, 12, 1)]
     assert host_runs(()) == []
+    assert host_runs((7, 8, 9, 3, 4, 12), max_len=2) == [
+        (0, 7, 2), (2, 9, 1), (3, 3, 2), (5, 12, 1)]
 
 
 @pytest.mark.parametrize("fp8", [False, True])

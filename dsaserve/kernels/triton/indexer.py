@@ -320,10 +320,6 @@ class IndexerConfig:
     # no merging) or "keys" (key windows, each window's top-k merged into a running one: the
     # way before row passes, kept for comparison; docs/long_prefill.md).
     logits_split: str = "rows"
-    # Row passes on a GPU: each pass's top-k on a side stream, overlapping the next pass's
-    # logits. Off until measured against the serial order on the H200 (docs/long_prefill.md:
-    # kept if faster, deleted if not).
-    overlap_topk: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_shape is not None and len(self.cuda_shape) not in (3, 4):
@@ -515,17 +511,6 @@ def _topk_window(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                    index_dtype)
 
 
-def _topk_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the row passes' top-k run on (one per device, made once). High priority: as
-    the logits kernel's blocks retire, the top-k's blocks take the freed SMs first."""
-    if device not in _TOPK_STREAMS:
-        _TOPK_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _TOPK_STREAMS[device]
-
-
-_TOPK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
 def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
             config: IndexerConfig, index_dtype: torch.dtype,
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -601,24 +586,12 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
         # Rows in passes over every key (the plan's, shared by the step's indexer layers).
         values = torch.empty(num_tokens, topk, dtype=torch.float32, device=q.device)
         local = torch.empty(num_tokens, topk, dtype=index_dtype, device=q.device)
-        side = (_topk_stream(q.device) if config.overlap_topk and q.is_cuda
-                and not torch.cuda.is_current_stream_capturing() else None)
+        # (each pass's top-k on a side stream overlapping the next pass's logits measured no
+        # faster: docs/long_prefill.md)
         for rows in plan.row_passes:
             logits = _logits(q, weights, index_cache, meta, config, None, rows)
-            if side is None:
-                v, i = _select(logits, topk, config, index_dtype)
-                values[rows.first : rows.end], local[rows.first : rows.end] = v, i
-                continue
-            # This pass's top-k on the side stream while the next pass's logits run on the
-            # main one; the allocator must not hand its logits to the next pass meanwhile.
-            side.wait_stream(torch.cuda.current_stream(q.device))
-            with torch.cuda.stream(side):
-                v, i = _select(logits, topk, config, index_dtype)
-                values[rows.first : rows.end], local[rows.first : rows.end] = v, i
-            for t in logits:
-                t.record_stream(side)
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
+            v, i = _select(logits, topk, config, index_dtype)
+            values[rows.first : rows.end], local[rows.first : rows.end] = v, i
         if meta.dcp_size == 1:
             return values, local
         return _global_positions(values, local, meta)
