@@ -25,15 +25,15 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
 }
 run 120 build python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
-run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_cudagraph_gpu.py \
-    tests/gpu/test_nixl_gpu.py tests/gpu/test_hisparse_fetch_gpu.py \
-    tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_kernels_gpu.py \
-    -k "not test_kernels_gpu or indexer_logits_and_topk"
-run 100 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,64 --steps 10 \
-    --out "$out/decode_h200.md"
-run 40 hisparse python benchmarks/hisparse.py --out "$out/hisparse_h200.md"
-run 50 long_prefill python benchmarks/long_prefill.py --lengths 512K,1M --no-profile
-run 50 long_prefill_overlap python benchmarks/long_prefill.py --lengths 512K,1M --no-profile \
-    --overlap-topk
-run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd_h200.md"
-run 50 offload_decode python benchmarks/offload.py --tables decode
+run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_hisparse_spill_gpu.py \
+    tests/gpu/test_nixl_gpu.py
+# NIXL GPU -> GPU between two processes: which UCX protocol, and whether cuda_ipc changes it
+run 60 nixl_vram env UCX_PROTO_INFO=y python benchmarks/pd_transfer.py --backends nixl \
+    --memory vram --tokens 32768 --repeat 2 --tables transport
+run 60 nixl_vram_ipc env UCX_TLS=cuda_ipc,cuda_copy,sm,self python benchmarks/pd_transfer.py \
+    --backends nixl --memory vram --tokens 32768 --repeat 2 --tables transport
+# the copier's 2 MiB pieces against whole runs, same card, same call
+run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
+run 70 offload_pieces python benchmarks/offload.py --tables decode
+run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
+run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"

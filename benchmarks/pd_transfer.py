@@ -236,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the transport table's regions live: host memory, or each "
                          "process's GPU (NIXL only; UCX's own variables, e.g. UCX_TLS or "
                          "UCX_PROTO_INFO=y, choose and show its transports)")
+    ap.add_argument("--tables", default="transport,relayout,zerocopy",
+                    help="which tables, comma-separated (transport, relayout, zerocopy)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     args = ap.parse_args(argv)
+    wanted = set(args.tables.split(","))
+    if not wanted or wanted - {"transport", "relayout", "zerocopy"}:
+        ap.error(f"--tables: expected some of transport,relayout,zerocopy, got {args.tables!r}")
     # One copy thread per process, as a connector's transfer thread would have; on a small shared
     # machine torch's default intra-op threads also contend with each other (10x slower here).
     torch.set_num_threads(1)
@@ -258,6 +263,17 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print(f"not measured (not installed): {', '.join(skipped)}")
     sizes = [t * sample for t in args.tokens]
+    if "transport" in wanted:
+        print_transport(args, backends, sizes, full, sample)
+    if "relayout" in wanted:
+        print_relayout(args)
+    if "zerocopy" in wanted:
+        print_zero_copy(args, backends)
+    return 0
+
+
+def print_transport(args: argparse.Namespace, backends: list[str], sizes: list[int], full: int,
+                    sample: int) -> None:
     print()
     print(f"Transport, two processes, regions in {args.memory.upper()}")
     print()
@@ -271,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {backend} | {tokens:,} | {tokens * sample / 1e6:,.1f} MB | {read:.2f} | "
                   f"{write:.2f} | {req / 1e9:.2f} GB | {req / read / 1e9 * 1e3:,.0f} ms | "
                   f"{req / IB_GBPS / 1e9 * 1e3:,.1f} ms |")
+
+
+def print_relayout(args: argparse.Namespace) -> None:
     print()
     print("Re-layout (kvio, one process): prefill rank 0 of DCP 8 (block 64) → a DP decode "
           "rank (block 64)")
@@ -282,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             gather, scatter, runs = measure_relayout(tokens, args.layers, interleave,
                                                      args.repeat)
             print(f"| {tokens:,} | {interleave} | {runs:,} | {gather:.2f} | {scatter:.2f} |")
+
+
+def print_zero_copy(args: argparse.Namespace, backends: list[str]) -> None:
     print()
     print("Zero-copy (descriptors): the decode agent READs the same share straight from the "
           "prefill agent's registered caches (two agents, one process)")
@@ -294,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
                 gbps, nseg = measure_zero_copy(backend, tokens, args.layers, interleave,
                                                args.repeat)
                 print(f"| {backend} | {tokens:,} | {interleave} | {nseg:,} | {gbps:.2f} |")
-    return 0
 
 
 if __name__ == "__main__":
