@@ -4,6 +4,9 @@
                         ▲                          │
                         │                          ▼
     RequestOutput ◄─ Scheduler.update_from_output ◄─ ModelRunner.execute() ─► ModelRunnerOutput
+
+With --async-scheduling (engine/async_scheduler.py) the loop runs one step ahead: step() schedules
+and launches step k + 1, then reads step k's results and returns step k's outputs.
 """
 
 from __future__ import annotations

@@ -7,12 +7,14 @@ yet (the placeholders)."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
 
 from dsaserve.config import ConfigError, SpecConfig
 from dsaserve.core import PLACEHOLDER_TOKEN_ID, SamplingParams
+from dsaserve.engine.args import add_engine_args, engine_config_from_args
 from dsaserve.engine.async_scheduler import AsyncScheduler
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.prefix_cache import extend_block_hashes
@@ -140,3 +142,15 @@ def test_async_refuses_mtp_naming_both_flags(engine_config, model_dirs):
     cfg = engine_config(model_dirs["tiny-glm5"])
     with pytest.raises(ConfigError, match="--async-scheduling.*--speculative-config"):
         _async(dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=3)))
+
+
+def test_async_scheduling_flag(model_dirs):
+    parser = add_engine_args(argparse.ArgumentParser())
+    model = str(model_dirs["tiny-glm5"])
+    base = ["--device", "cpu", "--max-model-len", "256"]
+    assert not engine_config_from_args(parser.parse_args(base), model).scheduler.async_scheduling
+    cfg = engine_config_from_args(parser.parse_args([*base, "--async-scheduling"]), model)
+    assert cfg.scheduler.async_scheduling
+    with pytest.raises(ConfigError, match="--async-scheduling.*--tensor-parallel-size"):
+        engine_config_from_args(parser.parse_args([*base, "--async-scheduling", "-tp", "2"]),
+                                model)
