@@ -14,6 +14,10 @@ does not depend on their values) and the same decode step is run again and again
 * "graph": the same with the runner's own decode path (engine/decode_graph.py): the target's
   forward replayed from the CUDA graph the runner captured for this batch size at its first
   step (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
+* "async": --async-scheduling (graphs on, no MTP): step k + 1 is launched before step k's
+  results are read, its input tokens gathered on the device from step k's samples; the wall
+  time is the interval between steps in that pipeline (the host's work for one step overlaps
+  the device's for the previous one);
 * tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
   MTP3 at synthetic acceptance 2.99) over the step's wall time.
 """
@@ -40,7 +44,13 @@ from dsaserve.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
+from dsaserve.core import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
@@ -55,6 +65,7 @@ class Row:
     batch: int
     mtp: bool
     graph: bool
+    async_: bool  # --async-scheduling
     wall_ms: float  # median step wall time
     kernels_ms: float  # GPU kernels of one step (device time; NaN on the CPU)
     tokens_per_step: float  # emitted per request per step
@@ -66,7 +77,7 @@ class Row:
 
 
 def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, device: str,
-            dtype: str, kv: str) -> EngineConfig:
+            dtype: str, kv: str, async_: bool = False) -> EngineConfig:
     k = 3 if mtp else 0
     per_request = -(-(context + 2 * k + 2) // BLOCK)
     cfg = EngineConfig(
@@ -74,7 +85,7 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, d
         cache=CacheConfig(block_size=BLOCK, kv_cache_dtype=kv,
                           num_gpu_blocks=per_request * batch + 1, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=batch * (1 + k),
-                                  max_model_len=per_request * BLOCK),
+                                  max_model_len=per_request * BLOCK, async_scheduling=async_),
         attention=AttentionConfig(backend="triton" if device == "cuda" else "reference",
                                   sparse_mla_force_mqa=True),
         dtype=dtype, device=device, compilation=CompilationConfig(enforce_eager=not graph),
@@ -109,33 +120,60 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _pipelined(runner: ModelRunner, so: SchedulerOutput, steps: int, device: str
+               ) -> tuple[list[float], list[ModelRunnerOutput]]:
+    """--async-scheduling's loop: launch step k + 1, then read step k; the interval between
+    reads is a step's wall time."""
+    pending = runner.submit(so)
+    times, outs = [], []
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        launched = runner.submit(so)
+        outs.append(pending.result())
+        pending = launched
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    pending.result()
+    return times, outs
+
+
 def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
-            args: argparse.Namespace) -> Row:
+            args: argparse.Namespace, async_: bool = False) -> Row:
     k = 3 if mtp else 0
     cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
-                  args.kv_cache_dtype)
+                  args.kv_cache_dtype, async_)
     runner = ModelRunner(cfg)
     first, again = _steps(context, batch, k, cfg.model.vocab_size)
     note = ""
     try:
         runner.execute(first)
+        if async_:  # every step's input is the token the previous step sampled (device gather)
+            for st in runner.requests.values():
+                st.token_ids[-1] = PLACEHOLDER_TOKEN_ID
         for _ in range(args.warmup):  # the graph is captured at the first of them
             runner.execute(again)
-        times, emitted = [], []
-        for _ in range(args.steps):
+        times, outs = [], []
+        if async_:
+            times, outs = _pipelined(runner, again, args.steps, args.device)
+        for _ in range(0 if async_ else args.steps):
             _sync(args.device)
             t0 = time.perf_counter()
-            out = runner.execute(again)
+            outs.append(runner.execute(again))
             _sync(args.device)
             times.append(time.perf_counter() - t0)
-            emitted.append(sum(map(len, out.sampled_token_ids.values())) / batch)
+        emitted = [sum(map(len, out.sampled_token_ids.values())) / batch for out in outs]
         kernels = math.nan
         if args.device == "cuda":
             activities = [torch.profiler.ProfilerActivity.CPU,
                           torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
-                for _ in range(4):
-                    runner.execute(again)
+                if async_:
+                    _pipelined(runner, again, 4, args.device)
+                else:
+                    for _ in range(4):
+                        runner.execute(again)
                 _sync(args.device)
             # the kernels themselves (device events), not the host ops that launched them
             kernels = sum(e.self_device_time_total for e in prof.events()
@@ -153,15 +191,15 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     del runner
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return Row(context, batch, mtp, graph, wall, kernels, per_step, note)
+    return Row(context, batch, mtp, graph, async_, wall, kernels, per_step, note)
 
 
 def table(rows: list[Row], title: str) -> list[str]:
     lines = [title, "",
-             "| context | batch | MTP3 | graph | step wall (ms) | GPU kernels (ms) | wall / "
-             "kernels | tokens / step / user | tokens/s/user | MTP3 speed-up |",
-             "|---:|---:|---|---|---:|---:|---:|---:|---:|---:|"]
-    plain = {(r.context, r.batch, r.graph): r for r in rows if not r.mtp}
+             "| context | batch | MTP3 | graph | async | step wall (ms) | GPU kernels (ms) | "
+             "wall / kernels | tokens / step / user | tokens/s/user | MTP3 speed-up |",
+             "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    plain = {(r.context, r.batch, r.graph): r for r in rows if not r.mtp and not r.async_}
     for r in rows:
         ratio = r.wall_ms / r.kernels_ms if r.kernels_ms > 0 else math.nan
         base = plain.get((r.context, r.batch, r.graph))
@@ -169,7 +207,8 @@ def table(rows: list[Row], title: str) -> list[str]:
                  if r.mtp and base is not None else "")
         lines.append(
             f"| {r.context} | {r.batch} | {'yes' if r.mtp else 'no'} | "
-            f"{'yes' if r.graph else 'no'} | {r.wall_ms:.2f} | {r.kernels_ms:.3f} | "
+            f"{'yes' if r.graph else 'no'} | {'yes' if r.async_ else 'no'} | "
+            f"{r.wall_ms:.2f} | {r.kernels_ms:.3f} | "
             f"{ratio:.2f} | {r.tokens_per_step:.2f} | {r.tokens_per_s_user:.1f} | {speed} |"
             + (f" {r.note}" if r.note else ""))
     return lines
@@ -219,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             for batch in args.batches:
                 for graph in graphs:
-                    for mtp in (False, True):
-                        row = measure(model_dir, context, batch, mtp, graph, args)
+                    for mtp, async_ in ((False, False), (True, False), (False, True)):
+                        if async_ and graph != graphs[-1]:
+                            continue  # async rows: with graphs where they run
+                        row = measure(model_dir, context, batch, mtp, graph, args, async_)
                         print(row, file=sys.stderr)
                         rows.append(row)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"

@@ -3,7 +3,9 @@
 # bounded so that a hang leaves the others' output. Logs and tables go to $OUT (the device
 # call's output folder) or ./gpu-out.
 #
-#   bash benchmarks/gpu_owed.sh            # under 10 minutes on one H200 (each step bounded)
+#   bash benchmarks/gpu_owed.sh 1          # part 1: GPU tests, NIXL VRAM, copier pieces
+#   bash benchmarks/gpu_owed.sh 2          # part 2: HiSparse, P/D, decode with async scheduling
+# each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
 # docs/gpu_runs_owed.md) and carry it; without it the NIXL test skips and the P/D run fails.
@@ -23,17 +25,26 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
     echo "== $name: exit $?"
     grep -v "loading shards\|NIXL INFO" "$out/$name.log" | tail -15
 }
-run 120 build python -c \
+part=${1:-1}
+run 100 build python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
-run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_hisparse_spill_gpu.py \
-    tests/gpu/test_nixl_gpu.py
-# NIXL GPU -> GPU between two processes: which UCX protocol, and whether cuda_ipc changes it
-run 60 nixl_vram env UCX_PROTO_INFO=y python benchmarks/pd_transfer.py --backends nixl \
-    --memory vram --tokens 32768 --repeat 2 --tables transport
-run 60 nixl_vram_ipc env UCX_TLS=cuda_ipc,cuda_copy,sm,self python benchmarks/pd_transfer.py \
-    --backends nixl --memory vram --tokens 32768 --repeat 2 --tables transport
-# the copier's 2 MiB pieces against whole runs, same card, same call
-run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
-run 70 offload_pieces python benchmarks/offload.py --tables decode
-run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
-run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+if [ "$part" = 1 ]; then
+    run 180 tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_nixl_gpu.py \
+        tests/gpu/test_cudagraph_gpu.py
+    # NIXL GPU -> GPU between two processes: which UCX protocol, and whether cuda_ipc changes it
+    run 50 nixl_vram env UCX_PROTO_INFO=y python benchmarks/pd_transfer.py --backends nixl \
+        --memory vram --tokens 32768 --repeat 2 --tables transport
+    run 50 nixl_vram_ipc env UCX_TLS=cuda_ipc,cuda_copy,sm,self python \
+        benchmarks/pd_transfer.py --backends nixl --memory vram --tokens 32768 --repeat 2 \
+        --tables transport
+    # the copier's 2 MiB pieces against whole runs, same card, same call
+    run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
+    run 70 offload_pieces python benchmarks/offload.py --tables decode
+else
+    run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
+    run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    run 150 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,64 \
+        --steps 10 --out "$out/decode.md"
+    run 150 calibration python benchmarks/simulate_calibration.py
+fi

@@ -384,6 +384,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
+    # --async-scheduling: step k + 1 is scheduled while step k runs; its inputs that continue
+    # from step k are taken from step k's samples on the device (docs/decode.md)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -678,11 +681,32 @@ class EngineConfig:
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
         self._validate_hisparse()
+        self._validate_async_scheduling()
         if self.speculative is not None and not self.model.has_mtp:
             raise ConfigError(
                 "--speculative-config: method 'mtp' needs a model with an MTP layer "
                 "(num_nextn_predict_layers is 0 in its config.json)"
             )
+
+    def _validate_async_scheduling(self) -> None:
+        """--async-scheduling is built for one in-process rank and plain decode: refuse what it
+        does not cover yet, naming both flags."""
+        if not self.scheduler.async_scheduling:
+            return
+        p = self.parallel
+        refused = [
+            (self.speculative is not None, "--speculative-config (MTP drafts)"),
+            (p.world_size > 1, "--tensor-parallel-size / --prefill-context-parallel-size > 1 "
+                               "(several ranks)"),
+            (p.data_parallel_size > 1, "--data-parallel-size > 1"),
+            (self.offload.enabled, self.offload.flag),
+            (self.hisparse is not None, "--kv-transfer-config HiSparseConnector"),
+            (self.disagg is not None, "--kv-transfer-config NixlConnector"),
+        ]
+        for bad, flag in refused:
+            if bad:
+                raise ConfigError(f"--async-scheduling: not supported with {flag} yet; "
+                                  "drop one of the two flags (docs/decode.md)")
 
     @property
     def num_speculative_tokens(self) -> int:

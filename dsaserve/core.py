@@ -153,6 +153,9 @@ class RequestStatus(enum.Enum):
         )
 
 
+PLACEHOLDER_TOKEN_ID = -1  # an output token sampled on the device, not yet read (async)
+
+
 @dataclass
 class Request:
     """A request as the engine core tracks it.
@@ -178,6 +181,9 @@ class Request:
     # not part of the request's tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
     kv_transfer_params: KVTransferParams | None = None  # P/D (disagg/connector.py)
+    # --async-scheduling: output tokens the in-flight steps will sample, held in
+    # output_token_ids as PLACEHOLDER_TOKEN_ID at its end until their step's results are read
+    num_output_placeholders: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -190,6 +196,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens known on the host (placeholders of in-flight steps not counted)."""
+        return len(self.output_token_ids) - self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

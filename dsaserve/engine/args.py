@@ -148,6 +148,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--max-num-seqs x (1 + drafts) (docs/decode.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never use CUDA graphs (always on the CPU)")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next step while the device runs this one; tokens reach "
+                        "the host one step later (single rank, no MTP yet; docs/decode.md)")
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 
@@ -221,6 +224,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            async_scheduling=args.async_scheduling,
         ),
         attention=AttentionConfig.from_json(
             args.attention_config,

@@ -4,6 +4,9 @@
                         ▲                          │
                         │                          ▼
     RequestOutput ◄─ Scheduler.update_from_output ◄─ ModelRunner.execute() ─► ModelRunnerOutput
+
+With --async-scheduling (engine/async_scheduler.py) the loop runs one step ahead: step() schedules
+and launches step k + 1, then reads step k's results and returns step k's outputs.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dsaserve.config import EngineConfig
+from dsaserve.config import ConfigError, EngineConfig
 from dsaserve.core import (
     EngineStats,
     KVTransferParams,
@@ -22,10 +26,13 @@ from dsaserve.core import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SchedulerOutput,
 )
+from dsaserve.engine.async_scheduler import AsyncScheduler
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.step_results import PendingOutput
 from dsaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -72,7 +79,14 @@ class LLMEngine:
         # HiSparse spilling: every rank has the same MLA page count (the flag's)
         mla_pages = min(executor.call("hisparse_mla_pages")) if config.hisparse else 0
         self.connector = self._kv_connector(dp_rank)
-        self.scheduler = Scheduler(sched, config.cache, executor.num_blocks,
+        # --async-scheduling: steps launched whose results are not read yet (at most one
+        # between calls of step)
+        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self.async_scheduling = sched.async_scheduling
+        if self.async_scheduling and not isinstance(executor, InProcessExecutor):
+            raise ConfigError("--async-scheduling: needs a single in-process rank")
+        scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(sched, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
                                    num_speculative_tokens=config.num_speculative_tokens,
                                    num_host_blocks=min(n for n, _ in host),
@@ -175,9 +189,22 @@ class LLMEngine:
         self.scheduler.abort_requests([request_id])
 
     def step(self) -> list[RequestOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Schedule and launch step k + 1 while step k runs, then read step k's results: the
+        outputs returned are step k's (the first call returns none)."""
+        assert isinstance(self.executor, InProcessExecutor)
+        scheduler_output = self.scheduler.schedule()
+        self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
+        if len(self._in_flight) == 1:
+            return self.scheduler.take_aborted_outputs()
+        scheduler_output, pending = self._in_flight.popleft()
+        return self.scheduler.update_from_output(scheduler_output, pending.result())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

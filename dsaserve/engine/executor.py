@@ -33,6 +33,7 @@ import torch
 from dsaserve.config import EngineConfig
 from dsaserve.core import EngineDeadError, ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.step_results import PendingOutput
 from dsaserve.engine.worker import (
     CallMethod,
     CallResult,
@@ -104,6 +105,12 @@ class InProcessExecutor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_async(scheduler_output)
         return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+        """--async-scheduling: launch the step; its output is read later (engine/engine.py)."""
+        if self.runner is None:
+            raise EngineDeadError("the engine was shut down")
+        return self.runner.submit(scheduler_output)
 
     def call(self, name: str, *args: Any) -> list[Any]:
         if self.runner is None:

@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 
 from dsaserve.config import EngineConfig, ModelConfig
-from dsaserve.core import ModelRunnerOutput, SamplingParams, SchedulerOutput
+from dsaserve.core import (
+    PLACEHOLDER_TOKEN_ID,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+)
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.engine import cudagraph, staging, step_results
 from dsaserve.engine.decode_graph import DecodeGraphs
@@ -170,6 +175,9 @@ class ModelRunner:
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
         self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
+        # the last step's plain samples ([M] int64, device) and request id → row in them
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] = (
+            torch.zeros(0, dtype=torch.int64, device=self.device), {})
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -380,11 +388,20 @@ class ModelRunner:
             return self.copier.report(self._execute(so))
         return self._execute(so)
 
+    def submit(self, so: SchedulerOutput) -> step_results.PendingOutput:
+        """--async-scheduling: launch the step and return at once; its results come through
+        a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
+        Inputs that are placeholders take the previous step's samples on the device."""
+        return self._launch(so, non_blocking=True)
+
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self._launch(so, non_blocking=False).result()
+
+    def _launch(self, so: SchedulerOutput, *, non_blocking: bool) -> step_results.PendingOutput:
         # 1. apply the diff
         self._apply_diff(so)
         if so.is_empty:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return step_results.PendingOutput([], [], None)
 
         # 2. the flattened batch and its attention metadata
         req_ids = list(so.num_scheduled_tokens)
@@ -411,12 +428,14 @@ class ModelRunner:
         # 5. HiSparse: the rows this step wrote join the durable host copy
         self._mirror(req_ids, batch)
 
-        # 6. the step's one host sync: everything sampled, copied at once
-        host = step_results.read_back(samples, drafts)
-        return ModelRunnerOutput(
-            sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(req_ids)},
-            logprobs={req_ids[r]: lps for r, lps in host.logprobs.items()},
-            draft_token_ids=dict(zip(drafting, host.drafts, strict=True)))
+        # 6. the step's one host sync: everything sampled, copied at once (async: started
+        #    here, waited for after the next step is launched); the sampled tokens stay on the
+        #    device for a next step that continues from them
+        self._last_sampled = (samples.plain_tokens,
+                              {req_ids[r]: i for i, r in enumerate(samples.plain)})
+        return step_results.PendingOutput(
+            req_ids, drafting,
+            step_results.start_read_back(samples, drafts, non_blocking=non_blocking))
 
     def _padded_size(self, batch: _Batch) -> int | None:
         """The size a decode-only step (each request: its last known token and its drafts)
@@ -613,7 +632,26 @@ class ModelRunner:
             samples.append(start + n - len(drafts) == len(st.token_ids))
             num_drafts.append(len(drafts))
         input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
+        # async scheduling: a request's last input may be the token the previous step sampled
+        continuing = [r for r in range(len(req_ids))
+                      if step_tokens[r][counts[r] - 1] == PLACEHOLDER_TOKEN_ID]
+        if continuing:
+            self._fill_placeholders(input_ids, [qsl[r + 1] - 1 for r in continuing],
+                                    [req_ids[r] for r in continuing])
         return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples)
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, rows: list[int],
+                           req_ids: list[str]) -> None:
+        """input_ids[rows] ← the tokens the previous step sampled for `req_ids`, gathered on
+        the device (the host has not read them). Single rank: rows are global rows."""
+        tokens, index = self._last_sampled  # [M] int64 on the device; request id → its row
+        missing = [rid for rid in req_ids if rid not in index]
+        if missing:
+            raise RuntimeError(f"async scheduling: request {missing[0]!r} continues from a "
+                               "token the previous step did not sample")
+        rows_d, src_d = staging.upload_lists([rows, [index[rid] for rid in req_ids]],
+                                             self.device)
+        input_ids[rows_d] = tokens[src_d]
 
     def _draft_metadata(self, req_ids: list[str], positions: torch.Tensor,
                         max_positions: list[int]) -> AttentionMetadata:

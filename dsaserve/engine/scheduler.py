@@ -200,6 +200,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._ends_with_token_in_flight(req):
+                i += 1  # async: the step in flight samples its last token
+                continue
             num_known = req.num_tokens - req.num_computed_tokens
             assert num_known > 0, f"running request {req.request_id!r} has nothing to compute"
             drafts = self._drafts_to_verify(req)
@@ -333,6 +336,14 @@ class Scheduler:
         room = min(req.sampling_params.max_tokens - len(req.output_token_ids),
                    self.config.max_model_len - req.num_tokens)
         return tuple(req.spec_token_ids[: max(room - 1, 0)])
+
+    def _ends_with_token_in_flight(self, req: Request) -> bool:
+        """--async-scheduling: the token an in-flight step samples for `req` (a placeholder)
+        reaches max_tokens or max_model_len, so nothing is left to schedule (always False
+        without placeholders: such a request has finished)."""
+        return req.num_output_placeholders > 0 and (
+            len(req.output_token_ids) >= req.sampling_params.max_tokens
+            or req.num_tokens >= self.config.max_model_len)
 
     def _lookahead(self, req: Request, n: int) -> int:
         """Slots past the scheduled tokens the MTP draft steps write: k − 1 when this step
@@ -559,8 +570,8 @@ class Scheduler:
         """Stop rules after a token is appended: EOS / stop ids (not before min_tokens) give
         "stop"; max_tokens or reaching max_model_len give "length"."""
         params = req.sampling_params
-        num_output = len(req.output_token_ids)
-        last = req.output_token_ids[-1]
+        num_output = req.num_output_tokens  # placeholders of async steps after it not counted
+        last = req.output_token_ids[num_output - 1]
         if num_output >= params.min_tokens:
             if not params.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
@@ -568,7 +579,8 @@ class Scheduler:
             if last in params.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return
-        if num_output >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        num_tokens = req.num_prompt_tokens + num_output
+        if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
 
     def _release(self, req: Request) -> None:
@@ -600,7 +612,7 @@ class Scheduler:
             finish_reason=req.status.value if finished else None,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=len(req.output_token_ids),
+            num_output_tokens=req.num_output_tokens,
             kv_transfer_params=kv_transfer_params,
         )
 

@@ -3,6 +3,8 @@
 Sampling, verification and drafting each leave tensors on the device; the host needs them only to
 report tokens to the scheduler. `read_back` packs them into one fp64 vector (token ids < 2^53 and
 fp32 log-probabilities are exact in fp64) and copies it once: the step's single host sync.
+With --async-scheduling the copy is non-blocking into pinned memory (`start_read_back`) and
+the host waits for it one engine step later, after scheduling and launching the next step.
 
     packed = | plain tokens M | plain logprobs M | accepted V | emitted V·(k+1) |
              | emitted logprobs V·(k+1) | drafts D·k |
@@ -13,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dsaserve.core import ModelRunnerOutput
 
 
 @dataclass(frozen=True)
@@ -40,13 +44,56 @@ class HostSamples:
 
 def read_back(samples: DeviceSamples, drafts: torch.Tensor | None) -> HostSamples:
     """One device → host copy of everything the step produced (none when it sampled nothing)."""
+    return start_read_back(samples, drafts, non_blocking=False).wait()
+
+
+def start_read_back(samples: DeviceSamples, drafts: torch.Tensor | None,
+                    *, non_blocking: bool) -> PendingSamples:
+    """Start the step's one device → host copy. Blocking: the copy is done on return (the sync
+    is here). Non-blocking (--async-scheduling): into pinned memory behind the step's work on
+    the stream, with an event; the host waits only in `PendingSamples.wait` (on the CPU the
+    copy is done at once, and the read of its values is still where the wait is)."""
     parts = [samples.plain_tokens, samples.plain_logprobs, samples.accepted,
              samples.emitted.flatten(), samples.emitted_logprobs.flatten()]
     if drafts is not None:
         parts.append(drafts.flatten())
+    shape = (tuple(drafts.shape) if drafts is not None else None)
     if sum(p.numel() for p in parts) == 0:
-        return HostSamples({}, {}, [])
-    flat = torch.cat([p.to(torch.float64) for p in parts]).cpu().tolist()  # the one sync
+        return PendingSamples(samples, shape, None, None)
+    flat = torch.cat([p.to(torch.float64) for p in parts])  # [total] on the device
+    if not non_blocking:
+        return PendingSamples(samples, shape, flat.cpu(), None)  # the one sync
+    cuda = flat.device.type == "cuda"
+    host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=cuda)
+    host.copy_(flat, non_blocking=True)
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return PendingSamples(samples, shape, host, ready)
+
+
+@dataclass(frozen=True)
+class PendingSamples:
+    """A step's packed results on their way to the host: `host` [total] fp64 is complete once
+    `ready` (a CUDA event; None: already complete) has passed."""
+
+    samples: DeviceSamples
+    drafts_shape: tuple[int, ...] | None  # [D, k]
+    host: torch.Tensor | None  # None: the step sampled nothing
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> HostSamples:
+        """Wait for the copy and unpack it (the host's one read of the step's data)."""
+        if self.host is None:
+            return HostSamples({}, {}, [])
+        if self.ready is not None:
+            self.ready.synchronize()
+        return _unpack(self.samples, self.drafts_shape, self.host.tolist())
+
+
+def _unpack(samples: DeviceSamples, drafts_shape: tuple[int, ...] | None,
+            flat: list[float]) -> HostSamples:
     m, v = len(samples.plain), len(samples.verify)
     width = samples.emitted.shape[1] if v else 0
     at = 0
@@ -67,8 +114,27 @@ def read_back(samples: DeviceSamples, drafts: torch.Tensor | None) -> HostSample
         tokens[r] = [int(t) for t in emitted[i * width : i * width + n]]
         logprobs[r] = emitted_lps[i * width : i * width + n]
     out_drafts: list[list[int]] = []
-    if drafts is not None:
-        k = drafts.shape[1]
-        rest = take(drafts.numel())
-        out_drafts = [[int(t) for t in rest[d * k : (d + 1) * k]] for d in range(drafts.shape[0])]
+    if drafts_shape is not None:
+        d, k = drafts_shape
+        rest = take(d * k)
+        out_drafts = [[int(t) for t in rest[i * k : (i + 1) * k]] for i in range(d)]
     return HostSamples(tokens, logprobs, out_drafts)
+
+
+@dataclass(frozen=True)
+class PendingOutput:
+    """A launched step's ModelRunnerOutput: its requests (batch order), the drafting ones, and
+    the copy of its samples (None: the step computed nothing)."""
+
+    req_ids: list[str]
+    drafting: list[str]
+    copy: PendingSamples | None
+
+    def result(self) -> ModelRunnerOutput:
+        if self.copy is None:
+            return ModelRunnerOutput(sampled_token_ids={})
+        host = self.copy.wait()
+        return ModelRunnerOutput(
+            sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(self.req_ids)},
+            logprobs={self.req_ids[r]: lps for r, lps in host.logprobs.items()},
+            draft_token_ids=dict(zip(self.drafting, host.drafts, strict=True)))

@@ -59,8 +59,12 @@ def _host_read(func, args, kwargs) -> bool:
                           kwargs.get("device"))
             return (isinstance(src, torch.Tensor) and src.device.type != "cpu"
                     and target is not None and torch.device(target).type == "cpu")
+        # a non-blocking copy into pinned memory does not wait: the host reads it later
+        # (counted there), after an event says it landed
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         return (isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor)
-                and src.device.type != "cpu" and dst.device.type == "cpu")
+                and src.device.type != "cpu" and dst.device.type == "cpu"
+                and not (non_blocking and dst.is_pinned()))
     return False
 
 

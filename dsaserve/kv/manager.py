@@ -126,7 +126,10 @@ class KVCacheManager:
         requests (and this one after a preemption) find them."""
         if not self.enable_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        # async scheduling: a computed position may hold a placeholder (its step is in flight)
+        num_known = request.num_tokens - request.num_output_placeholders
+        num_full = min(min(request.num_computed_tokens, num_known) // self.block_size,
+                       len(request.block_ids))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -159,11 +162,15 @@ class KVCacheManager:
         self._queried.discard(request.request_id)
 
     def _update_hashes(self, request: Request) -> None:
+        # Only tokens known on the host: an async step's placeholder is never hashed.
+        num_known = request.num_tokens - request.num_output_placeholders
         # Cheap test first: building all_token_ids copies the whole token list.
-        if request.num_tokens // self.block_size > len(request.block_hashes):
-            extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-            )
+        if num_known // self.block_size > len(request.block_hashes):
+            tokens = request.all_token_ids
+            if request.num_output_placeholders:
+                del tokens[num_known:]
+            extend_block_hashes(request.block_hashes, tokens, self.block_size,
+                                request.cache_salt)
 
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self, live_requests: Iterable[Request] | None = None,

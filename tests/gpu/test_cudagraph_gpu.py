@@ -9,7 +9,9 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
   to the host no more often than the CPU counter says (the one copy of the results);
 * the engine with graphs on (the runner's own padded decode path, engine/decode_graph.py) gives
   the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3 (with
-  MTP3 the drafts of every padded step replayed from their own graph too)."""
+  MTP3 the drafts of every padded step replayed from their own graph too);
+* with --async-scheduling (graphs on): the same greedy tokens, the graphs replayed, and the
+  launch of a decode step reads nothing on the host (its inputs gathered on the device)."""
 
 from __future__ import annotations
 
@@ -120,7 +122,8 @@ _SNIPPETS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n",
 _JOINS = [0, 0, 1, 3, 3]  # the step each snippet's request joins at
 
 
-def _generate(compilation: CompilationConfig, k: int) -> tuple[dict[str, list[int]], LLMEngine]:
+def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool = False
+              ) -> tuple[dict[str, list[int]], LLMEngine]:
     """The trained tiny model (confident logits: bf16 batch-shape differences do not flip its
     argmax) on the triton backend, fp8_ds_mla KV; five requests of different lengths joining
     at three steps and leaving at different ones: running batches of 1 to 5 requests, padded
@@ -129,7 +132,8 @@ def _generate(compilation: CompilationConfig, k: int) -> tuple[dict[str, list[in
     cfg = EngineConfig(str(d), ModelConfig.from_file(d),
                        cache=CacheConfig(block_size=64, num_gpu_blocks=128,
                                          kv_cache_dtype="fp8_ds_mla"),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024),
+                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024,
+                                                 async_scheduling=async_scheduling),
                        attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
                        dtype="bfloat16", device="cuda", compilation=compilation)
     if k:
@@ -163,3 +167,38 @@ def test_engine_graphs_give_eager_tokens(k):
     print(f"k={k}: {graphs.num_replays} replays ({graphs.num_draft_replays} of drafts) over "
           f"sizes {sorted(graphs._graphs)}")
     assert graph_out == eager_out
+
+
+def test_async_scheduling_gives_sync_tokens_with_graphs():
+    sync_out, _ = _generate(CompilationConfig(), 0)
+    async_out, engine = _generate(CompilationConfig(), 0, async_scheduling=True)
+    graphs = engine.runner.decode_graphs
+    assert graphs is not None and graphs.num_replays > 0
+    assert async_out == sync_out
+
+
+def test_async_decode_launch_does_not_sync():
+    d = trained_model_dir()
+    cfg = EngineConfig(str(d), ModelConfig.from_file(d),
+                       cache=CacheConfig(block_size=64, num_gpu_blocks=64,
+                                         kv_cache_dtype="fp8_ds_mla"),
+                       scheduler=SchedulerConfig(max_num_seqs=4, max_model_len=512,
+                                                 async_scheduling=True),
+                       attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
+                       dtype="bfloat16", device="cuda")
+    engine = LLMEngine.from_config(cfg)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(5, 40 + 9 * i)),
+                           SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # prefill, decode steps (graphs captured), one in flight
+        engine.step()
+    so = engine.scheduler.schedule()
+    with SyncCounter(exclude=("kernels/",)) as launch:
+        pending = engine.executor.submit(so)
+    assert launch.count == 0, launch.report()
+    engine._in_flight.append((so, pending))
+    prev_so, prev = engine._in_flight.popleft()
+    engine.scheduler.update_from_output(prev_so, prev.result())
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

@@ -84,3 +84,36 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+def test_async_decode_step_reads_the_device_once(engine_config, model_dirs):
+    """--async-scheduling: launching step k + 1 (its inputs gathered on the device from step k's
+    samples) reads nothing; reading step k's results is the one sync, after the launch."""
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
+    cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
+                                                                 async_scheduling=True))
+    engine = LLMEngine.from_config(cfg)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),
+                           SamplingParams(max_tokens=12, temperature=0.7 * i, seed=i,
+                                          ignore_eos=True))
+    for _ in range(3):  # prefill, then decode steps, one in flight
+        engine.step()
+    so = engine.scheduler.schedule()
+    assert set(so.num_scheduled_tokens.values()) == {1}, "not a decode step"
+    with SyncCounter(exclude=("kernels/",)) as launch:
+        pending = engine.executor.submit(so)
+    assert launch.count == 0, launch.report()
+    engine._in_flight.append((so, pending))
+    prev_so, prev = engine._in_flight.popleft()
+    with SyncCounter(exclude=("kernels/",)) as read:
+        out = prev.result()
+    assert read.count == 1, read.report()
+    assert "step_results.py" in read.report()
+    engine.scheduler.update_from_output(prev_so, out)
+    with SyncCounter(exclude=("kernels/",)) as whole:  # a whole engine step: the same one
+        engine.step()
+    assert whole.count == 1, whole.report()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

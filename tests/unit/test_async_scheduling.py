@@ -1,0 +1,156 @@
+"""--async-scheduling on the CPU (engine/async_scheduler.py): step k + 1 is scheduled and launched
+before step k's tokens are read; its inputs that continue from step k come from step k's samples
+on the device. Greedy output equals sync scheduling on the tiny presets with prefix caching,
+requests ending by max_tokens and by stop tokens at different steps, prefills joining running
+decodes and preemption; no block leaks, and no block hash covers a token the host does not know
+yet (the placeholders)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from dsaserve.config import ConfigError, SpecConfig
+from dsaserve.core import PLACEHOLDER_TOKEN_ID, SamplingParams
+from dsaserve.engine.args import add_engine_args, engine_config_from_args
+from dsaserve.engine.async_scheduler import AsyncScheduler
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.kv.prefix_cache import extend_block_hashes
+
+# (prompt length, max_tokens, the step it joins at): prefills join while others decode; a
+# repeated prompt start hits the prefix cache
+_ARRIVALS = [(21, 9, 0), (37, 14, 0), (5, 3, 0), (21, 11, 2), (44, 6, 5), (13, 17, 5)]
+
+
+def _async(config, on: bool = True):
+    return dataclasses.replace(
+        config, scheduler=dataclasses.replace(config.scheduler, async_scheduling=on))
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    shared = list(range(3, 19))  # the first block (16 tokens) is shared: prefix hits
+    return (shared + [(7 * i + 5 * j) % 200 + 20 for j in range(n)])[:n]
+
+
+def _check_hashes(engine: LLMEngine) -> None:
+    """Every block hash a request holds is the hash of its tokens known on the host."""
+    size = engine.scheduler.block_size
+    for req in engine.scheduler.requests.values():
+        known = req.all_token_ids[: req.num_tokens - req.num_output_placeholders]
+        assert PLACEHOLDER_TOKEN_ID not in known
+        expected: list[bytes] = []
+        extend_block_hashes(expected, known, size, req.cache_salt)
+        assert req.block_hashes == expected[: len(req.block_hashes)]
+
+
+def _run(config, params: list[SamplingParams], arrivals=_ARRIVALS
+         ) -> tuple[dict[str, list[int]], LLMEngine]:
+    """The arrivals through an engine, check_integrity and the hashes after every step; the
+    output tokens of each request and how it finished."""
+    engine = LLMEngine.from_config(config)
+    outputs: dict[str, list[int]] = {}
+    reasons: dict[str, str | None] = {}
+    step = 0
+    while step == 0 or engine.has_unfinished_requests():
+        for i, (n, _, at) in enumerate(arrivals):
+            if at == step:
+                engine.add_request(f"r{i}", _prompt(i, n), params[i])
+                outputs[f"r{i}"] = []
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+                assert out.num_output_tokens == len(outputs[out.request_id])
+        engine.check_integrity()
+        _check_hashes(engine)
+        step += 1
+        assert step < 200, "the engine did not finish"
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    return {rid: outputs[rid] + [reasons[rid]] for rid in outputs}, engine
+
+
+def _greedy(stops: dict[int, int] | None = None, arrivals=_ARRIVALS) -> list[SamplingParams]:
+    stops = stops or {}
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                           stop_token_ids=(stops[i],) if i in stops else ())
+            for i, (_, m, _) in enumerate(arrivals)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+def test_async_greedy_equals_sync(engine_config, model_dirs, preset):
+    cfg = engine_config(model_dirs[preset], max_num_seqs=8)
+    sync, _ = _run(cfg, _greedy())
+    got, engine = _run(_async(cfg), _greedy())
+    assert isinstance(engine.scheduler, AsyncScheduler)
+    assert got == sync
+    assert all(out[-1] == "length" for out in got.values())
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def test_async_stop_tokens_at_different_steps(engine_config, model_dirs):
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8)
+    free, _ = _run(cfg, _greedy())
+    # each request stops at a token it emits at a different step (its first occurrence)
+    stops = {i: free[f"r{i}"][j] for i, j in [(0, 2), (1, 6), (3, 0), (5, 9)]}
+    sync, _ = _run(cfg, _greedy(stops))
+    assert [sync[f"r{i}"][-1] for i in stops] == ["stop"] * len(stops)
+    got, engine = _run(_async(cfg), _greedy(stops))
+    assert got == sync
+    engine.check_integrity()
+
+
+def test_async_with_preemption(engine_config, model_dirs):
+    # 8 blocks of 16 tokens hold one request of max_model_len, not these four together
+    arrivals = [(30, 40, 0), (35, 40, 0), (40, 30, 1), (25, 45, 3)]
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8, num_blocks=8, max_model_len=128)
+    sync, sync_engine = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    got, engine = _run(_async(cfg), _greedy(arrivals=arrivals), arrivals)
+    assert engine.stats().num_preemptions > 0 and sync_engine.stats().num_preemptions > 0
+    assert got == sync
+
+
+def test_async_seeded_sampling_equals_sync(engine_config, model_dirs):
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8)
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.95, seed=11 + i,
+                             ignore_eos=True) for i, (_, m, _) in enumerate(_ARRIVALS)]
+    sync, _ = _run(cfg, params)
+    got, _ = _run(_async(cfg), params)
+    assert got == sync
+
+
+def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs):
+    engine = LLMEngine.from_config(_async(engine_config(model_dirs["tiny-glm5"])))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", _prompt(0, 30), params)
+    engine.add_request("b", _prompt(1, 30), params)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("a")  # its step is in flight, and a placeholder is pending
+    outs = [o for _ in range(3) for o in engine.step()]
+    aborted = [o for o in outs if o.request_id == "a"]
+    assert len(aborted) == 1 and aborted[0].finish_reason == "abort"
+    engine.check_integrity()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_async_refuses_mtp_naming_both_flags(engine_config, model_dirs):
+    cfg = engine_config(model_dirs["tiny-glm5"])
+    with pytest.raises(ConfigError, match="--async-scheduling.*--speculative-config"):
+        _async(dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=3)))
+
+
+def test_async_scheduling_flag(model_dirs):
+    parser = add_engine_args(argparse.ArgumentParser())
+    model = str(model_dirs["tiny-glm5"])
+    base = ["--device", "cpu", "--max-model-len", "256"]
+    assert not engine_config_from_args(parser.parse_args(base), model).scheduler.async_scheduling
+    cfg = engine_config_from_args(parser.parse_args([*base, "--async-scheduling"]), model)
+    assert cfg.scheduler.async_scheduling
+    with pytest.raises(ConfigError, match="--async-scheduling.*--tensor-parallel-size"):
+        engine_config_from_args(parser.parse_args([*base, "--async-scheduling", "-tp", "2"]),
+                                model)
