@@ -7,7 +7,7 @@ again, so a step lasts its kernels plus the host time they do not hide. Both ben
 `ModelRunner.execute` (the scheduler's own time is not in them, nor in the simulator), and
 host time here is wall − GPU kernels of the same step:
 
-    step kind        measured on (2 layers + MTP layer)     fitted, per kind, at 2 layers
+    step kind        measured on (2 layers; MTP: + its layer) fitted, per kind, at 2 layers
     decode graphed   benchmarks/decode.py, graph rows        fixed + per request · B
     decode eager     benchmarks/decode.py, eager rows          + per block-table entry · B·ctx/64
     (k = 0 and k = 3 MTP drafts: one fit each; other k linear between them)
@@ -120,13 +120,6 @@ class HostFit:
 
     def __call__(self, num_requests: float, entries: float) -> float:
         return self.fixed + self.per_request * num_requests + self.per_entry * entries
-
-    def __add__(self, other: HostFit) -> HostFit:
-        return HostFit(self.fixed + other.fixed, self.per_request + other.per_request,
-                       self.per_entry + other.per_entry, self.source)
-
-    def scaled(self, f: float) -> HostFit:
-        return HostFit(self.fixed * f, self.per_request * f, self.per_entry * f, self.source)
 
 
 def _entries(context: int, block: int = MEASURED_BLOCK) -> int:
