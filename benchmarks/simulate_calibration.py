@@ -4,12 +4,16 @@ model (plan/steptime.py); per request, predicted against measured TTFT and inter
 
     python benchmarks/simulate_calibration.py                    # H200: GLM-5.3-shaped, 2 layers
     python benchmarks/simulate_calibration.py --contexts 8192,32768 --concurrency 2,8
+    python benchmarks/simulate_calibration.py --enforce-eager    # decode eager, as the flag
+    python benchmarks/simulate_calibration.py --mtp 3            # MTP3, synthetic acceptance 2.99
     python benchmarks/simulate_calibration.py --smoke            # CPU, tiny model (CI)
 
 Both runs share the simulator's event loop (arrivals, think times, routing, the scheduler), so
 what differs is only how long each step takes. The measured run also prices each of its own
 steps, which separates the step model's error from the different interleavings the two clocks
 lead to. The model is built from the H200's measured parts, so only an H200 run means anything.
+The simulated deployment is given the settings the real runner runs with (`deployment_spec`):
+its KV dtype, whether its decode steps replay CUDA graphs, its MTP drafts.
 """
 
 from __future__ import annotations
@@ -23,7 +27,15 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.config import AttentionConfig, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from dsaserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.make_model import make_model
@@ -51,6 +63,22 @@ def sessions(num: int, turns: int, context: int, out: int, block: int = 64) -> l
         result.append(TraceSession(id=f"cal{s}", block_size=block, scope="local",
                                    turns=tuple(ts)))
     return result
+
+
+ACCEPTANCE = 2.99  # MTP's synthetic mean acceptance length (benchmarks/decode.py's)
+
+
+def deployment_spec(runner: ModelRunner) -> str:
+    """The one-GPU deployment the simulator is given: the real runner's own settings."""
+    cfg = runner.config
+    words = ["tp1", "kv=" + ("fp8_ds_mla" if cfg.cache.kv_cache_dtype == "fp8_ds_mla" else
+                             "bf16")]
+    graphs = runner.decode_graphs
+    if graphs is None or not graphs.capture:  # eager decode: --enforce-eager, or the CPU
+        words.append("enforce-eager")
+    if cfg.speculative is not None:
+        words.append(f"mtp={cfg.speculative.num_speculative_tokens} acceptance={ACCEPTANCE}")
+    return " ".join(words)
 
 
 def measure_with(runner: ModelRunner):
@@ -89,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="the engine's flag: decode steps run eager, not from CUDA graphs")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help=f"MTP drafts per step, accepted at synthetic length {ACCEPTANCE}")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
@@ -101,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             make_model("tiny-glm5", model_dir)
         else:
-            make_model("glm-5.3", model_dir, overrides=glm53_shaped(args.layers))
+            make_model("glm-5.3", model_dir, overrides=glm53_shaped(args.layers,
+                                                                    mtp=args.mtp > 0))
         model = ModelConfig.from_file(model_dir)
         print("| context | c | requests | TTFT error (median) | ITL error (median) | "
               "step error (median) | steps |")
@@ -118,9 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                                                             model.max_position_embeddings)),
                 attention=AttentionConfig(backend="triton" if device == "cuda" else "reference",
                                           sparse_mla_force_mqa=True),
-                device=device)
+                device=device, compilation=CompilationConfig(enforce_eager=args.enforce_eager),
+                speculative=SpecConfig(
+                    num_speculative_tokens=args.mtp, rejection_sample_method="synthetic",
+                    synthetic_acceptance_rates=SpecConfig.acceptance_length_to_rates(
+                        ACCEPTANCE, args.mtp)) if args.mtp else None)
             runner = ModelRunner(cfg)
-            spec = parse_deployment("tp1 kv=" + ("bf16" if args.smoke else "fp8_ds_mla"))
+            spec = parse_deployment(deployment_spec(runner))
+            print(f"context {context:,}: simulated as --deployment '{spec.spec}'",
+                  file=sys.stderr)
             work = sessions(args.sessions, args.turns, context, args.output_tokens)
             # Warm-up: every kernel compiled at these shapes before anything is timed.
             Simulator(model, spec, H200, work[:1], 1, num_blocks=blocks,

@@ -23,7 +23,10 @@ gpu-memory-utilization, offload=SIZE (GiB of host KV tier per replica, as
 synthetic rates for a mean acceptance length L), max-model-len, and hisparse with host=SIZE
 (GiB of host pool per replica; each rank keeps the whole pool, as the engine's host_pool_gib),
 hot-rows=N (hot-buffer rows per request and layer; default (1 + k) × top-k) and overlap=F (the
-share of a step's selected rows that the previous step selected too; default 0.9): see
+share of a step's selected rows that the previous step selected too; default 0.9),
+enforce-eager (decode steps run eager, as the engine's --enforce-eager; default: replayed from
+CUDA graphs, as the engine) and async-scheduling (the engine's host work overlaps the kernels:
+a step lasts max(kernels, host) instead of their sum; the engine does not do this yet): see
 docs/simulate.md for what is modelled.
 """
 
@@ -58,6 +61,10 @@ class Deployment:
     hisparse_host_bytes: int = 0
     hot_rows: int = 0
     overlap: float = DEFAULT_OVERLAP
+    # How the engine runs a step (plan/hosttime.py): decode from CUDA graphs unless
+    # enforce_eager; host work after the kernels (synchronous, as built) unless async_scheduling
+    enforce_eager: bool = False
+    async_scheduling: bool = False
 
     @property
     def hisparse(self) -> bool:
@@ -156,10 +163,14 @@ def _parse_engine(text: str, spec: str) -> Deployment:
         else:
             sizes[match[1]] = int(match[2])
     options: dict[str, str] = {}
+    flags: dict[str, object] = {}
     for word in words[1:]:
         key, sep, value = word.partition("=")
         if word == "hisparse":
             options["hisparse"] = "on"
+            continue
+        if word in ("enforce-eager", "async-scheduling"):
+            flags[word.replace("-", "_")] = True
             continue
         if not sep or not value:
             raise ConfigError(f"--deployment {spec!r}: expected key=value, got {word!r}")
@@ -215,9 +226,9 @@ def _parse_engine(text: str, spec: str) -> Deployment:
             raise ConfigError(f"--deployment {spec!r}: unknown option {key!r} (router, kv, "
                               "block-size, max-num-seqs, max-num-batched-tokens, max-model-len, "
                               "gpu-memory-utilization, offload, mtp, acceptance, hisparse, host, "
-                              "hot-rows, overlap)")
+                              "hot-rows, overlap, enforce-eager, async-scheduling)")
     _check_hisparse(spec, "hisparse" in options, parallel, kwargs)
-    return Deployment(spec=text, parallel=parallel, **kwargs)  # type: ignore[arg-type]
+    return Deployment(spec=text, parallel=parallel, **kwargs, **flags)  # type: ignore[arg-type]
 
 
 def _check_hisparse(text: str, on: bool, parallel: ParallelConfig,

@@ -80,10 +80,10 @@ class Parts:
     # Fixed costs no run of ours has isolated yet.
     collective_latency_us: Measured = Measured(15.0, "us", "assumed (one NCCL collective on "
                                                            "8 NVLink GPUs)")
+    # A graph replay's launch gap per layer, charged for the layers beyond the 2 of the measured
+    # decode steps (plan/hosttime.py: everything else outside the kernels is fitted there).
     kernel_overhead_us: Measured = Measured(
         5.0, "us", "assumed (per layer: launch gaps of a graph-replayed decode step)")
-    # A decode step's work outside the layers (sampling, lm_head, input copies) in a CUDA graph.
-    step_overhead_us: Measured = Measured(60.0, "us", "assumed (graph replay + sampling)")
 
     def figures(self) -> dict[str, Measured | Curve]:
         """Every figure by name (for `simulate --json` and docs/simulate.md)."""

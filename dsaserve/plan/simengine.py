@@ -194,7 +194,8 @@ class SimEngine:
         self.times = StepTimeModel(model, par, parts, d.kv_dtype, self.num_drafts,
                                    HiSparseReads(d.hot_rows or (1 + self.num_drafts)
                                                  * model.index_topk, d.overlap)
-                                   if d.hisparse else None)
+                                   if d.hisparse else None, graphs=not d.enforce_eager,
+                                   async_scheduling=d.async_scheduling, block_size=d.block_size)
         # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
         self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
         self._uniforms = torch.Generator().manual_seed(0)

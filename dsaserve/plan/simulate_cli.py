@@ -24,6 +24,7 @@ from dsaserve.config import ConfigError
 from dsaserve.plan.cli import _positive_float
 from dsaserve.plan.deployment import Deployment, parse_deployment
 from dsaserve.plan.hardware import GIB
+from dsaserve.plan.hosttime import H200_HOST
 from dsaserve.plan.parts import H200, Curve, Measured, Parts
 from dsaserve.plan.simtrace import load_traces
 from dsaserve.plan.simulate import SimResult, Simulator
@@ -133,6 +134,7 @@ def render_json(results: list[SimResult], parts: Parts) -> str:
 
     out = {
         "parts": {k: figure(v) for k, v in parts.figures().items()},
+        "host_time": H200_HOST.figures(),
         "runs": [{"deployment": r.deployment.spec, "gpus": r.deployment.num_gpus,
                   "concurrency": r.concurrency,
                   "engines": {name: {"kv_blocks": e.kv_blocks, "max_num_seqs": e.max_num_seqs,

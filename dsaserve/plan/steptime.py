@@ -14,7 +14,11 @@ lock-step) layer by layer:
               GPU; prefill rows: FLOPs at the measured prefill rate
     comm      TP all-reduces, EP dispatch/combine, PCP gathers of new rows and cached contexts,
               DCP merges: bytes over NVLink plus one latency per collective
-    overhead  a per-layer launch gap and a per-step fixed cost (graph replay, sampling)
+    cpu       the engine's host time not hidden by the kernels (plan/hosttime.py: fitted from the
+              measured decode and prefill steps, by step kind; graphed decode steps barely grow
+              with layers, eager and prefill steps do). The engine is synchronous per step:
+              the step is the kernels + cpu; with async scheduling (host work overlapping the
+              previous step's kernels) it is max(kernels, cpu)
     host      hybrid HiSparse: the hot-buffer misses of decode rows whose context outgrows the
               buffer, 656-byte rows over the host link (not overlapped with compute, as built)
 
@@ -26,40 +30,50 @@ verified); with MTP, each request that samples then runs the MTP layer k times o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
 from dsaserve.config import ModelConfig, ParallelConfig
 from dsaserve.plan import costmodel as cm
+from dsaserve.plan.hosttime import H200_HOST, HostFits, HostTimeModel
 from dsaserve.plan.parts import Parts
 
 BF16 = 2
 MLA_OUT_BYTES = 2 * 512 + 4  # one head's bf16 latent output and its fp32 LSE (DCP merge)
 
 
+GPU_PARTS = ("gemm", "moe", "indexer", "mla", "comm", "host")
+
+
 @dataclass(frozen=True)
 class StepTime:
-    """Seconds of one step on one GPU, by part."""
+    """Seconds of one step on one GPU, by part: the GPU's (GPU_PARTS; `host` is the host link's
+    HiSparse reads, which the GPU waits for) and the engine's host time (`cpu`)."""
 
     gemm: float = 0.0
     moe: float = 0.0
     indexer: float = 0.0
     mla: float = 0.0
     comm: float = 0.0
-    overhead: float = 0.0
     host: float = 0.0
+    cpu: float = 0.0
+    cpu_overlaps: bool = False  # async scheduling: the host work runs under the kernels
+
+    @property
+    def gpu(self) -> float:
+        return sum(getattr(self, name) for name in GPU_PARTS)
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
+        return max(self.gpu, self.cpu) if self.cpu_overlaps else self.gpu + self.cpu
 
     @property
     def bound(self) -> str:
         """The largest part: what limits this step."""
-        return max((f.name for f in fields(self)), key=lambda name: getattr(self, name))
+        return max((*GPU_PARTS, "cpu"), key=lambda name: getattr(self, name))
 
     def __add__(self, other: StepTime) -> StepTime:
-        return StepTime(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                           for f in fields(self)})
+        return replace(self, **{name: getattr(self, name) + getattr(other, name)
+                                for name in (*GPU_PARTS, "cpu")})
 
 
 @dataclass(frozen=True)
@@ -101,8 +115,13 @@ class StepTimeModel:
 
     def __init__(self, model: ModelConfig, par: ParallelConfig, parts: Parts,
                  kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0,
-                 hisparse: HiSparseReads | None = None) -> None:
-        """`hisparse`: decode rows read through hot buffers (None: from GPU pages)."""
+                 hisparse: HiSparseReads | None = None, *, graphs: bool = True,
+                 async_scheduling: bool = False, block_size: int = 64,
+                 host_fits: HostFits = H200_HOST) -> None:
+        """`hisparse`: decode rows read through hot buffers (None: from GPU pages). `graphs`:
+        decode-only steps replay CUDA graphs (the engine's default; False: --enforce-eager);
+        `async_scheduling`: the engine's host work overlaps the kernels (not built: the engine
+        is synchronous per step)."""
         cm.check_layout(model, par)
         self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
@@ -121,6 +140,10 @@ class StepTimeModel:
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)
+        self.async_scheduling = async_scheduling
+        self.cpu = HostTimeModel(model.num_hidden_layers, num_drafts, graphs,
+                                 block_size * self.dcp, parts.kernel_overhead_us.value * 1e-6,
+                                 host_fits)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _weights(self) -> _Weights:
@@ -163,7 +186,7 @@ class StepTimeModel:
         layer then drafts `num_drafts` tokens (one row per draft step, and its lm_head)."""
         if not batch:
             return StepTime()
-        m, p = self.model, self.parts
+        m = self.model
         sampled = len(batch) if num_sampled is None else num_sampled
         main = _Layers(m.num_hidden_layers, self.num_moe, self.num_dense, self.num_indexer)
         t = self._forward(batch, engine_tokens, main) + StepTime(gemm=self._gemm(self.w.lm_head,
@@ -175,10 +198,10 @@ class StepTimeModel:
             one = one + StepTime(gemm=self._gemm(self.w.lm_head, len(rows)))
             for _ in range(self.num_drafts):
                 t = t + one
-        layers = m.num_hidden_layers + (self.num_drafts if drafting else 0)
-        t = t + StepTime(host=self._hot_misses(batch))
-        return t + StepTime(overhead=(layers * p.kernel_overhead_us.value
-                                      + p.step_overhead_us.value) * 1e-6)
+        prefill = any(n > self.decode_rows for n, _ in batch)
+        cpu = self.cpu.step([c for _, c in batch], prefill, bool(drafting) and self.num_drafts > 0)
+        t = t + StepTime(host=self._hot_misses(batch), cpu=cpu)
+        return replace(t, cpu_overlaps=self.async_scheduling)
 
     def _hot_misses(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of host-link reads for the step's hot-buffer misses: per hot decode request

@@ -204,8 +204,11 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "simulate_calibration", bench)
     spec.loader.exec_module(bench)
     assert bench.main(["--smoke"]) == 0
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 256 ")]
+    out = capsys.readouterr()
+    rows = [line for line in out.out.splitlines() if line.startswith("| 256 ")]
     assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared
+    # The simulator is given the runner's own settings: on the CPU its decode steps are eager.
+    assert "simulated as --deployment 'tp1 kv=bf16 enforce-eager'" in out.err
 
 
 def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
@@ -223,7 +226,9 @@ def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
         assert sched.kv.num_free_blocks == sched.kv.num_blocks
     assert mtp.summary()["acceptance_length"] == pytest.approx(2.99, abs=0.03)
     assert "acceptance_length" not in plain.summary()
-    assert mtp.summary()["p90_interactivity"] > 1.5 * plain.summary()["p90_interactivity"]
+    # Less than the 2.99 tokens a step gives: the measured graphed MTP3 step spends about twice
+    # the host time of a plain one (plan/hosttime.py), which dominates this tiny model's step.
+    assert mtp.summary()["p90_interactivity"] > 1.3 * plain.summary()["p90_interactivity"]
 
 
 @pytest.mark.parametrize("spec, words", [
