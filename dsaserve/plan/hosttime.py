@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-# The graphed rows replay the engine's own decode graphs, MTP drafts included; the table in
-# docs/decode_h200.md at the time of writing is the same day's earlier run (drafts eager).
+# The graphed rows replay the engine's own decode graphs, MTP drafts included (the table in
+# docs/decode_h200.md).
 DECODE_RUN = "H200 run, benchmarks/decode.py (docs/decode_h200.md), 2026-12-05, engine graphs"
 PREFILL_RUN = "H200 run, benchmarks/long_prefill.py (docs/long_prefill_h200.md, 2026-12-05)"
 MEASURED_LAYERS = 2  # GLM-5.3-shaped: 1 dense + 1 MoE layer (+ the MTP layer with MTP)
