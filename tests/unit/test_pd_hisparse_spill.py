@@ -130,6 +130,56 @@ def test_pd_into_spilling_hisparse_equals_aggregated(model_dirs, engine_config, 
         d.shutdown()
 
 
+def test_failed_read_and_abort_give_the_host_window_back(model_dirs, engine_config,
+                                                          monkeypatch):
+    """The runner reserves a received request's host window before its READ: a failed READ
+    (the request ends with the reason) and an abort after arrival, before its first step, each
+    give it back, with the pages and blocks, and the next request is served."""
+    from dsaserve.disagg.transport import TransferError
+
+    model_dir = model_dirs["tiny-glm5"]
+    plain = _config(engine_config, model_dir, "auto")
+    topk = plain.model.index_topk
+    prompt = _prompts(23, [40])[0]
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(_config(engine_config, model_dir, "auto", buffer=topk,
+                                              pages=16), disagg=_disagg("kv_consumer")))
+    rt, mla = d.runner.hisparse, d.scheduler.mla
+    try:
+        transport = d.runner.connector.transport
+
+        def dead(*args, **kwargs):
+            raise TransferError("the prefill engine is gone")
+
+        monkeypatch.setattr(transport, "read", dead)
+        d.add_request("x", prompt, GREEDY, kv_transfer_params=offline.prefill(p, "x", prompt))
+        outs = d.step()
+        assert [o.request_id for o in outs] == ["x"] and "gone" in outs[0].error
+        d.check_integrity()
+        d.step()  # the runner learns that "x" ended
+        d.check_integrity()
+        assert not rt.entries and not mla.page_of
+        monkeypatch.undo()
+
+        d.add_request("y", prompt, GREEDY, kv_transfer_params=offline.prefill(p, "y", prompt))
+        d.step()  # the READ: "y" runs from the next step
+        assert "y" in rt.entries and rt.entries["y"].arriving
+        d.check_integrity()
+        d.abort_request("y")
+        d.step()
+        d.check_integrity()
+        assert not rt.entries and not mla.page_of
+        assert d.scheduler.kv.num_free_blocks == d.scheduler.kv.num_blocks
+
+        params = offline.prefill(p, "z", prompt)
+        want = LLMEngine.from_config(plain).generate([prompt], GREEDY)[0]
+        assert offline.decode(p, d, "z", prompt, params, GREEDY) == want
+        d.check_integrity()
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_spilling_with_a_producer_role_is_refused(model_dirs, engine_config):
     cfg = _config(engine_config, model_dirs["tiny-glm5"], "auto", buffer=16, pages=16)
     for role in ("kv_producer", "kv_both"):
