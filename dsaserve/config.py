@@ -759,14 +759,17 @@ class EngineConfig:
             raise ConfigError(f"{flag}: {HISPARSE_CONNECTOR} is for decode engines; it does not "
                               "run with --prefill-context-parallel-size > 1")
         if self.attention.hisparse_device_mla_pages is not None:
-            # The host tier's and P/D's copies address MLA rows by block id (not built yet).
+            # The host tier's copies and a P/D producer's cache regions address MLA rows by
+            # block id (not built yet); a consumer reads into MLA pages or the host pool.
             pages = "--attention-config: hisparse_config.device_mla_pages"
             if self.offload.enabled:
                 raise ConfigError(f"{pages} does not run with the host KV tier "
                                   f"({self.offload.flag}) yet")
-            if self.disagg is not None:
-                raise ConfigError(f"{pages} does not run in a P/D engine "
-                                  "(kv_connector NixlConnector) yet")
+            if self.disagg is not None and self.disagg.kv_role != "kv_consumer":
+                raise ConfigError(f"{pages} runs in a P/D engine only with kv_role "
+                                  f"'kv_consumer' ({self.disagg.flag} has kv_role "
+                                  f"{self.disagg.kv_role!r}): a producer's peers read its MLA "
+                                  "rows by block id")
         rows = 1 + self.num_speculative_tokens
         need = rows * m.index_topk
         size = self.hisparse_buffer_rows

@@ -24,7 +24,9 @@ the READs, the notifications).
                                                                     logits give the first token)
 
 The consumer READs straight from the producer's cache tensors (zero-copy segments,
-`descriptors.plan_segments`); the producer does no work per request beyond holding blocks.
+`descriptors.plan_segments`); the producer does no work per request beyond holding blocks. A
+consumer that is a spilling HiSparse rank READs a long prompt's MLA rows below its write tail
+straight into its registered host pool (`hostplan.py`): no GPU MLA page is taken or written.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from dsaserve.config import ConfigError, DisaggConfig
 from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
 from dsaserve.disagg import descriptors
-from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
+from dsaserve.disagg.relayout import KVLayout, TransferPlan, plan_transfer
 from dsaserve.disagg.transport import (
     KVTransport,
     SideChannel,
@@ -226,6 +231,10 @@ def fetch_remote(params: KVTransferParams, timeout_s: float) -> dict:
 _NOTIFY_PREFIX = b"pd-read:"
 
 
+def _same_name(layer: int, name: str) -> str:
+    return name
+
+
 class ConnectorWorker:
     """One rank's half: its caches in transport-registered memory, the READs of `KVRecv`s,
     and (on a producer's rank 0) counting the consumers' notifications."""
@@ -241,6 +250,11 @@ class ConnectorWorker:
         self._peers: dict[str, str] = {}  # metadata agent name → transport peer name
         self._counts: dict[str, int] = {}  # producer: notifications per held request
         self.bytes_received = 0  # consumer: bytes READ so far (all requests)
+        # consumer into a spilling HiSparse rank (hostplan.py): of those, the MLA rows READ
+        # straight into the host pool, and those READ into GPU MLA pages
+        self.mla_rows_to_host = 0
+        self.mla_rows_to_gpu = 0
+        self.has_host_pool = False
 
     def register(self, caches: list[LayerCache]) -> list[LayerCache]:
         """The caches peers read from or into: NIXL registers them in place (host or GPU memory);
@@ -257,6 +271,12 @@ class ConnectorWorker:
             return caches
         return descriptors.register_caches(self.transport, caches)
 
+    def register_host_pool(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A HiSparse host pool the READs land in directly (P/D into a spilling decode rank);
+        the tensors to use from now on (moved into shared memory, or registered in place)."""
+        self.has_host_pool = True
+        return descriptors.register_host_pool(self.transport, host)
+
     def metadata(self) -> bytes:
         return json.dumps({
             "rank": self.rank, "dcp_rank": self.dcp_rank,
@@ -265,14 +285,16 @@ class ConnectorWorker:
         }).encode()
 
     # ---- consumer --------------------------------------------------------------------------
-    def receive(self, recvs: Sequence[KVRecv]) -> tuple[tuple[str, ...], dict[str, str]]:
+    def receive(self, recvs: Sequence[KVRecv], dests: Mapping[str, HostDest] | None = None
+                ) -> tuple[tuple[str, ...], dict[str, str]]:
         """READ each request's rows this rank needs, then notify the producer's rank 0; the ids
-        done and the failed ones with the reason."""
+        done and the failed ones with the reason. A request in `dests` goes into a spilling
+        HiSparse rank: its MLA rows to its GPU pages or straight into the host pool."""
         done: list[str] = []
         failed: dict[str, str] = {}
         for recv in recvs:
             try:
-                self._receive_one(recv)
+                self._receive_one(recv, (dests or {}).get(recv.request_id))
                 done.append(recv.request_id)
             except (TransferError, ValueError, KeyError) as e:
                 logger.warning("P/D: reading request %s's KV failed: %s", recv.request_id, e)
@@ -280,7 +302,7 @@ class ConnectorWorker:
                                           f"failed: {e}"
         return tuple(done), failed
 
-    def _receive_one(self, recv: KVRecv) -> None:
+    def _receive_one(self, recv: KVRecv, dest: HostDest | None) -> None:
         remote = recv.remote
         metas = [json.loads(m) for m in recv.remote_ranks]  # [src DCP rank]
         peers = [self._peer(m) for m in metas]
@@ -288,17 +310,33 @@ class ConnectorWorker:
         src = KVLayout(remote.remote_block_ids, remote.remote_block_size,
                        remote.remote_dcp_size, remote.remote_interleave)
         dst = KVLayout(recv.block_ids, block_size, dcp_size, interleave)
-        plan = plan_transfer(src, dst, recv.num_cached, recv.num_tokens)
+        # (plan, parts, local region name of layer i's part)
+        jobs: list[tuple[TransferPlan, tuple[str, ...], Callable[[int, str], str]]]
+        if dest is None:
+            jobs = [(plan_transfer(src, dst, recv.num_cached, recv.num_tokens), ("kv", "index"),
+                     _same_name)]
+        else:
+            if not self.has_host_pool:
+                raise ValueError("a HiSparse destination but no host pool registered")
+            hp = plan_into_hisparse(src, dst, dest, recv.num_cached, recv.num_tokens)
+            jobs = [(hp.index, ("index",), _same_name), (hp.gpu, ("kv",), _same_name),
+                    (hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i))]
+            self.mla_rows_to_gpu += hp.gpu.num_rows
+            self.mla_rows_to_host += hp.host.num_rows
         timeout = self.config.transfer_timeout_s
         xfers = []
-        for pair in plan.to_target(self.dcp_rank):
-            src_formats = [descriptors.LayerFormat(**f) for f in metas[pair.src_rank]["formats"]]
-            for i, layer in enumerate(descriptors.plan_segments(pair, src_formats, self.formats)):
-                for part, segs in layer.items():
-                    name = f"L{i}.{part}"
-                    xfers.append(self.transport.read(peers[pair.src_rank], name, name,
-                                                     descriptors.for_read(segs)))
-                    self.bytes_received += int(segs[:, 2].sum())
+        for plan, parts, local_name in jobs:
+            for pair in plan.to_target(self.dcp_rank):
+                src_formats = [descriptors.LayerFormat(**f)
+                               for f in metas[pair.src_rank]["formats"]]
+                layers = descriptors.plan_segments(pair, src_formats, self.formats, parts)
+                for i, layer in enumerate(layers):
+                    for part, segs in layer.items():
+                        name = f"L{i}.{part}"
+                        xfers.append(self.transport.read(peers[pair.src_rank],
+                                                         local_name(i, name), name,
+                                                         descriptors.for_read(segs)))
+                        self.bytes_received += int(segs[:, 2].sum())
         for xfer in xfers:
             self.transport.wait(xfer, timeout)
         msg = {"req": remote.remote_request_id, "of": self.world_size}

@@ -97,10 +97,11 @@ def check_formats(src: Sequence[LayerFormat], dst: Sequence[LayerFormat]) -> Non
             raise ValueError(f"layer {i}: formats differ ({s} vs {d}); P and D must agree")
 
 
-def plan_segments(pair: CopyRuns, src: Sequence[LayerFormat],
-                  dst: Sequence[LayerFormat]) -> list[dict[str, torch.Tensor]]:
+def plan_segments(pair: CopyRuns, src: Sequence[LayerFormat], dst: Sequence[LayerFormat],
+                  parts: tuple[str, ...] = ("kv", "index")) -> list[dict[str, torch.Tensor]]:
     """Per layer, {"kv": [K, 3], "index": [K', 3]} byte segments (src, dst, nbytes) that move
-    `pair`'s rows between the two ranks' cache tensors ("index" absent where there is none)."""
+    `pair`'s rows between the two ranks' cache tensors ("index" absent where there is none);
+    only the `parts` asked for (a HiSparse destination plans MLA rows and keys apart)."""
     check_formats(src, dst)
     memo: dict[tuple, torch.Tensor] = {}
 
@@ -113,11 +114,13 @@ def plan_segments(pair: CopyRuns, src: Sequence[LayerFormat],
 
     out = []
     for s, d in zip(src, dst, strict=True):
-        layer = {"kv": segments(("rows", s.kv_bytes, 0, 0))}
-        if s.index_bytes and s.index_fp8:
+        layer = {"kv": segments(("rows", s.kv_bytes, 0, 0))} if "kv" in parts else {}
+        if "index" not in parts or not s.index_bytes:
+            pass
+        elif s.index_fp8:
             layer["index"] = segments(("pages", s.index_bytes - _SCALE, s.block_size,
                                        d.block_size))
-        elif s.index_bytes:
+        else:
             layer["index"] = segments(("rows", s.index_bytes, 0, 0))
         out.append(layer)
     return out
@@ -164,4 +167,27 @@ def register_caches(transport: KVTransport, caches: Sequence[LayerCache]) -> lis
             view.copy_(tensor)
             moved.append(view)
         out.append(LayerCache(kv=moved[0], index=moved[1]))
+    return out
+
+
+def host_region_name(layer: int) -> str:
+    """The name a HiSparse host pool's layer is registered under (the MLA rows' other home)."""
+    return f"H{layer}.kv"
+
+
+def register_host_pool(transport: KVTransport, host: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """A HiSparse host pool ([H, B, row] per layer) in memory `transport` can write into: NIXL
+    registers the tensors in place (DRAM); shared memory allocates its own files and the
+    contents move there (the runtime swaps them in at start-up)."""
+    out = []
+    for i, tensor in enumerate(host):
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if transport.backend == "nixl":
+            transport.register(host_region_name(i), flat)
+            out.append(tensor)
+            continue
+        region = transport.allocate(host_region_name(i), flat.numel())
+        view = region.view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        out.append(view)
     return out

@@ -188,8 +188,16 @@ def plan_transfer(src: KVLayout, dst: KVLayout, num_cached_on_dst: int,
         raise ValueError(
             f"num_cached_on_dst: {num_cached_on_dst} must be in [0, num_tokens = {num_tokens}]"
         )
-    plan = TransferPlan(num_cached_on_dst, num_tokens, src.dcp_size, dst.dcp_size)
     pos = torch.arange(num_cached_on_dst, num_tokens, dtype=torch.int64)  # [T]
+    return plan_positions(src, dst, pos, num_cached_on_dst, num_tokens)
+
+
+def plan_positions(src: KVLayout, dst: KVLayout, pos: torch.Tensor, start: int,
+                   end: int) -> TransferPlan:
+    """The copies that move the positions `pos` ([T] int64, increasing, within [start, end)) from
+    `src` to `dst`: `plan_transfer` over any subset of a range (e.g. only the positions whose
+    target block has a page). Only blocks holding one of `pos` need a valid id in `dst`."""
+    plan = TransferPlan(start, end, src.dcp_size, dst.dcp_size)
     if pos.numel() == 0:
         return plan
     s_rank, s_slot = owned_slots(pos, src)  # [T], [T]
@@ -210,5 +218,5 @@ def plan_transfer(src: KVLayout, dst: KVLayout, num_cached_on_dst: int,
             src_rank=p // dst.dcp_size, dst_rank=p % dst.dcp_size,
             src_start=s_slot[first[sel]], dst_start=d_slot[first[sel]], length=length[sel],
         ))
-    return TransferPlan(num_cached_on_dst, num_tokens, src.dcp_size, dst.dcp_size, tuple(pairs))
+    return TransferPlan(start, end, src.dcp_size, dst.dcp_size, tuple(pairs))
 

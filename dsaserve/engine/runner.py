@@ -15,11 +15,13 @@ import torch
 from dsaserve.config import EngineConfig, ModelConfig
 from dsaserve.core import (
     PLACEHOLDER_TOKEN_ID,
+    KVRecv,
     ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
 )
 from dsaserve.disagg.connector import ConnectorWorker
+from dsaserve.disagg.hostplan import HostDest
 from dsaserve.engine import cudagraph, staging, step_results
 from dsaserve.engine.decode_graph import DecodeGraphs
 from dsaserve.engine.sampler import make_generator, sample_on_device
@@ -167,6 +169,10 @@ class ModelRunner:
         self.hisparse = self._hisparse()  # None without the HiSparseConnector
         if self.hisparse is not None:
             backend.runtime = self.hisparse
+            if (self.connector is not None and self.mla_page_of is not None
+                    and config.disagg is not None and config.disagg.is_consumer):
+                # P/D reads land in the host pool directly (disagg/hostplan.py)
+                self.hisparse.host = self.connector.register_host_pool(self.hisparse.host)
         self.requests: dict[str, _ReqState] = {}
         self._seed_counter = config.seed
         spec = config.speculative
@@ -371,7 +377,11 @@ class ModelRunner:
         # 0. P/D: prompts' KV read from prefill engines before anything reads it; held blocks
         #    their consumers have read (disagg/connector.py)
         if self.connector is not None:
-            done, failed = self.connector.receive(so.kv_recvs)
+            # MLA pages and ended requests first: a read into a spilling HiSparse rank needs
+            # the request's pages and a host window the ended ones give back
+            self._apply_releases(so)
+            so = replace(so, mla_pages=(), finished_request_ids=())
+            done, failed = self.connector.receive(so.kv_recvs, self._host_dests(so.kv_recvs))
             sent = self.connector.poll_sends()
             if so.is_empty and not so.kv_recvs and not sent:
                 time.sleep(0.002)  # only held blocks or reads pending: do not spin empty steps
@@ -581,7 +591,16 @@ class ModelRunner:
         return self.hisparse.step(req_ids, starts, counts,
                                   [self.requests[rid].num_computed_tokens for rid in req_ids])
 
-    def _apply_diff(self, so: SchedulerOutput) -> None:
+    def _host_dests(self, recvs: tuple[KVRecv, ...]) -> dict[str, HostDest]:
+        """P/D into a spilling HiSparse rank (disagg/hostplan.py): each request's host window,
+        reserved now, and its MLA pages (−1: spilled, its rows READ straight into the pool)."""
+        if self.hisparse is None or self.mla_page_of is None:
+            return {}
+        return {r.request_id: HostDest(
+            host_blocks=tuple(self.hisparse.reserve(r.request_id)),
+            mla_pages=tuple(self.mla_page_of[list(r.block_ids)].tolist())) for r in recvs}
+
+    def _apply_releases(self, so: SchedulerOutput) -> None:
         if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
             blocks, pages = zip(*so.mla_pages, strict=True)
             self.mla_page_of[list(blocks)] = torch.tensor(pages, dtype=torch.int32)
@@ -589,6 +608,9 @@ class ModelRunner:
             self.requests.pop(rid, None)
             if self.hisparse is not None:
                 self.hisparse.remove(rid)
+
+    def _apply_diff(self, so: SchedulerOutput) -> None:
+        self._apply_releases(so)
         for new in so.new_requests:
             self._seed_counter += 1
             self.requests[new.request_id] = _ReqState(

@@ -55,7 +55,7 @@ from dsaserve.core import (
     SchedulerOutput,
 )
 from dsaserve.kv.hisparse.admission import min_mla_pages
-from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer
+from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer, receives_spilled
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
 
@@ -120,6 +120,8 @@ class Scheduler:
         self._runner_num_tokens: dict[str, int] = {}
         self._runner_num_blocks: dict[str, int] = {}
         self._finished_ids: list[str] = []  # the runner must drop these at the next step
+        # P/D into HiSparse spilling: requests whose host window the runner reserved for the read
+        self._runner_reserved: set[str] = set()
         self._aborted_outputs: list[RequestOutput] = []
         # vLLM's spec_decode counters (cumulative)
         self.spec_num_drafts = 0
@@ -460,8 +462,14 @@ class Scheduler:
         if self.connector is None or params is None or not params.do_remote_prefill:
             return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if self.mla is not None and not self.mla.can_provide(
+                self._recv_pages_needed(req, num_hit_tokens, len(hits)), self._mla_victims(),
+                keep=hits):
+            return False
         if self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits) is None:
             return False
+        if self.mla is not None:
+            self._recv_mla_pages(req, len(hits))
         self.waiting.popleft()
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         req.num_computed_tokens = num_hit_tokens
@@ -470,6 +478,29 @@ class Scheduler:
         self.receiving[req.request_id] = req
         self._kv_recvs.append(self.connector.recv(req, num_hit_tokens))
         return True
+
+    def _recv_pages_needed(self, req: Request, num_hit_tokens: int, num_hits: int) -> int:
+        """HiSparse spilling: MLA pages a P/D request's arrival takes beyond its hits' (which
+        have pages: they are cached): its write tail's, or every block's when it is short."""
+        if receives_spilled(req.num_tokens, self.hisparse_buffer_rows):
+            return cdiv(req.num_tokens, self.block_size) - (req.num_tokens - 1) // self.block_size
+        return self.kv.num_new_blocks(req, req.num_tokens - num_hit_tokens, num_hits)
+
+    def _recv_mla_pages(self, req: Request, num_hits: int) -> None:
+        """HiSparse spilling, a P/D request's blocks just allocated (disagg/hostplan.py): a
+        long one's received blocks below its write tail start spilled (their MLA rows are READ
+        straight into the host pool; no GPU page is taken or written), its hits and write tail
+        get pages; a short one (it reads its GPU pages) gets a page for every block. The runner
+        reserves its host window when it reads, so it learns of the request's end."""
+        assert self.mla is not None
+        blocks = req.block_ids
+        if receives_spilled(req.num_tokens, self.hisparse_buffer_rows):
+            tail = (req.num_tokens - 1) // self.block_size  # the block the first step writes
+            self.mla.start_spilled(blocks[num_hits:tail])
+            blocks = blocks[:num_hits] + blocks[tail:]
+        if not self.mla.make_resident(blocks, self._mla_victims()):
+            raise RuntimeError("MLA pages: fewer than can_provide counted")
+        self._runner_reserved.add(req.request_id)
 
     def _finish_remote(self, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """P/D: prompts whose KV arrived start running (computed up to the last prompt token,
@@ -485,6 +516,10 @@ class Scheduler:
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
             self.kv.cache_full_blocks(req)
+            if self.mla is not None:  # blocks received spilled are not findable (no GPU page)
+                for b in req.block_ids:
+                    if b not in self.mla.page_of:
+                        self.kv.pool.uncache(b)
             self.running.append(req)
         for request_id, reason in runner_output.kv_recvs_failed.items():
             req = self.receiving.pop(request_id, None)
@@ -597,8 +632,11 @@ class Scheduler:
         self._last_scheduled.pop(request_id, None)
         if self.mla is not None:
             self.mla.forget(request_id)
-        if self._runner_num_tokens.pop(request_id, None) is not None:
+        known = self._runner_num_tokens.pop(request_id, None) is not None
+        if known:
             del self._runner_num_blocks[request_id]
+        if known or request_id in self._runner_reserved:
+            self._runner_reserved.discard(request_id)
             self._finished_ids.append(request_id)
 
     @staticmethod
@@ -679,7 +717,8 @@ class Scheduler:
                 f"requests {sorted(self.requests)}"
             )
         if self.mla is not None:
-            self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows)
+            self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows,
+                                     self.receiving.values())
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
         for req in self.running:
@@ -707,7 +746,7 @@ class Scheduler:
                     f"scheduler: waiting {req.request_id!r} holds {len(req.block_ids)} blocks "
                     f"and {req.num_computed_tokens} computed tokens"
                 )
-        if not self._runner_num_tokens.keys() <= self.requests.keys():
+        if not self._runner_num_tokens.keys() | self._runner_reserved <= self.requests.keys():
             raise AssertionError("scheduler: the runner view names requests that ended")
         for req in loading:
             if req.request_id in self._runner_num_tokens:

@@ -50,6 +50,13 @@ def is_long_decoder(req: Request, buffer_rows: int) -> bool:
     return req.num_tokens - req.num_computed_tokens == 1 and req.num_computed_tokens >= buffer_rows
 
 
+def receives_spilled(num_prompt_tokens: int, buffer_rows: int) -> bool:
+    """Whether a P/D request's received prompt starts spilled (its blocks below the write tail
+    without MLA pages): its first step, from the last prompt token, reads through the hot
+    buffer. The same test as `is_long_decoder` once it runs (computed = prompt − 1)."""
+    return num_prompt_tokens - 1 >= buffer_rows
+
+
 class MlaPageMap:
     def __init__(self, num_pages: int, pool: BlockPool) -> None:
         if num_pages < 1:
@@ -162,6 +169,17 @@ class MlaPageMap:
                 return self._free_pages.pop()
         return None
 
+    def start_spilled(self, block_ids: Sequence[int]) -> None:
+        """Blocks a request just took whose MLA rows a P/D read puts straight into the host
+        pool (disagg/hostplan.py): they get no page, and a reused block id that still maps one
+        (an evicted idle block) gives it back. Not counted as spills: no page was ever used."""
+        for b in block_ids:
+            assert self.pool.ref_count(b) == 1, "only a block one request holds starts spilled"
+            self._idle.pop(b, None)
+            if b in self.page_of:
+                self.pool.uncache(b)
+                self._unmap(b)
+
     def spill(self, block_id: int) -> None:
         """Drop the block's page: its rows stay in the host pool. It leaves the prefix cache."""
         assert self.pool.ref_count(block_id) == 1, "only a block one request holds spills"
@@ -179,10 +197,12 @@ class MlaPageMap:
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self, running: Iterable[Request], block_size: int,
-                        buffer_rows: int) -> None:
+                        buffer_rows: int, receiving: Iterable[Request] = ()) -> None:
         """Pages balance (free + mapped = total, no page twice); idle pages are exactly the free
         blocks' pages, each findable in the prefix cache; every cached block has a page; an
-        in-use block without one is below the write tail of one long decoder holding it alone."""
+        in-use block without one is below the write tail of one long decoder holding it alone,
+        or of a long request whose prompt a P/D read is putting into the host pool
+        (`receiving`: its write tail is its last prompt token)."""
         pages = list(self.page_of.values())
         if len(self._free_pages) + len(pages) != self.num_pages:
             raise AssertionError(f"MLA pages: {len(self._free_pages)} free + {len(pages)} mapped "
@@ -207,6 +227,9 @@ class MlaPageMap:
         for req in running:
             if is_long_decoder(req, buffer_rows):
                 spillable.update(req.block_ids[: req.num_computed_tokens // block_size])
+        for req in receiving:
+            if receives_spilled(req.num_tokens, buffer_rows):
+                spillable.update(req.block_ids[: (req.num_tokens - 1) // block_size])
         for b in range(self.pool.num_blocks):
             if self.pool.ref_count(b) and b not in self.page_of:
                 if b not in spillable or self.pool.ref_count(b) != 1:

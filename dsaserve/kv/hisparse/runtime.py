@@ -5,7 +5,8 @@ and the per-step description the attention backend reads (`HiSparseStep`).
     GPU pages  kv[l]  [G, B, row]      written by the model; still read for fresh rows (G: the
                                        blocks, or fewer MLA pages under spilling: mla_pages.py)
         │ mirror (end of each step: the rows the step wrote; at admission: a prefix hit)
-        ▼
+        ▼                              (P/D into a spilling rank: the rows of spilled blocks
+                                       are READ here directly, disagg/hostplan.py)
     host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
         │ miss fetch (residency.resolve → gather)
         ▼
@@ -61,6 +62,7 @@ class HiSparseStep:
 class _Entry:
     region: int
     host_blocks: list[int]
+    arriving: bool = False  # reserved for a P/D read into the pool; `add` has not run yet
 
 
 class HiSparseRuntime:
@@ -103,21 +105,33 @@ class HiSparseRuntime:
 
     # ---- requests --------------------------------------------------------------------------
     def add(self, rid: str, num_computed: int, pages: list[int]) -> None:
-        """Reserve the request's host window and a hot region; mirror a prefix it starts with
-        (GPU prefix hit or host-tier load) from its MLA pages (a hit's pages are resident)."""
+        """Reserve the request's host window and a hot region (or keep those `reserve` took for
+        its P/D read); mirror a prefix it starts with (GPU prefix hit, host-tier load, or the
+        rows a P/D read put in GPU pages) from its resident MLA pages."""
+        e = self.entries.get(rid)
+        if e is not None and e.arriving:
+            e.arriving = False
+        else:
+            self.reserve(rid)
+            self.entries[rid].arriving = False
+        if num_computed:
+            self.mirror({rid: (0, num_computed, pages)})
+
+    def reserve(self, rid: str) -> list[int]:
+        """The request's host window and hot region, taken before its rows arrive (a P/D read
+        straight into the pool, disagg/hostplan.py); its host blocks in position order."""
         if rid in self.entries:
             self.remove(rid)
         if len(self._free_blocks) < self.blocks_per_request or not self._free_regions:
             raise RuntimeError("HiSparse: host pool full; the scheduler admitted too many requests")
         blocks = [self._free_blocks.pop() for _ in range(self.blocks_per_request)]
         region = self._free_regions.pop()
-        self.entries[rid] = _Entry(region, blocks)
+        self.entries[rid] = _Entry(region, blocks, arriving=True)
         self.host_table[region] = torch.tensor(blocks, dtype=torch.int64)
         for tok, st in zip(self.slot_token, self.slot_stamp, strict=True):
             tok[region] = -1
             st[region] = -1
-        if num_computed:
-            self.mirror({rid: (0, num_computed, pages)})
+        return blocks
 
     def remove(self, rid: str) -> None:
         e = self.entries.pop(rid, None)
@@ -126,9 +140,9 @@ class HiSparseRuntime:
             self._free_regions.append(e.region)
 
     def mirror(self, ranges: dict[str, tuple[int, int, list[int]]]) -> None:
-        """Copy positions [lo, hi) of each request (its MLA pages given, resident over the
-        range: the write tail, or a prefix hit) from the GPU pages to the host pool, every
-        layer."""
+        """Copy positions [lo, hi) of each request from its GPU MLA pages to the host pool,
+        every layer. Positions of spilled blocks (page −1) are skipped: their rows are in the
+        pool already (mirrored before the spill, or read there directly by P/D)."""
         gpu, host = [], []
         b = self.block_size
         for rid, (lo, hi, pages) in ranges.items():
@@ -137,8 +151,10 @@ class HiSparseRuntime:
                 continue
             # Tensor maths, not a Python loop per position: a 1M-token prefix arrives at once.
             pos = torch.arange(lo, hi)  # [n]
+            page = torch.tensor(pages, dtype=torch.int64)[pos // b]  # [n]
+            pos, page = pos[page >= 0], page[page >= 0]
             blk, off = pos // b, pos % b
-            gpu.append(torch.tensor(pages, dtype=torch.int64)[blk] * b + off)
+            gpu.append(page * b + off)
             host.append(torch.tensor(self.entries[rid].host_blocks, dtype=torch.int64)[blk] * b
                         + off)
         if not gpu:
@@ -249,9 +265,13 @@ class HiSparseRuntime:
         assert len(self._free_blocks) + held == self.num_host_blocks, "host blocks leak"
         assert len(set(self._free_blocks)) == len(self._free_blocks)
         assert len(self._free_regions) + len(self.entries) == self.max_requests
-        assert set(self.entries) == set(requests), "HiSparse state for unknown requests"
+        arriving = {rid for rid, e in self.entries.items() if e.arriving}
+        assert set(self.entries) - arriving == set(requests), "HiSparse state for unknown requests"
         b, s = self.block_size, self.buffer_rows
         for rid, e in self.entries.items():
+            if e.arriving:  # a P/D read's reservation: nothing computed, no hot row yet
+                assert all(bool((t[e.region] < 0).all()) for t in self.slot_token)
+                continue
             computed, pages = requests[rid]
             pos = torch.arange(computed)
             page = torch.tensor(pages, dtype=torch.int64)[pos // b]

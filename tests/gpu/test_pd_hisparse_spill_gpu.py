@@ -1,0 +1,67 @@
+"""On a CUDA machine: P/D over NIXL into a HiSparse decode engine with spilling (both engines on
+the one GPU, in one process; the triton backend, 64-token pages). The prefill engine's VRAM rows
+of a long prompt's blocks below its write tail are READ straight into the decode rank's pinned
+host pool (registered with NIXL as DRAM), the tail's into its GPU MLA pages; greedy output equals
+the aggregated engine's, every invariant checked after every step. Run on the device machine with
+`pytest -m gpu tests/gpu/test_pd_hisparse_spill_gpu.py` (with the nixl wheel).
+
+float32, as in test_hisparse_spill_gpu.py: the batches differ from the aggregated engine's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dsaserve.config import DisaggConfig, HiSparseConfig
+from dsaserve.core import SamplingParams
+from dsaserve.disagg import offline, transport
+from dsaserve.engine.engine import LLMEngine
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.skipif(not transport.nixl_available(), reason="nixl not installed")]
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_pd_into_spilling_hisparse_on_cuda(model_dirs, engine_config, preset, kv):
+    cfg = engine_config(model_dirs[preset], kv_cache_dtype=kv, block_size=64, num_blocks=64,
+                        max_model_len=256, dtype="float32")
+    cfg = replace(cfg, device="cuda", attention=replace(cfg.attention, backend="triton"),
+                  compilation=replace(cfg.compilation, enforce_eager=True))
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = LLMEngine.from_config(cfg).generate(prompts, params)
+    # 6 MLA pages: the four write tails and room to move on; the prompts' 12 blocks arrive
+    # with only their tails on the GPU
+    att = replace(cfg.attention, hisparse_device_buffer_size=cfg.model.index_topk,
+                  hisparse_device_mla_pages=6, hisparse_config_given=True)
+
+    def disagg(role: str) -> DisaggConfig:
+        return DisaggConfig(kv_role=role, backend="nixl", side_channel_port=0)
+
+    p = LLMEngine.from_config(replace(cfg, disagg=disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(cfg, attention=att, disagg=disagg("kv_consumer"),
+                                      hisparse=HiSparseConfig(host_pool_bytes=64 << 20)))
+    try:
+        kps = [offline.prefill(p, str(i), x) for i, x in enumerate(prompts)]
+        for i, (x, kp) in enumerate(zip(prompts, kps, strict=True)):
+            d.add_request(str(i), x, params, kv_transfer_params=kp)
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        while d.has_unfinished_requests() or p.has_unfinished_requests():
+            for o in d.step():
+                assert o.error is None, o.error
+                out[o.request_id] += o.new_token_ids
+            if p.has_unfinished_requests():
+                p.step()
+            d.check_integrity()
+            p.check_integrity()
+        assert [out[str(i)] for i in range(len(prompts))] == want
+        worker = d.runner.connector
+        assert worker.mla_rows_to_host == sum((len(x) - 1) // 64 * 64 for x in prompts)
+        assert worker.mla_rows_to_gpu == sum((len(x) - 1) % 64 for x in prompts)
+    finally:
+        p.shutdown()
+        d.shutdown()

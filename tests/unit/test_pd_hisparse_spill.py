@@ -1,0 +1,189 @@
+"""P/D into a HiSparse decode engine with spilling (disagg/hostplan.py), two single-rank engines
+in one process over shared memory (and NIXL where it imports): a received long prompt's MLA rows
+below its write tail are READ straight into the decode rank's host pool (no GPU MLA page taken
+or written for them), the tail's into GPU pages; greedy output equals the aggregated engine's,
+bf16 and fp8_ds_mla, with several requests decoding at once over fewer MLA pages than their
+blocks. Every invariant of both engines is checked after every step, and nothing leaks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dsaserve.config import ConfigError, DisaggConfig, HiSparseConfig
+from dsaserve.core import SamplingParams
+from dsaserve.disagg import offline
+from dsaserve.disagg.transport import nixl_available
+from dsaserve.engine.engine import LLMEngine
+
+B = 4  # small pages: a prompt spans many blocks
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])  # NIXL: the host pool as DRAM
+
+
+def _disagg(role: str, backend: str = "shm") -> DisaggConfig:
+    return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0)
+
+
+def _config(engine_config, model_dir, kv: str, **hisparse):
+    cfg = engine_config(model_dir, kv_cache_dtype=kv, block_size=B, num_blocks=100,
+                        max_model_len=64)
+    if not hisparse:
+        return cfg
+    att = replace(cfg.attention, hisparse_device_buffer_size=hisparse["buffer"],
+                  hisparse_device_mla_pages=hisparse["pages"], hisparse_config_given=True)
+    return replace(cfg, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20))
+
+
+def _prompts(seed: int, lens: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 512, (n,), generator=g).tolist() for n in lens]
+
+
+def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str
+                ) -> list[list[int]]:
+    """Every prompt prefilled (held by the producer), then all decoded together on the consumer,
+    both engines' invariants checked after every step."""
+    params = [offline.prefill(p, f"{tag}{i}", prompt) for i, prompt in enumerate(prompts)]
+    for i, (prompt, kp) in enumerate(zip(prompts, params, strict=True)):
+        d.add_request(f"{tag}{i}", prompt, GREEDY, kv_transfer_params=kp)
+    out: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
+    while d.has_unfinished_requests() or p.has_unfinished_requests():
+        for o in d.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+        if p.has_unfinished_requests():
+            p.step()
+        d.check_integrity()
+        p.check_integrity()
+    d.step()  # an empty step tells the runner which requests ended
+    d.check_integrity()
+    return [out[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def _expected_rows(prompt_len: int, cached: int, buffer: int) -> tuple[int, int]:
+    """(MLA rows into the host pool, into GPU pages) for one received prompt: positions
+    [cached, prompt − 1) move; a long one's below its write tail block go to the host pool."""
+    end = prompt_len - 1
+    if end < buffer:  # short: it reads its GPU pages, every block has one
+        return 0, end - cached
+    tail = end // B * B
+    return tail - cached, end - tail
+
+
+@pytest.mark.parametrize(("preset", "kv", "backend"), [
+    ("tiny-glm5", "auto", "shm"), ("tiny-dsv32", "fp8_ds_mla", BACKENDS[-1])])
+def test_pd_into_spilling_hisparse_equals_aggregated(model_dirs, engine_config, preset, kv,
+                                                     backend):
+    model_dir = model_dirs[preset]
+    plain = _config(engine_config, model_dir, kv)
+    ref = LLMEngine.from_config(plain)
+    topk = ref.config.model.index_topk
+    # four long prompts (their first step reads through the buffer) and a short one
+    prompts = _prompts(21, [37, 42, 30, 45, topk - 6])
+    want = ref.generate(prompts, GREEDY)
+    pages = 16  # one max-length window: less than the requests' blocks together
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer", backend)))
+    d = LLMEngine.from_config(replace(_config(engine_config, model_dir, kv, buffer=topk,
+                                              pages=pages), disagg=_disagg("kv_consumer", backend)))
+    try:
+        worker = d.runner.connector
+        assert d.runner.caches[0].kv.shape[0] == pages
+        got = _pd_at_once(p, d, prompts, "a")
+        assert got == want
+
+        # bytes: each received row crossed once; MLA rows below a long prompt's write tail went
+        # into the host pool only, the rest (tails, the short prompt) into GPU MLA pages
+        rows = [_expected_rows(len(x), 0, topk) for x in prompts]
+        assert worker.mla_rows_to_host == sum(h for h, _ in rows) > 0
+        assert worker.mla_rows_to_gpu == sum(g for _, g in rows)
+        per_token = d.executor.call("kv_row_bytes")[0]
+        assert worker.bytes_received == sum(len(x) - 1 for x in prompts) * per_token
+        assert d.stats().num_preemptions == 0
+        rt = d.runner.hisparse
+        assert int(rt.rows_from_host) > 0
+        most_blocks = sum(-(-(len(x) + 12) // B) for x in prompts[:4])
+        assert most_blocks > pages  # more KV than the MLA pages hold, decoded at once
+
+        # a later turn of the short request: the decode engine's own cached prefix (with pages)
+        # is kept, the rest arrives, now long: spilled blocks between the hit and the tail
+        turn2 = prompts[4] + got[4] + _prompts(22, [24])[0]
+        want2 = ref.generate([turn2], GREEDY)
+        hits = d.stats().prefix_cache_hits
+        host_before, gpu_before = worker.mla_rows_to_host, worker.mla_rows_to_gpu
+        assert _pd_at_once(p, d, [turn2], "b") == want2
+        cached = d.stats().prefix_cache_hits - hits
+        assert cached > 0
+        h, g = _expected_rows(len(turn2), cached, topk)
+        assert (worker.mla_rows_to_host - host_before, worker.mla_rows_to_gpu - gpu_before) == (
+            h, g)
+        assert h > 0
+
+        assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+        pool, mla = d.scheduler.kv.pool, d.scheduler.mla
+        assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None for b in mla.page_of)
+        assert not p.has_unfinished_requests()
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_failed_read_and_abort_give_the_host_window_back(model_dirs, engine_config,
+                                                          monkeypatch):
+    """The runner reserves a received request's host window before its READ: a failed READ
+    (the request ends with the reason) and an abort after arrival, before its first step, each
+    give it back, with the pages and blocks, and the next request is served."""
+    from dsaserve.disagg.transport import TransferError
+
+    model_dir = model_dirs["tiny-glm5"]
+    plain = _config(engine_config, model_dir, "auto")
+    topk = plain.model.index_topk
+    prompt = _prompts(23, [40])[0]
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(_config(engine_config, model_dir, "auto", buffer=topk,
+                                              pages=16), disagg=_disagg("kv_consumer")))
+    rt, mla = d.runner.hisparse, d.scheduler.mla
+    try:
+        transport = d.runner.connector.transport
+
+        def dead(*args, **kwargs):
+            raise TransferError("the prefill engine is gone")
+
+        monkeypatch.setattr(transport, "read", dead)
+        d.add_request("x", prompt, GREEDY, kv_transfer_params=offline.prefill(p, "x", prompt))
+        outs = d.step()
+        assert [o.request_id for o in outs] == ["x"] and "gone" in outs[0].error
+        d.check_integrity()
+        d.step()  # the runner learns that "x" ended
+        d.check_integrity()
+        assert not rt.entries and not mla.page_of
+        monkeypatch.undo()
+
+        d.add_request("y", prompt, GREEDY, kv_transfer_params=offline.prefill(p, "y", prompt))
+        d.step()  # the READ: "y" runs from the next step
+        assert "y" in rt.entries and rt.entries["y"].arriving
+        d.check_integrity()
+        d.abort_request("y")
+        d.step()
+        d.check_integrity()
+        assert not rt.entries and not mla.page_of
+        assert d.scheduler.kv.num_free_blocks == d.scheduler.kv.num_blocks
+
+        params = offline.prefill(p, "z", prompt)
+        want = LLMEngine.from_config(plain).generate([prompt], GREEDY)[0]
+        assert offline.decode(p, d, "z", prompt, params, GREEDY) == want
+        d.check_integrity()
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_spilling_with_a_producer_role_is_refused(model_dirs, engine_config):
+    cfg = _config(engine_config, model_dirs["tiny-glm5"], "auto", buffer=16, pages=16)
+    for role in ("kv_producer", "kv_both"):
+        with pytest.raises(ConfigError, match="device_mla_pages runs in a P/D engine only with "
+                                              "kv_role 'kv_consumer'"):
+            replace(cfg, disagg=_disagg(role))
+    replace(cfg, disagg=_disagg("kv_consumer"))  # accepted
