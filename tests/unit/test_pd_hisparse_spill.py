@@ -23,8 +23,9 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])  # NIXL: the host pool as DRAM
 
 
-def _disagg(role: str, backend: str = "shm") -> DisaggConfig:
-    return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0)
+def _disagg(role: str, backend: str = "shm", abort_timeout_s: float = 30.0) -> DisaggConfig:
+    return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0,
+                        abort_timeout_s=abort_timeout_s)
 
 
 def _config(engine_config, model_dir, kv: str, **hisparse):
@@ -141,7 +142,8 @@ def test_failed_read_and_abort_give_the_host_window_back(model_dirs, engine_conf
     plain = _config(engine_config, model_dir, "auto")
     topk = plain.model.index_topk
     prompt = _prompts(23, [40])[0]
-    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    # blocks of the failed read's request are freed by the producer's timeout (short here)
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer", abort_timeout_s=2.0)))
     d = LLMEngine.from_config(replace(_config(engine_config, model_dir, "auto", buffer=topk,
                                               pages=16), disagg=_disagg("kv_consumer")))
     rt, mla = d.runner.hisparse, d.scheduler.mla
