@@ -207,7 +207,9 @@ class HiSparseRuntime:
     def resolve(self, layer: int, positions: torch.Tensor, meta: AttentionMetadata,
                 step: HiSparseStep) -> torch.Tensor:
         """positions [T, K] request-local (−1 pad) → [T, K] flat rows of hot[layer] (−1 for
-        pads and rows not read through a hot buffer), after fetching the misses."""
+        pads and rows not read through a hot buffer), after fetching the misses. Device work
+        only (on CUDA two Triton launches and a few index ops; the stamp ticks on the device):
+        capturable, given the step's tensors at fixed addresses."""
         s1 = self.region_rows
         regions = step.hot_regions
         res = resolve_step(positions, step.row_region, step.row_rank,
