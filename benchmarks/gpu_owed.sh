@@ -27,7 +27,8 @@ run 120 build python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
 run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_cudagraph_gpu.py \
     tests/gpu/test_nixl_gpu.py tests/gpu/test_hisparse_fetch_gpu.py \
-    tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_kernels_gpu.py \
+    tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_hisparse_residency_gpu.py \
+    tests/gpu/test_kernels_gpu.py \
     -k "not test_kernels_gpu or indexer_logits_and_topk"
 run 100 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,64 --steps 10 \
     --out "$out/decode_h200.md"

@@ -148,10 +148,10 @@ def _residency_kernel(
 
 
 def _num_warps(width: int) -> int:
-    """Threads for the larger sort of `width` int64 keys. Compiled for sm_90a (ptxas -v): 4,096
-    keys on 16 warps use 124 registers and do not spill (on 8 warps 222); 8,192 or 16,384 keys
-    (MTP3's union or its default 10,240 slots) spill 656 / 1,000 bytes on 16 warps and more on
-    32 (64 registers a thread). Not tuned on a GPU yet."""
+    """Threads for the larger sort of `width` int64 keys. Built for sm_90
+    (benchmarks/sm90_resources.py): 4,096 keys on 16 warps do not spill (on 8 they take 222
+    registers); MTP's 8,192 or 16,384 keys spill 72–688 stack bytes on 16 warps, more on 32
+    (64 registers a thread). Not tuned on a GPU yet."""
     return max(4, min(16, width // 256))
 
 
