@@ -3,7 +3,7 @@
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
       (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
-       indexer, indexer_gluon, row_topk, writers)
+       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -42,6 +42,7 @@ from dsaserve.kernels.triton import (
     indexer,
     indexer_gluon,
     l2_hint,
+    residency,
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
@@ -306,11 +307,41 @@ def writer_builds() -> list[Build]:
                   {"D": 128, "BS": 64, "FP8_MAX": 448.0, "MIN_AMAX": 1e-4, "TOKENS": 16}, 4)]
 
 
+def _residency_build(k: int, max_rows: int, size: int) -> Build:
+    """HiSparse's residency kernel as the runtime launches it (kernels/triton/residency.py)."""
+    width = max_rows * k
+    wb, sb = triton.next_power_of_2(width), triton.next_power_of_2(size)
+    pointers = {name: "*i64" for name in (
+        "row_region_ptr", "row_rank_ptr", "tok_ptr", "stamp_ptr", "now_ptr", "hot_ptr",
+        "miss_pos_ptr", "miss_slot_ptr", "out_tok_ptr", "out_stamp_ptr", "num_miss_ptr",
+        "u_ptr", "at_ptr")}
+    consts = {"K": k, "S": size, "MAX_ROWS": max_rows, "W": width, "WB": wb,
+              "WLOG": wb.bit_length() - 1, "SB": sb, "SLOG": sb.bit_length() - 1, "TB": 256}
+    sig = {"topk_ptr": "*i32", "stride_topk": "i32", "row_region_ptr": "*i64",
+           "row_rank_ptr": "*i64", "num_rows": "i32"} | pointers | {"vic_ptr": "*i32"}
+    sig = {name: sig[name] for name in residency._residency_kernel.arg_names if name in sig}
+    return Build(f"residency, top-k {k} × {max_rows} rows, {size:,} slots",
+                 residency._residency_kernel, sig | {c: "constexpr" for c in consts}, consts,
+                 residency._num_warps(max(wb, sb)))
+
+
+def residency_builds() -> list[Build]:
+    """One query row a request, the default buffer (2 × top-k): clean."""
+    return [_residency_build(2048, 1, 4096)]
+
+
+def residency_mtp_builds() -> list[Build]:
+    """MTP1 and MTP3 unions (2 and 4 rows) with their default buffers: these spill (72 and
+    584 stack bytes when written)."""
+    return [_residency_build(2048, 2, 6144), _residency_build(2048, 4, 10240)]
+
+
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
-         "row_topk": row_topk_builds, "writers": writer_builds}
+         "row_topk": row_topk_builds, "writers": writer_builds, "residency": residency_builds,
+         "residency_mtp": residency_mtp_builds}
 
 
 def main() -> None:

@@ -117,3 +117,23 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+def test_residency_step_reads_nothing_from_the_device():
+    """HiSparse's residency step with the LRU stamp as a device tensor (the runtime's): no read,
+    so the step keeps no host state per layer."""
+    from dsaserve.kv.hisparse.residency import resolve_step
+
+    topk = torch.tensor([[4, 9, -1, 2], [7, 4, 1, -1], [3, 3, 3, 3]])
+    region = torch.tensor([0, 0, -1])
+    rank = torch.tensor([0, 1, 0])
+    token = torch.tensor([[9, -1, 5, 1, -1, 8, 0, -1]])
+    stamp = torch.tensor([[3, -1, 1, 2, -1, 1, 0, -1]])
+    now = torch.tensor(4)
+    with SyncCounter() as syncs:
+        out = resolve_step(topk, region, rank, token, stamp, now, 2)
+        now.add_(1)
+    assert syncs.count == 0, syncs.report()
+    # hits 9, 1; misses 2, 4, 7 into the empty slots 1, 4, 7 (empty before least recently used)
+    assert out.slot_token.tolist() == [[9, 2, 5, 1, 4, 8, 0, 7]]
+    assert out.hot_slots.tolist() == [[4, 0, -1, 1], [7, 4, 3, -1], [-1, -1, -1, -1]]

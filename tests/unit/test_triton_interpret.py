@@ -40,7 +40,8 @@ from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
 _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", "row_topk",
-            "indexer", "backend", "norm", "rotary", "mla_work", "row_gather")
+            "indexer", "backend", "norm", "rotary", "mla_work", "row_gather",
+            "residency")
 
 
 def _patch_interpreter_index() -> None:
@@ -729,3 +730,58 @@ def test_row_gather_matches_the_reference_fetch(k, row_bytes):
     fetch_rows_reference(want, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
     k.row_gather.row_gather(got, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
     assert torch.equal(got, want)
+
+
+def _residency_case(g: torch.Generator, num_regions: int, size: int, k: int, max_rows: int,
+                    span: int, now: int, dtype: torch.dtype):
+    """Random tables (some slots empty, stamps with ties) and rows: 0..max_rows rows per region,
+    each a top-k of distinct positions, about half of them already held, some −1 pads; rows of
+    other requests (not hot, ranks past max_rows) in between; row order shuffled."""
+    token = torch.full((num_regions, size), -1, dtype=torch.int64)
+    stamp = torch.full_like(token, -1)
+    rows, region, rank = [], [], []
+    for r in range(num_regions):
+        n_full = int(torch.randint(0, size + 1, (), generator=g))
+        slots = torch.randperm(size, generator=g)[:n_full]
+        token[r, slots] = torch.randperm(span, generator=g)[:n_full]
+        stamp[r, slots] = torch.randint(0, max(now // 4, 1), (n_full,), generator=g) * 4
+        for q in range(int(torch.randint(0, max_rows + 1, (), generator=g))):
+            held = token[r][token[r] >= 0]
+            pick = torch.cat([held[torch.randperm(held.numel(), generator=g)[: k // 2]],
+                              torch.randperm(span, generator=g)])
+            row = torch.unique(pick, sorted=False)  # distinct positions
+            row = row[torch.randperm(row.numel(), generator=g)][:k]
+            row[torch.rand(k, generator=g) < 0.15] = -1
+            rows.append(row)
+            region.append(r)
+            rank.append(q)
+    for q in range(int(torch.randint(0, 6, (), generator=g))):
+        rows.append(torch.randint(-1, span, (k,), generator=g))
+        region.append(-1)
+        rank.append(q)
+    order = torch.randperm(len(rows), generator=g)
+    topk = torch.stack(rows)[order].to(dtype) if rows else torch.empty((0, k), dtype=dtype)
+    return (topk, torch.tensor(region, dtype=torch.int64)[order],
+            torch.tensor(rank, dtype=torch.int64)[order], token, stamp)
+
+
+@pytest.mark.parametrize("k_top,max_rows,extra", [(8, 1, 0), (8, 4, 5), (6, 3, 0), (5, 2, 9)])
+def test_residency_kernel_matches_the_reference(k, k_top, max_rows, extra):
+    from dsaserve.kv.hisparse.residency import Residency, resolve
+
+    g = _gen()
+    size = max_rows * k_top + extra  # the configured minimum, and above
+    hits = misses = 0
+    for case in range(4):
+        now = 40 + case
+        topk, region, rank, token, stamp = _residency_case(
+            g, num_regions=3, size=size, k=k_top, max_rows=max_rows, span=3 * size, now=now,
+            dtype=torch.int32 if case % 2 else torch.int64)
+        want = resolve(topk, region, rank, token, stamp, torch.tensor(now), max_rows)
+        got = Residency(*k.residency.resolve_triton(topk, region, rank, token, stamp,
+                                                     torch.tensor(now), max_rows))
+        for name in Residency.__dataclass_fields__:
+            assert torch.equal(getattr(got, name), getattr(want, name)), (case, name)
+        misses += int(want.num_misses.sum())
+        hits += int((want.slot_stamp == now).sum() - want.num_misses.sum())  # slots touched
+    assert misses > 0 and hits > 0  # the cases exercise both paths

@@ -12,7 +12,12 @@ from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 
 
 class HiSparseBackend:
-    capturable = False  # the residency step runs on the host side of every layer
+    # Off until a GPU run shows the engine's graphs equal eager with HiSparse. A layer's step
+    # (invalidate, resolve_step, fetch) has no host sync and no host state (the LRU stamp is a
+    # device tensor), and resolve_step replays from a graph (tests/gpu); what capture still
+    # needs is the step description (`HiSparseStep`: fresh tensors and Python ints such as
+    # num_hot, built per step) in static buffers sized for the graph's batch.
+    capturable = False
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner

@@ -1,6 +1,8 @@
 """The residency step: which hot-buffer slot holds each row the indexer selected, and which rows
-must be fetched first. Pure, batched PyTorch with no host sync (no `.item()`, no data-dependent
-shapes), so the same maths can be captured in a graph or ported to a kernel.
+must be fetched first. `resolve` is the pure, batched PyTorch reference (no host sync: no
+`.item()`, no data-dependent shapes); `resolve_step` is what the runtime calls: on CUDA one Triton
+launch with the same outputs, entry for entry (`kernels/triton/residency.py`), on the CPU the
+reference (what CI runs), as `fetch.fetch_rows` dispatches the fetch.
 
 One hot buffer ("region") per request, S slots, each slot holding one token's MLA row:
 
@@ -17,6 +19,9 @@ Misses are assigned to victims in ascending position order. Because the stamps o
 hits are the largest, victims never evict a row this step needs as long as |U| ≤ S, which the
 configuration guarantees (S ≥ query rows × top-k). Index S of a region is a trash slot: masked
 writes go there instead of being filtered out (which would need a data-dependent shape).
+
+The stamp is a device tensor ([] int64, the runtime adds 1 after each call), so a step keeps no
+host state per layer and the kernel path captures into a graph as it is.
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ def union_positions(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torc
 
 
 def resolve(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
-            slot_token: torch.Tensor, slot_stamp: torch.Tensor, stamp: int,
+            slot_token: torch.Tensor, slot_stamp: torch.Tensor, stamp: torch.Tensor | int,
             max_rows: int) -> Residency:
-    """One residency step.
+    """One residency step (the reference).
 
     topk [T, K] request-local positions (−1 pad); row_region [T] index into the R regions given
     (−1: the row reads the paged cache); row_rank [T] < max_rows; slot_token / slot_stamp [R, S]
-    the regions' tables (not modified); stamp > every stamp in slot_stamp.
+    the regions' tables (not modified); stamp [] int64 on the device (or an int) > every stamp
+    in slot_stamp.
     """
     num_regions, size = slot_token.shape
     dev = topk.device
@@ -83,7 +89,7 @@ def resolve(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor
                                                 device=dev)], dim=1)  # [R, S+1]
     stamps = torch.cat([slot_stamp, torch.full((num_regions, 1), -1, dtype=torch.int64,
                                                device=dev)], dim=1)
-    now = torch.full_like(union, stamp)
+    now = torch.zeros_like(union) + stamp  # [R, W] (a device stamp: no sync)
     stamps.scatter_(1, torch.where(hit, held_slot.gather(1, at), trash), now)
     # 4. victims in (stamp, slot) order: empty slots, then least recently used
     order_key = stamps[:, :size] * (size + 1) + torch.arange(size, device=dev)
@@ -104,3 +110,15 @@ def resolve(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor
     return Residency(hot_slots=hot_slots, miss_pos=torch.where(miss, union, -1),
                      miss_slot=miss_slot, slot_token=tokens, slot_stamp=stamps,
                      num_misses=miss.sum(dim=1))
+
+
+def resolve_step(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
+                 slot_token: torch.Tensor, slot_stamp: torch.Tensor, stamp: torch.Tensor,
+                 max_rows: int) -> Residency:
+    """As `resolve`; on CUDA the one-launch Triton kernel (stamp must then be a device tensor)."""
+    if topk.is_cuda:
+        from dsaserve.kernels.triton.residency import resolve_triton  # triton only where CUDA is
+
+        return Residency(*resolve_triton(topk, row_region, row_rank, slot_token, slot_stamp,
+                                         stamp, max_rows))
+    return resolve(topk, row_region, row_rank, slot_token, slot_stamp, stamp, max_rows)

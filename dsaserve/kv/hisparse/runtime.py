@@ -31,7 +31,7 @@ import torch
 
 from dsaserve.kv.hisparse.fetch import fetch_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
-from dsaserve.kv.hisparse.residency import resolve
+from dsaserve.kv.hisparse.residency import resolve_step
 from dsaserve.kv.host_pool import pin_host_memory
 
 if TYPE_CHECKING:
@@ -91,7 +91,8 @@ class HiSparseRuntime:
         self.slot_stamp = [torch.full_like(t, -1) for t in self.slot_token]
         self.host_table = torch.zeros((max_requests, blocks_per_request), dtype=torch.int64,
                                       device=device)  # region → its reserved host blocks
-        self._stamp = 0
+        # LRU clock, one tick per resolve: a device tensor, so a layer's step reads no host state
+        self._stamp = torch.zeros((), dtype=torch.int64, device=device)
         self._layer_of = {c.kv.data_ptr(): i for i, c in enumerate(caches)}
         self.entries: dict[str, _Entry] = {}
         self._free_blocks = list(range(num_host_blocks))
@@ -222,12 +223,15 @@ class HiSparseRuntime:
     def resolve(self, layer: int, positions: torch.Tensor, meta: AttentionMetadata,
                 step: HiSparseStep) -> torch.Tensor:
         """positions [T, K] request-local (−1 pad) → [T, K] flat rows of hot[layer] (−1 for
-        pads and rows not read through a hot buffer), after fetching the misses."""
+        pads and rows not read through a hot buffer), after fetching the misses. Device work
+        only (on CUDA two Triton launches and a few index ops; the stamp ticks on the device):
+        capturable, given the step's tensors at fixed addresses."""
         s1 = self.region_rows
         regions = step.hot_regions
-        res = resolve(positions, step.row_region, step.row_rank, self.slot_token[layer][regions],
-                      self.slot_stamp[layer][regions], self._stamp, step.max_rows)
-        self._stamp += 1
+        res = resolve_step(positions, step.row_region, step.row_rank,
+                           self.slot_token[layer][regions], self.slot_stamp[layer][regions],
+                           self._stamp, step.max_rows)
+        self._stamp.add_(1)
         self.slot_token[layer][regions] = res.slot_token
         self.slot_stamp[layer][regions] = res.slot_stamp
         self.rows_missed += res.num_misses.sum()
