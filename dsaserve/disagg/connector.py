@@ -45,6 +45,7 @@ from dsaserve.config import ConfigError, DisaggConfig
 from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
 from dsaserve.disagg import descriptors
 from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
+from dsaserve.disagg.receiving import PostedRead
 from dsaserve.disagg.relayout import KVLayout, TransferPlan, plan_transfer
 from dsaserve.disagg.transport import (
     KVTransport,
@@ -236,8 +237,9 @@ def _same_name(layer: int, name: str) -> str:
 
 
 class ConnectorWorker:
-    """One rank's half: its caches in transport-registered memory, the READs of `KVRecv`s,
-    and (on a producer's rank 0) counting the consumers' notifications."""
+    """One rank's half: its caches in transport-registered memory, the READs of `KVRecv`s
+    (posted in one step, polled in the following ones: disagg/receiving.py), and (on a
+    producer's rank 0) counting the consumers' notifications."""
 
     def __init__(self, config: DisaggConfig, *, rank: int, dcp_rank: int, world_size: int,
                  block_size: int, dcp_size: int, interleave: int) -> None:
@@ -249,6 +251,10 @@ class ConnectorWorker:
         self.formats: list[descriptors.LayerFormat] = []
         self._peers: dict[str, str] = {}  # metadata agent name → transport peer name
         self._counts: dict[str, int] = {}  # producer: notifications per held request
+        # consumer: requests whose READs are posted, not yet reported, and the notification
+        # (message, producer's rank 0) each sends once they landed
+        self._receiving: dict[str, PostedRead] = {}
+        self._notify: dict[str, tuple[bytes, str]] = {}
         self.bytes_received = 0  # consumer: bytes READ so far (all requests)
         # consumer into a spilling HiSparse rank (hostplan.py): of those, the MLA rows READ
         # straight into the host pool, and those READ into GPU MLA pages
@@ -285,24 +291,51 @@ class ConnectorWorker:
         }).encode()
 
     # ---- consumer --------------------------------------------------------------------------
-    def receive(self, recvs: Sequence[KVRecv], dests: Mapping[str, HostDest] | None = None
-                ) -> tuple[tuple[str, ...], dict[str, str]]:
-        """READ each request's rows this rank needs, then notify the producer's rank 0; the ids
-        done and the failed ones with the reason. A request in `dests` goes into a spilling
-        HiSparse rank: its MLA rows to its GPU pages or straight into the host pool."""
+    def start_receives(self, recvs: Sequence[KVRecv],
+                       dests: Mapping[str, HostDest] | None = None) -> None:
+        """Post the READs of each request's rows this rank needs; `poll_receives` settles
+        them in this step or later ones. A request in `dests` goes into a spilling HiSparse
+        rank: its MLA rows to its GPU pages or straight into the host pool."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        for recv in recvs:
+            posted = PostedRead(recv.request_id, deadline)
+            self._receiving[recv.request_id] = posted
+            try:
+                self._post(recv, (dests or {}).get(recv.request_id), posted)
+            except (TransferError, ValueError, KeyError) as e:
+                posted.fail(str(e))  # the READs already posted are still polled
+
+    def poll_receives(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """Poll every posted READ once, without blocking; the requests whose READs all landed
+        (the producer's rank 0 notified) and the failed ones with the reason, each reported
+        once, when none of its READs is in flight any more."""
         done: list[str] = []
         failed: dict[str, str] = {}
-        for recv in recvs:
-            try:
-                self._receive_one(recv, (dests or {}).get(recv.request_id))
-                done.append(recv.request_id)
-            except (TransferError, ValueError, KeyError) as e:
-                logger.warning("P/D: reading request %s's KV failed: %s", recv.request_id, e)
-                failed[recv.request_id] = f"reading the prompt's KV from the prefill engine " \
-                                          f"failed: {e}"
+        now = time.monotonic()
+        for rid, posted in list(self._receiving.items()):
+            if not posted.poll(self.transport, now):
+                continue
+            del self._receiving[rid]
+            notify, peer = self._notify.pop(rid, (b"", ""))
+            if posted.error is None:
+                try:
+                    self.transport.send_notification(peer, notify)
+                except TransferError as e:
+                    posted.fail(str(e))
+            if posted.error is None:
+                done.append(rid)
+            else:
+                logger.warning("P/D: reading request %s's KV failed: %s", rid, posted.error)
+                failed[rid] = ("reading the prompt's KV from the prefill engine failed: "
+                               f"{posted.error}")
         return tuple(done), failed
 
-    def _receive_one(self, recv: KVRecv, dest: HostDest | None) -> None:
+    @property
+    def num_receiving(self) -> int:
+        """Requests with READs posted and not yet reported."""
+        return len(self._receiving)
+
+    def _post(self, recv: KVRecv, dest: HostDest | None, posted: PostedRead) -> None:
         remote = recv.remote
         metas = [json.loads(m) for m in recv.remote_ranks]  # [src DCP rank]
         peers = [self._peer(m) for m in metas]
@@ -323,8 +356,8 @@ class ConnectorWorker:
                     (hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i))]
             self.mla_rows_to_gpu += hp.gpu.num_rows
             self.mla_rows_to_host += hp.host.num_rows
-        timeout = self.config.transfer_timeout_s
-        xfers = []
+        msg = {"req": remote.remote_request_id, "of": self.world_size}
+        self._notify[recv.request_id] = (_NOTIFY_PREFIX + json.dumps(msg).encode(), peers[0])
         for plan, parts, local_name in jobs:
             for pair in plan.to_target(self.dcp_rank):
                 src_formats = [descriptors.LayerFormat(**f)
@@ -333,14 +366,10 @@ class ConnectorWorker:
                 for i, layer in enumerate(layers):
                     for part, segs in layer.items():
                         name = f"L{i}.{part}"
-                        xfers.append(self.transport.read(peers[pair.src_rank],
-                                                         local_name(i, name), name,
-                                                         descriptors.for_read(segs)))
+                        posted.transfers.append(self.transport.read(
+                            peers[pair.src_rank], local_name(i, name), name,
+                            descriptors.for_read(segs)))
                         self.bytes_received += int(segs[:, 2].sum())
-        for xfer in xfers:
-            self.transport.wait(xfer, timeout)
-        msg = {"req": remote.remote_request_id, "of": self.world_size}
-        self.transport.send_notification(peers[0], _NOTIFY_PREFIX + json.dumps(msg).encode())
 
     def _peer(self, meta: dict) -> str:
         blob = base64.b64decode(meta["transport"])

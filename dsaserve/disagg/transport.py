@@ -7,6 +7,7 @@
     side = SideChannel(t.metadata)  # 127.0.0.1 ──► peer = t.add_peer(fetch_metadata(port))
                                                     h = t.read(peer, "kv", "kv", notify=b"req-1")
                                                     t.wait(h, timeout_s)      # bytes are here
+                                                    (or t.poll(h) once a step: True when done)
     t.wait_notification(peer, b"req-1", timeout_s)  ◄── the notification: the producer may free
     (or the producer writes: t.write(...), and the consumer waits for the notification instead)
 
@@ -70,7 +71,7 @@ class Peer:
 
 
 class Transfer:
-    """A posted transfer; `KVTransport.wait` completes it."""
+    """A posted transfer; `KVTransport.poll` (without blocking) or `wait` completes it."""
 
     def __init__(self, peer: str, notify: bytes, handle: object = None) -> None:
         self.peer, self.notify, self.handle = peer, notify, handle
@@ -152,8 +153,23 @@ class KVTransport(abc.ABC):
         """Push our region `local` into the peer's region `remote`; the peer gets `notify`."""
 
     @abc.abstractmethod
+    def poll(self, xfer: Transfer) -> bool:
+        """Without blocking: True once `xfer` completed (its handle released), False while it is
+        in flight; TransferError if it failed (NIXL's check_xfer_state)."""
+
+    def cancel(self, xfer: Transfer) -> None:  # noqa: B027 (optional hook)
+        """Give up on `xfer` still in flight (its handle released; best effort)."""
+
     def wait(self, xfer: Transfer, timeout_s: float) -> None:
-        """Block until `xfer` completed; TransferError if it failed, TransferTimeout."""
+        """Block until `xfer` completed (polled until done); TransferError if it failed,
+        TransferTimeout after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.poll(xfer):
+            if time.monotonic() > deadline:
+                raise TransferTimeout(
+                    f"{self.name}: transfer with {xfer.peer!r} not done within {timeout_s} s "
+                    "(is the peer alive?)")
+            time.sleep(0.0002)
 
     @abc.abstractmethod
     def send_notification(self, peer: str, msg: bytes) -> None:
@@ -394,8 +410,8 @@ class ShmTransport(KVTransport):
         self._check_peer_alive(peer)
         return self._copy(peer, local, remote, segments, notify, pull=False)
 
-    def wait(self, xfer: Transfer, timeout_s: float) -> None:
-        return None  # the copy finished inside read/write
+    def poll(self, xfer: Transfer) -> bool:
+        return True  # the copy finished inside read/write: a READ is done once posted
 
     def send_notification(self, peer: str, msg: bytes) -> None:
         if peer not in self.peers:
@@ -567,26 +583,29 @@ class NixlTransport(KVTransport):
               notify: bytes = b"") -> Transfer:
         return self._post("WRITE", peer, local, remote, segments, notify)
 
-    def wait(self, xfer: Transfer, timeout_s: float) -> None:
+    def poll(self, xfer: Transfer) -> bool:
         if xfer.done:
-            return
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                state = self._agent.check_xfer_state(xfer.handle)
-            except Exception as e:
-                raise TransferError(f"{self.name}: transfer with {xfer.peer!r}: {e}") from e
-            if state == "DONE":
-                break
-            if state == "ERR":
-                raise TransferError(f"{self.name}: transfer with {xfer.peer!r} failed")
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"{self.name}: transfer with {xfer.peer!r} not done within {timeout_s} s "
-                    "(is the peer alive?)")
-            time.sleep(0.0002)
+            return True
+        try:
+            state = self._agent.check_xfer_state(xfer.handle)
+        except Exception as e:
+            raise TransferError(f"{self.name}: transfer with {xfer.peer!r}: {e}") from e
+        if state == "ERR":
+            raise TransferError(f"{self.name}: transfer with {xfer.peer!r} failed")
+        if state != "DONE":
+            return False
         xfer.done = True
         self._agent.release_xfer_handle(xfer.handle)
+        return True
+
+    def cancel(self, xfer: Transfer) -> None:
+        if xfer.done:
+            return
+        xfer.done = True
+        try:  # NIXL aborts a transfer still in progress when its handle is released
+            self._agent.release_xfer_handle(xfer.handle)
+        except Exception:  # best effort: the transfer may have failed already
+            pass
 
     def send_notification(self, peer: str, msg: bytes) -> None:
         if peer not in self.peers:

@@ -115,6 +115,7 @@ class DataParallelEngine:
             scheduled = [r.scheduler.schedule() for r in self.replicas]
             # 2. start every replica with something to run or forget: they compute concurrently
             busy = [not so.is_empty or bool(so.finished_request_ids) or bool(so.kv_recvs)
+                    or bool(r.scheduler.receiving)  # P/D READs in flight: polled each step
                     or (r.scheduler.connector is not None and r.scheduler.connector.num_held > 0)
                     for r, so in zip(self.replicas, scheduled, strict=True)]
             for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):

@@ -24,6 +24,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, Protocol, TypeVar
@@ -32,6 +33,7 @@ import torch
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import EngineDeadError, ModelRunnerOutput, SchedulerOutput
+from dsaserve.disagg.receiving import RecvTally
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.step_results import PendingOutput
 from dsaserve.engine.worker import (
@@ -163,6 +165,8 @@ class MultiprocExecutor:
         self._poll_interval_s = poll_interval_s
         self._dead_reason: str | None = None
         self._in_flight = False  # a step was sent and not yet collected
+        # P/D: each rank polls its own READs; a prompt's KV arrived once every rank reported it
+        self._recvs = RecvTally(self.world_size)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
         self._rendezvous_dir = tempfile.mkdtemp(prefix="dsaserve-rendezvous-")
@@ -215,7 +219,9 @@ class MultiprocExecutor:
         replies = self._gather(StepDone)
         output = replies[0].output
         assert output is not None, "rank 0 answered a step without its output"
-        return merge_rank_outputs(output, [r.output for r in replies[1:]])
+        merged = merge_rank_outputs(output, [r.output for r in replies[1:]])
+        done, failed = self._recvs.merge([r.output for r in replies if r.output is not None])
+        return replace(merged, kv_recvs_done=done, kv_recvs_failed=failed)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_async(scheduler_output)

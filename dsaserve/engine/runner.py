@@ -374,19 +374,21 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # 0. P/D: prompts' KV read from prefill engines before anything reads it; held blocks
-        #    their consumers have read (disagg/connector.py)
+        # 0. P/D: prompts' KV READs from prefill engines posted; they land while this and
+        #    later steps run (their requests are not scheduled until then), and are polled
+        #    after the forward; held blocks their consumers have read (disagg/connector.py)
         if self.connector is not None:
             # MLA pages and ended requests first: a read into a spilling HiSparse rank needs
             # the request's pages and a host window the ended ones give back
             self._apply_releases(so)
             so = replace(so, mla_pages=(), finished_request_ids=())
-            done, failed = self.connector.receive(so.kv_recvs, self._host_dests(so.kv_recvs))
+            self.connector.start_receives(so.kv_recvs, self._host_dests(so.kv_recvs))
+            out = self._execute_tiered(so)
+            done, failed = self.connector.poll_receives()
             sent = self.connector.poll_sends()
-            if so.is_empty and not so.kv_recvs and not sent:
+            if so.is_empty and not (done or failed or sent):
                 time.sleep(0.002)  # only held blocks or reads pending: do not spin empty steps
-            return replace(self._execute_tiered(so), kv_recvs_done=done, kv_recvs_failed=failed,
-                           kv_sends_done=sent)
+            return replace(out, kv_recvs_done=done, kv_recvs_failed=failed, kv_sends_done=sent)
         return self._execute_tiered(so)
 
     def _execute_tiered(self, so: SchedulerOutput) -> ModelRunnerOutput:

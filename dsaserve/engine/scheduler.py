@@ -171,15 +171,18 @@ class Scheduler:
         `take_aborted_outputs`; the runner learns through `finished_request_ids`."""
         for request_id in request_ids:
             req = self.requests.get(request_id)
-            if req is None:
+            if req is None or req.is_finished:
                 continue
+            receiving = request_id in self.receiving
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load holds its blocks
                 self.waiting.remove(req)
-            self.receiving.pop(request_id, None)
             req.status = RequestStatus.FINISHED_ABORTED
-            self._release(req)
+            if not receiving:
+                self._release(req)
+            # else: its P/D READs may still be landing in its blocks (and host window): it
+            # stays in `receiving` until the runner reports them settled (_finish_remote)
             self._aborted_outputs.append(self._make_output(req, ()))
 
     def take_aborted_outputs(self) -> list[RequestOutput]:
@@ -512,6 +515,9 @@ class Scheduler:
             req = self.receiving.pop(request_id, None)
             if req is None:
                 continue
+            if req.is_finished:  # aborted while its READs were in flight: now they are not
+                self._release(req)
+                continue
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
@@ -525,9 +531,11 @@ class Scheduler:
             req = self.receiving.pop(request_id, None)
             if req is None:
                 continue
+            aborted = req.is_finished  # its "abort" output went out already
             req.status = RequestStatus.FINISHED_ABORTED
             self._release(req)
-            outputs.append(replace(self._make_output(req, ()), error=reason))
+            if not aborted:
+                outputs.append(replace(self._make_output(req, ()), error=reason))
         for req in self.connector.release(runner_output.kv_sends_done):
             self.kv.free(req)
         return outputs
@@ -752,7 +760,8 @@ class Scheduler:
             if req.request_id in self._runner_num_tokens:
                 raise AssertionError(f"scheduler: loading {req.request_id!r} known to the runner")
         for req in self.receiving.values():
-            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if req.status not in (RequestStatus.WAITING_FOR_REMOTE_KVS,
+                                  RequestStatus.FINISHED_ABORTED):  # aborted: READs in flight
                 raise AssertionError(f"scheduler: receiving {req.request_id!r} is {req.status}")
         busy = self.offload is not None and self.offload.busy
         if not live and not busy and not held and self.kv.num_free_blocks != self.kv.num_blocks:

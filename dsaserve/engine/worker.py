@@ -173,10 +173,11 @@ def _handle(runner: ModelRunner, rank: int, message: ToWorker) -> FromWorker:
     if isinstance(message, ExecuteStep):
         output = runner.execute(message.scheduler_output)
         if rank != 0 and (runner.copier is not None or runner.connector is not None):
-            # only the host-tier copy counts and the P/D read failures matter
+            # only the host-tier copy counts and the P/D reads this rank settled matter
             output = ModelRunnerOutput(sampled_token_ids={},
                                        num_kv_loads_done=output.num_kv_loads_done,
                                        num_kv_stores_done=output.num_kv_stores_done,
+                                       kv_recvs_done=output.kv_recvs_done,
                                        kv_recvs_failed=output.kv_recvs_failed)
         keep = rank == 0 or runner.copier is not None or runner.connector is not None
         return StepDone(rank, output if keep else None)

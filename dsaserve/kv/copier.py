@@ -158,15 +158,10 @@ def merge_rank_outputs(output: ModelRunnerOutput,
     counts = [o for o in others if o is not None]
     if not counts:
         return output
-    # P/D: a prompt's KV arrived only when every rank read its share
-    failed = dict(output.kv_recvs_failed)
-    for o in counts:
-        failed.update(o.kv_recvs_failed)
+    # (P/D reads are tallied over ranks and steps by the executor: disagg/receiving.py)
     return replace(
         output,
         num_kv_loads_done=min([output.num_kv_loads_done] + [o.num_kv_loads_done for o in counts]),
         num_kv_stores_done=min(
             [output.num_kv_stores_done] + [o.num_kv_stores_done for o in counts]),
-        kv_recvs_done=tuple(r for r in output.kv_recvs_done if r not in failed),
-        kv_recvs_failed=failed,
     )

@@ -1,0 +1,83 @@
+"""P/D consumer: READs posted in one step and polled, without blocking, in the following ones.
+
+    step k                       step k+1 … k+n                     step k+n+1
+    ──────                       ──────────────                     ──────────
+    post the READs (KVRecv) ──►  poll each once: still in flight ─► all DONE: notify the
+    request WAITING_FOR_         (other requests decode meanwhile)   producer, report it in
+    REMOTE_KVS, not scheduled                                        kv_recvs_done → it runs
+
+vLLM's model (the worker's `get_finished` → `finished_recving`): the scheduler keeps the request
+out of the batch until every rank reported it. A READ that fails, or a request whose READs are
+not all done within `transfer_timeout_s`, is reported failed (the scheduler ends it with the
+reason) — but only once none of its READs is still in flight, so that its blocks are never given
+back while bytes can still land in them (a timed-out READ is cancelled first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dsaserve.core import ModelRunnerOutput
+from dsaserve.disagg.transport import KVTransport, Transfer, TransferError
+
+
+@dataclass
+class PostedRead:
+    """One request's READs on one rank, from the step that posted them until they settle."""
+
+    request_id: str
+    deadline: float  # time.monotonic() after which what is still in flight is given up
+    transfers: list[Transfer] = field(default_factory=list)  # still in flight
+    error: str | None = None  # the first failure; the request fails once nothing is in flight
+
+    def fail(self, reason: str) -> None:
+        if self.error is None:
+            self.error = reason
+
+    def poll(self, transport: KVTransport, now: float) -> bool:
+        """Poll each READ still in flight once (never blocks); True when none is left (done, or
+        failed: `error`). Past the deadline the rest are cancelled and the request fails."""
+        still = []
+        for xfer in self.transfers:
+            try:
+                if not transport.poll(xfer):
+                    still.append(xfer)
+            except TransferError as e:
+                self.fail(str(e))
+        if still and now > self.deadline:
+            for xfer in still:
+                transport.cancel(xfer)
+            self.fail(f"{len(still)} READ(s) not done within the transfer timeout "
+                      "(is the prefill engine alive?)")
+            still = []
+        self.transfers = still
+        return not still
+
+
+@dataclass
+class RecvTally:
+    """The engine's view over its ranks: a prompt's KV arrived when every rank read its share,
+    and failed when any rank failed — reported once every rank has settled it (ranks settle in
+    different steps: each polls its own READs)."""
+
+    num_ranks: int
+    _settled: dict[str, int] = field(default_factory=dict)  # request id → ranks settled
+    _errors: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, outputs: list[ModelRunnerOutput]) -> tuple[tuple[str, ...], dict[str, str]]:
+        """This step's ranks' reports (one output per rank) → (arrived, failed with reason)."""
+        for out in outputs:
+            for rid in out.kv_recvs_done:
+                self._settled[rid] = self._settled.get(rid, 0) + 1
+            for rid, reason in out.kv_recvs_failed.items():
+                self._settled[rid] = self._settled.get(rid, 0) + 1
+                self._errors.setdefault(rid, reason)
+        done: list[str] = []
+        failed: dict[str, str] = {}
+        for rid in [r for r, n in self._settled.items() if n >= self.num_ranks]:
+            del self._settled[rid]
+            if rid in self._errors:
+                failed[rid] = self._errors.pop(rid)
+            else:
+                done.append(rid)
+        return tuple(done), failed
