@@ -1,0 +1,282 @@
+"""Asynchronous P/D READs (disagg/receiving.py), two single-rank engines in one process (shm;
+NIXL where it imports): while one request's READs are in flight (a transport whose READs land
+only after N polls) the other requests keep decoding, and the received request then decodes to
+the aggregated engine's greedy output; a READ failing mid-way and an abort while receiving free
+everything (the host window too, into a spilling HiSparse engine) — both engines' invariants
+checked after every step. Also: the tally of several ranks' reports, the READ timeout."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from dsaserve.config import DisaggConfig, HiSparseConfig
+from dsaserve.core import ModelRunnerOutput, SamplingParams
+from dsaserve.disagg import offline
+from dsaserve.disagg.receiving import PostedRead, RecvTally
+from dsaserve.disagg.transport import (
+    KVTransport,
+    Transfer,
+    TransferError,
+    make_transport,
+    nixl_available,
+)
+from dsaserve.engine.engine import LLMEngine
+
+SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])
+MAX_STEPS = 500  # a bound on every stepping loop: a bug fails the test rather than hangs it
+
+
+class SlowReads:
+    """Every READ a transport posts from now on stays in flight for `polls` polls: its bytes
+    land (the real READ runs) only at the last one, where READ number `fail` (in posting
+    order) fails instead."""
+
+    def __init__(self, transport: KVTransport, polls: int, fail: int | None = None) -> None:
+        self.transport, self.polls, self.fail = transport, polls, fail
+        self.real_read, self.real_poll = transport.read, transport.poll
+        self.num_posted = self.num_landed = 0
+        transport.read = self.read  # type: ignore[method-assign]
+        transport.poll = self.poll  # type: ignore[method-assign]
+
+    def read(self, peer: str, local: str, remote: str, segments=None,
+             notify: bytes = b"") -> Transfer:
+        handle = {"index": self.num_posted, "polls": 0,
+                  "args": (peer, local, remote, segments, notify)}
+        self.num_posted += 1
+        return Transfer(peer, notify, handle)
+
+    def poll(self, xfer: Transfer) -> bool:
+        h = xfer.handle
+        if not isinstance(h, dict):
+            return self.real_poll(xfer)
+        h["polls"] += 1
+        if h["polls"] < self.polls:
+            return False
+        xfer.done = True
+        if h["index"] == self.fail:
+            raise TransferError("the prefill engine went away mid-READ")
+        self.transport.wait(self.real_read(*h["args"]), timeout_s=10)
+        self.num_landed += 1
+        return True
+
+    def restore(self) -> None:
+        del self.transport.read, self.transport.poll  # the class's methods again
+
+
+def _disagg(role: str, backend: str, abort_timeout_s: float = 480.0) -> DisaggConfig:
+    return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0,
+                        abort_timeout_s=abort_timeout_s)
+
+
+def _engines(config, backend: str, abort_timeout_s: float = 480.0, decode_config=None):
+    p = LLMEngine.from_config(dataclasses.replace(
+        config, disagg=_disagg("kv_producer", backend, abort_timeout_s)))
+    d = LLMEngine.from_config(dataclasses.replace(
+        decode_config or config, disagg=_disagg("kv_consumer", backend)))
+    return p, d
+
+
+class Driver:
+    """Both engines stepped together, their invariants checked after every step; the tokens,
+    errors and finish reasons the decode engine gave per request."""
+
+    def __init__(self, p: LLMEngine, d: LLMEngine) -> None:
+        self.p, self.d = p, d
+        self.tokens: dict[str, list[int]] = {}
+        self.errors: dict[str, str] = {}
+        self.reasons: dict[str, str] = {}
+        self.steps = 0
+
+    def add(self, rid: str, prompt: list[int]) -> None:
+        params = offline.prefill(self.p, rid, prompt)
+        self.d.add_request(rid, prompt, SAMPLING, kv_transfer_params=params)
+        self.tokens[rid] = []
+
+    def step(self) -> None:
+        self.steps += 1
+        assert self.steps < MAX_STEPS, "the engines stopped making progress"
+        for o in self.d.step():
+            self.tokens[o.request_id] += o.new_token_ids
+            if o.error is not None:
+                self.errors[o.request_id] = o.error
+            if o.finished:
+                self.reasons[o.request_id] = o.finish_reason
+        if self.p.has_unfinished_requests():
+            self.p.step()
+        self.p.check_integrity()
+        self.d.check_integrity()
+
+    def drain(self) -> None:
+        """Until neither engine holds anything; then an empty step tells the runners."""
+        while self.d.has_unfinished_requests() or self.p.has_unfinished_requests():
+            self.step()
+        self.step()
+        for e in (self.p, self.d):
+            s = e.stats()
+            assert s.num_free_blocks == s.num_total_blocks, "a block leaked"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_others_decode_while_a_read_is_in_flight(model_dirs, engine_config, mixed_prompts,
+                                                 backend):
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts, SAMPLING)
+    p, d = _engines(config, backend)
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        slow = SlowReads(d.runner.connector.transport, polls=4)
+        run.add("b", prompts[1])
+        overlapped = 0
+        while True:
+            before = len(run.tokens["a"])
+            run.step()
+            if "b" not in d.scheduler.receiving:
+                break
+            # b's READs are in flight: it is not computed, the producer still holds its blocks
+            # (notified only once they landed), and a decoded a token in this very step
+            assert not run.tokens["b"] and "b" not in d.runner.requests
+            assert "b" in p.scheduler.connector.held
+            assert len(run.tokens["a"]) == before + 1
+            overlapped += 1
+        assert overlapped == slow.polls - 1  # the READs landed at their 4th poll
+        assert slow.num_posted > 0 and slow.num_landed == slow.num_posted
+        slow.restore()
+        run.drain()
+        assert not run.errors
+        assert [run.tokens["a"], run.tokens["b"]] == reference
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_read_failing_midway_frees_everything(model_dirs, engine_config, mixed_prompts):
+    """One READ fails after the others landed: the request ends with the reason (once nothing
+    is in flight), the others keep decoding to the reference, the producer frees the unread
+    blocks after its timeout; nothing leaks."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts[:1], SAMPLING)[0]
+    p, d = _engines(config, "shm", abort_timeout_s=1.0)
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        slow = SlowReads(d.runner.connector.transport, polls=3, fail=1)
+        run.add("b", prompts[1])
+        while "b" not in run.errors:
+            run.step()
+        assert "went away mid-READ" in run.errors["b"] and run.reasons["b"] == "abort"
+        assert not run.tokens["b"] and "b" not in d.scheduler.requests
+        assert slow.num_landed == slow.num_posted - 1 > 0  # the others landed: "mid-way"
+        assert len(run.tokens["a"]) > 1  # a decoded meanwhile
+        slow.restore()
+        run.drain()  # the producer's timeout frees b's blocks
+        assert run.tokens["a"] == reference and list(run.errors) == ["b"]
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _hisparse_decode_config(engine_config, model_dir):
+    """A spilling HiSparse decode engine (docs/hisparse.md): small pages, 16 MLA pages."""
+    cfg = engine_config(model_dir, block_size=4, num_blocks=100, max_model_len=64)
+    topk = cfg.model.index_topk
+    att = dataclasses.replace(cfg.attention, hisparse_device_buffer_size=topk,
+                              hisparse_device_mla_pages=16, hisparse_config_given=True)
+    return cfg, dataclasses.replace(cfg, attention=att,
+                                    hisparse=HiSparseConfig(host_pool_bytes=16 << 20))
+
+
+@pytest.mark.parametrize("into", ["gpu pages", "hisparse host pool"])
+def test_abort_while_receiving_frees_everything(model_dirs, engine_config, into):
+    """An abort while the READs are in flight answers at once ("abort"), but the request's
+    blocks (and, into a spilling HiSparse engine, its reserved host window) stay taken until
+    the READs settle; then everything is freed, the producer by the notification (no
+    timeout), and the other request decodes to the reference."""
+    model_dir = model_dirs["tiny-glm5"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (20, 40)]
+    if into == "gpu pages":
+        plain = decode_config = engine_config(model_dir, block_size=4, num_blocks=100,
+                                              max_model_len=64)
+    else:
+        plain, decode_config = _hisparse_decode_config(engine_config, model_dir)
+    reference = LLMEngine.from_config(plain).generate(prompts[:1], SAMPLING)[0]
+    p, d = _engines(plain, "shm", decode_config=decode_config)
+    rt = d.runner.hisparse
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        slow = SlowReads(d.runner.connector.transport, polls=4)
+        run.add("b", prompts[1])
+        run.step()  # b's READs posted
+        assert "b" in d.scheduler.receiving and slow.num_posted > 0
+        d.abort_request("b")
+        run.step()
+        assert run.reasons["b"] == "abort" and "b" not in run.errors
+        # READs still in flight: b's blocks and host window stay taken
+        assert slow.num_landed == 0 and d.scheduler.requests["b"].block_ids
+        if rt is not None:
+            assert "b" in rt.entries
+        while "b" in d.scheduler.requests:
+            run.step()
+        assert slow.num_landed == slow.num_posted
+        run.step()  # the runner learns that b ended
+        if rt is not None:
+            assert "b" not in rt.entries
+        assert "b" not in p.scheduler.connector.held  # notified: freed before any timeout
+        slow.restore()
+        run.drain()
+        assert run.tokens["a"] == reference and not run.errors
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_tally_waits_for_every_rank():
+    """Ranks settle a request's READs in different steps: it arrived once every rank read its
+    share, and failed (with the first reason) once every rank settled it, one failing."""
+    tally = RecvTally(num_ranks=2)
+    out = lambda done=(), failed=None: ModelRunnerOutput(  # noqa: E731
+        sampled_token_ids={}, kv_recvs_done=tuple(done), kv_recvs_failed=failed or {})
+    assert tally.merge([out(["x"]), out()]) == ((), {})
+    assert tally.merge([out(), out(failed={"y": "gone"})]) == ((), {})
+    assert tally.merge([out(["z"]), out(["x", "z"])]) == (("x", "z"), {})
+    assert tally.merge([out(failed={"y": "lost"}), out()]) == ((), {"y": "gone"})
+    assert tally.merge([out(), out()]) == ((), {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_posted_read_polls_and_times_out(backend):
+    """Polled READs land without `wait`; a READ still in flight past the deadline is
+    cancelled and the request fails, reported only then."""
+    with make_transport(backend, f"p-{backend}") as prod, \
+            make_transport(backend, f"d-{backend}") as cons:
+        src = prod.allocate("src", 4096)
+        src.copy_(torch.arange(4096, dtype=torch.int64).to(torch.uint8))
+        dst = cons.allocate("dst", 4096)
+        peer = cons.add_peer(prod.metadata())
+        posted = PostedRead("r", deadline=time.monotonic() + 10,
+                            transfers=[cons.read(peer, "dst", "src")])
+        deadline = time.monotonic() + 10
+        while not posted.poll(cons, time.monotonic()):
+            assert time.monotonic() < deadline
+        assert posted.error is None and torch.equal(dst, src)
+
+        slow = SlowReads(cons, polls=1000)
+        stuck = PostedRead("s", deadline=0.0, transfers=[cons.read(peer, "dst", "src")])
+        assert stuck.poll(cons, now=1.0)
+        assert "not done within the transfer timeout" in stuck.error and not stuck.transfers
+        slow.restore()
