@@ -8,8 +8,9 @@ the time from the prefill's end to the first decoded token, and the KV transfer'
 Both engines live in this process (one agent each; on a GPU their caches are registered as
 VRAM, so a READ is GPU → GPU). Per prompt length: the prefill engine prefills and holds the
 blocks; then, timed, the decode engine checks the params over the side channel, allocates,
-READs every prompt row it lacks (the runner's step with the `KVRecv`) and decodes its first
-token. Columns: that time to the first decoded token; the READ step alone and its GB/s over the
+READs every prompt row it lacks (posted in the runner's step with the `KVRecv`, polled in
+the following ones until they land) and decodes its first token. Columns: that time to the
+first decoded token; the READs alone (until the request leaves `receiving`) and their GB/s over the
 bytes moved (a GLM-5.3-shaped model with few layers: the bytes are those layers'); the same
 request's whole-model KV (54,728 B per token) at that rate; and the cost model's transfer time for
 the 16-GPU deployment (a decode rank's 400 Gb/s InfiniBand link, 50 GB/s), next to it.
@@ -87,8 +88,9 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
             while d.has_unfinished_requests():
                 outs = d.step()
                 _sync(device)
-                if read_s is None:
-                    read_s = time.perf_counter() - t0  # check + the READ step
+                if read_s is None and rid not in d.scheduler.receiving:
+                    # check + the READs (posted in one step, polled until they land)
+                    read_s = time.perf_counter() - t0
                 if any(o.new_token_ids for o in outs) and first_s is None:
                     first_s = time.perf_counter() - t0
             while p.has_unfinished_requests():
