@@ -251,10 +251,7 @@ class ConnectorWorker:
         self.formats: list[descriptors.LayerFormat] = []
         self._peers: dict[str, str] = {}  # metadata agent name → transport peer name
         self._counts: dict[str, int] = {}  # producer: notifications per held request
-        # consumer: requests whose READs are posted, not yet reported, and the notification
-        # (message, producer's rank 0) each sends once they landed
-        self._receiving: dict[str, PostedRead] = {}
-        self._notify: dict[str, tuple[bytes, str]] = {}
+        self._receiving: dict[str, PostedRead] = {}  # consumer: READs posted, not reported
         self.bytes_received = 0  # consumer: bytes READ so far (all requests)
         # consumer into a spilling HiSparse rank (hostplan.py): of those, the MLA rows READ
         # straight into the host pool, and those READ into GPU MLA pages
@@ -316,10 +313,9 @@ class ConnectorWorker:
             if not posted.poll(self.transport, now):
                 continue
             del self._receiving[rid]
-            notify, peer = self._notify.pop(rid, (b"", ""))
             if posted.error is None:
                 try:
-                    self.transport.send_notification(peer, notify)
+                    self.transport.send_notification(posted.producer, posted.notify)
                 except TransferError as e:
                     posted.fail(str(e))
             if posted.error is None:
@@ -329,11 +325,6 @@ class ConnectorWorker:
                 failed[rid] = ("reading the prompt's KV from the prefill engine failed: "
                                f"{posted.error}")
         return tuple(done), failed
-
-    @property
-    def num_receiving(self) -> int:
-        """Requests with READs posted and not yet reported."""
-        return len(self._receiving)
 
     def _post(self, recv: KVRecv, dest: HostDest | None, posted: PostedRead) -> None:
         remote = recv.remote
@@ -357,7 +348,7 @@ class ConnectorWorker:
             self.mla_rows_to_gpu += hp.gpu.num_rows
             self.mla_rows_to_host += hp.host.num_rows
         msg = {"req": remote.remote_request_id, "of": self.world_size}
-        self._notify[recv.request_id] = (_NOTIFY_PREFIX + json.dumps(msg).encode(), peers[0])
+        posted.producer, posted.notify = peers[0], _NOTIFY_PREFIX + json.dumps(msg).encode()
         for plan, parts, local_name in jobs:
             for pair in plan.to_target(self.dcp_rank):
                 src_formats = [descriptors.LayerFormat(**f)

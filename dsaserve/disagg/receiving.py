@@ -29,6 +29,8 @@ class PostedRead:
     deadline: float  # time.monotonic() after which what is still in flight is given up
     transfers: list[Transfer] = field(default_factory=list)  # still in flight
     error: str | None = None  # the first failure; the request fails once nothing is in flight
+    producer: str = ""  # the prefill engine's rank 0, notified once every READ landed
+    notify: bytes = b""
 
     def fail(self, reason: str) -> None:
         if self.error is None:
