@@ -124,8 +124,10 @@ def test_async_seeded_sampling_equals_sync(engine_config, model_dirs):
     assert got == sync
 
 
-def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs):
-    engine = LLMEngine.from_config(_async(engine_config(model_dirs["tiny-glm5"])))
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs, k):
+    cfg = _async(engine_config(model_dirs["tiny-glm5"]))
+    engine = LLMEngine.from_config(_mtp(cfg, k) if k else cfg)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine.add_request("a", _prompt(0, 30), params)
     engine.add_request("b", _prompt(1, 30), params)
@@ -162,7 +164,8 @@ def test_async_mtp_greedy_equals_sync_mtp_and_no_mtp(engine_config, draftable_di
     assert sync == plain
     assert got == sync
     stats = engine.stats()
-    assert stats.spec_decode_num_accepted_tokens > 0
+    # drafts accepted, and some rejected: later steps' rows were moved back on the device
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
     assert stats.prefix_cache_hits > 0
     assert engine.runner._last.drafts is not None
 
@@ -198,6 +201,17 @@ def test_async_mtp_small_budget_skips_and_resumes(engine_config, draftable_dirs)
     plain, _ = _run(cfg, _greedy())
     got, _ = _run(_async(_mtp(cfg)), _greedy())
     assert got == plain
+
+
+def test_async_mtp_stops_at_max_model_len(engine_config, draftable_dirs):
+    """Requests that reach max_model_len: the host's all-accepted count stops scheduling
+    them early, and they resume once the step's real count is known."""
+    arrivals = [(40, 200, 0), (52, 200, 0), (30, 200, 1)]
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8, max_model_len=64)
+    plain, _ = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    got, _ = _run(_async(_mtp(cfg)), _greedy(arrivals=arrivals), arrivals)
+    assert got == plain
+    assert all(out[-1] == "length" for out in got.values())
 
 
 def test_async_mtp_seeded_sampling_is_reproducible(engine_config, draftable_dirs):
