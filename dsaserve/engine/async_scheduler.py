@@ -19,6 +19,16 @@ cover only tokens known on the host (kv/manager.py), and a request that ends is 
 the tokens sync scheduling would have computed, so the prefix cache never holds a placeholder's
 block. Preemption keeps the placeholder: the request waits until its token arrives (it is
 re-admitted only in a later step, which always comes after that token's update).
+
+With MTP (k drafts) a step emits 1 to 1 + v tokens for a request verifying v drafts, which is
+unknown when the next step is scheduled. The host assumes every draft accepted: 1 + v
+placeholders, the computed count advanced by all the step's rows, and k placeholder drafts
+(proposed on the device), so the next step verifies 1 + k rows with blocks for that worst
+case; the runner moves those rows back on the device by the drafts really rejected
+(engine/runner.py). The update then resolves the 1 + v placeholders:
+
+    output_token_ids   … t5 | P P P P | P P P P      step k verified 3 drafts; k + 1 in flight
+    update(k): 2 kept  … t5 t6 t7 | P P P P          2 placeholders deleted, computed − 2
 """
 
 from __future__ import annotations

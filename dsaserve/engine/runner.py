@@ -420,7 +420,8 @@ class ModelRunner:
     def submit(self, so: SchedulerOutput) -> step_results.PendingOutput:
         """--async-scheduling: launch the step and return at once; its results come through
         a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
-        Inputs that are placeholders take the previous step's samples on the device."""
+        Requests that continue from the previous step take its samples (and drafts) on the
+        device."""
         return self._launch(so, non_blocking=True)
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
