@@ -678,7 +678,8 @@ class ModelRunner:
         for r, rid in enumerate(req_ids):
             st = self.requests[rid]
             start, n, drafts = st.num_computed_tokens, num_scheduled[rid], spec.get(rid, ())
-            if start >= len(st.token_ids):  # async: its inputs are on the device
+            continues = start >= len(st.token_ids)  # async: its inputs are on the device
+            if continues:
                 continuing.append(r)
                 seq = [PLACEHOLDER_TOKEN_ID] * n
             else:
@@ -689,27 +690,25 @@ class ModelRunner:
             starts.append(start)
             counts.append(n)
             step_tokens.append(seq)
-            samples.append(bool(continuing and continuing[-1] == r)
-                           or start + n - len(drafts) == len(st.token_ids))
+            samples.append(continues or start + n - len(drafts) == len(st.token_ids))
             num_drafts.append(len(drafts))
         input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
         if continuing:
-            meta = self._continue_on_device(input_ids, meta, qsl, [req_ids[r] for r in continuing],
-                                            continuing)
+            meta = self._continue_on_device(input_ids, meta, qsl, req_ids, continuing)
         return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples,
                       bool(continuing))
 
     def _continue_on_device(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                            qsl: list[int], req_ids: list[str], batch_index: list[int]
+                            qsl: list[int], req_ids: list[str], continuing: list[int]
                             ) -> AttentionMetadata:
-        """--async-scheduling (single rank: rows are global rows): the rows of `req_ids`
-        (batch indices `batch_index`) take the last step's emitted token and drafts on the
+        """--async-scheduling (single rank: rows are global rows): the rows of the requests at
+        `continuing` (batch indices) take the last step's emitted token and drafts on the
         device (input_ids is written in place), and with MTP move back by the drafts that step
         rejected: the host placed them as if all were accepted. The positions and write slots
         are then the device's; seq_lens stay the host's bound, keys past a row's position
         masked by its causal limit, as for the draft steps. → the metadata to run with."""
         last = self._last
-        missing = [rid for rid in req_ids if rid not in last.index]
+        missing = [req_ids[r] for r in continuing if req_ids[r] not in last.index]
         if missing:
             raise RuntimeError(f"async scheduling: request {missing[0]!r} continues from a "
                                "step that did not sample it")
@@ -717,7 +716,8 @@ class ModelRunner:
         rows: list[int] = []
         src: list[int] = []  # into [D, width] = (token, drafts) of the last step, flattened
         src_req: list[int] = []
-        for rid, r in zip(req_ids, batch_index, strict=True):
+        for r in continuing:
+            rid = req_ids[r]
             i, n = last.index[rid], qsl[r + 1] - qsl[r]
             if n > width:
                 raise RuntimeError(f"async scheduling: request {rid!r} verifies {n - 1} drafts; "

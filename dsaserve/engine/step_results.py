@@ -36,7 +36,7 @@ class DeviceSamples:
     def rejected(self) -> torch.Tensor:
         """[V] int64: verified drafts that were not accepted."""
         if self.verified is None:
-            return self.accepted
+            return torch.zeros_like(self.accepted)
         return self.verified - self.accepted
 
 
