@@ -1,7 +1,6 @@
 """benchmarks/decode.py --smoke: the decode benchmark's whole path (steady-state steps with and
-without MTP3 at synthetic acceptance 2.99, and with --async-scheduling with and without
-MTP3, the table) on the tiny
-model, on the CPU."""
+without MTP3 at synthetic acceptance 2.99, with --async-scheduling with and without MTP3, the
+table) on the tiny model, on the CPU."""
 
 from __future__ import annotations
 
