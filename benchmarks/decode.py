@@ -14,10 +14,11 @@ does not depend on their values) and the same decode step is run again and again
 * "graph": the same with the runner's own decode path (engine/decode_graph.py): the target's
   forward replayed from the CUDA graph the runner captured for this batch size at its first
   step (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
-* "async": --async-scheduling (graphs on, no MTP): step k + 1 is launched before step k's
-  results are read, its input tokens gathered on the device from step k's samples; the wall
-  time is the interval between steps in that pipeline (the host's work for one step overlaps
-  the device's for the previous one);
+* "async": --async-scheduling (graphs on, without and with MTP3): step k + 1 is launched
+  before step k's results are read, its input tokens gathered on the device from step k's
+  samples (MTP3: its last token and drafts, its rows moved back by the drafts step k
+  rejected); the wall time is the interval between steps in that pipeline (the host's work
+  for one step overlaps the device's for the previous one);
 * tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
   MTP3 at synthetic acceptance 2.99) over the step's wall time.
 """
@@ -45,7 +46,6 @@ from dsaserve.config import (
     SpecConfig,
 )
 from dsaserve.core import (
-    PLACEHOLDER_TOKEN_ID,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -149,9 +149,9 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     note = ""
     try:
         runner.execute(first)
-        if async_:  # every step's input is the token the previous step sampled (device gather)
-            for st in runner.requests.values():
-                st.token_ids[-1] = PLACEHOLDER_TOKEN_ID
+        if async_:  # every step continues from the previous one's outputs (device gathers):
+            for st in runner.requests.values():  # its token is not known on the host
+                del st.token_ids[st.num_computed_tokens :]
         for _ in range(args.warmup):  # the graph is captured at the first of them
             runner.execute(again)
         times, outs = [], []
@@ -199,10 +199,11 @@ def table(rows: list[Row], title: str) -> list[str]:
              "| context | batch | MTP3 | graph | async | step wall (ms) | GPU kernels (ms) | "
              "wall / kernels | tokens / step / user | tokens/s/user | MTP3 speed-up |",
              "|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    plain = {(r.context, r.batch, r.graph): r for r in rows if not r.mtp and not r.async_}
+    # MTP3's speed-up: against the row without MTP that runs the same way (async or not)
+    plain = {(r.context, r.batch, r.graph, r.async_): r for r in rows if not r.mtp}
     for r in rows:
         ratio = r.wall_ms / r.kernels_ms if r.kernels_ms > 0 else math.nan
-        base = plain.get((r.context, r.batch, r.graph))
+        base = plain.get((r.context, r.batch, r.graph, r.async_))
         speed = (f"{r.tokens_per_s_user / base.tokens_per_s_user:.2f}×"
                  if r.mtp and base is not None else "")
         lines.append(
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         for context in args.contexts:
             for batch in args.batches:
                 for graph in graphs:
-                    for mtp, async_ in ((False, False), (True, False), (False, True)):
+                    for mtp, async_ in ((False, False), (True, False), (False, True),
+                                        (True, True)):
                         if async_ and graph != graphs[-1]:
                             continue  # async rows: with graphs where they run
                         row = measure(model_dir, context, batch, mtp, graph, args, async_)

@@ -689,13 +689,12 @@ class EngineConfig:
             )
 
     def _validate_async_scheduling(self) -> None:
-        """--async-scheduling is built for one in-process rank and plain decode: refuse what it
-        does not cover yet, naming both flags."""
+        """--async-scheduling is built for one in-process rank (plain decode and MTP drafts):
+        refuse what it does not cover yet, naming both flags."""
         if not self.scheduler.async_scheduling:
             return
         p = self.parallel
         refused = [
-            (self.speculative is not None, "--speculative-config (MTP drafts)"),
             (p.world_size > 1, "--tensor-parallel-size / --prefill-context-parallel-size > 1 "
                                "(several ranks)"),
             (p.data_parallel_size > 1, "--data-parallel-size > 1"),

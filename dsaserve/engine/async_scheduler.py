@@ -19,6 +19,16 @@ cover only tokens known on the host (kv/manager.py), and a request that ends is 
 the tokens sync scheduling would have computed, so the prefix cache never holds a placeholder's
 block. Preemption keeps the placeholder: the request waits until its token arrives (it is
 re-admitted only in a later step, which always comes after that token's update).
+
+With MTP (k drafts) a step emits 1 to 1 + v tokens for a request verifying v drafts, which is
+unknown when the next step is scheduled. The host assumes every draft accepted: 1 + v
+placeholders, the computed count advanced by all the step's rows, and k placeholder drafts
+(proposed on the device), so the next step verifies 1 + k rows with blocks for that worst
+case; the runner moves those rows back on the device by the drafts really rejected
+(engine/runner.py). The update then resolves the 1 + v placeholders:
+
+    output_token_ids   … t5 | P P P P | P P P P      step k verified 3 drafts; k + 1 in flight
+    update(k): 2 kept  … t5 t6 t7 | P P P P          2 placeholders deleted, computed − 2
 """
 
 from __future__ import annotations
@@ -41,22 +51,27 @@ class AsyncScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.num_spec:
-            raise ValueError("AsyncScheduler: speculative decoding is not supported")
-        # per scheduled step not yet updated: (request, whether the step samples it), in order
-        self._in_flight: deque[list[tuple[Request, bool]]] = deque()
+        # per scheduled step not yet updated: (request, output tokens the step may emit for it:
+        # its placeholders, 0 when it does not sample), in order
+        self._in_flight: deque[list[tuple[Request, int]]] = deque()
 
     def schedule(self) -> SchedulerOutput:
         so = super().schedule()
-        step: list[tuple[Request, bool]] = []
+        step: list[tuple[Request, int]] = []
         for request_id, n in so.num_scheduled_tokens.items():
             req = self.requests[request_id]
-            req.num_computed_tokens += n  # their KV is written by the time anything reads it
-            samples = req.num_computed_tokens == req.num_tokens
-            if samples:
-                req.output_token_ids.append(PLACEHOLDER_TOKEN_ID)
-                req.num_output_placeholders += 1
-            step.append((req, samples))
+            # their KV is written by the time anything reads it; with drafts, as if every
+            # draft is accepted (the update takes the rejected ones back)
+            num_drafts = len(so.scheduled_spec_token_ids.get(request_id, ()))
+            req.num_computed_tokens += n
+            span = 0
+            if req.num_computed_tokens - num_drafts == req.num_tokens:  # the step samples
+                span = 1 + num_drafts
+                req.output_token_ids += [PLACEHOLDER_TOKEN_ID] * span
+                req.num_output_placeholders += span
+                # the drafts the step proposes stay on the device for the next step
+                req.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * self.num_spec
+            step.append((req, span))
         self._in_flight.append(step)
         return so
 
@@ -66,47 +81,69 @@ class AsyncScheduler(Scheduler):
         step k's, the oldest not updated); one output per request that got a token."""
         outputs = self.take_aborted_outputs()
         step = self._in_flight.popleft()
-        for req, samples in step:
+        for req, span in step:
             if req.is_finished:
                 continue  # stopped or aborted while the step ran: what it computed is dropped
-            if samples:
+            if span:
                 tokens = runner_output.sampled_token_ids.get(req.request_id)
-                if not tokens:
-                    raise RuntimeError(f"runner output: no sampled token for request "
-                                       f"{req.request_id!r}, which the step samples")
-                outputs.append(self._resolve(req, tokens[0]))
+                if not tokens or len(tokens) > span:
+                    raise RuntimeError(f"runner output: {len(tokens or ())} tokens for request "
+                                       f"{req.request_id!r}, which the step samples (1 to "
+                                       f"{span} expected)")
+                if span > 1:
+                    self._count_spec(span - 1, len(tokens) - 1)
+                outputs.append(self._resolve(req, span, tokens, runner_output))
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)  # computed blocks of host-known tokens
         return outputs
 
-    def _resolve(self, req: Request, token: int) -> RequestOutput:
-        """The oldest placeholder becomes `token`; the stop rules apply to it. A request that
-        stops drops the later placeholder and gives back every block."""
+    def _resolve(self, req: Request, span: int, tokens: list[int],
+                 runner_output: ModelRunnerOutput) -> RequestOutput:
+        """The oldest `span` placeholders become `tokens` (1 to span of them), the stop rules
+        applied to each; the placeholders of drafts rejected are taken back, and with them
+        the computed count (it counted them accepted). A request that stops drops the later
+        placeholders and gives back every block."""
         at = req.num_output_tokens
-        assert req.output_token_ids[at] == PLACEHOLDER_TOKEN_ID, "no placeholder to resolve"
-        req.output_token_ids[at] = token
-        req.num_output_placeholders -= 1
+        outs = req.output_token_ids
+        assert outs[at : at + span] == [PLACEHOLDER_TOKEN_ID] * span, "no placeholders to resolve"
+        del outs[at : at + span]
+        req.num_output_placeholders -= span
         was_running = req.status == RequestStatus.RUNNING
-        self._check_stop(req)
+        emitted: list[int] = []
+        for token in tokens:
+            outs.insert(at + len(emitted), token)
+            emitted.append(token)
+            self._check_stop(req)
+            if req.is_finished:
+                break
         if req.is_finished:
-            del req.output_token_ids[at + 1 :]
+            del outs[at + len(emitted) :]
             req.num_output_placeholders = 0
-            # as if the later step never ran: the last token's KV is not computed
+            req.spec_token_ids = []
+            # as if the later steps never ran: the last token's KV is not computed
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             (self.running if was_running else self.waiting).remove(req)
             self._release(req)
-        return self._make_output(req, (token,))
+        elif was_running:
+            req.num_computed_tokens -= span - len(emitted)  # the rejected drafts' rows
+            if not req.num_output_placeholders:  # no later step continues from its drafts
+                req.spec_token_ids = list(runner_output.draft_token_ids.get(req.request_id, ()))
+            self._rollback_blocks(req)
+        return self._make_output(req, tuple(emitted))
 
     def check_integrity(self) -> None:
         """The base invariants, and: placeholders only at the end of a request's outputs, at
-        most one per step in flight."""
+        most 1 + k per step in flight; drafts held as placeholders only while a step that
+        proposes them is in flight."""
         super().check_integrity()
         for req in self.requests.values():
             n = req.num_output_placeholders
-            if not 0 <= n <= len(self._in_flight):
+            if not 0 <= n <= len(self._in_flight) * (1 + self.num_spec):
                 raise AssertionError(f"async: {req.request_id!r} has {n} placeholders with "
                                      f"{len(self._in_flight)} steps in flight")
             outs = req.output_token_ids
             if PLACEHOLDER_TOKEN_ID in outs[: len(outs) - n] or any(
                     t != PLACEHOLDER_TOKEN_ID for t in outs[len(outs) - n :]):
                 raise AssertionError(f"async: {req.request_id!r} placeholders not at the end")
+            if PLACEHOLDER_TOKEN_ID in req.spec_token_ids and not n:
+                raise AssertionError(f"async: {req.request_id!r} holds drafts no step proposes")

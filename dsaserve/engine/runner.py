@@ -112,6 +112,26 @@ class _Batch:
     step_tokens: list[list[int]]  # [R] the rows' tokens (known, then drafts) and the next known
     num_drafts: list[int]  # [R] drafts each request verifies this step
     samples: list[bool]  # [R] whether the step reaches the request's last known token
+    continues: bool = False  # async: some rows are the last step's outputs, on the device
+
+
+@dataclass(frozen=True)
+class _LastStep:
+    """--async-scheduling: what the last step left on the device for the step launched after
+    it, per sampling request (row `index[request id]`): the last token it emitted, the drafts
+    it proposed and how many of its verified drafts it rejected. A request that continues
+    takes them as its inputs and moves its rows back by the rejected count (the host
+    scheduled it as if every draft were accepted)."""
+
+    tokens: torch.Tensor  # [D] int64
+    drafts: torch.Tensor | None  # [D, k] int64; None without MTP
+    rejected: torch.Tensor  # [D] int64: verified drafts − accepted (0 for a plain sample)
+    index: dict[str, int]
+
+    @staticmethod
+    def empty(device: torch.device) -> _LastStep:
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return _LastStep(none, None, none, {})
 
 
 @dataclass
@@ -181,9 +201,8 @@ class ModelRunner:
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
         self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
-        # the last step's plain samples ([M] int64, device) and request id → row in them
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] = (
-            torch.zeros(0, dtype=torch.int64, device=self.device), {})
+        # what the last step left on the device for a next step that continues from it
+        self._last = _LastStep.empty(self.device)
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -403,7 +422,8 @@ class ModelRunner:
     def submit(self, so: SchedulerOutput) -> step_results.PendingOutput:
         """--async-scheduling: launch the step and return at once; its results come through
         a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
-        Inputs that are placeholders take the previous step's samples on the device."""
+        Requests that continue from the previous step take its samples (and drafts) on the
+        device."""
         return self._launch(so, non_blocking=True)
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -429,6 +449,8 @@ class ModelRunner:
         # 4. speculative decoding: the MTP layer drafts the next step's tokens (at the padded
         #    size after a padded forward)
         drafts, drafting = None, []
+        last = _LastStep(samples.plain_tokens, None, torch.zeros_like(samples.plain_tokens),
+                         {req_ids[r]: i for i, r in enumerate(samples.plain)})
         if self.drafter is not None:
             inputs = self._draft_inputs(req_ids, batch, samples)
             if padded is None:
@@ -436,15 +458,17 @@ class ModelRunner:
             else:
                 drafts = self.decode_graphs.propose(inputs)
             drafting = inputs.request_ids
+            last = _LastStep(inputs.tokens, drafts,
+                             torch.cat((last.rejected, samples.rejected)),
+                             {rid: i for i, rid in enumerate(drafting)})
 
         # 5. HiSparse: the rows this step wrote join the durable host copy
         self._mirror(req_ids, batch)
 
         # 6. the step's one host sync: everything sampled, copied at once (async: started
-        #    here, waited for after the next step is launched); the sampled tokens stay on the
-        #    device for a next step that continues from them
-        self._last_sampled = (samples.plain_tokens,
-                              {req_ids[r]: i for i, r in enumerate(samples.plain)})
+        #    here, waited for after the next step is launched); the sampled tokens and drafts
+        #    stay on the device for a next step that continues from them
+        self._last = last
         return step_results.PendingOutput(
             req_ids, drafting,
             step_results.start_read_back(samples, drafts, non_blocking=non_blocking))
@@ -495,6 +519,8 @@ class ModelRunner:
                 torch.tensor(rows).flatten(),
                 torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
                 torch.tensor([batch.num_drafts[r] for r in verify])], dev)  # [M]
+            if batch.continues:  # async: drafts proposed on the device are this step's inputs
+                draft_ids = batch.input_ids[rows_d].view(len(verify), k + 1)[:, 1:]
             logits = self.model.compute_logits(hidden[rows_d])
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
             states = [self.requests[req_ids[r]] for r in verify]
@@ -505,7 +531,7 @@ class ModelRunner:
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
             emitted_lps = logits.log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
         return step_results.DeviceSamples(plain, tokens, lps, verify, accepted, emitted,
-                                          emitted_lps)
+                                          emitted_lps, num_drafts if verify else None)
 
     @staticmethod
     def _drafts_of(batch: _Batch, r: int, k: int) -> list[int]:
@@ -534,12 +560,17 @@ class ModelRunner:
         plus = torch.cat((torch.zeros(len(samples.plain), dtype=torch.int64, device=dev),
                           samples.accepted))  # [D]
         next_d, rows_d, pos_d = staging.upload_lists([next_ids, base_rows, base_pos], dev)
+        rows_d, pos_d = rows_d + plus, pos_d + plus
+        if batch.continues:  # async (single rank): rows and positions are the device's
+            following = batch.input_ids.roll(-1)  # [N] the next row's input
+            next_d = torch.where(next_d == PLACEHOLDER_TOKEN_ID, following, next_d)
+            pos_d = batch.meta.positions[rows_d]
         return DraftInputs(
             next_token_ids=next_d,
-            rows=rows_d + plus,
+            rows=rows_d,
             tokens=torch.cat((samples.plain_tokens, samples.emitted.gather(
                 1, samples.accepted[:, None])[:, 0])),
-            positions=pos_d + plus,
+            positions=pos_d,
             request_ids=[req_ids[r] for r in drafting],
             max_positions=[p + batch.num_drafts[r] for p, r in zip(base_pos, drafting,
                                                                     strict=True)],
@@ -636,46 +667,78 @@ class ModelRunner:
     def _prepare(self, req_ids: list[str], num_scheduled: dict[str, int],
                  spec: dict[str, tuple[int, ...]]) -> _Batch:
         """The step's rows: request r computes num_scheduled[r] tokens from its computed length
-        on (its known tokens, then the drafts it verifies)."""
+        on (its known tokens, then the drafts it verifies). Under --async-scheduling a request
+        whose computed length reaches past the tokens the host knows continues from the last
+        step: its rows are that step's last token and drafts, taken on the device."""
         tokens: list[int] = []
         starts: list[int] = []
         counts: list[int] = []
         step_tokens: list[list[int]] = []
         samples: list[bool] = []
         num_drafts: list[int] = []
-        for rid in req_ids:
+        continuing: list[int] = []
+        for r, rid in enumerate(req_ids):
             st = self.requests[rid]
             start, n, drafts = st.num_computed_tokens, num_scheduled[rid], spec.get(rid, ())
-            # this step's inputs and the token after them: known tokens, then drafts (a request
-            # with drafts has one known token left; a prefill chunk has no drafts)
-            seq = st.token_ids[start : start + n + 1] + list(drafts)
+            continues = start >= len(st.token_ids)  # async: its inputs are on the device
+            if continues:
+                continuing.append(r)
+                seq = [PLACEHOLDER_TOKEN_ID] * n
+            else:
+                # this step's inputs and the token after them: known tokens, then drafts (a
+                # request with drafts has one known token left; a prefill chunk has no drafts)
+                seq = st.token_ids[start : start + n + 1] + list(drafts)
             tokens += seq[:n]
             starts.append(start)
             counts.append(n)
             step_tokens.append(seq)
-            samples.append(start + n - len(drafts) == len(st.token_ids))
+            samples.append(continues or start + n - len(drafts) == len(st.token_ids))
             num_drafts.append(len(drafts))
         input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
-        # async scheduling: a request's last input may be the token the previous step sampled
-        continuing = [r for r in range(len(req_ids))
-                      if step_tokens[r][counts[r] - 1] == PLACEHOLDER_TOKEN_ID]
         if continuing:
-            self._fill_placeholders(input_ids, [qsl[r + 1] - 1 for r in continuing],
-                                    [req_ids[r] for r in continuing])
-        return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples)
+            meta = self._continue_on_device(input_ids, meta, qsl, req_ids, continuing)
+        return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples,
+                      bool(continuing))
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, rows: list[int],
-                           req_ids: list[str]) -> None:
-        """input_ids[rows] ← the tokens the previous step sampled for `req_ids`, gathered on
-        the device (the host has not read them). Single rank: rows are global rows."""
-        tokens, index = self._last_sampled  # [M] int64 on the device; request id → its row
-        missing = [rid for rid in req_ids if rid not in index]
+    def _continue_on_device(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                            qsl: list[int], req_ids: list[str], continuing: list[int]
+                            ) -> AttentionMetadata:
+        """--async-scheduling (single rank: rows are global rows): the rows of the requests at
+        `continuing` (batch indices) take the last step's emitted token and drafts on the
+        device (input_ids is written in place), and with MTP move back by the drafts that step
+        rejected: the host placed them as if all were accepted. The positions and write slots
+        are then the device's; seq_lens stay the host's bound, keys past a row's position
+        masked by its causal limit, as for the draft steps. → the metadata to run with."""
+        last = self._last
+        missing = [req_ids[r] for r in continuing if req_ids[r] not in last.index]
         if missing:
             raise RuntimeError(f"async scheduling: request {missing[0]!r} continues from a "
-                               "token the previous step did not sample")
-        rows_d, src_d = staging.upload_lists([rows, [index[rid] for rid in req_ids]],
-                                             self.device)
-        input_ids[rows_d] = tokens[src_d]
+                               "step that did not sample it")
+        width = 1 if last.drafts is None else 1 + last.drafts.shape[1]
+        rows: list[int] = []
+        src: list[int] = []  # into [D, width] = (token, drafts) of the last step, flattened
+        src_req: list[int] = []
+        for r in continuing:
+            rid = req_ids[r]
+            i, n = last.index[rid], qsl[r + 1] - qsl[r]
+            if n > width:
+                raise RuntimeError(f"async scheduling: request {rid!r} verifies {n - 1} drafts; "
+                                   f"the last step proposed {width - 1}")
+            rows += range(qsl[r], qsl[r + 1])
+            src += range(i * width, i * width + n)
+            src_req += [i] * n
+        rows_d, src_d, req_d = staging.upload_lists([rows, src, src_req], self.device)
+        inputs = last.tokens[:, None]  # [D, width]
+        if last.drafts is not None:
+            inputs = torch.cat((inputs, last.drafts), 1)
+        input_ids[rows_d] = inputs.flatten()[src_d]
+        if last.drafts is None:
+            return meta  # plain decode: the host's positions are exact
+        positions = meta.positions.index_put((rows_d,), -last.rejected[req_d], accumulate=True)
+        slots = layout.slot_mapping(positions, meta.req_indices, meta.block_table,
+                                    self.block_size, self.dcp_size, self.dcp_rank,
+                                    self.interleave)
+        return dataclasses.replace(meta, positions=positions, slot_mapping=slots)
 
     def _draft_metadata(self, req_ids: list[str], positions: torch.Tensor,
                         max_positions: list[int]) -> AttentionMetadata:

@@ -597,13 +597,18 @@ class Scheduler:
         )
 
     def _cached_request_data(self, req: Request) -> CachedRequestData:
+        """What changed for the runner: the tokens the host knows since the last diff (async
+        scheduling: placeholders are not sent; the runner takes them on the device), the new
+        blocks, and the computed length."""
         known_tokens = self._runner_num_tokens[req.request_id]
         known_blocks = self._runner_num_blocks[req.request_id]
-        self._runner_num_tokens[req.request_id] = req.num_tokens
+        num_known = req.num_tokens - req.num_output_placeholders
+        self._runner_num_tokens[req.request_id] = num_known
         self._runner_num_blocks[req.request_id] = len(req.block_ids)
+        new_tokens = _tokens_from(req, known_tokens)
         return CachedRequestData(
             request_id=req.request_id,
-            new_token_ids=_tokens_from(req, known_tokens),
+            new_token_ids=new_tokens[: len(new_tokens) - req.num_output_placeholders],
             new_block_ids=tuple(req.block_ids[known_blocks:]),
             num_computed_tokens=req.num_computed_tokens,
             num_kept_blocks=known_blocks,

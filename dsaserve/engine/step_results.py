@@ -30,6 +30,14 @@ class DeviceSamples:
     accepted: torch.Tensor  # [V] int64: drafts accepted
     emitted: torch.Tensor  # [V, k+1] int64: accepted drafts, then one more token, 0 after
     emitted_logprobs: torch.Tensor  # [V, k+1] fp32
+    verified: torch.Tensor | None = None  # [V] int64: drafts each verified (None: V = 0)
+
+    @property
+    def rejected(self) -> torch.Tensor:
+        """[V] int64: verified drafts that were not accepted."""
+        if self.verified is None:
+            return torch.zeros_like(self.accepted)
+        return self.verified - self.accepted
 
 
 @dataclass(frozen=True)

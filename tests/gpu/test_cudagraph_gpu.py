@@ -10,8 +10,9 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
 * the engine with graphs on (the runner's own padded decode path, engine/decode_graph.py) gives
   the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3 (with
   MTP3 the drafts of every padded step replayed from their own graph too);
-* with --async-scheduling (graphs on): the same greedy tokens, the graphs replayed, and the
-  launch of a decode step reads nothing on the host (its inputs gathered on the device)."""
+* with --async-scheduling (graphs on), without and with MTP3: the same greedy tokens, the graphs
+  replayed, and the launch of a decode step reads nothing on the host (its inputs, and with
+  MTP3 its drafts and positions, gathered on the device)."""
 
 from __future__ import annotations
 
@@ -169,15 +170,21 @@ def test_engine_graphs_give_eager_tokens(k):
     assert graph_out == eager_out
 
 
-def test_async_scheduling_gives_sync_tokens_with_graphs():
-    sync_out, _ = _generate(CompilationConfig(), 0)
-    async_out, engine = _generate(CompilationConfig(), 0, async_scheduling=True)
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_scheduling_gives_sync_tokens_with_graphs(k):
+    """With MTP3 the step after a verifying one takes its token and drafts on the device and
+    moves its rows back by the drafts rejected: the same greedy tokens, graphs replayed
+    (drafts' graphs too)."""
+    sync_out, _ = _generate(CompilationConfig(), k)
+    async_out, engine = _generate(CompilationConfig(), k, async_scheduling=True)
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.num_replays > 0
+    assert graphs.num_draft_replays > 0 if k else graphs.num_draft_replays == 0
     assert async_out == sync_out
 
 
-def test_async_decode_launch_does_not_sync():
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_decode_launch_does_not_sync(k):
     d = trained_model_dir()
     cfg = EngineConfig(str(d), ModelConfig.from_file(d),
                        cache=CacheConfig(block_size=64, num_gpu_blocks=64,
@@ -186,6 +193,8 @@ def test_async_decode_launch_does_not_sync():
                                                  async_scheduling=True),
                        attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
                        dtype="bfloat16", device="cuda")
+    if k:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(5, 40 + 9 * i)),

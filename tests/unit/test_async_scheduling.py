@@ -3,7 +3,9 @@ before step k's tokens are read; its inputs that continue from step k come from 
 on the device. Greedy output equals sync scheduling on the tiny presets with prefix caching,
 requests ending by max_tokens and by stop tokens at different steps, prefills joining running
 decodes and preemption; no block leaks, and no block hash covers a token the host does not know
-yet (the placeholders)."""
+yet (the placeholders). With MTP3 (draftable checkpoints) greedy output equals sync MTP3's and
+no-MTP greedy's in the same scenarios; seeded sampling is reproducible and synthetic acceptance
+keeps its acceptance length."""
 
 from __future__ import annotations
 
@@ -45,10 +47,12 @@ def _check_hashes(engine: LLMEngine) -> None:
         assert req.block_hashes == expected[: len(req.block_hashes)]
 
 
-def _run(config, params: list[SamplingParams], arrivals=_ARRIVALS
+def _run(config, params: list[SamplingParams], arrivals=_ARRIVALS, same_prompt_as=None
          ) -> tuple[dict[str, list[int]], LLMEngine]:
     """The arrivals through an engine, check_integrity and the hashes after every step; the
-    output tokens of each request and how it finished."""
+    output tokens of each request and how it finished. `same_prompt_as`: arrival → an
+    earlier arrival whose prompt it repeats."""
+    same_prompt_as = same_prompt_as or {}
     engine = LLMEngine.from_config(config)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, str | None] = {}
@@ -56,7 +60,7 @@ def _run(config, params: list[SamplingParams], arrivals=_ARRIVALS
     while step == 0 or engine.has_unfinished_requests():
         for i, (n, _, at) in enumerate(arrivals):
             if at == step:
-                engine.add_request(f"r{i}", _prompt(i, n), params[i])
+                engine.add_request(f"r{i}", _prompt(same_prompt_as.get(i, i), n), params[i])
                 outputs[f"r{i}"] = []
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
@@ -120,8 +124,10 @@ def test_async_seeded_sampling_equals_sync(engine_config, model_dirs):
     assert got == sync
 
 
-def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs):
-    engine = LLMEngine.from_config(_async(engine_config(model_dirs["tiny-glm5"])))
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs, k):
+    cfg = _async(engine_config(model_dirs["tiny-glm5"]))
+    engine = LLMEngine.from_config(_mtp(cfg, k) if k else cfg)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine.add_request("a", _prompt(0, 30), params)
     engine.add_request("b", _prompt(1, 30), params)
@@ -138,10 +144,105 @@ def test_async_abort_in_flight_leaks_nothing(engine_config, model_dirs):
     assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
 
 
-def test_async_refuses_mtp_naming_both_flags(engine_config, model_dirs):
-    cfg = engine_config(model_dirs["tiny-glm5"])
-    with pytest.raises(ConfigError, match="--async-scheduling.*--speculative-config"):
-        _async(dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=3)))
+def _mtp(config, k: int = 3, spec_json: str | None = None):
+    spec = (SpecConfig(num_speculative_tokens=k) if spec_json is None
+            else SpecConfig.from_json(spec_json))
+    return dataclasses.replace(config, speculative=spec)
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+def test_async_mtp_greedy_equals_sync_mtp_and_no_mtp(engine_config, draftable_dirs, preset):
+    """MTP3 with async scheduling: the step after a verifying step is scheduled as if every
+    draft were accepted and moved back on the device; greedy output is sync MTP3's and plain
+    greedy's, drafts are accepted, prefix hits happen."""
+    cfg = engine_config(draftable_dirs[preset], max_num_seqs=8)
+    arrivals = [*_ARRIVALS, (37, 8, 12)]  # r1's prompt again once r1 has cached its blocks
+    params, same = _greedy(arrivals=arrivals), {len(_ARRIVALS): 1}
+    plain, _ = _run(cfg, params, arrivals, same)
+    sync, _ = _run(_mtp(cfg), params, arrivals, same)
+    got, engine = _run(_async(_mtp(cfg)), params, arrivals, same)
+    assert sync == plain
+    assert got == sync
+    stats = engine.stats()
+    # drafts accepted, and some rejected: later steps' rows were moved back on the device
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.prefix_cache_hits > 0
+    assert engine.runner._last.drafts is not None
+
+
+def test_async_mtp_stop_tokens_and_max_tokens_mid_run(engine_config, draftable_dirs):
+    """Stops at different steps, inside an accepted run of drafts; max_tokens reached by a
+    step whose placeholders counted more tokens than it emitted."""
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8)
+    # joining early: MTP finishes in fewer steps, and the run ends when nothing is left
+    arrivals = [(21, 9, 0), (37, 14, 0), (5, 3, 0), (21, 11, 1), (44, 6, 2), (13, 17, 2)]
+    free, _ = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    stops = {i: free[f"r{i}"][j] for i, j in [(0, 2), (1, 6), (3, 0), (5, 9), (4, 4)]}
+    plain, _ = _run(cfg, _greedy(stops, arrivals), arrivals)
+    got, engine = _run(_async(_mtp(cfg)), _greedy(stops, arrivals), arrivals)
+    assert got == plain
+    assert [got[f"r{i}"][-1] for i in stops] == ["stop"] * len(stops)
+
+
+def test_async_mtp_with_preemption(engine_config, draftable_dirs):
+    arrivals = [(30, 40, 0), (35, 40, 0), (40, 30, 1), (25, 45, 3)]
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8, num_blocks=9,
+                        max_model_len=128)
+    plain, _ = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    got, engine = _run(_async(_mtp(cfg)), _greedy(arrivals=arrivals), arrivals)
+    assert engine.stats().num_preemptions > 0
+    assert got == plain
+
+
+def test_async_mtp_small_budget_skips_and_resumes(engine_config, draftable_dirs):
+    """A token budget smaller than the decodes' 1 + k rows: some steps verify fewer drafts
+    or skip a request; it resumes from the host-known tokens and drafts."""
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8, max_num_batched_tokens=6)
+    plain, _ = _run(cfg, _greedy())
+    got, _ = _run(_async(_mtp(cfg)), _greedy())
+    assert got == plain
+
+
+def test_async_mtp_stops_at_max_model_len(engine_config, draftable_dirs):
+    """Requests that reach max_model_len: the host's all-accepted count stops scheduling
+    them early, and they resume once the step's real count is known."""
+    arrivals = [(40, 200, 0), (52, 200, 0), (30, 200, 1)]
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8, max_model_len=64)
+    plain, _ = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    got, _ = _run(_async(_mtp(cfg)), _greedy(arrivals=arrivals), arrivals)
+    assert got == plain
+    assert all(out[-1] == "length" for out in got.values())
+
+
+def test_async_mtp_seeded_sampling_is_reproducible(engine_config, draftable_dirs):
+    """Sampling with drafts: the same seeds give the same outputs, every request its
+    max_tokens. (Not sync's tokens: near max_tokens the host counts a step in flight as
+    all-accepted and verifies fewer drafts than sync would, which draws other uniforms.)"""
+    cfg = _async(_mtp(engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8)))
+    params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.95, seed=11 + i,
+                             ignore_eos=True) for i, (_, m, _) in enumerate(_ARRIVALS)]
+    first, engine = _run(cfg, params)
+    again, _ = _run(cfg, params)
+    assert first == again
+    assert [len(out) - 1 for out in first.values()] == [m for _, m, _ in _ARRIVALS]
+    assert engine.stats().spec_decode_num_accepted_tokens > 0
+
+
+def test_async_mtp_synthetic_acceptance(engine_config, model_dirs):
+    """Random weights (real drafts are rejected), yet synthetic 2.99 accepts 1.99 drafts per
+    step: the accepted counts drawn on the device move the next step's rows as real
+    acceptance does, and the counters say so (as in sync MTP: test_spec_decode.py)."""
+    spec = ('{"method": "mtp", "num_speculative_tokens": 3, '
+            '"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 2.99}')
+    cfg = _async(_mtp(engine_config(model_dirs["tiny-glm5"]), spec_json=spec))
+    arrivals = [(21, 31, 0)]
+    got, engine = _run(cfg, _greedy(arrivals=arrivals), arrivals)
+    s = engine.stats()
+    assert len(got["r0"]) == 32 and got["r0"][-1] == "length"
+    # 30 tokens after the prefill's first: 10 steps of 3 when the 99% draft is always accepted
+    assert 10 <= s.spec_decode_num_drafts <= 12
+    assert s.spec_decode_num_accepted_tokens_per_pos[0] == s.spec_decode_num_drafts
+    assert s.spec_decode_num_accepted_tokens_per_pos[2] == 0
 
 
 def test_async_scheduling_flag(model_dirs):

@@ -1,6 +1,6 @@
 """benchmarks/decode.py --smoke: the decode benchmark's whole path (steady-state steps with and
-without MTP3 at synthetic acceptance 2.99, and with --async-scheduling, the table) on the tiny
-model, on the CPU."""
+without MTP3 at synthetic acceptance 2.99, with --async-scheduling with and without MTP3, the
+table) on the tiny model, on the CPU."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ def test_decode_benchmark_smoke(tmp_path, load_benchmark) -> None:
     out = tmp_path / "decode.md"
     assert bench.main(["--smoke", "--device", "cpu", "--out", str(out)]) == 0
     text = out.read_text()
-    assert text.count("\n| 40 |") == 6  # batches 1 and 2: plain, MTP3, async
+    assert text.count("\n| 40 |") == 8  # batches 1 and 2: plain, MTP3, async, async MTP3
     rows = [line.split("|") for line in text.splitlines() if line.startswith("| 40 |")]
     per_step = {(r[2].strip(), r[3].strip(), r[5].strip()): float(r[9]) for r in rows}
     assert per_step[("1", "no", "no")] == 1.0
     assert 2.0 <= per_step[("1", "yes", "no")] <= 3.0  # 1 + accepted drafts (synthetic 2.99)
     assert per_step[("2", "no", "yes")] == 1.0  # async: one token per step, read a step later
+    assert 2.0 <= per_step[("2", "yes", "yes")] <= 3.0  # async MTP3: drafts from the device

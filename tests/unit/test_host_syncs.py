@@ -86,12 +86,16 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     engine.check_integrity()
 
 
-def test_async_decode_step_reads_the_device_once(engine_config, model_dirs):
+@pytest.mark.parametrize("k", [None, 3])
+def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     """--async-scheduling: launching step k + 1 (its inputs gathered on the device from step k's
-    samples) reads nothing; reading step k's results is the one sync, after the launch."""
+    samples; with MTP3 also its drafts, and its rows moved back by the drafts step k rejected)
+    reads nothing; reading step k's results is the one sync, after the launch."""
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                  async_scheduling=True))
+    if k is not None:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),
@@ -100,7 +104,10 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs):
     for _ in range(3):  # prefill, then decode steps, one in flight
         engine.step()
     so = engine.scheduler.schedule()
-    assert set(so.num_scheduled_tokens.values()) == {1}, "not a decode step"
+    assert all(n == 1 + len(so.scheduled_spec_token_ids.get(rid, ()))
+               for rid, n in so.num_scheduled_tokens.items()), "not a decode step"
+    if k is not None:
+        assert so.scheduled_spec_token_ids, "no drafts verified"
     with SyncCounter(exclude=("kernels/",)) as launch:
         pending = engine.executor.submit(so)
     assert launch.count == 0, launch.report()
