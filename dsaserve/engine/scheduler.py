@@ -30,7 +30,10 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
 are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
 older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
-request is admitted only when its prefill's pages can be found.
+request is admitted only when its prefill's pages can be found. A spilled block stays in the
+prefix cache (its rows kept in the host pool after its request ends); a hit on it gives it a page
+again, which the runner fills from the host rows. Kept host blocks are evicted, least recently
+freed first, before the admitted windows would not fit the pool (`hisparse_host`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ from dsaserve.core import (
     RequestStatus,
     SchedulerOutput,
 )
-from dsaserve.kv.hisparse.admission import min_mla_pages
+from dsaserve.kv.hisparse.admission import (
+    HiSparseAdmission,
+    host_blocks_to_evict,
+    min_mla_pages,
+)
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer, receives_spilled
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
@@ -77,6 +84,7 @@ class Scheduler:
         connector: ConnectorScheduler | None = None,
         num_mla_pages: int = 0,
         hisparse_buffer_rows: int = 0,
+        hisparse_host: HiSparseAdmission | None = None,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
@@ -99,6 +107,8 @@ class Scheduler:
         # HiSparse spilling (kv/hisparse/mla_pages.py): fewer MLA pages than blocks
         self.mla: MlaPageMap | None = None
         self.hisparse_buffer_rows = hisparse_buffer_rows
+        # the runtime's host pool (blocks, window), where spilled blocks' kept rows must fit
+        self.hisparse_host = hisparse_host
         self._step = 0
         self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
         if num_mla_pages:
@@ -243,7 +253,12 @@ class Scheduler:
                 budget -= n
                 new.append(self._new_request_data(req))
 
-        # 3. the diff, with the host-tier copies to start and the MLA pages that moved
+        # 3. the diff, with the host-tier copies to start, the MLA pages that moved and the
+        #    HiSparse host blocks kept, restored or given back (room for this step's windows)
+        if self.mla is not None and self.hisparse_host is not None:
+            self.mla.evict_host_kept(host_blocks_to_evict(
+                self.hisparse_host, self._num_active(), self.mla.num_host_kept))
+        keep, restore, drop = self.mla.take_host_changes() if self.mla else ((), (), ())
         for request_id in num_scheduled:
             self._last_scheduled[request_id] = self._step
         self._step += 1
@@ -260,6 +275,9 @@ class Scheduler:
             kv_loads=loads,
             kv_recvs=recvs,
             mla_pages=self.mla.take_changes() if self.mla is not None else (),
+            host_keep=keep,
+            host_restore=restore,
+            host_drop=drop,
         )
 
     def update_from_output(
@@ -515,11 +533,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
+            # blocks received spilled are findable too: their rows are in the host window
             self.kv.cache_full_blocks(req)
-            if self.mla is not None:  # blocks received spilled are not findable (no GPU page)
-                for b in req.block_ids:
-                    if b not in self.mla.page_of:
-                        self.kv.pool.uncache(b)
             self.running.append(req)
         for request_id, reason in runner_output.kv_recvs_failed.items():
             req = self.receiving.pop(request_id, None)
@@ -719,6 +734,10 @@ class Scheduler:
         if self.mla is not None:
             self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows,
                                      self.receiving.values())
+            if self.hisparse_host is not None and host_blocks_to_evict(
+                    self.hisparse_host, self._num_active(), self.mla.num_host_kept):
+                raise AssertionError("scheduler: admitted windows and kept blocks exceed the "
+                                     "HiSparse host pool")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
         for req in self.running:
