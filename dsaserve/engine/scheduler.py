@@ -481,7 +481,7 @@ class Scheduler:
             return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
         if self.mla is not None and not self.mla.can_provide(
-                self._recv_pages_needed(req, num_hit_tokens, len(hits)), self._mla_victims(),
+                self._recv_pages_needed(req, num_hit_tokens, hits), self._mla_victims(),
                 keep=hits):
             return False
         if self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits) is None:
@@ -497,12 +497,15 @@ class Scheduler:
         self._kv_recvs.append(self.connector.recv(req, num_hit_tokens))
         return True
 
-    def _recv_pages_needed(self, req: Request, num_hit_tokens: int, num_hits: int) -> int:
-        """HiSparse spilling: MLA pages a P/D request's arrival takes beyond its hits' (which
-        have pages: they are cached): its write tail's, or every block's when it is short."""
+    def _recv_pages_needed(self, req: Request, num_hit_tokens: int, hits: list[int]) -> int:
+        """HiSparse spilling: MLA pages a P/D request's arrival takes: its write tail's, or every
+        new block's when it is short, and its spilled hits' (restored from the host pool)."""
+        assert self.mla is not None
+        restored = self.mla.num_missing(hits)
         if receives_spilled(req.num_tokens, self.hisparse_buffer_rows):
-            return cdiv(req.num_tokens, self.block_size) - (req.num_tokens - 1) // self.block_size
-        return self.kv.num_new_blocks(req, req.num_tokens - num_hit_tokens, num_hits)
+            tail = cdiv(req.num_tokens, self.block_size) - (req.num_tokens - 1) // self.block_size
+            return tail + restored
+        return self.kv.num_new_blocks(req, req.num_tokens - num_hit_tokens, len(hits)) + restored
 
     def _recv_mla_pages(self, req: Request, num_hits: int) -> None:
         """HiSparse spilling, a P/D request's blocks just allocated (disagg/hostplan.py): a
@@ -574,10 +577,11 @@ class Scheduler:
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         lookahead = self.num_lookahead if n == remaining else 0
+        # a prefill reads its GPU pages: its new blocks and spilled hits (restored) need them
         if self.mla is not None and not self.mla.can_provide(
-                self.kv.num_new_blocks(req, n + lookahead, len(hits)), self._mla_victims(),
-                keep=hits):
-            return 0  # a prefill reads its GPU pages: wait until pages are given back
+                self.kv.num_new_blocks(req, n + lookahead, len(hits))
+                + self.mla.num_missing(hits), self._mla_victims(), keep=hits):
+            return 0  # wait until pages are given back
         if self.kv.allocate_slots(req, n + lookahead, hits) is None:
             return 0
         if self.mla is not None and not self.mla.make_resident(req.block_ids,

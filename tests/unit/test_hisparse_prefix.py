@@ -22,17 +22,19 @@ from dsaserve.kv.events import KVEventSink
 from dsaserve.kv.prefix_cache import extend_block_hashes
 
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+RUNNING_AT_ONCE: dict[LLMEngine, int] = {}  # the last `run`'s most requests running at once
 
 
 class AllGpuRows(KVEventSink):
     """What an all-GPU cache holds per prefix hash: each cached block's MLA rows (every layer,
     as bytes) as its GPU page held them, recorded after every step until the hash leaves the
     prefix cache (a recomputation may then cache other last bits under it). Listens to the
-    block pool's KV events for that."""
+    block pool's KV events for that. A block received spilled (P/D) never had a page here: its
+    rows are the prefill engine's (`sent_by`, all-GPU), found there by the same hash."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, sent_by: LLMEngine | None = None) -> None:
         self.rows: dict[bytes, list[torch.Tensor]] = {}
-        self.engine = engine
+        self.engine, self.sent_by = engine, sent_by
         engine.scheduler.kv.pool.events = self
 
     def removed(self, block_hashes: list[bytes], medium: str = "GPU") -> None:
@@ -59,10 +61,16 @@ class AllGpuRows(KVEventSink):
         if spilled:
             host = engine.runner.hisparse_block_rows(spilled)
             for i, b in enumerate(spilled):
-                want = self.rows[pool.block_hash(b)]
+                want = self.rows.get(pool.block_hash(b)) or self._sent(pool.block_hash(b))
                 assert all(torch.equal(h[i], w) for h, w in zip(host, want, strict=True)), (
                     f"block {b}: its host rows are not its GPU page's")
         return len(spilled)
+
+    def _sent(self, block_hash: bytes) -> list[torch.Tensor]:
+        assert self.sent_by is not None, "a spilled block whose page was never seen"
+        b = self.sent_by.scheduler.kv.pool.lookup(block_hash)
+        assert b is not None, "the prefill engine lost a block this one keeps"
+        return [c.kv[b].view(torch.uint8) for c in self.sent_by.runner.caches]
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]], ref: AllGpuRows | None = None
@@ -73,7 +81,9 @@ def run(engine: LLMEngine, prompts: dict[str, list[int]], ref: AllGpuRows | None
         engine.add_request(rid, p, PARAMS)
     out: dict[str, list[int]] = {rid: [] for rid in prompts}
     cached: dict[str, int] = {}
+    RUNNING_AT_ONCE[engine] = 0
     while engine.has_unfinished_requests():
+        RUNNING_AT_ONCE[engine] = max(RUNNING_AT_ONCE[engine], engine.scheduler.num_running)
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
             if o.finished:
@@ -159,7 +169,7 @@ def test_host_pool_pressure_evicts_kept_blocks(model_dirs, engine_config):
     kept_before = mla.host_kept()
     assert len(kept_before) > 3  # more than the room beside two windows
     got2, _ = run(engine, {str(i): p for i, p in enumerate(prompts[2:], 2)}, rows)
-    assert got2 == want2
+    assert got2 == want2 and RUNNING_AT_ONCE[engine] == 2  # kept blocks refused no one
     # the two new windows left room for 3 kept blocks while they ran: the oldest went first
     assert not set(kept_before[:-3]) & set(mla.host_kept())
     got3, cached = run(engine, {"0.2": prompts[0] + got1["0"] + more}, rows)
@@ -167,3 +177,51 @@ def test_host_pool_pressure_evicts_kept_blocks(model_dirs, engine_config):
     assert cached["0.2"] <= ref_cached["0.2"]
     rt = engine.runner.hisparse
     assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
+
+
+def test_pd_later_turn_hits_received_spilled_blocks(model_dirs, engine_config):
+    """P/D (shm) into a spilling decode engine: turn 1's long prompt is READ into the host pool
+    (its blocks below the write tail never had a page) and stays findable, with the prefill
+    engine's bytes; turn 2 (turn 1's context and a few new tokens) hits every cached block of
+    turn 1 on the decode side, the spilled ones restored from the host pool, and only the rest
+    of its prompt is READ. Greedy output equals the aggregated engine's."""
+    from test_pd_hisparse_spill import GREEDY, _disagg, _pd_at_once
+    from test_pd_hisparse_spill import _config as pd_config
+
+    model_dir = model_dirs["tiny-glm5"]
+    plain = pd_config(engine_config, model_dir, "auto")
+    ref = LLMEngine.from_config(plain)
+    topk = ref.config.model.index_topk
+    prompt = _prompts(1, seed=25, lo=30, hi=30)[0]
+    want1 = ref.generate([prompt], GREEDY)[0]
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(pd_config(engine_config, model_dir, "auto", buffer=topk,
+                                                pages=16), disagg=_disagg("kv_consumer")))
+    try:
+        rows, worker, mla = AllGpuRows(d, sent_by=p), d.runner.connector, d.scheduler.mla
+        assert _pd_at_once(p, d, [prompt], "a", lambda: rows.check(d)) == [want1]
+        got1 = want1
+        # the blocks received spilled are kept by hash, with the prefill engine's rows (check)
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt, B, None)
+        received = hashes[: (len(prompt) - 1) // B]
+        assert {d.scheduler.kv.pool.lookup(h) for h in received} <= set(mla.host_kept())
+        assert rows.check(d) >= len(received)
+
+        turn2 = prompt + got1 + _prompts(1, seed=26, lo=6, hi=6)[0]
+        want2 = ref.generate([turn2], GREEDY)[0]
+        hits, read, restores = (d.stats().prefix_cache_hits, worker.bytes_received,
+                                mla.num_restores)
+        assert _pd_at_once(p, d, [turn2], "b", lambda: rows.check(d)) == [want2]
+        cached = d.stats().prefix_cache_hits - hits
+        # every computed block of turn 1 hit: none of the received spilled ones is READ again
+        assert cached == (len(prompt) + len(got1) - 1) // B * B
+        assert mla.num_restores - restores >= len(received)
+        per_token = d.executor.call("kv_row_bytes")[0]
+        assert worker.bytes_received - read == (len(turn2) - 1 - cached) * per_token
+        rt = d.runner.hisparse
+        assert not rt.entries and set(rt.kept) == set(mla.host_kept())
+        assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
