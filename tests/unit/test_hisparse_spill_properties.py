@@ -150,23 +150,21 @@ def one_history(data, block_size, caching, budget, max_num_seqs, spare_pages,
         sched.check_integrity()
 
     for op in range(data.draw(st.integers(1, 30), label="ops")):
-        kind = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step", "turn"]))
+        kind = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step", "turn",
+                                          "turn"]))
         done = [r for r in added if r.request_id in outputs and outputs[r.request_id][-1].finished
                 and r.request_id not in aborted]
+        tokens = None
         if kind == "turn" and done:  # a later turn: a finished request's context and more
             prev = data.draw(st.sampled_from(done))
-            context = prev.prompt_token_ids + [t for o in outputs[prev.request_id]
-                                               for t in o.new_token_ids]
-            tail = data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=6))
-            r = req(f"r{op}", (context + tail)[:MAX_MODEL_LEN - 1],
-                    max_tokens=data.draw(st.integers(1, 16)), eos=EOS,
-                    ignore_eos=data.draw(st.booleans()))
-            sched.add_request(r)
-            added.append(r)
+            tokens = prev.prompt_token_ids + [t for o in outputs[prev.request_id]
+                                              for t in o.new_token_ids]
+            tokens += data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=6))
         elif kind == "add":
             prefix = data.draw(st.sampled_from(prefixes))[:data.draw(st.integers(0, 12))]
-            tail = data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=20))
-            r = req(f"r{op}", (prefix + tail)[:MAX_MODEL_LEN - 1],
+            tokens = prefix + data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=20))
+        if tokens is not None:
+            r = req(f"r{op}", tokens[:MAX_MODEL_LEN - 1],
                     max_tokens=data.draw(st.integers(1, 16)), eos=EOS,
                     ignore_eos=data.draw(st.booleans()))
             sched.add_request(r)
