@@ -158,8 +158,10 @@ class MlaPageMap:
     def make_resident(self, block_ids: Sequence[int], victims: Iterable[int]) -> bool:
         """Give every block of `block_ids` (held by the caller's request) a page: a free page,
         else an idle cached block's (that block leaves the prefix cache), else one spilled from
-        `victims` (blocks in spill order, none of `block_ids`). False when they run out; the
-        pages found so far stay assigned (the caller preempts, which gives them back)."""
+        `victims` (blocks in spill order, none of `block_ids`). A cached block given a page is
+        a prefix hit on a spilled block: it is listed for the runner to restore from its host
+        rows. False when they run out; the pages found so far stay assigned (the caller
+        preempts, which gives them back)."""
         for b in block_ids:  # the request holds these again: their pages are not idle
             self._idle.pop(b, None)
         it: Iterator[int] = iter(victims)
@@ -181,8 +183,9 @@ class MlaPageMap:
     def freed(self, block_ids: Sequence[int]) -> None:
         """Blocks a request let go of, in table order (the pool's references already dropped):
         one that became free keeps its page while it is findable in the prefix cache, else
-        gives it back. Idle pages are taken tail blocks first, as the pool evicts blocks, so a
-        shared prefix keeps its pages longest."""
+        gives it back; a spilled one still findable becomes host-kept (the runtime keeps the
+        host block of the ending request's window). Idle pages are taken tail blocks first, as
+        the pool evicts blocks, so a shared prefix keeps its pages longest."""
         for b in reversed(block_ids):
             if self.pool.ref_count(b):
                 continue
