@@ -273,6 +273,13 @@ class SchedulerOutput:
     # HiSparse with fewer MLA pages than blocks (kv/hisparse/mla_pages.py): (block id, MLA page
     # or −1: spilled) for every block whose page changed since the last step; applied first
     mla_pages: tuple[tuple[int, int], ...] = ()
+    # HiSparse host blocks kept by prefix hash (kv/hisparse/mla_pages.py), applied after
+    # mla_pages, in this order: the spilled blocks of finished_request_ids whose host rows the
+    # runtime keeps (cached, no page); the kept or live blocks whose new page is filled from
+    # their host rows (a prefix hit); the kept blocks evicted (their host rows given back)
+    host_keep: tuple[int, ...] = ()
+    host_restore: tuple[int, ...] = ()
+    host_drop: tuple[int, ...] = ()
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -78,6 +78,9 @@ class LLMEngine:
             sched = dataclasses.replace(sched, max_num_seqs=min(sched.max_num_seqs, admits))
         # HiSparse spilling: every rank has the same MLA page count (the flag's)
         mla_pages = min(executor.call("hisparse_mla_pages")) if config.hisparse else 0
+        # and the host pool its kept blocks must fit beside the admitted windows
+        host_pool = min(executor.call("hisparse_host_spec"),
+                        key=lambda a: a.num_host_blocks) if mla_pages else None
         self.connector = self._kv_connector(dp_rank)
         # --async-scheduling: steps launched whose results are not read yet (at most one
         # between calls of step)
@@ -92,7 +95,8 @@ class LLMEngine:
                                    num_host_blocks=min(n for n, _ in host),
                                    host_block_bytes=sum(b for _, b in host),
                                    connector=self.connector, num_mla_pages=mla_pages,
-                                   hisparse_buffer_rows=config.hisparse_buffer_rows)
+                                   hisparse_buffer_rows=config.hisparse_buffer_rows,
+                                   hisparse_host=host_pool)
         eos = set(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)

@@ -30,7 +30,11 @@ from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.kv.copier import KVCopier
-from dsaserve.kv.hisparse.admission import check_admits_one, hisparse_admission
+from dsaserve.kv.hisparse.admission import (
+    HiSparseAdmission,
+    check_admits_one,
+    hisparse_admission,
+)
 from dsaserve.kv.hisparse.backend import HiSparseBackend
 from dsaserve.kv.hisparse.runtime import HiSparseRuntime, HiSparseStep
 from dsaserve.kv.host_pool import (
@@ -194,6 +198,8 @@ class ModelRunner:
                 # P/D reads land in the host pool directly (disagg/hostplan.py)
                 self.hisparse.host = self.connector.register_host_pool(self.hisparse.host)
         self.requests: dict[str, _ReqState] = {}
+        # P/D into spilling HiSparse: block ids of requests whose read was started, not added
+        self._recv_blocks: dict[str, list[int]] = {}
         self._seed_counter = config.seed
         spec = config.speculative
         self.drafter = None if spec is None else MtpDrafter(
@@ -298,6 +304,20 @@ class ModelRunner:
         """Requests the HiSparse host pool admits at once on this rank (0: HiSparse off)."""
         return 0 if self.hisparse is None else self.hisparse.max_requests
 
+    def hisparse_host_spec(self) -> HiSparseAdmission | None:
+        """This rank's host pool: its blocks and one request's window (None: HiSparse off)."""
+        rt = self.hisparse
+        return None if rt is None else HiSparseAdmission(
+            num_host_blocks=rt.num_host_blocks, blocks_per_request=rt.blocks_per_request,
+            max_requests=rt.max_requests)
+
+    def hisparse_block_rows(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """Per layer, the host pool's MLA rows of spilled blocks ([n, B, row] uint8 views):
+        kept ones', or a live holder's window. For tests, through `executor.call`."""
+        assert self.hisparse is not None
+        src = torch.tensor([self._host_source(b) for b in block_ids], dtype=torch.int64)
+        return [pool.index_select(0, src).view(torch.uint8) for pool in self.hisparse.host]
+
     def hisparse_mla_pages(self) -> int:
         """Pages of this rank's MLA cache when they are fewer than the blocks (0: no spilling)."""
         return self.num_mla_pages
@@ -400,7 +420,8 @@ class ModelRunner:
             # MLA pages and ended requests first: a read into a spilling HiSparse rank needs
             # the request's pages and a host window the ended ones give back
             self._apply_releases(so)
-            so = replace(so, mla_pages=(), finished_request_ids=())
+            so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
+                         host_restore=(), host_drop=())
             self.connector.start_receives(so.kv_recvs, self._host_dests(so.kv_recvs))
             out = self._execute_tiered(so)
             done, failed = self.connector.poll_receives()
@@ -629,6 +650,8 @@ class ModelRunner:
         reserved now, and its MLA pages (−1: spilled, its rows READ straight into the pool)."""
         if self.hisparse is None or self.mla_page_of is None:
             return {}
+        for r in recvs:  # a later prefix hit may restore a block from this window
+            self._recv_blocks[r.request_id] = list(r.block_ids)
         return {r.request_id: HostDest(
             host_blocks=tuple(self.hisparse.reserve(r.request_id)),
             mla_pages=tuple(self.mla_page_of[list(r.block_ids)].tolist())) for r in recvs}
@@ -637,10 +660,45 @@ class ModelRunner:
         if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
             blocks, pages = zip(*so.mla_pages, strict=True)
             self.mla_page_of[list(blocks)] = torch.tensor(pages, dtype=torch.int32)
+        keep = set(so.host_keep)
         for rid in so.finished_request_ids:
-            self.requests.pop(rid, None)
-            if self.hisparse is not None:
-                self.hisparse.remove(rid)
+            st = self.requests.pop(rid, None)
+            blocks = self._recv_blocks.pop(rid, st.block_ids if st is not None else [])
+            if self.hisparse is not None:  # its spilled cached blocks' host rows are kept
+                self.hisparse.remove(rid, {b: i for i, b in enumerate(blocks) if b in keep})
+        if self.hisparse is not None:
+            assert keep <= self.hisparse.kept.keys(), "a kept block's request did not end"
+            self._restore_host_blocks(so.host_restore)
+            for b in so.host_drop:
+                self.hisparse.release_kept(b)
+
+    def _restore_host_blocks(self, block_ids: tuple[int, ...]) -> None:
+        """HiSparse: prefix hits on spilled blocks got MLA pages again: fill them from the
+        host rows (a kept host block, given back after, or a live holder's window). A block
+        whose page was taken again within the same diff is only given back."""
+        assert self.hisparse is not None and self.mla_page_of is not None or not block_ids
+        pages, sources = [], []
+        for b in block_ids:
+            page = int(self.mla_page_of[b])
+            if page >= 0:
+                pages.append(page)
+                sources.append(self._host_source(b))
+        self.hisparse.restore(pages, sources)
+        for b in block_ids:
+            if b in self.hisparse.kept:
+                self.hisparse.release_kept(b)
+
+    def _host_source(self, b: int) -> int:
+        """The host block holding block b's MLA rows: kept for it, or in the window of a live
+        request holding it (which computed it, had it restored, or received it)."""
+        assert self.hisparse is not None
+        if b in self.hisparse.kept:
+            return self.hisparse.kept[b]
+        holders = [(rid, st.block_ids) for rid, st in self.requests.items()]
+        for rid, blocks in holders + list(self._recv_blocks.items()):
+            if b in blocks and rid in self.hisparse.entries:
+                return self.hisparse.host_block(rid, blocks.index(b))
+        raise RuntimeError(f"HiSparse: no host rows for block {b}")
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         self._apply_releases(so)
@@ -653,6 +711,7 @@ class ModelRunner:
                 generator=make_generator(new.sampling_params, self.device, self._seed_counter),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            self._recv_blocks.pop(new.request_id, None)
             if self.hisparse is not None:
                 self.hisparse.add(new.request_id, new.num_computed_tokens,
                                   self._mla_pages(self.requests[new.request_id]))

@@ -30,7 +30,10 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
 are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
 older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
-request is admitted only when its prefill's pages can be found.
+request is admitted only when its prefill's pages can be found. A spilled block stays in the
+prefix cache (its rows kept in the host pool after its request ends); a hit on it gives it a page
+again, which the runner fills from the host rows. Kept host blocks are evicted, least recently
+freed first, before the admitted windows would not fit the pool (`hisparse_host`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,11 @@ from dsaserve.core import (
     RequestStatus,
     SchedulerOutput,
 )
-from dsaserve.kv.hisparse.admission import min_mla_pages
+from dsaserve.kv.hisparse.admission import (
+    HiSparseAdmission,
+    host_blocks_to_evict,
+    min_mla_pages,
+)
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer, receives_spilled
 from dsaserve.kv.manager import KVCacheManager, cdiv
 from dsaserve.kv.offload import OffloadManager
@@ -77,6 +84,7 @@ class Scheduler:
         connector: ConnectorScheduler | None = None,
         num_mla_pages: int = 0,
         hisparse_buffer_rows: int = 0,
+        hisparse_host: HiSparseAdmission | None = None,
     ) -> None:
         if dcp_size < 1:
             raise ConfigError(f"--decode-context-parallel-size: must be >= 1, got {dcp_size}")
@@ -99,6 +107,8 @@ class Scheduler:
         # HiSparse spilling (kv/hisparse/mla_pages.py): fewer MLA pages than blocks
         self.mla: MlaPageMap | None = None
         self.hisparse_buffer_rows = hisparse_buffer_rows
+        # the runtime's host pool (blocks, window), where spilled blocks' kept rows must fit
+        self.hisparse_host = hisparse_host
         self._step = 0
         self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
         if num_mla_pages:
@@ -246,7 +256,12 @@ class Scheduler:
                 budget -= n
                 new.append(self._new_request_data(req))
 
-        # 3. the diff, with the host-tier copies to start and the MLA pages that moved
+        # 3. the diff, with the host-tier copies to start, the MLA pages that moved and the
+        #    HiSparse host blocks kept, restored or given back (room for this step's windows)
+        if self.mla is not None and self.hisparse_host is not None:
+            self.mla.evict_host_kept(host_blocks_to_evict(
+                self.hisparse_host, self._num_active(), self.mla.num_host_kept))
+        keep, restore, drop = self.mla.take_host_changes() if self.mla else ((), (), ())
         for request_id in num_scheduled:
             self._last_scheduled[request_id] = self._step
         self._step += 1
@@ -263,6 +278,9 @@ class Scheduler:
             kv_loads=loads,
             kv_recvs=recvs,
             mla_pages=self.mla.take_changes() if self.mla is not None else (),
+            host_keep=keep,
+            host_restore=restore,
+            host_drop=drop,
         )
 
     def update_from_output(
@@ -466,7 +484,7 @@ class Scheduler:
             return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
         if self.mla is not None and not self.mla.can_provide(
-                self._recv_pages_needed(req, num_hit_tokens, len(hits)), self._mla_victims(),
+                self._recv_pages_needed(req, num_hit_tokens, hits), self._mla_victims(),
                 keep=hits):
             return False
         if self.kv.allocate_slots(req, req.num_tokens - num_hit_tokens, hits) is None:
@@ -482,12 +500,15 @@ class Scheduler:
         self._kv_recvs.append(self.connector.recv(req, num_hit_tokens))
         return True
 
-    def _recv_pages_needed(self, req: Request, num_hit_tokens: int, num_hits: int) -> int:
-        """HiSparse spilling: MLA pages a P/D request's arrival takes beyond its hits' (which
-        have pages: they are cached): its write tail's, or every block's when it is short."""
+    def _recv_pages_needed(self, req: Request, num_hit_tokens: int, hits: list[int]) -> int:
+        """HiSparse spilling: MLA pages a P/D request's arrival takes: its write tail's, or every
+        new block's when it is short, and its spilled hits' (restored from the host pool)."""
+        assert self.mla is not None
+        restored = self.mla.num_missing(hits)
         if receives_spilled(req.num_tokens, self.hisparse_buffer_rows):
-            return cdiv(req.num_tokens, self.block_size) - (req.num_tokens - 1) // self.block_size
-        return self.kv.num_new_blocks(req, req.num_tokens - num_hit_tokens, num_hits)
+            tail = cdiv(req.num_tokens, self.block_size) - (req.num_tokens - 1) // self.block_size
+            return tail + restored
+        return self.kv.num_new_blocks(req, req.num_tokens - num_hit_tokens, len(hits)) + restored
 
     def _recv_mla_pages(self, req: Request, num_hits: int) -> None:
         """HiSparse spilling, a P/D request's blocks just allocated (disagg/hostplan.py): a
@@ -521,11 +542,8 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
+            # blocks received spilled are findable too: their rows are in the host window
             self.kv.cache_full_blocks(req)
-            if self.mla is not None:  # blocks received spilled are not findable (no GPU page)
-                for b in req.block_ids:
-                    if b not in self.mla.page_of:
-                        self.kv.pool.uncache(b)
             self.running.append(req)
         for request_id, reason in runner_output.kv_recvs_failed.items():
             req = self.receiving.pop(request_id, None)
@@ -567,10 +585,11 @@ class Scheduler:
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
         lookahead = self.num_lookahead if n == remaining else 0
+        # a prefill reads its GPU pages: its new blocks and spilled hits (restored) need them
         if self.mla is not None and not self.mla.can_provide(
-                self.kv.num_new_blocks(req, n + lookahead, len(hits)), self._mla_victims(),
-                keep=hits):
-            return 0  # a prefill reads its GPU pages: wait until pages are given back
+                self.kv.num_new_blocks(req, n + lookahead, len(hits))
+                + self.mla.num_missing(hits), self._mla_victims(), keep=hits):
+            return 0  # wait until pages are given back
         if self.kv.allocate_slots(req, n + lookahead, hits) is None:
             return 0
         if self.mla is not None and not self.mla.make_resident(req.block_ids,
@@ -732,6 +751,10 @@ class Scheduler:
         if self.mla is not None:
             self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows,
                                      self.receiving.values())
+            if self.hisparse_host is not None and host_blocks_to_evict(
+                    self.hisparse_host, self._num_active(), self.mla.num_host_kept):
+                raise AssertionError("scheduler: admitted windows and kept blocks exceed the "
+                                     "HiSparse host pool")
         if len(self.running) > self.config.max_num_seqs:
             raise AssertionError(f"scheduler: {len(self.running)} running > max_num_seqs")
         for req in self.running:

@@ -16,7 +16,7 @@ findable (stored) and every hash that allocation evicts (removed): a router repl
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dsaserve.kv.events import NULL_SINK, KVEventSink
 
@@ -38,6 +38,9 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # block hash → block id
         # Keys in LRU order (head = evicted next); an OrderedDict gives O(1) removal on touch.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Told of every block whose hash goes (allocation reuses it, or `uncache`): HiSparse
+        # gives back the host rows it kept for a spilled cached block (kv/hisparse/mla_pages.py)
+        self.on_evict: Callable[[int], None] | None = None
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -136,6 +139,8 @@ class BlockPool:
             del self._cached[block_hash]
             self._hash[block_id] = None
             self.events.removed([block_hash])
+            if self.on_evict is not None:
+                self.on_evict(block_id)
 
     # ---- invariants -----------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -23,29 +23,64 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
-def test_spilled_pages_on_cuda_equal_all_gpu(model_dirs, engine_config, preset, kv):
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PAGES = 4  # cdiv(256, 64): one max-length request; the four need 12-16 blocks together
+
+
+def _configs(model_dirs, engine_config, preset: str, kv: str):
+    """(the all-GPU engine's config, the spilling engine's)."""
     cfg = engine_config(model_dirs[preset], kv_cache_dtype=kv, block_size=64, num_blocks=64,
                         max_model_len=256, dtype="float32")
     cfg = replace(cfg, device="cuda", attention=replace(cfg.attention, backend="triton"),
                   compilation=replace(cfg.compilation, enforce_eager=True))
-    g = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = LLMEngine.from_config(cfg).generate(prompts, params)
-    pages = 4  # cdiv(256, 64): one max-length request; the four need 12-16 blocks together
     att = replace(cfg.attention, hisparse_device_buffer_size=cfg.model.index_topk,
-                  hisparse_device_mla_pages=pages, hisparse_config_given=True)
-    engine = LLMEngine.from_config(replace(cfg, attention=att,
-                                           hisparse=HiSparseConfig(host_pool_bytes=64 << 20)))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+                  hisparse_device_mla_pages=PAGES, hisparse_config_given=True)
+    return cfg, replace(cfg, attention=att, hisparse=HiSparseConfig(host_pool_bytes=64 << 20))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(21)
+    return [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
+
+
+def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+    """Step by step, every invariant checked → (outputs, most blocks held at once)."""
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, PARAMS)
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
     most_blocks = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
         most_blocks = max(most_blocks, sum(len(r.block_ids) for r in engine.scheduler.running))
         engine.check_integrity()
+    engine.step()  # an empty step tells the runner which requests ended
+    engine.check_integrity()
+    return out, most_blocks
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_spilled_pages_on_cuda_equal_all_gpu(model_dirs, engine_config, preset, kv):
+    cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
+    prompts = _prompts()
+    want = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
+    engine = LLMEngine.from_config(spilling)
+    out, most_blocks = _run(engine, {str(i): p for i, p in enumerate(prompts)})
     assert [out[str(i)] for i in range(len(prompts))] == want
-    assert engine.scheduler.mla.num_spills > 0 and most_blocks > pages
+    assert engine.scheduler.mla.num_spills > 0 and most_blocks > PAGES
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_later_turn_restores_spilled_blocks_on_cuda(model_dirs, engine_config, preset, kv):
+    """Turn 2 of a conversation whose turn 1 spilled hits its kept blocks: their pages are
+    restored from the pinned host pool (a host → device copy) and greedy output equals the
+    all-GPU engine's."""
+    cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
+    prompts = _prompts()
+    ref, engine = LLMEngine.from_config(cfg), LLMEngine.from_config(spilling)
+    turn1, _ = _run(engine, {str(i): p for i, p in enumerate(prompts)})
+    assert engine.scheduler.mla.num_host_kept > 0
+    turn2 = prompts[0] + turn1["0"] + _prompts()[1][:20]
+    out, _ = _run(engine, {"0.2": turn2})
+    assert out["0.2"] == ref.generate([turn2], PARAMS)[0]
+    assert engine.scheduler.mla.num_restores > 0

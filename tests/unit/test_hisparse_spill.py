@@ -59,10 +59,13 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     engine.step()  # an empty step tells the runner which requests ended
     engine.check_integrity()
     rt, mla = engine.runner.hisparse, engine.scheduler.mla
-    assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+    # nothing leaks: the only host blocks still held keep free cached spilled blocks' rows,
+    # and the only pages still mapped are free cached blocks' (prefix hits later)
+    assert not rt.entries and set(rt.kept) == set(mla.host_kept())
+    assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
     pool = engine.scheduler.kv.pool
-    # nothing leaks: the only pages still mapped are free cached blocks' (prefix hits later)
-    assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None for b in mla.page_of)
+    assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None
+               for b in [*mla.page_of, *rt.kept])
     return [out[str(i)] for i in range(len(prompts))], most_running, most_blocks
 
 
@@ -188,10 +191,58 @@ def test_page_map_spills_lru_and_keeps_idle_pages():
     c = pool.allocate(1)
     assert not mla.make_resident(c, iter(()))  # nothing left to take
     pool.cache_block(a[2], b"h2")
-    assert mla.make_resident(c, iter([a[2]]))  # a spill: a[2] leaves the prefix cache
-    assert a[2] not in mla.page_of and pool.lookup(b"h2") is None and mla.num_spills == 1
+    assert mla.make_resident(c, iter([a[2]]))  # a spill: a[2] stays in the prefix cache
+    assert a[2] not in mla.page_of and pool.lookup(b"h2") == a[2] and mla.num_spills == 1
     changes = dict(mla.take_changes())
     assert changes[a[2]] == -1 and changes[c[0]] >= 0 and not mla.take_changes()
+    assert mla.take_host_changes() == ((), (), ())
+
+
+def test_page_map_keeps_spilled_cached_blocks_by_hash():
+    """A spilled cached block that becomes free is host-kept (the runtime keeps its host rows);
+    a hit gives it a page again, to be restored from those rows; allocation and host-pool
+    pressure evict kept blocks, least recently freed first."""
+    pool = BlockPool(8, enable_caching=True)
+    mla = MlaPageMap(2, pool)
+    a = pool.allocate(3)
+    assert mla.make_resident(a[:2], iter(()))
+    for i, b in enumerate(a[:2]):
+        pool.cache_block(b, b"h%d" % i)
+    assert mla.make_resident(a[2:], iter(a[:2]))  # a[0] spills, still findable
+    assert pool.lookup(b"h0") == a[0] and a[0] not in mla.page_of
+    pool.free(a)
+    mla.freed(a)
+    mla.check_integrity([], 1, 1)
+    assert mla.host_kept() == [a[0]] and mla.take_host_changes() == ((a[0],), (), ())
+    # a later turn hits a[0]: it gets a page again, to be filled from the kept rows
+    pool.touch([a[0]])
+    assert mla.make_resident([a[0]], iter(()))
+    assert a[0] in mla.page_of and mla.num_restores == 1
+    mla.check_integrity([], 1, 1)
+    assert mla.take_host_changes() == ((), (a[0],), ()) and not mla.host_kept()
+    # spilled again by its holder, freed, kept; then allocation reuses the id: dropped
+    mla.spill(a[0])
+    pool.free([a[0]])
+    mla.freed([a[0]])
+    assert mla.take_host_changes() == ((a[0],), (), ())
+    rest = pool.allocate(pool.num_free_blocks)
+    assert a[0] in rest and pool.lookup(b"h0") is None
+    assert mla.take_host_changes() == ((), (), (a[0],)) and not mla.host_kept()
+    # host-pool pressure: the least recently freed kept block goes first
+    pool.free(rest)
+    mla.freed(rest)
+    mla.check_integrity([], 1, 1)
+    kept = rest[:3]
+    for i, b in enumerate(kept):
+        pool.touch([b])
+        pool.cache_block(b, b"k%d" % i)
+        pool.free([b])
+        mla.freed([b])
+    assert mla.host_kept() == kept
+    mla.evict_host_kept(2)
+    assert mla.host_kept() == kept[2:] and pool.lookup(b"k0") is None
+    assert mla.take_host_changes() == (tuple(kept), (), tuple(kept[:2]))
+    mla.check_integrity([], 1, 1)
 
 
 def test_spill_metrics():

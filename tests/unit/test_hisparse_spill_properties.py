@@ -3,7 +3,10 @@ aborts, MLA pages from the least the engine accepts upwards, hot buffers of any 
 runner keeps a token-id "MLA cache" of the map's pages and a host copy per request, as the real
 runner does (kv/hisparse/runtime.py): a step that reads its GPU pages reads every computed
 position from its page (so the page must be there and hold that token), a hot step reads the host
-copy, every written position needs a page, a prefix hit is mirrored from its pages. After every
+copy, every written position needs a page, a prefix hit is mirrored from its pages. A spilled
+block stays findable: the fake runner keeps its host rows when its request ends (`host_keep`)
+and fills its new page from them, or from a live holder's host copy, on a hit (`host_restore`),
+so a later read of that page checks the restore too. After every
 step the page map's invariants hold; at the end every request produced its reference output and
 none waited forever (no deadlock between prefills that need pages and decoders that hold them)."""
 
@@ -22,7 +25,7 @@ from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
 
 MAX_MODEL_LEN = 40
 EOS = (101,)
-SEEN = {"spills": 0, "hot_steps": 0, "prefix_hits": 0, "finished": 0}
+SEEN = {"spills": 0, "hot_steps": 0, "prefix_hits": 0, "finished": 0, "restores": 0}
 
 
 @dataclass
@@ -40,6 +43,7 @@ class SpillRunner:
         self.page_of: dict[int, int] = {}
         self.host: dict[str, dict[int, int]] = {}  # request → position → token
         self.reqs: dict[str, _Req] = {}
+        self.kept: dict[int, dict[int, int]] = {}  # block id → position → token (host-kept)
 
     def _slot(self, st: _Req, pos: int) -> int:
         block = st.block_ids[pos // self.b]
@@ -53,8 +57,24 @@ class SpillRunner:
             else:
                 self.page_of.pop(block, None)
         for rid in so.finished_request_ids:
-            self.reqs.pop(rid, None)
-            self.host.pop(rid, None)
+            st, host = self.reqs.pop(rid, None), self.host.pop(rid, None)
+            for i, block in enumerate(st.block_ids if st is not None else ()):
+                if block in so.host_keep:
+                    self.kept[block] = self._block_rows(host, i)
+        assert set(so.host_keep) <= self.kept.keys(), "a kept block's request did not end"
+        for block in so.host_restore:
+            rows = self.kept.pop(block, None)
+            if block not in self.page_of:
+                continue  # its page was taken again within the same diff
+            if rows is None:  # a live holder's host copy
+                rid, i = next((r, q.block_ids.index(block)) for r, q in self.reqs.items()
+                              if block in q.block_ids)
+                rows = self._block_rows(self.host[rid], i)
+            for p, token in rows.items():
+                self.mla[self.page_of[block] * self.b + p % self.b] = (p, token)
+            SEEN["restores"] += 1
+        for block in so.host_drop:
+            del self.kept[block]
         for new in so.new_requests:
             st = _Req(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
             self.reqs[new.request_id] = st
@@ -85,6 +105,12 @@ class SpillRunner:
             st.num_computed_tokens = start + n
             sampled[rid] = [mix(st.token_ids)] if start + n == len(st.token_ids) else []
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _block_rows(self, host: dict[int, int], i: int) -> dict[int, int]:
+        """Block i's positions → tokens from a host copy (a spilled block is all computed)."""
+        rows = {p: host.get(p) for p in range(i * self.b, (i + 1) * self.b)}
+        assert None not in rows.values(), f"block {i} is not whole in the host copy"
+        return rows
 
     def _read_page(self, st: _Req, pos: int) -> int | None:
         row = self.mla[self._slot(st, pos)]
@@ -124,11 +150,21 @@ def one_history(data, block_size, caching, budget, max_num_seqs, spare_pages,
         sched.check_integrity()
 
     for op in range(data.draw(st.integers(1, 30), label="ops")):
-        kind = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step"]))
-        if kind == "add":
+        kind = data.draw(st.sampled_from(["add", "add", "abort", "step", "step", "step", "turn",
+                                          "turn"]))
+        done = [r for r in added if r.request_id in outputs and outputs[r.request_id][-1].finished
+                and r.request_id not in aborted]
+        tokens = None
+        if kind == "turn" and done:  # a later turn: a finished request's context and more
+            prev = data.draw(st.sampled_from(done))
+            tokens = prev.prompt_token_ids + [t for o in outputs[prev.request_id]
+                                              for t in o.new_token_ids]
+            tokens += data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=6))
+        elif kind == "add":
             prefix = data.draw(st.sampled_from(prefixes))[:data.draw(st.integers(0, 12))]
-            tail = data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=20))
-            r = req(f"r{op}", (prefix + tail)[:MAX_MODEL_LEN - 1],
+            tokens = prefix + data.draw(st.lists(st.integers(0, 90), min_size=1, max_size=20))
+        if tokens is not None:
+            r = req(f"r{op}", tokens[:MAX_MODEL_LEN - 1],
                     max_tokens=data.draw(st.integers(1, 16)), eos=EOS,
                     ignore_eos=data.draw(st.booleans()))
             sched.add_request(r)
@@ -150,6 +186,8 @@ def one_history(data, block_size, caching, budget, max_num_seqs, spare_pages,
         outputs.setdefault(o.request_id, []).append(o)
     assert sched.kv.num_free_blocks == sched.kv.num_blocks, "blocks leaked"
     assert all(sched.kv.pool.ref_count(b) == 0 for b in sched.mla.page_of), "pages leaked"
+    runner.execute(sched.schedule())  # an empty step tells the runner which requests ended
+    assert set(runner.kept) == set(sched.mla.host_kept()), "kept host rows leaked"
     SEEN["spills"] += sched.mla.num_spills
     for r in added:
         outs = outputs[r.request_id]

@@ -7,6 +7,7 @@ blocks. Every invariant of both engines is checked after every step, and nothing
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -43,10 +44,10 @@ def _prompts(seed: int, lens: list[int]) -> list[list[int]]:
     return [torch.randint(4, 512, (n,), generator=g).tolist() for n in lens]
 
 
-def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str
-                ) -> list[list[int]]:
+def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str,
+                check: Callable[[], object] = lambda: None) -> list[list[int]]:
     """Every prompt prefilled (held by the producer), then all decoded together on the consumer,
-    both engines' invariants checked after every step."""
+    both engines' invariants (and `check`) checked after every step."""
     params = [offline.prefill(p, f"{tag}{i}", prompt) for i, prompt in enumerate(prompts)]
     for i, (prompt, kp) in enumerate(zip(prompts, params, strict=True)):
         d.add_request(f"{tag}{i}", prompt, GREEDY, kv_transfer_params=kp)
@@ -59,8 +60,10 @@ def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str
             p.step()
         d.check_integrity()
         p.check_integrity()
+        check()
     d.step()  # an empty step tells the runner which requests ended
     d.check_integrity()
+    check()
     return [out[f"{tag}{i}"] for i in range(len(prompts))]
 
 
@@ -122,9 +125,12 @@ def test_pd_into_spilling_hisparse_equals_aggregated(model_dirs, engine_config, 
             h, g)
         assert h > 0
 
-        assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+        # nothing leaks: host blocks still held keep free cached spilled blocks' rows
         pool, mla = d.scheduler.kv.pool, d.scheduler.mla
-        assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None for b in mla.page_of)
+        assert not rt.entries and set(rt.kept) == set(mla.host_kept())
+        assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
+        assert all(pool.ref_count(b) == 0 and pool.block_hash(b) is not None
+                   for b in [*mla.page_of, *rt.kept])
         assert not p.has_unfinished_requests()
     finally:
         p.shutdown()

@@ -3,7 +3,9 @@
 
 Admission reserves a request's whole window (`max_model_len` tokens, whole blocks) in the host
 pool, as vLLM does: a request admitted can always be mirrored to the end, and GPU pages and hot
-buffers are only a cache of it. Pure integer maths (no torch).
+buffers are only a cache of it. Host blocks that the prefix cache keeps (spilled blocks of
+ended requests) use only the room the admitted windows leave and are evicted before a window
+would not fit (`host_blocks_to_evict`). Pure integer maths (no torch).
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ def hisparse_admission(host_pool_bytes: int, mla_bytes_per_token: int, max_model
     per_request = -(-max_model_len // block_size)
     return HiSparseAdmission(num_host_blocks=num, blocks_per_request=per_request,
                              max_requests=num // per_request)
+
+
+def host_blocks_to_evict(adm: HiSparseAdmission, num_windows: int, num_kept: int) -> int:
+    """Kept host blocks (a spilled block's rows kept by its prefix hash after its request
+    ended, kv/hisparse/mla_pages.py) to give back so that `num_windows` admitted windows and
+    the rest of the kept ones fit the pool. Kept blocks live only in the room the admitted
+    windows leave, so they never lower `max_requests`: what the engine admits and `dsaserve
+    plan` prints stay this module's one function."""
+    return max(num_kept + num_windows * adm.blocks_per_request - adm.num_host_blocks, 0)
 
 
 def min_mla_pages(window_tokens: int, block_size: int) -> int:

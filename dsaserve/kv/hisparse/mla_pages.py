@@ -17,12 +17,20 @@ Rules (checked by `check_integrity`):
   buffer) has a page for every block. Only a long decoder (`reads_through_buffer` for any step
   it can take) reads through its hot buffer, and only its blocks below the write tail, held by
   it alone, are spilled, least recently scheduled request first.
-- A block in the prefix cache has a page (a later request's hit mirrors its prefix from the GPU
-  page), so a spilled block leaves the prefix cache; a free cached block keeps its page until a
-  page is needed (idle pages are taken before anything is spilled).
+- A spilled block stays in the prefix cache: its MLA rows are in the host pool and its indexer
+  keys in its GPU page. While a request holds it, the rows are in that request's host window;
+  once it is free ("host-kept"), the runtime keeps the host block that held them. A free cached
+  block with a page keeps it until a page is needed (idle pages are taken before anything is
+  spilled); an idle block whose page is taken leaves the prefix cache (no host copy is kept).
+- A prefix hit on a block without a page gives it a page again, which the runner fills from
+  the block's host rows (a restore: a host → GPU copy instead of a recomputation or a P/D
+  transfer), since a prefill reads its GPU pages. A kept host block is given back then, or when
+  its block leaves the prefix cache (allocation reuses the id, or host-pool pressure:
+  `evict_host_kept`, least recently freed first).
 
 Pure bookkeeping on the host, no torch. The runner learns the map through
-`SchedulerOutput.mla_pages` (the changes since the last step).
+`SchedulerOutput.mla_pages` (the changes since the last step), and the kept host blocks through
+`host_keep` / `host_restore` / `host_drop`.
 """
 
 from __future__ import annotations
@@ -72,10 +80,34 @@ class MlaPageMap:
         self._changes: dict[int, int] = {}  # block id → page or SPILLED, since take_changes()
         self.num_spills = 0  # blocks spilled so far (a counter for tests and stats)
         self._spilled_prefix: dict[str, int] = {}  # request id → its leading blocks spilled
+        # free (ref 0) cached blocks without a page, their MLA rows in a host block the runtime
+        # keeps for them; least recently freed first (evicted first under host-pool pressure)
+        self._host_kept: OrderedDict[int, None] = OrderedDict()
+        # since take_host_changes(): blocks newly kept, restored (given a page filled from
+        # their host rows), and kept ones evicted
+        self._keep: list[int] = []
+        self._restore: list[int] = []
+        self._drop: list[int] = []
+        self.num_restores = 0  # blocks hit without a page and restored (a counter)
+        pool.on_evict = self._evicted
 
     @property
     def num_free_pages(self) -> int:
         return len(self._free_pages)
+
+    @property
+    def num_host_kept(self) -> int:
+        return len(self._host_kept)
+
+    def host_kept(self) -> list[int]:
+        """Free cached blocks whose MLA rows only a kept host block holds, LRU first."""
+        return list(self._host_kept)
+
+    def take_host_changes(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(kept, restored, dropped) block ids since the last call: `SchedulerOutput.host_*`."""
+        out = tuple(self._keep), tuple(self._restore), tuple(self._drop)
+        self._keep, self._restore, self._drop = [], [], []
+        return out
 
     def pending_changes(self) -> dict[int, int]:
         """The changes the next `take_changes` hands out (the runner has not seen them)."""
@@ -126,8 +158,10 @@ class MlaPageMap:
     def make_resident(self, block_ids: Sequence[int], victims: Iterable[int]) -> bool:
         """Give every block of `block_ids` (held by the caller's request) a page: a free page,
         else an idle cached block's (that block leaves the prefix cache), else one spilled from
-        `victims` (blocks in spill order, none of `block_ids`). False when they run out; the
-        pages found so far stay assigned (the caller preempts, which gives them back)."""
+        `victims` (blocks in spill order, none of `block_ids`). A cached block given a page is
+        a prefix hit on a spilled block: it is listed for the runner to restore from its host
+        rows. False when they run out; the pages found so far stay assigned (the caller
+        preempts, which gives them back)."""
         for b in block_ids:  # the request holds these again: their pages are not idle
             self._idle.pop(b, None)
         it: Iterator[int] = iter(victims)
@@ -138,15 +172,27 @@ class MlaPageMap:
             if page is None:
                 return False
             self._map(b, page)
+            if self.pool.block_hash(b) is not None:  # a prefix hit on a spilled block
+                self._restore.append(b)
+                self.num_restores += 1
+                self._host_kept.pop(b, None)  # the runtime gives its host block back then
+                # a live holder's spilled prefix may have a page again: cursors are a shortcut
+                self._spilled_prefix.clear()
         return True
 
     def freed(self, block_ids: Sequence[int]) -> None:
         """Blocks a request let go of, in table order (the pool's references already dropped):
         one that became free keeps its page while it is findable in the prefix cache, else
-        gives it back. Idle pages are taken tail blocks first, as the pool evicts blocks, so a
-        shared prefix keeps its pages longest."""
+        gives it back; a spilled one still findable becomes host-kept (the runtime keeps the
+        host block of the ending request's window). Idle pages are taken tail blocks first, as
+        the pool evicts blocks, so a shared prefix keeps its pages longest."""
         for b in reversed(block_ids):
-            if self.pool.ref_count(b) or b not in self.page_of:
+            if self.pool.ref_count(b):
+                continue
+            if b not in self.page_of:  # spilled: a cached one's host rows are kept
+                if self.pool.block_hash(b) is not None and b not in self._host_kept:
+                    self._host_kept[b] = None
+                    self._keep.append(b)
                 continue
             if self.pool.block_hash(b) is not None:
                 self._idle.pop(b, None)
@@ -181,11 +227,23 @@ class MlaPageMap:
                 self._unmap(b)
 
     def spill(self, block_id: int) -> None:
-        """Drop the block's page: its rows stay in the host pool. It leaves the prefix cache."""
+        """Drop the block's page: its rows stay in the host pool, and it stays findable."""
         assert self.pool.ref_count(block_id) == 1, "only a block one request holds spills"
-        self.pool.uncache(block_id)
         self._unmap(block_id)
         self.num_spills += 1
+
+    def evict_host_kept(self, num: int) -> None:
+        """Give back `num` kept host blocks: the least recently freed kept blocks leave the
+        prefix cache (`_evicted` records the drops)."""
+        for b in list(self._host_kept)[:num]:
+            self.pool.uncache(b)
+
+    def _evicted(self, block_id: int) -> None:
+        """The pool dropped the block's hash (allocation reuses the id, or `uncache`): the host
+        block kept for it goes back."""
+        if block_id in self._host_kept:
+            del self._host_kept[block_id]
+            self._drop.append(block_id)
 
     def _map(self, block_id: int, page: int) -> None:
         self.page_of[block_id] = page
@@ -199,10 +257,11 @@ class MlaPageMap:
     def check_integrity(self, running: Iterable[Request], block_size: int,
                         buffer_rows: int, receiving: Iterable[Request] = ()) -> None:
         """Pages balance (free + mapped = total, no page twice); idle pages are exactly the free
-        blocks' pages, each findable in the prefix cache; every cached block has a page; an
-        in-use block without one is below the write tail of one long decoder holding it alone,
-        or of a long request whose prompt a P/D read is putting into the host pool
-        (`receiving`: its write tail is its last prompt token)."""
+        blocks' pages, each findable in the prefix cache; a free cached block without a page is
+        host-kept, and a host-kept block is free, cached and without a page; an in-use block
+        without one is below the write tail of one long decoder holding it alone, or of a long
+        request whose prompt a P/D read is putting into the host pool (`receiving`: its write
+        tail is its last prompt token)."""
         pages = list(self.page_of.values())
         if len(self._free_pages) + len(pages) != self.num_pages:
             raise AssertionError(f"MLA pages: {len(self._free_pages)} free + {len(pages)} mapped "
@@ -215,9 +274,11 @@ class MlaPageMap:
                                  f"page {sorted(idle)}")
         if any(self.pool.block_hash(b) is None for b in idle):
             raise AssertionError("MLA pages: a free block keeps a page but is not cached")
-        for b in range(self.pool.num_blocks):
-            if self.pool.block_hash(b) is not None and b not in self.page_of:
-                raise AssertionError(f"MLA pages: cached block {b} has no page")
+        kept = {b for b in range(self.pool.num_blocks) if self.pool.ref_count(b) == 0
+                and self.pool.block_hash(b) is not None and b not in self.page_of}
+        if kept != set(self._host_kept):
+            raise AssertionError(f"MLA pages: host-kept {sorted(self._host_kept)} != free cached "
+                                 f"blocks without a page {sorted(kept)}")
         running = list(running)
         by_id = {r.request_id: r for r in running}
         for rid, i in self._spilled_prefix.items():

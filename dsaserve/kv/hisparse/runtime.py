@@ -8,6 +8,8 @@ and the per-step description the attention backend reads (`HiSparseStep`).
         ▼                              (P/D into a spilling rank: the rows of spilled blocks
                                        are READ here directly, disagg/hostplan.py)
     host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
+        │                              (a spilled cached block of an ended request: its host
+        │                              block is kept, `kept`, and a prefix hit restores it)
         │ miss fetch (residency.resolve → gather)
         ▼
     hot buffer hot[l]  [C·P/B, B, row] region c's slot s: flat row c·P + s (s = S: trash),
@@ -96,6 +98,9 @@ class HiSparseRuntime:
         self._layer_of = {c.kv.data_ptr(): i for i, c in enumerate(caches)}
         self.entries: dict[str, _Entry] = {}
         self._free_blocks = list(range(num_host_blocks))
+        # block id → the host block keeping its MLA rows: a spilled block still in the prefix
+        # cache after the request that held it ended (the scheduler's MlaPageMap.host_kept)
+        self.kept: dict[int, int] = {}
         self._free_regions = list(range(max_requests))
         self.rows_missed = torch.zeros((), dtype=torch.int64, device=device)  # all layers, steps
         self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)  # of those
@@ -134,11 +139,37 @@ class HiSparseRuntime:
             st[region] = -1
         return blocks
 
-    def remove(self, rid: str) -> None:
+    def remove(self, rid: str, keep: dict[int, int] | None = None) -> None:
+        """The request ended: its window and region go back, except the host blocks of `keep`
+        (block id → index in its table: spilled blocks still in the prefix cache), kept."""
         e = self.entries.pop(rid, None)
-        if e is not None:
-            self._free_blocks += e.host_blocks
-            self._free_regions.append(e.region)
+        if e is None:
+            return
+        kept = set()
+        for block_id, i in (keep or {}).items():
+            assert block_id not in self.kept, f"block {block_id} is kept twice"
+            self.kept[block_id] = e.host_blocks[i]
+            kept.add(i)
+        self._free_blocks += [h for i, h in enumerate(e.host_blocks) if i not in kept]
+        self._free_regions.append(e.region)
+
+    def host_block(self, rid: str, index: int) -> int:
+        """The host block holding the rows of block `index` of the request's table."""
+        return self.entries[rid].host_blocks[index]
+
+    def release_kept(self, block_id: int) -> None:
+        """A kept block left the prefix cache or was restored: its host block goes back."""
+        self._free_blocks.append(self.kept.pop(block_id))
+
+    def restore(self, pages: list[int], host_blocks: list[int]) -> None:
+        """Fill GPU MLA pages from host blocks, every layer: a prefix hit on spilled blocks (a
+        prefill reads its GPU pages). One host → device copy per layer."""
+        if not pages:
+            return
+        dst = torch.tensor(pages, dtype=torch.int64, device=self.device)
+        src = torch.tensor(host_blocks, dtype=torch.int64)
+        for cache, pool in zip(self.caches, self.host, strict=True):
+            cache.kv.index_copy_(0, dst, pool.index_select(0, src).to(self.device))
 
     def mirror(self, ranges: dict[str, tuple[int, int, list[int]]]) -> None:
         """Copy positions [lo, hi) of each request from its GPU MLA pages to the host pool,
@@ -265,9 +296,10 @@ class HiSparseRuntime:
         request. Pools balance; only live requests hold state; the host copy equals the GPU
         pages for every computed position still resident; every hot slot holds the bytes of
         the token it records."""
-        held = sum(len(e.host_blocks) for e in self.entries.values())
-        assert len(self._free_blocks) + held == self.num_host_blocks, "host blocks leak"
-        assert len(set(self._free_blocks)) == len(self._free_blocks)
+        held = [h for e in self.entries.values() for h in e.host_blocks]
+        owned = self._free_blocks + held + list(self.kept.values())
+        assert len(owned) == self.num_host_blocks, "host blocks leak"
+        assert len(set(owned)) == len(owned), "a host block is free, reserved or kept twice"
         assert len(self._free_regions) + len(self.entries) == self.max_requests
         arriving = {rid for rid, e in self.entries.items() if e.arriving}
         assert set(self.entries) - arriving == set(requests), "HiSparse state for unknown requests"
