@@ -4,7 +4,7 @@ proxy makes over HTTP (tests, benchmarks). Either engine may be multi-rank or da
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
@@ -62,3 +62,28 @@ def generate(prefill_engine: Engine, decode_engine: Engine,
         outs.append(decode(prefill_engine, decode_engine, f"{tag}-{i}", prompt, params,
                            sampling))
     return outs
+
+
+def generate_together(prefill_engine: Engine, decode_engine: Engine,
+                      prompts: Sequence[Sequence[int]], sampling: SamplingParams,
+                      tag: str = "pd", after_step: Callable[[], None] | None = None,
+                      ) -> list[list[int]]:
+    """Every prompt prefilled first (the producer holds them all), then all decoded together on
+    the consumer, the producer stepping beside it; `after_step` runs after every step of the
+    pair (e.g. both engines' invariants). The output tokens of each."""
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    params = [prefill(prefill_engine, rid, prompt) for rid, prompt in zip(ids, prompts,
+                                                                            strict=True)]
+    for rid, prompt, kp in zip(ids, prompts, params, strict=True):
+        decode_engine.add_request(rid, prompt, sampling, kv_transfer_params=kp)
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    while decode_engine.has_unfinished_requests() or prefill_engine.has_unfinished_requests():
+        for out in decode_engine.step():
+            if out.error is not None:
+                raise RequestError(f"request {out.request_id!r}: {out.error}")
+            tokens[out.request_id] += out.new_token_ids
+        if prefill_engine.has_unfinished_requests():
+            prefill_engine.step()
+        if after_step is not None:
+            after_step()
+    return [tokens[rid] for rid in ids]

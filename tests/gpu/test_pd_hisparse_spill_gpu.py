@@ -46,19 +46,11 @@ def test_pd_into_spilling_hisparse_on_cuda(model_dirs, engine_config, preset, kv
     d = LLMEngine.from_config(replace(cfg, attention=att, disagg=disagg("kv_consumer"),
                                       hisparse=HiSparseConfig(host_pool_bytes=64 << 20)))
     try:
-        kps = [offline.prefill(p, str(i), x) for i, x in enumerate(prompts)]
-        for i, (x, kp) in enumerate(zip(prompts, kps, strict=True)):
-            d.add_request(str(i), x, params, kv_transfer_params=kp)
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        while d.has_unfinished_requests() or p.has_unfinished_requests():
-            for o in d.step():
-                assert o.error is None, o.error
-                out[o.request_id] += o.new_token_ids
-            if p.has_unfinished_requests():
-                p.step()
+        def check() -> None:
             d.check_integrity()
             p.check_integrity()
-        assert [out[str(i)] for i in range(len(prompts))] == want
+
+        assert offline.generate_together(p, d, prompts, params, after_step=check) == want
         worker = d.runner.connector
         assert worker.mla_rows_to_host == sum((len(x) - 1) // 64 * 64 for x in prompts)
         assert worker.mla_rows_to_gpu == sum((len(x) - 1) % 64 for x in prompts)

@@ -48,23 +48,16 @@ def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str,
                 check: Callable[[], object] = lambda: None) -> list[list[int]]:
     """Every prompt prefilled (held by the producer), then all decoded together on the consumer,
     both engines' invariants (and `check`) checked after every step."""
-    params = [offline.prefill(p, f"{tag}{i}", prompt) for i, prompt in enumerate(prompts)]
-    for i, (prompt, kp) in enumerate(zip(prompts, params, strict=True)):
-        d.add_request(f"{tag}{i}", prompt, GREEDY, kv_transfer_params=kp)
-    out: dict[str, list[int]] = {f"{tag}{i}": [] for i in range(len(prompts))}
-    while d.has_unfinished_requests() or p.has_unfinished_requests():
-        for o in d.step():
-            assert o.error is None, o.error
-            out[o.request_id] += o.new_token_ids
-        if p.has_unfinished_requests():
-            p.step()
+    def checks() -> None:
         d.check_integrity()
         p.check_integrity()
         check()
+
+    out = offline.generate_together(p, d, prompts, GREEDY, tag, after_step=checks)
     d.step()  # an empty step tells the runner which requests ended
     d.check_integrity()
     check()
-    return [out[f"{tag}{i}"] for i in range(len(prompts))]
+    return out
 
 
 def _expected_rows(prompt_len: int, cached: int, buffer: int) -> tuple[int, int]:
