@@ -689,15 +689,15 @@ class EngineConfig:
             )
 
     def _validate_async_scheduling(self) -> None:
-        """--async-scheduling is built for one in-process rank (plain decode and MTP drafts):
-        refuse what it does not cover yet, naming both flags."""
+        """--async-scheduling is built for plain decode and MTP drafts, on one rank or several
+        (TP, DCP, EP) and DP replicas: refuse what it does not cover yet, naming both flags."""
         if not self.scheduler.async_scheduling:
             return
         p = self.parallel
         refused = [
-            (p.world_size > 1, "--tensor-parallel-size / --prefill-context-parallel-size > 1 "
-                               "(several ranks)"),
-            (p.data_parallel_size > 1, "--data-parallel-size > 1"),
+            # a PCP rank computes only its share of a step's rows: the rows that continue from
+            # the last step's samples would have to be found among them (not built)
+            (p.prefill_context_parallel_size > 1, "--prefill-context-parallel-size > 1"),
             (self.offload.enabled, self.offload.flag),
             (self.hisparse is not None, "--kv-transfer-config HiSparseConnector"),
             (self.disagg is not None, "--kv-transfer-config NixlConnector"),

@@ -290,6 +290,15 @@ class SchedulerOutput:
         """No tokens to compute (copy jobs may still be there to start)."""
         return not self.num_scheduled_tokens
 
+    @property
+    def is_idle(self) -> bool:
+        """Nothing for the ranks at all: no tokens, no request state to drop, no copy, read or
+        page change (such a step need not reach them)."""
+        return self.is_empty and not (
+            self.new_requests or self.cached_requests or self.finished_request_ids
+            or self.kv_stores or self.kv_loads or self.kv_recvs or self.mla_pages
+            or self.host_keep or self.host_restore or self.host_drop)
+
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:

@@ -111,30 +111,43 @@ class DataParallelEngine:
 
     def step(self) -> list[RequestOutput]:
         try:
-            # 1. schedule every replica (this process, CPU only)
-            scheduled = [r.scheduler.schedule() for r in self.replicas]
-            # 2. start every replica with something to run or forget: they compute concurrently
-            busy = [not so.is_empty or bool(so.finished_request_ids) or bool(so.kv_recvs)
-                    or bool(r.scheduler.receiving)  # P/D READs in flight: polled each step
-                    or (r.scheduler.connector is not None and r.scheduler.connector.num_held > 0)
-                    for r, so in zip(self.replicas, scheduled, strict=True)]
-            for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
-                if b:
-                    replica.executor.execute_async(so)
-            # 3. collect each, advance its scheduler (aborted requests come out of idle ones too)
-            outputs: list[RequestOutput] = []
-            for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
-                runner_output = (replica.executor.collect() if b
-                                 else ModelRunnerOutput(sampled_token_ids={}))
-                outputs += replica.scheduler.update_from_output(so, runner_output)
+            outputs = self._step_async() if self.config.scheduler.async_scheduling else (
+                self._step_sync())
         except EngineDeadError:
             self.shutdown()  # one dead replica ends the engine: stop the others' workers too
             raise
-        # 4. finished requests leave their replica (aborted ones left at abort_request, and their
-        #    id may already name a new request)
+        # finished requests leave their replica (aborted ones left at abort_request, and their
+        # id may already name a new request)
         for out in outputs:
             if out.finished and out.finish_reason != "abort":
                 self._owner.pop(out.request_id, None)
+        return outputs
+
+    def _step_async(self) -> list[RequestOutput]:
+        """--async-scheduling: every replica launches step k + 1 before any reads step k's
+        results (a replica with nothing to run sends nothing to its workers)."""
+        for replica in self.replicas:
+            replica.launch_next_step()
+        return [out for replica in self.replicas for out in replica.finish_oldest_step()]
+
+    def _step_sync(self) -> list[RequestOutput]:
+        """Schedule every replica, start those with work, then collect each."""
+        # 1. schedule every replica (this process, CPU only)
+        scheduled = [r.scheduler.schedule() for r in self.replicas]
+        # 2. start every replica with something to run or forget: they compute concurrently
+        busy = [not so.is_empty or bool(so.finished_request_ids) or bool(so.kv_recvs)
+                or bool(r.scheduler.receiving)  # P/D READs in flight: polled each step
+                or (r.scheduler.connector is not None and r.scheduler.connector.num_held > 0)
+                for r, so in zip(self.replicas, scheduled, strict=True)]
+        for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
+            if b:
+                replica.executor.execute_async(so)
+        # 3. collect each, advance its scheduler (aborted requests come out of idle ones too)
+        outputs: list[RequestOutput] = []
+        for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
+            runner_output = (replica.executor.collect() if b
+                             else ModelRunnerOutput(sampled_token_ids={}))
+            outputs += replica.scheduler.update_from_output(so, runner_output)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

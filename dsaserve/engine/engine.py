@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dsaserve.config import ConfigError, EngineConfig
+from dsaserve.config import EngineConfig
 from dsaserve.core import (
     EngineStats,
     KVTransferParams,
@@ -32,7 +32,7 @@ from dsaserve.engine.async_scheduler import AsyncScheduler
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.scheduler import Scheduler
-from dsaserve.engine.step_results import PendingOutput
+from dsaserve.engine.step_results import PendingStep
 from dsaserve.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -84,10 +84,8 @@ class LLMEngine:
         self.connector = self._kv_connector(dp_rank)
         # --async-scheduling: steps launched whose results are not read yet (at most one
         # between calls of step)
-        self._in_flight: deque[tuple[SchedulerOutput, PendingOutput]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.async_scheduling = sched.async_scheduling
-        if self.async_scheduling and not isinstance(executor, InProcessExecutor):
-            raise ConfigError("--async-scheduling: needs a single in-process rank")
         scheduler_cls = AsyncScheduler if self.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(sched, config.cache, executor.num_blocks,
                                    dcp_size=config.parallel.decode_context_parallel_size,
@@ -194,17 +192,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         if self.async_scheduling:
-            return self._step_async()
+            self.launch_next_step()
+            return self.finish_oldest_step()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
-    def _step_async(self) -> list[RequestOutput]:
-        """Schedule and launch step k + 1 while step k runs, then read step k's results: the
-        outputs returned are step k's (the first call returns none)."""
-        assert isinstance(self.executor, InProcessExecutor)
+    # ---- --async-scheduling: step k + 1 launched while step k runs, then step k's results ------
+    def launch_next_step(self) -> None:
+        """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
+        the device from step k's samples)."""
         scheduler_output = self.scheduler.schedule()
         self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
+
+    def finish_oldest_step(self) -> list[RequestOutput]:
+        """Read step k's results into the scheduler → step k's outputs (none while only one step
+        was launched: only the requests aborted meanwhile)."""
         if len(self._in_flight) == 1:
             return self.scheduler.take_aborted_outputs()
         scheduler_output, pending = self._in_flight.popleft()

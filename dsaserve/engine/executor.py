@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
@@ -35,14 +36,16 @@ from dsaserve.config import EngineConfig
 from dsaserve.core import EngineDeadError, ModelRunnerOutput, SchedulerOutput
 from dsaserve.disagg.receiving import RecvTally
 from dsaserve.engine.runner import ModelRunner
-from dsaserve.engine.step_results import PendingOutput
+from dsaserve.engine.step_results import PendingOutput, PendingStep
 from dsaserve.engine.worker import (
     CallMethod,
     CallResult,
     ExecuteStep,
+    Flush,
     FromWorker,
     Shutdown,
     StepDone,
+    SubmitStep,
     ToWorker,
     WorkerError,
     WorkerReady,
@@ -71,6 +74,8 @@ class Executor(Protocol):
     def collect(self) -> ModelRunnerOutput: ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep: ...
 
     def call(self, name: str, *args: Any) -> list[Any]: ...
 
@@ -165,6 +170,10 @@ class MultiprocExecutor:
         self._poll_interval_s = poll_interval_s
         self._dead_reason: str | None = None
         self._in_flight = False  # a step was sent and not yet collected
+        # --async-scheduling: steps submitted whose results are not read, oldest first. The
+        # workers answer a step when the next one is submitted (or at a Flush), so all but the
+        # last of them have their answers on the way.
+        self._unread: deque[_SubmittedStep] = deque()
         # P/D: each rank polls its own READs; a prompt's KV arrived once every rank reported it
         self._recvs = RecvTally(self.world_size)
         self._procs: list[BaseProcess] = []
@@ -216,6 +225,36 @@ class MultiprocExecutor:
         if not self._in_flight:
             raise RuntimeError("collect: no step in flight (call execute_async first)")
         self._in_flight = False
+        return self._step_output()
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_async(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """--async-scheduling: every rank launches the step and answers the one submitted before
+        it; this step's output is read by `result()` of what is returned, in submission order.
+        A step with nothing for the ranks is not sent."""
+        if scheduler_output.is_idle:
+            return PendingOutput([], [], None)
+        self._broadcast(SubmitStep(scheduler_output))
+        step = _SubmittedStep(self)
+        self._unread.append(step)
+        return step
+
+    def _read(self, step: _SubmittedStep) -> ModelRunnerOutput:
+        """The output of `step`, the oldest submitted step not read."""
+        if not self._unread or self._unread[0] is not step:
+            raise RuntimeError("async steps' results are read in the order they were submitted")
+        if len(self._unread) == 1:  # the last one sent: the workers hold its answer
+            self._broadcast(Flush())
+        output = self._step_output()
+        self._unread.popleft()
+        return output
+
+    def _step_output(self) -> ModelRunnerOutput:
+        """Every rank's answer to one step → the engine's output (rank 0's, with what the other
+        ranks alone know merged in)."""
         replies = self._gather(StepDone)
         output = replies[0].output
         assert output is not None, "rank 0 answered a step without its output"
@@ -223,13 +262,11 @@ class MultiprocExecutor:
         done, failed = self._recvs.merge([r.output for r in replies if r.output is not None])
         return replace(merged, kv_recvs_done=done, kv_recvs_failed=failed)
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.execute_async(scheduler_output)
-        return self.collect()
-
     def call(self, name: str, *args: Any) -> list[Any]:
         """`getattr(runner, name)(*args)` on every rank; the results in rank order. An exception on
         any rank is fatal, like one in a step (ranks could otherwise diverge)."""
+        if len(self._unread) > 1:
+            raise RuntimeError(f"call {name!r}: a submitted step's answer is unread")
         self._broadcast(CallMethod(name, tuple(args)))
         return [reply.value for reply in self._gather(CallResult)]
 
@@ -245,6 +282,8 @@ class MultiprocExecutor:
             raise EngineDeadError(self._dead_reason)
         if self._in_flight:
             raise RuntimeError(f"{type(message).__name__}: the previous step was not collected")
+        if self._unread and isinstance(message, ExecuteStep):
+            raise RuntimeError("ExecuteStep: submitted steps are in flight (--async-scheduling)")
         for rank, proc in enumerate(self._procs):  # a rank that died while we were idle
             if not proc.is_alive():
                 self._fail(rank)
@@ -325,6 +364,20 @@ class MultiprocExecutor:
         if self._dead_reason is None:
             self._dead_reason = "the engine's workers were stopped"
         self._finalizer()
+
+
+class _SubmittedStep:
+    """A step submitted to the workers (--async-scheduling); `result()` reads its output once."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self._executor: MultiprocExecutor | None = executor
+        self._output: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._executor is not None:
+            self._output, self._executor = self._executor._read(self), None
+        assert self._output is not None
+        return self._output
 
 
 def _pending_report(conn: Connection) -> WorkerError | None:

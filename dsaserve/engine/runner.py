@@ -582,7 +582,7 @@ class ModelRunner:
                           samples.accepted))  # [D]
         next_d, rows_d, pos_d = staging.upload_lists([next_ids, base_rows, base_pos], dev)
         rows_d, pos_d = rows_d + plus, pos_d + plus
-        if batch.continues:  # async (single rank): rows and positions are the device's
+        if batch.continues:  # async (no PCP: rows are global): the device's rows, positions
             following = batch.input_ids.roll(-1)  # [N] the next row's input
             next_d = torch.where(next_d == PLACEHOLDER_TOKEN_ID, following, next_d)
             pos_d = batch.meta.positions[rows_d]
@@ -762,10 +762,11 @@ class ModelRunner:
     def _continue_on_device(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                             qsl: list[int], req_ids: list[str], continuing: list[int]
                             ) -> AttentionMetadata:
-        """--async-scheduling (single rank: rows are global rows): the rows of the requests at
-        `continuing` (batch indices) take the last step's emitted token and drafts on the
-        device (input_ids is written in place), and with MTP move back by the drafts that step
-        rejected: the host placed them as if all were accepted. The positions and write slots
+        """--async-scheduling: the rows of the requests at `continuing` (batch indices) take the
+        last step's emitted token and drafts on the device (input_ids is written in place), and
+        with MTP move back by the drafts that step rejected: the host placed them as if all were
+        accepted. Each rank takes its own samples: every rank sampled the same tokens from the
+        same logits and per-request generators, and without PCP its rows are the global rows. The positions and write slots
         are then the device's; seq_lens stay the host's bound, keys past a row's position
         masked by its causal limit, as for the draft steps. → the metadata to run with."""
         last = self._last

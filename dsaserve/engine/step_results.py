@@ -13,6 +13,7 @@ the host waits for it one engine step later, after scheduling and launching the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -127,6 +128,13 @@ def _unpack(samples: DeviceSamples, drafts_shape: tuple[int, ...] | None,
         rest = take(d * k)
         out_drafts = [[int(t) for t in rest[i * k : (i + 1) * k]] for i in range(d)]
     return HostSamples(tokens, logprobs, out_drafts)
+
+
+class PendingStep(Protocol):
+    """A launched step whose ModelRunnerOutput is read later (--async-scheduling): one rank's
+    (PendingOutput) or every rank's (engine/executor.py)."""
+
+    def result(self) -> ModelRunnerOutput: ...
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ and obeys the engine core's control-plane messages in lock-step with the other r
              gather WorkerReady  ◄── WorkerReady(r, num_blocks)
     ExecuteStep(so) to every rank ──►             runner.execute(so)   (collectives inside)
              gather StepDone     ◄── StepDone(r, output if r == 0 else None)
+    SubmitStep(so_k+1) ──────────►                runner.submit(so_k+1): launched, not waited
+             gather StepDone     ◄── StepDone(r, step k's output)  (--async-scheduling)
+    Flush ───────────────────────►                the last submitted step's output, now
+             gather StepDone     ◄── StepDone(r, …)
     CallMethod(name, args) ──────►                getattr(runner, name)(*args)
              gather CallResult   ◄── CallResult(r, value)
     Shutdown ────────────────────►                destroy the process group, exit 0
@@ -38,6 +42,7 @@ import torch.distributed as dist
 from dsaserve.config import EngineConfig
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.step_results import PendingOutput
 from dsaserve.parallel.groups import ParallelGroups
 
 
@@ -47,6 +52,20 @@ from dsaserve.parallel.groups import ParallelGroups
 @dataclass(frozen=True)
 class ExecuteStep:
     scheduler_output: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SubmitStep:
+    """--async-scheduling: launch the step, then answer the step submitted before it (whose
+    results are read while this one runs); the first one in flight is answered by the next
+    SubmitStep or by a Flush."""
+
+    scheduler_output: SchedulerOutput
+
+
+@dataclass(frozen=True)
+class Flush:
+    """Answer the last submitted step now (the engine has nothing to submit after it)."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,7 @@ class WorkerError:
     traceback: str
 
 
-ToWorker = ExecuteStep | CallMethod | Shutdown
+ToWorker = ExecuteStep | SubmitStep | Flush | CallMethod | Shutdown
 FromWorker = WorkerReady | StepDone | CallResult | WorkerError
 
 
@@ -132,6 +151,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     try:
         runner = _start(spec)
         send(conn, WorkerReady(spec.rank, runner.num_blocks))
+        steps = _Submitted()
         while True:
             try:
                 message = recv(conn)
@@ -140,7 +160,9 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
             if isinstance(message, Shutdown):
                 runner.close()
                 break
-            send(conn, _handle(runner, spec.rank, message))
+            reply = _handle(runner, spec.rank, message, steps)
+            if reply is not None:
+                send(conn, reply)
     except BaseException:
         try:
             send(conn, WorkerError(spec.rank, traceback.format_exc()))
@@ -169,21 +191,46 @@ def _start(spec: WorkerSpec) -> ModelRunner:
     return ModelRunner(spec.config, groups=groups, device=device)
 
 
-def _handle(runner: ModelRunner, rank: int, message: ToWorker) -> FromWorker:
+class _Submitted:
+    """--async-scheduling: the step launched last, whose results this rank has not sent."""
+
+    def __init__(self) -> None:
+        self.pending: PendingOutput | None = None
+
+    def swap(self, launched: PendingOutput | None) -> PendingOutput | None:
+        previous, self.pending = self.pending, launched
+        return previous
+
+
+def _handle(runner: ModelRunner, rank: int, message: ToWorker,
+            steps: _Submitted) -> FromWorker | None:
     if isinstance(message, ExecuteStep):
-        output = runner.execute(message.scheduler_output)
-        if rank != 0 and (runner.copier is not None or runner.connector is not None):
-            # only the host-tier copy counts and the P/D reads this rank settled matter
-            output = ModelRunnerOutput(sampled_token_ids={},
-                                       num_kv_loads_done=output.num_kv_loads_done,
-                                       num_kv_stores_done=output.num_kv_stores_done,
-                                       kv_recvs_done=output.kv_recvs_done,
-                                       kv_recvs_failed=output.kv_recvs_failed)
-        keep = rank == 0 or runner.copier is not None or runner.connector is not None
-        return StepDone(rank, output if keep else None)
+        return _step_done(runner, rank, runner.execute(message.scheduler_output))
+    if isinstance(message, SubmitStep):
+        # launch step k + 1 first: reading step k's results (its one sync) then overlaps it
+        previous = steps.swap(runner.submit(message.scheduler_output))
+        return None if previous is None else _step_done(runner, rank, previous.result())
+    if isinstance(message, Flush):
+        previous = steps.swap(None)
+        if previous is None:
+            raise RuntimeError(f"worker rank {rank}: Flush with no step in flight")
+        return _step_done(runner, rank, previous.result())
     if isinstance(message, CallMethod):
         return CallResult(rank, getattr(runner, message.name)(*message.args))
     raise TypeError(f"worker rank {rank}: unexpected message {type(message).__name__}")
+
+
+def _step_done(runner: ModelRunner, rank: int, output: ModelRunnerOutput) -> StepDone:
+    """A step's answer: rank 0's output; an ack from the others, or what only they know."""
+    if rank != 0 and (runner.copier is not None or runner.connector is not None):
+        # only the host-tier copy counts and the P/D reads this rank settled matter
+        output = ModelRunnerOutput(sampled_token_ids={},
+                                   num_kv_loads_done=output.num_kv_loads_done,
+                                   num_kv_stores_done=output.num_kv_stores_done,
+                                   kv_recvs_done=output.kv_recvs_done,
+                                   kv_recvs_failed=output.kv_recvs_failed)
+    keep = rank == 0 or runner.copier is not None or runner.connector is not None
+    return StepDone(rank, output if keep else None)
 
 
 def _stop_distributed() -> None:

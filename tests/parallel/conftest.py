@@ -92,6 +92,27 @@ def _hang_guard(seconds: int) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def draftable(draftable_dirs) -> Path:
+    """The tiny GLM-5 checkpoint whose MTP drafts are often accepted (tests/conftest.py)."""
+    return draftable_dirs["tiny-glm5"]
+
+
+@pytest.fixture(scope="session")
+def draftable_reference(draftable, prompts) -> list[list[int]]:
+    """The draftable checkpoint's greedy outputs: single rank, no drafts, one request at a time."""
+    from dsaserve.engine.engine import LLMEngine
+
+    base = _build_config(draftable)
+    config = EngineConfig(base.model_path, base.model,
+                          cache=CacheConfig(block_size=16, num_gpu_blocks=64,
+                                            enable_prefix_caching=False),
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256),
+                          attention=base.attention)
+    engine = LLMEngine.from_config(config)
+    return [engine.generate([p], GREEDY)[0] for p in prompts]
+
+
+@pytest.fixture(scope="session")
 def greedy() -> SamplingParams:
     return GREEDY
 

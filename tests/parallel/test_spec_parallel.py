@@ -10,29 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from dsaserve.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from dsaserve.config import SpecConfig
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
 
 pytestmark = pytest.mark.parallel
-
-
-@pytest.fixture(scope="module")
-def draftable(draftable_dirs):
-    return draftable_dirs["tiny-glm5"]
-
-
-@pytest.fixture(scope="module")
-def draftable_reference(draftable, parallel_config, prompts, greedy) -> list[list[int]]:
-    """Single rank, no drafts, one request at a time."""
-    base = dataclasses.replace(parallel_config(), model_path=str(draftable))
-    config = EngineConfig(base.model_path, base.model,
-                          cache=CacheConfig(block_size=16, num_gpu_blocks=64,
-                                            enable_prefix_caching=False),
-                          scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=256),
-                          attention=base.attention)
-    engine = LLMEngine.from_config(config)
-    return [engine.generate([p], greedy)[0] for p in prompts]
 
 
 LAYOUTS = {

@@ -252,6 +252,8 @@ def test_async_scheduling_flag(model_dirs):
     assert not engine_config_from_args(parser.parse_args(base), model).scheduler.async_scheduling
     cfg = engine_config_from_args(parser.parse_args([*base, "--async-scheduling"]), model)
     assert cfg.scheduler.async_scheduling
-    with pytest.raises(ConfigError, match="--async-scheduling.*--tensor-parallel-size"):
-        engine_config_from_args(parser.parse_args([*base, "--async-scheduling", "-tp", "2"]),
-                                model)
+    several = [*base, "--async-scheduling", "-tp", "2", "--data-parallel-size", "2"]
+    assert engine_config_from_args(parser.parse_args(several), model).scheduler.async_scheduling
+    with pytest.raises(ConfigError, match="--async-scheduling.*--prefill-context-parallel-size"):
+        engine_config_from_args(parser.parse_args(
+            [*base, "--async-scheduling", "--prefill-context-parallel-size", "2"]), model)
