@@ -43,7 +43,7 @@ if [ "$part" = 1 ]; then
     run 70 offload_pieces python benchmarks/offload.py --tables decode
 else
     run 90 residency python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_hisparse_residency_gpu.py
+        tests/gpu/test_hisparse_residency_gpu.py tests/gpu/test_hisparse_fetch_gpu.py
     run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
     run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
     run 150 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,64 \

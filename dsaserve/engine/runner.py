@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsaserve.config import EngineConfig, ModelConfig
@@ -185,8 +186,9 @@ class ModelRunner:
         self.num_mla_pages = config.attention.hisparse_device_mla_pages or 0
         self.num_blocks = self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
-        # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id
-        self.mla_page_of = (torch.full((self.num_blocks,), -1, dtype=torch.int32)
+        # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id.
+        # Host bookkeeping (numpy: reading it is never a device read)
+        self.mla_page_of = (np.full(self.num_blocks, -1, dtype=np.int32)
                             if self.num_mla_pages else None)
         self.connector = self._kv_connector()  # None without a P/D --kv-transfer-config
         self.copier = self._host_tier()  # None without --kv-offloading-size
@@ -347,7 +349,7 @@ class ModelRunner:
         spilling."""
         if self.mla_page_of is None:
             return st.block_ids
-        return self.mla_page_of[_host_ints(st.block_ids, "i", torch.int32).long()].tolist()
+        return self.mla_page_of[st.block_ids].tolist()
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
@@ -659,7 +661,7 @@ class ModelRunner:
     def _apply_releases(self, so: SchedulerOutput) -> None:
         if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
             blocks, pages = zip(*so.mla_pages, strict=True)
-            self.mla_page_of[list(blocks)] = torch.tensor(pages, dtype=torch.int32)
+            self.mla_page_of[list(blocks)] = pages
         keep = set(so.host_keep)
         for rid in so.finished_request_ids:
             st = self.requests.pop(rid, None)
@@ -766,9 +768,10 @@ class ModelRunner:
         last step's emitted token and drafts on the device (input_ids is written in place), and
         with MTP move back by the drafts that step rejected: the host placed them as if all were
         accepted. Each rank takes its own samples: every rank sampled the same tokens from the
-        same logits and per-request generators, and without PCP its rows are the global rows. The positions and write slots
-        are then the device's; seq_lens stay the host's bound, keys past a row's position
-        masked by its causal limit, as for the draft steps. → the metadata to run with."""
+        same logits and per-request generators, and without PCP its rows are the global rows.
+        The positions and write slots are then the device's; seq_lens stay the host's bound,
+        keys past a row's position masked by its causal limit, as for the draft steps. → the
+        metadata to run with."""
         last = self._last
         missing = [req_ids[r] for r in continuing if req_ids[r] not in last.index]
         if missing:
@@ -850,7 +853,8 @@ class ModelRunner:
         )
         mla_host: list[torch.Tensor] = []
         if self.mla_page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
-            mla_table = torch.where(table >= 0, self.mla_page_of[table.clamp(min=0).long()], -1)
+            page_of = torch.from_numpy(self.mla_page_of)  # [num_blocks] int32, shared
+            mla_table = torch.where(table >= 0, page_of[table.clamp(min=0).long()], -1)
             mla_slots = layout.slot_mapping(pos_t, req_t, mla_table, self.block_size,
                                             self.dcp_size, self.dcp_rank, self.interleave)
             mla_host = [mla_table, mla_slots]  # [R, max_blocks] pages (−1: spilled), [N]

@@ -1,12 +1,13 @@
-"""HiSparse's zero-copy fetch on the GPU: rows read in place from the mapped pinned host pool
-equal the reference fetch's, for fp8_ds_mla and bf16 rows; and the fetch does not synchronise."""
+"""HiSparse's zero-copy fetch and mirror on the GPU: rows read in place from the mapped pinned
+host pool equal the reference fetch's, and rows written in place into it equal index_copy_'s,
+for fp8_ds_mla and bf16 rows; neither synchronises."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsaserve.kv.hisparse.fetch import fetch_rows, fetch_rows_reference
+from dsaserve.kv.hisparse.fetch import fetch_rows, fetch_rows_reference, mirror_rows
 from dsaserve.kv.host_pool import pin_host_memory
 
 pytestmark = pytest.mark.gpu
@@ -43,4 +44,30 @@ def test_zero_copy_fetch_matches_the_reference(g, row_shape, dtype) -> None:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    del owner
+
+
+@pytest.mark.parametrize("row_shape,dtype", [((656,), torch.uint8), ((576,), torch.bfloat16)])
+def test_zero_copy_mirror_matches_index_copy(g, row_shape, dtype) -> None:
+    owner = _Owner()
+    pools = [torch.zeros(4096, *row_shape, dtype=dtype) for _ in range(2)]
+    for pool in pools:
+        pin_host_memory(owner, pool.view(torch.uint8).view(-1), "--test")
+    gpus = [torch.randint(0, 256, (2048, *row_shape), dtype=torch.uint8, device="cuda")
+            .view(dtype) for _ in range(2)]
+    n = 3000
+    host_idx = torch.randperm(4096, device="cuda", generator=g)[:n]  # distinct destinations
+    gpu_idx = torch.randint(0, 2048, (n,), device="cuda", generator=g)
+    want = [p.clone() for p in pools]
+    for w, gpu in zip(want, gpus, strict=True):
+        w.index_copy_(0, host_idx.cpu(), gpu.index_select(0, gpu_idx).cpu())
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mirror_rows(list(zip(pools, gpus, strict=True)), host_idx, gpu_idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for got, w in zip(pools, want, strict=True):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8))
     del owner

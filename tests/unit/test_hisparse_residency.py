@@ -113,3 +113,18 @@ def test_union_positions_beside_a_long_chunk():
     rank = torch.tensor([0, 1, 2, 3, 0])
     u = union_positions(topk, region, rank, 1, 1)
     assert u.tolist() == [[5, 6]]
+
+
+def test_resident_runs_skip_spilled_blocks_and_join_neighbours():
+    from dsaserve.kv.hisparse.runtime import _resident_runs
+
+    assert _resident_runs(2, 19, [3, -1, -1, 7, 2], 4) == [(2, 4), (12, 19)]
+    assert _resident_runs(0, 8, [-1, -1], 4) == []
+    assert _resident_runs(5, 5, [1, 2], 4) == []
+    assert _resident_runs(1, 11, [0, 1, -1], 4) == [(1, 8)]
+    for pages in ([0, -1, 2, 3, -1, 5], [-1, 1, -1, 3, 4, -1]):  # against a loop per position
+        for lo in range(0, 24, 3):
+            for hi in range(lo, 25, 5):
+                runs = _resident_runs(lo, hi, pages, 4)
+                got = [p for first, end in runs for p in range(first, end)]
+                assert got == [p for p in range(lo, hi) if pages[p // 4] >= 0]

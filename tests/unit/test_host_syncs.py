@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsaserve.config import SpecConfig
+from dsaserve.config import HiSparseConfig, SpecConfig
 from dsaserve.core import SamplingParams
 from dsaserve.engine import step_results
 from dsaserve.engine.engine import LLMEngine
@@ -124,6 +124,37 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("mla_pages", [None, 12])
+def test_hisparse_decode_step_reads_the_device_once(engine_config, model_dirs, mla_pages):
+    """A HiSparse decode step with misses (contexts beyond the hot buffer), its MLA pages
+    spilling or not: the residency, the fetch and the mirror of the rows written into the host
+    pool read nothing (on CUDA both moves are zero-copy kernels; kv/hisparse/fetch.py's CPU
+    fallback sizes its gather from the data, excluded); the results' copy is the one sync."""
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4, max_model_len=160)
+    topk = cfg.model.index_topk
+    att = dataclasses.replace(cfg.attention, hisparse_device_buffer_size=topk,
+                              hisparse_device_mla_pages=mla_pages, hisparse_config_given=True)
+    engine = LLMEngine.from_config(dataclasses.replace(
+        cfg, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20)))
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        engine.add_request(f"r{i}", torch.randint(4, 512, (60 + 13 * i,), generator=g).tolist(),
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    so = engine.scheduler.schedule()
+    assert set(so.num_scheduled_tokens.values()) == {1}, "not a decode step"
+    missed = int(engine.runner.hisparse.rows_missed)
+    with SyncCounter(exclude=("kernels/", "kv/hisparse/fetch.py")) as syncs:
+        out = engine.runner.execute(so)
+    assert syncs.count == 1, syncs.report()
+    assert int(engine.runner.hisparse.rows_missed) > missed, "no row was fetched"
+    engine.scheduler.update_from_output(so, out)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
 
 
 def test_residency_step_reads_nothing_from_the_device():

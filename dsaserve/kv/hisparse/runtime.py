@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsaserve.kv.hisparse.fetch import fetch_rows
+from dsaserve.engine import staging
+from dsaserve.kv.hisparse.fetch import fetch_rows, mirror_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
 from dsaserve.kv.hisparse.residency import resolve_step
 from dsaserve.kv.host_pool import pin_host_memory
@@ -173,29 +174,27 @@ class HiSparseRuntime:
 
     def mirror(self, ranges: dict[str, tuple[int, int, list[int]]]) -> None:
         """Copy positions [lo, hi) of each request from its GPU MLA pages to the host pool,
-        every layer. Positions of spilled blocks (page −1) are skipped: their rows are in the
-        pool already (mirrored before the spill, or read there directly by P/D)."""
+        every layer, on the device (`fetch.mirror_rows`: no host sync). Positions of spilled
+        blocks (page −1) are skipped: their rows are in the pool already (mirrored before the
+        spill, or read there directly by P/D)."""
         gpu, host = [], []
         b = self.block_size
         for rid, (lo, hi, pages) in ranges.items():
-            hi = min(hi, len(pages) * b)
-            if hi <= lo:
+            runs = _resident_runs(lo, min(hi, len(pages) * b), pages, b)
+            if not runs:
                 continue
-            # Tensor maths, not a Python loop per position: a 1M-token prefix arrives at once.
-            pos = torch.arange(lo, hi)  # [n]
-            page = torch.tensor(pages, dtype=torch.int64)[pos // b]  # [n]
-            pos, page = pos[page >= 0], page[page >= 0]
+            # Tensor maths per run of resident blocks, not a Python loop per position: a
+            # 1M-token prefix arrives at once.
+            pos = torch.cat([torch.arange(first, end) for first, end in runs])  # [n]
             blk, off = pos // b, pos % b
-            gpu.append(page * b + off)
+            gpu.append(torch.tensor(pages, dtype=torch.int64)[blk] * b + off)
             host.append(torch.tensor(self.entries[rid].host_blocks, dtype=torch.int64)[blk] * b
                         + off)
         if not gpu:
             return
-        g = torch.cat(gpu).to(self.device)
-        h = torch.cat(host)
-        for cache, pool in zip(self.caches, self.host, strict=True):
-            rows = cache.kv.flatten(0, 1).index_select(0, g)  # [n, row]
-            pool.flatten(0, 1).index_copy_(0, h, rows.cpu())
+        g, h = staging.upload([torch.cat(gpu), torch.cat(host)], self.device)
+        mirror_rows([(pool.flatten(0, 1), cache.kv.flatten(0, 1))
+                     for cache, pool in zip(self.caches, self.host, strict=True)], h, g)
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self, req_ids: list[str], starts: list[int], counts: list[int],
@@ -296,6 +295,8 @@ class HiSparseRuntime:
         request. Pools balance; only live requests hold state; the host copy equals the GPU
         pages for every computed position still resident; every hot slot holds the bytes of
         the token it records."""
+        if self.device.type == "cuda":  # the mirror writes the pool from the device
+            torch.cuda.synchronize(self.device)
         held = [h for e in self.entries.values() for h in e.host_blocks]
         owned = self._free_blocks + held + list(self.kept.values())
         assert len(owned) == self.num_host_blocks, "host blocks leak"
@@ -329,3 +330,22 @@ class HiSparseRuntime:
                 rows = host[torch.tensor(e.host_blocks)[p // b] * b + p % b]
                 assert torch.equal(hot.view(torch.uint8), rows.view(torch.uint8)), (
                     rid, layer, "a hot slot does not hold its recorded token's row")
+
+
+def _resident_runs(lo: int, hi: int, pages: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Positions [lo, hi) whose blocks have a GPU page, as runs [first, end) of consecutive
+    resident blocks (host-side lists: no device data is read).
+
+        block size 4, pages [3, -1, -1, 7, 2], lo 2, hi 19  →  [(2, 4), (12, 19)]
+    """
+    runs: list[tuple[int, int]] = []
+    b = block_size
+    for blk in range(lo // b, -(-hi // b) if hi > lo else 0):
+        if pages[blk] < 0:
+            continue
+        first, end = max(lo, blk * b), min(hi, (blk + 1) * b)
+        if runs and runs[-1][1] == first:
+            runs[-1] = (runs[-1][0], end)
+        else:
+            runs.append((first, end))
+    return runs
