@@ -49,6 +49,13 @@ from dsaserve.engine.scheduler import Scheduler
 class AsyncScheduler(Scheduler):
     """A Scheduler whose `update_from_output(k)` is called after `schedule()` of step k + 1."""
 
+    @property
+    def _write_lag(self) -> int:
+        """A step in flight counts as all drafts accepted; the next step's rows move back on the
+        device by those rejected: up to k positions below num_computed_tokens are written
+        (HiSparse keeps their MLA pages: kv/hisparse/mla_pages.py)."""
+        return self.num_spec
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # per scheduled step not yet updated: (request, output tokens the step may emit for it:
@@ -80,6 +87,8 @@ class AsyncScheduler(Scheduler):
         """Step k's tokens replace the requests' oldest placeholders (`scheduler_output` is
         step k's, the oldest not updated); one output per request that got a token."""
         outputs = self.take_aborted_outputs()
+        if self.connector is not None:  # P/D consumer: prompts whose READs settled
+            outputs += self._finish_remote(runner_output)
         step = self._in_flight.popleft()
         for req, span in step:
             if req.is_finished:

@@ -203,7 +203,10 @@ class LLMEngine:
         """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
         the device from step k's samples)."""
         scheduler_output = self.scheduler.schedule()
-        self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output)))
+        # P/D READs in flight are polled by every step, empty ones too
+        poll = bool(self.scheduler.receiving)
+        self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output,
+                                                                       poll=poll)))
 
     def finish_oldest_step(self) -> list[RequestOutput]:
         """Read step k's results into the scheduler → step k's outputs (none while only one step

@@ -75,7 +75,8 @@ class Executor(Protocol):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep: ...
+    def submit(self, scheduler_output: SchedulerOutput, *, poll: bool = False
+               ) -> PendingStep: ...
 
     def call(self, name: str, *args: Any) -> list[Any]: ...
 
@@ -113,7 +114,7 @@ class InProcessExecutor:
         self.execute_async(scheduler_output)
         return self.collect()
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingOutput:
+    def submit(self, scheduler_output: SchedulerOutput, *, poll: bool = False) -> PendingStep:
         """--async-scheduling: launch the step; its output is read later (engine/engine.py)."""
         if self.runner is None:
             raise EngineDeadError("the engine was shut down")
@@ -231,11 +232,12 @@ class MultiprocExecutor:
         self.execute_async(scheduler_output)
         return self.collect()
 
-    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+    def submit(self, scheduler_output: SchedulerOutput, *, poll: bool = False) -> PendingStep:
         """--async-scheduling: every rank launches the step and answers the one submitted before
         it; this step's output is read by `result()` of what is returned, in submission order.
-        A step with nothing for the ranks is not sent."""
-        if scheduler_output.is_idle:
+        A step with nothing for the ranks is not sent, unless `poll` (P/D READs in flight,
+        which each step polls)."""
+        if scheduler_output.is_idle and not poll:
             return PendingOutput([], [], None)
         self._broadcast(SubmitStep(scheduler_output))
         step = _SubmittedStep(self)

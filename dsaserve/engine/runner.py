@@ -211,6 +211,8 @@ class ModelRunner:
         self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
         # what the last step left on the device for a next step that continues from it
         self._last = _LastStep.empty(self.device)
+        # [D] the first position each drafting request's rows wrote this step (_draft_inputs)
+        self._drafts_written_from: torch.Tensor | None = None
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _num_blocks(self) -> int:
@@ -419,19 +421,29 @@ class ModelRunner:
         #    later steps run (their requests are not scheduled until then), and are polled
         #    after the forward; held blocks their consumers have read (disagg/connector.py)
         if self.connector is not None:
-            # MLA pages and ended requests first: a read into a spilling HiSparse rank needs
-            # the request's pages and a host window the ended ones give back
-            self._apply_releases(so)
-            so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
-                         host_restore=(), host_drop=())
-            self.connector.start_receives(so.kv_recvs, self._host_dests(so.kv_recvs))
-            out = self._execute_tiered(so)
-            done, failed = self.connector.poll_receives()
-            sent = self.connector.poll_sends()
-            if so.is_empty and not (done or failed or sent):
-                time.sleep(0.002)  # only held blocks or reads pending: do not spin empty steps
-            return replace(out, kv_recvs_done=done, kv_recvs_failed=failed, kv_sends_done=sent)
+            so = self._start_receives(so)
+            return self._poll_transfers(so, self._execute_tiered(so))
         return self._execute_tiered(so)
+
+    def _start_receives(self, so: SchedulerOutput) -> SchedulerOutput:
+        """P/D: MLA pages and ended requests first (a read into a spilling HiSparse rank needs
+        the request's pages and a host window the ended ones give back), then the step's READs
+        posted → the step with those parts applied."""
+        assert self.connector is not None
+        self._apply_releases(so)
+        so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
+                     host_restore=(), host_drop=())
+        self.connector.start_receives(so.kv_recvs, self._host_dests(so.kv_recvs))
+        return so
+
+    def _poll_transfers(self, so: SchedulerOutput, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        """P/D, after the forward is launched: READs landed or failed, held blocks read."""
+        assert self.connector is not None
+        done, failed = self.connector.poll_receives()
+        sent = self.connector.poll_sends()
+        if so.is_empty and not (done or failed or sent):
+            time.sleep(0.002)  # only held blocks or reads pending: do not spin empty steps
+        return replace(out, kv_recvs_done=done, kv_recvs_failed=failed, kv_sends_done=sent)
 
     def _execute_tiered(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # host-tier copies start first and overlap the forward (kv/copier.py)
@@ -442,12 +454,18 @@ class ModelRunner:
             return self.copier.report(self._execute(so))
         return self._execute(so)
 
-    def submit(self, so: SchedulerOutput) -> step_results.PendingOutput:
+    def submit(self, so: SchedulerOutput) -> step_results.PendingStep:
         """--async-scheduling: launch the step and return at once; its results come through
         a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
         Requests that continue from the previous step take its samples (and drafts) on the
-        device."""
-        return self._launch(so, non_blocking=True)
+        device. P/D (a consumer): the step's READs are posted first and polled after the
+        launch; what landed comes with the step's output."""
+        if self.connector is None:
+            return self._launch(so, non_blocking=True)
+        so = self._start_receives(so)
+        pending = self._launch(so, non_blocking=True)
+        return step_results.WithTransfers(pending, self._poll_transfers(
+            so, ModelRunnerOutput(sampled_token_ids={})))
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self._launch(so, non_blocking=False).result()
@@ -582,12 +600,19 @@ class ModelRunner:
         dev = self.device
         plus = torch.cat((torch.zeros(len(samples.plain), dtype=torch.int64, device=dev),
                           samples.accepted))  # [D]
-        next_d, rows_d, pos_d = staging.upload_lists([next_ids, base_rows, base_pos], dev)
+        first = [qsl[r] for r in drafting]  # each drafting request's first row
+        starts = [batch.starts[r] for r in drafting]
+        next_d, rows_d, pos_d, first_d, start_d = staging.upload_lists(
+            [next_ids, base_rows, base_pos, first, starts], dev)
         rows_d, pos_d = rows_d + plus, pos_d + plus
+        # HiSparse: the draft steps trust the host pool only below the first position the
+        # step's rows wrote (engine/runner.py _draft_metadata)
+        self._drafts_written_from = start_d
         if batch.continues:  # async (no PCP: rows are global): the device's rows, positions
             following = batch.input_ids.roll(-1)  # [N] the next row's input
             next_d = torch.where(next_d == PLACEHOLDER_TOKEN_ID, following, next_d)
             pos_d = batch.meta.positions[rows_d]
+            self._drafts_written_from = batch.meta.positions[first_d]
         return DraftInputs(
             next_token_ids=next_d,
             rows=rows_d,
@@ -634,9 +659,12 @@ class ModelRunner:
         if self.hisparse is None:
             return
         reach = self.config.num_speculative_tokens
+        # async with drafts: rows moved back on the device rewrite up to k positions below
+        # the host's start (engine/async_scheduler.py)
+        back = reach if batch.continues else 0
         qsl = batch.query_start_loc
         self.hisparse.mirror({
-            rid: (batch.starts[r], batch.starts[r] + qsl[r + 1] - qsl[r] + reach,
+            rid: (max(batch.starts[r] - back, 0), batch.starts[r] + qsl[r + 1] - qsl[r] + reach,
                   self._mla_pages(self.requests[rid]))
             for r, rid in enumerate(req_ids)})
 
@@ -790,7 +818,8 @@ class ModelRunner:
             rows += range(qsl[r], qsl[r + 1])
             src += range(i * width, i * width + n)
             src_req += [i] * n
-        rows_d, src_d, req_d = staging.upload_lists([rows, src, src_req], self.device)
+        rows_d, src_d, req_d, first_d = staging.upload_lists([rows, src, src_req, qsl[:-1]],
+                                                             self.device)
         inputs = last.tokens[:, None]  # [D, width]
         if last.drafts is not None:
             inputs = torch.cat((inputs, last.drafts), 1)
@@ -798,10 +827,34 @@ class ModelRunner:
         if last.drafts is None:
             return meta  # plain decode: the host's positions are exact
         positions = meta.positions.index_put((rows_d,), -last.rejected[req_d], accumulate=True)
+        return self._moved_rows(meta, positions, positions[first_d])
+
+    def _moved_rows(self, meta: AttentionMetadata, positions: torch.Tensor, first: torch.Tensor,
+                    written_from: torch.Tensor | None = None) -> AttentionMetadata:
+        """`meta` with its rows at device-side `positions` [N] (each request's first row at
+        first [R]): the slots they write are found from them, and HiSparse's hot copies are
+        trusted only below `first`, its host rows only below `written_from` [R] (default
+        `first`): the first position the step wrote (a row moved back rewrites positions the
+        host counted as computed, and the mirror runs at the end of the step)."""
         slots = layout.slot_mapping(positions, meta.req_indices, meta.block_table,
                                     self.block_size, self.dcp_size, self.dcp_rank,
                                     self.interleave)
-        return dataclasses.replace(meta, positions=positions, slot_mapping=slots)
+        mla_slots = meta.mla_slot_mapping
+        if meta.mla_block_table is not None:
+            mla_slots = layout.slot_mapping(positions, meta.req_indices, meta.mla_block_table,
+                                            self.block_size, self.dcp_size, self.dcp_rank,
+                                            self.interleave)
+        pcp_meta = meta.pcp
+        if pcp_meta is not None:  # one row per request: replicated, local rows = global rows
+            pcp_meta = dataclasses.replace(pcp_meta, write_slots=slots)
+        hs = meta.hisparse
+        if hs is not None:
+            written_from = first if written_from is None else written_from
+            hs = dataclasses.replace(
+                hs, tracked_from=first[hs.tracked_requests],
+                mirrored_upto=torch.minimum(hs.mirrored_upto, written_from[hs.hot_requests]))
+        return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta,
+                                   hisparse=hs, mla_slot_mapping=mla_slots)
 
     def _draft_metadata(self, req_ids: list[str], positions: torch.Tensor,
                         max_positions: list[int]) -> AttentionMetadata:
@@ -811,22 +864,7 @@ class ModelRunner:
         write from the device values. Keys between a row's position and the bound are masked
         by the causal limit (positions)."""
         meta = self._metadata(req_ids, max_positions, [1] * len(req_ids), [0] * len(req_ids))[1]
-        req_t = torch.arange(len(req_ids), device=self.device)
-        slots = layout.slot_mapping(positions, req_t, meta.block_table, self.block_size,
-                                    self.dcp_size, self.dcp_rank, self.interleave)
-        pcp_meta = meta.pcp
-        if pcp_meta is not None:  # one row per request: replicated, local rows = global rows
-            pcp_meta = dataclasses.replace(pcp_meta, write_slots=slots)
-        hs = meta.hisparse
-        if hs is not None:  # hot copies are stale from the position really written, not the bound
-            hs = dataclasses.replace(hs, tracked_from=positions[hs.tracked_requests])
-        mla_slots = None
-        if meta.mla_block_table is not None:
-            mla_slots = layout.slot_mapping(positions, req_t, meta.mla_block_table,
-                                            self.block_size, self.dcp_size, self.dcp_rank,
-                                            self.interleave)
-        return dataclasses.replace(meta, positions=positions, slot_mapping=slots, pcp=pcp_meta,
-                                   hisparse=hs, mla_slot_mapping=mla_slots)
+        return self._moved_rows(meta, positions, positions, self._drafts_written_from)
 
     def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
                   tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:

@@ -138,6 +138,9 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_per_pos = [0] * num_speculative_tokens
 
+    # positions below num_computed_tokens a step may still write (engine/async_scheduler.py)
+    _write_lag = 0
+
     def _mla_page_map(self, num_pages: int, num_blocks: int) -> MlaPageMap:
         """The page map of HiSparse spilling, its size checked against the pool and against
         one request's window."""
@@ -151,7 +154,7 @@ class Scheduler:
                 f"{flag} {num_pages} cannot hold one request of --max-model-len "
                 f"{self.config.max_model_len} and {self.num_lookahead} lookahead tokens "
                 f"(needs {needed} pages of {self.block_size} tokens)")
-        mla = MlaPageMap(num_pages, self.kv.pool)
+        mla = MlaPageMap(num_pages, self.kv.pool, write_lag=self._write_lag)
         self.kv.on_free = mla.freed
         return mla
 
@@ -417,7 +420,7 @@ class Scheduler:
         blocks = req.block_ids
         if reads_through_buffer(req.num_computed_tokens, n, self.hisparse_buffer_rows,
                                 1 + self.num_spec):
-            blocks = blocks[req.num_computed_tokens // self.block_size:]
+            blocks = blocks[self.mla.write_tail(req, self.block_size):]
         while not self.mla.make_resident(blocks, self._mla_victims()):
             victim = self.running.pop()
             self._preempt(victim)

@@ -12,7 +12,7 @@ the host waits for it one engine step later, after scheduling and launching the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -154,3 +154,17 @@ class PendingOutput:
             sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(self.req_ids)},
             logprobs={self.req_ids[r]: lps for r, lps in host.logprobs.items()},
             draft_token_ids=dict(zip(self.drafting, host.drafts, strict=True)))
+
+
+@dataclass(frozen=True)
+class WithTransfers:
+    """A launched step's output with the P/D transfers polled after its launch (READs landed
+    or failed, held blocks read), known at once."""
+
+    pending: PendingStep
+    transfers: ModelRunnerOutput
+
+    def result(self) -> ModelRunnerOutput:
+        t = self.transfers
+        return replace(self.pending.result(), kv_recvs_done=t.kv_recvs_done,
+                       kv_recvs_failed=t.kv_recvs_failed, kv_sends_done=t.kv_sends_done)

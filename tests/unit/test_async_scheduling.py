@@ -257,3 +257,11 @@ def test_async_scheduling_flag(model_dirs):
     with pytest.raises(ConfigError, match="--async-scheduling.*--prefill-context-parallel-size"):
         engine_config_from_args(parser.parse_args(
             [*base, "--async-scheduling", "--prefill-context-parallel-size", "2"]), model)
+    pd = '{"kv_connector":"NixlConnector","kv_role":"%s","kv_connector_extra_config":' \
+         '{"backend":"shm"}}'
+    consumer = [*base, "--async-scheduling", "--kv-transfer-config", pd % "kv_consumer"]
+    assert engine_config_from_args(parser.parse_args(consumer), model).scheduler.async_scheduling
+    for role in ("kv_producer", "kv_both"):
+        with pytest.raises(ConfigError, match="--async-scheduling.*kv_consumer"):
+            engine_config_from_args(parser.parse_args(
+                [*base, "--async-scheduling", "--kv-transfer-config", pd % role]), model)

@@ -112,6 +112,52 @@ def test_spilled_pages_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config,
     assert most_running == len(prompts) and most_blocks > pages
 
 
+def _async(cfg):
+    return replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=True))
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_async_scheduling_with_spilled_pages(model_dirs, engine_config, preset, kv):
+    """--async-scheduling: step k + 1 runs from step k's samples on the device while the
+    residency, the fetch and the mirror run as in sync; greedy output still equals the all-GPU
+    engine's with pages spilling."""
+    model_dir = model_dirs[preset]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(4, seed=11, lo=30, hi=45)
+    want = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv)).generate(prompts, params)
+    topk = engine_config(model_dir).model.index_topk
+    engine = LLMEngine.from_config(_async(_config(engine_config, model_dir, kv=kv, buffer=topk,
+                                                  mla_pages=16)))
+    got, most_running, _ = _run(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.mla.num_spills > 0 and most_running == len(prompts)
+    assert int(engine.runner.hisparse.rows_from_host) > 0
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_async_scheduling_with_spilled_pages_mtp3(draftable_dirs, engine_config, kv):
+    """Async MTP3: the host counts a step in flight as all drafts accepted; the device moves the
+    next step's rows back by those rejected. The rows so rewritten keep their MLA pages (the
+    write tail starts k positions lower), are mirrored again, and neither the hot buffer nor
+    the host pool is trusted at or above the first position really written."""
+    model_dir = draftable_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(3, seed=12, lo=66, hi=90)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, max_model_len=128))
+    want = ref.generate(prompts, params)
+    topk = ref.config.model.index_topk
+    engine = LLMEngine.from_config(_async(_config(engine_config, model_dir, kv=kv, spec=3,
+                                                  buffer=4 * topk, mla_pages=33,
+                                                  max_model_len=128)))
+    assert engine.scheduler.mla.write_lag == 3
+    got, most_running, most_blocks = _run(engine, prompts, params)
+    assert got == want
+    assert engine.scheduler.mla.num_spills > 0
+    assert most_running == len(prompts) and most_blocks > 33
+    stats = engine.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
 def test_without_pressure_nothing_spills(model_dirs, engine_config):
     """MLA pages for every block: the map is in use but no page ever spills."""
     model_dir = model_dirs["tiny-glm5"]

@@ -280,3 +280,77 @@ def test_posted_read_polls_and_times_out(backend):
         assert stuck.poll(cons, now=1.0)
         assert "not done within the transfer timeout" in stuck.error and not stuck.transfers
         slow.restore()
+
+
+def _async(config):
+    return dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, async_scheduling=True))
+
+
+def test_async_decode_engine_decodes_while_a_read_is_in_flight(model_dirs, engine_config,
+                                                               mixed_prompts):
+    """--async-scheduling on the consumer: each step posts its READs and polls the others after
+    its launch; a step whose only work is READs in flight is still sent (to poll them). The
+    other request decodes a token every step meanwhile, and both reach the reference."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts, SAMPLING)
+    p, d = _engines(config, "shm", decode_config=_async(config))
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        slow = SlowReads(d.runner.connector.transport, polls=4)
+        run.add("b", prompts[1])
+        overlapped = 0
+        while True:
+            before = len(run.tokens["a"])
+            run.step()
+            if "b" not in d.scheduler.receiving:
+                break
+            assert not run.tokens["b"] and "b" in p.scheduler.connector.held
+            assert len(run.tokens["a"]) == before + 1
+            overlapped += 1
+        assert overlapped >= slow.polls - 1
+        assert slow.num_posted > 0 and slow.num_landed == slow.num_posted
+        slow.restore()
+        run.drain()
+        assert not run.errors
+        assert [run.tokens["a"], run.tokens["b"]] == reference
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_async_mtp3_into_a_spilling_hisparse_engine(draftable_dirs, engine_config):
+    """The reference decode engine's mode on one rank: a P/D consumer with HiSparse spilling,
+    MTP3 and async scheduling; greedy output equals the aggregated engine's, every invariant
+    checked after every step of both engines."""
+    from dsaserve.config import SpecConfig
+
+    model_dir = draftable_dirs["tiny-glm5"]
+    plain = engine_config(model_dir, block_size=4, num_blocks=100, max_model_len=128)
+    att = dataclasses.replace(plain.attention,  # the union of 4 rows' top-k; 128 + 2 tokens
+                              hisparse_device_buffer_size=4 * plain.model.index_topk,
+                              hisparse_device_mla_pages=33, hisparse_config_given=True)
+    decode_config = _async(dataclasses.replace(
+        plain, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20),
+        speculative=SpecConfig(num_speculative_tokens=3)))
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (70, 88, 76)]
+    reference = LLMEngine.from_config(plain).generate(prompts, SAMPLING)
+    p, d = _engines(plain, "shm", decode_config=decode_config)
+    try:
+        def check() -> None:
+            p.check_integrity()
+            d.check_integrity()
+
+        got = offline.generate_together(p, d, prompts, SAMPLING, after_step=check)
+        assert got == reference
+        assert int(d.runner.hisparse.rows_from_host) > 0  # received spilled: read from the pool
+        stats = d.stats()
+        assert stats.spec_decode_num_accepted_tokens > 0
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -66,11 +66,16 @@ def receives_spilled(num_prompt_tokens: int, buffer_rows: int) -> bool:
 
 
 class MlaPageMap:
-    def __init__(self, num_pages: int, pool: BlockPool) -> None:
+    def __init__(self, num_pages: int, pool: BlockPool, *, write_lag: int = 0) -> None:
+        """`write_lag`: positions below num_computed_tokens a step may still write. With
+        --async-scheduling and k drafts the host counts a step in flight as all accepted and
+        the device moves the next step's rows back by the drafts it rejects (up to k), so the
+        write tail of a request with a step in flight starts k positions lower; 0 otherwise."""
         if num_pages < 1:
             raise ValueError(f"num_pages: must be >= 1, got {num_pages}")
         self.num_pages = num_pages
         self.pool = pool
+        self.write_lag = write_lag
         self.page_of: dict[int, int] = {}  # block id → its MLA page (resident blocks only)
         # pop() hands out the last page first: block ids (the pool hands out 0 first) and pages
         # differ from the start, so a block id used as a page shows up in any test
@@ -142,7 +147,7 @@ class MlaPageMap:
         decoders = [(last_scheduled.get(r.request_id, -1), i, r) for i, r in enumerate(running)
                     if is_long_decoder(r, buffer_rows)]
         for _, _, req in sorted(decoders, key=lambda t: t[:2]):
-            blocks, end = req.block_ids, req.num_computed_tokens // block_size
+            blocks, end = req.block_ids, self.write_tail(req, block_size)
             i = self._spilled_prefix.get(req.request_id, 0)
             while i < end and blocks[i] not in self.page_of:
                 i += 1
@@ -150,6 +155,13 @@ class MlaPageMap:
             for b in blocks[i:end]:
                 if b in self.page_of and self.pool.ref_count(b) == 1:
                     yield b
+
+    def write_tail(self, req: Request, block_size: int) -> int:
+        """The index in req's block table of the first block its next step may write: lower by
+        the drafts its step in flight verifies, which it may reject (--async-scheduling: that
+        step holds 1 + those drafts placeholders)."""
+        lag = min(self.write_lag, max(req.num_output_placeholders - 1, 0))
+        return max(req.num_computed_tokens - lag, 0) // block_size
 
     def forget(self, request_id: str) -> None:
         """The request left the running set (finished, aborted or preempted)."""
@@ -287,7 +299,7 @@ class MlaPageMap:
         spillable: set[int] = set()
         for req in running:
             if is_long_decoder(req, buffer_rows):
-                spillable.update(req.block_ids[: req.num_computed_tokens // block_size])
+                spillable.update(req.block_ids[: self.write_tail(req, block_size)])
         for req in receiving:
             if receives_spilled(req.num_tokens, buffer_rows):
                 spillable.update(req.block_ids[: (req.num_tokens - 1) // block_size])
