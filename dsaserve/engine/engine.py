@@ -224,7 +224,10 @@ class LLMEngine:
                 dict(mla.page_of), mla.pending_changes()))
 
     def shutdown(self) -> None:
-        """Stop the worker processes, or release the in-process runner's weights and KV cache."""
+        """Stop the worker processes, or release the in-process runner's weights and KV cache.
+        Live requests are aborted first (their blocks freed); P/D READs still in flight are
+        cancelled by the runners as they close (nothing lands in freed memory)."""
+        self.scheduler.abort_requests(list(self.scheduler.requests))
         if self.connector is not None:
             self.connector.close()
         self.executor.shutdown()

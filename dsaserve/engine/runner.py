@@ -417,8 +417,11 @@ class ModelRunner:
         #    later steps run (their requests are not scheduled until then), and are polled
         #    after the forward; held blocks their consumers have read (disagg/connector.py)
         if self.connector is not None:
-            # MLA pages and ended requests first: a read into a spilling HiSparse rank needs
+            # Ended requests' READs still in flight (aborted while receiving) cancelled before
+            # anything else: their blocks and host window may be another request's this step.
+            # Then MLA pages and ended requests: a read into a spilling HiSparse rank needs
             # the request's pages and a host window the ended ones give back
+            self.connector.cancel_receives(so.finished_request_ids)
             self._apply_releases(so)
             so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
                          host_restore=(), host_drop=())
