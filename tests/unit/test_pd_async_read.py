@@ -430,6 +430,13 @@ def test_tally_waits_for_every_rank():
     assert tally.merge([out(["z"]), out(["x", "z"])]) == (("x", "z"), {})
     assert tally.merge([out(failed={"y": "lost"}), out()]) == ((), {"y": "gone"})
     assert tally.merge([out(), out()]) == ((), {})
+    # an abort while receiving: rank 0's earlier report is void, so the same id sent again
+    # arrives only once both ranks read its share anew
+    assert tally.merge([out(["w"]), out(failed={"v": "gone"})]) == ((), {})
+    tally.forget(["w", "v"])
+    assert tally.merge([out(), out(["w"])]) == ((), {})
+    assert tally.merge([out(["w"]), out(["v"])]) == (("w",), {})
+    assert tally.merge([out(["v"]), out()]) == (("v",), {})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
