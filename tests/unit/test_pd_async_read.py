@@ -238,8 +238,10 @@ def _hisparse_decode_config(engine_config, model_dir):
                                     hisparse=HiSparseConfig(host_pool_bytes=16 << 20))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("into", ["gpu pages", "hisparse host pool"])
-def test_abort_while_receiving_frees_everything_at_once(model_dirs, engine_config, into):
+def test_abort_while_receiving_frees_everything_at_once(model_dirs, engine_config, into,
+                                                        backend):
     """An abort while the READs are in flight answers "abort" and frees the request's blocks
     and id at once; the next step cancels its READs first thing (none of them lands), gives
     back its host window (into a spilling HiSparse engine) and notifies the producer, which
@@ -253,7 +255,7 @@ def test_abort_while_receiving_frees_everything_at_once(model_dirs, engine_confi
     else:
         plain, decode_config = _hisparse_decode_config(engine_config, model_dir)
     reference = LLMEngine.from_config(plain).generate(prompts[:1], SAMPLING)[0]
-    p, d = _engines(plain, "shm", decode_config=decode_config)
+    p, d = _engines(plain, backend, decode_config=decode_config)
     rt = d.runner.hisparse
     try:
         run = Driver(p, d)
