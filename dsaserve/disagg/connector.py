@@ -326,6 +326,27 @@ class ConnectorWorker:
                                f"{posted.error}")
         return tuple(done), failed
 
+    def cancel_receives(self, request_ids: Sequence[str]) -> None:
+        """Requests that ended while their READs were in flight (aborted): the READs cancelled
+        (on return none of them lands, so their blocks may be another request's in this very
+        step) and the producer notified, which frees its blocks now rather than at its
+        timeout. Ids not receiving here are ignored."""
+        for rid in request_ids:
+            posted = self._receiving.pop(rid, None)
+            if posted is None:
+                continue
+            posted.cancel(self.transport)
+            if posted.producer:
+                try:
+                    self.transport.send_notification(posted.producer, posted.notify)
+                except TransferError as e:  # the producer's timeout frees them instead
+                    logger.warning("P/D: cannot tell the prefill engine that request %s was "
+                                   "dropped: %s", rid, e)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
+
     def _post(self, recv: KVRecv, dest: HostDest | None, posted: PostedRead) -> None:
         remote = recv.remote
         metas = [json.loads(m) for m in recv.remote_ranks]  # [src DCP rank]
@@ -390,4 +411,9 @@ class ConnectorWorker:
         return tuple(out)
 
     def close(self) -> None:
+        """Cancel every READ in flight (none writes into the caches after this), then release
+        the transport. The producer is not notified: its timeout frees what it held."""
+        for posted in self._receiving.values():
+            posted.cancel(self.transport)
+        self._receiving.clear()
         self.transport.close()

@@ -11,6 +11,10 @@ out of the batch until every rank reported it. A READ that fails, or a request w
 not all done within `transfer_timeout_s`, is reported failed (the scheduler ends it with the
 reason) — but only once none of its READs is still in flight, so that its blocks are never given
 back while bytes can still land in them (a timed-out READ is cancelled first).
+
+An abort goes the other way: the scheduler frees the request's blocks and id at once, and each
+rank cancels its READs at the start of the next step (`PostedRead.cancel`, before anything else
+of that step can write into those blocks); a cancel returns once nothing of the READ can land.
 """
 
 from __future__ import annotations
@@ -55,6 +59,12 @@ class PostedRead:
         self.transfers = still
         return not still
 
+    def cancel(self, transport: KVTransport) -> None:
+        """Give up every READ still in flight; on return none of them writes any more."""
+        for xfer in self.transfers:
+            transport.cancel(xfer)
+        self.transfers = []
+
 
 @dataclass
 class RecvTally:
@@ -83,3 +93,10 @@ class RecvTally:
             else:
                 done.append(rid)
         return tuple(done), failed
+
+    def forget(self, request_ids: tuple[str, ...] | list[str]) -> None:
+        """Requests that ended (aborted while receiving): the ranks' earlier reports are void,
+        so that a new request under the same id starts from no rank settled."""
+        for rid in request_ids:
+            self._settled.pop(rid, None)
+            self._errors.pop(rid, None)

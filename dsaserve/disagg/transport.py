@@ -14,7 +14,9 @@
 A transfer moves `segments` [(local offset, remote offset, nbytes)] between two registered
 regions (the whole region by default), so a plan's runs can later become descriptors without a
 staging copy. The notification goes to the peer once the data has moved (NIXL's semantics: READ
-notifies the data's owner, WRITE the receiver).
+notifies the data's owner, WRITE the receiver). Posting never moves the bytes itself: NIXL hands
+them to UCX, shared memory to the transport's copy thread (`CopyThread`); `cancel` returns once
+nothing more of that transfer can land, and `close` cancels whatever is still in flight.
 
 Metadata travels over our own side channel bound to one address (127.0.0.1 by default, never a
 wildcard); NIXL's metadata listener (which binds 0.0.0.0) stays off. A peer that dies gives a
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from dsaserve.disagg.shmcopy import CopyState, CopyThread
 
 Segments = Sequence[tuple[int, int, int]]  # (local offset, remote offset, nbytes)
 
@@ -158,7 +162,8 @@ class KVTransport(abc.ABC):
         in flight; TransferError if it failed (NIXL's check_xfer_state)."""
 
     def cancel(self, xfer: Transfer) -> None:  # noqa: B027 (optional hook)
-        """Give up on `xfer` still in flight (its handle released; best effort)."""
+        """Give up on `xfer` still in flight; on return none of its bytes land any more (shm:
+        exactly; NIXL: its handle released, which aborts the transfer)."""
 
     def wait(self, xfer: Transfer, timeout_s: float) -> None:
         """Block until `xfer` completed (polled until done); TransferError if it failed,
@@ -300,9 +305,10 @@ def remove_shm_files(agent: str) -> int:
 
 
 class ShmTransport(KVTransport):
-    """Regions are files in /dev/shm that a peer maps; a transfer is a memcpy by the initiator.
-    Notifications go over a 127.0.0.1 TCP connection per peer, which also tells when a peer died
-    (its end closes). Single machine only."""
+    """Regions are files in /dev/shm that a peer maps; a transfer is a memcpy by the initiator's
+    copy thread (`shmcopy.CopyThread`: posted at once, polled, cancelled exactly). Notifications
+    go over a 127.0.0.1 TCP connection per peer, which also tells when a peer died (its end
+    closes). Single machine only."""
 
     backend = "shm"
 
@@ -317,6 +323,8 @@ class ShmTransport(KVTransport):
         self._pids: dict[str, int] = {}  # peer → process id (same machine)
         self._senders: set[str] = set()  # peers that opened a notification connection to us
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the copy thread notifies too
+        self.copies = CopyThread(f"shm-copy-{name}")
         self._listener = _listen("127.0.0.1", 0)
         self._closed = False
         threading.Thread(target=self._accept, daemon=True, name="shm-notify").start()
@@ -391,14 +399,19 @@ class ShmTransport(KVTransport):
 
     def _copy(self, peer: str, local: str, remote: str, segments: Segments | None,
               notify: bytes, pull: bool) -> Transfer:
+        """Checked here, copied on the copy thread (the notification once the bytes moved)."""
         mine = self._region(local)
         theirs = self._remote_bytes(peer, remote)
+        pairs = []  # (destination, source) byte ranges
         for lo, ro, n in self._segments(mine, self._peer_region(peer, remote), segments):
-            a, b = mine.tensor[lo: lo + n], theirs[ro: ro + n]
-            (a if pull else b).copy_(b if pull else a)
-        if notify:
-            self.send_notification(peer, notify)
-        return Transfer(peer, notify)
+            if n:
+                a, b = mine.tensor[lo: lo + n], theirs[ro: ro + n]
+                pairs.append((a, b) if pull else (b, a))
+
+        def on_done() -> None:
+            if notify:
+                self.send_notification(peer, notify)
+        return Transfer(peer, notify, self.copies.submit(pairs, on_done))
 
     def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
              notify: bytes = b"") -> Transfer:
@@ -411,18 +424,33 @@ class ShmTransport(KVTransport):
         return self._copy(peer, local, remote, segments, notify, pull=False)
 
     def poll(self, xfer: Transfer) -> bool:
-        return True  # the copy finished inside read/write: a READ is done once posted
+        if xfer.done:
+            return True
+        job = xfer.handle
+        if job.state is CopyState.FAILED:
+            xfer.done = True
+            raise TransferError(f"{self.name}: transfer with {xfer.peer!r}: {job.error}")
+        if job.state is not CopyState.DONE:
+            return False  # queued or copying
+        xfer.done = True
+        return True
+
+    def cancel(self, xfer: Transfer) -> None:
+        if not xfer.done:
+            self.copies.cancel(xfer.handle)  # exact: nothing of it lands after this
+            xfer.done = True
 
     def send_notification(self, peer: str, msg: bytes) -> None:
         if peer not in self.peers:
             raise TransferError(f"{self.name}: unknown peer {peer!r} (add_peer first)")
         try:
-            if peer not in self._out:
-                sock = socket.create_connection(("127.0.0.1", self.peers[peer].notify_port),
-                                                timeout=5.0)
-                _send_frame(sock, self.name.encode())
-                self._out[peer] = sock
-            _send_frame(self._out[peer], msg)
+            with self._send_lock:
+                if peer not in self._out:
+                    sock = socket.create_connection(
+                        ("127.0.0.1", self.peers[peer].notify_port), timeout=5.0)
+                    _send_frame(sock, self.name.encode())
+                    self._out[peer] = sock
+                _send_frame(self._out[peer], msg)
         except OSError as e:
             self._out.pop(peer, None)
             raise TransferError(f"{self.name}: cannot notify peer {peer!r}: {e} "
@@ -466,6 +494,7 @@ class ShmTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
+        self.copies.close()  # first: no copy or notification runs after this
         self._listener.close()
         for sock in self._out.values():
             sock.close()
@@ -517,6 +546,7 @@ class NixlTransport(KVTransport):
         self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg: list[object] = []
+        self._in_flight: set[Transfer] = set()  # posted, handle not yet released: close cancels
         self._closed = False
 
     def allocate(self, name: str, nbytes: int) -> torch.Tensor:
@@ -573,7 +603,9 @@ class NixlTransport(KVTransport):
             raise TransferError(f"{self.name}: {op} with {peer!r} failed to start: {e}") from e
         if state == "ERR":
             raise TransferError(f"{self.name}: {op} with {peer!r} failed to start")
-        return Transfer(peer, notify, handle)
+        xfer = Transfer(peer, notify, handle)
+        self._in_flight.add(xfer)
+        return xfer
 
     def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
              notify: bytes = b"") -> Transfer:
@@ -591,10 +623,12 @@ class NixlTransport(KVTransport):
         except Exception as e:
             raise TransferError(f"{self.name}: transfer with {xfer.peer!r}: {e}") from e
         if state == "ERR":
+            self.cancel(xfer)  # its handle released
             raise TransferError(f"{self.name}: transfer with {xfer.peer!r} failed")
         if state != "DONE":
             return False
         xfer.done = True
+        self._in_flight.discard(xfer)
         self._agent.release_xfer_handle(xfer.handle)
         return True
 
@@ -602,6 +636,7 @@ class NixlTransport(KVTransport):
         if xfer.done:
             return
         xfer.done = True
+        self._in_flight.discard(xfer)
         try:  # NIXL aborts a transfer still in progress when its handle is released
             self._agent.release_xfer_handle(xfer.handle)
         except Exception:  # best effort: the transfer may have failed already
@@ -623,6 +658,8 @@ class NixlTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
+        for xfer in list(self._in_flight):  # before the memory they move goes
+            self.cancel(xfer)
         for peer in list(self.peers):
             try:
                 self._agent.remove_remote_agent(peer)

@@ -12,6 +12,7 @@ and launches step k + 1, then reads step k's results and returns step k's output
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import uuid
 from collections import deque
@@ -38,6 +39,8 @@ from dsaserve.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from dsaserve.disagg.connector import ConnectorScheduler
     from dsaserve.engine.dp import DataParallelEngine
+
+logger = logging.getLogger(__name__)
 
 
 def run_to_completion(engine: LLMEngine | DataParallelEngine, prompts: Sequence[Sequence[int]],
@@ -230,7 +233,13 @@ class LLMEngine:
                 dict(mla.page_of), mla.pending_changes()))
 
     def shutdown(self) -> None:
-        """Stop the worker processes, or release the in-process runner's weights and KV cache."""
+        """Stop the worker processes, or release the in-process runner's weights and KV cache.
+        Live requests are aborted first (their blocks freed); P/D READs still in flight are
+        cancelled by the runners as they close (nothing lands in freed memory)."""
+        try:
+            self.scheduler.abort_requests(list(self.scheduler.requests))
+        except Exception:  # a core that died mid-step: its workers must still be stopped
+            logger.exception("shutdown: aborting the live requests failed")
         if self.connector is not None:
             self.connector.close()
         self.executor.shutdown()

@@ -216,6 +216,9 @@ class MultiprocExecutor:
     # ---- the step --------------------------------------------------------------------------------
     def execute_async(self, scheduler_output: SchedulerOutput) -> None:
         """Send the step to every rank; they start at once (in lock-step through collectives)."""
+        # requests that ended while receiving: their ranks' earlier reports are void (an id
+        # may come back at once; every rank cancels the READs at the start of this step)
+        self._recvs.forget(scheduler_output.finished_request_ids)
         self._broadcast(ExecuteStep(scheduler_output))
         self._in_flight = True
 

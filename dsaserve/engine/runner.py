@@ -426,10 +426,13 @@ class ModelRunner:
         return self._execute_tiered(so)
 
     def _start_receives(self, so: SchedulerOutput) -> SchedulerOutput:
-        """P/D: MLA pages and ended requests first (a read into a spilling HiSparse rank needs
-        the request's pages and a host window the ended ones give back), then the step's READs
+        """P/D: ended requests' READs still in flight (aborted while receiving) cancelled
+        before anything else (their blocks and host window may be another request's this
+        step); then MLA pages and ended requests (a read into a spilling HiSparse rank needs
+        the request's pages and a host window the ended ones give back); then the step's READs
         posted → the step with those parts applied."""
         assert self.connector is not None
+        self.connector.cancel_receives(so.finished_request_ids)
         self._apply_releases(so)
         so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
                      host_restore=(), host_drop=())

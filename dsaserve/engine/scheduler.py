@@ -122,6 +122,8 @@ class Scheduler:
         self.connector = connector
         self.receiving: dict[str, Request] = {}
         self._kv_recvs: list[KVRecv] = []
+        # aborted while receiving, until a step tells the runner to cancel their READs
+        self._recvs_to_cancel: set[str] = set()
         self.requests: dict[str, Request] = {}  # every live (waiting or running) request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the tail
@@ -186,16 +188,21 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None or req.is_finished:
                 continue
-            receiving = request_id in self.receiving
+            receiving = self.receiving.pop(request_id, None) is not None
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load holds its blocks
                 self.waiting.remove(req)
             req.status = RequestStatus.FINISHED_ABORTED
-            if not receiving:
-                self._release(req)
-            # else: its P/D READs may still be landing in its blocks (and host window): it
-            # stays in `receiving` until the runner reports them settled (_finish_remote)
+            self._release(req)
+            if receiving:
+                # P/D READs in flight: the runner cancels them at the start of the next step,
+                # before anything of that step writes (a cancel is final), so the blocks, the
+                # host window and the id are free now
+                self._kv_recvs = [r for r in self._kv_recvs if r.request_id != request_id]
+                if request_id not in self._finished_ids:
+                    self._finished_ids.append(request_id)
+                self._recvs_to_cancel.add(request_id)
             self._aborted_outputs.append(self._make_output(req, ()))
 
     def take_aborted_outputs(self) -> list[RequestOutput]:
@@ -269,6 +276,7 @@ class Scheduler:
             self._last_scheduled[request_id] = self._step
         self._step += 1
         finished, self._finished_ids = tuple(self._finished_ids), []
+        self._recvs_to_cancel.clear()
         stores, loads = self.offload.take_transfers() if self.offload else ((), ())
         recvs, self._kv_recvs = tuple(self._kv_recvs), []
         return SchedulerOutput(
@@ -539,9 +547,6 @@ class Scheduler:
             req = self.receiving.pop(request_id, None)
             if req is None:
                 continue
-            if req.is_finished:  # aborted while its READs were in flight: now they are not
-                self._release(req)
-                continue
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
@@ -552,11 +557,9 @@ class Scheduler:
             req = self.receiving.pop(request_id, None)
             if req is None:
                 continue
-            aborted = req.is_finished  # its "abort" output went out already
             req.status = RequestStatus.FINISHED_ABORTED
             self._release(req)
-            if not aborted:
-                outputs.append(replace(self._make_output(req, ()), error=reason))
+            outputs.append(replace(self._make_output(req, ()), error=reason))
         for req in self.connector.release(runner_output.kv_sends_done):
             self.kv.free(req)
         return outputs
@@ -691,10 +694,12 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        """Requests live, host-tier copies still in flight or P/D blocks held (they hold blocks
-        until done)."""
+        """Requests live, host-tier copies still in flight, P/D blocks held (they hold blocks
+        until done) or P/D READs of aborted requests the runner has yet to cancel (a step tells
+        it; the producer learns then that it may free its blocks)."""
         return (bool(self.requests) or (self.offload is not None and self.offload.busy)
-                or (self.connector is not None and self.connector.num_held > 0))
+                or (self.connector is not None and self.connector.num_held > 0)
+                or bool(self._recvs_to_cancel))
 
     @property
     def num_running(self) -> int:
@@ -791,8 +796,7 @@ class Scheduler:
             if req.request_id in self._runner_num_tokens:
                 raise AssertionError(f"scheduler: loading {req.request_id!r} known to the runner")
         for req in self.receiving.values():
-            if req.status not in (RequestStatus.WAITING_FOR_REMOTE_KVS,
-                                  RequestStatus.FINISHED_ABORTED):  # aborted: READs in flight
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 raise AssertionError(f"scheduler: receiving {req.request_id!r} is {req.status}")
         busy = self.offload is not None and self.offload.busy
         if not live and not busy and not held and self.kv.num_free_blocks != self.kv.num_blocks:

@@ -31,6 +31,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -179,6 +180,9 @@ class AsyncEngine:
         self._inbox: queue.Queue[EngineCoreMessage] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # registered by loops, popped by either side
         self._live: set[str] = set()  # ids the engine holds; touched by the core thread only
+        # ids aborted by their clients whose "abort" answer the engine has yet to give: nobody
+        # waits for it, and a retry under the same id (allowed at once) must not receive it
+        self._unanswered: Counter[str] = Counter()
         self._lock = threading.Lock()  # serialises death against registration
         self._dead_reason: str | None = None
         self._stats = engine.stats()  # republished by the core thread after every iteration
@@ -328,6 +332,7 @@ class AsyncEngine:
             # A request may finish in the same step its client leaves: abort only what is live.
             if message.request_id in self._live:
                 self._live.discard(message.request_id)
+                self._unanswered[message.request_id] += 1
                 self._engine.abort_request(message.request_id)
         elif isinstance(message, CallInCore):
             try:
@@ -336,10 +341,17 @@ class AsyncEngine:
                 message.result.set_exception(e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        items = []
         for out in outputs:
+            if out.finished and out.finish_reason == "abort" and self._unanswered[out.request_id]:
+                self._unanswered[out.request_id] -= 1  # the aborted one's, not a retry's
+                if not self._unanswered[out.request_id]:
+                    del self._unanswered[out.request_id]
+                continue
             if out.finished:
                 self._live.discard(out.request_id)
-        self._post([(out.request_id, out) for out in outputs])
+            items.append((out.request_id, out))
+        self._post(items)
 
     def _post(self, items: list[tuple[str, StreamItem]]) -> None:
         """Deliver items to their streams: one wake-up per event loop, however many requests."""

@@ -147,3 +147,54 @@ def test_prefill_ranks_killed_then_next_request(parallel_config, prompts, greedy
             d.shutdown()
             for agent in agents:
                 remove_shm_files(agent)
+
+
+def test_abort_while_receiving_then_the_same_id_on_two_decode_ranks(parallel_config, prompts,
+                                                                    greedy, hang_guard):
+    """A decode engine of two ranks (TP2 × DCP2, each READs its share): a request aborted right
+    after its READs were posted (each rank may have landed, reported or still be reading its
+    share) is sent again at once under the same id; every rank cancels what it still has in
+    flight before the retry's READs are posted (into blocks the first one held), the executor's
+    tally forgets the first one's reports, and the retry's output equals the single-rank
+    engine's; nothing leaks on either side."""
+    prompts = prompts[:2]
+    reference = LLMEngine.from_config(_with(parallel_config(), None, "auto"))
+    want = reference.generate(prompts, greedy)
+    reference.shutdown()
+    with hang_guard(300):
+        p = LLMEngine.from_config(_with(parallel_config(), "kv_producer", "auto"))
+        d = LLMEngine.from_config(_with(parallel_config(tp=2, dcp=2), "kv_consumer", "auto"))
+        try:
+            tokens: dict[str, list[int]] = {"a": [], "b": []}
+            d.add_request("a", prompts[0], greedy,
+                          kv_transfer_params=offline.prefill(p, "a", prompts[0]))
+            d.add_request("b", prompts[1], greedy,
+                          kv_transfer_params=offline.prefill(p, "b", prompts[1]))
+            retry = offline.prefill(p, "b-retry", prompts[1])
+            for o in d.step():  # both posted
+                tokens[o.request_id] += o.new_token_ids
+            d.abort_request("b")
+            d.add_request("b", prompts[1], greedy, kv_transfer_params=retry)
+            tokens["b"] = []
+            reasons = {}
+            for _ in range(500):
+                if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
+                    break
+                for o in d.step():
+                    tokens[o.request_id] += o.new_token_ids
+                    if o.finished:
+                        reasons[o.request_id] = (o.finish_reason, o.error)
+                p.step()
+                d.check_integrity()
+                p.check_integrity()
+            assert sorted(reasons) == ["a", "b"] and all(e is None for _, e in reasons.values())
+            assert reasons["b"][0] != "abort"  # the retry's own end, not the first one's
+            assert [tokens["a"], tokens["b"]] == want
+            d.step()  # the runners learn that the last requests ended
+            for e in (p, d):
+                e.check_integrity()
+                s = e.stats()
+                assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+        finally:
+            p.shutdown()
+            d.shutdown()

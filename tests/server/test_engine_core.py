@@ -92,6 +92,27 @@ def test_admission_rejection_and_shutdown(make_async_engine) -> None:
         engine.call_in_core(lambda e: None)
 
 
+def test_a_retry_under_an_aborted_id_gets_only_its_own_outputs(make_async_engine) -> None:
+    """A client aborts a request and sends it again under the same id at once: the retry is
+    admitted, and the first one's "abort" answer (given by the engine at its next step, when the
+    retry is already registered) never reaches the retry's stream."""
+    engine = make_async_engine()
+    long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> None:
+        first = await engine.add_request("r", [5, 6, 7], long)
+        assert not (await anext(aiter(first))).finished
+        first.abort()
+        retry = await engine.add_request("r", [5, 6, 7], short)
+        outs = [o async for o in retry]
+        assert outs[-1].finish_reason == "length"
+        assert sum(len(o.new_token_ids) for o in outs) == 5
+
+    asyncio.run(scenario())
+    assert engine.call_in_core(lambda e: not e.has_unfinished_requests())
+
+
 def test_outputs_reach_the_loop_that_added_each_request(make_async_engine) -> None:
     """Two event loops (two servers on one engine) each get exactly their own requests' outputs."""
     engine = make_async_engine()

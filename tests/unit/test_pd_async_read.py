@@ -1,13 +1,17 @@
 """Asynchronous P/D READs (disagg/receiving.py), two single-rank engines in one process (shm;
 NIXL where it imports): while one request's READs are in flight (a transport whose READs land
-only after N polls) the other requests keep decoding, and the received request then decodes to
-the aggregated engine's greedy output; a READ failing mid-way and an abort while receiving free
-everything (the host window too, into a spilling HiSparse engine) — both engines' invariants
-checked after every step. Also: the tally of several ranks' reports, the READ timeout."""
+only after N polls, or shared memory's copy thread held back) the other requests keep decoding,
+and the received request then decodes to the aggregated engine's greedy output; a READ failing
+mid-way frees everything; an abort while receiving frees the blocks, the host window (into a
+spilling HiSparse engine) and the id at once, the READs cancelled, and the same id sent again
+is served; a decode engine shut down with READs in flight cancels them — both engines'
+invariants checked after every step. Also: the tally of several ranks' reports, the READ
+timeout."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -17,6 +21,7 @@ from dsaserve.config import DisaggConfig, HiSparseConfig
 from dsaserve.core import ModelRunnerOutput, SamplingParams
 from dsaserve.disagg import offline
 from dsaserve.disagg.receiving import PostedRead, RecvTally
+from dsaserve.disagg.shmcopy import CopyJob, CopyState, CopyThread
 from dsaserve.disagg.transport import (
     KVTransport,
     Transfer,
@@ -34,14 +39,16 @@ MAX_STEPS = 500  # a bound on every stepping loop: a bug fails the test rather t
 class SlowReads:
     """Every READ a transport posts from now on stays in flight for `polls` polls: its bytes
     land (the real READ runs) only at the last one, where READ number `fail` (in posting
-    order) fails instead."""
+    order) fails instead. A cancelled READ never lands."""
 
     def __init__(self, transport: KVTransport, polls: int, fail: int | None = None) -> None:
         self.transport, self.polls, self.fail = transport, polls, fail
         self.real_read, self.real_poll = transport.read, transport.poll
-        self.num_posted = self.num_landed = 0
+        self.real_cancel = transport.cancel
+        self.num_posted = self.num_landed = self.num_cancelled = 0
         transport.read = self.read  # type: ignore[method-assign]
         transport.poll = self.poll  # type: ignore[method-assign]
+        transport.cancel = self.cancel  # type: ignore[method-assign]
 
     def read(self, peer: str, local: str, remote: str, segments=None,
              notify: bytes = b"") -> Transfer:
@@ -64,8 +71,42 @@ class SlowReads:
         self.num_landed += 1
         return True
 
+    def cancel(self, xfer: Transfer) -> None:
+        if not isinstance(xfer.handle, dict):
+            return self.real_cancel(xfer)
+        if not xfer.done:
+            xfer.done = True
+            self.num_cancelled += 1
+
     def restore(self) -> None:
-        del self.transport.read, self.transport.poll  # the class's methods again
+        del self.transport.read, self.transport.poll, self.transport.cancel  # the class's
+
+
+class HeldCopies:
+    """Shared memory's copy thread holds every READ it takes from now on until `release()` (or
+    until the READ is cancelled): a READ really in flight, posted by the real transport."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.released = threading.Event()
+        self.copied: list[CopyJob] = []  # jobs whose bytes were copied, in order
+        real = CopyThread._copy
+
+        def held(thread: CopyThread, job: CopyJob) -> bool:
+            while not (self.released.wait(0.002) or job.cancelled):
+                pass
+            landed = real(thread, job)
+            if landed:
+                self.copied.append(job)
+            return landed
+
+        monkeypatch.setattr(CopyThread, "_copy", held)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def _copy_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("shm-copy-")]
 
 
 def _disagg(role: str, backend: str, abort_timeout_s: float = 480.0) -> DisaggConfig:
@@ -197,12 +238,14 @@ def _hisparse_decode_config(engine_config, model_dir):
                                     hisparse=HiSparseConfig(host_pool_bytes=16 << 20))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("into", ["gpu pages", "hisparse host pool"])
-def test_abort_while_receiving_frees_everything(model_dirs, engine_config, into):
-    """An abort while the READs are in flight answers at once ("abort"), but the request's
-    blocks (and, into a spilling HiSparse engine, its reserved host window) stay taken until
-    the READs settle; then everything is freed, the producer by the notification (no
-    timeout), and the other request decodes to the reference."""
+def test_abort_while_receiving_frees_everything_at_once(model_dirs, engine_config, into,
+                                                        backend):
+    """An abort while the READs are in flight answers "abort" and frees the request's blocks
+    and id at once; the next step cancels its READs first thing (none of them lands), gives
+    back its host window (into a spilling HiSparse engine) and notifies the producer, which
+    frees its blocks before any timeout; the other request decodes to the reference."""
     model_dir = model_dirs["tiny-glm5"]
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (20, 40)]
@@ -212,7 +255,7 @@ def test_abort_while_receiving_frees_everything(model_dirs, engine_config, into)
     else:
         plain, decode_config = _hisparse_decode_config(engine_config, model_dir)
     reference = LLMEngine.from_config(plain).generate(prompts[:1], SAMPLING)[0]
-    p, d = _engines(plain, "shm", decode_config=decode_config)
+    p, d = _engines(plain, backend, decode_config=decode_config)
     rt = d.runner.hisparse
     try:
         run = Driver(p, d)
@@ -223,24 +266,157 @@ def test_abort_while_receiving_frees_everything(model_dirs, engine_config, into)
         run.add("b", prompts[1])
         run.step()  # b's READs posted
         assert "b" in d.scheduler.receiving and slow.num_posted > 0
-        d.abort_request("b")
-        run.step()
-        assert run.reasons["b"] == "abort" and "b" not in run.errors
-        # READs still in flight: b's blocks and host window stay taken
-        assert slow.num_landed == 0 and d.scheduler.requests["b"].block_ids
         if rt is not None:
             assert "b" in rt.entries
-        while "b" in d.scheduler.requests:
-            run.step()
-        assert slow.num_landed == slow.num_posted
-        run.step()  # the runner learns that b ended
+        num_free = d.stats().num_free_blocks
+        num_blocks = len(d.scheduler.requests["b"].block_ids)
+        d.abort_request("b")
+        # at once: the id and the blocks are free (the READs are cancelled before any step
+        # can hand the blocks to another request)
+        assert "b" not in d.scheduler.requests and "b" not in d.scheduler.receiving
+        assert d.stats().num_free_blocks == num_free + num_blocks
+        d.check_integrity()
+        assert d.has_unfinished_requests()  # a step must tell the runner
+        run.step()
+        assert run.reasons["b"] == "abort" and "b" not in run.errors
+        assert slow.num_cancelled == slow.num_posted and slow.num_landed == 0
+        assert d.runner.connector.num_receiving == 0
         if rt is not None:
             assert "b" not in rt.entries
-        assert "b" not in p.scheduler.connector.held  # notified: freed before any timeout
+        while "b" in p.scheduler.connector.held:  # notified: freed before any timeout
+            run.step()
         slow.restore()
         run.drain()
         assert run.tokens["a"] == reference and not run.errors
     finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_shm_reads_in_flight_while_others_decode(model_dirs, engine_config, mixed_prompts,
+                                                 monkeypatch):
+    """Shared memory's READs land on its copy thread: the step that posts them returns at once
+    (the copies are held back), the request stays receiving over several steps while the other
+    decodes a token in each, and once the copies run it decodes to the reference; shutting the
+    engines down leaves no copy thread."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts, SAMPLING)
+    threads_before = set(_copy_threads())
+    p, d = _engines(config, "shm")
+    held = None
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        held = HeldCopies(monkeypatch)
+        run.add("b", prompts[1])
+        for _ in range(4):
+            before = len(run.tokens["a"])
+            t0 = time.monotonic()
+            run.step()
+            assert time.monotonic() - t0 < 10  # not waiting for b's copies (held for good)
+            assert "b" in d.scheduler.receiving and d.runner.connector.num_receiving == 1
+            assert len(run.tokens["a"]) == before + 1 and not held.copied
+            assert "b" in p.scheduler.connector.held
+        held.release()
+        run.drain()
+        assert held.copied and not run.errors
+        assert [run.tokens["a"], run.tokens["b"]] == reference
+    finally:
+        if held is not None:
+            held.release()
+        p.shutdown()
+        d.shutdown()
+    assert set(_copy_threads()) <= threads_before
+
+
+def test_the_same_id_again_right_after_an_abort_while_receiving(model_dirs, engine_config,
+                                                               monkeypatch):
+    """A client retries an aborted request under its id while its READs are still held in
+    flight: accepted at once; the step that posts the new READs first cancels the old ones
+    (they never copy, though the new request now owns some of their blocks), and the retry
+    decodes to the reference; both engines' invariants hold throughout, nothing leaks."""
+    model_dir = model_dirs["tiny-glm5"]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (20, 40)]
+    # a small pool: the retry's blocks come partly from the aborted request's
+    config = engine_config(model_dir, block_size=4, num_blocks=24, max_model_len=64)
+    reference = LLMEngine.from_config(config).generate(prompts, SAMPLING)
+    p, d = _engines(config, "shm")
+    held = None
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        while not run.tokens["a"]:
+            run.step()
+        held = HeldCopies(monkeypatch)
+        run.add("b", prompts[1])
+        run.step()  # b's READs posted, held in flight
+        old_jobs = [x.handle for x in d.runner.connector._receiving["b"].transfers]
+        old_blocks = set(d.scheduler.requests["b"].block_ids)
+        assert old_jobs and all(j.state is not CopyState.DONE for j in old_jobs)
+        retry = offline.prefill(p, "b-retry", prompts[1])
+
+        d.abort_request("b")
+        d.add_request("b", prompts[1], SAMPLING, kv_transfer_params=retry)  # no "in use"
+        d.check_integrity()
+        run.tokens["b"] = []
+        run.step()  # cancels the old READs, then posts the retry's into the same blocks
+        assert old_blocks & set(d.scheduler.requests["b"].block_ids)
+        assert all(j.state is CopyState.CANCELLED for j in old_jobs)
+        assert "b" in d.scheduler.receiving and d.runner.connector.num_receiving == 1
+        assert run.reasons["b"] == "abort"  # the first one's answer
+        del run.reasons["b"]
+        held.release()
+        run.drain()  # both held requests freed on the producer: "b" by the cancel's notice
+        assert not any(j in held.copied for j in old_jobs) and held.copied
+        assert not run.errors and run.reasons["b"] == "length"
+        assert [run.tokens["a"], run.tokens["b"]] == reference
+    finally:
+        if held is not None:
+            held.release()
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_decode_engine_shut_down_with_reads_in_flight(model_dirs, engine_config,
+                                                         mixed_prompts, monkeypatch):
+    """Shutdown with READs in flight returns promptly: the READs are cancelled (none copies,
+    then or later), the copy thread is gone, the decode engine's blocks are all free; the
+    producer frees what it held for them at its timeout, as for any consumer that went away."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    threads_before = set(_copy_threads())
+    held = HeldCopies(monkeypatch)
+    p, d = _engines(config, "shm", abort_timeout_s=1.0)
+    try:
+        run = Driver(p, d)
+        run.add("a", prompts[0])
+        run.add("b", prompts[1])
+        run.step()  # both posted, held
+        jobs = [x.handle for posted in d.runner.connector._receiving.values()
+                for x in posted.transfers]
+        assert jobs and d.runner.connector.num_receiving == 2
+        t0 = time.monotonic()
+        d.shutdown()
+        assert time.monotonic() - t0 < 10
+        assert all(j.state is CopyState.CANCELLED for j in jobs)
+        held.release()
+        assert not held.copied and set(_copy_threads()) <= threads_before
+        d.scheduler.check_integrity()
+        s = d.stats()
+        assert s.num_free_blocks == s.num_total_blocks and not d.scheduler.requests
+        deadline = time.monotonic() + 30
+        while p.has_unfinished_requests():  # the producer's timeout frees a and b
+            assert time.monotonic() < deadline
+            p.step()
+            p.check_integrity()
+        s = p.stats()
+        assert s.num_free_blocks == s.num_total_blocks
+    finally:
+        held.release()
         p.shutdown()
         d.shutdown()
 
@@ -256,6 +432,13 @@ def test_tally_waits_for_every_rank():
     assert tally.merge([out(["z"]), out(["x", "z"])]) == (("x", "z"), {})
     assert tally.merge([out(failed={"y": "lost"}), out()]) == ((), {"y": "gone"})
     assert tally.merge([out(), out()]) == ((), {})
+    # an abort while receiving: rank 0's earlier report is void, so the same id sent again
+    # arrives only once both ranks read its share anew
+    assert tally.merge([out(["w"]), out(failed={"v": "gone"})]) == ((), {})
+    tally.forget(["w", "v"])
+    assert tally.merge([out(), out(["w"])]) == ((), {})
+    assert tally.merge([out(["w"]), out(["v"])]) == (("w",), {})
+    assert tally.merge([out(["v"]), out()]) == (("v",), {})
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
