@@ -120,8 +120,8 @@ class StepTimeModel:
                  host_fits: HostFits = H200_HOST) -> None:
         """`hisparse`: decode rows read through hot buffers (None: from GPU pages). `graphs`:
         decode-only steps replay CUDA graphs (the engine's default; False: --enforce-eager);
-        `async_scheduling`: the engine's host work overlaps the kernels (not built: the engine
-        is synchronous per step)."""
+        `async_scheduling`: the engine's host work overlaps the kernels (the engine's
+        --async-scheduling: docs/decode.md)."""
         cm.check_layout(model, par)
         self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
