@@ -319,7 +319,8 @@ class ModelRunner:
         """Per layer, the host pool's MLA rows of spilled blocks ([n, B, row] uint8 views):
         kept ones', or a live holder's window. For tests, through `executor.call`."""
         assert self.hisparse is not None
-        src = torch.tensor([self._host_source(b) for b in block_ids], dtype=torch.int64)
+        sources = self._host_sources(block_ids)
+        src = torch.tensor([sources[b] for b in block_ids], dtype=torch.int64)
         return [pool.index_select(0, src).view(torch.uint8) for pool in self.hisparse.host]
 
     def hisparse_mla_pages(self) -> int:
@@ -710,28 +711,35 @@ class ModelRunner:
         host rows (a kept host block, given back after, or a live holder's window). A block
         whose page was taken again within the same diff is only given back."""
         assert self.hisparse is not None and self.mla_page_of is not None or not block_ids
-        pages, sources = [], []
-        for b in block_ids:
-            page = int(self.mla_page_of[b])
-            if page >= 0:
-                pages.append(page)
-                sources.append(self._host_source(b))
-        self.hisparse.restore(pages, sources)
+        restored = [b for b in block_ids if self.mla_page_of[b] >= 0]
+        sources = self._host_sources(restored)
+        self.hisparse.restore([int(self.mla_page_of[b]) for b in restored],
+                              [sources[b] for b in restored])
         for b in block_ids:
             if b in self.hisparse.kept:
                 self.hisparse.release_kept(b)
 
-    def _host_source(self, b: int) -> int:
-        """The host block holding block b's MLA rows: kept for it, or in the window of a live
-        request holding it (which computed it, had it restored, or received it)."""
+    def _host_sources(self, block_ids: list[int]) -> dict[int, int]:
+        """The host block holding each block's MLA rows: kept for it, or in the window of a
+        live request holding it (which computed it, had it restored, or received it). One pass
+        over the holders' tables for all of them."""
         assert self.hisparse is not None
-        if b in self.hisparse.kept:
-            return self.hisparse.kept[b]
+        kept = self.hisparse.kept
+        found = {b: kept[b] for b in block_ids if b in kept}
+        wanted = set(block_ids) - found.keys()
         holders = [(rid, st.block_ids) for rid, st in self.requests.items()]
         for rid, blocks in holders + list(self._recv_blocks.items()):
-            if b in blocks and rid in self.hisparse.entries:
-                return self.hisparse.host_block(rid, blocks.index(b))
-        raise RuntimeError(f"HiSparse: no host rows for block {b}")
+            if not wanted:
+                break
+            if rid not in self.hisparse.entries:
+                continue
+            for i, b in enumerate(blocks):
+                if b in wanted:
+                    found[b] = self.hisparse.host_block(rid, i)
+                    wanted.discard(b)
+        if wanted:
+            raise RuntimeError(f"HiSparse: no host rows for block {min(wanted)}")
+        return found
 
     def _apply_diff(self, so: SchedulerOutput) -> None:
         self._apply_releases(so)
