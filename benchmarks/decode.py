@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
+from dsaserve.bench import steps as bench_steps
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -45,18 +46,12 @@ from dsaserve.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from dsaserve.core import (
-    ModelRunnerOutput,
-    NewRequestData,
-    SamplingParams,
-    SchedulerOutput,
-)
+from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 
 BLOCK = 64
-GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,24 +92,6 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, d
     return cfg
 
 
-def _steps(context: int, batch: int, k: int, vocab: int
-           ) -> tuple[SchedulerOutput, SchedulerOutput]:
-    """(the step that hands the runner its requests, the step repeated after it): every request
-    has `context` tokens computed, one known token left and (MTP) k drafts to verify."""
-    per_request = -(-(context + 2 * k + 2) // BLOCK)
-    g = torch.Generator().manual_seed(0)
-    new, sched, spec = [], {}, {}
-    for r in range(batch):
-        tokens = tuple(torch.randint(4, vocab, (context + 1,), generator=g).tolist())
-        blocks = tuple(range(r * per_request, (r + 1) * per_request))
-        new.append(NewRequestData(f"r{r}", tokens, GREEDY, blocks, context))
-        sched[f"r{r}"] = 1 + k
-        if k:
-            spec[f"r{r}"] = tuple(torch.randint(4, vocab, (k,), generator=g).tolist())
-    first = SchedulerOutput(tuple(new), (), sched, (), spec)
-    return first, SchedulerOutput((), (), sched, (), spec)
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -145,7 +122,7 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
                   args.kv_cache_dtype, async_)
     runner = ModelRunner(cfg)
-    first, again = _steps(context, batch, k, cfg.model.vocab_size)
+    first, again = bench_steps.decode(context, batch, cfg.model.vocab_size, BLOCK, k)
     note = ""
     try:
         runner.execute(first)

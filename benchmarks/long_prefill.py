@@ -11,7 +11,8 @@ A GLM-5.3-shaped checkpoint (real attention and indexer dimensions: 64 heads, 57
 Per length it prints:
 
   - wall: the prefill, every chunk's step synchronised, no profiler attached;
-  - GPU kernel time by category (torch.profiler's kernel names, `classify`), from a second,
+  - GPU kernel time by category (torch.profiler's kernel names, dsaserve/bench/profile.py's
+    `classify`), from a second,
     profiled run of the same prompt; GPU-busy is the union of the kernels' intervals;
   - host: wall − GPU-busy (time the GPU waits for the host), and the profiled steps' CPU time
     outside synchronisation calls (the host's own work, launches included);
@@ -40,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.bench.profile import ORDER, Profile, summarize
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -58,27 +60,6 @@ from dsaserve.plan.costmodel import prefill_flops
 INDEXER_TFLOPS = 887.0  # indexer logits, measured on an H200 (issue 34, docs/kernels.md)
 MLA_TFLOPS = 480.0  # sparse MLA prefill, measured on an H200
 
-# Kernel (or CPU operator) name → category; first match wins, so specific rules come first.
-CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("workspace dequant", r"dequantize_pages"),
-    ("top-k", r"topk|threshold_kernel|compact_kernel|finish_kernel|merge_best|radix|sort"),
-    ("indexer logits", r"indexer_logits|indexer_gluon|_logits_kernel"),
-    ("sparse MLA", r"sparse_mla|mla_work|pingpong|position_slots|merge_splits"),
-    ("norms + rotary", r"norm|rotary|rope|rms|silu|softmax"),
-    ("copies", r"memcpy|memset|copy|cat|index_select|gather|scatter|index_put|fill|"
-               r"write_mla|write_index|index_cache|mla_cache"),
-    ("MoE + GEMMs", r"gemm|xmma|cutlass|nvjet|cublas|matmul|\bmm\b|addmm|bmm|linear|"
-                    r"aten::mm|einsum|grouped|moe|expert"),
-)
-ORDER = [name for name, _ in CATEGORIES] + ["other"]
-_COMPILED = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in CATEGORIES]
-_SYNC = re.compile(r"cuda(Device|Stream|Event)Synchronize|cudaMemcpy$", re.IGNORECASE)
-
-
-def classify(name: str) -> str:
-    """A kernel's (or CPU operator's) category by its name."""
-    return next((cat for cat, rx in _COMPILED if rx.search(name)), "other")
-
 
 def parse_length(text: str) -> int:
     """"4096", "4K", "1M" → tokens (K = 1024)."""
@@ -91,47 +72,6 @@ def parse_length(text: str) -> int:
 def human(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else \
         f"{n >> 10}K" if n >= 1024 and n % 1024 == 0 else str(n)
-
-
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by intervals (start, end): time the device was busy."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
-
-
-@dataclass(frozen=True)
-class Profile:
-    """One profiled prefill: seconds per category, device-busy seconds, host CPU seconds."""
-
-    by_category: dict[str, float]
-    busy: float
-    host_cpu: float
-
-
-def summarize(events, wall: float, on_device: bool) -> Profile:
-    """torch.profiler events of a prefill whose steps took `wall` seconds (profiled) →
-    Profile. On a device: its kernels and copies; on the CPU: top-level operators."""
-    from torch.autograd import DeviceType
-
-    by_cat = dict.fromkeys(ORDER, 0.0)
-    spans: list[tuple[float, float]] = []
-    sync = 0.0
-    for e in events:
-        start, end = e.time_range.start / 1e6, e.time_range.end / 1e6
-        if on_device and e.device_type != DeviceType.CPU:
-            by_cat[classify(e.name)] += end - start
-            spans.append((start, end))
-        elif on_device and _SYNC.search(e.name):
-            sync += end - start
-        elif not on_device and e.device_type == DeviceType.CPU and e.cpu_parent is None:
-            by_cat[classify(e.name)] += end - start
-            spans.append((start, end))
-    return Profile(by_cat, union_length(spans), max(wall - sync, 0.0))
 
 
 @dataclass(frozen=True)

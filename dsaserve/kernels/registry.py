@@ -7,6 +7,7 @@ under their own name and must agree with it within stated tolerances.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -15,6 +16,12 @@ import torch
 from dsaserve.kernels import formats, reference
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kv import layout
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    """Whether work on t runs the GPU kernels (kernels/triton): on CUDA tensors, and on CPU
+    tensors under TRITON_INTERPRET=1 (tests, and engine/host_ops.gpu_branches)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class AttentionBackend(Protocol):

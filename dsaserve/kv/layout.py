@@ -95,6 +95,8 @@ def dcp_local_seq_len(seq_len: IntOrTensor, dcp_size: int, rank: int,
     from the global length (never from rank-local state).
     """
     _check_dcp(dcp_size, rank)
+    if dcp_size == 1:  # every position is this rank's (and no tensor ops for it)
+        return seq_len
     round_len = dcp_size * interleave
     base = (seq_len // round_len) * interleave
     extra = seq_len % round_len - rank * interleave  # this rank's part of the last partial round

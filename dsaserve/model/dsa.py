@@ -27,7 +27,7 @@ from torch import nn
 from dsaserve.config import ModelConfig
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.registry import AttentionBackend
+from dsaserve.kernels.registry import AttentionBackend, use_kernels
 from dsaserve.kv import layout
 from dsaserve.model import moe_compute
 from dsaserve.model.rope import RotaryTable, apply_rope
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # the same arithmetic in one pass (kernels/triton/norm.py)
+        if use_kernels(x):  # the same arithmetic in one pass (kernels/triton/norm.py)
             from dsaserve.kernels.triton import norm
 
             return norm.rms_norm(x, self.weight, self.eps)
@@ -133,14 +133,24 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = _linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim))
         self.o_proj = _linear(self.num_heads * self.v_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
+        # (kv_b_proj's storage, shape, dtype) and the W_UK, W_UV, W_UVᵀ views of it (_w_uk_uv)
+        self._w_views: tuple | None = None
         # Set by dsaserve.parallel.tp.shard_model when the engine has several ranks.
         self.groups = ParallelGroups.single()
         self.comm_backend = "ag_rs"
 
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj viewed per head: W_UK [H, nope, L], W_UV [H, v, L]."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope], w[:, self.nope :]
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """kv_b_proj viewed per head: W_UK [H, nope, L], W_UV [H, v, L], W_UVᵀ [H, L, v]. The
+        views are made once per weight storage (each is a host op of every layer of every step
+        otherwise); a weight loaded in place is seen through them, a replaced one makes them
+        again."""
+        w = self.kv_b_proj.weight
+        if self._w_views is None or self._w_views[0] != (w.data_ptr(), w.shape, w.dtype):
+            per_head = w.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+            w_uv = per_head[:, self.nope :]
+            self._w_views = ((w.data_ptr(), w.shape, w.dtype), per_head[:, : self.nope], w_uv,
+                             w_uv.transpose(1, 2))
+        return self._w_views[1:]
 
     def forward(
         self,
@@ -157,7 +167,7 @@ class MLAAttention(nn.Module):
         # 1. projections (this rank's heads under TP; the latent and the indexer are replicated)
         qr = self.q_a_layernorm(self.q_a_proj(x))  # [n, q_lora]
         q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q[..., : self.nope], apply_rope(q[..., self.nope :], cos, sin, True)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope: before RoPE
         kv = self.kv_a_proj_with_mqa(x)  # [n, L+R]
         c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [n, L]
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [n, R]
@@ -181,11 +191,12 @@ class MLAAttention(nn.Module):
             backend.write_index_k(cache.index, slots, idx_k)
 
         # 3. attention → o [n, heads of this rank, v]
-        w_uk, w_uv = self._w_uk_uv()
+        w_uk, w_uv, w_uv_t = self._w_uk_uv()
         if meta.use_dense:
+            q_pe = apply_rope(q_rope, cos, sin, True)
             o, topk = self._dense_attention(q_nope, q_pe, mla_meta, cache, w_uk, w_uv), prev_topk
         else:
-            q_full = self._absorbed_query(q_nope, q_pe, w_uk)  # [n, H, L+R]
+            q_full = self._absorbed_query(q_nope, q_rope, w_uk, cos, sin)  # [n, H, L+R]
             if self.indexer is not None:
                 q_idx, w_idx = self.indexer.queries(qr, cos, sin), self.indexer.weights(x)
             else:
@@ -208,7 +219,9 @@ class MLAAttention(nn.Module):
                 o_lat, _lse = backend.sparse_mla_positions(
                     q_full, cache.kv, topk, mla_meta, self.scale, self.kv_lora_rank
                 )  # [n, H, L]
-            o = self._value_output(o_lat.to(w_uv.dtype), w_uv)  # [n, H, v]
+            if o_lat.dtype != w_uv.dtype:  # (a no-op .to is a host op all the same)
+                o_lat = o_lat.to(w_uv.dtype)
+            o = self._value_output(o_lat, w_uv_t)  # [n, H, v]
         out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
         return self.groups.tp.all_reduce(out), topk
 
@@ -269,25 +282,26 @@ class MLAAttention(nn.Module):
             topk[rows] = top
         return o, topk
 
-    def _absorbed_query(self, q_nope: torch.Tensor, q_pe: torch.Tensor,
-                        w_uk: torch.Tensor) -> torch.Tensor:
-        """q_nope [n, H, nope] · W_UK [H, nope, L] (the absorbed query) beside q_pe [n, H, R]:
-        [n, H, L+R], the product written in place by a batched matmul over the heads. (A
-        concatenation of the product and q_pe copied all of q again: 1.2 GB and 1.46 ms per
-        layer for a 16K-token chunk on an H200.)"""
+    def _absorbed_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q_nope [n, H, nope] · W_UK [H, nope, L] (the absorbed query) beside RoPE(q_rope)
+        [n, H, R]: [n, H, L+R], the product written in place by a batched matmul over the
+        heads, the rotation in place by its kernel. (A concatenation of the product and q_pe
+        copied all of q again: 1.2 GB and 1.46 ms per layer for a 16K-token chunk on an H200;
+        rotating into a tensor of its own and copying it in was a launch and a copy more.)"""
         n, heads, _ = q_nope.shape
         q_full = torch.empty(n, heads, self.kv_lora_rank + self.rope_dim, dtype=q_nope.dtype,
                              device=q_nope.device)
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_full.transpose(0, 1)[..., :self.kv_lora_rank])
-        q_full[..., self.kv_lora_rank:] = q_pe
+        apply_rope(q_rope, cos, sin, True, out=q_full[..., self.kv_lora_rank:])
         return q_full
 
-    def _value_output(self, o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    def _value_output(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
         """o_lat [n, H, L] · W_UVᵀ [H, L, v] → o [n, H, v], written in place in the token-major
         layout o_proj reads (an einsum returns it head-major, and the reshape copied it)."""
         n, heads, _ = o_lat.shape
         o = torch.empty(n, heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
-        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
         return o
 
     def _dense_attention(self, q_nope, q_pe, meta, cache, w_uk, w_uv) -> torch.Tensor:
@@ -368,6 +382,7 @@ class Experts(nn.Module):
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.inter = i
+        self.num_experts = e  # the model's; this rank's are w13.shape[0] from `first`
         self.first = 0
         self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h), requires_grad=False)  # [gate; up]
         self.w2 = nn.Parameter(torch.zeros(e, h, i), requires_grad=False)
@@ -375,7 +390,8 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32."""
         # without reading the routing on the host where the batch allows (model/moe_compute.py)
-        return moe_compute.routed_experts(x, self.w13, self.w2, ids, weights, self.first)
+        return moe_compute.routed_experts(x, self.w13, self.w2, ids, weights, self.first,
+                                          self.num_experts)
 
 
 class MoE(nn.Module):

@@ -35,28 +35,34 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
-def sorted_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sorted_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int,
+                 held_all: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids/weights [N, k] → (token of each sorted pair [P], its weight [P] fp32, group ends
     [count] int32): pairs sorted by local expert, all on the device. Pairs of experts held
-    elsewhere sort last, past ends[-1], in no group."""
-    local = (ids - first).flatten()  # [P]
-    local = torch.where((local >= 0) & (local < count), local, count)
+    elsewhere sort last, past ends[-1], in no group; held_all (first = 0 and this rank holds
+    every expert: no EP) says there are none, and skips the ops that find them."""
+    local = ids.flatten() if held_all else (ids - first).flatten()  # [P]
+    if not held_all:
+        local = torch.where((local >= 0) & (local < count), local, count)
     order = local.argsort(stable=True)  # [P]
     ends = torch.searchsorted(local[order], torch.arange(count, device=ids.device), right=True)
-    return order // ids.shape[1], weights.flatten().float()[order], ends.to(torch.int32)
+    w = weights.flatten()
+    w = w if w.dtype == torch.float32 else w.float()
+    return order // ids.shape[1], w[order], ends.to(torch.int32)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor, first: int) -> torch.Tensor:
+                    weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs."""
-    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0])
+    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0], held_all)
     xs = x[token_of]  # [P, H]
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [P, H]
-    # rows past the last group (experts held elsewhere) are left unwritten: select, not scale
-    in_group = torch.arange(xs.shape[0], device=x.device) < ends[-1]
-    y = torch.where(in_group[:, None], y.float() * w_sorted[:, None], 0.0)
+    if held_all:  # every row is in a group
+        y = y.float() * w_sorted[:, None]
+    else:  # rows past the last group (experts held elsewhere) are left unwritten: select
+        in_group = torch.arange(xs.shape[0], device=x.device) < ends[-1]
+        y = torch.where(in_group[:, None], y.float() * w_sorted[:, None], 0.0)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_of, y)
 
@@ -96,10 +102,14 @@ def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: to
 
 
 def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, first: int) -> torch.Tensor:
-    """The formulation for this batch (chosen from host-known shapes, never from routing)."""
+                   weights: torch.Tensor, first: int, num_experts: int | None = None
+                   ) -> torch.Tensor:
+    """The formulation for this batch (chosen from host-known shapes, never from routing).
+    num_experts: the model's routed experts, when known (this rank holding all of them skips
+    the grouped path's masking of experts held elsewhere)."""
     if grouped_mm_available(x, w13):
-        return grouped_experts(x, w13, w2, ids, weights, first)
+        held_all = first == 0 and w13.shape[0] == num_experts
+        return grouped_experts(x, w13, w2, ids, weights, first, held_all)
     if x.shape[0] * w13.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
         return dense_experts(x, w13, w2, ids, weights, first)
     return looped_experts(x, w13, w2, ids, weights, first)

@@ -16,6 +16,7 @@ import math
 import torch
 
 from dsaserve.config import RopeConfig
+from dsaserve.kernels.registry import use_kernels
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -64,15 +65,19 @@ class RotaryTable:
 
 
 def apply_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the first R = 2·cos.shape[-1] columns of x [N, ..., dim] by cos/sin [N, R/2] in
     fp32 and copy the rest (R < dim: the indexer, whose RoPE part comes first); keeps x's
-    dtype and layout."""
-    if x.is_cuda:  # the same arithmetic in one pass (kernels/triton/rotary.py)
+    dtype and layout. With `out` (x's shape and dtype, e.g. a view into a wider tensor) the
+    result is written there and returned."""
+    if use_kernels(x):  # the same arithmetic in one pass (kernels/triton/rotary.py)
         from dsaserve.kernels.triton import rotary
 
-        return rotary.rotate(x, cos, sin, interleaved)
+        return rotary.rotate(x, cos, sin, interleaved, out)
+    if out is not None:
+        return out.copy_(apply_rope(x, cos, sin, interleaved))
     rope = 2 * cos.shape[-1]
     if rope < x.shape[-1]:
         return torch.cat((apply_rope(x[..., :rope], cos, sin, interleaved), x[..., rope:]), dim=-1)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dsaserve.bench import profile
 from dsaserve.config import ModelConfig, ParallelConfig
 from dsaserve.model.make_model import build_config
 from dsaserve.model.presets import glm53_shaped
@@ -49,9 +50,9 @@ def test_lengths_and_categories(bench):
         "sm90_xmma_gemm_bf16bf16_bf16f32": "MoE + GEMMs", "aten::mm": "MoE + GEMMs",
         "void at::native::vectorized_elementwise_kernel<4>": "other",
     }
-    assert {n: bench.classify(n) for n in names} == names
+    assert {n: profile.classify(n) for n in names} == names
     # Overlapping and nested spans count once: [0, 3] ∪ [1, 2] ∪ [5, 6] = 4.
-    assert bench.union_length([(5.0, 6.0), (0.0, 3.0), (1.0, 2.0)]) == 4.0
+    assert profile.union_length([(5.0, 6.0), (0.0, 3.0), (1.0, 2.0)]) == 4.0
 
 
 def test_floor_is_the_issue_table(bench):

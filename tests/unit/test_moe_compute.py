@@ -50,6 +50,15 @@ def test_formulations_match_reference(path, n, experts, held, first):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("n", [1, 7, 33])
+def test_grouped_held_all_is_the_masked_path(n):
+    """Every expert held (no EP): the grouped path without the masks of experts held elsewhere
+    gives the same bits as with them (fewer host ops, not other arithmetic)."""
+    case = _case(n, 8, 8, 0, dtype=torch.bfloat16)
+    want = moe_compute.grouped_experts(*case)
+    assert torch.equal(moe_compute.grouped_experts(*case, held_all=True), want)
+
+
 def test_sorted_pairs_groups_by_expert():
     ids = torch.tensor([[3, 1], [1, 7], [2, 3]])  # experts 1..3 held (first=1, count=3)
     weights = torch.arange(6, dtype=torch.float32).view(3, 2)

@@ -503,6 +503,14 @@ def test_rotary_matches_apply_rope(k, interleaved, shape, rope):
     got = k.rotary.rotate(x, cos, sin, interleaved)
     assert got.dtype == x.dtype and got.shape == x.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # into `out`: the last columns of wider rows (MLA's absorbed query), the rest untouched
+    wide = torch.full((*shape[:-1], shape[-1] + 5), 7.0)
+    back = k.rotary.rotate(x, cos, sin, interleaved, out=wide[..., 5:])
+    assert back.data_ptr() == wide[..., 5:].data_ptr()
+    torch.testing.assert_close(wide[..., 5:], want, rtol=1e-6, atol=1e-6)
+    assert (wide[..., :5] == 7.0).all()
+    with pytest.raises(ValueError, match="rotary: out"):
+        k.rotary.rotate(x, cos, sin, interleaved, out=wide[..., 4:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,10 +590,25 @@ def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size
                                              cfg.workspace_max_rows)
     assert [s.workspace for s in segments] == ([False, True, False] if min_reads == 1.0
                                                else [False])
-    o, lse = k.backend.TritonBackend(cfg).sparse_mla_positions(q, cache, positions, meta, 0.1, L)
+    backend = k.backend.TritonBackend(cfg)
+    o, lse = backend.sparse_mla_positions(q, cache, positions, meta, 0.1, L)
     ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, 0.1, L)
     assert torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
     assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # The step's next layers, over their own caches: a shared (IndexShare) layer attends over
+    # the same top-k tensor (its slots kept from the layer before), a full layer over a new
+    # one (slots made again); the workspace plan is the step's.
+    other = torch.where(positions >= 0, positions.flip(1), -1)
+    other = torch.where(other >= 0, torch.minimum(other, (limits - 1)[:, None]), -1)
+    for top in (positions, other):
+        layer_cache = torch.zeros_like(cache)
+        formats.write_mla_cache(layer_cache, slots, torch.randn(len(slots), L, generator=g),
+                                torch.randn(len(slots), R, generator=g))
+        o, lse = backend.sparse_mla_positions(q, layer_cache, top, meta, 0.1, L)
+        ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, layer_cache, top, meta, 0.1,
+                                                                 L)
+        assert torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,23 +8,17 @@ fill the GPU (decode), merging the partial (o, lse) itself. Callers need no per-
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.registry import ReferenceBackend
+from dsaserve.kernels.registry import ReferenceBackend, use_kernels
 from dsaserve.kernels.triton import indexer, mla_cache, mla_workspace, slots, sparse_mla
 from dsaserve.kernels.triton.index_cache import write_index_cache
 from dsaserve.kv import layout
 
 logger = logging.getLogger(__name__)
-
-
-def _use_kernels(t: torch.Tensor) -> bool:
-    """Kernels run on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1 (tests)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TritonBackend:
@@ -59,7 +53,7 @@ class TritonBackend:
     def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
                  k_pe: torch.Tensor) -> None:
         """c [N, L], k_pe [N, R] → rows at slots [N] (−1 skip); fp8_ds_mla or float cache."""
-        if not _use_kernels(kv_cache):
+        if not use_kernels(kv_cache):
             self._reference.write_kv(kv_cache, slots, c, k_pe)
             return
         mla_cache.write_mla_cache(kv_cache, slots, c, k_pe)
@@ -67,7 +61,7 @@ class TritonBackend:
     def write_index_k(self, index_cache: torch.Tensor, slots: torch.Tensor,
                       k: torch.Tensor) -> None:
         """k [N, D] → indexer cache rows at slots [N] (−1 skip); FP8 pages or float rows."""
-        if not _use_kernels(index_cache):
+        if not use_kernels(index_cache):
             self._reference.write_index_k(index_cache, slots, k)
             return
         write_index_cache(index_cache, slots, k)
@@ -75,10 +69,12 @@ class TritonBackend:
     def sparse_mla(self, q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                    scale: float, kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, H, L+R], slot_indices [T, K] (−1 skip) → o [T, H, L] (q's dtype), lse [T, H]."""
-        if not _use_kernels(q):
+        if not use_kernels(q):
             return self._reference.sparse_mla(q, kv_cache, slot_indices, scale, kv_lora_rank)
-        return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices.to(torch.int32), scale,
-                                         kv_lora_rank, self.mla_config)
+        if slot_indices.dtype != torch.int32:
+            slot_indices = slot_indices.to(torch.int32)
+        return sparse_mla.sparse_mla_fwd(q, kv_cache, slot_indices, scale, kv_lora_rank,
+                                         self.mla_config)
 
     def sparse_mla_positions(self, q: torch.Tensor, kv_cache: torch.Tensor,
                              positions: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -88,7 +84,7 @@ class TritonBackend:
         (long prefill chunks; mla_workspace.plan_segments) read a bf16 copy of their pages,
         the others the cache through their slots."""
         cfg = self.mla_config or sparse_mla.SparseMlaConfig()
-        if not _use_kernels(q):
+        if not use_kernels(q):
             return self._reference.sparse_mla_positions(q, kv_cache, positions, meta, scale,
                                                         kv_lora_rank)
         dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
@@ -96,28 +92,22 @@ class TritonBackend:
         # no workspace, whose pages would be read up to them.
         if (kv_cache.dtype != torch.uint8 or meta.pcp is not None or meta.bounded_seq_lens
                 or not 0 < meta.num_tokens == q.shape[0]):
-            found = slots.position_slots(positions, meta.req_indices, meta.block_table,
-                                         meta.block_size, *dcp)
+            found = _step_slots(positions, meta, None, meta.block_table, dcp)
             return self.sparse_mla(q, kv_cache, found, scale, kv_lora_rank)
-        local_lens = [layout.dcp_local_seq_len(n, *dcp) for n in meta.seq_lens]
-        segments = mla_workspace.plan_segments(
-            meta.query_start_loc, meta.seq_lens, local_lens, meta.block_size,
-            positions.shape[1], cfg.workspace_min_reads, cfg.workspace_max_rows)
         outs = []
-        for seg in segments:
+        for seg, ws_pages, ws_table in _workspace_plan(meta, positions.shape[1], cfg):
             first, end = seg.rows
-            rows = slice(first, end)
+            whole = (first, end) == (0, q.shape[0])  # (no slicing ops for one segment)
+            q_seg = q if whole else q[first:end]
+            table = ws_table if seg.workspace else meta.block_table
+            idx = _step_slots(positions, meta, seg.rows, table, dcp)
             if seg.workspace:
-                ws, ws_table = mla_workspace.build_workspace(kv_cache, meta.block_table, seg,
-                                                             local_lens, kv_lora_rank)
-                idx = slots.position_slots(positions[rows], meta.req_indices[rows], ws_table,
-                                           meta.block_size, *dcp)
-                outs.append(sparse_mla.sparse_mla_fwd(q[rows], ws, idx, scale, kv_lora_rank,
+                ws = mla_workspace.dequantize_pages(kv_cache, ws_pages, kv_lora_rank)
+                ws = ws.view(ws_pages.numel(), kv_cache.shape[1], ws.shape[1])
+                outs.append(sparse_mla.sparse_mla_fwd(q_seg, ws, idx, scale, kv_lora_rank,
                                                       cfg))
             else:
-                found = slots.position_slots(positions[rows], meta.req_indices[rows],
-                                             meta.block_table, meta.block_size, *dcp)
-                outs.append(self.sparse_mla(q[rows], kv_cache, found, scale, kv_lora_rank))
+                outs.append(self.sparse_mla(q_seg, kv_cache, idx, scale, kv_lora_rank))
         if len(outs) == 1:
             return outs[0]
         # The segments cover the rows in order (rows are flattened request by request).
@@ -127,6 +117,49 @@ class TritonBackend:
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hi, D], weights [T, Hi] (scales folded in) → (scores [T, topk] fp32, positions
         [T, topk] int32) of the best keys this rank stores, in any order, (−inf, −1) padded."""
-        if not _use_kernels(q):
+        if not use_kernels(q):
             return self._reference.indexer_topk(q, weights, index_cache, meta, topk)
         return indexer.indexer_topk(q, weights, index_cache, meta, topk, self.indexer_config)
+
+
+def _workspace_plan(meta: AttentionMetadata, topk: int, cfg: sparse_mla.SparseMlaConfig
+                    ) -> list[tuple[mla_workspace.Segment, torch.Tensor | None,
+                                    torch.Tensor | None]]:
+    """The step's segments (mla_workspace.plan_segments), each with its workspace's cache pages
+    [P] and block table (None where it reads the cache): the same for every layer of the step,
+    so made once and kept on the metadata (host work and small copies)."""
+    key = ("mla_workspace", topk, cfg.workspace_min_reads, cfg.workspace_max_rows)
+    plan = meta.derived.get(key)
+    if plan is None:
+        dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
+        local_lens = [layout.dcp_local_seq_len(n, *dcp) for n in meta.seq_lens]
+        segments = mla_workspace.plan_segments(
+            meta.query_start_loc, meta.seq_lens, local_lens, meta.block_size, topk,
+            cfg.workspace_min_reads, cfg.workspace_max_rows)
+        plan = [(seg, *(mla_workspace.workspace_pages(meta.block_table, seg, local_lens,
+                                                      meta.block_size)
+                        if seg.workspace else (None, None))) for seg in segments]
+        meta.derived[key] = plan
+    return plan
+
+
+def _step_slots(positions: torch.Tensor, meta: AttentionMetadata,
+                rows: tuple[int, int] | None, block_table: torch.Tensor,
+                dcp: tuple[int, int, int]) -> torch.Tensor:
+    """slots.position_slots of `rows` of positions [T, K] (None: all) through block_table.
+    IndexShare's shared layers attend over the very top-k tensor of the layer before them, and
+    the block tables are the step's: their slots are that layer's, kept on the metadata with
+    the tensor they came from (a new top-k, the next step's or a full layer's, is another
+    object). Under a CUDA graph the reuse is captured as it runs: the shared layer reads the
+    slots the full layer's launch writes at every replay."""
+    key = ("mla_slots", rows, block_table.data_ptr())
+    kept = meta.derived.get(key)
+    if kept is not None and kept[0] is positions:
+        return kept[1]
+    first, end = rows if rows is not None else (0, positions.shape[0])
+    whole = (first, end) == (0, positions.shape[0])
+    found = slots.position_slots(positions if whole else positions[first:end],
+                                 meta.req_indices if whole else meta.req_indices[first:end],
+                                 block_table, meta.block_size, *dcp)
+    meta.derived[key] = (positions, found)
+    return found

@@ -72,7 +72,7 @@ def write_index_cache(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor)
     if n == 0:
         return
     k = k if k.stride(1) == 1 else k.contiguous()
-    slots = slots.to(torch.int64)
+    slots = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
     if cache.dtype == torch.uint8:
         token_bytes = formats.index_token_bytes(head_dim)
         if cache.dim() != 2 or cache.shape[1] % token_bytes:

@@ -272,9 +272,14 @@ def _limits(meta: AttentionMetadata, plan: _StepPlan) -> torch.Tensor:
     """[T] int64: the local keys among positions [0, pos] of each query (its visible keys),
     from the device positions; at most its request's local length."""
     device = plan.local_lens.device
-    limits = layout.dcp_local_seq_len(meta.positions.to(device, torch.int64) + 1, meta.dcp_size,
-                                      meta.dcp_rank, meta.interleave)  # [T]
-    return torch.minimum(limits, plan.local_lens[meta.req_indices.to(device) + 1])
+    # (no-op conversions skipped: each is a host op of every indexer layer)
+    pos, req = meta.positions, meta.req_indices
+    pos = pos if pos.device == device and pos.dtype == torch.int64 else pos.to(device,
+                                                                               torch.int64)
+    req = req if req.device == device else req.to(device)
+    limits = layout.dcp_local_seq_len(pos + 1, meta.dcp_size, meta.dcp_rank,
+                                      meta.interleave)  # [T]
+    return torch.minimum(limits, plan.local_lens[req + 1])
 
 
 @dataclass(frozen=True)
@@ -452,7 +457,8 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         auto = 128 if num_tiles >= 512 else 64 if gluon else 16
     per_prog = min(config.pages_per_prog or auto, triton.next_power_of_2(num_pages))
     # The kernels index rows as (token · H + head) · D and weights as token · H + head.
-    q_in, w_in = q.contiguous(), weights.float().contiguous()
+    q_in = q.contiguous()
+    w_in = (weights if weights.dtype == torch.float32 else weights.float()).contiguous()
     if cuda_shape:
         cuda_logits.launch(q_in, w_in, index_cache, block_table, tiles, limits_i32, logits,
                            group_max, shape=cuda_shape, pages_per_prog=per_prog)
@@ -467,7 +473,7 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
         return logits, group_max, limits
     grid = (num_tiles, triton.cdiv(length, block_size * per_prog))
     _indexer_logits_kernel[grid](
-        q_in, w_in, cache, block_table, tiles[0], tiles[1], tiles[2], limits_i32, logits,
+        q_in, w_in, cache, block_table, *tiles.unbind(0), limits_i32, logits,
         group_max,
         block_table.stride(0), logits.stride(0), group_max.stride(0), length,
         H=num_heads, D=head_dim, BS=block_size, KV_FP8=fp8, BLOCK_T=plan.block_t,

@@ -117,7 +117,7 @@ def write_mla_cache(cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor,
         return
     c = c if c.stride(1) == 1 else c.contiguous()
     k_pe = k_pe if k_pe.stride(1) == 1 else k_pe.contiguous()
-    slots = slots.to(torch.int64)
+    slots = slots if slots.dtype == torch.int64 else slots.to(torch.int64)
     if cache.dtype == torch.uint8:
         row_bytes = formats.mla_row_bytes(lora, rope)
         if cache.shape[2] != row_bytes:

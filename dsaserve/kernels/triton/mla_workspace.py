@@ -121,7 +121,8 @@ def dequantize_pages(cache: torch.Tensor, pages: torch.Tensor, kv_lora_rank: int
     if pages.numel() == 0:
         return ws
     _dequantize_pages_kernel[(triton.cdiv(ws.shape[0], DEQUANT_ROWS),)](
-        cache.view(torch.float8_e4m3fn), pages.to(torch.int32), ws, ws.shape[0],
+        cache.view(torch.float8_e4m3fn),
+        pages if pages.dtype == torch.int32 else pages.to(torch.int32), ws, ws.shape[0],
         L=kv_lora_rank, R=rope_dim, B=block_size, ROWS=DEQUANT_ROWS, ROW_BYTES=row_bytes,
         TILE=formats.MLA_TILE, num_warps=DEQUANT_WARPS,
     )

@@ -46,7 +46,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x if x.dim() == 2 else x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+    # torch.result_type of two dimensioned tensors (a host op of every norm; so is
+    # promote_types: asked only when the dtypes differ)
+    dtype = x.dtype if weight.dtype == x.dtype else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     if rows.shape[0]:
         block = triton.next_power_of_2(dim)
         _rms_norm_kernel[(rows.shape[0],)](

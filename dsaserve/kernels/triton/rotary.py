@@ -27,8 +27,8 @@ def _rotary_kernel(
     x_ptr,  # [N, H, D], strides (stride_xt, stride_xh, 1)
     cos_ptr,  # [N, R/2] fp32
     sin_ptr,  # [N, R/2] fp32
-    out_ptr,  # [N, H, D] contiguous
-    num_tokens, heads, stride_xt, stride_xh,
+    out_ptr,  # [N, H, D], strides (stride_ot, stride_oh, 1)
+    num_tokens, heads, stride_xt, stride_xh, stride_ot, stride_oh,
     D: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -52,29 +52,39 @@ def _rotary_kernel(
     s = tl.load(sin_ptr + t * (R // 2) + angle, mask=rotated, other=0.0)
     s = tl.where(first, -s, s)
     out = tl.where(rotated[None, :], x * c[None, :] + xp * s[None, :], x)
-    dst = out_ptr + (t * heads + h.to(tl.int64))[:, None] * D + j[None, :]
+    dst = out_ptr + t * stride_ot + h.to(tl.int64)[:, None] * stride_oh + j[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           interleaved: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, ..., D] (rows may be strided, the last dimension contiguous), cos / sin [N, R/2]
-    fp32 → x with its first R columns rotated (the rest copied), contiguous, in x's dtype."""
+    fp32 → x with its first R columns rotated (the rest copied), in x's dtype: into `out` (x's
+    shape and dtype, rows may be strided, the last dimension contiguous; e.g. the RoPE part
+    of a wider tensor, which then needs no copy of its own), else a new contiguous tensor."""
     num_tokens, dim = x.shape[0], x.shape[-1]
     rope = 2 * cos.shape[-1]
     if rope > dim:
         raise ValueError(f"rotary: {rope} rotated columns do not fit rows of {dim}")
-    x3 = x.reshape(num_tokens, -1, dim) if x.dim() != 3 else x
+    # rows [N, heads, D] with their strides; a [N, D] tensor is one head (no reshape: each
+    # host op is a few µs of an eager step)
+    x3 = x if x.dim() in (2, 3) else x.reshape(num_tokens, -1, dim)
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    heads = x3.shape[1]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.stride(-1) != 1:
+        raise ValueError(f"rotary: out must be {tuple(x.shape)} {x.dtype} with unit last "
+                         f"stride, got {tuple(out.shape)} {out.dtype} {out.stride()}")
+    heads = x3.shape[1] if x3.dim() == 3 else 1
+    stride_h = x3.stride(1) if x3.dim() == 3 else dim
+    stride_oh = out.stride(1) if out.dim() == 3 else dim
     if num_tokens and heads:
         block_d = triton.next_power_of_2(dim)
         block_h = min(triton.next_power_of_2(heads), max(1, 4096 // block_d))
         _rotary_kernel[(num_tokens, triton.cdiv(heads, block_h))](
             x3, cos.contiguous(), sin.contiguous(), out, num_tokens, heads,
-            x3.stride(0), x3.stride(1),
+            x3.stride(0), stride_h, out.stride(0), stride_oh,
             D=dim, R=rope, INTERLEAVED=interleaved, BLOCK_H=block_h, BLOCK_D=block_d,
             num_warps=4,
         )
