@@ -5,6 +5,7 @@
 #
 #   bash benchmarks/gpu_owed.sh 1          # part 1: GPU tests, NIXL VRAM, copier pieces
 #   bash benchmarks/gpu_owed.sh 2          # part 2: HiSparse, P/D, decode with async scheduling
+#   bash benchmarks/gpu_owed.sh 3          # part 3: a prefill step's host time at 2, 4, 8 layers
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -42,6 +43,11 @@ if [ "$part" = 1 ]; then
     # the copier's 2 MiB pieces against whole runs, same card, same call
     run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
     run 70 offload_pieces python benchmarks/offload.py --tables decode
+elif [ "$part" = 3 ]; then
+    # is a prefill step's host time per layer or per step? (2, 4, 8 layers; the simulator's
+    # host term scales it with layers today)
+    run 420 prefill_host python benchmarks/prefill_host.py --out "$out/prefill_host.md" \
+        --json "$out/prefill_host.json"
 else
     run 90 residency python -m pytest -q -m gpu -rf --tb=short \
         tests/gpu/test_hisparse_residency_gpu.py tests/gpu/test_hisparse_fetch_gpu.py
