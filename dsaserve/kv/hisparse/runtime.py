@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsaserve.kv.hisparse.admission import hot_region_rows
 from dsaserve.kv.hisparse.fetch import fetch_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
 from dsaserve.kv.hisparse.residency import resolve_step
@@ -83,7 +84,7 @@ class HiSparseRuntime:
         if device.type == "cuda":
             for t in self.host:  # page-locked like the host KV tier (kv/host_pool.py)
                 pin_host_memory(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
-        self.region_rows = -(-(buffer_rows + 1) // block_size) * block_size  # P
+        self.region_rows = hot_region_rows(buffer_rows, block_size)  # P
         pages = max_requests * self.region_rows // block_size
         self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
                     for s, d in shapes]
@@ -118,6 +119,10 @@ class HiSparseRuntime:
         if e is not None and e.arriving:
             e.arriving = False
         else:
+            # a fresh window has only what this mirror copies: every computed block must have
+            # its page (the scheduler spills no block of a request the runner has not added)
+            assert all(p >= 0 for p in pages[: -(-num_computed // self.block_size)]), (
+                f"HiSparse: request {rid!r} arrives with a spilled block in its computed prefix")
             self.reserve(rid)
             self.entries[rid].arriving = False
         if num_computed:
