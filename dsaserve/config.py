@@ -409,8 +409,9 @@ class AttentionConfig:
     hisparse_device_buffer_size: int | None = None
     # hisparse_config.device_mla_pages: GPU pages of the MLA cache (None: one per KV block, no
     # spilling); fewer than the blocks makes long decoders' older MLA pages spill to the host
-    # pool (kv/hisparse/mla_pages.py)
-    hisparse_device_mla_pages: int | None = None
+    # pool (kv/hisparse/mla_pages.py); "auto": sized by the runner from the host-admitted
+    # concurrency and the KV budget (kv/hisparse/admission.py: size_mla_pages)
+    hisparse_device_mla_pages: int | Literal["auto"] | None = None
     hisparse_config_given: bool = False  # whether hisparse_config was in the JSON
 
     @staticmethod
@@ -438,10 +439,10 @@ class AttentionConfig:
                 raise ConfigError(f"{flag}: hisparse_config.device_buffer_size must be an "
                                   f"integer in [1, {HISPARSE_MAX_BUFFER_ROWS}], got {size!r}")
             pages = hs.get("device_mla_pages")
-            if pages is not None and (isinstance(pages, bool) or not isinstance(pages, int)
-                                      or pages < 1):
+            if pages is not None and pages != "auto" and (
+                    isinstance(pages, bool) or not isinstance(pages, int) or pages < 1):
                 raise ConfigError(f"{flag}: hisparse_config.device_mla_pages must be a positive "
-                                  f"integer, got {pages!r}")
+                                  f"integer or \"auto\", got {pages!r}")
         return AttentionConfig(backend=str(raw.get("backend", backend)), sparse_mla_force_mqa=force,
                                hisparse_device_buffer_size=size,
                                hisparse_device_mla_pages=pages,

@@ -35,6 +35,9 @@ from dsaserve.kv.hisparse.admission import (
     HiSparseAdmission,
     check_admits_one,
     hisparse_admission,
+    hot_region_rows,
+    size_mla_pages,
+    write_tail_pages,
 )
 from dsaserve.kv.hisparse.backend import HiSparseBackend
 from dsaserve.kv.hisparse.runtime import HiSparseRuntime, HiSparseStep
@@ -183,8 +186,8 @@ class ModelRunner:
             first_expert=first_expert(self.model_cfg, self.groups, config.parallel),
         )
         # HiSparse spilling: the MLA cache has its own, smaller page count (0: one per block)
-        self.num_mla_pages = config.attention.hisparse_device_mla_pages or 0
-        self.num_blocks = self._num_blocks()
+        self.num_mla_pages, sized_blocks = self._mla_page_count()
+        self.num_blocks = sized_blocks or self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
         # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id.
         # Host bookkeeping (numpy: reading it is never a device read)
@@ -215,6 +218,43 @@ class ModelRunner:
         self._drafts_written_from: torch.Tensor | None = None
 
     # ---- set-up ---------------------------------------------------------------------------------
+    def _mla_page_count(self) -> tuple[int, int | None]:
+        """(MLA pages, KV blocks beside them, None: as `_num_blocks` says): the flag's pages,
+        or for "auto" those `size_mla_pages` derives from the host-admitted concurrency and
+        this rank's KV budget (the function `dsaserve plan` suggests the flag with)."""
+        cfg = self.config
+        given = cfg.attention.hisparse_device_mla_pages
+        if given != "auto":
+            return given or 0, None
+        mla_page, index_page = cache_page_bytes(self.model_cfg, self.model.num_cache_layers,
+                                                self.block_size, cfg.cache.fp8, self.dtype)
+        per_token = mla_page // self.block_size  # MLA rows of every cache layer
+        k = cfg.num_speculative_tokens
+        window = cfg.scheduler.max_model_len + max(k - 1, 0)
+        adm = hisparse_admission(cfg.hisparse.host_pool_bytes, per_token, window,
+                                 self.block_size)
+        check_admits_one(adm, per_token, self.block_size)
+        kv_bytes = None
+        if cfg.cache.num_gpu_blocks is None:  # the budget one MLA page per block would get
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                kv_bytes = int(free - total * (1.0 - cfg.cache.gpu_memory_utilization))
+            else:
+                blocks_per_seq = -(-cfg.scheduler.max_model_len // self.block_size)
+                kv_bytes = min(_CPU_KV_BUDGET_BYTES, (mla_page + index_page) * blocks_per_seq
+                               * cfg.scheduler.max_num_seqs)
+        sizing = size_mla_pages(
+            max_requests=min(adm.max_requests, cfg.scheduler.max_num_seqs),
+            window_tokens=window, block_size=self.block_size,
+            tail_pages=write_tail_pages(k, self.block_size), mla_page_bytes=mla_page,
+            index_page_bytes=index_page,
+            hot_bytes_per_request=hot_region_rows(cfg.hisparse_buffer_rows, self.block_size)
+            * per_token, kv_bytes=kv_bytes, num_blocks=cfg.cache.num_gpu_blocks)
+        logger.info("HiSparse: device_mla_pages auto: %d MLA pages beside %d KV blocks, for %d "
+                    "requests decoding at once", sizing.num_mla_pages, sizing.num_blocks,
+                    sizing.concurrency)
+        return sizing.num_mla_pages, None if kv_bytes is None else sizing.num_blocks
+
     def _num_blocks(self) -> int:
         cfg = self.config
         mla_page, index_page = cache_page_bytes(self.model_cfg, self.model.num_cache_layers,
@@ -326,6 +366,13 @@ class ModelRunner:
     def hisparse_mla_pages(self) -> int:
         """Pages of this rank's MLA cache when they are fewer than the blocks (0: no spilling)."""
         return self.num_mla_pages
+
+    def hisparse_counters(self) -> tuple[int, int, int, int]:
+        """(rows missed, of those read from the host pool, requests holding a window, host
+        blocks kept by prefix hash) on this rank; for tests through `executor.call`."""
+        rt = self.hisparse
+        assert rt is not None
+        return int(rt.rows_missed), int(rt.rows_from_host), len(rt.entries), len(rt.kept)
 
     def check_hisparse(self, mla_pages: tuple[dict[int, int], dict[int, int]] | None = None
                        ) -> None:

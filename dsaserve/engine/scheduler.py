@@ -134,6 +134,10 @@ class Scheduler:
         self._finished_ids: list[str] = []  # the runner must drop these at the next step
         # P/D into HiSparse spilling: requests whose host window the runner reserved for the read
         self._runner_reserved: set[str] = set()
+        # HiSparse spilling: requests sent to the runner as new in this step; their computed
+        # prefix reaches the host pool only when the runner adds them (mirrored from their
+        # pages), so none of their blocks may spill before then
+        self._added_this_step: set[str] = set()
         self._aborted_outputs: list[RequestOutput] = []
         # vLLM's spec_decode counters (cumulative)
         self.spec_num_drafts = 0
@@ -217,6 +221,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         num_preempted_before = self.num_preemptions
+        self._added_this_step.clear()
 
         # 1. running requests, oldest first; KV shortage preempts the newest
         cached: list[CachedRequestData] = []
@@ -437,8 +442,13 @@ class Scheduler:
         return True
 
     def _mla_victims(self) -> Iterator[int]:
+        """Spill candidates among the running requests whose computed rows the runner has
+        mirrored: not one it has not added yet (a prefix hit, a host-tier load or a P/D read
+        arriving), whose fresh host window gets only the rows of resident pages."""
         assert self.mla is not None
-        return self.mla.victims(self.running, self._last_scheduled, self.block_size,
+        mirrored = [r for r in self.running if r.request_id in self._runner_num_tokens
+                    and r.request_id not in self._added_this_step]
+        return self.mla.victims(mirrored, self._last_scheduled, self.block_size,
                                 self.hisparse_buffer_rows)
 
     def _preempt(self, req: Request) -> None:
@@ -611,6 +621,7 @@ class Scheduler:
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         token_ids = tuple(req.all_token_ids)
+        self._added_this_step.add(req.request_id)
         self._runner_num_tokens[req.request_id] = len(token_ids)
         self._runner_num_blocks[req.request_id] = len(req.block_ids)
         return NewRequestData(

@@ -94,7 +94,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
         ("by_hbm", "HiSparse, bounded by HBM", "KV room // GPU bytes per request"),
         ("concurrency", "HiSparse concurrency", "the smaller of the two bounds"),
         ("mla_pages", "GPU MLA pages (spilling)",
-         "hisparse_config.device_mla_pages: 2 tail pages per request + one --context prefill"),
+         "what hisparse_config.device_mla_pages \"auto\" chooses: a write tail (2 pages) per "
+         "request + one --context prefill; 0: no spilling"),
     )),
 )
 _LABELS = {(s, k): label for s, _, lines in LINES for k, label, _ in lines}
@@ -314,6 +315,14 @@ def _dcp_lines(g: cm.DCPGatherCost) -> list[Line]:
     ]
 
 
+def _mla_pages_text(h: cm.HiSparseConcurrency) -> str:
+    if h.mla_sizing is None:
+        return "0 (not one request of --context fits)"
+    if not h.mla_pages:
+        return "0 (no spilling: one MLA page per block holds as many requests)"
+    return f"{h.mla_pages:,} pages of {h.block_size}"
+
+
 def _hisparse_lines(h: cm.HiSparseConcurrency) -> list[Line]:
     return [
         Line("host_pool", _b(h.host_pool_bytes), h.host_pool_bytes),
@@ -324,7 +333,7 @@ def _hisparse_lines(h: cm.HiSparseConcurrency) -> list[Line]:
         Line("by_host", f"{h.by_host:,} requests", h.by_host),
         Line("by_hbm", f"{h.by_hbm_hisparse:,} requests", h.by_hbm_hisparse),
         Line("concurrency", f"{h.hisparse:,} requests (bounded by {h.bound})", h.hisparse),
-        Line("mla_pages", f"{h.mla_pages:,} pages of {h.block_size}", h.mla_pages),
+        Line("mla_pages", _mla_pages_text(h), h.mla_pages),
     ]
 
 

@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
-from dsaserve.kv.hisparse.admission import hisparse_admission, mla_pages_for
+from dsaserve.kv.hisparse.admission import (
+    MlaPageSizing,
+    hisparse_admission,
+    hot_region_rows,
+    size_mla_pages,
+    write_tail_pages,
+)
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
 WeightDType = Literal["fp8", "bf16"]
@@ -39,8 +45,8 @@ TOPK_INDEX_BYTES = 4  # int32 row index read with every selected row
 BF16 = 2
 FP32 = 4
 # Pages of 64 tokens each request keeps resident per MLA layer while it reads the rest from the host
-# pool (the write tail: the page being filled and the one before it).
-HISPARSE_TAIL_PAGES = 2
+# pool: the write tail of an MTP3 decoder (the engine's rule, kv/hisparse/admission.py).
+HISPARSE_TAIL_PAGES = write_tail_pages(3, 64)
 # Tokens a decoder reserves past its window for MTP drafts (k − 1 lookahead slots) when the model
 # has an MTP layer: MTP3, as the reference deployment runs (the engine's scheduler, num_lookahead).
 MTP3_LOOKAHEAD = 2
@@ -440,6 +446,9 @@ class HiSparseConcurrency:
 
     block_size: int = PAGE_TOKENS  # the host pool's block (admission reserves whole blocks)
     lookahead: int = 0  # MTP lookahead tokens a prefill's pages cover past the window
+    num_speculative_tokens: int = 0  # MTP drafts per step (their rows are in the write tail)
+    mla_bytes_per_token: int = 0  # MLA rows of every layer (the MTP layer's included)
+    index_bytes_per_token: int = 0  # indexer keys of every indexer layer
 
     @property
     def by_host(self) -> int:
@@ -461,11 +470,30 @@ class HiSparseConcurrency:
         return "host memory" if self.by_host <= self.by_hbm_hisparse else "HBM"
 
     @property
+    def mla_sizing(self) -> MlaPageSizing | None:
+        """What `hisparse_config.device_mla_pages: "auto"` chooses for this KV room and host
+        pool: the engine's own function (kv/hisparse/admission.py); None when not one request
+        fits."""
+        b = self.block_size
+        if self.by_host < 1:
+            return None
+        try:
+            return size_mla_pages(
+                max_requests=self.by_host, window_tokens=self.context + self.lookahead,
+                block_size=b, tail_pages=write_tail_pages(self.num_speculative_tokens, b),
+                mla_page_bytes=b * self.mla_bytes_per_token,
+                index_page_bytes=b * self.index_bytes_per_token,
+                hot_bytes_per_request=hot_region_rows(self.hot_rows, b) * self.mla_bytes_per_token,
+                kv_bytes=max(self.kv_room, 0))
+        except ConfigError:
+            return None
+
+    @property
     def mla_pages(self) -> int:
-        """`hisparse_config.device_mla_pages` for this concurrency: every decoder's write tail
-        and one prefill of --context (the engine's rule, kv/hisparse/admission.py)."""
-        return mla_pages_for(self.hisparse, self.context + self.lookahead, self.block_size,
-                             HISPARSE_TAIL_PAGES)
+        """`hisparse_config.device_mla_pages` "auto" would choose (0: no spilling, or nothing
+        fits)."""
+        sizing = self.mla_sizing
+        return 0 if sizing is None else sizing.num_mla_pages
 
 
 def hisparse_concurrency(
@@ -485,4 +513,7 @@ def hisparse_concurrency(
         + gpu_rows_per_layer * mla_layers * kv.mla_row,
         block_size=block_size,
         lookahead=MTP3_LOOKAHEAD if kv.num_mtp_layers else 0,
+        num_speculative_tokens=MTP3_LOOKAHEAD + 1 if kv.num_mtp_layers else 0,
+        mla_bytes_per_token=kv.mla_all_layers,
+        index_bytes_per_token=kv.indexer_all_layers,
     )

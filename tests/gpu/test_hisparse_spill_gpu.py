@@ -84,3 +84,44 @@ def test_later_turn_restores_spilled_blocks_on_cuda(model_dirs, engine_config, p
     out, _ = _run(engine, {"0.2": turn2})
     assert out["0.2"] == ref.generate([turn2], PARAMS)[0]
     assert engine.scheduler.mla.num_restores > 0
+
+
+def test_auto_mla_pages_from_the_cuda_budget(model_dirs, engine_config, monkeypatch):
+    """device_mla_pages "auto" from the CUDA KV budget (free − total · (1 − utilization); the
+    free memory is fixed here at four all-GPU windows above the reserve, so the sizes do not
+    depend on the card): the pages and blocks `size_mla_pages` gives for it, and they spill;
+    greedy output equals the all-GPU engine's."""
+    from dsaserve.engine import runner
+    from dsaserve.kv.hisparse.admission import (
+        hisparse_admission,
+        hot_region_rows,
+        size_mla_pages,
+        write_tail_pages,
+    )
+
+    cfg, spilling = _configs(model_dirs, engine_config, "tiny-glm5", "auto")
+    prompts = _prompts()
+    want = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
+    spilling = replace(spilling, cache=replace(spilling.cache, num_gpu_blocks=None),
+                       attention=replace(spilling.attention, hisparse_device_mla_pages="auto"))
+    layers = cfg.model.num_hidden_layers + 1  # the MTP layer's cache too
+    mla, index = runner.cache_page_bytes(cfg.model, layers, 64, False, torch.float32)
+    budget = 4 * 4 * (mla + index)  # four windows of 4 blocks, one MLA page per block
+    total = 80 << 30
+    free = budget + int(total * (1.0 - spilling.cache.gpu_memory_utilization)) + 1
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    engine = LLMEngine.from_config(spilling)
+    assert engine.runner.model.num_cache_layers == layers
+    per_token = mla // 64
+    adm = hisparse_admission(spilling.hisparse.host_pool_bytes, per_token, 256, 64)
+    sizing = size_mla_pages(
+        max_requests=min(adm.max_requests, spilling.scheduler.max_num_seqs), window_tokens=256,
+        block_size=64, tail_pages=write_tail_pages(0, 64), mla_page_bytes=mla,
+        index_page_bytes=index, kv_bytes=budget,
+        hot_bytes_per_request=hot_region_rows(spilling.hisparse_buffer_rows, 64) * per_token)
+    assert sizing.num_mla_pages > 0 and sizing.concurrency > 4  # 9 pages (5 layers)
+    assert engine.runner.num_mla_pages == engine.scheduler.mla.num_pages == sizing.num_mla_pages
+    assert engine.runner.num_blocks == sizing.num_blocks
+    out, most_blocks = _run(engine, {str(i): p for i, p in enumerate(prompts)})
+    assert [out[str(i)] for i in range(len(prompts))] == want
+    assert engine.scheduler.mla.num_spills > 0 and most_blocks > sizing.num_mla_pages

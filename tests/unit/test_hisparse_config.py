@@ -43,6 +43,9 @@ def test_connector_alone_and_defaults(parse):
     spill = parse(["--kv-transfer-config", HS, "--attention-config",
                    '{"hisparse_config":{"device_mla_pages":300}}'])
     assert spill.attention.hisparse_device_mla_pages == 300
+    auto = parse(["--kv-transfer-config", HS, "--attention-config",
+                  '{"hisparse_config":{"device_mla_pages":"auto"}}'])
+    assert auto.attention.hisparse_device_mla_pages == "auto"
 
 
 def test_multi_connector_with_offload(parse):
@@ -65,6 +68,8 @@ def test_multi_connector_with_offload(parse):
     (["--attention-config", '{"hisparse_config":{"device_mla_pages":"many"}}',
       "--kv-transfer-config", HS], "--attention-config"),
     (["--attention-config", '{"hisparse_config":{"device_mla_pages":64}}',
+      "--kv-transfer-config", HS, "--kv-offloading-size", "1"], "--attention-config"),
+    (["--attention-config", '{"hisparse_config":{"device_mla_pages":"auto"}}',
       "--kv-transfer-config", HS, "--kv-offloading-size", "1"], "--attention-config"),
     (["--kv-transfer-config", HS.replace("0.01", "0")], "--kv-transfer-config"),
     (["--kv-transfer-config", '{"kv_connector":"MultiConnector"}'], "--kv-transfer-config"),

@@ -146,3 +146,36 @@ def test_later_turn_prefix_is_mirrored(model_dirs, engine_config, offload):
     st = engine.stats()
     hits = st.offload_hits if offload else st.prefix_cache_hits
     assert hits > 0
+
+
+@pytest.mark.parametrize("spec", [0, 3])
+def test_index_groups_resolve_once(draftable_dirs, engine_config, monkeypatch, spec):
+    """IndexShare (tiny-glm5: layers 1 and 3 take the top-k of 0 and 2): each group's residency
+    is resolved once per forward, by the layer with the indexer, and its other layers reuse it
+    and fetch their own rows; output equals the all-GPU engine's (the runtime's invariants
+    also check every layer's hot slots and that a group's tables stay equal)."""
+    from dsaserve.kv.hisparse import runtime
+
+    model_dir = draftable_dirs["tiny-glm5"]
+    calls: list[int] = []  # the layer of each resolve call
+    resolve = runtime.HiSparseRuntime.resolve
+
+    def counted(self, layer, *args):
+        calls.append(layer)
+        return resolve(self, layer, *args)
+
+    monkeypatch.setattr(runtime.HiSparseRuntime, "resolve", counted)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(2, seed=4, base=66)
+    ref = LLMEngine.from_config(_config(engine_config, model_dir, spec=spec, hisparse=False))
+    topk = ref.config.model.index_topk
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, spec=spec,
+                                           buffer=(1 + spec) * topk))
+    rt = engine.runner.hisparse
+    assert rt.leader == [0, 0, 2, 2, 4][: len(rt.caches)]  # the MTP layer has its own indexer
+    assert _run(engine, prompts, params) == ref.generate(prompts, params)
+    target = [layer for layer in calls if layer < 4]
+    assert target and [target.count(i) for i in range(4)] == [target.count(0)] * 4
+    # the residency step ran for the leaders only: layers 0 and 2 (and the MTP layer)
+    assert rt.num_resolves == sum(layer in (0, 2, 4) for layer in calls) < len(calls)
+    assert int(rt.rows_from_host) > 0

@@ -14,7 +14,14 @@ from dsaserve.config import ConfigError, HiSparseConfig, OffloadConfig, SpecConf
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.block_pool import BlockPool
-from dsaserve.kv.hisparse.admission import min_mla_pages, mla_pages_for
+from dsaserve.kv.hisparse.admission import (
+    MlaPageSizing,
+    hot_region_rows,
+    min_mla_pages,
+    mla_pages_for,
+    size_mla_pages,
+    write_tail_pages,
+)
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap
 
 HOST = HiSparseConfig(host_pool_bytes=16 << 20)
@@ -214,6 +221,9 @@ def test_too_few_mla_pages_is_refused(model_dirs, engine_config):
         LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=least - 1))
     with pytest.raises(ConfigError, match="device_mla_pages 101 exceeds the 100 KV blocks"):
         LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages=101))
+    with pytest.raises(ConfigError, match='device_mla_pages "auto": 15 KV blocks .* cannot'):
+        LLMEngine.from_config(_config(engine_config, model_dir, buffer=16, mla_pages="auto",
+                                      num_blocks=15))
     cfg = _config(engine_config, model_dir, buffer=16, mla_pages=16)
     with pytest.raises(ConfigError, match="device_mla_pages does not run with the host KV"):
         replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=8 << 20))
@@ -304,3 +314,81 @@ def test_spill_metrics():
     assert 'vllm:hisparse_mla_spilled_blocks_total{model_name="m"} 7.0' in text
     off = ServerMetrics("m", lambda: EngineStats(**base)).exposition().decode()
     assert "hisparse" not in off
+
+
+def test_auto_mla_pages_from_the_given_blocks(model_dirs, engine_config):
+    """device_mla_pages "auto" with the blocks given (--num-gpu-blocks-override): pages for the
+    requests those blocks hold at once (100 // 16-block windows = 6, below the 16 the host
+    admits), each keeping a one-page write tail, beside one window. Greedy output equals the
+    all-GPU engine's, and the pages spill."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(4, seed=11, lo=30, hi=45)
+    want = LLMEngine.from_config(_config(engine_config, model_dir)).generate(prompts, params)
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, buffer=16,
+                                           mla_pages="auto"))
+    assert write_tail_pages(0, B) == 1
+    assert engine.runner.num_mla_pages == engine.scheduler.mla.num_pages == 16 + 6 * 1
+    assert engine.runner.num_blocks == 100
+    got, most_running, most_blocks = _run(engine, prompts, params)
+    assert got == want and engine.scheduler.mla.num_spills > 0
+    assert most_blocks > engine.runner.num_mla_pages
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
+def test_auto_mla_pages_equal_the_plan(draftable_dirs, engine_config, monkeypatch, kv):
+    """From a KV budget, "auto" gives the pages and blocks `dsaserve plan` suggests for the same
+    budget, host pool and hot buffer (one function), with MTP3 (the test above decodes with
+    "auto")."""
+    from dsaserve.engine import runner
+    from dsaserve.plan import costmodel as cm
+
+    model_dir = draftable_dirs["tiny-glm5"]
+    ctx = 256  # well beyond the 64-row hot buffer, or spilling would save nothing
+    cfg = _config(engine_config, model_dir, kv=kv, spec=3, buffer=64, mla_pages="auto",
+                  num_blocks=None, max_model_len=ctx)
+    cfg = replace(cfg, dtype="bfloat16")
+    plan_kv = cm.kv_bytes_per_token(cfg.model, "bf16" if kv == "auto" else kv)
+    # one window (ctx + 2 lookahead slots: 65 blocks) of every cache on the GPU, per request
+    window_bytes = (ctx + B) * (plan_kv.mla_all_layers + plan_kv.indexer_all_layers)
+    budget = 3 * window_bytes  # one MLA page per block: 3 requests of the 16 the host admits
+    monkeypatch.setattr(runner, "_CPU_KV_BUDGET_BYTES", budget)
+    plan = cm.hisparse_concurrency(plan_kv, ctx, kv_room=budget,
+                                   host_pool_bytes=cfg.hisparse.host_pool_bytes,
+                                   hot_rows=cfg.hisparse_buffer_rows, block_size=B)
+    sizing = plan.mla_sizing
+    assert sizing is not None and sizing.concurrency > 3 and plan.mla_pages > 0
+    engine = LLMEngine.from_config(cfg)
+    assert engine.runner.num_mla_pages == plan.mla_pages
+    assert engine.runner.num_blocks == sizing.num_blocks
+    # the budget holds the pages, the blocks and each request's hot buffer
+    mla_page, index_page = runner.cache_page_bytes(
+        cfg.model, engine.runner.model.num_cache_layers, B, cfg.cache.fp8, torch.bfloat16)
+    hot = engine.runner.hisparse.hot
+    hot_bytes = sum(h.numel() * h.element_size() for h in hot)
+    assert hot_bytes == engine.runner.hisparse.max_requests * (
+        hot_region_rows(cfg.hisparse_buffer_rows, B) * mla_page // B)
+    used = plan.mla_pages * mla_page + sizing.num_blocks * index_page
+    assert used + sizing.concurrency * hot_bytes // engine.runner.hisparse.max_requests <= budget
+
+
+def test_auto_mla_pages_size_alone():
+    """The sizing function alone: spilling only when it holds more requests than one MLA page
+    per block; the errors name the flag."""
+    kw = dict(window_tokens=64, block_size=4, tail_pages=1, mla_page_bytes=100,
+              index_page_bytes=10, hot_bytes_per_request=50)
+    # 16 blocks a window: one MLA page per block holds budget // (16 · 110) requests
+    roomy = size_mla_pages(max_requests=2, kv_bytes=10 * 16 * 110, **kw)
+    assert roomy == MlaPageSizing(num_mla_pages=0, num_blocks=160, concurrency=2)
+    tight = size_mla_pages(max_requests=8, kv_bytes=2 * 16 * 110, **kw)
+    # (3,520 − 16 · 100) // (16 · 10 + 100 + 50) = 6 requests; 16 + 6 pages
+    assert tight == MlaPageSizing(num_mla_pages=22, concurrency=6,
+                                  num_blocks=(3520 - 22 * 100 - 6 * 50) // 10)
+    assert tight.num_blocks >= 6 * 16
+    given = size_mla_pages(max_requests=8, num_blocks=40, **kw)
+    assert given == MlaPageSizing(num_mla_pages=18, num_blocks=40, concurrency=2)
+    assert size_mla_pages(max_requests=8, num_blocks=17, **kw).num_mla_pages == 0  # 17 ≥ blocks
+    with pytest.raises(ConfigError, match='device_mla_pages "auto": a KV budget .* cannot hold'):
+        size_mla_pages(max_requests=8, kv_bytes=16 * 100 + 309, **kw)
+    with pytest.raises(ConfigError, match='"auto": 15 KV blocks .* cannot hold one request'):
+        size_mla_pages(max_requests=8, num_blocks=15, **kw)

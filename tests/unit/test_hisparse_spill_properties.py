@@ -199,3 +199,42 @@ def one_history(data, block_size, caching, budget, max_num_seqs, spare_pages,
                                           MAX_MODEL_LEN)
         assert tokens == expect and outs[-1].finish_reason == reason, r.request_id
         SEEN["finished"] += 1
+
+
+def test_a_hit_is_not_spilled_before_the_runner_mirrors_it() -> None:
+    """A later turn whose prefix hit covers all but its last token is a long decoder from its
+    first step. A prefill admitted after it in the same step must not spill its hit blocks:
+    the runner fills the new request's host window from their pages when it adds it, so they
+    must still have them (the prefill waits a step instead, and later spills them)."""
+    b, buffer_rows = 4, 4
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
+                                      max_num_batched_tokens=24),
+                      CacheConfig(block_size=b, enable_prefix_caching=True),
+                      num_blocks=40, num_mla_pages=MAX_MODEL_LEN // b,
+                      hisparse_buffer_rows=buffer_rows)
+    runner = SpillRunner(sched, b, buffer_rows)
+    first = [(3 * i + 1) % 90 for i in range(25)]
+    turns = {"a": first, "b": first[:24] + [7], "c": [(5 * i + 2) % 90 for i in range(20)]}
+    outputs: dict[str, list[int]] = {}
+
+    def run(rids: list[str]) -> list[SchedulerOutput]:
+        for rid in rids:
+            sched.add_request(req(rid, turns[rid], max_tokens=3, eos=EOS, ignore_eos=True))
+        sent = []
+        while sched.has_unfinished_requests():
+            so = sched.schedule()
+            sent.append(so)
+            sched.check_integrity()
+            for o in sched.update_from_output(so, runner.execute(so)):
+                outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            sched.check_integrity()
+        return sent
+
+    run(["a"])  # six full blocks cached, idle with their pages; four pages free
+    steps = run(["b", "c"])
+    assert sched.requests == {} and sched.mla.num_spills > 0  # c spilled b's hit blocks later
+    assert [list(so.num_scheduled_tokens) for so in steps[:2]] == [["b"], ["b", "c"]]
+    for rid, tokens in turns.items():
+        assert outputs[rid] == reference_output(tokens, req(rid, tokens, max_tokens=3,
+                                                             ignore_eos=True).sampling_params,
+                                                EOS, MAX_MODEL_LEN)[0]

@@ -64,3 +64,76 @@ def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_siz
             f"--kv-transfer-config: host_pool_gib holds {adm.num_host_blocks} blocks of "
             f"{block_size} tokens, less than one request of --max-model-len needs "
             f"({adm.blocks_per_request} blocks, {need / 2**30:.4f} GiB)")
+
+
+def write_tail_pages(num_speculative_tokens: int, block_size: int) -> int:
+    """Pages a decoder's write tail can span: the block of num_computed_tokens onwards, holding
+    this step's 1 + k rows and the k − 1 lookahead slots of the draft steps (2k positions, one
+    without drafts), at any offset in its first block; the worst offset is the last:
+
+        pages    | .  .  .  c | c  c  c  c | c  .  .  . |    c: the tail (k = 3, B = 4)
+                            └───────── 2k ─────────┘         ceil((2k − 1) / B) + 1 pages
+    """
+    tokens = max(2 * num_speculative_tokens, 1)
+    return -(-(tokens - 1) // block_size) + 1
+
+
+def hot_region_rows(buffer_rows: int, block_size: int) -> int:
+    """Rows of one request's hot region: its S slots and a trash slot, in whole pages."""
+    return -(-(buffer_rows + 1) // block_size) * block_size
+
+
+@dataclass(frozen=True)
+class MlaPageSizing:
+    num_mla_pages: int  # GPU MLA pages; 0: no spilling (one page per KV block holds as much)
+    num_blocks: int  # KV blocks (indexer pages) beside them
+    concurrency: int  # max-length requests decoding at once that the pages are sized for
+
+
+def size_mla_pages(*, max_requests: int, window_tokens: int, block_size: int, tail_pages: int,
+                   mla_page_bytes: int, index_page_bytes: int, hot_bytes_per_request: int,
+                   kv_bytes: int | None = None, num_blocks: int | None = None) -> MlaPageSizing:
+    """`hisparse_config.device_mla_pages: "auto"`: the engine's choice and `dsaserve plan`'s
+    suggestion (one function, so they agree). The pages are `mla_pages_for` the requests
+    decoding at once: the host pool's admitted requests (`max_requests`), fewer where the GPU
+    cannot hold each one's window of KV blocks (indexer pages), its write tail's MLA pages and
+    its hot buffer beside one prefill's window of MLA pages. The GPU is `kv_bytes` of KV
+    budget, split here between MLA pages and blocks:
+
+        kv_bytes ≥ pages · mla_page + c · hot + blocks · index_page,
+        pages = min_mla_pages + c · tail_pages,   blocks ≥ c · window blocks
+
+    or a fixed `num_blocks` (--num-gpu-blocks-override; the hot buffers then come apart, as
+    without spilling), where spilling saves the MLA pages beyond `pages`. From a budget,
+    spilling pays only when it holds more requests than one MLA page per block would:
+    otherwise `num_mla_pages` is 0 and the budget is all-GPU blocks. Raises a ConfigError
+    naming the flag when not one request fits."""
+    flag = '--attention-config: hisparse_config.device_mla_pages "auto"'
+    window_blocks = -(-window_tokens // block_size)
+    least = min_mla_pages(window_tokens, block_size)
+    all_gpu = 0  # requests one MLA page per block holds, from the budget
+    if num_blocks is not None:
+        fits = num_blocks // window_blocks
+    else:
+        assert kv_bytes is not None
+        per_request = window_blocks * index_page_bytes + tail_pages * mla_page_bytes \
+            + hot_bytes_per_request
+        fits = max(kv_bytes - least * mla_page_bytes, 0) // per_request
+        all_gpu = kv_bytes // ((mla_page_bytes + index_page_bytes) * window_blocks)
+    concurrency = min(max_requests, fits)
+    if concurrency < 1:
+        room = (f"{num_blocks} KV blocks (--num-gpu-blocks-override)" if num_blocks is not None
+                else f"a KV budget of {kv_bytes / 2**30:.3f} GiB (--gpu-memory-utilization)")
+        raise ConfigError(
+            f"{flag}: {room} cannot hold one request of --max-model-len: {least} MLA pages and "
+            f"{window_blocks} KV blocks of {block_size} tokens")
+    pages = mla_pages_for(concurrency, window_tokens, block_size, tail_pages)
+    if num_blocks is not None:  # the blocks are given: spilling saves their MLA pages' HBM
+        return MlaPageSizing(num_mla_pages=pages if pages < num_blocks else 0,
+                             num_blocks=num_blocks, concurrency=concurrency)
+    if concurrency <= min(max_requests, all_gpu):  # one MLA page per block admits as many
+        return MlaPageSizing(num_mla_pages=0, concurrency=concurrency,
+                             num_blocks=kv_bytes // (mla_page_bytes + index_page_bytes))
+    blocks = (kv_bytes - pages * mla_page_bytes - concurrency * hot_bytes_per_request) \
+        // index_page_bytes
+    return MlaPageSizing(num_mla_pages=pages, num_blocks=blocks, concurrency=concurrency)

@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsaserve.engine import staging
+from dsaserve.kv.hisparse.admission import hot_region_rows
 from dsaserve.kv.hisparse.fetch import fetch_rows, mirror_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
-from dsaserve.kv.hisparse.residency import resolve_step
+from dsaserve.kv.hisparse.residency import Residency, resolve_step
 from dsaserve.kv.host_pool import pin_host_memory
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class HiSparseRuntime:
         if device.type == "cuda":
             for t in self.host:  # page-locked like the host KV tier (kv/host_pool.py)
                 pin_host_memory(self, t.view(torch.uint8).view(-1), "--kv-transfer-config")
-        self.region_rows = -(-(buffer_rows + 1) // block_size) * block_size  # P
+        self.region_rows = hot_region_rows(buffer_rows, block_size)  # P
         pages = max_requests * self.region_rows // block_size
         self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
                     for s, d in shapes]
@@ -97,6 +98,15 @@ class HiSparseRuntime:
         # LRU clock, one tick per resolve: a device tensor, so a layer's step reads no host state
         self._stamp = torch.zeros((), dtype=torch.int64, device=device)
         self._layer_of = {c.kv.data_ptr(): i for i, c in enumerate(caches)}
+        # IndexShare: a layer without its own indexer attends over the top-k of the last layer
+        # before it with one (its group's leader), so its residency is the leader's: resolved
+        # once per group, each layer's tables kept equal to the leader's (vLLM does the same)
+        self.leader = [0] * len(caches)
+        for i, c in enumerate(caches):
+            self.leader[i] = i if c.index is not None or i == 0 else self.leader[i - 1]
+        # leader layer → the positions it resolved in this forward and their residency
+        self._resolved: dict[int, tuple[torch.Tensor, Residency]] = {}
+        self.num_resolves = 0  # residency steps run (a host counter for tests)
         self.entries: dict[str, _Entry] = {}
         self._free_blocks = list(range(num_host_blocks))
         # block id → the host block keeping its MLA rows: a spilled block still in the prefix
@@ -119,6 +129,10 @@ class HiSparseRuntime:
         if e is not None and e.arriving:
             e.arriving = False
         else:
+            # a fresh window has only what this mirror copies: every computed block must have
+            # its page (the scheduler spills no block of a request the runner has not added)
+            assert all(p >= 0 for p in pages[: -(-num_computed // self.block_size)]), (
+                f"HiSparse: request {rid!r} arrives with a spilled block in its computed prefix")
             self.reserve(rid)
             self.entries[rid].arriving = False
         if num_computed:
@@ -258,10 +272,21 @@ class HiSparseRuntime:
         capturable, given the step's tensors at fixed addresses."""
         s1 = self.region_rows
         regions = step.hot_regions
-        res = resolve_step(positions, step.row_region, step.row_rank,
-                           self.slot_token[layer][regions], self.slot_stamp[layer][regions],
-                           self._stamp, step.max_rows)
-        self._stamp.add_(1)
+        leader = self.leader[layer]
+        if leader == layer:
+            res = resolve_step(positions, step.row_region, step.row_rank,
+                               self.slot_token[layer][regions], self.slot_stamp[layer][regions],
+                               self._stamp, step.max_rows)
+            self._stamp.add_(1)
+            self.num_resolves += 1
+            self._resolved[layer] = (positions, res)
+        else:
+            # the leader's tables were this layer's before the step, and its positions are the
+            # same tensor (the model hands a shared layer its leader's top-k), so its outcome
+            # is this layer's: only the fetch is per layer (the rows differ)
+            leader_positions, res = self._resolved[leader]
+            assert leader_positions is positions, (
+                f"layer {layer} shares layer {leader}'s indexer but got other positions")
         self.slot_token[layer][regions] = res.slot_token
         self.slot_stamp[layer][regions] = res.slot_stamp
         self.rows_missed += res.num_misses.sum()
@@ -302,6 +327,10 @@ class HiSparseRuntime:
         assert len(owned) == self.num_host_blocks, "host blocks leak"
         assert len(set(owned)) == len(owned), "a host block is free, reserved or kept twice"
         assert len(self._free_regions) + len(self.entries) == self.max_requests
+        for layer, leader in enumerate(self.leader):  # what lets a group resolve once
+            assert torch.equal(self.slot_token[layer], self.slot_token[leader]) and torch.equal(
+                self.slot_stamp[layer], self.slot_stamp[leader]), (
+                f"layer {layer}'s hot tables differ from its index group's ({leader})")
         arriving = {rid for rid, e in self.entries.items() if e.arriving}
         assert set(self.entries) - arriving == set(requests), "HiSparse state for unknown requests"
         b, s = self.block_size, self.buffer_rows
