@@ -3,7 +3,8 @@ the all-GPU single-rank engine's, with contexts longer than the hot buffer (miss
 the host pool) and, with few MLA pages, long decoders' pages spilled. Each TP rank keeps the
 whole pool and resolves the same rows (its latent rows are the same); each DP replica has its
 own pool and page map. Every invariant is checked after every step, a second round hits the
-first one's cached blocks (spilled ones restored from the host pool), and nothing leaks."""
+first one's cached blocks (spilled ones restored from the host pool), and nothing leaks; the
+same with --async-scheduling."""
 
 from __future__ import annotations
 
@@ -67,12 +68,20 @@ def reference(model_dirs) -> list[list[int]]:
     return engine.generate(_prompts(), PARAMS)
 
 
-@pytest.fixture(params=[(layout, pages) for layout in LAYOUTS for pages in (None, PAGES)],
-                ids=lambda p: f"{p[0]}-{'spill' if p[1] else 'misses'}")
+# (layout, MLA pages, --async-scheduling): every rank launches step k + 1 before step k's
+# tokens are read (docs/decode.md)
+CASES = [(layout, pages, False) for layout in LAYOUTS for pages in (None, PAGES)] + [
+    (layout, PAGES, True) for layout in LAYOUTS]
+
+
+@pytest.fixture(params=CASES, ids=lambda p: f"{p[0]}-{'spill' if p[1] else 'misses'}"
+                                            f"{'-async' if p[2] else ''}")
 def engine(request, model_dirs, assert_gone) -> Iterator[LLMEngine | DataParallelEngine]:
-    layout, pages = request.param
-    engine = LLMEngine.from_config(_config(model_dirs["tiny-glm5"], parallel=LAYOUTS[layout],
-                                           mla_pages=pages))
+    layout, pages, async_scheduling = request.param
+    config = _config(model_dirs["tiny-glm5"], parallel=LAYOUTS[layout], mla_pages=pages)
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, async_scheduling=async_scheduling))
+    engine = LLMEngine.from_config(config)
     yield engine
     pids = tuple(p for r in _replicas(engine) for p in r.executor.pids)
     engine.shutdown()
