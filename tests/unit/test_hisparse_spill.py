@@ -76,10 +76,16 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     return [out[str(i)] for i in range(len(prompts))], most_running, most_blocks
 
 
+def _async(cfg):
+    return replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=True))
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
-def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, kv):
+def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, kv, scheduling):
     """Four requests of 10-13 blocks each over 17 MLA pages (one max-length request's worth):
-    all four decode at once, most of their MLA rows read from the host pool."""
+    all four decode at once, most of their MLA rows read from the host pool. Async: step k + 1
+    runs from step k's samples on the device; the residency, fetch and mirror run as in sync."""
     model_dir = model_dirs[preset]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = _prompts(4, seed=11, lo=30, hi=45)
@@ -87,8 +93,8 @@ def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, 
     want = ref.generate(prompts, params)
     topk = ref.config.model.index_topk
     pages = 16  # cdiv(max_model_len 64, B): the least the engine accepts
-    engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, buffer=topk,
-                                           mla_pages=pages))
+    cfg = _config(engine_config, model_dir, kv=kv, buffer=topk, mla_pages=pages)
+    engine = LLMEngine.from_config(_async(cfg) if scheduling == "async" else cfg)
     assert engine.runner.caches[0].kv.shape[0] == pages  # the MLA cache is that small
     assert engine.runner.caches[0].index.shape[0] == 100  # the indexer keeps a page per block
     got, most_running, most_blocks = _run(engine, prompts, params)
@@ -100,10 +106,15 @@ def test_spilled_pages_greedy_equals_all_gpu(model_dirs, engine_config, preset, 
     assert int(engine.runner.hisparse.rows_from_host) > 0
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
-def test_spilled_pages_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv):
+def test_spilled_pages_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv, scheduling):
     """MTP3: the write tail (1 + 3 verify rows and 2 lookahead slots) stays resident; rejected
-    drafts' blocks go back with their pages."""
+    drafts' blocks go back with their pages. Async: the host counts a step in flight as all
+    drafts accepted and the device moves the next step's rows back by those rejected; the rows
+    so rewritten keep their MLA pages (the write tail starts k positions lower), are mirrored
+    again, and neither the hot buffer nor the host pool is trusted at or above the first
+    position really written."""
     model_dir = draftable_dirs["tiny-glm5"]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = _prompts(3, seed=12, lo=66, hi=90)
@@ -111,56 +122,14 @@ def test_spilled_pages_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config,
     want = ref.generate(prompts, params)
     topk = ref.config.model.index_topk
     pages = 33  # cdiv(128 + 2 lookahead, B)
-    engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, spec=3,
-                                           buffer=4 * topk, mla_pages=pages, max_model_len=128))
+    cfg = _config(engine_config, model_dir, kv=kv, spec=3, buffer=4 * topk, mla_pages=pages,
+                  max_model_len=128)
+    engine = LLMEngine.from_config(_async(cfg) if scheduling == "async" else cfg)
+    assert engine.scheduler.mla.write_lag == (3 if scheduling == "async" else 0)
     got, most_running, most_blocks = _run(engine, prompts, params)
     assert got == want
     assert engine.scheduler.mla.num_spills > 0
     assert most_running == len(prompts) and most_blocks > pages
-
-
-def _async(cfg):
-    return replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=True))
-
-
-@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
-def test_async_scheduling_with_spilled_pages(model_dirs, engine_config, preset, kv):
-    """--async-scheduling: step k + 1 runs from step k's samples on the device while the
-    residency, the fetch and the mirror run as in sync; greedy output still equals the all-GPU
-    engine's with pages spilling."""
-    model_dir = model_dirs[preset]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = _prompts(4, seed=11, lo=30, hi=45)
-    want = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv)).generate(prompts, params)
-    topk = engine_config(model_dir).model.index_topk
-    engine = LLMEngine.from_config(_async(_config(engine_config, model_dir, kv=kv, buffer=topk,
-                                                  mla_pages=16)))
-    got, most_running, _ = _run(engine, prompts, params)
-    assert got == want
-    assert engine.scheduler.mla.num_spills > 0 and most_running == len(prompts)
-    assert int(engine.runner.hisparse.rows_from_host) > 0
-
-
-@pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
-def test_async_scheduling_with_spilled_pages_mtp3(draftable_dirs, engine_config, kv):
-    """Async MTP3: the host counts a step in flight as all drafts accepted; the device moves the
-    next step's rows back by those rejected. The rows so rewritten keep their MLA pages (the
-    write tail starts k positions lower), are mirrored again, and neither the hot buffer nor
-    the host pool is trusted at or above the first position really written."""
-    model_dir = draftable_dirs["tiny-glm5"]
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = _prompts(3, seed=12, lo=66, hi=90)
-    ref = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, max_model_len=128))
-    want = ref.generate(prompts, params)
-    topk = ref.config.model.index_topk
-    engine = LLMEngine.from_config(_async(_config(engine_config, model_dir, kv=kv, spec=3,
-                                                  buffer=4 * topk, mla_pages=33,
-                                                  max_model_len=128)))
-    assert engine.scheduler.mla.write_lag == 3
-    got, most_running, most_blocks = _run(engine, prompts, params)
-    assert got == want
-    assert engine.scheduler.mla.num_spills > 0
-    assert most_running == len(prompts) and most_blocks > 33
     stats = engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
