@@ -691,8 +691,8 @@ class EngineConfig:
 
     def _validate_async_scheduling(self) -> None:
         """--async-scheduling is built for plain decode and MTP drafts, on one rank or several
-        (TP, DCP, EP) and DP replicas, with HiSparse, as a P/D consumer: refuse what it does not
-        cover yet, naming both flags."""
+        (TP, DCP, EP) and DP replicas, with HiSparse and the host KV tier, as a P/D consumer:
+        refuse what it does not cover yet, naming both flags."""
         if not self.scheduler.async_scheduling:
             return
         p = self.parallel
@@ -700,7 +700,6 @@ class EngineConfig:
             # a PCP rank computes only its share of a step's rows: the rows that continue from
             # the last step's samples would have to be found among them (not built)
             (p.prefill_context_parallel_size > 1, "--prefill-context-parallel-size > 1"),
-            (self.offload.enabled, self.offload.flag),
             # a producer holds finished prompts' blocks for their readers (not built here)
             (self.disagg is not None and self.disagg.kv_role != "kv_consumer",
              "--kv-transfer-config NixlConnector with kv_role other than kv_consumer"),

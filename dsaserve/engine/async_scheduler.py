@@ -87,6 +87,8 @@ class AsyncScheduler(Scheduler):
         """Step k's tokens replace the requests' oldest placeholders (`scheduler_output` is
         step k's, the oldest not updated); one output per request that got a token."""
         outputs = self.take_aborted_outputs()
+        if self.offload is not None:  # host-tier copies done; loaded prefixes start running
+            self._finish_transfers(runner_output)
         if self.connector is not None:  # P/D consumer: prompts whose READs settled
             outputs += self._finish_remote(runner_output)
         step = self._in_flight.popleft()
@@ -104,6 +106,8 @@ class AsyncScheduler(Scheduler):
                 outputs.append(self._resolve(req, span, tokens, runner_output))
             if req.status == RequestStatus.RUNNING:
                 self.kv.cache_full_blocks(req)  # computed blocks of host-known tokens
+                if self.offload is not None:  # and to the host tier
+                    self.offload.offer(req)
         return outputs
 
     def _resolve(self, req: Request, span: int, tokens: list[int],

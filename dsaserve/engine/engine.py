@@ -206,8 +206,9 @@ class LLMEngine:
         """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
         the device from step k's samples)."""
         scheduler_output = self.scheduler.schedule()
-        # P/D READs in flight are polled by every step, empty ones too
-        poll = bool(self.scheduler.receiving)
+        # P/D READs and host-tier copies in flight are polled by every step, empty ones too
+        offload = self.scheduler.offload
+        poll = bool(self.scheduler.receiving) or (offload is not None and offload.busy)
         self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output,
                                                                        poll=poll)))
 

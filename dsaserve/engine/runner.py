@@ -509,14 +509,23 @@ class ModelRunner:
         """--async-scheduling: launch the step and return at once; its results come through
         a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
         Requests that continue from the previous step take its samples (and drafts) on the
-        device. P/D (a consumer): the step's READs are posted first and polled after the
-        launch; what landed comes with the step's output."""
-        if self.connector is None:
+        device. Transfers beside the step (P/D READs of a consumer, host-tier copies) start
+        before the launch and are polled after it; what landed comes with the step's output."""
+        if self.connector is None and self.copier is None:
             return self._launch(so, non_blocking=True)
-        so = self._start_receives(so)
+        if self.connector is not None:
+            so = self._start_receives(so)
+        if self.copier is not None:
+            self.copier.start(so)
+            if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps
+                self.copier.wait_for_one()
         pending = self._launch(so, non_blocking=True)
-        return step_results.WithTransfers(pending, self._poll_transfers(
-            so, ModelRunnerOutput(sampled_token_ids={})))
+        landed = ModelRunnerOutput(sampled_token_ids={})
+        if self.copier is not None:
+            landed = self.copier.report(landed)
+        if self.connector is not None:
+            landed = self._poll_transfers(so, landed)
+        return step_results.WithTransfers(pending, landed)
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self._launch(so, non_blocking=False).result()

@@ -158,8 +158,8 @@ class PendingOutput:
 
 @dataclass(frozen=True)
 class WithTransfers:
-    """A launched step's output with the P/D transfers polled after its launch (READs landed
-    or failed, held blocks read), known at once."""
+    """A launched step's output with the transfers polled after its launch, known at once:
+    P/D READs landed or failed and held blocks read; host-tier copies done."""
 
     pending: PendingStep
     transfers: ModelRunnerOutput
@@ -167,4 +167,6 @@ class WithTransfers:
     def result(self) -> ModelRunnerOutput:
         t = self.transfers
         return replace(self.pending.result(), kv_recvs_done=t.kv_recvs_done,
-                       kv_recvs_failed=t.kv_recvs_failed, kv_sends_done=t.kv_sends_done)
+                       kv_recvs_failed=t.kv_recvs_failed, kv_sends_done=t.kv_sends_done,
+                       num_kv_loads_done=t.num_kv_loads_done,
+                       num_kv_stores_done=t.num_kv_stores_done)

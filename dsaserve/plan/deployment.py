@@ -26,8 +26,8 @@ hot-rows=N (hot-buffer rows per request and layer; default (1 + k) × top-k) and
 share of a step's selected rows that the previous step selected too; default 0.9),
 enforce-eager (decode steps run eager, as the engine's --enforce-eager; default: replayed from
 CUDA graphs, as the engine) and async-scheduling (the engine's host work overlaps the kernels:
-a step lasts max(kernels, host) instead of their sum; the engine does this for decode
-engines, DP, TP, DCP, EP, HiSparse and P/D consumers, not under PCP or on P/D producers): see
+a step lasts max(kernels, host) instead of their sum; the engine does this with DP, TP, DCP,
+EP, HiSparse, the host KV tier and on P/D consumers, not under PCP or on P/D producers): see
 docs/simulate.md for what is modelled.
 """
 

@@ -79,9 +79,10 @@ def test_copier_round_trip_every_layer(fp8: bool) -> None:
 # the engine
 # ------------------------------------------------------------------------------------------------
 def _config(engine_config, model_dir, *, kv_cache_dtype="auto", host_gib: float | None = 0.01,
-            num_blocks: int = 12, budget: int = 64):
+            num_blocks: int = 12, budget: int = 64, async_scheduling: bool = False):
     cfg = engine_config(model_dir, kv_cache_dtype=kv_cache_dtype, block_size=BLOCK,
                         num_blocks=num_blocks, max_model_len=160, max_num_batched_tokens=budget)
+    cfg = replace(cfg, scheduler=replace(cfg.scheduler, async_scheduling=async_scheduling))
     if host_gib is None:
         return cfg
     return replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=int(host_gib * 2**30)))
@@ -114,14 +115,19 @@ def _cache_rows(engine: LLMEngine, block_ids: list[int]) -> list[torch.Tensor]:
     return rows
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_ds_mla"])
-def test_host_hit_equals_recompute(model_dirs, engine_config, kv_cache_dtype) -> None:
+def test_host_hit_equals_recompute(model_dirs, engine_config, kv_cache_dtype,
+                                   scheduling) -> None:
     """Turn 1 of session A, then sessions B and C evict it from a 12-block GPU pool; turn 2 of A
     finds its prefix only in the host tier. Outputs equal an engine without the tier, and the
-    loaded blocks hold turn 1's exact bytes in every cache layer, the MTP layer's included."""
+    loaded blocks hold turn 1's exact bytes in every cache layer, the MTP layer's included.
+    Async: copies start before step k + 1's launch, are polled after it, and their completion
+    comes with that step's results."""
     model_dir = model_dirs["tiny-glm5"]
     engine = LLMEngine.from_config(_config(engine_config, model_dir,
-                                           kv_cache_dtype=kv_cache_dtype))
+                                           kv_cache_dtype=kv_cache_dtype,
+                                           async_scheduling=scheduling == "async"))
     ref = LLMEngine.from_config(_config(engine_config, model_dir, kv_cache_dtype=kv_cache_dtype,
                                         host_gib=None))
     cfg = engine.config.model
@@ -367,7 +373,8 @@ def test_load_waits_for_blocks_held_by_stores(model_dirs, engine_config) -> None
     _check_drained(engine)
 
 
-def test_host_hit_with_mtp_drafts(model_dirs, engine_config) -> None:
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_host_hit_with_mtp_drafts(model_dirs, engine_config, scheduling) -> None:
     """With MTP3 drafting, the MTP layer's own rows are written by the drafts and must come back
     from the host tier with the rest: turn 2 after eviction, served from the host, gives the
     greedy output of an engine without drafts or host tier, the loaded blocks hold turn 1's bytes
@@ -376,8 +383,9 @@ def test_host_hit_with_mtp_drafts(model_dirs, engine_config) -> None:
 
     model_dir = model_dirs["tiny-glm5"]
     spec = SpecConfig(num_speculative_tokens=3)
-    engine = LLMEngine.from_config(replace(_config(engine_config, model_dir, num_blocks=14),
-                                           speculative=spec))
+    engine = LLMEngine.from_config(replace(_config(
+        engine_config, model_dir, num_blocks=14, async_scheduling=scheduling == "async"),
+        speculative=spec))
     ref = LLMEngine.from_config(_config(engine_config, model_dir, host_gib=None, num_blocks=14))
     prompt, more = _session(9)
     out1 = engine.generate([prompt], GREEDY)[0]
