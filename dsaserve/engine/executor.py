@@ -238,10 +238,11 @@ class MultiprocExecutor:
     def submit(self, scheduler_output: SchedulerOutput, *, poll: bool = False) -> PendingStep:
         """--async-scheduling: every rank launches the step and answers the one submitted before
         it; this step's output is read by `result()` of what is returned, in submission order.
-        A step with nothing for the ranks is not sent, unless `poll` (P/D READs in flight,
-        which each step polls)."""
+        A step with nothing for the ranks is not sent, unless `poll` (P/D READs or host-tier
+        copies in flight, which each step polls)."""
         if scheduler_output.is_idle and not poll:
             return PendingOutput([], [], None)
+        self._recvs.forget(scheduler_output.finished_request_ids)  # as execute_async
         self._broadcast(SubmitStep(scheduler_output))
         step = _SubmittedStep(self)
         self._unread.append(step)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from dsaserve.config import EngineConfig
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
-from dsaserve.engine.step_results import PendingOutput
+from dsaserve.engine.step_results import PendingStep
 from dsaserve.parallel.groups import ParallelGroups
 
 
@@ -195,9 +195,9 @@ class _Submitted:
     """--async-scheduling: the step launched last, whose results this rank has not sent."""
 
     def __init__(self) -> None:
-        self.pending: PendingOutput | None = None
+        self.pending: PendingStep | None = None
 
-    def swap(self, launched: PendingOutput | None) -> PendingOutput | None:
+    def swap(self, launched: PendingStep | None) -> PendingStep | None:
         previous, self.pending = self.pending, launched
         return previous
 
