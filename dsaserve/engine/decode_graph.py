@@ -153,8 +153,8 @@ class DecodeGraphs:
                 self.mla_table = torch.full_like(self.block_table, -1)
                 self.mla_slots = torch.full_like(self.slots, -1)
                 self.draft_mla_slots = torch.full_like(self.draft_slots, -1)
-        self.hisparse = None if hisparse is None else PaddedHiSparse(hisparse, max_size, self.q,
-                                                                      device)
+        self.hisparse = None if hisparse is None else PaddedHiSparse(
+            hisparse.trash_region, max_size, self.q, device)
         self._metas: dict[int, AttentionMetadata] = {}
         self._draft_metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

@@ -144,3 +144,50 @@ def test_padded_hisparse_equals_eager_and_all_gpu(model_dirs, draftable_dirs, en
     assert 0 < int(rt.rows_from_host) <= int(rt.rows_missed)  # misses, most from the pool
     if case.spill:
         assert engine.scheduler.mla.num_spills > 0
+
+
+@torch.inference_mode()  # as DecodeGraphs.forward runs it
+def test_fill_maps_slots_to_their_regions_and_the_rest_to_the_trash():
+    """The module's picture: slot 0 hot (region 5), slot 1 tracked but reading its pages
+    (region 3), slot 2 hot (region 1), slot 3 padding; q = 2, trash region 7. A second,
+    smaller step over the same buffers leaves nothing of the first in its slots."""
+    from dsaserve.kv.hisparse.padded import PaddedHiSparse
+    from dsaserve.kv.hisparse.runtime import HiSparseStep
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64)
+
+    padded = PaddedHiSparse(7, max_size=8, q=2, device=torch.device("cpu"))
+    step = HiSparseStep(
+        tracked_regions=t([5, 3, 1]), tracked_requests=t([0, 1, 2]), tracked_from=t([40, 9, 70]),
+        hot_regions=t([5, 1]), hot_requests=t([0, 2]), mirrored_upto=t([40, 70]),
+        row_region=t([0, 0, -1, 1, 1]), row_rank=t([0, 1, 0, 0, 1]),
+        row_hot=t([0, 0, -1, 1, 1]) >= 0, max_rows=2, num_hot=2, num_reqs=3)
+    padded.fill(step, 4)
+    s = padded.step(4)
+    assert s.padded and s.num_hot == s.num_reqs == 4 and s.max_rows == 2
+    assert s.tracked_regions.tolist() == [5, 3, 1, 7]
+    assert s.tracked_requests.tolist() == s.hot_requests.tolist() == [0, 1, 2, 3]
+    assert s.tracked_from.tolist()[:3] == [40, 9, 70]
+    assert s.hot_regions.tolist() == [5, 7, 1, 7]
+    assert s.mirrored_upto.tolist() == [40, 0, 70, 0]
+    assert s.row_region.tolist() == [0, 0, -1, -1, 2, 2, -1, -1]
+    assert s.row_rank.tolist() == [0, 1] * 4
+    assert s.row_hot.tolist() == [True, True, False, False, True, True, False, False]
+    draft = padded.draft_step(4, t([44, 10, 72, 0]))
+    assert draft.row_region.tolist() == [0, -1, 2, -1] and draft.row_rank.tolist() == [0] * 4
+    assert draft.row_hot.tolist() == [True, False, True, False]
+    assert draft.tracked_from.tolist() == [44, 10, 72, 0]
+    assert draft.hot_regions.tolist() == [5, 7, 1, 7]
+    # a step with one request reading its pages, then a step with none tracked
+    padded.fill(replace(step, tracked_regions=t([2]), tracked_requests=t([0]),
+                        tracked_from=t([3]), hot_regions=t([]), hot_requests=t([]),
+                        mirrored_upto=t([]), row_region=t([-1]), row_rank=t([0]),
+                        row_hot=t([-1]) >= 0, num_hot=0, num_reqs=1), 1)
+    s = padded.step(1)
+    assert (s.tracked_regions.tolist(), s.hot_regions.tolist()) == ([2], [7])
+    assert s.row_region.tolist() == [-1, -1] and not s.row_hot.any()
+    padded.fill(None, 2)
+    s = padded.step(2)
+    assert s.tracked_regions.tolist() == s.hot_regions.tolist() == [7, 7]
+    assert not s.row_hot.any() and (s.row_region < 0).all()

@@ -30,17 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from dsaserve.kv.hisparse.runtime import HiSparseRuntime, HiSparseStep
+from dsaserve.kv.hisparse.runtime import HiSparseStep
 
 
 class PaddedHiSparse:
     """The static HiSparse buffers of a `DecodeGraphs` (its largest size; a size uses their
-    first rows); `q` rows per request slot."""
+    first rows); `q` rows per request slot; `trash_region`: the runtime's."""
 
-    def __init__(self, runtime: HiSparseRuntime, max_size: int, q: int,
-                 device: torch.device) -> None:
+    def __init__(self, trash_region: int, max_size: int, q: int, device: torch.device) -> None:
         self.q = q
-        self.trash = runtime.trash_region
+        self.trash = trash_region
         num_slots = max_size // q
 
         def full(n: int, value: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
