@@ -11,7 +11,7 @@ union, so no fetch and no hot-slot write):
     tracked region     c0         c1          c2         T
     hot region         c0         T           c2         T
     rows (q = 2)       0 0        −1 −1       2 2        −1 −1     row_region: the slot, or −1
-    row_hot            T T        F F         T T        F F
+    row_hot            1 1        0 0         1 1        0 0
 
 The hot and the page path both run for every row and row_hot picks (`padded`): one graph per
 size whatever mix of hot and page-reading requests a step has, at the price of the page path's
