@@ -33,6 +33,11 @@ its drafts):
 
 Draft step j writes at position + j of its slot (the lookahead blocks are in the table), a
 padding slot nowhere; its seq_lens are the bound max_model_len + k − 1.
+
+With HiSparse (kv/hisparse/padded.py) the metadata of a size carries a `HiSparseStep` over
+static buffers too (every slot tracked, padding and page-reading slots in the trash region),
+filled from the step's own, and under spilling the MLA pages' table and write slots, gathered
+as the block table and the slots are.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import torch
 from dsaserve.engine import cudagraph, staging
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kv import layout as kv_layout
+from dsaserve.kv.hisparse.padded import PaddedHiSparse
+from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache
 from dsaserve.spec.mtp import DraftInputs, draft_chain
 
@@ -99,11 +106,14 @@ class DecodeGraphs:
     """The runner's padded decode path over one set of static buffers (the largest size; each
     size uses their first rows). `capture`: record each size's forward (and with MTP its
     drafts) in a CUDA graph at its first step and replay it afterwards; otherwise run them
-    eager over the buffers. `num_drafts`: MTP's k (0: no drafting)."""
+    eager over the buffers. `num_drafts`: MTP's k (0: no drafting). `hisparse`: the rank's
+    HiSparse runtime (None: off); `mla_pages`: HiSparse spilling (MLA pages apart from the
+    block ids)."""
 
     def __init__(self, model: DsaForCausalLM, caches: list[LayerCache], sizes: Sequence[int],
                  num_drafts: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture: bool) -> None:
+                 device: torch.device, capture: bool, *,
+                 hisparse: HiSparseRuntime | None = None, mla_pages: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.k = num_drafts
@@ -137,6 +147,14 @@ class DecodeGraphs:
             self.draft_slots = torch.full((max(self.k - 1, 0), max_reqs), -1,
                                           dtype=torch.int64, device=device)
             self.slot_indices = torch.arange(max_reqs, device=device)
+            # HiSparse spilling: the MLA pages' table and slots, as block_table and the slots
+            self.mla_table = self.mla_slots = self.draft_mla_slots = None
+            if mla_pages:
+                self.mla_table = torch.full_like(self.block_table, -1)
+                self.mla_slots = torch.full_like(self.slots, -1)
+                self.draft_mla_slots = torch.full_like(self.draft_slots, -1)
+        self.hisparse = None if hisparse is None else PaddedHiSparse(
+            hisparse.trash_region, max_size, self.q, device)
         self._metas: dict[int, AttentionMetadata] = {}
         self._draft_metas: dict[tuple[int, int], AttentionMetadata] = {}
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -172,6 +190,14 @@ class DecodeGraphs:
         width = min(meta.block_table.shape[1], table.shape[1])  # lookahead blocks past W: unread
         table[:, :width].copy_(meta.block_table[src_reqs, :width])
         table[:, width:] = -1
+        if self.mla_table is not None:  # HiSparse spilling
+            self.mla_slots[:size].copy_(
+                torch.where(writes.bool(), meta.mla_slot_mapping[src_rows], -1))
+            mla_table = self.mla_table[: size // self.q]
+            mla_table[:, :width].copy_(meta.mla_block_table[src_reqs, :width])
+            mla_table[:, width:] = -1
+        if self.hisparse is not None:
+            self.hisparse.fill(meta.hisparse, size // self.q)
         # 2. the forward over them: replayed, captured at the size's first step, or eager
         self.num_steps += 1
         meta = self._metadata(size)
@@ -210,6 +236,10 @@ class DecodeGraphs:
             written = kv_layout.slot_mapping(pos, self.slot_indices[:num_slots],
                                              self.block_table[:num_slots], self.block_size)
             self.draft_slots[j - 1, :num_slots].copy_(torch.where(live, written, -1))
+            if self.mla_table is not None:  # HiSparse spilling: the MTP layer's MLA pages
+                written = kv_layout.slot_mapping(pos, self.slot_indices[:num_slots],
+                                                 self.mla_table[:num_slots], self.block_size)
+                self.draft_mla_slots[j - 1, :num_slots].copy_(torch.where(live, written, -1))
         # 4. the chain over them: replayed, captured at the size's first step, or eager
         self.num_draft_steps += 1
         meta, hidden = self._metadata(size), step.hidden
@@ -257,6 +287,9 @@ class DecodeGraphs:
                 block_size=self.block_size,
                 use_dense=False,
                 bounded_seq_lens=True,
+                hisparse=None if self.hisparse is None else self.hisparse.step(num_reqs),
+                mla_block_table=None if self.mla_table is None else self.mla_table[:num_reqs],
+                mla_slot_mapping=None if self.mla_slots is None else self.mla_slots[:size],
             )
         return self._metas[size]
 
@@ -275,5 +308,10 @@ class DecodeGraphs:
                 block_size=self.block_size,
                 use_dense=False,
                 bounded_seq_lens=True,
+                hisparse=None if self.hisparse is None else self.hisparse.draft_step(
+                    num_slots, self.draft_positions[j - 1, :num_slots]),
+                mla_block_table=None if self.mla_table is None else self.mla_table[:num_slots],
+                mla_slot_mapping=(None if self.draft_mla_slots is None
+                                  else self.draft_mla_slots[j - 1, :num_slots]),
             )
         return self._draft_metas[key]

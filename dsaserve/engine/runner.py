@@ -403,19 +403,19 @@ class ModelRunner:
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
-        unless --enforce-eager or a step's rows are not whole on this rank (PCP, DCP, HiSparse).
+        unless --enforce-eager or a step's rows are not whole on this rank (PCP, DCP).
         Graphs are captured on CUDA with a capturable backend, and only on a single rank: the
         EP dispatch reads the largest batch of the group on the host."""
         cfg = self.config
         k = cfg.num_speculative_tokens
         sizes = cudagraph.decode_sizes(cfg.compilation, cfg.scheduler.max_num_seqs, k)
-        if (not sizes or self.groups.pcp.size > 1 or self.dcp_size > 1
-                or self.hisparse is not None):
+        if not sizes or self.groups.pcp.size > 1 or self.dcp_size > 1:
             return None
         capture = (self.device.type == "cuda" and backend.capturable
                    and self.groups.world_size == 1)
         return DecodeGraphs(self.model, self.caches, sizes, k, cfg.scheduler.max_model_len,
-                            self.block_size, self.device, capture)
+                            self.block_size, self.device, capture, hisparse=self.hisparse,
+                            mla_pages=self.mla_page_of is not None)
 
     def _kv_connector(self) -> ConnectorWorker | None:
         """P/D: this rank's transport, with the caches moved into (or registered as) memory

@@ -12,16 +12,15 @@ from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 
 
 class HiSparseBackend:
-    # Off until a GPU run shows the engine's graphs equal eager with HiSparse. A layer's step
-    # (invalidate, resolve_step, fetch) has no host sync and no host state (the LRU stamp is a
-    # device tensor), and resolve_step replays from a graph (tests/gpu); what capture still
-    # needs is the step description (`HiSparseStep`: fresh tensors and Python ints such as
-    # num_hot, built per step) in static buffers sized for the graph's batch.
-    capturable = False
+    """A layer's step (invalidate, resolve_step, fetch) has no host sync and no host state (the
+    LRU stamp is a device tensor), and a padded decode step's description lives in static
+    buffers (kv/hisparse/padded.py): it captures into a CUDA graph wherever the wrapped backend
+    does."""
 
     def __init__(self, inner: AttentionBackend) -> None:
         self.inner = inner
         self.name = inner.name
+        self.capturable = inner.capturable
         self.runtime: HiSparseRuntime | None = None  # set once the caches exist
 
     def __getattr__(self, name: str):  # counters and helpers of the wrapped backend
@@ -59,9 +58,9 @@ class HiSparseBackend:
         rows = rt.resolve(layer, positions, meta, step)  # [T, K] flat hot rows
         # 3. sparse MLA over the hot buffer (the same kernel: it is laid out as a paged cache)
         o, lse = self.inner.sparse_mla(q, rt.hot[layer], rows, scale, kv_lora_rank)
-        if step.num_hot == step.num_reqs:
+        if step.num_hot == step.num_reqs and not step.padded:
             return o, lse
-        # 4. a mixed batch: the other requests read their GPU pages
+        # 4. a mixed batch (a padded step's always): the other requests read their GPU pages
         o_p, lse_p = self.inner.sparse_mla_positions(q, kv_cache, positions, meta, scale,
                                                      kv_lora_rank)
         hot = step.row_hot

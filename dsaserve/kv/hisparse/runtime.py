@@ -60,6 +60,10 @@ class HiSparseStep:
     max_rows: int
     num_hot: int  # requests read through hot buffers
     num_reqs: int
+    # a padded step's (kv/hisparse/padded.py): every request slot is tracked and resolved
+    # (slots of page-reading requests and padding in the trash region), and both the hot and
+    # the page path run, row_hot picking per row, whatever the batch (shapes fixed per size)
+    padded: bool = False
 
 
 @dataclass
@@ -90,10 +94,14 @@ class HiSparseRuntime:
         self.hot = [torch.zeros((pages, block_size, *s), dtype=d, device=device)
                     for s, d in shapes]
         self.max_requests = max_requests
-        self.slot_token = [torch.full((max_requests, buffer_rows), -1, dtype=torch.int64,
+        # region max_requests is the trash region, no request's: a padded step's slots that
+        # read no hot buffer (kv/hisparse/padded.py) resolve there an empty union, so it has
+        # table rows but no hot rows (a fetch into it is masked in `_fetch`)
+        self.trash_region = max_requests
+        self.slot_token = [torch.full((max_requests + 1, buffer_rows), -1, dtype=torch.int64,
                                       device=device) for _ in caches]
         self.slot_stamp = [torch.full_like(t, -1) for t in self.slot_token]
-        self.host_table = torch.zeros((max_requests, blocks_per_request), dtype=torch.int64,
+        self.host_table = torch.zeros((max_requests + 1, blocks_per_request), dtype=torch.int64,
                                       device=device)  # region → its reserved host blocks
         # LRU clock, one tick per resolve: a device tensor, so a layer's step reads no host state
         self._stamp = torch.zeros((), dtype=torch.int64, device=device)
@@ -307,8 +315,10 @@ class HiSparseRuntime:
         gpu_rows = table.gather(1, blk.clamp(max=table.shape[1] - 1)).clamp(min=0) * b + off
         from_host = (miss_pos < step.mirrored_upto[:, None])[..., None]
         self.rows_from_host += (from_host[..., 0] & (miss_pos >= 0)).sum()
-        # masked entries (miss_slot = the trash slot S) fetch nothing
-        dest = torch.where(miss_slot < self.buffer_rows,
+        # masked entries (miss_slot = the trash slot S) fetch nothing, nor does the trash
+        # region (it has no hot rows; its union is empty)
+        owned = (step.hot_regions < self.trash_region)[:, None]  # [Rh, 1]
+        dest = torch.where((miss_slot < self.buffer_rows) & owned,
                            step.hot_regions[:, None] * s1 + miss_slot, -1)  # [Rh, W]
         fetch_rows(self.hot[layer].flatten(0, 1), dest.flatten(),
                    self.host[layer].flatten(0, 1), host_rows.flatten(),
