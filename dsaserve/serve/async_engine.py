@@ -65,6 +65,9 @@ class AddRequest:
     cache_salt: str | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_remote: dict | None = None  # P/D: the prefill engine's side channel, read beforehand
+    # where its outputs go: the stream registered for this request, not whichever holds its id
+    # when an output is posted (an aborted request's last outputs and its retry's differ)
+    stream: RequestStream | None = None
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,8 @@ class AsyncEngine:
         self.num_stream_overflows = 0  # requests aborted for a slow consumer (event-loop side)
         self._inbox: queue.Queue[EngineCoreMessage] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # registered by loops, popped by either side
-        self._live: set[str] = set()  # ids the engine holds; touched by the core thread only
+        # ids the engine holds → the stream their outputs go to; touched by the core thread only
+        self._live: dict[str, RequestStream] = {}
         # ids aborted by their clients whose "abort" answer the engine has yet to give: nobody
         # waits for it, and a retry under the same id (allowed at once) must not receive it
         self._unanswered: Counter[str] = Counter()
@@ -243,7 +247,7 @@ class AsyncEngine:
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._inbox.put(AddRequest(request_id, list(prompt_token_ids), params, cache_salt,
-                                       kv_transfer_params, kv_remote))
+                                       kv_transfer_params, kv_remote, stream))
         try:
             item = await stream._next()
         except BaseException:
@@ -307,6 +311,8 @@ class AsyncEngine:
 
     def _handle(self, message: EngineCoreMessage) -> None:
         if isinstance(message, AddRequest):
+            stream = message.stream
+            assert stream is not None, "AddRequest without its stream"
             try:
                 self._engine.add_request(
                     message.request_id, message.prompt_token_ids, message.params,
@@ -314,7 +320,7 @@ class AsyncEngine:
                     kv_remote=message.kv_remote,
                 )
             except RequestError as e:
-                self._post([(message.request_id, e)])
+                self._post([(stream, e)])
                 return
             except Exception as e:  # a bug met by this request alone: fail it, keep the engine
                 logger.exception("engine core: adding request %s failed", message.request_id)
@@ -324,14 +330,14 @@ class AsyncEngine:
                     finish_reason="abort", num_prompt_tokens=len(message.prompt_token_ids),
                     num_cached_tokens=0, num_output_tokens=0,
                     error=f"internal error while adding the request: {type(e).__name__}: {e}")
-                self._post([(message.request_id, Admitted()), (message.request_id, failed)])
+                self._post([(stream, Admitted()), (stream, failed)])
                 return
-            self._live.add(message.request_id)
-            self._post([(message.request_id, Admitted())])
+            self._live[message.request_id] = stream
+            self._post([(stream, Admitted())])
         elif isinstance(message, Abort):
             # A request may finish in the same step its client leaves: abort only what is live.
             if message.request_id in self._live:
-                self._live.discard(message.request_id)
+                del self._live[message.request_id]
                 self._unanswered[message.request_id] += 1
                 self._engine.abort_request(message.request_id)
         elif isinstance(message, CallInCore):
@@ -348,20 +354,21 @@ class AsyncEngine:
                 if not self._unanswered[out.request_id]:
                     del self._unanswered[out.request_id]
                 continue
-            if out.finished:
-                self._live.discard(out.request_id)
-            items.append((out.request_id, out))
+            stream = (self._live.pop(out.request_id, None) if out.finished
+                      else self._live.get(out.request_id))
+            if stream is not None:
+                items.append((stream, out))
         self._post(items)
 
-    def _post(self, items: list[tuple[str, StreamItem]]) -> None:
+    def _post(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
         """Deliver items to their streams: one wake-up per event loop, however many requests."""
         batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, StreamItem]]] = {}
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is None:  # aborted by its consumer; nobody is listening
+        for stream, item in items:
+            # aborted by its consumer (nobody is listening), maybe already retried under its id
+            if self._streams.get(stream.request_id) is not stream:
                 continue
             if isinstance(item, RequestOutput) and item.finished:
-                self._streams.pop(request_id, None)
+                self._streams.pop(stream.request_id, None)
             batches.setdefault(stream.loop, []).append((stream, item))
         for loop, batch in batches.items():
             try:
