@@ -30,10 +30,10 @@ part=${1:-1}
 run 100 build python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
 if [ "$part" = 1 ]; then
-    run 180 tests python -m pytest -q -m gpu -rf --tb=short \
+    run 240 tests python -m pytest -q -m gpu -rf --tb=short \
         tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_nixl_gpu.py \
         tests/gpu/test_cudagraph_gpu.py tests/gpu/test_pd_hisparse_spill_gpu.py \
-        tests/gpu/test_nixl_cancel_gpu.py
+        tests/gpu/test_nixl_cancel_gpu.py tests/gpu/test_hisparse_graph_gpu.py
     # NIXL GPU -> GPU between two processes: which UCX protocol, and whether cuda_ipc changes it
     run 50 nixl_vram env UCX_PROTO_INFO=y python benchmarks/pd_transfer.py --backends nixl \
         --memory vram --tokens 32768 --repeat 2 --tables transport
