@@ -208,3 +208,25 @@ def load_benchmark(monkeypatch):
         return module
 
     return load
+
+
+def _generate_checked(engine, prompts, params) -> list[list[int]]:
+    """The prompts through `engine` step by step, every invariant checked after each step, then
+    one empty step (it tells the runner which requests ended) and a last check → the output
+    token ids of each prompt, in order."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        engine.check_integrity()
+    engine.step()
+    engine.check_integrity()
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
+def generate_checked():
+    """generate_checked(engine, prompts, params) → outputs, invariants checked every step."""
+    return _generate_checked

@@ -52,20 +52,6 @@ def _prompts(buffer: int) -> list[list[int]]:
             for n in (buffer + 140, buffer + 170, buffer - 4)]
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-         ) -> list[list[int]]:
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-        engine.check_integrity()
-    engine.step()  # an empty step tells the runner which requests ended
-    engine.check_integrity()
-    return [out[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize(("preset", "kv", "spec", "spill", "async_on"), [
     ("tiny-glm5", "auto", 0, False, False),  # float32 KV (the model's dtype)
     ("tiny-dsv32", "fp8_ds_mla", 0, True, False),
@@ -74,8 +60,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
     ("tiny-glm5", "auto", 0, True, True),
     ("tiny-glm5", "fp8_ds_mla", 3, True, True)],
     ids=["plain", "fp8-spill", "mtp3", "fp8-spill-mtp3", "async-spill", "async-fp8-spill-mtp3"])
-def test_hisparse_graphs_equal_eager(model_dirs, draftable_dirs, engine_config, preset, kv,
-                                     spec, spill, async_on):
+def test_hisparse_graphs_equal_eager(generate_checked, model_dirs, draftable_dirs,
+                                     engine_config, preset, kv, spec, spill, async_on):
     model_dir = (draftable_dirs if spec else model_dirs)[preset]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -85,12 +71,14 @@ def test_hisparse_graphs_equal_eager(model_dirs, draftable_dirs, engine_config, 
 
     topk = engine_config(model_dir).model.index_topk
     prompts = _prompts((1 + spec) * topk)
-    all_gpu = _run(LLMEngine.from_config(config(hisparse=False, eager=True)), prompts, params)
-    eager = _run(LLMEngine.from_config(config(hisparse=True, eager=True)), prompts, params)
+    all_gpu = generate_checked(LLMEngine.from_config(config(hisparse=False, eager=True)),
+                               prompts, params)
+    eager = generate_checked(LLMEngine.from_config(config(hisparse=True, eager=True)),
+                             prompts, params)
     engine = LLMEngine.from_config(config(hisparse=True, eager=False))
     graphs = engine.runner.decode_graphs
     assert graphs is not None and graphs.capture and graphs.hisparse is not None
-    got = _run(engine, prompts, params)
+    got = generate_checked(engine, prompts, params)
     assert got == eager == all_gpu
     assert graphs.capture, "a capture failed: the steps ran eager"
     assert graphs.num_replays > 0 and graphs.num_replays < graphs.num_steps  # captured, replayed

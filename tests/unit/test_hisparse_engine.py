@@ -33,24 +33,22 @@ def _config(engine_config, model_dir, *, kv: str = "auto", buffer: int | None = 
     return replace(cfg, attention=att, hisparse=HOST)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Step by step, checking every invariant after each step."""
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-        engine.check_integrity()
-    engine.step()  # an empty step tells the runner which requests ended
-    engine.check_integrity()
-    rt = engine.runner.hisparse
-    assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
-    return [out[str(i)] for i in range(len(prompts))]
+@pytest.fixture
+def run(generate_checked):
+    """run(engine, prompts, params) → outputs: every invariant checked after each step, and no
+    HiSparse window or host block left behind."""
+    def go(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+           ) -> list[list[int]]:
+        out = generate_checked(engine, prompts, params)
+        rt = engine.runner.hisparse
+        assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+        return out
+
+    return go
 
 
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
-def test_greedy_equals_all_gpu_with_misses(model_dirs, engine_config, preset, kv):
+def test_greedy_equals_all_gpu_with_misses(run, model_dirs, engine_config, preset, kv):
     model_dir = model_dirs[preset]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = _prompts(2) + [_prompts(1, seed=5)[0][:9]]  # the short one turns hot late: mixed
@@ -58,14 +56,14 @@ def test_greedy_equals_all_gpu_with_misses(model_dirs, engine_config, preset, kv
     want = ref.generate(prompts, params)
     topk = ref.config.model.index_topk
     engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, buffer=topk))
-    assert _run(engine, prompts, params) == want
+    assert run(engine, prompts, params) == want
     # every decode read through a buffer of top-k rows over a longer context: misses happened,
     # most of them served by the host pool (the step's own rows come from their GPU pages)
     rt = engine.runner.hisparse
     assert 0 < int(rt.rows_from_host) < int(rt.rows_missed)
 
 
-def test_fast_path_no_misses(model_dirs, engine_config):
+def test_fast_path_no_misses(run, model_dirs, engine_config):
     """Contexts within the (default) buffer read their GPU pages: no residency, no fetch."""
     model_dir = model_dirs["tiny-glm5"]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -73,12 +71,12 @@ def test_fast_path_no_misses(model_dirs, engine_config):
     ref = LLMEngine.from_config(_config(engine_config, model_dir, hisparse=False))
     engine = LLMEngine.from_config(_config(engine_config, model_dir))
     assert engine.config.hisparse_buffer_rows == 2 * engine.config.model.index_topk
-    assert _run(engine, prompts, params) == ref.generate(prompts, params)
+    assert run(engine, prompts, params) == ref.generate(prompts, params)
     assert int(engine.runner.hisparse.rows_missed) == 0
 
 
 @pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
-def test_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv):
+def test_greedy_equals_all_gpu_mtp3(run, draftable_dirs, engine_config, kv):
     """MTP3: four verify rows per request share one buffer of their top-k union (the minimum,
     4 × top-k); rejected drafts' rows are rewritten and their hot copies dropped."""
     model_dir = draftable_dirs["tiny-glm5"]
@@ -89,7 +87,7 @@ def test_greedy_equals_all_gpu_mtp3(draftable_dirs, engine_config, kv):
     topk = ref.config.model.index_topk
     engine = LLMEngine.from_config(_config(engine_config, model_dir, kv=kv, spec=3,
                                            buffer=4 * topk))
-    assert _run(engine, prompts, params) == want
+    assert run(engine, prompts, params) == want
     assert int(engine.runner.hisparse.rows_from_host) > 0
 
 
@@ -121,7 +119,7 @@ def test_plan_concurrency_equals_engine_admission(model_dirs, engine_config, kv)
 
 
 @pytest.mark.parametrize("offload", [False, True])
-def test_later_turn_prefix_is_mirrored(model_dirs, engine_config, offload):
+def test_later_turn_prefix_is_mirrored(run, model_dirs, engine_config, offload):
     """A second turn starts from a computed prefix (a GPU prefix hit, or with the host KV tier
     in the same engine, as a MultiConnector sets up, a prefix evicted by other sessions and
     loaded back): it is mirrored on arrival, so its hot reads from the host pool are exact."""
@@ -136,20 +134,20 @@ def test_later_turn_prefix_is_mirrored(model_dirs, engine_config, offload):
     if offload:
         cfg = replace(cfg, offload=OffloadConfig(cpu_bytes_to_use=8 << 20))
     engine = LLMEngine.from_config(cfg)
-    turn1 = _run(engine, [a], params)[0]
+    turn1 = run(engine, [a], params)[0]
     assert turn1 == ref.generate([a], params)[0]
     if offload:  # other sessions take the GPU pool
-        _run(engine, [b + c], params)
-        _run(engine, [c + more], params)
+        run(engine, [b + c], params)
+        run(engine, [c + more], params)
     turn2 = a + turn1 + more[:9]
-    assert _run(engine, [turn2], params) == ref.generate([turn2], params)
+    assert run(engine, [turn2], params) == ref.generate([turn2], params)
     st = engine.stats()
     hits = st.offload_hits if offload else st.prefix_cache_hits
     assert hits > 0
 
 
 @pytest.mark.parametrize("spec", [0, 3])
-def test_index_groups_resolve_once(draftable_dirs, engine_config, monkeypatch, spec):
+def test_index_groups_resolve_once(run, draftable_dirs, engine_config, monkeypatch, spec):
     """IndexShare (tiny-glm5: layers 1 and 3 take the top-k of 0 and 2): each group's residency
     is resolved once per forward, by the layer with the indexer, and its other layers reuse it
     and fetch their own rows; output equals the all-GPU engine's (the runtime's invariants
@@ -173,7 +171,7 @@ def test_index_groups_resolve_once(draftable_dirs, engine_config, monkeypatch, s
                                            buffer=(1 + spec) * topk))
     rt = engine.runner.hisparse
     assert rt.leader == [0, 0, 2, 2, 4][: len(rt.caches)]  # the MTP layer has its own indexer
-    assert _run(engine, prompts, params) == ref.generate(prompts, params)
+    assert run(engine, prompts, params) == ref.generate(prompts, params)
     target = [layer for layer in calls if layer < 4]
     assert target and [target.count(i) for i in range(4)] == [target.count(0)] * 4
     # the residency step ran for the leaders only: layers 0 and 2 (and the MTP layer)

@@ -80,56 +80,52 @@ def _config(engine_config, model_dir, case: Case, *, hisparse: bool, eager: bool
     return replace(cfg, attention=att, hisparse=HOST)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-         ) -> tuple[list[list[int]], list[tuple[int, tuple[int, ...], tuple[bool, ...]]]]:
-    """Step by step, every invariant checked after each step → (outputs, each padded step's
-    (size, rows per request, which requests read through their hot buffer))."""
-    graphs = engine.runner.decode_graphs
-    padded: list[tuple[int, tuple[int, ...], tuple[bool, ...]]] = []
-    if graphs is not None:
-        forward = graphs.forward
+@pytest.fixture
+def run(generate_checked):
+    """run(engine, prompts, params) → (outputs, each padded step's (size, rows per request,
+    which requests read through their hot buffer)); every invariant checked after each step."""
+    def go(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
+           ) -> tuple[list[list[int]], list[tuple[int, tuple[int, ...], tuple[bool, ...]]]]:
+        graphs = engine.runner.decode_graphs
+        padded: list[tuple[int, tuple[int, ...], tuple[bool, ...]]] = []
+        if graphs is not None:
+            forward = graphs.forward
 
-        def spy(size, counts, *args):
-            hidden = forward(size, counts, *args)
-            hot = graphs.hisparse.slot_hot[: len(counts)].tolist() if graphs.hisparse else []
-            padded.append((size, tuple(counts), tuple(hot)))
-            return hidden
+            def spy(size, counts, *args):
+                hidden = forward(size, counts, *args)
+                hot = graphs.hisparse.slot_hot[: len(counts)].tolist() if graphs.hisparse else []
+                padded.append((size, tuple(counts), tuple(hot)))
+                return hidden
 
-        graphs.forward = spy
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-        engine.check_integrity()
-    engine.step()  # an empty step tells the runner which requests ended
-    engine.check_integrity()
-    rt = engine.runner.hisparse
-    if rt is not None:
-        assert not rt.entries and len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
-    return [out[str(i)] for i in range(len(prompts))], padded
+            graphs.forward = spy
+        out = generate_checked(engine, prompts, params)
+        rt = engine.runner.hisparse
+        if rt is not None:
+            assert not rt.entries and len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
+        return out, padded
+
+    return go
 
 
 @pytest.mark.parametrize("name", list(_CASES))
-def test_padded_hisparse_equals_eager_and_all_gpu(model_dirs, draftable_dirs, engine_config,
-                                                  name):
+def test_padded_hisparse_equals_eager_and_all_gpu(run, model_dirs, draftable_dirs,
+                                                  engine_config, name):
     case = _CASES[name]
     model_dir = (draftable_dirs if case.spec else model_dirs)[case.preset]
     params = SamplingParams(max_tokens=16 if case.spec else 12, temperature=0.0,
                             ignore_eos=True)
     topk = engine_config(model_dir).model.index_topk
     prompts = _prompts(case, topk)
-    all_gpu, _ = _run(LLMEngine.from_config(_config(engine_config, model_dir, case,
+    all_gpu, _ = run(LLMEngine.from_config(_config(engine_config, model_dir, case,
                                                     hisparse=False, eager=True)),
                       prompts, params)
     eager_engine = LLMEngine.from_config(_config(engine_config, model_dir, case, hisparse=True,
                                                  eager=True))
     assert eager_engine.runner.decode_graphs is None
-    eager, _ = _run(eager_engine, prompts, params)
+    eager, _ = run(eager_engine, prompts, params)
     engine = LLMEngine.from_config(_config(engine_config, model_dir, case, hisparse=True,
                                            eager=False))
-    got, steps = _run(engine, prompts, params)
+    got, steps = run(engine, prompts, params)
     assert got == eager == all_gpu
     assert all(len(o) == params.max_tokens for o in got)
     graphs, rt = engine.runner.decode_graphs, engine.runner.hisparse
