@@ -497,13 +497,17 @@ class ModelRunner:
         return replace(out, kv_recvs_done=done, kv_recvs_failed=failed, kv_sends_done=sent)
 
     def _execute_tiered(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # host-tier copies start first and overlap the forward (kv/copier.py)
         if self.copier is not None:
-            self.copier.start(so)
-            if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps
-                self.copier.wait_for_one()
+            self._start_copies(so)
             return self.copier.report(self._execute(so))
         return self._execute(so)
+
+    def _start_copies(self, so: SchedulerOutput) -> None:
+        """Host-tier copies start first and overlap the forward (kv/copier.py)."""
+        assert self.copier is not None
+        self.copier.start(so)
+        if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps
+            self.copier.wait_for_one()
 
     def submit(self, so: SchedulerOutput) -> step_results.PendingStep:
         """--async-scheduling: launch the step and return at once; its results come through
@@ -516,9 +520,7 @@ class ModelRunner:
         if self.connector is not None:
             so = self._start_receives(so)
         if self.copier is not None:
-            self.copier.start(so)
-            if so.is_empty:  # only copies in flight: wait for one rather than spin empty steps
-                self.copier.wait_for_one()
+            self._start_copies(so)
         pending = self._launch(so, non_blocking=True)
         landed = ModelRunnerOutput(sampled_token_ids={})
         if self.copier is not None:

@@ -138,6 +138,12 @@ class Driver:
         self.d.add_request(rid, prompt, SAMPLING, kv_transfer_params=params)
         self.tokens[rid] = []
 
+    def add_decoding(self, rid: str, prompt: list[int]) -> None:
+        """Add a request and step until it decoded its first token (its READs landed)."""
+        self.add(rid, prompt)
+        while not self.tokens[rid]:
+            self.step()
+
     def step(self) -> None:
         self.steps += 1
         assert self.steps < MAX_STEPS, "the engines stopped making progress"
@@ -176,9 +182,7 @@ def test_others_decode_while_a_read_is_in_flight(model_dirs, engine_config, mixe
                     decode_config=_async(config) if scheduling == "async" else None)
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        while not run.tokens["a"]:
-            run.step()
+        run.add_decoding("a", prompts[0])
         slow = SlowReads(d.runner.connector.transport, polls=4)
         run.add("b", prompts[1])
         overlapped = held = 0
@@ -217,9 +221,7 @@ def test_a_read_failing_midway_frees_everything(model_dirs, engine_config, mixed
     p, d = _engines(config, "shm", abort_timeout_s=1.0)
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        while not run.tokens["a"]:
-            run.step()
+        run.add_decoding("a", prompts[0])
         slow = SlowReads(d.runner.connector.transport, polls=3, fail=1)
         run.add("b", prompts[1])
         while "b" not in run.errors:
@@ -267,9 +269,7 @@ def test_abort_while_receiving_frees_everything_at_once(model_dirs, engine_confi
     rt = d.runner.hisparse
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        while not run.tokens["a"]:
-            run.step()
+        run.add_decoding("a", prompts[0])
         slow = SlowReads(d.runner.connector.transport, polls=4)
         run.add("b", prompts[1])
         run.step()  # b's READs posted
@@ -315,9 +315,7 @@ def test_shm_reads_in_flight_while_others_decode(model_dirs, engine_config, mixe
     held = None
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        while not run.tokens["a"]:
-            run.step()
+        run.add_decoding("a", prompts[0])
         held = HeldCopies(monkeypatch)
         run.add("b", prompts[1])
         for _ in range(4):
@@ -356,9 +354,7 @@ def test_the_same_id_again_right_after_an_abort_while_receiving(model_dirs, engi
     held = None
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        while not run.tokens["a"]:
-            run.step()
+        run.add_decoding("a", prompts[0])
         held = HeldCopies(monkeypatch)
         run.add("b", prompts[1])
         run.step()  # b's READs posted, held in flight
