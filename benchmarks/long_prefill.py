@@ -123,7 +123,8 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                           num_gpu_blocks=blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=max_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  async_scheduling=args.async_scheduling),
         attention=AttentionConfig(backend=args.attention_backend, sparse_mla_force_mqa=True),
         parallel=ParallelConfig(prefill_context_parallel_size=args.pcp),
         dtype=args.dtype, device=args.device,
@@ -144,18 +145,34 @@ def _sync(device: str) -> None:
 
 def prefill(engine: LLMEngine, ids: list[int], device: str
             ) -> tuple[int, list[tuple[int, int, float]]]:
-    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per step)."""
+    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per step).
+
+    Every step is synchronised before and after, so a step's time is its own; under
+    --async-scheduling only the first and the last are (the point is that step k + 1's host
+    work runs while step k's kernels do), so a step's time is from one return to the next and
+    the step that only reads the last chunk's token counts with that chunk."""
     engine.add_request(f"p{time.monotonic_ns()}", ids,
                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     chunk, done, token, steps = engine.config.scheduler.max_num_batched_tokens, 0, -1, []
+    pipelined = engine.async_scheduling
+    _sync(device)
+    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        _sync(device)
-        t0 = time.perf_counter()
+        if not pipelined:
+            _sync(device)
+            t0 = time.perf_counter()
         outs = engine.step()
-        _sync(device)
+        if not pipelined or not engine.has_unfinished_requests():
+            _sync(device)
+        now = time.perf_counter()
         n = min(chunk, len(ids) - done)
-        steps.append((done, n, time.perf_counter() - t0))
-        done += n
+        if n > 0:
+            steps.append((done, n, now - t0))
+        else:  # async: the step that reads the last chunk's token
+            first, last_n, s = steps[-1]
+            steps[-1] = (first, last_n, s + now - t0)
+        t0 = now
+        done += max(n, 0)
         for out in outs:
             token = out.new_token_ids[-1] if out.new_token_ids else token
     engine.check_integrity()
@@ -191,7 +208,8 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
     where = "one H200" if args.device == "cuda" else "CPU"
     lines = [
         f"{args.preset}, {args.layers} layers, {args.kv_cache_dtype} KV, {args.attention_backend} "
-        f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, {where}; "
+        f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, "
+        f"{'async scheduling' if args.async_scheduling else 'synchronised steps'}, {where}; "
         f"floor = indexer logits at {args.indexer_tflops:g} TFLOP/s + sparse MLA at "
         f"{args.mla_tflops:g} TFLOP/s (plan/costmodel.prefill_flops)", "",
         "| prompt | wall (s) | floor (s) | wall / floor | GPU busy (s) | host: wall − busy (s) "
@@ -244,6 +262,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the triton backend's indexer with IndexerConfig(logits_split=...): "
                         "'keys' is the key-window merge before row passes (one GPU only; "
                         "default: the backend as the engine builds it)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch chunk k + 1 while chunk k runs (the engine flag): "
+                        "hides the host work of a step under the previous step's kernels")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")

@@ -82,6 +82,24 @@ def test_smoke_on_cpu(bench, tmp_path):
         assert f"| {i} | {first} | 128 |" in text
 
 
+def test_smoke_async_scheduling_same_tokens(bench, tmp_path):
+    """--async-scheduling pipelines the chunks; the prompts' tokens are the synchronised run's,
+    and every chunk is still listed once."""
+    tokens = []
+    for extra in ([], ["--async-scheduling"]):
+        out = tmp_path / f"table{len(extra)}.md"
+        assert bench.main(["--smoke", "--lengths", "128,384", "--max-num-batched-tokens", "128",
+                           "--no-profile", "--out", str(out), *extra]) == 0
+        rows = [line.split("|") for line in out.read_text().splitlines()
+                if line.startswith(("| 128 |", "| 384 |"))]
+        tokens.append([r[-2].strip() for r in rows])
+        if extra:
+            assert "async scheduling" in out.read_text()
+            for i, first in enumerate((0, 128, 256)):
+                assert f"| {i} | {first} | 128 |" in out.read_text()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 2
+
+
 def test_bad_flags(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--smoke", "--max-num-batched-tokens", "0"])
