@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_owed.sh 1          # part 1: GPU tests, NIXL VRAM, copier pieces
 #   bash benchmarks/gpu_owed.sh 2          # part 2: HiSparse, P/D, decode with async scheduling
 #   bash benchmarks/gpu_owed.sh 3          # part 3: a prefill step's host time at 2, 4, 8 layers
+#   bash benchmarks/gpu_owed.sh 4          # part 4: long prefill, synchronised against async
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -43,6 +44,14 @@ if [ "$part" = 1 ]; then
     # the copier's 2 MiB pieces against whole runs, same card, same call
     run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
     run 70 offload_pieces python benchmarks/offload.py --tables decode
+elif [ "$part" = 4 ]; then
+    # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
+    # against synchronised steps, same card, same call
+    for mode in sync async; do
+        flag=$([ "$mode" = async ] && echo --async-scheduling)
+        run 200 "long_prefill_$mode" python benchmarks/long_prefill.py --lengths 4K,32K,128K,1M \
+            --no-profile $flag --out "$out/long_prefill_$mode.md"
+    done
 elif [ "$part" = 3 ]; then
     # is a prefill step's host time per layer or per step? (2, 4, 8 layers; the simulator's
     # host term scales it with layers today)
