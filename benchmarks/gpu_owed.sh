@@ -35,10 +35,12 @@ if [ "$part" = 1 ]; then
         tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_nixl_gpu.py \
         tests/gpu/test_cudagraph_gpu.py tests/gpu/test_pd_hisparse_spill_gpu.py \
         tests/gpu/test_nixl_cancel_gpu.py tests/gpu/test_hisparse_graph_gpu.py
-    # NIXL GPU -> GPU between two processes: which UCX protocol, and whether cuda_ipc changes it
+    # NIXL GPU -> GPU between two processes: which UCX protocol; the transport's cuda_ipc GETs
+    # (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, disagg/transport.py) against UCX's "auto" (off on one
+    # GPU or without NVLink), same card, same call
     run 50 nixl_vram env UCX_PROTO_INFO=y python benchmarks/pd_transfer.py --backends nixl \
         --memory vram --tokens 32768 --repeat 2 --tables transport
-    run 50 nixl_vram_ipc env UCX_TLS=cuda_ipc,cuda_copy,sm,self python \
+    run 50 nixl_vram_auto env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=auto python \
         benchmarks/pd_transfer.py --backends nixl --memory vram --tokens 32768 --repeat 2 \
         --tables transport
     # the copier's 2 MiB pieces against whole runs, same card, same call

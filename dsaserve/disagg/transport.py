@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -521,10 +521,26 @@ def _import_nixl():
     return None
 
 
+# UCX settings the transport applies unless the user set them (read when the backend is made).
+# A consumer pulls (READ = a UCX GET). UCX's cuda_ipc serves GETs only where it detects NVLink
+# ("auto"); elsewhere (GPUs on PCIe, or both engines on one GPU) a GET of GPU memory falls back
+# to a staged TCP path, measured at 0.2–0.75 GB/s against PUTs at the copy engines' rate
+# (docs/disagg.md). A GET over cuda_ipc is a device copy from the mapped peer allocation, the
+# same copy a PUT makes, so it is turned on.
+UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
+
+def apply_ucx_defaults(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set each of UCX_DEFAULTS the environment lacks → the ones set (a user's value wins)."""
+    applied = {k: v for k, v in UCX_DEFAULTS.items() if k not in environ}
+    environ.update(applied)
+    return applied
+
+
 class NixlTransport(KVTransport):
     """NIXL agent with the UCX backend on host (DRAM) or GPU (VRAM) memory. UCX's peer error
     handling is off ("none"), which shared-memory transports need; a dead peer then surfaces as
-    a timeout."""
+    a timeout. UCX_DEFAULTS are applied to the environment first."""
 
     backend = "nixl"
 
@@ -543,6 +559,7 @@ class NixlTransport(KVTransport):
             progress_thread = torch.cuda.is_available()
         config = api.nixl_agent_config(enable_prog_thread=progress_thread,
                                        enable_listen_thread=False, backends=[])
+        apply_ucx_defaults()
         self._agent = api.nixl_agent(name, config)
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": "none"})
         self._reg: list[object] = []

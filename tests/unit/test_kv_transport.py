@@ -110,3 +110,13 @@ def test_bad_requests_are_clear_errors() -> None:
 def test_auto_picks_nixl_when_importable() -> None:
     with make_transport("auto", "auto-agent") as t:
         assert t.backend == ("nixl" if transport.nixl_available() else "shm")
+
+
+def test_ucx_defaults_leave_the_users_settings() -> None:
+    """The transport turns cuda_ipc GETs on (a consumer READs) unless the user chose."""
+    env: dict[str, str] = {}
+    assert transport.apply_ucx_defaults(env) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
+    assert transport.apply_ucx_defaults(env) == {}
+    assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
