@@ -28,6 +28,7 @@ from __future__ import annotations
 import abc
 import base64
 import json
+import logging
 import mmap
 import os
 import socket
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 
 from dsaserve.disagg.shmcopy import CopyState, CopyThread
+
+logger = logging.getLogger(__name__)
 
 Segments = Sequence[tuple[int, int, int]]  # (local offset, remote offset, nbytes)
 
@@ -543,6 +546,7 @@ class NixlTransport(KVTransport):
     a timeout. UCX_DEFAULTS are applied to the environment first."""
 
     backend = "nixl"
+    CANCEL_WAIT_S = 10.0  # `cancel` waits this long at most for a transfer to end
 
     def __init__(self, name: str, progress_thread: bool | None = None) -> None:
         api = _import_nixl()
@@ -650,11 +654,28 @@ class NixlTransport(KVTransport):
         return True
 
     def cancel(self, xfer: Transfer) -> None:
+        """Returns once the transfer is over (DONE or ERR), then releases its handle. Releasing
+        alone does not stop it: on the H100 a 1 GiB VRAM READ over cuda_ipc, its handle
+        released while in flight, still landed afterwards (tests/gpu/test_nixl_cancel_gpu.py),
+        since the device copies UCX queued cannot be recalled. At the rates measured (hundreds
+        of GB/s) the wait is milliseconds; past CANCEL_WAIT_S (a stuck peer) the handle is
+        released anyway and a warning says that bytes may still land."""
         if xfer.done:
             return
         xfer.done = True
         self._in_flight.discard(xfer)
-        try:  # NIXL aborts a transfer still in progress when its handle is released
+        deadline = time.monotonic() + self.CANCEL_WAIT_S
+        try:
+            while self._agent.check_xfer_state(xfer.handle) == "PROC":
+                if time.monotonic() > deadline:
+                    logger.warning("%s: a cancelled transfer with %r is still in progress after "
+                                   "%.0f s; its handle is released, bytes may still land",
+                                   self.name, xfer.peer, self.CANCEL_WAIT_S)
+                    break
+                time.sleep(0.0005)
+        except Exception:  # the state is unknown (failed transfer, agent gone): release it
+            pass
+        try:
             self._agent.release_xfer_handle(xfer.handle)
         except Exception:  # best effort: the transfer may have failed already
             pass

@@ -81,7 +81,9 @@ def test_hisparse_graphs_equal_eager(generate_checked, model_dirs, draftable_dir
     got = generate_checked(engine, prompts, params)
     assert got == eager == all_gpu
     assert graphs.capture, "a capture failed: the steps ran eager"
-    assert graphs.num_replays > 0 and graphs.num_replays < graphs.num_steps  # captured, replayed
+    # every decode-only step ran through the static buffers and replayed its graph (captured at
+    # its size's first step)
+    assert graphs.num_steps > 0 and graphs.num_replays == graphs.num_steps
     if spec:
         assert graphs.num_draft_replays > 0
     rt = engine.runner.hisparse

@@ -125,3 +125,32 @@ def test_auto_mla_pages_from_the_cuda_budget(model_dirs, engine_config, monkeypa
     out, most_blocks = _run(engine, {str(i): p for i, p in enumerate(prompts)})
     assert [out[str(i)] for i in range(len(prompts))] == want
     assert engine.scheduler.mla.num_spills > 0 and most_blocks > sizing.num_mla_pages
+
+
+def _reference_mirror(layers, host_idx, gpu_idx):
+    """fetch.mirror_rows without its kernel: the rows through the host (synchronous)."""
+    for host, gpu in layers:
+        host.index_copy_(0, host_idx.cpu(), gpu.index_select(0, gpu_idx).cpu())
+
+
+@pytest.mark.parametrize("swap", ["residency", "fetch", "all"])
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-dsv32", "fp8_ds_mla"), ("tiny-glm5", "auto")])
+def test_spilled_pages_with_reference_kernels(model_dirs, engine_config, monkeypatch, preset, kv,
+                                              swap):
+    """The spilling run with HiSparse's CUDA kernels swapped for their PyTorch references
+    (the residency step; the fetch and the mirror; all of them): which kernel, if any, makes
+    the spilling engine's tokens differ from the all-GPU engine's."""
+    from dsaserve.kv.hisparse import fetch, residency, runtime
+
+    if swap in ("residency", "all"):
+        monkeypatch.setattr(runtime, "resolve_step", lambda *a: residency.resolve(*a))
+    if swap in ("fetch", "all"):
+        monkeypatch.setattr(runtime, "fetch_rows", fetch.fetch_rows_reference)
+        monkeypatch.setattr(runtime, "mirror_rows", _reference_mirror)
+    cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
+    prompts = _prompts()
+    want = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
+    out, _ = _run(LLMEngine.from_config(spilling), {str(i): p for i, p in enumerate(prompts)})
+    got = [out[str(i)] for i in range(len(prompts))]
+    print(f"{preset} {kv}, reference {swap}: equal to all-GPU: {got == want}")
+    assert got == want

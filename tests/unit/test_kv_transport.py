@@ -120,3 +120,36 @@ def test_ucx_defaults_leave_the_users_settings() -> None:
     env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
     assert transport.apply_ucx_defaults(env) == {}
     assert env == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "auto"}
+
+
+class _StateAgent:
+    """A NIXL agent whose transfer reports `states` in turn (then the last one forever)."""
+
+    def __init__(self, states: list[str]) -> None:
+        self.states, self.calls = list(states), []
+
+    def check_xfer_state(self, handle: object) -> str:
+        self.calls.append("check")
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def release_xfer_handle(self, handle: object) -> None:
+        self.calls.append("release")
+
+
+@pytest.mark.skipif(not transport.nixl_available(), reason=NO_NIXL)
+def test_nixl_cancel_waits_for_the_transfer_to_end(monkeypatch, caplog) -> None:
+    """Releasing a handle does not stop device copies already queued (measured on the GPU):
+    cancel returns once the transfer is DONE or ERR, then releases it; a transfer stuck past
+    CANCEL_WAIT_S is released with a warning."""
+    with transport.NixlTransport("cancel-wait") as t:
+        real = t._agent
+        try:
+            t._agent = agent = _StateAgent(["PROC", "PROC", "DONE"])
+            t.cancel(transport.Transfer("peer", b"", handle=object()))
+            assert agent.calls == ["check"] * 3 + ["release"]
+            t._agent = agent = _StateAgent(["PROC"])
+            monkeypatch.setattr(transport.NixlTransport, "CANCEL_WAIT_S", 0.01)
+            t.cancel(transport.Transfer("peer", b"", handle=object()))
+            assert agent.calls[-1] == "release" and "bytes may still land" in caplog.text
+        finally:
+            t._agent = real
