@@ -7,6 +7,8 @@
 #   bash benchmarks/gpu_owed.sh 2          # part 2: HiSparse, P/D, decode with async scheduling
 #   bash benchmarks/gpu_owed.sh 3          # part 3: a prefill step's host time at 2, 4, 8 layers
 #   bash benchmarks/gpu_owed.sh 4          # part 4: long prefill, synchronised against async
+#   bash benchmarks/gpu_owed.sh 5          # part 5: part 1's failures again (fixed or isolated),
+#                                          #   then part 2's HiSparse, P/D and async decode rows
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -46,6 +48,16 @@ if [ "$part" = 1 ]; then
     # the copier's 2 MiB pieces against whole runs, same card, same call
     run 70 offload_whole python benchmarks/offload.py --tables decode --copy-piece-mib 0
     run 70 offload_pieces python benchmarks/offload.py --tables decode
+elif [ "$part" = 5 ]; then
+    run 200 retests python -m pytest -q -m gpu -rf --tb=short -s -k "not later_turn" \
+        tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_hisparse_graph_gpu.py \
+        tests/gpu/test_nixl_cancel_gpu.py tests/gpu/test_hisparse_residency_gpu.py \
+        tests/gpu/test_hisparse_fetch_gpu.py
+    grep "equal to all-GPU\|READ in flight" "$out/retests.log"
+    run 60 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
+    run 150 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,64 \
+        --steps 10 --out "$out/decode.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
