@@ -55,6 +55,8 @@ from dsaserve.core import SamplingParams
 from dsaserve.disagg import offline
 from dsaserve.disagg.transport import nixl_available
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.runner import resolve_dtype
+from dsaserve.kernels import formats
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 
@@ -130,8 +132,10 @@ def configs(args: argparse.Namespace, model_dir: Path, device: torch.device, tra
         # pool admits a request only with room for a whole max_model_len window of its MLA rows
         # (fp8_ds_mla's 656 bytes or L + R wide, every layer and the MTP layer's): one window
         # per request that may run at once.
-        row = 656 if args.kv_cache_dtype == "fp8_ds_mla" else 576 * torch.finfo(
-            getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32).bits // 8
+        width = model.kv_lora_rank + model.qk_rope_head_dim
+        row = (formats.mla_row_bytes(model.kv_lora_rank, model.qk_rope_head_dim)
+               if args.kv_cache_dtype == "fp8_ds_mla"
+               else width * resolve_dtype(args.dtype, model).itemsize)
         layers = model.num_hidden_layers + model.num_nextn_predict_layers
         att = dataclasses.replace(consumer.attention, hisparse_device_mla_pages=num_blocks,
                                   hisparse_config_given=True)
