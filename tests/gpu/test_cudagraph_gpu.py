@@ -43,7 +43,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_graph_pool_replays_like_eager():
-    w = torch.randn(64, 64, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(64, 64, device="cuda", generator=g)
     pool = cudagraph.GraphPool(lambda x, idx: (x @ w).relu()[idx].sum(-1))
     sizes = (1, 2, 4, 8)
     for size in reversed(sizes):
@@ -51,8 +52,8 @@ def test_graph_pool_replays_like_eager():
                             "idx": torch.zeros(size, dtype=torch.int64, device="cuda")})
     for n in (1, 3, 5, 8):
         size = cudagraph.padded_size(n, sizes)
-        x = torch.randn(n, 64, device="cuda")
-        idx = torch.randperm(n, device="cuda")
+        x = torch.randn(n, 64, device="cuda", generator=g)
+        idx = torch.randperm(n, device="cuda", generator=g)
         got = pool.replay(size, {"x": cudagraph.pad_to(x, size, 0.0),
                                  "idx": cudagraph.pad_to(idx, size, 0)})[:n]
         torch.testing.assert_close(got, (x @ w).relu()[idx].sum(-1))

@@ -20,12 +20,13 @@ class _Owner:
 @pytest.mark.parametrize("row_shape,dtype", [((656,), torch.uint8), ((576,), torch.bfloat16)])
 def test_zero_copy_fetch_matches_the_reference(g, row_shape, dtype) -> None:
     owner = _Owner()
+    cpu = torch.Generator().manual_seed(0)  # the host rows' (g draws on the GPU)
     if dtype == torch.uint8:
-        host = torch.randint(0, 256, (4096, *row_shape), dtype=dtype)
-        gpu = torch.randint(0, 256, (2048, *row_shape), dtype=dtype, device="cuda")
+        host = torch.randint(0, 256, (4096, *row_shape), dtype=dtype, generator=cpu)
+        gpu = torch.randint(0, 256, (2048, *row_shape), dtype=dtype, device="cuda", generator=g)
     else:
-        host = torch.randn(4096, *row_shape).to(dtype)
-        gpu = torch.randn(2048, *row_shape, device="cuda").to(dtype)
+        host = torch.randn(4096, *row_shape, generator=cpu).to(dtype)
+        gpu = torch.randn(2048, *row_shape, device="cuda", generator=g).to(dtype)
     pin_host_memory(owner, host.view(torch.uint8).view(-1), "--test")
     n = 20000
     dst_idx = torch.randperm(8192, device="cuda", generator=g)[: n // 4].repeat(4)
@@ -53,8 +54,8 @@ def test_zero_copy_mirror_matches_index_copy(g, row_shape, dtype) -> None:
     pools = [torch.zeros(4096, *row_shape, dtype=dtype) for _ in range(2)]
     for pool in pools:
         pin_host_memory(owner, pool.view(torch.uint8).view(-1), "--test")
-    gpus = [torch.randint(0, 256, (2048, *row_shape), dtype=torch.uint8, device="cuda")
-            .view(dtype) for _ in range(2)]
+    gpus = [torch.randint(0, 256, (2048, *row_shape), dtype=torch.uint8, device="cuda",
+                          generator=g).view(dtype) for _ in range(2)]
     n = 3000
     host_idx = torch.randperm(4096, device="cuda", generator=g)[:n]  # distinct destinations
     gpu_idx = torch.randint(0, 2048, (n,), device="cuda", generator=g)

@@ -21,9 +21,15 @@ NBYTES = 1 << 30  # large enough to be in flight for a while on the links measur
 SENTINEL = 0x5A
 
 
+def _random_bytes() -> torch.Tensor:
+    """[NBYTES] uint8 on the GPU, the same every run."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device="cuda", generator=g)
+
+
 def test_nothing_lands_after_a_vram_read_is_cancelled() -> None:
     with NixlTransport("cancel-src") as src, NixlTransport("cancel-dst") as dst:
-        src.register("kv", torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device="cuda"))
+        src.register("kv", _random_bytes())
         b = dst.register("kv", torch.zeros(NBYTES, dtype=torch.uint8, device="cuda"))
         peer = dst.add_peer(src.metadata())
         xfer = dst.read(peer, "kv", "kv")
@@ -42,8 +48,7 @@ def test_closing_with_a_vram_read_in_flight() -> None:
     src = NixlTransport("close-src")
     dst = NixlTransport("close-dst")
     try:
-        a = src.register("kv", torch.randint(0, 256, (NBYTES,), dtype=torch.uint8,
-                                             device="cuda"))
+        a = src.register("kv", _random_bytes())
         dst.register("kv", torch.zeros(NBYTES, dtype=torch.uint8, device="cuda"))
         peer = dst.add_peer(src.metadata())
         dst.read(peer, "kv", "kv")

@@ -17,11 +17,16 @@ pytestmark = [pytest.mark.gpu,
 NBYTES = 64 << 20
 
 
+def _random_bytes() -> torch.Tensor:
+    """[NBYTES] uint8 on the GPU, the same every run."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device="cuda", generator=g)
+
+
 def _read(progress_thread: bool | None, timeout_s: float) -> bool:
     with NixlTransport("vram-src", progress_thread) as src, \
             NixlTransport("vram-dst", progress_thread) as dst:
-        a = src.register("kv", torch.randint(0, 256, (NBYTES,), dtype=torch.uint8,
-                                             device="cuda"))
+        a = src.register("kv", _random_bytes())
         b = dst.register("kv", torch.zeros(NBYTES, dtype=torch.uint8, device="cuda"))
         peer = dst.add_peer(src.metadata())
         try:
@@ -47,8 +52,7 @@ def test_vram_read_lands_by_polling() -> None:
     import time
 
     with NixlTransport("poll-src") as src, NixlTransport("poll-dst") as dst:
-        a = src.register("kv", torch.randint(0, 256, (NBYTES,), dtype=torch.uint8,
-                                             device="cuda"))
+        a = src.register("kv", _random_bytes())
         b = dst.register("kv", torch.zeros(NBYTES, dtype=torch.uint8, device="cuda"))
         peer = dst.add_peer(src.metadata())
         xfer = dst.read(peer, "kv", "kv")

@@ -28,7 +28,7 @@ BUDGET = {"prefill": (90, 13.0), "decode": (88, 12.0)}
 
 def test_counter_sees_ops_layers_and_sites():
     layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
-    x = torch.randn(2, 4)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
     with OpCounter(layers) as ops:
         y = x * 2  # outside: one op
         for layer in layers:
@@ -47,7 +47,7 @@ def test_stubbed_launches_are_counted_not_run(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     from dsaserve.kernels.triton import norm
 
-    x, w = torch.randn(3, 8), torch.ones(8)
+    x, w = torch.randn(3, 8, generator=torch.Generator().manual_seed(0)), torch.ones(8)
     with gpu_branches(), OpCounter(stub_launches=True) as ops:
         out = norm.rms_norm(x, w, 1e-5)  # torch.empty, then the (stubbed) launch
     assert ops.total()[1] == 1

@@ -66,7 +66,7 @@ def test_read_write_and_notifications(backend: str) -> None:
 def test_nixl_registers_existing_tensors() -> None:
     """A cache tensor the runner already has (any dtype and shape) is registered in place and
     read by a peer; shared memory refuses, it moves only what it allocated."""
-    cache = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    cache = torch.randn(3, 4, 8, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     with make_transport("nixl", "reg-p") as prod, make_transport("nixl", "reg-d") as cons:
         flat = prod.register("L0.kv", cache)
         assert flat.data_ptr() == cache.data_ptr() and flat.numel() == cache.numel() * 2

@@ -205,7 +205,7 @@ def test_fp8_index_page_is_handled_exactly() -> None:
     b = 4
     cache = LayerCache(kv=torch.zeros(2, b, 656, dtype=torch.uint8),
                        index=torch.zeros(2, b * (D + 4), dtype=torch.uint8))
-    k = torch.randn(2 * b, D)
+    k = torch.randn(2 * b, D, generator=torch.Generator().manual_seed(0))
     formats.write_index_cache(cache.index, torch.arange(2 * b), k)
     buf = kvio.gather_rows([cache], torch.tensor([6]))
     values, scale = formats.read_index_cache(cache.index, torch.tensor([6]), D)
