@@ -4,6 +4,8 @@
     python benchmarks/long_prefill.py --lengths 128K,1M --max-num-batched-tokens 32768
     python benchmarks/long_prefill.py --smoke                   # CPU, tiny model (CI)
     python benchmarks/long_prefill.py --smoke --pcp 2           # the same under PCP2 (gloo)
+    python benchmarks/long_prefill.py --lengths 4K,128K --async-scheduling  # chunk k + 1's host
+                                                                # work under chunk k's kernels
 
 A GLM-5.3-shaped checkpoint (real attention and indexer dimensions: 64 heads, 576/512 latent,
 32 × 128 indexer, top-2048; 2 layers, 8 experts) prefills one prompt per length through
@@ -22,6 +24,9 @@ Per length it prints:
 
 For the longest prompt a per-chunk table follows: each chunk's time against its own floor at
 its position. Work that grows with the cached context shows as a ratio rising with position.
+With --async-scheduling the steps are not synchronised one by one (that would undo the
+overlap): a chunk's row is the engine step that launched it and read the chunk before (the
+last row also the step that read it), and the wall is their sum.
 
 On a CPU (the reference backend) the "kernels" are the profiler's CPU operators, classified by
 the same rules; under PCP the ranks are worker processes the profiler does not see, so only
@@ -123,7 +128,8 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                           num_gpu_blocks=blocks, enable_prefix_caching=False),
         scheduler=SchedulerConfig(max_num_seqs=1, max_model_len=max_len,
-                                  max_num_batched_tokens=args.max_num_batched_tokens),
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  async_scheduling=args.async_scheduling),
         attention=AttentionConfig(backend=args.attention_backend, sparse_mla_force_mqa=True),
         parallel=ParallelConfig(prefill_context_parallel_size=args.pcp),
         dtype=args.dtype, device=args.device,
@@ -144,17 +150,27 @@ def _sync(device: str) -> None:
 
 def prefill(engine: LLMEngine, ids: list[int], device: str
             ) -> tuple[int, list[tuple[int, int, float]]]:
-    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per step)."""
+    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per step).
+    Async scheduling: no step is synchronised on its own, and the step after the last chunk
+    (which only reads it) counts with the last chunk."""
     engine.add_request(f"p{time.monotonic_ns()}", ids,
                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     chunk, done, token, steps = engine.config.scheduler.max_num_batched_tokens, 0, -1, []
+    each = not engine.async_scheduling
+    _sync(device)
     while engine.has_unfinished_requests():
-        _sync(device)
+        if each:
+            _sync(device)
         t0 = time.perf_counter()
         outs = engine.step()
-        _sync(device)
+        if each or not engine.has_unfinished_requests():
+            _sync(device)
         n = min(chunk, len(ids) - done)
-        steps.append((done, n, time.perf_counter() - t0))
+        if n:
+            steps.append((done, n, time.perf_counter() - t0))
+        else:
+            first, last_n, s = steps[-1]
+            steps[-1] = (first, last_n, s + time.perf_counter() - t0)
         done += n
         for out in outs:
             token = out.new_token_ids[-1] if out.new_token_ids else token
@@ -191,7 +207,8 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
     where = "one H200" if args.device == "cuda" else "CPU"
     lines = [
         f"{args.preset}, {args.layers} layers, {args.kv_cache_dtype} KV, {args.attention_backend} "
-        f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, {where}; "
+        f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, {where}; "
         f"floor = indexer logits at {args.indexer_tflops:g} TFLOP/s + sparse MLA at "
         f"{args.mla_tflops:g} TFLOP/s (plan/costmodel.prefill_flops)", "",
         "| prompt | wall (s) | floor (s) | wall / floor | GPU busy (s) | host: wall − busy (s) "
@@ -238,6 +255,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--prefill-context-parallel-size", "--pcp", dest="pcp", type=int, default=1)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling: chunk k + 1 scheduled and launched "
+                        "while chunk k runs")
     p.add_argument("--indexer-tflops", type=float, default=INDEXER_TFLOPS)
     p.add_argument("--mla-tflops", type=float, default=MLA_TFLOPS)
     p.add_argument("--logits-split", choices=("rows", "keys"), default=None,
