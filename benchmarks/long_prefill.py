@@ -4,6 +4,8 @@
     python benchmarks/long_prefill.py --lengths 128K,1M --max-num-batched-tokens 32768
     python benchmarks/long_prefill.py --smoke                   # CPU, tiny model (CI)
     python benchmarks/long_prefill.py --smoke --pcp 2           # the same under PCP2 (gloo)
+    python benchmarks/long_prefill.py --lengths 4K,128K --async-scheduling  # chunk k + 1's host
+                                                                # work under chunk k's kernels
 
 A GLM-5.3-shaped checkpoint (real attention and indexer dimensions: 64 heads, 576/512 latent,
 32 × 128 indexer, top-2048; 2 layers, 8 experts) prefills one prompt per length through
@@ -22,6 +24,9 @@ Per length it prints:
 
 For the longest prompt a per-chunk table follows: each chunk's time against its own floor at
 its position. Work that grows with the cached context shows as a ratio rising with position.
+With --async-scheduling the steps are not synchronised one by one (that would undo the
+overlap): a chunk's row is the engine step that launched it and read the chunk before (the
+last row also the step that read it), and the wall is their sum.
 
 On a CPU (the reference backend) the "kernels" are the profiler's CPU operators, classified by
 the same rules; under PCP the ranks are worker processes the profiler does not see, so only
@@ -256,15 +261,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--prefill-context-parallel-size", "--pcp", dest="pcp", type=int, default=1)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the engine's --async-scheduling: chunk k + 1 scheduled and launched "
+                        "while chunk k runs")
     p.add_argument("--indexer-tflops", type=float, default=INDEXER_TFLOPS)
     p.add_argument("--mla-tflops", type=float, default=MLA_TFLOPS)
     p.add_argument("--logits-split", choices=("rows", "keys"), default=None,
                    help="the triton backend's indexer with IndexerConfig(logits_split=...): "
                         "'keys' is the key-window merge before row passes (one GPU only; "
                         "default: the backend as the engine builds it)")
-    p.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch chunk k + 1 while chunk k runs (the engine flag): "
-                        "hides the host work of a step under the previous step's kernels")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")

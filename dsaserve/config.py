@@ -682,32 +682,11 @@ class EngineConfig:
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
         self._validate_hisparse()
-        self._validate_async_scheduling()
         if self.speculative is not None and not self.model.has_mtp:
             raise ConfigError(
                 "--speculative-config: method 'mtp' needs a model with an MTP layer "
                 "(num_nextn_predict_layers is 0 in its config.json)"
             )
-
-    def _validate_async_scheduling(self) -> None:
-        """--async-scheduling is built for plain decode and MTP drafts, on one rank or several
-        (TP, DCP, EP) and DP replicas, with HiSparse and the host KV tier, as a P/D consumer:
-        refuse what it does not cover yet, naming both flags."""
-        if not self.scheduler.async_scheduling:
-            return
-        p = self.parallel
-        refused = [
-            # a PCP rank computes only its share of a step's rows: the rows that continue from
-            # the last step's samples would have to be found among them (not built)
-            (p.prefill_context_parallel_size > 1, "--prefill-context-parallel-size > 1"),
-            # a producer holds finished prompts' blocks for their readers (not built here)
-            (self.disagg is not None and self.disagg.kv_role != "kv_consumer",
-             "--kv-transfer-config NixlConnector with kv_role other than kv_consumer"),
-        ]
-        for bad, flag in refused:
-            if bad:
-                raise ConfigError(f"--async-scheduling: not supported with {flag} yet; "
-                                  "drop one of the two flags (docs/decode.md)")
 
     @property
     def num_speculative_tokens(self) -> int:

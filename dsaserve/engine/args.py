@@ -150,8 +150,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="never use CUDA graphs (always on the CPU)")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next step while the device runs this one; tokens reach "
-                        "the host one step later (not with PCP or on a P/D producer; "
-                        "docs/decode.md)")
+                        "the host one step later (docs/decode.md)")
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
 

@@ -37,6 +37,7 @@ from collections import deque
 
 from dsaserve.core import (
     PLACEHOLDER_TOKEN_ID,
+    KVTransferParams,
     ModelRunnerOutput,
     Request,
     RequestOutput,
@@ -81,6 +82,25 @@ class AsyncScheduler(Scheduler):
             step.append((req, span))
         self._in_flight.append(step)
         return so
+
+    def _pop_victim(self, req: Request) -> Request | None:
+        """The newest running request, but not a P/D producer's request with a token in
+        flight: once that token is read its blocks may be held for its consumers (sync
+        scheduling would have decided before this step), so it keeps them; if `req` is such a
+        one and nothing newer may go, it waits for a later step (None)."""
+        for i in reversed(range(len(self.running))):
+            victim = self.running[i]
+            if not self._may_hold(victim):
+                del self.running[i]
+                return victim
+            if victim is req:
+                return None
+        raise AssertionError(f"{req.request_id!r} is not running")
+
+    def _may_hold(self, req: Request) -> bool:
+        """A P/D producer's request whose step in flight may end it (its blocks then held)."""
+        return (req.num_output_placeholders > 0 and self.connector is not None
+                and self.connector.should_hold(req))
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestOutput]:
@@ -129,6 +149,7 @@ class AsyncScheduler(Scheduler):
             self._check_stop(req)
             if req.is_finished:
                 break
+        params = None
         if req.is_finished:
             del outs[at + len(emitted) :]
             req.num_output_placeholders = 0
@@ -136,13 +157,27 @@ class AsyncScheduler(Scheduler):
             # as if the later steps never ran: the last token's KV is not computed
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             (self.running if was_running else self.waiting).remove(req)
-            self._release(req)
+            if self.connector is not None and self.connector.should_hold(req):
+                params = self._hold_finished(req, was_running)
+            else:
+                self._release(req)
         elif was_running:
             req.num_computed_tokens -= span - len(emitted)  # the rejected drafts' rows
             if not req.num_output_placeholders:  # no later step continues from its drafts
                 req.spec_token_ids = list(runner_output.draft_token_ids.get(req.request_id, ()))
             self._rollback_blocks(req)
-        return self._make_output(req, tuple(emitted))
+        return self._make_output(req, tuple(emitted), params)
+
+    def _hold_finished(self, req: Request, was_running: bool) -> KVTransferParams:
+        """P/D producer: the prompt's last step was read, so its KV is written; its blocks
+        are held for the consumers as sync scheduling holds them (the blocks past its tokens
+        given back, its full computed blocks findable), whatever step is in flight. A step
+        launched after it only writes positions past the prompt (a stop token's KV), which no
+        consumer reads."""
+        assert was_running, "a producer's request with a token in flight is never preempted"
+        self._rollback_blocks(req)
+        self.kv.cache_full_blocks(req)
+        return self._hold(req)
 
     def check_integrity(self) -> None:
         """The base invariants, and: placeholders only at the end of a request's outputs, at

@@ -206,9 +206,11 @@ class LLMEngine:
         """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
         the device from step k's samples)."""
         scheduler_output = self.scheduler.schedule()
-        # P/D READs and host-tier copies in flight are polled by every step, empty ones too
-        offload = self.scheduler.offload
-        poll = bool(self.scheduler.receiving) or (offload is not None and offload.busy)
+        # P/D READs, held blocks' read notifications and host-tier copies in flight are
+        # polled by every step, empty ones too
+        offload, connector = self.scheduler.offload, self.connector
+        poll = (bool(self.scheduler.receiving) or (offload is not None and offload.busy)
+                or (connector is not None and connector.num_held > 0))
         self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output,
                                                                        poll=poll)))
 

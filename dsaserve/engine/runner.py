@@ -7,6 +7,7 @@ import array
 import dataclasses
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -121,6 +122,11 @@ class _Batch:
     num_drafts: list[int]  # [R] drafts each request verifies this step
     samples: list[bool]  # [R] whether the step reaches the request's last known token
     continues: bool = False  # async: some rows are the last step's outputs, on the device
+    # async: [N] the continuing rows' inputs taken on the device, in the global order (other
+    # rows: their host values, or anything under PCP, where input_ids holds only local rows)
+    device_ids: torch.Tensor | None = None
+    # async with drafts: [R] how far each request's rows moved back on the device (≤ 0)
+    moved: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -622,8 +628,10 @@ class ModelRunner:
                 torch.tensor(rows).flatten(),
                 torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
                 torch.tensor([batch.num_drafts[r] for r in verify])], dev)  # [M]
-            if batch.continues:  # async: drafts proposed on the device are this step's inputs
-                draft_ids = batch.input_ids[rows_d].view(len(verify), k + 1)[:, 1:]
+            if batch.device_ids is not None:  # async: drafts proposed on the device (their
+                # host values are placeholders) are this step's inputs
+                on_device = batch.device_ids[rows_d].view(len(verify), k + 1)[:, 1:]
+                draft_ids = torch.where(draft_ids == PLACEHOLDER_TOKEN_ID, on_device, draft_ids)
             logits = self.model.compute_logits(hidden[rows_d])
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
             states = [self.requests[req_ids[r]] for r in verify]
@@ -662,19 +670,20 @@ class ModelRunner:
         dev = self.device
         plus = torch.cat((torch.zeros(len(samples.plain), dtype=torch.int64, device=dev),
                           samples.accepted))  # [D]
-        first = [qsl[r] for r in drafting]  # each drafting request's first row
         starts = [batch.starts[r] for r in drafting]
-        next_d, rows_d, pos_d, first_d, start_d = staging.upload_lists(
-            [next_ids, base_rows, base_pos, first, starts], dev)
+        next_d, rows_d, pos_d, drafting_d, start_d = staging.upload_lists(
+            [next_ids, base_rows, base_pos, drafting, starts], dev)
         rows_d, pos_d = rows_d + plus, pos_d + plus
         # HiSparse: the draft steps trust the host pool only below the first position the
         # step's rows wrote (engine/runner.py _draft_metadata)
         self._drafts_written_from = start_d
-        if batch.continues:  # async (no PCP: rows are global): the device's rows, positions
-            following = batch.input_ids.roll(-1)  # [N] the next row's input
+        if batch.device_ids is not None:  # async: the inputs taken on the device
+            following = batch.device_ids.roll(-1)  # [N] the next row's input
             next_d = torch.where(next_d == PLACEHOLDER_TOKEN_ID, following, next_d)
-            pos_d = batch.meta.positions[rows_d]
-            self._drafts_written_from = batch.meta.positions[first_d]
+        if batch.moved is not None:  # async with drafts: rows moved back on the device
+            moved = batch.moved[drafting_d]  # [D]
+            pos_d = pos_d + moved
+            self._drafts_written_from = start_d + moved
         return DraftInputs(
             next_token_ids=next_d,
             rows=rows_d,
@@ -852,59 +861,82 @@ class ModelRunner:
             step_tokens.append(seq)
             samples.append(continues or start + n - len(drafts) == len(st.token_ids))
             num_drafts.append(len(drafts))
-        input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens)
-        if continuing:
-            meta = self._continue_on_device(input_ids, meta, qsl, req_ids, continuing)
-        return _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples,
-                      bool(continuing))
+        # async under PCP: continuing rows are replicated, so every rank holds them (its own
+        # copy of the last step's samples) and their local rows are their global rows' order
+        input_ids, meta, qsl = self._metadata(req_ids, starts, counts, tokens,
+                                              replicate=set(continuing))
+        batch = _Batch(input_ids, meta, qsl, starts, step_tokens, num_drafts, samples)
+        return self._continue_on_device(batch, req_ids, continuing) if continuing else batch
 
-    def _continue_on_device(self, input_ids: torch.Tensor, meta: AttentionMetadata,
-                            qsl: list[int], req_ids: list[str], continuing: list[int]
-                            ) -> AttentionMetadata:
+    def _continue_on_device(self, batch: _Batch, req_ids: list[str],
+                            continuing: list[int]) -> _Batch:
         """--async-scheduling: the rows of the requests at `continuing` (batch indices) take the
         last step's emitted token and drafts on the device (input_ids is written in place), and
         with MTP move back by the drafts that step rejected: the host placed them as if all were
         accepted. Each rank takes its own samples: every rank sampled the same tokens from the
-        same logits and per-request generators, and without PCP its rows are the global rows.
+        same logits and per-request generators. Under PCP the continuing requests are
+        replicated: their rows are on every rank, at the local offsets of the rank's rows
+        (`meta.query_start_loc`), and their write slots in the global order are moved too.
         The positions and write slots are then the device's; seq_lens stay the host's bound,
         keys past a row's position masked by its causal limit, as for the draft steps. → the
-        metadata to run with."""
+        batch to run."""
         last = self._last
         missing = [req_ids[r] for r in continuing if req_ids[r] not in last.index]
         if missing:
             raise RuntimeError(f"async scheduling: request {missing[0]!r} continues from a "
                                "step that did not sample it")
         width = 1 if last.drafts is None else 1 + last.drafts.shape[1]
-        rows: list[int] = []
+        qsl, local_qsl = batch.query_start_loc, batch.meta.query_start_loc
+        rows: list[int] = []  # global rows
+        local_rows: list[int] = []  # the same rows among this rank's (= rows without PCP)
         src: list[int] = []  # into [D, width] = (token, drafts) of the last step, flattened
         src_req: list[int] = []
+        cont_req: list[int] = []  # [C] into the last step's requests
         for r in continuing:
             rid = req_ids[r]
             i, n = last.index[rid], qsl[r + 1] - qsl[r]
             if n > width:
                 raise RuntimeError(f"async scheduling: request {rid!r} verifies {n - 1} drafts; "
                                    f"the last step proposed {width - 1}")
+            assert local_qsl[r + 1] - local_qsl[r] == n, "a continuing request was split"
             rows += range(qsl[r], qsl[r + 1])
+            local_rows += range(local_qsl[r], local_qsl[r + 1])
             src += range(i * width, i * width + n)
             src_req += [i] * n
-        rows_d, src_d, req_d, first_d = staging.upload_lists([rows, src, src_req, qsl[:-1]],
-                                                             self.device)
+            cont_req.append(i)
+        rows_d, local_d, src_d, req_d, cont_d, cont_r_d, starts_d = staging.upload_lists(
+            [rows, local_rows, src, src_req, cont_req, continuing, batch.starts], self.device)
         inputs = last.tokens[:, None]  # [D, width]
         if last.drafts is not None:
             inputs = torch.cat((inputs, last.drafts), 1)
-        input_ids[rows_d] = inputs.flatten()[src_d]
-        if last.drafts is None:
-            return meta  # plain decode: the host's positions are exact
-        positions = meta.positions.index_put((rows_d,), -last.rejected[req_d], accumulate=True)
-        return self._moved_rows(meta, positions, positions[first_d])
+        values = inputs.flatten()[src_d]  # [n_continuing rows]
+        batch.input_ids[local_d] = values
+        meta = batch.meta
+        device_ids = batch.input_ids
+        if meta.pcp is not None:  # [N] global: the continuing rows' values, the rest unused
+            device_ids = torch.full((qsl[-1],), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                                    device=self.device).index_put((rows_d,), values)
+        moved = None
+        if last.drafts is not None:  # plain decode: the host's positions are exact
+            moved = torch.zeros(len(req_ids), dtype=torch.int64, device=self.device).index_put(
+                (cont_r_d,), -last.rejected[cont_d])  # [R]
+            positions = meta.positions.index_put((local_d,), -last.rejected[req_d],
+                                                 accumulate=True)
+            meta = self._moved_rows(meta, positions, starts_d + moved,
+                                    pcp_rows=(rows_d, local_d))
+        return replace(batch, meta=meta, continues=True, device_ids=device_ids, moved=moved)
 
     def _moved_rows(self, meta: AttentionMetadata, positions: torch.Tensor, first: torch.Tensor,
-                    written_from: torch.Tensor | None = None) -> AttentionMetadata:
+                    written_from: torch.Tensor | None = None,
+                    pcp_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> AttentionMetadata:
         """`meta` with its rows at device-side `positions` [N] (each request's first row at
         first [R]): the slots they write are found from them, and HiSparse's hot copies are
         trusted only below `first`, its host rows only below `written_from` [R] (default
         `first`): the first position the step wrote (a row moved back rewrites positions the
-        host counted as computed, and the mirror runs at the end of the step)."""
+        host counted as computed, and the mirror runs at the end of the step). Under PCP the
+        global write slots of the moved rows `pcp_rows` = (global rows, their local rows) are
+        replaced; without them every row is replicated (local rows = global rows)."""
         slots = layout.slot_mapping(positions, meta.req_indices, meta.block_table,
                                     self.block_size, self.dcp_size, self.dcp_rank,
                                     self.interleave)
@@ -914,8 +946,12 @@ class ModelRunner:
                                             self.block_size, self.dcp_size, self.dcp_rank,
                                             self.interleave)
         pcp_meta = meta.pcp
-        if pcp_meta is not None:  # one row per request: replicated, local rows = global rows
-            pcp_meta = dataclasses.replace(pcp_meta, write_slots=slots)
+        if pcp_meta is not None:
+            write_slots = slots  # one row per request: replicated, local rows = global rows
+            if pcp_rows is not None:
+                rows, local = pcp_rows
+                write_slots = pcp_meta.write_slots.index_put((rows,), slots[local])
+            pcp_meta = dataclasses.replace(pcp_meta, write_slots=write_slots)
         hs = meta.hisparse
         if hs is not None:
             written_from = first if written_from is None else written_from
@@ -936,9 +972,12 @@ class ModelRunner:
         return self._moved_rows(meta, positions, positions, self._drafts_written_from)
 
     def _metadata(self, req_ids: list[str], starts: list[int], counts: list[int],
-                  tokens: list[int]) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
+                  tokens: list[int], replicate: Collection[int] = ()
+                  ) -> tuple[torch.Tensor, AttentionMetadata, list[int]]:
         """Request r computes counts[r] tokens at positions starts[r]..; `tokens` [N] are their
-        ids in the global order → (this rank's input ids, metadata, global query_start_loc)."""
+        ids in the global order → (this rank's input ids, metadata, global query_start_loc).
+        Under PCP the requests at `replicate` are computed by every rank whatever their
+        length."""
         qsl = [0]
         seq_lens: list[int] = []
         for start, n in zip(starts, counts, strict=True):
@@ -975,7 +1014,7 @@ class ModelRunner:
         if self.groups.pcp.size > 1:
             # This rank computes only its share of the rows (replicated requests: all of them).
             query_lens = [qsl[r + 1] - qsl[r] for r in range(len(req_ids))]
-            part = pcp.partition(query_lens, self.groups.pcp.size)
+            part = pcp.partition(query_lens, self.groups.pcp.size, replicate)
             local = part.local_index_tensor(self.groups.pcp.rank_in_group)
             counts_local = torch.bincount(req_t[local], minlength=len(req_ids)).tolist()
             qsl = [0]

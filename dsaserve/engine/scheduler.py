@@ -239,7 +239,7 @@ class Scheduler:
             n = min(num_known + len(drafts), budget)
             drafts = drafts[: n - num_known] if n > num_known else ()
             if not self._allocate_or_preempt(req, n + self._lookahead(req, n)):
-                break  # req itself was preempted: it was the newest, nothing follows it
+                break  # req itself was preempted (or waits): nothing after it gets KV
             if self.mla is not None and not self._mla_pages_or_preempt(req, n):
                 break
             num_scheduled[req.request_id] = n
@@ -416,9 +416,11 @@ class Scheduler:
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Allocate KV for `n` more tokens of running `req`, preempting the newest running
-        requests until it fits; False if `req` itself had to go."""
+        requests until it fits; False if `req` itself had to go (or must wait)."""
         while self.kv.allocate_slots(req, n) is None:
-            victim = self.running.pop()
+            victim = self._pop_victim(req)
+            if victim is None:
+                return False  # req waits (with its blocks) for a later step
             self._preempt(victim)
             if victim is req:
                 return False
@@ -435,11 +437,19 @@ class Scheduler:
                                 1 + self.num_spec):
             blocks = blocks[self.mla.write_tail(req, self.block_size):]
         while not self.mla.make_resident(blocks, self._mla_victims()):
-            victim = self.running.pop()
+            victim = self._pop_victim(req)
+            if victim is None:
+                return False
             self._preempt(victim)
             if victim is req:
                 return False
         return True
+
+    def _pop_victim(self, req: Request) -> Request | None:
+        """The running request to preempt so that running `req` gets KV: the newest (`req`
+        itself at worst, which ends the step's running requests); None: none may go, `req`
+        waits for a later step."""
+        return self.running.pop()
 
     def _mla_victims(self) -> Iterator[int]:
         """Spill candidates among the running requests whose computed rows the runner has

@@ -7,8 +7,10 @@ A prefill of q tokens is cut into 2N chunks of c = ceil(q / 2N) tokens; rank r t
                     rank    |  0  |  1  |  1  |  0  |
 
 Tokens keep their true positions. A request is *replicated* (every rank computes all its tokens)
-when it cannot fill 2N non-empty chunks — decode rows and short prefills. The partition is a pure
-function of the global batch, so every rank computes the same one without talking.
+when it cannot fill 2N non-empty chunks — decode rows and short prefills — or when the caller asks
+(--async-scheduling: rows that continue from the last step's samples, which every rank holds on
+the device). The partition is a pure function of the global batch, so every rank computes the
+same one without talking.
 
 Each rank's rows are padded to the same length P (rank-invariant), so an all-gather of per-rank rows
 gives a rank-major [N·P] layout; `restore_index` maps it back to the global order (a replicated
@@ -20,6 +22,7 @@ token is taken from rank 0's copy):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -45,14 +48,16 @@ def is_replicated(num_query_tokens: int, num_ranks: int) -> bool:
     return (2 * num_ranks - 1) * c >= num_query_tokens
 
 
-def partition(query_lens: list[int], num_ranks: int) -> PcpPartition:
-    """query_lens [R] (tokens each request computes this step, in batch order) → the partition."""
+def partition(query_lens: list[int], num_ranks: int,
+              replicate: Collection[int] = ()) -> PcpPartition:
+    """query_lens [R] (tokens each request computes this step, in batch order) → the partition;
+    the requests at `replicate` (batch indices) are replicated whatever their length."""
     n = num_ranks
     local: list[list[int]] = [[] for _ in range(n)]
     replicated: list[bool] = []
     start = 0
-    for q in query_lens:
-        rep = is_replicated(q, n)
+    for r, q in enumerate(query_lens):
+        rep = r in replicate or is_replicated(q, n)
         replicated.append(rep)
         if rep:
             for r in range(n):

@@ -27,7 +27,7 @@ share of a step's selected rows that the previous step selected too; default 0.9
 enforce-eager (decode steps run eager, as the engine's --enforce-eager; default: replayed from
 CUDA graphs, as the engine) and async-scheduling (the engine's host work overlaps the kernels:
 a step lasts max(kernels, host) instead of their sum; the engine does this with DP, TP, DCP,
-EP, HiSparse, the host KV tier and on P/D consumers, not under PCP or on P/D producers): see
+EP, PCP, HiSparse, the host KV tier and on both sides of P/D): see
 docs/simulate.md for what is modelled.
 """
 

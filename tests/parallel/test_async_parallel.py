@@ -1,7 +1,8 @@
 """--async-scheduling across ranks and replicas (gloo worker processes, CPU): step k + 1 is
 submitted to every rank before step k's results are read (engine/worker.py SubmitStep / Flush);
 each rank takes its own copy of step k's samples (and MTP drafts) on the device. Greedy output
-equals the single-rank engine's, plain and with MTP3, under TP × DCP, TP × EP and DP; aborts
+equals the single-rank engine's, plain and with MTP3, under TP × DCP, TP × EP, DP, PCP and
+PCP × DCP (chunked prefills split over the PCP ranks beside decode rows that continue); aborts
 while a step is in flight leak nothing; a worker that dies mid-flight ends the engine loudly;
 reading out of order or calling the ranks with an answer unread is refused."""
 
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dsaserve.config import ConfigError, SpecConfig
+from dsaserve.config import SpecConfig
 from dsaserve.core import EngineDeadError, SamplingParams
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
@@ -25,6 +26,10 @@ LAYOUTS = {
     "tp2_dcp2": dict(tp=2, dcp=2, max_num_batched_tokens=33),
     "tp2_ep": dict(tp=2, ep=True, max_num_batched_tokens=48),
     "dp2": dict(dp=2, max_num_batched_tokens=48),
+    # the prefill node's layouts: prompts of 21-87 tokens in chunks of at most 24 (split over
+    # the PCP ranks), decode rows joining them continue from the last step, replicated
+    "pcp2": dict(pcp=2, max_num_batched_tokens=24),
+    "pcp2_dcp2": dict(pcp=2, dcp=2, interleave=16, max_num_batched_tokens=24),
 }
 
 
@@ -69,7 +74,7 @@ def test_async_greedy_matches_single_rank(start, layout, parallel_config, prompt
     assert stats.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("layout", ["tp2_dcp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2_dcp2", "dp2", "pcp2_dcp2"])
 def test_async_mtp_greedy_matches_single_rank(start, layout, parallel_config, draftable,
                                               prompts, greedy, draftable_reference):
     config = dataclasses.replace(parallel_config(**LAYOUTS[layout]), model_path=str(draftable))
@@ -91,15 +96,16 @@ def test_async_dp_seeded_sampling_equals_sync(start, parallel_config, prompts):
     assert start(_async(config)).generate(prompts, params) == expected
 
 
-def test_async_abort_in_flight_leaks_nothing(start, parallel_config, prompts, greedy):
-    engine = start(_async(parallel_config(**LAYOUTS["dp2"]), k=0))
+@pytest.mark.parametrize("layout", ["dp2", "pcp2"])
+def test_async_abort_in_flight_leaks_nothing(start, layout, parallel_config, prompts, greedy):
+    engine = start(_async(parallel_config(**LAYOUTS[layout]), k=0))
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     for i in range(4):
         engine.add_request(f"a{i}", prompts[i], long)
     for _ in range(3):
         engine.step()
-    engine.abort_request("a1")  # replica 1, a step in flight for it
-    engine.abort_request("a2")  # replica 0
+    engine.abort_request("a1")  # (DP: replica 1) a step in flight for it
+    engine.abort_request("a2")  # (DP: replica 0)
     engine.add_request("a1", prompts[4], greedy)  # the id is free at once
     reasons: dict[str, list[str]] = {}
     while engine.has_unfinished_requests():
@@ -144,8 +150,3 @@ def test_submitted_steps_are_read_in_order(start, parallel_config, prompts, gree
     assert first.result() is first.result()  # read once, kept
     assert second.result().sampled_token_ids["r"]  # answered by a Flush
     assert len(executor.call("kv_row_bytes")) == 2
-
-
-def test_async_with_pcp_is_refused(parallel_config):
-    with pytest.raises(ConfigError, match="--async-scheduling.*--prefill-context-parallel-size"):
-        _async(parallel_config(pcp=2))

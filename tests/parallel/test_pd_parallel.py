@@ -1,7 +1,8 @@
 """P/D between multi-rank engines on gloo processes (shared memory transport): greedy output
 through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1 and = block size,
 TP2 × DCP2) and a decode engine (1 rank, DP2) equals the single-rank engine's, bf16 and
-fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the MTP rows that came over); the
+fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the MTP rows that came over), and
+with --async-scheduling on both sides (the prefill engine's params equal its sync ones); the
 bytes each request moved are what the layouts require; nothing leaks on either side."""
 
 from __future__ import annotations
@@ -100,6 +101,41 @@ def test_pd_mtp_from_pcp_prefill(parallel_config, draftable_dirs, prompts, greed
         finally:
             p.shutdown()
             d.shutdown()
+
+
+def test_pd_async_pcp_producer_equals_sync(parallel_config, reference_outputs, prompts, greedy,
+                                           hang_guard):
+    """The prefill engine of the reference layout (PCP2 × DCP2, prompts in chunks of at most
+    24 tokens split over the PCP ranks) with --async-scheduling, into an async decode engine:
+    every prompt's kv_transfer_params equal the sync prefill engine's (the same blocks), and
+    the output equals the single-rank engine's; nothing leaks on either side."""
+    prompts, reference = prompts[:3], reference_outputs[:3]
+    held = {}
+    with hang_guard(300):
+        for asynchronous in (False, True):
+            p_cfg = _with(parallel_config(pcp=2, dcp=2, max_num_batched_tokens=24),
+                          "kv_producer", "auto")
+            d_cfg = _with(parallel_config(), "kv_consumer", "auto")
+            if asynchronous:
+                p_cfg, d_cfg = (dataclasses.replace(c, scheduler=dataclasses.replace(
+                    c.scheduler, async_scheduling=True)) for c in (p_cfg, d_cfg))
+            p, d = LLMEngine.from_config(p_cfg), LLMEngine.from_config(d_cfg)
+            try:
+                got, held[asynchronous] = [], []
+                for i, prompt in enumerate(prompts):
+                    params = offline.prefill(p, f"pd-{i}", prompt)
+                    held[asynchronous].append(dataclasses.replace(
+                        params, remote_engine_id=None, remote_port=None))
+                    got.append(offline.decode(p, d, f"pd-{i}", prompt, params, greedy))
+                assert got == reference
+                for e in (p, d):
+                    e.check_integrity()
+                    s = e.stats()
+                    assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+            finally:
+                p.shutdown()
+                d.shutdown()
+    assert held[True] == held[False]
 
 
 def test_prefill_ranks_killed_then_next_request(parallel_config, prompts, greedy, hang_guard):

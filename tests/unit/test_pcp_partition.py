@@ -26,32 +26,37 @@ def test_replication_rule():
 
 
 def test_partition_exhaustive():
-    for n in (1, 2, 3, 4):
-        for lens in itertools.product([1, 2, 3, 5, 6, 8, 13], repeat=2):
-            p = partition(list(lens), n)
-            total = sum(lens)
-            # Every token is computed by ≥ 1 rank; split tokens by exactly one.
-            counts = torch.zeros(total, dtype=torch.int64)
-            for r in range(n):
-                counts[list(p.local_indices[r])] += 1
-            starts = [0, lens[0]]
-            for i, q in enumerate(lens):
-                seg = counts[starts[i] : starts[i] + q]
-                assert bool((seg == (n if p.replicated[i] else 1)).all()), (n, lens)
-            # restore_index inverts the gather.
-            gathered = torch.full((n * p.padded_len,), -1, dtype=torch.int64)
-            for r in range(n):
-                li = list(p.local_indices[r])
-                gathered[r * p.padded_len : r * p.padded_len + len(li)] = torch.tensor(li)
-            assert torch.equal(gathered[p.restore_index], torch.arange(total))
-            # Rows of one request stay grouped and in order on each rank.
-            for r in range(n):
-                assert list(p.local_indices[r]) == sorted(p.local_indices[r])
-            # Balanced: split requests give every rank within one chunk of the same count.
-            split = [q for q, rep in zip(lens, p.replicated, strict=True) if not rep]
-            if split and n > 1:
-                sizes = [len(x) for x in p.local_indices]
-                assert max(sizes) - min(sizes) <= 2 * max(-(-q // (2 * n)) for q in split)
+    """Every small batch, with and without requests replicated on request (async scheduling:
+    rows that continue from the last step)."""
+    cases = itertools.product((1, 2, 3, 4), itertools.product([1, 2, 3, 5, 6, 8, 13], repeat=2),
+                              [(), (0,), (1,), (0, 1)])
+    for n, lens, replicate in cases:
+        p = partition(list(lens), n, replicate)
+        assert p.replicated == tuple(i in replicate or is_replicated(q, n)
+                                     for i, q in enumerate(lens))
+        total = sum(lens)
+        # Every token is computed by ≥ 1 rank; split tokens by exactly one.
+        counts = torch.zeros(total, dtype=torch.int64)
+        for r in range(n):
+            counts[list(p.local_indices[r])] += 1
+        starts = [0, lens[0]]
+        for i, q in enumerate(lens):
+            seg = counts[starts[i] : starts[i] + q]
+            assert bool((seg == (n if p.replicated[i] else 1)).all()), (n, lens)
+        # restore_index inverts the gather.
+        gathered = torch.full((n * p.padded_len,), -1, dtype=torch.int64)
+        for r in range(n):
+            li = list(p.local_indices[r])
+            gathered[r * p.padded_len : r * p.padded_len + len(li)] = torch.tensor(li)
+        assert torch.equal(gathered[p.restore_index], torch.arange(total))
+        # Rows of one request stay grouped and in order on each rank.
+        for r in range(n):
+            assert list(p.local_indices[r]) == sorted(p.local_indices[r])
+        # Balanced: split requests give every rank within one chunk of the same count.
+        split = [q for q, rep in zip(lens, p.replicated, strict=True) if not rep]
+        if split and n > 1:
+            sizes = [len(x) for x in p.local_indices]
+            assert max(sizes) - min(sizes) <= 2 * max(-(-q // (2 * n)) for q in split)
 
 
 def test_empty_batch():
