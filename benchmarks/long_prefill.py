@@ -214,7 +214,7 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
     lines = [
         f"{args.preset}, {args.layers} layers, {args.kv_cache_dtype} KV, {args.attention_backend} "
         f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, "
-        f"{'async scheduling' if args.async_scheduling else 'synchronised steps'}, {where}; "
+        f"{'async' if args.async_scheduling else 'sync'} scheduling, {where}; "
         f"floor = indexer logits at {args.indexer_tflops:g} TFLOP/s + sparse MLA at "
         f"{args.mla_tflops:g} TFLOP/s (plan/costmodel.prefill_flops)", "",
         "| prompt | wall (s) | floor (s) | wall / floor | GPU busy (s) | host: wall − busy (s) "
