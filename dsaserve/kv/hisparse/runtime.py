@@ -128,6 +128,10 @@ class HiSparseRuntime:
     def num_host_blocks(self) -> int:
         return self.host[0].shape[0]
 
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._free_blocks)
+
     # ---- requests --------------------------------------------------------------------------
     def add(self, rid: str, num_computed: int, pages: list[int]) -> None:
         """Reserve the request's host window and a hot region (or keep those `reserve` took for

@@ -1,0 +1,613 @@
+"""HiSparse at the engine level (docs/hisparse.md, "On the H200"): decode step time against the
+all-GPU engine, concurrency at a fixed HBM budget, and one long request.
+
+    python benchmarks/hisparse_engine.py --out docs/hisparse_engine_h200.md   # one H200
+    python benchmarks/hisparse_engine.py --sections long --long 1M            # one table
+    python benchmarks/hisparse_engine.py --smoke                              # CPU, tiny (CI)
+
+A GLM-5.3-shaped checkpoint (64 heads, 576/512 latent, 32 × 128 indexer, top-2048; 2 layers,
+8 experts, no MTP) runs through `LLMEngine` (fp8_ds_mla, the triton backend, CUDA graphs on as
+the engine defaults). Every request is a real prompt prefilled by the engine, so the indexer's
+selections and the misses between consecutive steps are the model's own. Three tables:
+
+  1. step time: per context C and batch b, b requests of C tokens decode together; the median
+     wall time of a decode step (every request decoding, the step synchronised) of the all-GPU
+     engine and of the HiSparse engine, their ratio, and the HiSparse runtime's rows missed per
+     step (every layer). The HiSparse engine has `device_mla_pages` = `mla_pages_for` its
+     largest batch: one window for a prefill and each decoder's write tail, so the older pages
+     of every long decoder spill (a lone request has nothing to spill against) and every
+     request of a context beyond `device_buffer_size` decodes through its hot buffer. Target:
+     ratio ≤ 1.15. The greedy tokens of the two engines are compared (the smoke asserts them);
+  2. concurrency at a fixed KV budget of HBM bytes: requests of context L (`--max-model-len` L)
+     submitted in excess; the most decoding at once (every prompt token computed, before the
+     first finishes) in the all-GPU engine, whose blocks take the whole budget, and in the
+     HiSparse engine with a host pool, whose MLA pages and blocks are what
+     `device_mla_pages: "auto"` picks from that budget (`size_mla_pages`). Beside each, what
+     `dsaserve plan`'s functions predict (plan/costmodel.hisparse_concurrency: `by_hbm_full`,
+     and the sizing's concurrency, which is `hisparse_admission` bounded by the budget): the
+     two must be equal. Target: HiSparse ≥ 4× all-GPU;
+  3. one request of `--long` tokens (1M on CUDA) with HiSparse: prefill time, decode step
+     time, peak GPU memory, the host pool it reserves and the GPU KV pool beside its KV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import math
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsaserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    CompilationConfig,
+    EngineConfig,
+    HiSparseConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from dsaserve.core import SamplingParams
+from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.runner import cache_page_bytes, resolve_dtype
+from dsaserve.kv.hisparse.admission import (
+    min_mla_pages,
+    mla_pages_for,
+    write_tail_pages,
+)
+from dsaserve.model.make_model import make_model
+from dsaserve.model.presets import glm53_shaped
+from dsaserve.plan import costmodel as cm
+
+SECTIONS = ("step", "concurrency", "long")
+
+
+def parse_tokens(text: str, flag: str) -> int:
+    """"4096", "8K", "1M" → tokens (K = 1024)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not a token count (8K, 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1 << 20}[m.group(2).lower()]
+
+
+def human(n: int) -> str:
+    return f"{n >> 20}M" if n >= 1 << 20 and n % (1 << 20) == 0 else \
+        f"{n >> 10}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+# ---- sizes ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """Bytes of one page of B tokens over every cache layer, as the runner allocates them."""
+
+    block_size: int
+    mla: int  # MLA rows (what the host pool mirrors)
+    index: int  # indexer keys (always on the GPU)
+
+    @property
+    def mla_per_token(self) -> int:
+        return self.mla // self.block_size
+
+    def blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def host_pool_for(self, requests: int, window: int) -> int:
+        """Host pool bytes that admit exactly `requests` windows of `window` tokens."""
+        return requests * self.blocks(window) * self.mla
+
+
+def pages_of(model: ModelConfig, args: argparse.Namespace) -> Pages:
+    # no MTP (no --speculative-config): the decoder layers own the caches
+    mla, index = cache_page_bytes(model, model.num_hidden_layers, args.block_size,
+                                  args.kv_cache_dtype == "fp8_ds_mla",
+                                  resolve_dtype(args.dtype, model))
+    return Pages(args.block_size, mla, index)
+
+
+def engine_config(args: argparse.Namespace, model_dir: Path, *, max_len: int, max_seqs: int,
+                  num_blocks: int, host_pool: int | None = None,
+                  mla_pages: int | None = None) -> EngineConfig:
+    """The all-GPU engine (host_pool None) or the HiSparse one (`--kv-transfer-config`
+    HiSparseConnector with host_pool bytes; `hisparse_config.device_mla_pages` = mla_pages,
+    None: one per block, no spilling)."""
+    cfg = EngineConfig(
+        model_path=str(model_dir), model=ModelConfig.from_file(model_dir),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                          num_gpu_blocks=num_blocks, enable_prefix_caching=False),
+        scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_model_len=max_len,
+                                  max_num_batched_tokens=args.max_num_batched_tokens),
+        attention=AttentionConfig(backend=args.attention_backend, sparse_mla_force_mqa=True),
+        dtype=args.dtype, device=args.device,
+        compilation=CompilationConfig(enforce_eager=args.enforce_eager),
+    )
+    if host_pool is None:
+        return cfg
+    att = dataclasses.replace(cfg.attention, hisparse_device_buffer_size=args.buffer,
+                              hisparse_device_mla_pages=mla_pages or None,
+                              hisparse_config_given=True)
+    return dataclasses.replace(cfg, attention=att,
+                               hisparse=HiSparseConfig(host_pool_bytes=host_pool))
+
+
+def prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _decoding(engine: LLMEngine, ids: set[str]) -> int:
+    """Requests of `ids` running with every prompt token computed."""
+    return sum(r.request_id in ids and r.num_computed_tokens >= len(r.prompt_token_ids)
+               for r in engine.scheduler.running)
+
+
+def _rows_missed(engine: LLMEngine) -> int:
+    rt = engine.runner.hisparse
+    return 0 if rt is None else int(rt.rows_missed)  # a device counter: read after the steps
+
+
+def _release(engine: LLMEngine, device: str) -> None:
+    engine.shutdown()
+    gc.collect()  # the engine's caches and host pool go before the next one is built
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _spills(engine: LLMEngine) -> int:
+    mla = engine.scheduler.mla
+    return 0 if mla is None else mla.num_spills
+
+
+def _end(engine: LLMEngine, ids: list[str], check: bool) -> None:
+    for rid in ids:
+        engine.abort_request(rid)
+    engine.step()  # tells the runner which requests ended
+    if check:
+        engine.check_integrity()
+
+
+# ---- 1. step time -----------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    wall_ms: float  # median decode step
+    missed_per_step: float  # HiSparse rows missed per step, every layer (0: all-GPU)
+    spills: int  # MLA blocks spilled while this batch ran (HiSparse with pages)
+    tokens: list[list[int]]  # greedy tokens per request
+
+
+def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Namespace,
+                 max_tokens: int, tag: str) -> Steps:
+    """Prefill `batch` (decoders emit tokens meanwhile), then time decode-only steps."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}-{i}" for i in range(len(batch))]
+    out: dict[str, list[int]] = {rid: [] for rid in ids}
+    spills = _spills(engine)
+    for rid, p in zip(ids, batch, strict=True):
+        engine.add_request(rid, p, params)
+
+    def step() -> None:
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+        if args.smoke:
+            engine.check_integrity()
+
+    while engine.scheduler.waiting or _decoding(engine, set(ids)) < len(ids):
+        if not engine.has_unfinished_requests():
+            raise RuntimeError(f"{tag}: the {len(ids)} requests never decoded together "
+                               "(admitted fewer at once?)")
+        step()
+    for _ in range(args.warmup):
+        step()
+    missed, times = _rows_missed(engine), []
+    for _ in range(args.steps):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    missed = (_rows_missed(engine) - missed) / args.steps
+    spills = _spills(engine) - spills
+    if _decoding(engine, set(ids)) < len(ids):
+        raise RuntimeError(f"{tag}: a request stopped decoding while timed (max_tokens)")
+    _end(engine, ids, args.smoke)
+    return Steps(1e3 * statistics.median(times), missed, spills, [out[r] for r in ids])
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRow:
+    context: int
+    batch: int
+    all_gpu: Steps
+    hisparse: Steps
+
+    @property
+    def ratio(self) -> float:
+        return self.hisparse.wall_ms / self.all_gpu.wall_ms
+
+    @property
+    def tokens_equal(self) -> bool:
+        """Greedy tokens equal over what both emitted (they may run a step or two apart)."""
+        return all(a[:len(b)] == b[:len(a)] and min(len(a), len(b)) > 0
+                   for a, b in zip(self.all_gpu.tokens, self.hisparse.tokens, strict=True))
+
+
+def step_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> list[StepRow]:
+    model = ModelConfig.from_file(model_dir)
+    n = max(args.batches)
+    rows = []
+    for context in args.contexts:
+        # decoders emit a token per step while the later prompts prefill, then are timed
+        chunks = -(-context // args.max_num_batched_tokens)
+        max_tokens = n * chunks + args.warmup + args.steps + 4
+        max_len = context + max_tokens
+        blocks = n * pages.blocks(max_len) + 1
+        tail = write_tail_pages(0, args.block_size)
+        kinds = {
+            "all-GPU": engine_config(args, model_dir, max_len=max_len, max_seqs=n,
+                                     num_blocks=blocks),
+            "HiSparse": engine_config(
+                args, model_dir, max_len=max_len, max_seqs=n, num_blocks=blocks,
+                host_pool=pages.host_pool_for(n, max_len),
+                mla_pages=mla_pages_for(n, max_len, args.block_size, tail)),
+        }
+        batches = [prompts(model.vocab_size, b, context, seed=context + b) for b in args.batches]
+        got: dict[str, list[Steps]] = {}
+        for kind, cfg in kinds.items():
+            engine = LLMEngine.from_config(cfg)
+            try:
+                if kind == "HiSparse" and context <= engine.config.hisparse_buffer_rows:
+                    print(f"note: context {context} is within the hot buffer "
+                          f"({engine.config.hisparse_buffer_rows} rows): the fast path",
+                          file=sys.stderr)
+                got[kind] = [decode_steps(engine, batch, args, max_tokens, f"{kind}-{i}")
+                             for i, batch in enumerate(batches)]
+            finally:
+                _release(engine, args.device)
+                del engine
+        for b, a, h in zip(args.batches, got["all-GPU"], got["HiSparse"], strict=True):
+            rows.append(StepRow(context, b, a, h))
+            print(f"step: C={human(context)} b={b}: {a.wall_ms:.2f} / {h.wall_ms:.2f} ms",
+                  file=sys.stderr)
+    return rows
+
+
+# ---- 2. concurrency at a fixed KV budget --------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class ConcurrencyRow:
+    context: int
+    kv_budget: int
+    host_pool: int
+    all_gpu: int  # most requests decoding at once, measured
+    all_gpu_plan: int
+    hisparse: int
+    hisparse_plan: int
+    by_host: int  # the plan's bound by host memory (hisparse_admission)
+    mla_pages: int  # what "auto" picks for the budget (0: no spilling)
+    num_blocks: int
+    preemptions: tuple[int, int]  # (all-GPU, HiSparse)
+
+
+def most_decoding(engine: LLMEngine, batch: list[list[int]], args: argparse.Namespace,
+                  max_tokens: int) -> int:
+    """Submit every prompt; step until the first request finishes, or until none waits and all
+    decode → the most requests decoding at once."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"c{i}" for i in range(len(batch))]
+    for rid, p in zip(ids, batch, strict=True):
+        engine.add_request(rid, p, params)
+    most = 0
+    while engine.has_unfinished_requests():
+        finished = any(o.finished for o in engine.step())
+        if args.smoke:
+            engine.check_integrity()
+        now = _decoding(engine, set(ids))
+        most = max(most, now)
+        if finished or (not engine.scheduler.waiting and now == len(engine.scheduler.running)):
+            break
+    _end(engine, ids, args.smoke)
+    return most
+
+
+def concurrency_section(args: argparse.Namespace, model_dir: Path, pages: Pages
+                        ) -> ConcurrencyRow:
+    model = ModelConfig.from_file(model_dir)
+    ctx, budget, host = args.concurrency_context, args.kv_budget, args.host_pool
+    plan_kv = cm.kv_bytes_per_token(
+        model, "fp8_ds_mla" if args.kv_cache_dtype == "fp8_ds_mla" else "bf16")
+    probe = engine_config(args, model_dir, max_len=ctx, max_seqs=1, num_blocks=1, host_pool=host)
+    plan = cm.hisparse_concurrency(plan_kv, ctx, kv_room=budget, host_pool_bytes=host,
+                                   hot_rows=probe.hisparse_buffer_rows,
+                                   block_size=args.block_size)
+    sizing = plan.mla_sizing
+    if sizing is None:
+        raise SystemExit("--kv-budget-gib / --host-pool-gib: not one request of "
+                         f"--concurrency-context {ctx} fits")
+    # Decoders must outlast the prefills of the most requests either engine holds, with their
+    # prompt plus outputs inside the window, in whole blocks the all-GPU prediction counts.
+    most = max(sizing.concurrency, plan.by_hbm_full) + 1
+    max_tokens = most * -(-ctx // args.max_num_batched_tokens) + 4
+    prompt_len = ctx - max_tokens
+    if prompt_len < 1:
+        raise SystemExit(f"--concurrency-context {ctx}: too short for {most} requests' "
+                         f"prefills at --max-num-batched-tokens {args.max_num_batched_tokens}")
+    batch = prompts(model.vocab_size, most + 2, prompt_len, seed=7)
+    cfgs = {
+        "all-GPU": engine_config(args, model_dir, max_len=ctx, max_seqs=len(batch),
+                                 num_blocks=budget // (pages.mla + pages.index)),
+        "HiSparse": engine_config(args, model_dir, max_len=ctx, max_seqs=len(batch),
+                                  num_blocks=sizing.num_blocks, host_pool=host,
+                                  mla_pages=sizing.num_mla_pages),
+    }
+    got, preempted = {}, {}
+    for kind, cfg in cfgs.items():
+        engine = LLMEngine.from_config(cfg)
+        try:
+            got[kind] = most_decoding(engine, batch, args, max_tokens)
+            preempted[kind] = engine.scheduler.num_preemptions
+        finally:
+            _release(engine, args.device)
+            del engine
+    row = ConcurrencyRow(ctx, budget, host, got["all-GPU"], plan.by_hbm_full, got["HiSparse"],
+                         sizing.concurrency, plan.by_host, sizing.num_mla_pages,
+                         sizing.num_blocks, (preempted["all-GPU"], preempted["HiSparse"]))
+    print(f"concurrency: {row}", file=sys.stderr)
+    return row
+
+
+# ---- 3. one long request ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LongRow:
+    tokens: int
+    prefill_s: float
+    step_ms: float  # median decode step
+    missed_per_step: float
+    peak_bytes: int | None  # GPU (None on the CPU)
+    host_reserved: int  # host pool bytes the request's window holds
+    gpu_kv: int  # the GPU KV pool: MLA pages and indexer pages
+    kv: int  # the request's KV at full length: MLA rows and indexer keys
+    tokens_out: list[int]
+
+
+def long_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> LongRow:
+    model = ModelConfig.from_file(model_dir)
+    n = min(args.long, model.max_position_embeddings - args.steps - args.warmup - 4)
+    max_len = n + args.warmup + args.steps + 4
+    # one window of MLA pages (a prefill reads its GPU pages) and of indexer pages
+    window = min_mla_pages(max_len, args.block_size)
+    cfg = engine_config(args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1,
+                        host_pool=pages.host_pool_for(1, max_len), mla_pages=window)
+    engine = LLMEngine.from_config(cfg)
+    try:
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        params = SamplingParams(max_tokens=args.warmup + args.steps + 2, temperature=0.0,
+                                ignore_eos=True)
+        engine.add_request("long", prompts(model.vocab_size, 1, n, seed=11)[0], params)
+        out: list[int] = []
+        _sync(args.device)
+        t0 = time.perf_counter()
+        while not out:  # the prefill, up to its first token
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        _sync(args.device)
+        prefill = time.perf_counter() - t0
+        rt = engine.runner.hisparse
+        reserved = (rt.num_host_blocks - rt.num_free_host_blocks) * pages.mla
+        for _ in range(args.warmup):
+            out += [t for o in engine.step() for t in o.new_token_ids]
+        missed, times = _rows_missed(engine), []
+        for _ in range(args.steps):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            out += [t for o in engine.step() for t in o.new_token_ids]
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+        missed = (_rows_missed(engine) - missed) / args.steps
+        if args.smoke:
+            engine.check_integrity()
+        peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+        gpu_kv = engine.runner.num_mla_pages * pages.mla + engine.runner.num_blocks * pages.index
+        _end(engine, ["long"], args.smoke)
+    finally:
+        _release(engine, args.device)
+    row = LongRow(n, prefill, 1e3 * statistics.median(times), missed, peak, reserved, gpu_kv,
+                  n * (pages.mla + pages.index) // args.block_size, out)
+    print(f"long: {human(n)}: prefill {prefill:.2f} s, step {row.step_ms:.2f} ms",
+          file=sys.stderr)
+    return row
+
+
+# ---- report -----------------------------------------------------------------------------------
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def report(args: argparse.Namespace, shape: str, steps: list[StepRow],
+           conc: ConcurrencyRow | None, long: LongRow | None) -> str:
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    graphs = "eager" if args.enforce_eager or args.device != "cuda" else "CUDA graphs"
+    lines = [f"{shape}, {args.kv_cache_dtype} KV, {args.dtype}, {args.attention_backend} "
+             f"backend, {graphs}, blocks of {args.block_size}, hot buffer "
+             f"{args.buffer_rows} rows, {human(args.max_num_batched_tokens)}-token chunks, "
+             f"{where}; median of {args.steps} steps"]
+    if steps:
+        lines += ["", "Decode step: all-GPU against HiSparse (requests decoding through their hot "
+                  "buffers; older MLA pages spilled). Target: ratio ≤ 1.15", "",
+                  "| context | batch | all-GPU (ms) | HiSparse (ms) | ratio | rows missed / step "
+                  "| MLA blocks spilled (batch) | greedy tokens equal |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for r in steps:
+            lines.append(f"| {human(r.context)} | {r.batch} | {r.all_gpu.wall_ms:.3f} | "
+                         f"{r.hisparse.wall_ms:.3f} | {r.ratio:.2f} | "
+                         f"{r.hisparse.missed_per_step:,.0f} | {r.hisparse.spills:,} | "
+                         f"{'yes' if r.tokens_equal else 'NO'} |")
+    if conc is not None:
+        c = conc
+        ratio = c.hisparse / c.all_gpu if c.all_gpu else math.inf
+        lines += ["", f"Concurrency at a fixed KV budget of {_bytes(c.kv_budget)}, requests "
+                  f"of {human(c.context)} tokens, host pool {_bytes(c.host_pool)} (HiSparse: "
+                  f"{c.mla_pages:,} MLA pages beside {c.num_blocks:,} blocks, what \"auto\" "
+                  "picks). Target: ≥ 4×", "",
+                  "| engine | decoding at once (measured) | `dsaserve plan` | equal | "
+                  "preemptions |", "|---|---:|---:|---|---:|",
+                  f"| all-GPU | {c.all_gpu} | {c.all_gpu_plan} | "
+                  f"{'yes' if c.all_gpu == c.all_gpu_plan else 'NO'} | {c.preemptions[0]} |",
+                  f"| HiSparse | {c.hisparse} | {c.hisparse_plan} (host bound {c.by_host}) | "
+                  f"{'yes' if c.hisparse == c.hisparse_plan else 'NO'} | {c.preemptions[1]} |",
+                  "", f"HiSparse / all-GPU: {ratio:.2f}×"]
+    if long is not None:
+        lo = long
+        peak = _bytes(lo.peak_bytes) if lo.peak_bytes is not None else "—"
+        lines += ["", f"One request of {human(lo.tokens)} tokens with HiSparse", "",
+                  "| prompt | prefill (s) | decode step (ms) | rows missed / step | peak GPU "
+                  "memory | host pool reserved | GPU KV pool | its KV |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|",
+                  f"| {human(lo.tokens)} | {lo.prefill_s:.2f} | {lo.step_ms:.3f} | "
+                  f"{lo.missed_per_step:,.0f} | {peak} | {_bytes(lo.host_reserved)} | "
+                  f"{_bytes(lo.gpu_kv)} | {_bytes(lo.kv)} |"]
+    return "\n".join(lines)
+
+
+# ---- main -------------------------------------------------------------------------------------
+def _list(flag: str):
+    def parse(text: str) -> list[int]:
+        values = [parse_tokens(v, flag) for v in text.split(",")]
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag}: expected counts >= 1, got {text!r}")
+        return values
+    return parse
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated, of {', '.join(SECTIONS)}")
+    p.add_argument("--batches", type=_list("--batches"), default=[1, 16, 64])
+    p.add_argument("--contexts", type=_list("--contexts"), default=[8192, 131072])
+    p.add_argument("--steps", type=int, default=10, help="decode steps timed per row")
+    p.add_argument("--warmup", type=int, default=3, help="decode steps before the timed ones")
+    p.add_argument("--buffer", type=int, default=None,
+                   help="hisparse_config.device_buffer_size (default: the engine's, "
+                        "(query rows + 1) × top-k)")
+    p.add_argument("--concurrency-context", type=lambda t: parse_tokens(t, "--concurrency-"
+                   "context"), default=131072, help="L: requests' --max-model-len")
+    p.add_argument("--kv-budget-gib", type=float, default=1.75,
+                   help="GPU bytes for KV, both engines (default: 8 all-GPU requests of 128K)")
+    p.add_argument("--host-pool-gib", type=float, default=6.0,
+                   help="the HiSparse engine's host pool in the concurrency table (default: "
+                        "37 windows of 128K, below the 42 the budget holds: host-bound)")
+    p.add_argument("--long", type=lambda t: parse_tokens(t, "--long"), default=1 << 20,
+                   help="tokens of the long request (1M; cut to the model's positions)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
+    p.add_argument("--attention-backend", default="triton" if cuda else "reference")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--device", default="cuda" if cuda else "cpu", choices=("cuda", "cpu"))
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (the engine's flag; default: graphs, as it runs)")
+    p.add_argument("--model", type=Path, default=None, help="an existing checkpoint (no MTP)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU, tiny-glm5, reference backend, float32, small contexts and a few "
+                        "steps, every invariant checked after every step (what CI runs)")
+    p.add_argument("--out", type=Path, default=None, help="also write the tables here")
+    args = p.parse_args(argv)
+    args.preset = "GLM-5.3-shaped"
+    if args.smoke:
+        args.device, args.attention_backend, args.dtype = "cpu", "reference", "float32"
+        args.preset, args.block_size, args.max_num_batched_tokens = "tiny-glm5", 16, 128
+        smoke = {"batches": [1, 3], "contexts": [48, 160], "steps": 3, "warmup": 1,
+                 "buffer": 16,  # one top-k: every decode of these contexts misses
+                 "concurrency_context": 512, "long": 384}
+        for name, value in smoke.items():  # the sizes not given on the command line
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
+        # the budget of two all-GPU requests; a host pool of eight windows (main)
+        args.kv_budget_gib = args.host_pool_gib = None
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if not args.sections or set(args.sections) - set(SECTIONS):
+        p.error(f"--sections: expected some of {', '.join(SECTIONS)}, got {args.sections}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps: must be >= 1 (and --warmup >= 0)")
+    if args.device == "cuda" and not cuda:
+        p.error("--device cuda: no GPU here (--smoke runs on the CPU)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model is not None:
+            model_dir, shape = args.model, args.model.name
+        elif args.smoke:
+            model_dir = make_model("tiny-glm5", Path(tmp) / "tiny", with_mtp=False)
+            shape = "tiny-glm5"
+        else:
+            print(f"building a GLM-5.3-shaped checkpoint ({args.layers} layers) ...",
+                  file=sys.stderr)
+            model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=False,
+                                   overrides=glm53_shaped(args.layers))
+            shape = f"GLM-5.3-shaped, {args.layers} layers"
+        model = ModelConfig.from_file(model_dir)
+        pages = pages_of(model, args)
+        probe = engine_config(args, model_dir, max_len=64, max_seqs=1, num_blocks=1,
+                              host_pool=1 << 30)
+        args.buffer_rows = probe.hisparse_buffer_rows
+        if args.smoke:  # two all-GPU requests of L; eight HiSparse windows of L
+            window = pages.blocks(args.concurrency_context)
+            args.kv_budget = 2 * window * (pages.mla + pages.index)
+            args.host_pool = pages.host_pool_for(8, args.concurrency_context)
+        else:
+            args.kv_budget = int(args.kv_budget_gib * 2**30)
+            args.host_pool = int(args.host_pool_gib * 2**30)
+        if args.device == "cpu":  # one thread: a shared CPU's contention swamps tiny steps
+            torch.set_num_threads(1)
+        failed: list[str] = []
+
+        def run(section: str, fn, empty):
+            """A section's table, or (on the GPU) its error noted so the others still run."""
+            if section not in args.sections:
+                return empty
+            try:
+                return fn(args, model_dir, pages)
+            except (RuntimeError, torch.OutOfMemoryError) as e:
+                if args.smoke:
+                    raise
+                failed.append(f"{section}: failed: {e}"[:300])
+                print(failed[-1], file=sys.stderr)
+                return empty
+
+        try:
+            steps = run("step", step_section, [])
+            conc = run("concurrency", concurrency_section, None)
+            long = run("long", long_section, None)
+        finally:
+            torch.set_num_threads(threads)
+    text = report(args, shape, steps, conc, long)
+    if failed:
+        text += "\n\n" + "\n".join(failed)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.smoke:  # exactness is the point; the plan's concurrency is the engine's
+        assert all(r.tokens_equal for r in steps), "HiSparse greedy tokens differ from all-GPU"
+        assert conc is None or (conc.all_gpu, conc.hisparse) == (conc.all_gpu_plan,
+                                                                 conc.hisparse_plan), conc
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
