@@ -3,6 +3,11 @@ its baselines, on synthetic AgentX-like sessions (dsaserve.bench.traces), with `
 simulate`'s engine (docs/simulate.md has the table and the comparison).
 
     python benchmarks/seed_table.py [--sessions 64] [--turns 6] [--concurrency 8,16,32,64]
+                                    [--async-scheduling]
+
+--async-scheduling runs every engine of every deployment with the engine flag (a step's host
+work overlaps the previous step's kernels: `plan/steptime.py`), the reference and the baselines
+alike.
 
 Prints, per deployment and concurrency, the simulate table; then the seed's four comparisons:
 the interactivity ratio at equal throughput (the reference's P90 E2E tok/s/user over each
@@ -50,6 +55,16 @@ def _workload(directory: str, sessions: int, turns: int) -> None:
                   "--tool-result-tokens", "1024:8192", "--output-tokens", "200:800"])
 
 
+def with_engine_flag(spec: str, flag: str) -> str:
+    """`spec` with `flag` on each of its engines (a P/D spec's prefill= and decode= parts, or
+    the one engine of an aggregated spec), not on its router part."""
+    parts = [part.strip() for part in spec.split(";")]
+    if len(parts) == 1:
+        return f"{spec} {flag}"
+    return "; ".join(f"{part} {flag}" if part.startswith(("prefill=", "decode=")) else part
+                     for part in parts)
+
+
 def _curve(results: Sequence[SimResult], spec: str) -> list[tuple[float, float]]:
     rows = [r.summary() for r in results if r.deployment.spec == spec]
     return sorted((s["throughput_per_gpu"], s["p90_e2e_interactivity"]) for s in rows
@@ -92,10 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--sessions", type=int, default=64)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--concurrency", default="8,16,32,64")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="every engine with --async-scheduling (host work under the kernels)")
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     _, model = load_model("glm-5.3")
     specs = [REFERENCE, *BASELINES]
+    if args.async_scheduling:
+        specs = [with_engine_flag(s, "async-scheduling") for s in specs]
+    reference, baselines = specs[0], specs[1:]
     results: list[SimResult] = []
     with tempfile.TemporaryDirectory() as tmp:
         _workload(tmp, args.sessions, args.turns)
@@ -106,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results.append(Simulator(model, parse_deployment(spec), H200, sessions,
                                          c).run())
     print(render_table(results))
-    ref = _curve(results, REFERENCE)
+    ref = _curve(results, reference)
     print("## Interactivity at equal throughput (reference P90 E2E tok/s/user / baseline's)")
-    for base in BASELINES:
+    for base in baselines:
         curve = _curve(results, base)
         ratios = [(x, y / b) for x, y in ref if (b := _at(curve, x))]
         text = ", ".join(f"{r:.2f}x at {x:,.0f} tok/s/GPU" for x, r in ratios)
@@ -118,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = [r for r in results if r.deployment.spec == spec]
         medians = ", ".join(f"c{r.concurrency} {r.summary()['ttft_median']:.2f}" for r in rows)
         print(f"- {spec}: {medians}")
-    top = [r for r in results if r.deployment.spec == REFERENCE][-1].summary()
+    top = [r for r in results if r.deployment.spec == reference][-1].summary()
     print(f"## The reference at c{concurrencies[-1]}: {top['throughput_per_gpu']:,.0f} logical "
           f"tok/s/GPU at {top['p90_e2e_interactivity']:.1f} tok/s/user (P90 E2E), "
           f"{top['p90_interactivity']:.1f} (P90 ITL)")

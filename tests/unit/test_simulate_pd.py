@@ -158,3 +158,12 @@ def test_seed_table_script_smoke(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "Interactivity at equal throughput" in out and "The 1M row" in out
     assert out.count("KV xfer med s") == 3  # one table per deployment
+    # --async-scheduling: every engine with the flag, the router part without
+    assert bench.with_engine_flag("prefill=dp8 offload=64GiB; decode=dp8; router=prefix",
+                                  "async-scheduling") == (
+        "prefill=dp8 offload=64GiB async-scheduling; decode=dp8 async-scheduling; router=prefix")
+    assert bench.with_engine_flag("dp2xtp8 router=prefix", "async-scheduling") == (
+        "dp2xtp8 router=prefix async-scheduling")
+    assert bench.main(["--sessions", "2", "--turns", "2", "--concurrency", "1",
+                       "--async-scheduling"]) == 0
+    assert "async-scheduling; decode=" in capsys.readouterr().out
