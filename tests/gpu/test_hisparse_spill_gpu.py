@@ -154,3 +154,18 @@ def test_spilled_pages_with_reference_kernels(model_dirs, engine_config, monkeyp
     got = [out[str(i)] for i in range(len(prompts))]
     print(f"{preset} {kv}, reference {swap}: equal to all-GPU: {got == want}")
     assert got == want
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-dsv32", "fp8_ds_mla"), ("tiny-glm5", "auto")])
+def test_all_gpu_engine_alone_equals_batched(model_dirs, engine_config, preset, kv):
+    """The all-GPU engine's own greedy tokens for each prompt alone against the four batched:
+    whether a spilling run (which schedules other batches) can be compared token for token,
+    or the comparison tests the kernels' batch invariance (as bf16 GEMMs did)."""
+    cfg, _ = _configs(model_dirs, engine_config, preset, kv)
+    prompts = _prompts()
+    engine = LLMEngine.from_config(cfg)
+    batched = engine.generate(prompts, PARAMS)
+    alone = [engine.generate([p], PARAMS)[0] for p in prompts]
+    print(f"{preset} {kv}: alone equal to batched per prompt: "
+          f"{[a == b for a, b in zip(alone, batched, strict=True)]}")
+    assert alone == batched
