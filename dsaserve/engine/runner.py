@@ -777,11 +777,12 @@ class ModelRunner:
         keep = set(so.host_keep)
         for rid in so.finished_request_ids:
             st = self.requests.pop(rid, None)
-            own = self.block_table.blocks(rid).tolist() if st is not None else []
-            blocks = self._recv_blocks.pop(rid, own)
-            self.block_table.remove(rid)
+            received = self._recv_blocks.pop(rid, None)  # P/D: a read started, not added
             if self.hisparse is not None:  # its spilled cached blocks' host rows are kept
+                blocks = (received if received is not None
+                          else self.block_table.blocks(rid).tolist() if st is not None else [])
                 self.hisparse.remove(rid, {b: i for i, b in enumerate(blocks) if b in keep})
+            self.block_table.remove(rid)
         if self.hisparse is not None:
             assert keep <= self.hisparse.kept.keys(), "a kept block's request did not end"
             self._restore_host_blocks(so.host_restore)
