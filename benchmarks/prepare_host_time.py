@@ -1,7 +1,10 @@
 """Host time of a prefill step's batch and metadata build (`ModelRunner._prepare`) on the CPU,
-per chunk position: what docs/long_prefill.md's "host work of a step" table reports.
+per chunk position: what docs/long_prefill.md's "host work of a step" table reports; with
+--decode, that of a decode step of B requests at each context (docs/decode.md, "The block
+table").
 
     python benchmarks/prepare_host_time.py [--chunk 16384] [--at 0,114688,1032192] [--repeats 20]
+    python benchmarks/prepare_host_time.py --decode 1,16,64 --at 8192,131072
 
 One thread, the minimum of --repeats calls. The block ids are synthetic (the build never reads
 the caches), so a 1M-token context needs no 1M-token pool.
@@ -27,12 +30,33 @@ def prepare_ms(runner: ModelRunner, chunk: int, at: int, repeats: int) -> float:
     b = runner.block_size
     n = at + chunk
     runner.requests["r"] = _ReqState(
-        token_ids=[5] * (n + 1), block_ids=list(range(-(-n // b))), params=SamplingParams(),
-        generator=torch.Generator(), num_computed_tokens=at)
+        token_ids=[5] * (n + 1), params=SamplingParams(), generator=torch.Generator(),
+        num_computed_tokens=at)
+    # its row of the device block table: filled once (the first call sends it), as when the
+    # request first runs
+    runner.block_table.add("r", range(-(-n // b)))
+    return _min_ms(runner, {"r": chunk}, repeats)
+
+
+def decode_ms(runner: ModelRunner, batch: int, context: int, repeats: int) -> float:
+    """Milliseconds of one _prepare of a decode step of `batch` requests at `context`."""
+    runner.requests.clear()
+    for i in range(batch):
+        rid = f"r{i}"
+        runner.requests[rid] = _ReqState(
+            token_ids=[5] * (context + 1), params=SamplingParams(),
+            generator=torch.Generator(), num_computed_tokens=context)
+        runner.block_table.remove(rid)
+        runner.block_table.add(rid, range(-(-(context + 1) // runner.block_size)))
+    return _min_ms(runner, {f"r{i}": 1 for i in range(batch)}, repeats)
+
+
+def _min_ms(runner: ModelRunner, scheduled: dict[str, int], repeats: int) -> float:
+    """The minimum over `repeats` calls (the first sends the new rows of the block table)."""
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        runner._prepare(["r"], {"r": chunk}, {})
+        runner._prepare(list(scheduled), scheduled, {})
         best = min(best, time.perf_counter() - t0)
     return best * 1e3
 
@@ -42,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk", type=int, default=16384)
     ap.add_argument("--at", default="0,114688,1032192", help="chunk start positions")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--decode", default=None,
+                    help="batch sizes: decode steps at the --at contexts instead of chunks")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,9 +75,17 @@ def main(argv: list[str] | None = None) -> None:
         engine_args = add_engine_args(argparse.ArgumentParser()).parse_args(
             ["--block-size", "64", "--num-gpu-blocks-override", "8", "--device", "cpu"])
         runner = ModelRunner(engine_config_from_args(engine_args, str(model_dir)))
+        positions = [int(x) for x in args.at.split(",")]
+        if args.decode is not None:
+            print(f"| batch | context | decode step: host ms (min of {args.repeats}) |")
+            print("|---:|---:|---:|")
+            for batch in (int(x) for x in args.decode.split(",")):
+                for at in positions:
+                    print(f"| {batch} | {at} | {decode_ms(runner, batch, at, args.repeats):.3f} |")
+            return
         print(f"| chunk start | {args.chunk}-token chunk: host ms (min of {args.repeats}) |")
         print("|---:|---:|")
-        for at in (int(x) for x in args.at.split(",")):
+        for at in positions:
             print(f"| {at} | {prepare_ms(runner, args.chunk, at, args.repeats):.2f} |")
 
 

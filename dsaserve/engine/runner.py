@@ -25,6 +25,7 @@ from dsaserve.core import (
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.disagg.hostplan import HostDest
 from dsaserve.engine import cudagraph, staging, step_results
+from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
 from dsaserve.engine.sampler import make_generator, sample_on_device
 from dsaserve.kernels import formats
@@ -150,8 +151,9 @@ class _LastStep:
 
 @dataclass
 class _ReqState:
+    """A request's host state; its block ids are its row of the runner's BlockTable."""
+
     token_ids: list[int]
-    block_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
     num_computed_tokens: int = 0
@@ -196,9 +198,11 @@ class ModelRunner:
         self.num_blocks = sized_blocks or self._num_blocks()
         self.caches = self._allocate_caches(self.num_blocks)
         # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id.
-        # Host bookkeeping (numpy: reading it is never a device read)
-        self.mla_page_of = (np.full(self.num_blocks, -1, dtype=np.int32)
-                            if self.num_mla_pages else None)
+        # Host bookkeeping (numpy: reading it is never a device read), mirrored on the device
+        # by the block table's diffs (engine/block_table.py) for the step's MLA page table
+        self._page_of = (MirroredArray(np.full(self.num_blocks, -1, dtype=np.int32),
+                                       self.device) if self.num_mla_pages else None)
+        self.mla_page_of = None if self._page_of is None else self._page_of.host
         self.connector = self._kv_connector()  # None without a P/D --kv-transfer-config
         self.copier = self._host_tier()  # None without --kv-offloading-size
         self.hisparse = self._hisparse()  # None without the HiSparseConnector
@@ -209,6 +213,10 @@ class ModelRunner:
                 # P/D reads land in the host pool directly (disagg/hostplan.py)
                 self.hisparse.host = self.connector.register_host_pool(self.hisparse.host)
         self.requests: dict[str, _ReqState] = {}
+        # each request's block ids: a row from its first step to its end, on the device
+        # across steps and updated from the diffs (engine/block_table.py)
+        self.block_table = BlockTable(config.scheduler.max_num_seqs,
+                                      self._max_blocks_per_request(), self.device)
         # P/D into spilling HiSparse: block ids of requests whose read was started, not added
         self._recv_blocks: dict[str, list[int]] = {}
         self._seed_counter = config.seed
@@ -224,6 +232,12 @@ class ModelRunner:
         self._drafts_written_from: torch.Tensor | None = None
 
     # ---- set-up ---------------------------------------------------------------------------------
+    def _max_blocks_per_request(self) -> int:
+        """Blocks of the longest request with its MTP lookahead: the block table's width
+        (it grows past it if a request ever needs more)."""
+        tokens = self.config.scheduler.max_model_len + self.config.num_speculative_tokens
+        return -(-tokens // (self.block_size * self.dcp_size))
+
     def _mla_page_count(self) -> tuple[int, int | None]:
         """(MLA pages, KV blocks beside them, None: as `_num_blocks` says): the flag's pages,
         or for "auto" those `size_mla_pages` derives from the host-admitted concurrency and
@@ -397,15 +411,23 @@ class ModelRunner:
             ours.update(pending)
             assert {b: p for b, p in ours.items() if p >= 0} == expected, (
                 "the runner's MLA page map is not the scheduler's")
-        self.hisparse.check_integrity({rid: (st.num_computed_tokens, self._mla_pages(st))
+        self.hisparse.check_integrity({rid: (st.num_computed_tokens, self._mla_pages(rid))
                                        for rid, st in self.requests.items()})
 
-    def _mla_pages(self, st: _ReqState) -> list[int]:
+    def check_block_table(self) -> None:
+        """Block-table invariants (engine/block_table.py): a row for each live request and no
+        other; for tests through `executor.call`."""
+        assert self.block_table.row_of.keys() == self.requests.keys(), (
+            "block-table rows are not the live requests'")
+        self.block_table.check_integrity()
+        if self._page_of is not None:
+            self._page_of.check_integrity()
+
+    def _mla_pages(self, request_id: str) -> list[int]:
         """The request's MLA pages in block order (−1: spilled); its block ids without
         spilling."""
-        if self.mla_page_of is None:
-            return st.block_ids
-        return self.mla_page_of[st.block_ids].tolist()
+        blocks = self.block_table.blocks(request_id)
+        return (blocks if self.mla_page_of is None else self.mla_page_of[blocks]).tolist()
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
@@ -736,7 +758,7 @@ class ModelRunner:
         qsl = batch.query_start_loc
         self.hisparse.mirror({
             rid: (max(batch.starts[r] - back, 0), batch.starts[r] + qsl[r + 1] - qsl[r] + reach,
-                  self._mla_pages(self.requests[rid]))
+                  self._mla_pages(rid))
             for r, rid in enumerate(req_ids)})
 
     def _hisparse_step(self, req_ids: list[str], starts: list[int],
@@ -760,13 +782,16 @@ class ModelRunner:
     def _apply_releases(self, so: SchedulerOutput) -> None:
         if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
             blocks, pages = zip(*so.mla_pages, strict=True)
-            self.mla_page_of[list(blocks)] = pages
+            self._page_of.write(np.array(blocks, dtype=np.int64), pages)
         keep = set(so.host_keep)
         for rid in so.finished_request_ids:
             st = self.requests.pop(rid, None)
-            blocks = self._recv_blocks.pop(rid, st.block_ids if st is not None else [])
+            received = self._recv_blocks.pop(rid, None)  # P/D: a read started, not added
             if self.hisparse is not None:  # its spilled cached blocks' host rows are kept
+                blocks = (received if received is not None
+                          else self.block_table.blocks(rid).tolist() if st is not None else [])
                 self.hisparse.remove(rid, {b: i for i, b in enumerate(blocks) if b in keep})
+            self.block_table.remove(rid)
         if self.hisparse is not None:
             assert keep <= self.hisparse.kept.keys(), "a kept block's request did not end"
             self._restore_host_blocks(so.host_restore)
@@ -794,12 +819,14 @@ class ModelRunner:
         kept = self.hisparse.kept
         found = {b: kept[b] for b in block_ids if b in kept}
         wanted = set(block_ids) - found.keys()
-        holders = [(rid, st.block_ids) for rid, st in self.requests.items()]
-        for rid, blocks in holders + list(self._recv_blocks.items()):
+        holders = [(rid, None) for rid in self.requests] + list(self._recv_blocks.items())
+        for rid, blocks in holders:
             if not wanted:
                 break
             if rid not in self.hisparse.entries:
                 continue
+            if blocks is None:  # a live request's: its row of the block table
+                blocks = self.block_table.blocks(rid).tolist()
             for i, b in enumerate(blocks):
                 if b in wanted:
                     found[b] = self.hisparse.host_block(rid, i)
@@ -814,21 +841,22 @@ class ModelRunner:
             self._seed_counter += 1
             self.requests[new.request_id] = _ReqState(
                 token_ids=list(new.token_ids),
-                block_ids=list(new.block_ids),
                 params=new.sampling_params,
                 generator=make_generator(new.sampling_params, self.device, self._seed_counter),
                 num_computed_tokens=new.num_computed_tokens,
             )
+            self.block_table.add(new.request_id, new.block_ids)
             self._recv_blocks.pop(new.request_id, None)
             if self.hisparse is not None:
                 self.hisparse.add(new.request_id, new.num_computed_tokens,
-                                  self._mla_pages(self.requests[new.request_id]))
+                                  self._mla_pages(new.request_id))
         for cached in so.cached_requests:
             st = self.requests[cached.request_id]
             st.token_ids.extend(cached.new_token_ids)
             if cached.num_kept_blocks is not None:  # blocks of rejected drafts were given back
-                del st.block_ids[cached.num_kept_blocks :]
-            st.block_ids.extend(cached.new_block_ids)
+                self.block_table.truncate(cached.request_id, cached.num_kept_blocks)
+            if cached.new_block_ids:
+                self.block_table.append(cached.request_id, cached.new_block_ids)
             st.num_computed_tokens = cached.num_computed_tokens
 
     def _prepare(self, req_ids: list[str], num_scheduled: dict[str, int],
@@ -987,23 +1015,25 @@ class ModelRunner:
         # Host tensors built without Python loops over tokens or blocks (a 16K-token chunk of
         # a 1M-token prompt: 16K positions and 16K block ids per step; docs/long_prefill.md).
         pos_t, req_t = _positions(starts, counts)  # [N], [N] int64
-        width = max(len(self.requests[rid].block_ids) for rid in req_ids)
-        table = torch.full((len(req_ids), width), -1, dtype=torch.int32)
-        for r, rid in enumerate(req_ids):
-            ids = self.requests[rid].block_ids
-            table[r, : len(ids)] = _host_ints(ids, "i", torch.int32)
+        # The block table is the device's (engine/block_table.py): only the entries changed
+        # since the last step and the step's rows go up; the write slots are read from the
+        # host mirror (its rows, shared, not copied)
+        table = self.block_table
+        rows = table.rows(req_ids)  # [R] int64 the requests' rows
+        width = int(table.num_blocks[rows].max())
+        rows_t = torch.from_numpy(rows)
         dev = self.device
         tok_t = _host_ints(tokens, "q", torch.int64)
-        slots = layout.slot_mapping(
-            pos_t, req_t, table, self.block_size, self.dcp_size, self.dcp_rank, self.interleave
-        )
-        mla_host: list[torch.Tensor] = []
-        if self.mla_page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
-            page_of = torch.from_numpy(self.mla_page_of)  # [num_blocks] int32, shared
-            mla_table = torch.where(table >= 0, page_of[table.clamp(min=0).long()], -1)
-            mla_slots = layout.slot_mapping(pos_t, req_t, mla_table, self.block_size,
-                                            self.dcp_size, self.dcp_rank, self.interleave)
-            mla_host = [mla_table, mla_slots]  # [R, max_blocks] pages (−1: spilled), [N]
+        slots = layout.slot_mapping(pos_t, rows_t[req_t], torch.from_numpy(table.host),
+                                    self.block_size, self.dcp_size, self.dcp_rank,
+                                    self.interleave)
+        diffs = [table.pending()]  # [2, n] each: (flat index, value) changed since last step
+        mla_slots: list[torch.Tensor] = []
+        if self._page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
+            diffs.append(self._page_of.pending())
+            # [N] the same rows in the MLA pages (−1: spilled)
+            mla_slots = [layout.page_slots(slots, torch.from_numpy(self.mla_page_of),
+                                           self.block_size)]
         # The dense path reads a request's whole context from the local cache: only without DCP.
         use_dense = (
             not self.config.attention.sparse_mla_force_mqa
@@ -1023,9 +1053,19 @@ class ModelRunner:
             pcp_host = [local, part.restore_index, slots]
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
         # one asynchronous host → device copy for all of it (engine/staging.py)
-        pos_d, req_d, slots_d, table_d, tok_d, *rest = staging.upload(
-            [pos_t, req_t, slots, table, tok_t, *mla_host, *pcp_host], dev)
-        mla_d, pcp_d = rest[: len(mla_host)], rest[len(mla_host) :]
+        pos_d, req_d, slots_d, rows_d, tok_d, *rest = staging.upload(
+            [pos_t, req_t, slots, rows_t, tok_t, *diffs, *mla_slots, *pcp_host], dev)
+        diffs_d, rest = rest[: len(diffs)], rest[len(diffs) :]
+        mla_d, pcp_d = rest[: len(mla_slots)], rest[len(mla_slots) :]
+        # the device table brought up to date, then the step's rows of it
+        table.apply(diffs_d[0])
+        table_d = table.gather(rows_d, width)  # [R, width] int32
+        mla_table_d = None
+        if self._page_of is not None:
+            self._page_of.apply(diffs_d[1])
+            page_of_d = self._page_of.device_array  # [num_blocks] int32
+            # [R, width] MLA pages (−1: none or spilled)
+            mla_table_d = torch.where(table_d >= 0, page_of_d[table_d.clamp(min=0).long()], -1)
         pcp_meta = None
         if pcp_d:
             pcp_meta = PcpMetadata(
@@ -1046,7 +1086,7 @@ class ModelRunner:
             interleave=self.interleave,
             pcp=pcp_meta,
             hisparse=self._hisparse_step(req_ids, starts, counts),
-            mla_block_table=mla_d[0] if mla_d else None,
-            mla_slot_mapping=mla_d[1] if mla_d else None,
+            mla_block_table=mla_table_d,
+            mla_slot_mapping=mla_d[0] if mla_d else None,
         )
         return tok_d, meta, global_qsl

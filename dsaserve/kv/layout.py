@@ -132,6 +132,22 @@ def slot_mapping(
     return torch.where(owned, blocks * block_size + local, PAD_SLOT_ID)
 
 
+def page_slots(
+    slots: torch.Tensor,  # [N] int64 slots of block ids (slot_mapping), −1 = not written
+    page_of: torch.Tensor,  # [num_blocks] int32 block id → page, −1 = none
+    block_size: int,
+) -> torch.Tensor:  # [N] int64 the same rows in the pages, −1 = not written or no page
+    """slot_mapping through a table whose entries are page_of[block id] (HiSparse's MLA pages,
+    fewer than the blocks), from the slots of the block ids:
+
+        slot = block·B + o   →   page_of[block]·B + o      (−1 where either is −1)
+    """
+    blocks = slots.clamp(min=0) // block_size
+    pages = page_of[blocks].to(torch.int64)  # [N]
+    return torch.where((slots >= 0) & (pages >= 0), pages * block_size + slots % block_size,
+                       PAD_SLOT_ID)
+
+
 def logical_to_slots(
     indices: torch.Tensor,  # [T, K] request-local token positions, −1 = pad
     req_indices: torch.Tensor,  # [T] row of block_table for each query row

@@ -117,3 +117,15 @@ def test_prepare_host_time_runs(capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["0", "4096"]
     assert all(float(r.split("|")[2]) > 0 for r in rows[1:])
+
+
+def test_prepare_host_time_decode_runs(capsys):
+    """benchmarks/prepare_host_time.py --decode (docs/decode.md's block-table table), tiny."""
+    path = _PATH.parent / "prepare_host_time.py"
+    spec = importlib.util.spec_from_file_location("prepare_host_time", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--decode", "2,3", "--at", "100", "--repeats", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["2", "3"]
+    assert all(float(r.split("|")[3]) > 0 for r in rows[1:])
