@@ -50,6 +50,7 @@ if [ "$part" = 1 ]; then
     run 70 offload_pieces python benchmarks/offload.py --tables decode
 elif [ "$part" = 5 ]; then
     run 200 retests python -m pytest -q -m gpu -rf --tb=short -s -k "not later_turn" \
+        tests/gpu/test_block_table_gpu.py \
         tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_hisparse_graph_gpu.py \
         tests/gpu/test_nixl_cancel_gpu.py tests/gpu/test_hisparse_residency_gpu.py \
         tests/gpu/test_hisparse_fetch_gpu.py
