@@ -39,6 +39,7 @@ _CASES = {
     "mtp3": Case("tiny-glm5", spec=3),
     "fp8-mtp3": Case("tiny-glm5", kv="fp8_ds_mla", spec=3),
     "spill-mtp3": Case("tiny-glm5", spec=3, spill=True),
+    "fp8-spill-mtp3": Case("tiny-glm5", kv="fp8_ds_mla", spec=3, spill=True),
     "async": Case("tiny-glm5", async_scheduling=True),
     "async-spill": Case("tiny-dsv32", kv="fp8_ds_mla", spill=True, async_scheduling=True),
     "async-mtp3": Case("tiny-glm5", spec=3, async_scheduling=True),
