@@ -4,7 +4,7 @@ changes it (vLLM Model Runner V2's BlockTable, in our own words).
 A request holds a row from the step it first runs until it ends (finished, preempted, aborted).
 The host keeps a mirror of every row (numpy: reading it is never a device read). Each change
 is written to the mirror and its flat index queued; the queued entries go to the device in the
-step's one pinned upload (engine/staging.py) as (index, value) pairs and are scattered there by
+step's one pinned upload (kernels/staging.py) as (index, value) pairs and are scattered there by
 one index_put_. A step's table is a device gather of its requests' rows, as wide as its longest
 request:
 

@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsaserve.engine import cudagraph, staging
+from dsaserve.engine import cudagraph
+from dsaserve.kernels import staging
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kv import layout as kv_layout
 from dsaserve.kv.hisparse.padded import PaddedHiSparse

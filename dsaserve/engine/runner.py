@@ -24,11 +24,11 @@ from dsaserve.core import (
 )
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.disagg.hostplan import HostDest
-from dsaserve.engine import cudagraph, staging, step_results
+from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
 from dsaserve.engine.sampler import make_generator, sample_on_device
-from dsaserve.kernels import formats
+from dsaserve.kernels import formats, staging
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
@@ -1052,7 +1052,7 @@ class ModelRunner:
                 qsl.append(qsl[-1] + c)
             pcp_host = [local, part.restore_index, slots]
             tok_t, pos_t, req_t, slots = tok_t[local], pos_t[local], req_t[local], slots[local]
-        # one asynchronous host → device copy for all of it (engine/staging.py)
+        # one asynchronous host → device copy for all of it (kernels/staging.py)
         pos_d, req_d, slots_d, rows_d, tok_d, *rest = staging.upload(
             [pos_t, req_t, slots, rows_t, tok_t, *diffs, *mla_slots, *pcp_host], dev)
         diffs_d, rest = rest[: len(diffs)], rest[len(diffs) :]

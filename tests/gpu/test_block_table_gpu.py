@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from dsaserve.engine import staging
 from dsaserve.engine.block_table import BlockTable
+from dsaserve.kernels import staging
 
 pytestmark = pytest.mark.gpu
 

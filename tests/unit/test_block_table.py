@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dsaserve.core import SamplingParams
-from dsaserve.engine import staging
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.kernels import staging
 from dsaserve.kv import layout
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

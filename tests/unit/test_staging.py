@@ -1,11 +1,11 @@
-"""engine/staging.py: what goes up comes back in the same shapes, dtypes and values."""
+"""kernels/staging.py: what goes up comes back in the same shapes, dtypes and values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsaserve.engine import staging
+from dsaserve.kernels import staging
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsaserve.engine import staging
+from dsaserve.kernels import staging
 from dsaserve.kv.hisparse.admission import hot_region_rows
 from dsaserve.kv.hisparse.fetch import fetch_rows, mirror_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
