@@ -37,6 +37,7 @@ import torch
 from torch.autograd import DeviceType
 
 from dsaserve.bench import steps as bench_steps
+from dsaserve.bench.argtypes import positive_ints
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -192,22 +193,11 @@ def table(rows: list[Row], title: str) -> list[str]:
     return lines
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--contexts", type=_ints, default=[8192, 131072])
-    p.add_argument("--batches", type=_ints, default=[1, 16, 64])
+    p.add_argument("--contexts", type=positive_ints, default=[8192, 131072])
+    p.add_argument("--batches", type=positive_ints, default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.bench.argtypes import positive_ints
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -280,17 +281,6 @@ def table(rows: list[Row], title: str) -> list[str]:
     return [title, "", *HEADER, *map(row_line, rows)]
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}"
-                                         ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
 def _names(allowed: tuple[str, ...]):
     def parse(text: str) -> list[str]:
         values = text.split(",")
@@ -312,12 +302,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--into", type=_names(INTO), default=list(INTO),
                     help="where the READ lands: the KV pages, or a spilling HiSparse decode "
                          "engine's host pool (comma-separated)")
-    ap.add_argument("--batch", type=_ints, default=[16, 64],
+    ap.add_argument("--batch", type=positive_ints, default=[16, 64],
                     help="requests decoding while the READs run (comma-separated)")
     ap.add_argument("--context", type=int, default=4096, help="their prompts' tokens")
-    ap.add_argument("--tokens", type=_ints, default=[32768, 131072],
+    ap.add_argument("--tokens", type=positive_ints, default=[32768, 131072],
                     help="each READ request's prompt tokens (comma-separated)")
-    ap.add_argument("--inflight", type=_ints, default=[1, 4],
+    ap.add_argument("--inflight", type=positive_ints, default=[1, 4],
                     help="requests whose READs run at once (comma-separated)")
     ap.add_argument("--steps", type=int, default=30, help="idle steps timed per row")
     ap.add_argument("--warmup", type=int, default=5)
