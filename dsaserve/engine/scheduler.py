@@ -352,9 +352,7 @@ class Scheduler:
             req.spec_token_ids = [] if req.is_finished else list(
                 runner_output.draft_token_ids.get(request_id, ()))
             self._rollback_blocks(req)
-            self.kv.cache_full_blocks(req)
-            if self.offload is not None:
-                self.offload.offer(req)
+            self._cache_blocks(req)
             params = None
             if req.is_finished:
                 self.running.remove(req)
@@ -413,6 +411,12 @@ class Scheduler:
         if req.request_id in self._runner_num_blocks:
             self._runner_num_blocks[req.request_id] = min(
                 self._runner_num_blocks[req.request_id], kept)
+
+    def _cache_blocks(self, req: Request) -> None:
+        """The request's full computed blocks become findable, and go to the host tier."""
+        self.kv.cache_full_blocks(req)
+        if self.offload is not None:
+            self.offload.offer(req)
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Allocate KV for `n` more tokens of running `req`, preempting the newest running
