@@ -606,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         assert all(r.tokens_equal for r in steps), "HiSparse greedy tokens differ from all-GPU"
         assert conc is None or (conc.all_gpu, conc.hisparse) == (conc.all_gpu_plan,
                                                                  conc.hisparse_plan), conc
+        # HiSparse admits only what its pages and blocks hold: nothing admitted is preempted
+        assert conc is None or conc.preemptions[1] == 0, conc
     return 1 if failed else 0
 
 

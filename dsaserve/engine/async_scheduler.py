@@ -17,8 +17,10 @@ A request whose placeholder reaches max_tokens or max_model_len is not scheduled
 stop rules on lengths need no token value); a stop token costs one discarded step. Block hashes
 cover only tokens known on the host (kv/manager.py), and a request that ends is rolled back to
 the tokens sync scheduling would have computed, so the prefix cache never holds a placeholder's
-block. Preemption keeps the placeholder: the request waits until its token arrives (it is
-re-admitted only in a later step, which always comes after that token's update).
+block; its full blocks are then registered as sync scheduling registers them (those its last
+steps completed were placeholders at every earlier update). Preemption keeps the placeholder:
+the request waits until its token arrives (it is re-admitted only in a later step, which
+always comes after that token's update).
 
 With MTP (k drafts) a step emits 1 to 1 + v tokens for a request verifying v drafts, which is
 unknown when the next step is scheduled. The host assumes every draft accepted: 1 + v
@@ -125,9 +127,7 @@ class AsyncScheduler(Scheduler):
                     self._count_spec(span - 1, len(tokens) - 1)
                 outputs.append(self._resolve(req, span, tokens, runner_output))
             if req.status == RequestStatus.RUNNING:
-                self.kv.cache_full_blocks(req)  # computed blocks of host-known tokens
-                if self.offload is not None:  # and to the host tier
-                    self.offload.offer(req)
+                self._cache_blocks(req)  # computed blocks of host-known tokens
         return outputs
 
     def _resolve(self, req: Request, span: int, tokens: list[int],
@@ -157,6 +157,13 @@ class AsyncScheduler(Scheduler):
             # as if the later steps never ran: the last token's KV is not computed
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             (self.running if was_running else self.waiting).remove(req)
+            if was_running:
+                # the full blocks the last steps computed, findable as sync scheduling leaves
+                # them (a later turn extending this conversation hits them): earlier updates
+                # could not, their tokens being placeholders then. No step in flight writes
+                # them: it writes at or past the last token's position.
+                self._rollback_blocks(req)
+                self._cache_blocks(req)
             if self.connector is not None and self.connector.should_hold(req):
                 params = self._hold_finished(req, was_running)
             else:
@@ -175,8 +182,6 @@ class AsyncScheduler(Scheduler):
         launched after it only writes positions past the prompt (a stop token's KV), which no
         consumer reads."""
         assert was_running, "a producer's request with a token in flight is never preempted"
-        self._rollback_blocks(req)
-        self.kv.cache_full_blocks(req)
         return self._hold(req)
 
     def check_integrity(self) -> None:

@@ -30,7 +30,9 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
 are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
 older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
-request is admitted only when its prefill's pages can be found. A spilled block stays in the
+request is admitted only while the pages and blocks hold every active request to the end of
+its window (`spilling_holds`: requests of max_model_len, `dsaserve plan`'s concurrency at
+once) and when its prefill's pages can be found. A spilled block stays in the
 prefix cache (its rows kept in the host pool after its request ends); a hit on it gives it a page
 again, which the runner fills from the host rows. Kept host blocks are evicted, least recently
 freed first, before the admitted windows would not fit the pool (`hisparse_host`).
@@ -61,6 +63,8 @@ from dsaserve.kv.hisparse.admission import (
     HiSparseAdmission,
     host_blocks_to_evict,
     min_mla_pages,
+    spilling_holds,
+    write_tail_pages,
 )
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap, reads_through_buffer, receives_spilled
 from dsaserve.kv.manager import KVCacheManager, cdiv
@@ -352,9 +356,7 @@ class Scheduler:
             req.spec_token_ids = [] if req.is_finished else list(
                 runner_output.draft_token_ids.get(request_id, ()))
             self._rollback_blocks(req)
-            self.kv.cache_full_blocks(req)
-            if self.offload is not None:
-                self.offload.offer(req)
+            self._cache_blocks(req)
             params = None
             if req.is_finished:
                 self.running.remove(req)
@@ -413,6 +415,12 @@ class Scheduler:
         if req.request_id in self._runner_num_blocks:
             self._runner_num_blocks[req.request_id] = min(
                 self._runner_num_blocks[req.request_id], kept)
+
+    def _cache_blocks(self, req: Request) -> None:
+        """The request's full computed blocks become findable, and go to the host tier."""
+        self.kv.cache_full_blocks(req)
+        if self.offload is not None:
+            self.offload.offer(req)
 
     def _allocate_or_preempt(self, req: Request, n: int) -> bool:
         """Allocate KV for `n` more tokens of running `req`, preempting the newest running
@@ -610,6 +618,8 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
+        if self.mla is not None and not self._mla_pages_hold(req):
+            return 0  # it would be preempted once the running ones grow: wait for one to end
         lookahead = self.num_lookahead if n == remaining else 0
         # a prefill reads its GPU pages: its new blocks and spilled hits (restored) need them
         if self.mla is not None and not self.mla.can_provide(
@@ -628,6 +638,36 @@ class Scheduler:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = num_hit_tokens
         return n
+
+    def _mla_pages_hold(self, req: Request) -> bool:
+        """HiSparse spilling: whether the pages and blocks hold waiting `req` beside the active
+        requests to the end of their windows (`spilling_holds`, the rule `size_mla_pages` sizes
+        "auto" and `dsaserve plan`'s concurrency by): admitted past it, a request is preempted
+        later, once the running ones' windows outgrow the blocks or their tails the pages."""
+        assert self.mla is not None
+        active = [*self.running, *self.receiving.values()]
+        # a P/D arrival decodes from its first step; a waiting or prefilling request reads
+        # its pages until its prompt (or its recomputed outputs) is in
+        prefills = [r for r in [*self.running, req] if self._prefilling(r)]
+        return spilling_holds(
+            len(active) + 1,
+            max((r.num_tokens + self.num_lookahead for r in prefills), default=0),
+            sum(cdiv(self._window_tokens(r), self.block_size) for r in [*active, req]),
+            block_size=self.block_size, tail_pages=write_tail_pages(self.num_spec,
+                                                                     self.block_size),
+            num_mla_pages=self.mla.num_pages, num_blocks=self.kv.num_blocks)
+
+    @staticmethod
+    def _prefilling(req: Request) -> bool:
+        """More than the last known token left to compute (placeholders are not known)."""
+        return req.num_computed_tokens + 1 < req.num_tokens - req.num_output_placeholders
+
+    def _window_tokens(self, req: Request) -> int:
+        """Positions `req` writes by its end: prompt and max_tokens within max_model_len, and
+        the MTP lookahead."""
+        end = min(req.num_prompt_tokens + req.sampling_params.max_tokens,
+                  self.config.max_model_len)
+        return end + self.num_lookahead
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         token_ids = tuple(req.all_token_ids)

@@ -261,3 +261,52 @@ def test_async_scheduling_flag(model_dirs):
     for role in ("kv_consumer", "kv_producer", "kv_both"):
         pd_args = [*base, "--async-scheduling", "--kv-transfer-config", pd % role]
         assert engine_config_from_args(parser.parse_args(pd_args), model).scheduler.async_scheduling
+
+
+def _two_turns(config, stop: int | None = None) -> tuple[list[list[int]], list[int], LLMEngine]:
+    """An agent conversation: turn 2's prompt is turn 1's prompt + its output + new tokens.
+    Turn 1's last token completes a block (37 + 28 tokens: 64 computed, 4 full blocks); the
+    outputs, each turn's prefix hit (num_cached_tokens) and the engine; check_integrity after
+    every step."""
+    engine = LLMEngine.from_config(config)
+    prompt = _prompt(1, 37)
+    params = SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True,
+                            stop_token_ids=(stop,) if stop is not None else ())
+    outputs: list[list[int]] = []
+    num_cached: list[int] = []
+    for turn in range(2):
+        engine.add_request(f"t{turn}", prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens.extend(out.new_token_ids)
+                if out.finished:
+                    num_cached.append(out.num_cached_tokens)
+            engine.check_integrity()
+            _check_hashes(engine)
+        outputs.append(tokens)
+        prompt = prompt + tokens + [(11 * j) % 200 + 20 for j in range(9)]
+    assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+    return outputs, num_cached, engine
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_async_finished_request_caches_its_last_blocks(engine_config, draftable_dirs, k):
+    """A request that ends under async scheduling registers the full blocks its last steps
+    computed, as sync scheduling does: the next turn of the conversation, which extends its
+    prompt + output, hits exactly as many cached tokens (plain and MTP3)."""
+    cfg = engine_config(draftable_dirs["tiny-glm5"], max_num_seqs=8)
+    cfg = _mtp(cfg, k) if k else cfg
+    sync, sync_cached, sync_engine = _two_turns(cfg)
+    got, cached, engine = _two_turns(_async(cfg))
+    assert got == sync
+    # the 4 blocks turn 1 filled, its last token's block included (MTP trusts a hit block only
+    # when the next one matched too: the 4th is recomputed)
+    assert sync_cached[1] == (48 if k else 64)
+    assert cached == sync_cached
+    assert engine.stats().prefix_cache_hits == sync_engine.stats().prefix_cache_hits
+    # ended by a stop token mid-block (the placeholders after it dropped): the same again
+    stop = sync[0][20]
+    sync, sync_cached, _ = _two_turns(cfg, stop)
+    got, cached, _ = _two_turns(_async(cfg), stop)
+    assert got == sync and cached == sync_cached

@@ -20,6 +20,7 @@ from dsaserve.kv.hisparse.admission import (
     min_mla_pages,
     mla_pages_for,
     size_mla_pages,
+    spilling_holds,
     write_tail_pages,
 )
 from dsaserve.kv.hisparse.mla_pages import MlaPageMap
@@ -361,3 +362,84 @@ def test_auto_mla_pages_size_alone():
         size_mla_pages(max_requests=8, kv_bytes=16 * 100 + 309, **kw)
     with pytest.raises(ConfigError, match='"auto": 15 KV blocks .* cannot hold one request'):
         size_mla_pages(max_requests=8, num_blocks=15, **kw)
+
+
+@pytest.mark.parametrize("max_requests", [1, 3, 6, 8, 40])
+@pytest.mark.parametrize("room", [dict(kv_bytes=2 * 16 * 110), dict(kv_bytes=7 * 16 * 110),
+                                  dict(num_blocks=40), dict(num_blocks=100)])
+def test_the_sizing_holds_its_concurrency_and_no_more(max_requests, room):
+    """What the scheduler admits (`spilling_holds`) on the pages and blocks `size_mla_pages`
+    picks, for requests of the whole window: its concurrency, and one more only where the
+    host pool was the bound (the engine's max_num_seqs then stops it)."""
+    kw = dict(window_tokens=64, block_size=4, tail_pages=1, mla_page_bytes=100,
+              index_page_bytes=10, hot_bytes_per_request=50)
+    sizing = size_mla_pages(max_requests=max_requests, **kw, **room)
+    if not sizing.num_mla_pages:
+        return  # no spilling: the all-GPU engine's admission
+    c = sizing.concurrency
+
+    def holds(n: int) -> bool:
+        return spilling_holds(n, 64, n * 16, block_size=4, tail_pages=1,
+                              num_mla_pages=sizing.num_mla_pages, num_blocks=sizing.num_blocks)
+
+    assert holds(c)
+    if c < max_requests:  # the pages or blocks were the bound
+        assert not holds(c + 1)
+
+
+def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
+                scheduling: str = "sync") -> tuple[MlaPageSizing, list[list[int]], int, LLMEngine]:
+    """Six requests that fill their whole window (a 104-token prompt and 24 outputs, 128 =
+    max_model_len), prefilled in 32-token chunks, on the pages and blocks `size_mla_pages`
+    picks from `sizing_blocks` KV blocks and a host pool of `host_requests` windows: (the
+    sizing, greedy outputs, the most requests running at once, the engine)."""
+    ctx = 128
+    cfg = _config(engine_config, model_dir, buffer=16, mla_pages=1, max_model_len=ctx,
+                  num_blocks=sizing_blocks)
+    cfg = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=32,
+                                         async_scheduling=scheduling == "async"))
+    probe = LLMEngine.from_config(replace(cfg, attention=replace(cfg.attention,
+                                                                 hisparse_device_mla_pages=64)))
+    per_token = sum(c.kv[0, 0].numel() * c.kv.element_size() for c in probe.runner.caches)
+    del probe
+    host = HiSparseConfig(host_pool_bytes=host_requests * ctx * per_token)
+    sizing = size_mla_pages(max_requests=host_requests, window_tokens=ctx, block_size=B,
+                            tail_pages=write_tail_pages(0, B), mla_page_bytes=1,
+                            index_page_bytes=1, hot_bytes_per_request=0,
+                            num_blocks=sizing_blocks)
+    assert sizing.num_mla_pages > 0  # it spills
+    cfg = replace(cfg, hisparse=host, attention=replace(
+        cfg.attention, hisparse_device_mla_pages=sizing.num_mla_pages))
+    engine = LLMEngine.from_config(cfg)
+    params = SamplingParams(max_tokens=ctx - 104, temperature=0.0, ignore_eos=True)
+    got, most_running, _ = _run(engine, _prompts(6, seed=5, lo=104, hi=104), params)
+    return sizing, got, most_running, engine
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_budget_bound_admits_the_plans_concurrency(model_dirs, engine_config, scheduling):
+    """The KV budget binds before the host pool (106 blocks hold 3 windows of 32, the host 5):
+    `size_mla_pages` gives 35 pages, one prefill window beside 3 write tails. The engine admits
+    the 3 those pages hold, the plan's concurrency (`mla_pages_for`, one function for both),
+    all at once and none preempted (it admitted a 4th and preempted it before); greedy output
+    equals the all-GPU engine's."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = LLMEngine.from_config(_config(engine_config, model_dir, max_model_len=128)).generate(
+        _prompts(6, seed=5, lo=104, hi=104), params)
+    sizing, got, most_running, engine = _page_bound(engine_config, model_dir, 5, 3 * 32 + 10,
+                                                    scheduling=scheduling)
+    assert sizing.concurrency == 3 and engine.scheduler.mla.num_pages == 32 + 3
+    assert got == want
+    assert most_running == sizing.concurrency
+    assert engine.stats().num_preemptions == 0
+    assert engine.scheduler.mla.num_spills > 0
+
+
+def test_host_bound_admits_the_host_windows(model_dirs, engine_config):
+    """The host pool binds first (2 windows; the blocks hold 3): the engine admits 2 at once,
+    as before, none preempted."""
+    model_dir = model_dirs["tiny-glm5"]
+    sizing, _, most_running, engine = _page_bound(engine_config, model_dir, 2, 3 * 32 + 10)
+    assert sizing.concurrency == 2 == engine.scheduler.config.max_num_seqs
+    assert most_running == 2 and engine.stats().num_preemptions == 0

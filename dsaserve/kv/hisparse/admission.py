@@ -56,6 +56,21 @@ def mla_pages_for(concurrency: int, window_tokens: int, block_size: int,
     return min_mla_pages(window_tokens, block_size) + concurrency * tail_pages
 
 
+def spilling_holds(num_requests: int, prefill_tokens: int, window_blocks: int, *,
+                   block_size: int, tail_pages: int, num_mla_pages: int, num_blocks: int) -> bool:
+    """Whether `num_requests` requests run at once on spilling pages without a preemption: each
+    keeps its write tail's `tail_pages` resident beside the longest prefill among them
+    (`prefill_tokens`, MTP lookahead included: a prefill reads its GPU pages), which is
+    `mla_pages_for` them, and their windows (prompt and outputs to the end) need
+    `window_blocks` KV blocks (indexer pages) in all. The engine's scheduler admits a request
+    only while this holds; for requests of max_model_len it holds up to `size_mla_pages`'s
+    concurrency, which `dsaserve plan` prints. A lone request always fits (the pages and
+    blocks hold one window, checked at start-up)."""
+    return num_requests <= 1 or (
+        mla_pages_for(num_requests, prefill_tokens, block_size, tail_pages) <= num_mla_pages
+        and window_blocks <= num_blocks)
+
+
 def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_size: int) -> None:
     """Start-up error naming the flag when the pool cannot hold one max-length request."""
     if adm.max_requests < 1:
