@@ -527,9 +527,9 @@ def _import_nixl():
 # UCX settings the transport applies unless the user set them (read when the backend is made).
 # A consumer pulls (READ = a UCX GET). UCX's cuda_ipc serves GETs only where it detects NVLink
 # ("auto"); elsewhere (GPUs on PCIe, or both engines on one GPU) a GET of GPU memory falls back
-# to a staged TCP path, measured at 0.2–0.75 GB/s against PUTs at the copy engines' rate
-# (docs/disagg.md). A GET over cuda_ipc is a device copy from the mapped peer allocation, the
-# same copy a PUT makes, so it is turned on.
+# to a staged path: a READ of VRAM between two processes on one H100 ran at 0.69 GB/s, and at
+# 271 GB/s with this setting (docs/disagg.md). A GET over cuda_ipc is a device copy from the
+# mapped peer allocation, the same copy a PUT makes, so it is turned on.
 UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
