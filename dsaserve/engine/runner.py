@@ -200,9 +200,8 @@ class ModelRunner:
         # block id → MLA page (−1: spilled), as the scheduler's diffs say; None: the block id.
         # Host bookkeeping (numpy: reading it is never a device read), mirrored on the device
         # by the block table's diffs (engine/block_table.py) for the step's MLA page table
-        self._page_of = (MirroredArray(np.full(self.num_blocks, -1, dtype=np.int32),
-                                       self.device) if self.num_mla_pages else None)
-        self.mla_page_of = None if self._page_of is None else self._page_of.host
+        self.mla_page_of = (MirroredArray(np.full(self.num_blocks, -1, dtype=np.int32),
+                                          self.device) if self.num_mla_pages else None)
         self.connector = self._kv_connector()  # None without a P/D --kv-transfer-config
         self.copier = self._host_tier()  # None without --kv-offloading-size
         self.hisparse = self._hisparse()  # None without the HiSparseConnector
@@ -405,7 +404,7 @@ class ModelRunner:
         if self.mla_page_of is not None:
             assert mla_pages is not None
             expected, pending = mla_pages
-            ours = dict(enumerate(self.mla_page_of.tolist()))
+            ours = dict(enumerate(self.mla_page_of.host.tolist()))
             assert len({p for p in ours.values() if p >= 0}) == sum(
                 p >= 0 for p in ours.values()), "an MLA page mapped twice"
             ours.update(pending)
@@ -420,14 +419,14 @@ class ModelRunner:
         assert self.block_table.row_of.keys() == self.requests.keys(), (
             "block-table rows are not the live requests'")
         self.block_table.check_integrity()
-        if self._page_of is not None:
-            self._page_of.check_integrity()
+        if self.mla_page_of is not None:
+            self.mla_page_of.check_integrity()
 
     def _mla_pages(self, request_id: str) -> list[int]:
         """The request's MLA pages in block order (−1: spilled); its block ids without
         spilling."""
         blocks = self.block_table.blocks(request_id)
-        return (blocks if self.mla_page_of is None else self.mla_page_of[blocks]).tolist()
+        return (blocks if self.mla_page_of is None else self.mla_page_of.host[blocks]).tolist()
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
@@ -777,12 +776,12 @@ class ModelRunner:
             self._recv_blocks[r.request_id] = list(r.block_ids)
         return {r.request_id: HostDest(
             host_blocks=tuple(self.hisparse.reserve(r.request_id)),
-            mla_pages=tuple(self.mla_page_of[list(r.block_ids)].tolist())) for r in recvs}
+            mla_pages=tuple(self.mla_page_of.host[list(r.block_ids)].tolist())) for r in recvs}
 
     def _apply_releases(self, so: SchedulerOutput) -> None:
         if so.mla_pages:  # HiSparse spilling: pages given, taken or spilled since the last step
             blocks, pages = zip(*so.mla_pages, strict=True)
-            self._page_of.write(np.array(blocks, dtype=np.int64), pages)
+            self.mla_page_of.write(np.array(blocks, dtype=np.int64), pages)
         keep = set(so.host_keep)
         for rid in so.finished_request_ids:
             st = self.requests.pop(rid, None)
@@ -803,9 +802,9 @@ class ModelRunner:
         host rows (a kept host block, given back after, or a live holder's window). A block
         whose page was taken again within the same diff is only given back."""
         assert self.hisparse is not None and self.mla_page_of is not None or not block_ids
-        restored = [b for b in block_ids if self.mla_page_of[b] >= 0]
+        restored = [b for b in block_ids if self.mla_page_of.host[b] >= 0]
         sources = self._host_sources(restored)
-        self.hisparse.restore([int(self.mla_page_of[b]) for b in restored],
+        self.hisparse.restore([int(self.mla_page_of.host[b]) for b in restored],
                               [sources[b] for b in restored])
         for b in block_ids:
             if b in self.hisparse.kept:
@@ -1029,10 +1028,10 @@ class ModelRunner:
                                     self.interleave)
         diffs = [table.pending()]  # [2, n] each: (flat index, value) changed since last step
         mla_slots: list[torch.Tensor] = []
-        if self._page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
-            diffs.append(self._page_of.pending())
+        if self.mla_page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
+            diffs.append(self.mla_page_of.pending())
             # [N] the same rows in the MLA pages (−1: spilled)
-            mla_slots = [layout.page_slots(slots, torch.from_numpy(self.mla_page_of),
+            mla_slots = [layout.page_slots(slots, torch.from_numpy(self.mla_page_of.host),
                                            self.block_size)]
         # The dense path reads a request's whole context from the local cache: only without DCP.
         use_dense = (
@@ -1061,9 +1060,9 @@ class ModelRunner:
         table.apply(diffs_d[0])
         table_d = table.gather(rows_d, width)  # [R, width] int32
         mla_table_d = None
-        if self._page_of is not None:
-            self._page_of.apply(diffs_d[1])
-            page_of_d = self._page_of.device_array  # [num_blocks] int32
+        if self.mla_page_of is not None:
+            self.mla_page_of.apply(diffs_d[1])
+            page_of_d = self.mla_page_of.device_array  # [num_blocks] int32
             # [R, width] MLA pages (−1: none or spilled)
             mla_table_d = torch.where(table_d >= 0, page_of_d[table_d.clamp(min=0).long()], -1)
         pcp_meta = None

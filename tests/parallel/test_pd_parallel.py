@@ -45,6 +45,14 @@ def _received(decode) -> int:
     return sum(sum(r.executor.call("kv_bytes_received")) for r in replicas)
 
 
+def _check_no_leak(*engines) -> None:
+    """Every invariant of each engine, and every KV block free again."""
+    for e in engines:
+        e.check_integrity()
+        s = e.stats()
+        assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+
+
 def _hits(decode) -> int:
     return decode.stats().prefix_cache_hits
 
@@ -70,10 +78,7 @@ def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, gree
             # bytes: every prompt position but the last, less what the decode side had cached
             moved = sum(len(q) - 1 for q in prompts) - (_hits(d) - hits)
             assert _received(d) == moved * _per_token(d)
-            for e in (p, d):
-                e.check_integrity()
-                s = e.stats()
-                assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+            _check_no_leak(p, d)
         finally:
             p.shutdown()
             d.shutdown()
@@ -128,10 +133,7 @@ def test_pd_async_pcp_producer_equals_sync(parallel_config, reference_outputs, p
                         params, remote_engine_id=None, remote_port=None))
                     got.append(offline.decode(p, d, f"pd-{i}", prompt, params, greedy))
                 assert got == reference
-                for e in (p, d):
-                    e.check_integrity()
-                    s = e.stats()
-                    assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+                _check_no_leak(p, d)
             finally:
                 p.shutdown()
                 d.shutdown()
@@ -227,10 +229,7 @@ def test_abort_while_receiving_then_the_same_id_on_two_decode_ranks(parallel_con
             assert reasons["b"][0] != "abort"  # the retry's own end, not the first one's
             assert [tokens["a"], tokens["b"]] == want
             d.step()  # the runners learn that the last requests ended
-            for e in (p, d):
-                e.check_integrity()
-                s = e.stats()
-                assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
+            _check_no_leak(p, d)
         finally:
             p.shutdown()
             d.shutdown()
