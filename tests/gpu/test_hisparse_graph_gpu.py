@@ -90,3 +90,46 @@ def test_hisparse_graphs_equal_eager(generate_checked, model_dirs, draftable_dir
     assert int(rt.rows_from_host) > 0
     if spill:
         assert engine.scheduler.mla.num_spills > 0
+
+
+def test_fp8_spill_mtp3_sync_which_path_departs(generate_checked, draftable_dirs,
+                                                engine_config, monkeypatch):
+    """Diagnosis of the one case whose graphed tokens differed from eager's (fp8 + spilling +
+    MTP3, sync scheduling): the same padded steps run eager (a capture that fails serves them
+    eager over the same buffers) and the all-GPU engine graphed. Graphed = padded eager says
+    the graph replays what it captured and the padding (a step's batch size and bounded
+    seq_lens, not HiSparse) moves the tokens; all-GPU graphed = HiSparse graphed says HiSparse
+    is exact at equal schedules."""
+    from dsaserve.engine import cudagraph
+    model_dir = draftable_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def config(**kw):
+        return _config(engine_config, model_dir, kv="fp8_ds_mla", spec=3, spill=True,
+                       async_on=False, **kw)
+
+    prompts = _prompts(4 * engine_config(model_dir).model.index_topk)
+    runs = {
+        "eager": generate_checked(LLMEngine.from_config(config(hisparse=True, eager=True)),
+                                  prompts, params),
+        "graphed": generate_checked(LLMEngine.from_config(config(hisparse=True, eager=False)),
+                                    prompts, params),
+        "all-GPU eager": generate_checked(
+            LLMEngine.from_config(config(hisparse=False, eager=True)), prompts, params),
+        "all-GPU graphed": generate_checked(
+            LLMEngine.from_config(config(hisparse=False, eager=False)), prompts, params),
+    }
+
+    def no_capture(fn, pool=None):
+        raise RuntimeError("capture refused by the test: the padded steps run eager")
+
+    monkeypatch.setattr(cudagraph, "capture", no_capture)
+    engine = LLMEngine.from_config(config(hisparse=True, eager=False))
+    runs["padded eager"] = generate_checked(engine, prompts, params)
+    assert not engine.runner.decode_graphs.capture and engine.runner.decode_graphs.num_steps > 0
+    for name, tokens in runs.items():
+        print(f"fp8-spill-mtp3 sync {name}: {tokens}")
+    names = list(runs)
+    print("equal pairs:", [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+                           if runs[a] == runs[b]])
+    assert runs["graphed"] == runs["padded eager"], "the graph does not replay its eager steps"
