@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_owed.sh 4          # part 4: long prefill, synchronised against async
 #   bash benchmarks/gpu_owed.sh 5          # part 5: part 1's failures again (fixed or isolated),
 #                                          #   then part 2's HiSparse, P/D and async decode rows
+#   bash benchmarks/gpu_owed.sh 6          # part 6: part 5's unfinished tests, the prefill host
+#                                          #   term at 4K over 2, 4, 6 layers, P/D end to end
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -59,6 +61,16 @@ elif [ "$part" = 5 ]; then
     run 60 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
     run 70 decode python benchmarks/decode.py --contexts 8192 --batches 1,64 \
         --steps 10 --out "$out/decode.md"
+elif [ "$part" = 6 ]; then
+    run 200 retests python -m pytest -q -m gpu -rf --tb=short -s \
+        -k "eager[fp8-spill-mtp3] or which_path or block_table or cancel or residency or fetch" \
+        tests/gpu/test_hisparse_graph_gpu.py tests/gpu/test_block_table_gpu.py \
+        tests/gpu/test_nixl_cancel_gpu.py tests/gpu/test_hisparse_residency_gpu.py \
+        tests/gpu/test_hisparse_fetch_gpu.py
+    grep "equal pairs\|mtp3 sync\|READ in flight" "$out/retests.log"
+    run 150 prefill_host python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 \
+        --repeats 5 --no-ops --out "$out/prefill_host.md" --json "$out/prefill_host.json"
+    run 90 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
