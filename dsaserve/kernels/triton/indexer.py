@@ -528,10 +528,12 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
     if length > (config.list_len or row_topk.list_size(kk)):
         # Already (−inf, −1) past min(k, limit) chosen keys: no masking ops to add.
         if _use_cuda_topk(config, kk, logits.is_cuda):
-            return cuda_topk.topk_rows(logits, group_max, limits, kk, group=row_topk.GROUP,
-                                       index_dtype=index_dtype)
-        return row_topk.topk_rows(logits, group_max, limits, kk, list_len=config.list_len,
-                                  index_dtype=index_dtype)
+            values, local = cuda_topk.topk_rows(logits, group_max, limits, kk,
+                                                group=row_topk.GROUP, index_dtype=index_dtype)
+        else:
+            values, local = row_topk.topk_rows(logits, group_max, limits, kk,
+                                               list_len=config.list_len, index_dtype=index_dtype)
+        return _in_score_order(values, local)
     values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
     keep = torch.arange(kk, device=logits.device)[None, :] < limits.clamp(max=kk)[:, None]
     values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
@@ -539,6 +541,26 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
         values = torch.nn.functional.pad(values, (0, k - kk), value=float("-inf"))
         local = torch.nn.functional.pad(local, (0, k - kk), value=-1)
     return values, local.to(index_dtype)
+
+
+def _in_score_order(values: torch.Tensor, local: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The list kernels' top-k [T, k] in torch.topk's order: best first, equal scores by the
+    smaller index, padding last. They write a row's keys in the order their atomics filled the
+    list, which changes from run to run, and sparse MLA sums over the keys in the order given:
+    unsorted, the same step rounded differently from run to run (on the GPU: greedy tokens of
+    one prompt changed between runs, and HiSparse against all-GPU, docs/hisparse.md)."""
+    order = torch.sort(_order_key(values, local), dim=1, descending=True).indices  # [T, k]
+    return values.gather(1, order), local.gather(1, order)
+
+
+def _order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [T, n] fp32, index [T, n] (−1: none) → [T, n] int64 keys, distinct and ordered
+    as (score, then the smaller index) are: the score's order-preserving bits, then the
+    inverted index."""
+    bits = values.contiguous().view(torch.int32).long()
+    score = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # same order as the floats
+    return (score << 32) | (0x7FFFFFFF - index.long())
 
 
 def _use_cuda_topk(config: IndexerConfig, k: int, on_cuda: bool = True) -> bool:
@@ -557,10 +579,7 @@ def _merge_best(values: torch.Tensor, index: torch.Tensor, k: int,
     """values [T, n] fp32, index [T, n] int64 (−1: none) → the best k (best first), equal scores
     by smaller index, as row_topk does: one int64 key per entry (the score's order-preserving
     bits, then the inverted index), so ties cannot go different ways from run to run."""
-    bits = values.contiguous().view(torch.int32).long()  # [T, n]
-    score = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # same order as the floats
-    key = (score << 32) | (0x7FFFFFFF - index)
-    pick = torch.topk(key, k, dim=1, sorted=True).indices  # [T, k]
+    pick = torch.topk(_order_key(values, index), k, dim=1, sorted=True).indices  # [T, k]
     return values.gather(1, pick), index.gather(1, pick)
 
 
@@ -568,7 +587,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best keys this rank stores for each query → (scores [T, topk] fp32, positions [T, topk]
-    int32): the chosen keys first, in no particular order, then (−inf, −1) padding.
+    int32): the chosen keys best first (equal scores: the smaller index first), then (−inf, −1)
+    padding; the same order from run to run.
 
     positions are request-local token positions. Without DCP that is the answer; under DCP it is
     the local top-k, and merging every rank's lists by score gives the global top-k exactly

@@ -1,0 +1,76 @@
+"""On a CUDA machine: the indexer's top-k comes out in the same order from run to run.
+
+The list kernels (the CUDA top-k, Triton's row_topk) write a row's chosen keys in the order
+their atomics filled the list; sparse MLA sums over the keys in the order given, so an order
+that changes from run to run rounds the same step differently. `indexer._select` puts them in
+torch.topk's order (best first, equal scores by the smaller index). Also prints what the sort
+costs at a decode and a prefill step's size. Run on the device machine with
+`pytest -m gpu -s tests/gpu/test_topk_order_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels.triton import indexer, row_topk
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+K = 2048
+
+
+def _scored(rows: int, keys: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    # few distinct scores: ties, as fp8 index keys give them
+    logits = (torch.randn(rows, keys, device="cuda", generator=g) * 8).round() / 8
+    pad = -keys % row_topk.GROUP
+    gm = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
+    gm = gm.view(rows, -1, row_topk.GROUP).amax(2)
+    limits = torch.full((rows,), keys, device="cuda", dtype=torch.int32)
+    return logits, gm, limits
+
+
+@pytest.mark.parametrize("kernel", ["cuda", "triton"])
+def test_select_order_is_the_same_every_run(kernel):
+    cfg = indexer.IndexerConfig(topk_kernel=kernel)
+    scored = _scored(64, 1 << 17, 5)
+    runs = [indexer._select(scored, K, cfg, torch.int32) for _ in range(4)]
+    for values, local in runs[1:]:
+        assert torch.equal(values, runs[0][0]) and torch.equal(local, runs[0][1])
+    values, local = runs[0]
+    logits = scored[0]
+    # torch.topk's order: best first, equal scores by the smaller index
+    assert torch.equal(logits.gather(1, local.long()), values)
+    assert bool((values[:, :-1] >= values[:, 1:]).all())
+    tie = values[:, :-1] == values[:, 1:]
+    assert bool((local[:, :-1][tie] < local[:, 1:][tie]).all())
+
+
+def _ms(fn) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 10
+
+
+def test_what_the_order_costs():
+    """The sort's time beside the CUDA top-k's, at b = 64 decode rows and a 16K-row prefill
+    chunk (printed, not asserted)."""
+    from dsaserve.kernels.cuda import topk as cuda_topk
+    for rows, keys in ((64, 1 << 17), (16384, 1 << 15)):
+        logits, gm, limits = _scored(rows, keys, 7)
+
+        def topk(logits=logits, gm=gm, limits=limits):
+            return cuda_topk.topk_rows(logits, gm, limits, K, group=row_topk.GROUP)
+
+        values, local = topk()
+        raw_again = topk()[1]
+        t_topk = _ms(topk)
+        t_order = _ms(lambda values=values, local=local: indexer._in_score_order(values, local))
+        print(f"rows {rows} keys {keys}: top-k {t_topk:.3f} ms, order {t_order:.3f} ms; raw "
+              f"order equal in two runs: {torch.equal(local, raw_again)}")
