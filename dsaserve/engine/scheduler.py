@@ -517,10 +517,13 @@ class Scheduler:
         """P/D consumer: if waiting `req` takes its prompt's KV from a prefill engine, allocate
         blocks for the whole prompt (its own cached prefix reused, not moved) and hand the runner
         the read: it waits (WAITING_FOR_REMOTE_KVS) until the rows landed; True then. False when
-        the pool has no room yet; None when it reads nothing remote."""
+        the pool has no room yet, or (HiSparse spilling) while `_mla_pages_hold` does not hold
+        it, the rule of a local admission; None when it reads nothing remote."""
         params = req.kv_transfer_params
         if self.connector is None or params is None or not params.do_remote_prefill:
             return None
+        if self.mla is not None and not self._mla_pages_hold(req):
+            return False  # it would be preempted once the active ones grow, as a local one
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
         if self.mla is not None and not self.mla.can_provide(
                 self._recv_pages_needed(req, num_hit_tokens, hits), self._mla_victims(),
@@ -640,14 +643,18 @@ class Scheduler:
         return n
 
     def _mla_pages_hold(self, req: Request) -> bool:
-        """HiSparse spilling: whether the pages and blocks hold waiting `req` beside the active
-        requests to the end of their windows (`spilling_holds`, the rule `size_mla_pages` sizes
-        "auto" and `dsaserve plan`'s concurrency by): admitted past it, a request is preempted
-        later, once the running ones' windows outgrow the blocks or their tails the pages."""
+        """HiSparse spilling: whether the pages and blocks hold waiting `req` (admitted locally,
+        or a P/D arrival about to start its read) beside the active requests to the end of
+        their windows (`spilling_holds`, the rule `size_mla_pages` sizes "auto" and `dsaserve
+        plan`'s concurrency by): admitted past it, a request is preempted later, once the
+        active ones' windows outgrow the blocks or their tails the pages."""
         assert self.mla is not None
         active = [*self.running, *self.receiving.values()]
-        # a P/D arrival decodes from its first step; a waiting or prefilling request reads
-        # its pages until its prompt (or its recomputed outputs) is in
+        # a running request reads its pages until its prompt (or its recomputed outputs) is
+        # in; one arrived over P/D decodes from its first step. Waiting `req` counts as the
+        # prefill it may be: a short P/D arrival reads its GPU pages as a prefill does, and a
+        # long one leaves that room too (the plan's one prefill window beside the tails), for
+        # a local request or a recomputation beside the arrivals
         prefills = [r for r in [*self.running, req] if self._prefilling(r)]
         return spilling_holds(
             len(active) + 1,

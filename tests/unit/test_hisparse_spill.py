@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsaserve.config import ConfigError, HiSparseConfig, OffloadConfig, SpecConfig
+from dsaserve.config import ConfigError, EngineConfig, HiSparseConfig, OffloadConfig, SpecConfig
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.block_pool import BlockPool
@@ -387,12 +387,11 @@ def test_the_sizing_holds_its_concurrency_and_no_more(max_requests, room):
         assert not holds(c + 1)
 
 
-def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
-                scheduling: str = "sync") -> tuple[MlaPageSizing, list[list[int]], int, LLMEngine]:
-    """Six requests that fill their whole window (a 104-token prompt and 24 outputs, 128 =
-    max_model_len), prefilled in 32-token chunks, on the pages and blocks `size_mla_pages`
-    picks from `sizing_blocks` KV blocks and a host pool of `host_requests` windows: (the
-    sizing, greedy outputs, the most requests running at once, the engine)."""
+def page_bound_config(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
+                      scheduling: str = "sync") -> tuple[MlaPageSizing, EngineConfig]:
+    """A spilling engine of max_model_len 128, prefilling in 32-token chunks, on the pages and
+    blocks `size_mla_pages` picks from `sizing_blocks` KV blocks and a host pool of
+    `host_requests` windows: (the sizing, the config)."""
     ctx = 128
     cfg = _config(engine_config, model_dir, buffer=16, mla_pages=1, max_model_len=ctx,
                   num_blocks=sizing_blocks)
@@ -408,8 +407,18 @@ def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int
                             index_page_bytes=1, hot_bytes_per_request=0,
                             num_blocks=sizing_blocks)
     assert sizing.num_mla_pages > 0  # it spills
-    cfg = replace(cfg, hisparse=host, attention=replace(
+    return sizing, replace(cfg, hisparse=host, attention=replace(
         cfg.attention, hisparse_device_mla_pages=sizing.num_mla_pages))
+
+
+def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
+                scheduling: str = "sync") -> tuple[MlaPageSizing, list[list[int]], int, LLMEngine]:
+    """Six requests that fill their whole window (a 104-token prompt and 24 outputs, 128 =
+    max_model_len) on `page_bound_config`'s engine: (the sizing, greedy outputs, the most
+    requests running at once, the engine)."""
+    ctx = 128
+    sizing, cfg = page_bound_config(engine_config, model_dir, host_requests, sizing_blocks,
+                                    scheduling=scheduling)
     engine = LLMEngine.from_config(cfg)
     params = SamplingParams(max_tokens=ctx - 104, temperature=0.0, ignore_eos=True)
     got, most_running, _ = _run(engine, _prompts(6, seed=5, lo=104, hi=104), params)
