@@ -30,9 +30,10 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
 are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
 older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
-request is admitted only while the pages and blocks hold every active request to the end of
-its window (`spilling_holds`: requests of max_model_len, `dsaserve plan`'s concurrency at
-once) and when its prefill's pages can be found. A spilled block stays in the
+request is admitted, or a P/D arrival starts its read, only while the pages and blocks hold
+every active request to the end of its window (`spilling_holds`: requests of max_model_len,
+`dsaserve plan`'s concurrency at once; a shared cached prefix counted once) and when its
+pages can be found. A spilled block stays in the
 prefix cache (its rows kept in the host pool after its request ends); a hit on it gives it a page
 again, which the runner fills from the host rows. Kept host blocks are evicted, least recently
 freed first, before the admitted windows would not fit the pool (`hisparse_host`).
