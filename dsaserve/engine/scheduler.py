@@ -30,9 +30,10 @@ to the computed tokens, so a rejected token never enters the prefix cache).
 HiSparse spilling (`num_mla_pages`, kv/hisparse/mla_pages.py): after a running request's blocks
 are allocated, the blocks it reads or writes on the GPU this step get MLA pages, long decoders'
 older pages spilling to make room (a shortage preempts, as a KV shortage does); a waiting
-request is admitted only while the pages and blocks hold every active request to the end of
-its window (`spilling_holds`: requests of max_model_len, `dsaserve plan`'s concurrency at
-once) and when its prefill's pages can be found. A spilled block stays in the
+request is admitted, or a P/D arrival starts its read, only while the pages and blocks hold
+every active request to the end of its window (`spilling_holds`: requests of max_model_len,
+`dsaserve plan`'s concurrency at once; a shared cached prefix counted once) and when its
+pages can be found. A spilled block stays in the
 prefix cache (its rows kept in the host pool after its request ends); a hit on it gives it a page
 again, which the runner fills from the host rows. Kept host blocks are evicted, least recently
 freed first, before the admitted windows would not fit the pool (`hisparse_host`).
@@ -63,6 +64,7 @@ from dsaserve.kv.hisparse.admission import (
     HiSparseAdmission,
     host_blocks_to_evict,
     min_mla_pages,
+    shared_windows,
     spilling_holds,
     write_tail_pages,
 )
@@ -517,11 +519,14 @@ class Scheduler:
         """P/D consumer: if waiting `req` takes its prompt's KV from a prefill engine, allocate
         blocks for the whole prompt (its own cached prefix reused, not moved) and hand the runner
         the read: it waits (WAITING_FOR_REMOTE_KVS) until the rows landed; True then. False when
-        the pool has no room yet; None when it reads nothing remote."""
+        the pool has no room yet, or (HiSparse spilling) while `_mla_pages_hold` does not hold
+        it, the rule of a local admission; None when it reads nothing remote."""
         params = req.kv_transfer_params
         if self.connector is None or params is None or not params.do_remote_prefill:
             return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if self.mla is not None and not self._mla_pages_hold(req, hits):
+            return False  # it would be preempted once the active ones grow, as a local one
         if self.mla is not None and not self.mla.can_provide(
                 self._recv_pages_needed(req, num_hit_tokens, hits), self._mla_victims(),
                 keep=hits):
@@ -618,7 +623,7 @@ class Scheduler:
         n = min(remaining, budget)
         if n < remaining and not self.config.enable_chunked_prefill:
             return 0
-        if self.mla is not None and not self._mla_pages_hold(req):
+        if self.mla is not None and not self._mla_pages_hold(req, hits):
             return 0  # it would be preempted once the running ones grow: wait for one to end
         lookahead = self.num_lookahead if n == remaining else 0
         # a prefill reads its GPU pages: its new blocks and spilled hits (restored) need them
@@ -639,23 +644,34 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
         return n
 
-    def _mla_pages_hold(self, req: Request) -> bool:
-        """HiSparse spilling: whether the pages and blocks hold waiting `req` beside the active
-        requests to the end of their windows (`spilling_holds`, the rule `size_mla_pages` sizes
-        "auto" and `dsaserve plan`'s concurrency by): admitted past it, a request is preempted
-        later, once the running ones' windows outgrow the blocks or their tails the pages."""
+    def _mla_pages_hold(self, req: Request, hits: list[int]) -> bool:
+        """HiSparse spilling: whether the pages and blocks hold waiting `req` (admitted locally,
+        or a P/D arrival about to start its read), with its prefix hits `hits`, beside the
+        active requests to the end of their windows (`spilling_holds`, the rule
+        `size_mla_pages` sizes "auto" and `dsaserve plan`'s concurrency by): admitted past it,
+        a request is preempted later, once the active ones' windows outgrow the blocks or
+        their tails the pages. A cached prefix they share is one set of blocks, whose pages
+        stay resident (`shared_windows`)."""
         assert self.mla is not None
-        active = [*self.running, *self.receiving.values()]
-        # a P/D arrival decodes from its first step; a waiting or prefilling request reads
-        # its pages until its prompt (or its recomputed outputs) is in
-        prefills = [r for r in [*self.running, req] if self._prefilling(r)]
+        requests = [*self.running, *self.receiving.values(), req]
+        # a running request reads its pages until its prompt (or its recomputed outputs) is
+        # in; one arrived over P/D decodes from its first step. Waiting `req` counts as the
+        # prefill it may be: a short P/D arrival reads its GPU pages as a prefill does, and a
+        # long one leaves that room too (the plan's one prefill window beside the tails), for
+        # a local request or a recomputation beside the arrivals
+        prefills = [i for i in [*range(len(self.running)), len(requests) - 1]
+                    if self._prefilling(requests[i])]
+        longest = max(prefills, key=lambda i: requests[i].num_tokens, default=None)
+        window_blocks, pinned = shared_windows(
+            [*(r.block_ids for r in requests[:-1]), hits],
+            [cdiv(self._window_tokens(r), self.block_size) for r in requests], longest)
         return spilling_holds(
-            len(active) + 1,
-            max((r.num_tokens + self.num_lookahead for r in prefills), default=0),
-            sum(cdiv(self._window_tokens(r), self.block_size) for r in [*active, req]),
-            block_size=self.block_size, tail_pages=write_tail_pages(self.num_spec,
-                                                                     self.block_size),
-            num_mla_pages=self.mla.num_pages, num_blocks=self.kv.num_blocks)
+            len(requests),
+            0 if longest is None else requests[longest].num_tokens + self.num_lookahead,
+            window_blocks, block_size=self.block_size,
+            tail_pages=write_tail_pages(self.num_spec, self.block_size),
+            num_mla_pages=self.mla.num_pages, num_blocks=self.kv.num_blocks,
+            pinned_pages=pinned)
 
     @staticmethod
     def _prefilling(req: Request) -> bool:

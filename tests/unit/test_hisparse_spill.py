@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dsaserve.config import ConfigError, HiSparseConfig, OffloadConfig, SpecConfig
+from dsaserve.config import ConfigError, EngineConfig, HiSparseConfig, OffloadConfig, SpecConfig
 from dsaserve.core import SamplingParams
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.block_pool import BlockPool
@@ -19,6 +19,7 @@ from dsaserve.kv.hisparse.admission import (
     hot_region_rows,
     min_mla_pages,
     mla_pages_for,
+    shared_windows,
     size_mla_pages,
     spilling_holds,
     write_tail_pages,
@@ -387,12 +388,26 @@ def test_the_sizing_holds_its_concurrency_and_no_more(max_requests, room):
         assert not holds(c + 1)
 
 
-def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
-                scheduling: str = "sync") -> tuple[MlaPageSizing, list[list[int]], int, LLMEngine]:
-    """Six requests that fill their whole window (a 104-token prompt and 24 outputs, 128 =
-    max_model_len), prefilled in 32-token chunks, on the pages and blocks `size_mla_pages`
-    picks from `sizing_blocks` KV blocks and a host pool of `host_requests` windows: (the
-    sizing, greedy outputs, the most requests running at once, the engine)."""
+def test_shared_windows_count_a_shared_prefix_once():
+    """The docstring's picture, and without sharing the plan's sum of windows."""
+    a, b, c = [0, 1, 2], [0, 1, 3, 4], [5]
+    assert shared_windows([a, b, c], [6, 7, 4], prefill=0) == (15, 0)
+    assert shared_windows([a, b, c], [6, 7, 4], prefill=2) == (15, 2)
+    assert shared_windows([a, b, c], [6, 7, 4], prefill=None) == (15, 2)
+    assert shared_windows([[0, 1], [2], []], [6, 7, 4], prefill=2) == (17, 0)
+    # a prefix hit on a free cached block (a waiting request's table) is a block it takes
+    assert shared_windows([[0], [1, 2]], [3, 3], prefill=1) == (6, 0)
+    # the pinned pages count beside the tails and the prefill
+    kw = dict(block_size=4, tail_pages=1, num_mla_pages=20, num_blocks=40)
+    assert spilling_holds(4, 64, 40, pinned_pages=0, **kw)  # 16 + 4 pages
+    assert not spilling_holds(4, 64, 40, pinned_pages=1, **kw)
+
+
+def page_bound_config(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
+                      scheduling: str = "sync") -> tuple[MlaPageSizing, EngineConfig]:
+    """A spilling engine of max_model_len 128, prefilling in 32-token chunks, on the pages and
+    blocks `size_mla_pages` picks from `sizing_blocks` KV blocks and a host pool of
+    `host_requests` windows: (the sizing, the config)."""
     ctx = 128
     cfg = _config(engine_config, model_dir, buffer=16, mla_pages=1, max_model_len=ctx,
                   num_blocks=sizing_blocks)
@@ -408,8 +423,18 @@ def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int
                             index_page_bytes=1, hot_bytes_per_request=0,
                             num_blocks=sizing_blocks)
     assert sizing.num_mla_pages > 0  # it spills
-    cfg = replace(cfg, hisparse=host, attention=replace(
+    return sizing, replace(cfg, hisparse=host, attention=replace(
         cfg.attention, hisparse_device_mla_pages=sizing.num_mla_pages))
+
+
+def _page_bound(engine_config, model_dir, host_requests: int, sizing_blocks: int, *,
+                scheduling: str = "sync") -> tuple[MlaPageSizing, list[list[int]], int, LLMEngine]:
+    """Six requests that fill their whole window (a 104-token prompt and 24 outputs, 128 =
+    max_model_len) on `page_bound_config`'s engine: (the sizing, greedy outputs, the most
+    requests running at once, the engine)."""
+    ctx = 128
+    sizing, cfg = page_bound_config(engine_config, model_dir, host_requests, sizing_blocks,
+                                    scheduling=scheduling)
     engine = LLMEngine.from_config(cfg)
     params = SamplingParams(max_tokens=ctx - 104, temperature=0.0, ignore_eos=True)
     got, most_running, _ = _run(engine, _prompts(6, seed=5, lo=104, hi=104), params)
@@ -443,3 +468,55 @@ def test_host_bound_admits_the_host_windows(model_dirs, engine_config):
     sizing, _, most_running, engine = _page_bound(engine_config, model_dir, 2, 3 * 32 + 10)
     assert sizing.concurrency == 2 == engine.scheduler.config.max_num_seqs
     assert most_running == 2 and engine.stats().num_preemptions == 0
+
+
+def _shared_prefix_prompts(n: int, seed: int, prefix: int, total: int) -> list[list[int]]:
+    """`n` prompts of `total` tokens whose first `prefix` are the same."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(4, 512, (prefix,), generator=g).tolist()
+    return [head + torch.randint(4, 512, (total - prefix,), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_a_shared_prefix_counts_its_blocks_once(model_dirs, engine_config, scheduling):
+    """Five requests of a whole window (104-token prompts and 24 outputs) whose first 96
+    prompt tokens are one cached prefix of 24 blocks, on the budget-bound engine above (106
+    blocks, 35 MLA pages; the plan's concurrency is 3): the shared blocks count once
+    (`shared_windows`: 24 + 5 × 8 blocks by the end of the windows), so all five run at once
+    (the host pool's bound), none preempted, the shared pages resident; greedy output equals
+    the all-GPU engine's."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _shared_prefix_prompts(5, seed=6, prefix=96, total=104)
+    want = LLMEngine.from_config(_config(engine_config, model_dir, max_model_len=128)).generate(
+        prompts, params)
+    sizing, cfg = page_bound_config(engine_config, model_dir, 5, 3 * 32 + 10,
+                                    scheduling=scheduling)
+    assert sizing.concurrency == 3
+    engine = LLMEngine.from_config(cfg)
+    got, most_running, _ = _run(engine, prompts, params)
+    assert got == want
+    assert most_running == 5 == engine.scheduler.config.max_num_seqs
+    assert engine.stats().num_preemptions == 0
+    assert engine.stats().prefix_cache_hits >= 4 * 96
+
+
+def test_a_shared_prefix_pins_its_pages(model_dirs, engine_config):
+    """A shared prefix's blocks never spill (two requests hold them), so their pages count
+    beside the tails and a prefill of other tokens (`shared_windows`' pinned pages): four
+    requests sharing a 96-token prefix decode while a fifth, unrelated one waits until their
+    pinned pages and its window fit the 35 MLA pages, rather than being admitted and then
+    preempted when its prefill cannot find pages; greedy output equals the all-GPU engine's."""
+    model_dir = model_dirs["tiny-glm5"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _shared_prefix_prompts(4, seed=7, prefix=96, total=104) + _prompts(
+        1, seed=8, lo=104, hi=104)
+    want = LLMEngine.from_config(_config(engine_config, model_dir, max_model_len=128)).generate(
+        prompts, params)
+    _, cfg = page_bound_config(engine_config, model_dir, 5, 3 * 32 + 10)
+    engine = LLMEngine.from_config(cfg)
+    got, most_running, _ = _run(engine, prompts, params)
+    assert got == want
+    assert engine.stats().num_preemptions == 0
+    assert most_running == 4  # the sharers; the fifth ran once they had ended

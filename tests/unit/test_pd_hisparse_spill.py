@@ -130,6 +130,107 @@ def test_pd_into_spilling_hisparse_equals_aggregated(model_dirs, engine_config, 
         d.shutdown()
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+def test_pd_burst_admits_the_plans_concurrency(model_dirs, engine_config, scheduling):
+    """Six P/D arrivals that fill their whole window (a 104-token prompt and 24 outputs, 128 =
+    max_model_len) at once into a decode engine whose KV budget binds (106 blocks: 3 windows
+    of 32, a host pool of 5, 35 MLA pages from `size_mla_pages`): a READ starts only while
+    `spilling_holds`, as a local admission does, so at most the plan's 3 are active at once
+    and none is preempted (4 READs fitted the blocks of their prompts, and one was preempted
+    once they grew); greedy output equals the aggregated engine's; no block, page or host
+    window is left on either side."""
+    from test_hisparse_spill import page_bound_config
+
+    model_dir = model_dirs["tiny-glm5"]
+    sizing, cfg = page_bound_config(engine_config, model_dir, 5, 3 * 32 + 10,
+                                    scheduling=scheduling)
+    assert sizing.concurrency == 3
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(31, [104] * 6)
+    plain = engine_config(model_dir, block_size=B, num_blocks=200, max_model_len=128)
+    want = LLMEngine.from_config(plain).generate(prompts, params)
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(cfg, disagg=_disagg("kv_consumer")))
+    most_active = most_blocks = 0
+
+    def checks() -> None:
+        nonlocal most_active, most_blocks
+        active = [*d.scheduler.running, *d.scheduler.receiving.values()]
+        most_active = max(most_active, len(active))
+        most_blocks = max(most_blocks, sum(len(r.block_ids) for r in active))
+        d.check_integrity()
+        p.check_integrity()
+
+    try:
+        assert d.scheduler.config.max_num_seqs == 5  # the host pool would admit 5
+        got = offline.generate_together(p, d, prompts, params, "burst", after_step=checks)
+        d.step()  # an empty step tells the runner which requests ended
+        d.check_integrity()
+        assert got == want
+        assert d.stats().num_preemptions == 0
+        assert most_active == sizing.concurrency
+        # received spilled: more KV at once than the MLA pages hold
+        assert most_blocks > sizing.num_mla_pages and d.runner.connector.mla_rows_to_host > 0
+        # nothing leaks: every block free on both sides (cached at most), no host window held
+        rt, mla = d.runner.hisparse, d.scheduler.mla
+        assert not rt.entries and set(rt.kept) == set(mla.host_kept())
+        assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
+        for e in (p, d):
+            assert not e.has_unfinished_requests()
+            assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_pd_arrival_waits_at_the_head_of_the_queue(model_dirs, engine_config):
+    """A P/D arrival that `spilling_holds` does not admit yet keeps the head of the queue, as a
+    local request does: a short local request queued behind it, which the blocks and pages
+    would hold, waits until it has started its read (FIFO), then both finish with the
+    aggregated engine's greedy tokens and nothing is preempted."""
+    from test_hisparse_spill import page_bound_config
+
+    model_dir = model_dirs["tiny-glm5"]
+    sizing, cfg = page_bound_config(engine_config, model_dir, 5, 3 * 32 + 10)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(32, [104] * 4 + [8])
+    local = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    plain = engine_config(model_dir, block_size=B, num_blocks=200, max_model_len=128)
+    ref = LLMEngine.from_config(plain)
+    want = ref.generate(prompts[:4], params) + ref.generate(prompts[4:], local)
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(cfg, disagg=_disagg("kv_consumer")))
+    try:
+        ids = [f"r{i}" for i in range(4)]
+        for rid, prompt in zip(ids, prompts[:4], strict=True):
+            d.add_request(rid, prompt, params,
+                          kv_transfer_params=offline.prefill(p, rid, prompt))
+        d.add_request("local", prompts[4], local)
+        got: dict[str, list[int]] = {rid: [] for rid in [*ids, "local"]}
+        head_waited = False
+        while d.has_unfinished_requests() or p.has_unfinished_requests():
+            for out in d.step():
+                got[out.request_id] += out.new_token_ids
+            if p.has_unfinished_requests():
+                p.step()
+            waiting = [r.request_id for r in d.scheduler.waiting]
+            if "r3" in waiting:  # the plan's 3 are active: the 4th waits, the local behind it
+                head_waited = True
+                assert waiting == ["r3", "local"]
+            d.check_integrity()
+            p.check_integrity()
+        d.step()
+        d.check_integrity()
+        assert head_waited
+        assert [got[rid] for rid in [*ids, "local"]] == want
+        assert d.stats().num_preemptions == 0
+        for e in (p, d):
+            assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_failed_read_and_abort_give_the_host_window_back(model_dirs, engine_config,
                                                           monkeypatch):
     """The runner reserves a received request's host window before its READ: a failed READ

@@ -10,6 +10,8 @@ would not fit (`host_blocks_to_evict`). Pure integer maths (no torch).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dsaserve.config import ConfigError
@@ -57,18 +59,47 @@ def mla_pages_for(concurrency: int, window_tokens: int, block_size: int,
 
 
 def spilling_holds(num_requests: int, prefill_tokens: int, window_blocks: int, *,
-                   block_size: int, tail_pages: int, num_mla_pages: int, num_blocks: int) -> bool:
+                   block_size: int, tail_pages: int, num_mla_pages: int, num_blocks: int,
+                   pinned_pages: int = 0) -> bool:
     """Whether `num_requests` requests run at once on spilling pages without a preemption: each
     keeps its write tail's `tail_pages` resident beside the longest prefill among them
     (`prefill_tokens`, MTP lookahead included: a prefill reads its GPU pages), which is
     `mla_pages_for` them, and their windows (prompt and outputs to the end) need
-    `window_blocks` KV blocks (indexer pages) in all. The engine's scheduler admits a request
-    only while this holds; for requests of max_model_len it holds up to `size_mla_pages`'s
-    concurrency, which `dsaserve plan` prints. A lone request always fits (the pages and
-    blocks hold one window, checked at start-up)."""
+    `window_blocks` KV blocks (indexer pages) in all. `pinned_pages`: blocks of a shared
+    prefix, which never spill (`shared_windows`; 0 without sharing, as `dsaserve plan`
+    assumes). The engine's scheduler admits a request only while this holds; for requests
+    of max_model_len it holds up to `size_mla_pages`'s concurrency, which `dsaserve plan`
+    prints. A lone request always fits (the pages and blocks hold one window, checked at
+    start-up)."""
     return num_requests <= 1 or (
-        mla_pages_for(num_requests, prefill_tokens, block_size, tail_pages) <= num_mla_pages
-        and window_blocks <= num_blocks)
+        mla_pages_for(num_requests, prefill_tokens, block_size, tail_pages) + pinned_pages
+        <= num_mla_pages and window_blocks <= num_blocks)
+
+
+def shared_windows(tables: Sequence[Sequence[int]], window_blocks: Sequence[int],
+                   prefill: int | None) -> tuple[int, int]:
+    """(`window_blocks` for `spilling_holds`, its `pinned_pages`) of requests holding block
+    tables `tables` now, whose windows end at `window_blocks` blocks each. A block several of
+    them hold (a cached prefix) is one block: their later blocks are new, one each. It is
+    also a page none of them may spill (a spilled block is held by one request alone), so it
+    is pinned, unless it is in the prefill's table (`tables[prefill]`), whose window of
+    pages `mla_pages_for` counts whole already:
+
+        a (prefill)  | s0 s1 a2 . . . |        window 6 blocks
+        b            | s0 s1 b2 b3 . . . |     window 7
+        c            | c0 . . . |              window 4
+
+        held now: s0 s1 a2 b2 b3 c0 = 6, later: 3 + 3 + 3 → 15 blocks, not 6 + 7 + 4 = 17;
+        pinned: none (s0, s1 are in the prefill's window); 2 were c the prefill
+
+    Without sharing it is the sum of the windows and no page pinned, as `dsaserve plan` has it.
+    """
+    held = Counter(b for table in tables for b in table)
+    later = sum(max(w - len(t), 0) for t, w in zip(tables, window_blocks, strict=True))
+    shared = {b for b, n in held.items() if n > 1}
+    if prefill is not None:
+        shared.difference_update(tables[prefill])
+    return len(held) + later, len(shared)
 
 
 def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_size: int) -> None:
