@@ -62,8 +62,10 @@ from dsaserve.core import (
 )
 from dsaserve.kv.hisparse.admission import (
     HiSparseAdmission,
+    SharedBlocks,
     host_blocks_to_evict,
     min_mla_pages,
+    shared_blocks,
     shared_windows,
     spilling_holds,
     write_tail_pages,
@@ -117,6 +119,8 @@ class Scheduler:
         self.hisparse_host = hisparse_host
         self._step = 0
         self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
+        # (the requests and hits it was counted for, their shared blocks): `_mla_pages_hold`
+        self._shared_memo: tuple[tuple, SharedBlocks] | None = None
         if num_mla_pages:
             self.mla = self._mla_page_map(num_mla_pages, num_blocks)
         # The host KV tier (kv/offload.py), when the engine has one: it needs the block keys.
@@ -662,9 +666,16 @@ class Scheduler:
         prefills = [i for i in [*range(len(self.running)), len(requests) - 1]
                     if self._prefilling(requests[i])]
         longest = max(prefills, key=lambda i: requests[i].num_tokens, default=None)
+        tables = [*(r.block_ids for r in requests[:-1]), hits]
+        # the shared blocks change only with the requests (and the waiting one's hits): kept,
+        # so that a request waiting at the head does not walk every table at every step
+        key = (tuple(r.request_id for r in requests), tuple(hits),
+               None if longest is None else requests[longest].request_id)
+        if self._shared_memo is None or self._shared_memo[0] != key:
+            self._shared_memo = (key, shared_blocks(tables, longest))
         window_blocks, pinned = shared_windows(
-            [*(r.block_ids for r in requests[:-1]), hits],
-            [cdiv(self._window_tokens(r), self.block_size) for r in requests], longest)
+            tables, [cdiv(self._window_tokens(r), self.block_size) for r in requests], longest,
+            self._shared_memo[1])
         return spilling_holds(
             len(requests),
             0 if longest is None else requests[longest].num_tokens + self.num_lookahead,

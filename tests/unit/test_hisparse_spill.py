@@ -16,9 +16,11 @@ from dsaserve.engine.engine import LLMEngine
 from dsaserve.kv.block_pool import BlockPool
 from dsaserve.kv.hisparse.admission import (
     MlaPageSizing,
+    SharedBlocks,
     hot_region_rows,
     min_mla_pages,
     mla_pages_for,
+    shared_blocks,
     shared_windows,
     size_mla_pages,
     spilling_holds,
@@ -520,3 +522,14 @@ def test_a_shared_prefix_pins_its_pages(model_dirs, engine_config):
     assert got == want
     assert engine.stats().num_preemptions == 0
     assert most_running == 4  # the sharers; the fifth ran once they had ended
+
+
+def test_shared_windows_from_kept_shared_blocks():
+    """The scheduler keeps `shared_blocks` between steps: as the tables grow by blocks of
+    their own, the kept count gives what a fresh walk gives."""
+    a, b, c = [0, 1, 2], [0, 1, 3, 4], [5]
+    kept = shared_blocks([a, b, c], 0)
+    assert kept == SharedBlocks(repeats=2, pinned=0)
+    grown = [a + [6], b + [7, 8], c + [9]]
+    for windows in ([6, 7, 4], [4, 4, 2]):
+        assert shared_windows(grown, windows, 0, kept) == shared_windows(grown, windows, 0)

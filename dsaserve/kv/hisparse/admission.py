@@ -76,8 +76,29 @@ def spilling_holds(num_requests: int, prefill_tokens: int, window_blocks: int, *
         <= num_mla_pages and window_blocks <= num_blocks)
 
 
+@dataclass(frozen=True)
+class SharedBlocks:
+    """Blocks several requests hold at once (a cached prefix), as `shared_windows` counts them:
+    they change only when the set of requests does (a request's later blocks are its own), so
+    the scheduler keeps them between steps."""
+
+    repeats: int  # table entries beyond the first of each shared block
+    pinned: int  # shared blocks outside the prefill's table: pages that never spill
+
+
+def shared_blocks(tables: Sequence[Sequence[int]], prefill: int | None) -> SharedBlocks:
+    """The shared blocks of requests holding block tables `tables` now; `prefill`: the index of
+    the prefill among them (None: none), whose window of pages is counted whole already."""
+    held = Counter(b for table in tables for b in table)
+    shared = {b for b, n in held.items() if n > 1}
+    repeats = sum(held[b] - 1 for b in shared)
+    if prefill is not None:
+        shared.difference_update(tables[prefill])
+    return SharedBlocks(repeats, len(shared))
+
+
 def shared_windows(tables: Sequence[Sequence[int]], window_blocks: Sequence[int],
-                   prefill: int | None) -> tuple[int, int]:
+                   prefill: int | None, shared: SharedBlocks | None = None) -> tuple[int, int]:
     """(`window_blocks` for `spilling_holds`, its `pinned_pages`) of requests holding block
     tables `tables` now, whose windows end at `window_blocks` blocks each. A block several of
     them hold (a cached prefix) is one block: their later blocks are new, one each. It is
@@ -93,13 +114,11 @@ def shared_windows(tables: Sequence[Sequence[int]], window_blocks: Sequence[int]
         pinned: none (s0, s1 are in the prefill's window); 2 were c the prefill
 
     Without sharing it is the sum of the windows and no page pinned, as `dsaserve plan` has it.
+    `shared`: `shared_blocks(tables, prefill)` if known (it walks every table).
     """
-    held = Counter(b for table in tables for b in table)
-    later = sum(max(w - len(t), 0) for t, w in zip(tables, window_blocks, strict=True))
-    shared = {b for b, n in held.items() if n > 1}
-    if prefill is not None:
-        shared.difference_update(tables[prefill])
-    return len(held) + later, len(shared)
+    shared = shared_blocks(tables, prefill) if shared is None else shared
+    windows = sum(max(w, len(t)) for t, w in zip(tables, window_blocks, strict=True))
+    return windows - shared.repeats, shared.pinned
 
 
 def check_admits_one(adm: HiSparseAdmission, mla_bytes_per_token: int, block_size: int) -> None:
