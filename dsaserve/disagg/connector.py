@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -106,13 +107,18 @@ class ConnectorScheduler:
     # consumer: request id → the prefill ranks' transport metadata, one per DCP rank
     _remote: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     _snapshot: bytes = b""  # the side channel's payload (replaced whole: read by its thread)
+    # producer: held request id → the decode request that claimed it (its first check), so that
+    # a replay of the same params from another decode request is refused before it READs;
+    # written by the side channel's thread, forgotten when the blocks are freed
+    _claims: dict[str, str] = field(default_factory=dict)
+    _claims_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.config.is_producer:
             port = self.config.side_channel_port
             self.side_channel = SideChannel(
                 self.payload, self.config.side_channel_host,
-                port + self.dp_rank if port else 0)
+                port + self.dp_rank if port else 0, ask=self.claim)
         self._publish()
 
     # ---- producer --------------------------------------------------------------------------
@@ -146,11 +152,34 @@ class ConnectorScheduler:
                 out.append(self.held.pop(rid).request)
         if out:
             self._publish()
+            with self._claims_lock:
+                for req in out:
+                    self._claims.pop(req.request_id, None)
         return out
 
     def payload(self) -> bytes:
         """What the side channel serves now (JSON: engine id, ranks' metadata, held blocks)."""
         return self._snapshot
+
+    def claim(self, question: bytes) -> bytes:
+        """The side channel's answer to a consumer's check (its thread): the payload, and
+        whether the held request it names is now that consumer's. The first decode request to
+        check a held request's params claims it; the same one checking again still holds it;
+        any other is refused (`claim.granted` false), so a replay racing the first READ never
+        READs. Only an exact match (engine id, request, block ids) claims anything."""
+        payload = self._snapshot
+        try:
+            q = json.loads(question)
+            rid, by = str(q["claim"]), str(q["by"])
+            engine, blocks = q.get("engine"), q.get("blocks")
+        except (ValueError, KeyError, TypeError):
+            return payload
+        snap = json.loads(payload)
+        granted = False
+        if engine == snap["engine_id"] and snap["held"].get(rid) == blocks:
+            with self._claims_lock:
+                granted = self._claims.setdefault(rid, by) == by
+        return json.dumps(dict(snap, claim={"request": rid, "granted": granted})).encode()
 
     def _publish(self) -> None:
         self._snapshot = json.dumps({
@@ -177,8 +206,8 @@ class ConnectorScheduler:
             raise RequestError(
                 f"kv_transfer_params: the prefill held {params.remote_num_tokens} prompt tokens, "
                 f"this prompt has {num_prompt_tokens}")
-        raw = fetched if fetched is not None else fetch_remote(params,
-                                                               self.config.transfer_timeout_s)
+        raw = fetched if fetched is not None else fetch_remote(
+            params, self.config.transfer_timeout_s, request_id)
         if raw.get("engine_id") != params.remote_engine_id:
             raise RequestError(f"kv_transfer_params: unknown remote_engine_id "
                                f"{params.remote_engine_id!r} (that address serves "
@@ -190,6 +219,10 @@ class ConnectorScheduler:
         if list(params.remote_block_ids) != held:
             raise RequestError("kv_transfer_params: remote_block_ids do not match the blocks "
                                f"the prefill engine holds for {params.remote_request_id!r}")
+        claim = raw.get("claim")
+        if claim is not None and not claim.get("granted"):
+            raise RequestError(f"kv_transfer_params: request {params.remote_request_id!r} is "
+                               "already being read by another decode request (replayed params)")
         ranks = [base64.b64decode(m) for m in raw["ranks"]]
         by_dcp: dict[int, bytes] = {}
         for m in ranks:
@@ -220,14 +253,19 @@ class ConnectorScheduler:
             self.side_channel.close()
 
 
-def fetch_remote(params: KVTransferParams, timeout_s: float) -> dict:
-    """The side channel's answer for a decode request's params (network I/O: callers off the
-    engine core's thread do it first, so an unreachable prefill host stalls one request, not
-    every step). RequestError (→ 400) when it cannot be read."""
+def fetch_remote(params: KVTransferParams, timeout_s: float, request_id: str) -> dict:
+    """The side channel's answer for decode request `request_id`'s params, which claims the
+    held request for it (`ConnectorScheduler.claim`; network I/O: callers off the engine core's
+    thread do it first, so an unreachable prefill host stalls one request, not every step).
+    RequestError (→ 400) when it cannot be read."""
     if params.remote_host is None or params.remote_port is None:
         raise RequestError("kv_transfer_params: missing remote_host / remote_port")
+    question = json.dumps({"claim": params.remote_request_id, "by": request_id,
+                           "engine": params.remote_engine_id,
+                           "blocks": list(params.remote_block_ids)}).encode()
     try:
-        raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s))
+        raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s,
+                                        question))
     except (TransferError, ValueError) as e:
         raise RequestError(f"kv_transfer_params: the prefill engine at "
                            f"{params.remote_host}:{params.remote_port} cannot be reached "
