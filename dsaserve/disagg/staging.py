@@ -93,6 +93,18 @@ class StagedPair:
         return sum(int(seg.shape[0]) for layer in self.reads for seg in layer.values())
 
 
+def _source_bytes(slots: torch.Tensor, key: tuple) -> torch.Tensor:
+    """[n] first byte of each slot's row in its source region: ("rows", width) of a row-major
+    tensor, or ("values" | "scales", bytes per key D + 4, tokens per page B) of an FP8 page."""
+    if key[0] == "rows":
+        return slots * key[1]
+    _, k, b = key
+    page = (slots // b) * b * k  # [n] the page's first byte: B values of D bytes, B scales of 4
+    if key[0] == "values":
+        return page + (slots % b) * (k - 4)
+    return page + b * (k - 4) + (slots % b) * 4
+
+
 def plan_staged(pair: CopyRuns, src: Sequence[LayerFormat], dst: Sequence[LayerFormat],
                 parts: tuple[str, ...] = ("kv", "index")) -> StagedPair:
     """The staged READ of `pair`'s rows, for the tensors in `parts` (as `plan_segments`)."""
@@ -105,30 +117,29 @@ def plan_staged(pair: CopyRuns, src: Sequence[LayerFormat], dst: Sequence[LayerF
     reads: list[dict[str, torch.Tensor]] = []
     pieces: list[Piece] = []
     offset = 0
+    memo: dict[tuple, torch.Tensor] = {}  # layers of one format share their segments
 
-    def rows(width: int, src_byte: torch.Tensor) -> torch.Tensor:  # [K, 3]
+    def rows(layer: int, part: str, sub: int, width: int, key: tuple) -> torch.Tensor:
+        """One piece's segments [K, 3] (source byte, buffer byte, n), placed at `offset`."""
         nonlocal offset
-        segs = coalesce(torch.stack((src_byte, offset + j * width,
-                                     torch.full_like(j, width)), 1))
+        if key not in memo:
+            memo[key] = coalesce(torch.stack((_source_bytes(s, key), j * width,
+                                              torch.full_like(j, width)), 1))
+        pieces.append(Piece(layer, part, sub, offset, width))
+        segs = memo[key] + torch.tensor([0, offset, 0])
         offset += n * width
         return segs
 
     for i, f in enumerate(src):
         layer: dict[str, torch.Tensor] = {}
         if "kv" in parts:
-            pieces.append(Piece(i, "kv", 0, offset, f.kv_bytes))
-            layer["kv"] = rows(f.kv_bytes, s * f.kv_bytes)
+            layer["kv"] = rows(i, "kv", 0, f.kv_bytes, ("rows", f.kv_bytes))
         if "index" in parts and f.index_bytes and f.index_fp8:
-            head_dim, b = f.index_bytes - 4, f.block_size
-            page = (s // b) * b * f.index_bytes  # [n] the source page's first byte
-            pieces.append(Piece(i, "index", 0, offset, head_dim))
-            values = rows(head_dim, page + (s % b) * head_dim)
-            pieces.append(Piece(i, "index", 1, offset, 4))
-            scales = rows(4, page + b * head_dim + (s % b) * 4)
-            layer["index"] = torch.cat((values, scales))
+            k, b = f.index_bytes, f.block_size
+            layer["index"] = torch.cat((rows(i, "index", 0, k - 4, ("values", k, b)),
+                                        rows(i, "index", 1, 4, ("scales", k, b))))
         elif "index" in parts and f.index_bytes:
-            pieces.append(Piece(i, "index", 0, offset, f.index_bytes))
-            layer["index"] = rows(f.index_bytes, s * f.index_bytes)
+            layer["index"] = rows(i, "index", 0, f.index_bytes, ("rows", f.index_bytes))
         reads.append(layer)
     return StagedPair(reads, tuple(pieces), t, offset)
 
