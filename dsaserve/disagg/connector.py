@@ -151,8 +151,8 @@ class ConnectorScheduler:
                                    "freed", rid, self.config.abort_timeout_s)
                 out.append(self.held.pop(rid).request)
         if out:
-            self._publish()
-            with self._claims_lock:
+            with self._claims_lock:  # a claim sees the blocks held and unclaimed, or gone
+                self._publish()
                 for req in out:
                     self._claims.pop(req.request_id, None)
         return out
@@ -167,18 +167,16 @@ class ConnectorScheduler:
         check a held request's params claims it; the same one checking again still holds it;
         any other is refused (`claim.granted` false), so a replay racing the first READ never
         READs. Only an exact match (engine id, request, block ids) claims anything."""
-        payload = self._snapshot
         try:
             q = json.loads(question)
             rid, by = str(q["claim"]), str(q["by"])
             engine, blocks = q.get("engine"), q.get("blocks")
         except (ValueError, KeyError, TypeError):
-            return payload
-        snap = json.loads(payload)
-        granted = False
-        if engine == snap["engine_id"] and snap["held"].get(rid) == blocks:
-            with self._claims_lock:
-                granted = self._claims.setdefault(rid, by) == by
+            return self._snapshot
+        with self._claims_lock:
+            snap = json.loads(self._snapshot)
+            granted = (engine == snap["engine_id"] and snap["held"].get(rid) == blocks
+                       and self._claims.setdefault(rid, by) == by)
         return json.dumps(dict(snap, claim={"request": rid, "granted": granted})).encode()
 
     def _publish(self) -> None:
