@@ -16,8 +16,12 @@ measurements per backend and request size:
   2. re-layout: gathering one prefill rank's share out of its DCP-8 caches and scattering it into
      a DP decode rank's pages (kvio), in one process, for interleave 1 (token round robin) and
      interleave = block size (whole pages);
-  3. zero-copy: the same share READ segment by segment from registered caches into registered
-     caches (descriptors), per backend and interleave: how the segment count costs.
+  3. the connector's READ of the same share, per backend and interleave, on the path the
+     connector chooses for the pair (disagg/staging.py; the "path" column): zero-copy, segment
+     by segment from registered caches into registered caches (descriptors), or staged, one
+     segment per source page into a registered staging buffer, then scattered into the pages;
+     beside it the zero-copy READ of the same pair, whatever was chosen: how the segment count
+     costs.
 
 The "16 GPUs" column is the cost model: a DP decode rank receives the request's whole KV over its
 own 400 Gb/s InfiniBand link (50 GB/s), the 8 prefill ranks sending 1/8 each in parallel, so the
@@ -34,7 +38,7 @@ import time
 import torch
 
 from dsaserve.config import ModelConfig
-from dsaserve.disagg import descriptors, kvio, transport
+from dsaserve.disagg import descriptors, kvio, staging, transport
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
 from dsaserve.kernels import formats
 from dsaserve.model.dsa import LayerCache
@@ -188,40 +192,55 @@ def measure_relayout(tokens: int, layers: int, interleave: int, repeat: int,
     return buf.numel() / gather / 1e9, buf.numel() / scatter / 1e9, pair.num_runs
 
 
-def measure_zero_copy(backend: str, tokens: int, layers: int, interleave: int, repeat: int,
-                      block_size: int = 64, dcp: int = 8) -> tuple[float, int]:
-    """(GB/s, segments): the decode agent READs prefill rank 0's share straight from its
-    registered caches into its own (descriptors.plan_segments); two agents in this process."""
+def measure_read(backend: str, tokens: int, layers: int, interleave: int, repeat: int,
+                 path: str, block_size: int = 64, dcp: int = 8) -> tuple[float, int, str]:
+    """(GB/s, segments, path): the decode agent READs prefill rank 0's share from its registered
+    caches (two agents in this process), zero-copy into its own caches, or staged into a
+    staging buffer and scattered (timed to the last row scattered); `path` "auto" takes the
+    connector's choice (`staging.worth_staging`)."""
     per_rank_blocks = -(-tokens // (block_size * dcp))
     src = KVLayout(tuple(range(per_rank_blocks)), block_size, dcp, interleave)
     dst = KVLayout(tuple(range(per_rank_blocks * dcp)), block_size)
     pair = plan_transfer(src, dst, 0, tokens).pair(0, 0)
-    tag = f"{interleave}-{tokens}"
-    with transport.make_transport(backend, f"zc-prefill-{tag}") as p, \
-            transport.make_transport(backend, f"zc-decode-{tag}") as d:
+    tag = f"{interleave}-{tokens}-{path}"
+    with transport.make_transport(backend, f"rd-prefill-{tag}") as p, \
+            transport.make_transport(backend, f"rd-decode-{tag}") as d:
         src_caches = descriptors.register_caches(p, _fp8_caches(per_rank_blocks, block_size,
                                                                 layers))
         dst_caches = descriptors.register_caches(d, _fp8_caches(per_rank_blocks * dcp,
                                                                 block_size, layers))
         peer = d.add_peer(p.metadata())
-        segs = descriptors.plan_segments(pair, descriptors.layer_formats(src_caches),
-                                         descriptors.layer_formats(dst_caches))
-        nbytes = descriptors.segments_nbytes(segs)
+        src_fmt, dst_fmt = (descriptors.layer_formats(c) for c in (src_caches, dst_caches))
+        segs = descriptors.plan_segments(pair, src_fmt, dst_fmt)
+        staged = staging.plan_staged(pair, src_fmt, dst_fmt)
+        if path == "auto":
+            path = "staged" if staging.worth_staging(segs, staged) else "zero-copy"
+        if path == "staged":
+            buf = d.allocate("stage", staged.nbytes)
+            targets = [{"kv": (v := kvio.part_views(c))[:1], "index": v[1:]}
+                       for c in dst_caches]
+            reads = [("stage", f"L{i}.{part}", descriptors.for_read(g))
+                     for i, layer in enumerate(staged.reads) for part, g in layer.items()]
+        else:
+            reads = [(f"L{i}.{part}", f"L{i}.{part}", descriptors.for_read(g))
+                     for i, layer in enumerate(segs) for part, g in layer.items()]
+        nbytes = sum(n for *_, g in reads for _, _, n in g)
         if nbytes != pair.num_rows * kvio.row_bytes(src_caches).per_token:
-            raise RuntimeError("zero-copy: the segments do not move the plan's bytes")
-        reads = [(f"L{i}.{part}", descriptors.for_read(s))
-                 for i, layer in enumerate(segs) for part, s in layer.items()]
+            raise RuntimeError(f"{path}: the segments do not move the plan's bytes")
         best = float("inf")
         for _ in range(repeat):
             start = time.perf_counter()
-            for x in [d.read(peer, name, name, s) for name, s in reads]:
+            for x in [d.read(peer, local, remote, g) for local, remote, g in reads]:
                 d.wait(x, 600)
+            if path == "staged":
+                staging.scatter_staged(staged, buf, targets)
             best = min(best, time.perf_counter() - start)
-        kv_src = src_caches[-1].kv.view(-1, src_caches[-1].kv.shape[-1])
-        kv_dst = dst_caches[-1].kv.view(-1, dst_caches[-1].kv.shape[-1])
-        if not torch.equal(kv_src[pair.src_slots()], kv_dst[pair.dst_slots()]):
-            raise RuntimeError("zero-copy: the target rows differ from the source rows")
-    return nbytes / best / 1e9, sum(len(s) for _, s in reads)
+        for s_c, d_c in zip(src_caches, dst_caches, strict=True):
+            kv_src = s_c.kv.view(-1, s_c.kv.shape[-1])
+            kv_dst = d_c.kv.view(-1, d_c.kv.shape[-1])
+            if not torch.equal(kv_src[pair.src_slots()], kv_dst[pair.dst_slots()]):
+                raise RuntimeError(f"{path}: the target rows differ from the source rows")
+    return nbytes / best / 1e9, sum(len(g) for *_, g in reads), path
 
 
 # ---- the table -----------------------------------------------------------------------------
@@ -305,17 +324,23 @@ def print_relayout(args: argparse.Namespace) -> None:
 
 def print_zero_copy(args: argparse.Namespace, backends: list[str]) -> None:
     print()
-    print("Zero-copy (descriptors): the decode agent READs the same share straight from the "
-          "prefill agent's registered caches (two agents, one process)")
+    print("The connector's READ of the same share (two agents, one process): the path it "
+          "chooses for the pair, and the zero-copy READ beside it")
     print()
-    print("| backend | tokens | interleave | segments | GB/s |")
-    print("|---|---|---|---|---|")
+    print("| backend | tokens | interleave | path | segments | GB/s | zero-copy segments | "
+          "zero-copy GB/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for backend in backends:
         for tokens in args.tokens:
             for interleave in (1, 64):
-                gbps, nseg = measure_zero_copy(backend, tokens, args.layers, interleave,
-                                               args.repeat)
-                print(f"| {backend} | {tokens:,} | {interleave} | {nseg:,} | {gbps:.2f} |")
+                gbps, nseg, path = measure_read(backend, tokens, args.layers, interleave,
+                                                args.repeat, "auto")
+                zc_gbps, zc_nseg = gbps, nseg
+                if path != "zero-copy":
+                    zc_gbps, zc_nseg, _ = measure_read(backend, tokens, args.layers,
+                                                       interleave, args.repeat, "zero-copy")
+                print(f"| {backend} | {tokens:,} | {interleave} | {path} | {nseg:,} | "
+                      f"{gbps:.2f} | {zc_nseg:,} | {zc_gbps:.2f} |")
 
 
 if __name__ == "__main__":

@@ -939,6 +939,9 @@ class DisaggConfig:
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT  # 0: any free port (tests)
     abort_timeout_s: float = DEFAULT_ABORT_TIMEOUT_S
     transfer_timeout_s: float = 30.0  # a consumer's reads and metadata fetch
+    # a consumer rank's staging buffers for READs whose zero-copy segments would be per row
+    # (disagg/staging.py); a request's READ that does not fit goes zero-copy
+    staging_mb: int = 1024
     flag: str = "--kv-transfer-config"
 
     def __post_init__(self) -> None:
@@ -960,6 +963,9 @@ class DisaggConfig:
         if not self.transfer_timeout_s > 0:
             raise ConfigError(f"{f}: transfer_timeout_s must be > 0, got "
                               f"{self.transfer_timeout_s}")
+        if self.staging_mb < 0:
+            raise ConfigError(f"{f}: kv_connector_extra_config.staging_mb must be >= 0 "
+                              f"(0: never staged), got {self.staging_mb}")
 
     @property
     def is_producer(self) -> bool:
@@ -1019,4 +1025,5 @@ class DisaggConfig:
             abort_timeout_s=number("abort_timeout_s", ABORT_TIMEOUT_ENV,
                                    DEFAULT_ABORT_TIMEOUT_S, float),
             transfer_timeout_s=number("transfer_timeout_s", None, 30.0, float),
+            staging_mb=number("staging_mb", None, 1024, int),
         )

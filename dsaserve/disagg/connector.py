@@ -23,10 +23,13 @@ the READs, the notifications).
                                                                     prompt token is recomputed (its
                                                                     logits give the first token)
 
-The consumer READs straight from the producer's cache tensors (zero-copy segments,
-`descriptors.plan_segments`); the producer does no work per request beyond holding blocks. A
+The consumer READs from the producer's cache tensors; the producer does no work per request
+beyond holding blocks. Per (source rank, target) pair the consumer READs straight into its
+caches (zero-copy segments, `descriptors.plan_segments`) where pages line up, or, where those
+segments would be per row (the prefill side's interleave below its page size), into a staging
+buffer of its own, one segment per source page, then scatters the rows (`staging.py`). A
 consumer that is a spilling HiSparse rank READs a long prompt's MLA rows below its write tail
-straight into its registered host pool (`hostplan.py`): no GPU MLA page is taken or written.
+into its registered host pool (`hostplan.py`): no GPU MLA page is taken or written.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -43,10 +47,19 @@ import torch
 
 from dsaserve.config import ConfigError, DisaggConfig
 from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
-from dsaserve.disagg import descriptors
+from dsaserve.disagg import descriptors, kvio
 from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
 from dsaserve.disagg.receiving import PostedRead
-from dsaserve.disagg.relayout import KVLayout, TransferPlan, plan_transfer
+from dsaserve.disagg.relayout import CopyRuns, KVLayout, TransferPlan, plan_transfer
+from dsaserve.disagg.staging import (
+    STAGE_SEGMENTS_PER_ROW,
+    StagedPair,
+    StagingPool,
+    plan_staged,
+    scatter_staged,
+    segments_per_row,
+    worth_staging,
+)
 from dsaserve.disagg.transport import (
     KVTransport,
     SideChannel,
@@ -94,13 +107,18 @@ class ConnectorScheduler:
     # consumer: request id → the prefill ranks' transport metadata, one per DCP rank
     _remote: dict[str, tuple[bytes, ...]] = field(default_factory=dict)
     _snapshot: bytes = b""  # the side channel's payload (replaced whole: read by its thread)
+    # producer: held request id → the decode request that claimed it (its first check), so that
+    # a replay of the same params from another decode request is refused before it READs;
+    # written by the side channel's thread, forgotten when the blocks are freed
+    _claims: dict[str, str] = field(default_factory=dict)
+    _claims_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         if self.config.is_producer:
             port = self.config.side_channel_port
             self.side_channel = SideChannel(
                 self.payload, self.config.side_channel_host,
-                port + self.dp_rank if port else 0)
+                port + self.dp_rank if port else 0, ask=self.claim)
         self._publish()
 
     # ---- producer --------------------------------------------------------------------------
@@ -133,12 +151,33 @@ class ConnectorScheduler:
                                    "freed", rid, self.config.abort_timeout_s)
                 out.append(self.held.pop(rid).request)
         if out:
-            self._publish()
+            with self._claims_lock:  # a claim sees the blocks held and unclaimed, or gone
+                self._publish()
+                for req in out:
+                    self._claims.pop(req.request_id, None)
         return out
 
     def payload(self) -> bytes:
         """What the side channel serves now (JSON: engine id, ranks' metadata, held blocks)."""
         return self._snapshot
+
+    def claim(self, question: bytes) -> bytes:
+        """The side channel's answer to a consumer's check (its thread): the payload, and
+        whether the held request it names is now that consumer's. The first decode request to
+        check a held request's params claims it; the same one checking again still holds it;
+        any other is refused (`claim.granted` false), so a replay racing the first READ never
+        READs. Only an exact match (engine id, request, block ids) claims anything."""
+        try:
+            q = json.loads(question)
+            rid, by = str(q["claim"]), str(q["by"])
+            engine, blocks = q.get("engine"), q.get("blocks")
+        except (ValueError, KeyError, TypeError):
+            return self._snapshot
+        with self._claims_lock:
+            snap = json.loads(self._snapshot)
+            granted = (engine == snap["engine_id"] and snap["held"].get(rid) == blocks
+                       and self._claims.setdefault(rid, by) == by)
+        return json.dumps(dict(snap, claim={"request": rid, "granted": granted})).encode()
 
     def _publish(self) -> None:
         self._snapshot = json.dumps({
@@ -165,8 +204,8 @@ class ConnectorScheduler:
             raise RequestError(
                 f"kv_transfer_params: the prefill held {params.remote_num_tokens} prompt tokens, "
                 f"this prompt has {num_prompt_tokens}")
-        raw = fetched if fetched is not None else fetch_remote(params,
-                                                               self.config.transfer_timeout_s)
+        raw = fetched if fetched is not None else fetch_remote(
+            params, self.config.transfer_timeout_s, request_id)
         if raw.get("engine_id") != params.remote_engine_id:
             raise RequestError(f"kv_transfer_params: unknown remote_engine_id "
                                f"{params.remote_engine_id!r} (that address serves "
@@ -178,6 +217,10 @@ class ConnectorScheduler:
         if list(params.remote_block_ids) != held:
             raise RequestError("kv_transfer_params: remote_block_ids do not match the blocks "
                                f"the prefill engine holds for {params.remote_request_id!r}")
+        claim = raw.get("claim")
+        if claim is not None and not claim.get("granted"):
+            raise RequestError(f"kv_transfer_params: request {params.remote_request_id!r} is "
+                               "already being read by another decode request (replayed params)")
         ranks = [base64.b64decode(m) for m in raw["ranks"]]
         by_dcp: dict[int, bytes] = {}
         for m in ranks:
@@ -208,14 +251,19 @@ class ConnectorScheduler:
             self.side_channel.close()
 
 
-def fetch_remote(params: KVTransferParams, timeout_s: float) -> dict:
-    """The side channel's answer for a decode request's params (network I/O: callers off the
-    engine core's thread do it first, so an unreachable prefill host stalls one request, not
-    every step). RequestError (→ 400) when it cannot be read."""
+def fetch_remote(params: KVTransferParams, timeout_s: float, request_id: str) -> dict:
+    """The side channel's answer for decode request `request_id`'s params, which claims the
+    held request for it (`ConnectorScheduler.claim`; network I/O: callers off the engine core's
+    thread do it first, so an unreachable prefill host stalls one request, not every step).
+    RequestError (→ 400) when it cannot be read."""
     if params.remote_host is None or params.remote_port is None:
         raise RequestError("kv_transfer_params: missing remote_host / remote_port")
+    question = json.dumps({"claim": params.remote_request_id, "by": request_id,
+                           "engine": params.remote_engine_id,
+                           "blocks": list(params.remote_block_ids)}).encode()
     try:
-        raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s))
+        raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s,
+                                        question))
     except (TransferError, ValueError) as e:
         raise RequestError(f"kv_transfer_params: the prefill engine at "
                            f"{params.remote_host}:{params.remote_port} cannot be reached "
@@ -234,6 +282,16 @@ _NOTIFY_PREFIX = b"pd-read:"
 
 def _same_name(layer: int, name: str) -> str:
     return name
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One plan of a received request and where its rows land."""
+
+    plan: TransferPlan
+    parts: tuple[str, ...]  # the cache tensors it moves ("kv", "index")
+    local_name: Callable[[int, str], str]  # zero-copy: the local region of layer i's part
+    targets: list[dict[str, list[torch.Tensor]]]  # staged: per layer, part → byte views
 
 
 class ConnectorWorker:
@@ -258,6 +316,12 @@ class ConnectorWorker:
         self.mla_rows_to_host = 0
         self.mla_rows_to_gpu = 0
         self.has_host_pool = False
+        # consumer: (source rank, target) pairs READ each way so far (staging.py chooses)
+        self.pairs_staged = 0
+        self.pairs_zero_copy = 0
+        self.staging: StagingPool | None = None
+        self._caches: list[LayerCache] = []  # the registered caches (staged rows land here)
+        self._host: list[torch.Tensor] = []  # a HiSparse host pool ([H, B, row] per layer)
 
     def register(self, caches: list[LayerCache]) -> list[LayerCache]:
         """The caches peers read from or into: NIXL registers them in place (host or GPU memory);
@@ -271,14 +335,19 @@ class ConnectorWorker:
         if self.transport.backend == "nixl":
             for name, region in descriptors.cache_regions(caches).items():
                 self.transport.register(name, region)
-            return caches
-        return descriptors.register_caches(self.transport, caches)
+        else:
+            caches = descriptors.register_caches(self.transport, caches)
+        self._caches = caches
+        self.staging = StagingPool(self.transport, caches[0].kv.device,
+                                   self.config.staging_mb << 20)
+        return caches
 
     def register_host_pool(self, host: list[torch.Tensor]) -> list[torch.Tensor]:
         """A HiSparse host pool the READs land in directly (P/D into a spilling decode rank);
         the tensors to use from now on (moved into shared memory, or registered in place)."""
         self.has_host_pool = True
-        return descriptors.register_host_pool(self.transport, host)
+        self._host = descriptors.register_host_pool(self.transport, host)
+        return self._host
 
     def metadata(self) -> bytes:
         return json.dumps({
@@ -313,6 +382,7 @@ class ConnectorWorker:
             if not posted.poll(self.transport, now):
                 continue
             del self._receiving[rid]
+            self._settle(posted, landed=posted.error is None)
             if posted.error is None:
                 try:
                     self.transport.send_notification(posted.producer, posted.notify)
@@ -336,6 +406,7 @@ class ConnectorWorker:
             if posted is None:
                 continue
             posted.cancel(self.transport)
+            self._settle(posted, landed=False)
             if posted.producer:
                 try:
                     self.transport.send_notification(posted.producer, posted.notify)
@@ -355,33 +426,99 @@ class ConnectorWorker:
         src = KVLayout(remote.remote_block_ids, remote.remote_block_size,
                        remote.remote_dcp_size, remote.remote_interleave)
         dst = KVLayout(recv.block_ids, block_size, dcp_size, interleave)
-        # (plan, parts, local region name of layer i's part)
-        jobs: list[tuple[TransferPlan, tuple[str, ...], Callable[[int, str], str]]]
+        caches = self._targets(self._caches)
+        jobs: list[_Job]
         if dest is None:
-            jobs = [(plan_transfer(src, dst, recv.num_cached, recv.num_tokens), ("kv", "index"),
-                     _same_name)]
+            jobs = [_Job(plan_transfer(src, dst, recv.num_cached, recv.num_tokens),
+                         ("kv", "index"), _same_name, caches)]
         else:
             if not self.has_host_pool:
                 raise ValueError("a HiSparse destination but no host pool registered")
             hp = plan_into_hisparse(src, dst, dest, recv.num_cached, recv.num_tokens)
-            jobs = [(hp.index, ("index",), _same_name), (hp.gpu, ("kv",), _same_name),
-                    (hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i))]
+            host = [{"kv": [kvio.kv_rows(h)]} for h in self._host]
+            jobs = [_Job(hp.index, ("index",), _same_name, caches),
+                    _Job(hp.gpu, ("kv",), _same_name, caches),
+                    _Job(hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i), host)]
             self.mla_rows_to_gpu += hp.gpu.num_rows
             self.mla_rows_to_host += hp.host.num_rows
         msg = {"req": remote.remote_request_id, "of": self.world_size}
         posted.producer, posted.notify = peers[0], _NOTIFY_PREFIX + json.dumps(msg).encode()
-        for plan, parts, local_name in jobs:
-            for pair in plan.to_target(self.dcp_rank):
+        # 1. per pair: zero-copy segments, or staged where they would be per row
+        zero: list[tuple[_Job, CopyRuns, list[dict[str, torch.Tensor]]]] = []
+        staged: list[tuple[_Job, CopyRuns, list[dict[str, torch.Tensor]], StagedPair]] = []
+        for job in jobs:
+            for pair in job.plan.to_target(self.dcp_rank):
                 src_formats = [descriptors.LayerFormat(**f)
                                for f in metas[pair.src_rank]["formats"]]
-                layers = descriptors.plan_segments(pair, src_formats, self.formats, parts)
-                for i, layer in enumerate(layers):
-                    for part, segs in layer.items():
-                        name = f"L{i}.{part}"
-                        posted.transfers.append(self.transport.read(
-                            peers[pair.src_rank], local_name(i, name), name,
-                            descriptors.for_read(segs)))
-                        self.bytes_received += int(segs[:, 2].sum())
+                layers = descriptors.plan_segments(pair, src_formats, self.formats, job.parts)
+                sp = None
+                if segments_per_row(layers, pair.num_rows) >= STAGE_SEGMENTS_PER_ROW:
+                    sp = plan_staged(pair, src_formats, self.formats, job.parts)
+                if sp is not None and worth_staging(layers, sp):
+                    staged.append((job, pair, layers, sp))
+                else:
+                    zero.append((job, pair, layers))
+        # 2. one staging buffer for the request's staged pairs; zero-copy if it does not fit
+        if staged:
+            assert self.staging is not None
+            posted.staging = self.staging.take(sum(sp.nbytes for *_, sp in staged))
+            if posted.staging is None:
+                logger.info("P/D: request %s's staged READs do not fit the staging buffers "
+                            "(staging_mb %d); READ zero-copy", recv.request_id,
+                            self.config.staging_mb)
+                zero += [(job, pair, layers) for job, pair, layers, _ in staged]
+                staged = []
+        # 3. the READs
+        for job, pair, layers in zero:
+            self.pairs_zero_copy += 1
+            for i, layer in enumerate(layers):
+                for part, segs in layer.items():
+                    name = f"L{i}.{part}"
+                    self._read(posted, peers[pair.src_rank], job.local_name(i, name), name,
+                               descriptors.for_read(segs))
+        base = 0
+        for job, pair, _, sp in staged:
+            assert posted.staging is not None
+            self.pairs_staged += 1
+            for i, layer in enumerate(sp.reads):
+                for part, segs in layer.items():
+                    segs = segs + torch.tensor([0, base, 0])  # the pair's share of the buffer
+                    self._read(posted, peers[pair.src_rank], posted.staging.name,
+                               f"L{i}.{part}", descriptors.for_read(segs))
+            posted.scatters.append((sp, base, job.targets))
+            base += sp.nbytes
+
+    def _read(self, posted: PostedRead, peer: str, local: str, remote: str,
+              segments: list[tuple[int, int, int]]) -> None:
+        posted.transfers.append(self.transport.read(peer, local, remote, segments))
+        self.bytes_received += sum(n for _, _, n in segments)
+
+    @staticmethod
+    def _targets(caches: Sequence[LayerCache]) -> list[dict[str, list[torch.Tensor]]]:
+        """Per layer, the byte views staged rows are scattered into (`kvio.part_views`)."""
+        out = []
+        for cache in caches:
+            views = kvio.part_views(cache)
+            out.append({"kv": views[:1], "index": views[1:]})
+        return out
+
+    def _settle(self, posted: PostedRead, landed: bool) -> None:
+        """None of its READs is in flight any more: staged rows scattered into their slots if
+        they all `landed`, then the staging buffer given back (failed or cancelled: unused)."""
+        if posted.staging is None:
+            return
+        assert self.staging is not None
+        if landed:
+            for sp, base, targets in posted.scatters:
+                scatter_staged(sp, posted.staging.tensor[base: base + sp.nbytes], targets)
+        self.staging.give(posted.staging)
+        posted.staging, posted.scatters = None, []
+
+    def check_integrity(self) -> None:
+        """Staging buffers: one in use per request receiving with staged pairs, none other."""
+        if self.staging is not None:
+            self.staging.check_integrity(
+                sum(p.staging is not None for p in self._receiving.values()))
 
     def _peer(self, meta: dict) -> str:
         blob = base64.b64decode(meta["transport"])
@@ -415,5 +552,6 @@ class ConnectorWorker:
         the transport. The producer is not notified: its timeout frees what it held."""
         for posted in self._receiving.values():
             posted.cancel(self.transport)
+            self._settle(posted, landed=False)
         self._receiving.clear()
         self.transport.close()

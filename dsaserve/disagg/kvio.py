@@ -27,7 +27,7 @@ from dsaserve.kernels import formats
 from dsaserve.model.dsa import LayerCache
 
 
-def _kv_rows(kv: torch.Tensor) -> torch.Tensor:
+def kv_rows(kv: torch.Tensor) -> torch.Tensor:
     """MLA cache [num_blocks, B, W] of any dtype → byte rows [num_blocks·B, W·itemsize] (a view)."""
     if kv.dim() != 3 or not kv.is_contiguous():
         raise ValueError(f"kv cache: expected a contiguous [num_blocks, B, W], got "
@@ -95,10 +95,10 @@ def _like(rows: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
     return out if out.dtype == words.dtype else rows.clone().view(words.dtype)
 
 
-def _parts(cache: LayerCache) -> list[torch.Tensor]:
+def part_views(cache: LayerCache) -> list[torch.Tensor]:
     """The cache's byte views in buffer order: kv rows, then the index rows, or the FP8 page's
     values then scales (their bytes sit side by side in the buffer: one D+4-byte key)."""
-    return [_kv_rows(cache.kv), *_index_parts(cache)]
+    return [kv_rows(cache.kv), *_index_parts(cache)]
 
 
 def gather_rows(caches: Sequence[LayerCache], slots: torch.Tensor,
@@ -116,7 +116,7 @@ def gather_rows(caches: Sequence[LayerCache], slots: torch.Tensor,
     slots = slots.to(device=caches[0].kv.device, dtype=torch.int64)
     offset = 0
     for cache in caches:
-        parts = _parts(cache)
+        parts = part_views(cache)
         width = sum(p.shape[-1] for p in parts)  # this layer's bytes per token
         dest = out[offset: offset + n * width].view(n, width)  # [n, width]
         col = 0
@@ -146,22 +146,28 @@ def scatter_rows(caches: Sequence[LayerCache], slots: torch.Tensor, buf: torch.T
     buf = buf.to(device)
     offset = 0
     for cache in caches:
-        parts = _parts(cache)
+        parts = part_views(cache)
         width = sum(p.shape[-1] for p in parts)
         src = buf[offset: offset + n * width].view(n, width)  # [n, width]
         col = 0
         for part in parts:
             w = part.shape[-1]
-            words = _words(part)
             rows = src[:, col: col + w]
-            rows = _like(rows if col == 0 and w == width else rows.contiguous(), words)
-            if part.dim() == 2:
-                words.index_copy_(0, slots, rows)
-            else:
-                block_size = part.shape[1]
-                words[slots // block_size, slots % block_size] = rows
+            put_rows(part, slots, rows if col == 0 and w == width else rows.contiguous())
             col += w
         offset += n * width
+
+
+def put_rows(part: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write byte rows [n, w] (contiguous uint8) at `slots` [n] (int64, on the part's device)
+    of one cache byte view: [num_slots, w] rows, or an FP8 page half [num_blocks, B, w]."""
+    words = _words(part)
+    rows = _like(rows, words)
+    if part.dim() == 2:
+        words.index_copy_(0, slots, rows)
+    else:
+        block_size = part.shape[1]
+        words[slots // block_size, slots % block_size] = rows
 
 
 def apply_plan(plan: TransferPlan, src: Sequence[Sequence[LayerCache]],

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from dsaserve.core import ModelRunnerOutput
+from dsaserve.disagg.staging import StagedPair, StagingBuffer
 from dsaserve.disagg.transport import KVTransport, Transfer, TransferError
 
 
@@ -35,6 +38,11 @@ class PostedRead:
     error: str | None = None  # the first failure; the request fails once nothing is in flight
     producer: str = ""  # the prefill engine's rank 0, notified once every READ landed
     notify: bytes = b""
+    # staged pairs (disagg/staging.py): the buffer their READs land in, and per pair its plan,
+    # its offset in the buffer and the byte views its rows are scattered into once all landed
+    staging: StagingBuffer | None = None
+    scatters: list[tuple[StagedPair, int, list[dict[str, list[torch.Tensor]]]]] = field(
+        default_factory=list)
 
     def fail(self, reason: str) -> None:
         if self.error is None:

@@ -33,6 +33,7 @@ the source side any one of them can send; on the target side each needs the rows
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -81,10 +82,15 @@ class CopyRuns:
         return int(self.length.sum())
 
     def src_slots(self) -> torch.Tensor:  # [num_rows] int64, source slots in position order
-        return expand_runs(self.src_start, self.length)
+        return self._slots[0]
 
     def dst_slots(self) -> torch.Tensor:  # [num_rows] int64, target slots in the same order
-        return expand_runs(self.dst_start, self.length)
+        return self._slots[1]
+
+    @functools.cached_property
+    def _slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expanded once: the zero-copy and the staged plans of a pair both need them."""
+        return expand_runs(self.src_start, self.length), expand_runs(self.dst_start, self.length)
 
 
 @dataclass(frozen=True)

@@ -257,11 +257,16 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 class SideChannel:
-    """Serves `payload()` (this agent's metadata) to whoever connects, on one address only."""
+    """Serves `payload()` (this agent's metadata) to whoever connects, on one address only.
+    A client sends one frame first: empty for the payload, or a question that `ask` answers
+    (the P/D producer's claim of a held request, disagg/connector.py)."""
+
+    ASK_TIMEOUT_S = 5.0  # a client that connects and sends nothing is dropped after this
+    MAX_QUESTION = 1 << 16  # bytes; a longer question is dropped unanswered
 
     def __init__(self, payload: Callable[[], bytes], host: str = "127.0.0.1",
-                 port: int = 0) -> None:
-        self._payload = payload
+                 port: int = 0, ask: Callable[[bytes], bytes] | None = None) -> None:
+        self._payload, self._ask = payload, ask
         self._sock = _listen(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._serve, daemon=True, name="kv-side-channel")
@@ -275,18 +280,28 @@ class SideChannel:
                 return
             with conn:
                 try:
-                    _send_frame(conn, self._payload())
-                except OSError:
+                    conn.settimeout(self.ASK_TIMEOUT_S)
+                    (n,) = struct.unpack("!Q", _recv_exact(conn, 8))
+                    if n > self.MAX_QUESTION:
+                        continue
+                    question = _recv_exact(conn, n)
+                    answer = (self._ask(question) if question and self._ask is not None
+                              else self._payload())
+                    _send_frame(conn, answer)
+                except (OSError, TransferError):
                     pass
 
     def close(self) -> None:
         self._sock.close()
 
 
-def fetch_metadata(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0) -> bytes:
-    """A peer's metadata from its SideChannel; TransferError if it cannot be reached in time."""
+def fetch_metadata(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0,
+                   question: bytes = b"") -> bytes:
+    """A peer's metadata from its SideChannel (or its answer to `question`); TransferError if
+    it cannot be reached in time."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            _send_frame(sock, question)
             return _recv_frame(sock)
     except OSError as e:
         raise TransferError(f"side channel {host}:{port}: {e}") from e

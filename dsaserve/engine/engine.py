@@ -231,6 +231,8 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         self.executor.call("check_block_table")  # the device block table is the host's
+        if self.config.disagg is not None:  # P/D: no staging buffer held past its READs
+            self.executor.call("check_connector")
         if self.config.hisparse is not None:  # host pool, hot buffers, mirror bytes per rank
             mla = self.scheduler.mla
             self.executor.call("check_hisparse", None if mla is None else (

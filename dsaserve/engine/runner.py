@@ -477,6 +477,18 @@ class ModelRunner:
         """Bytes this rank READ from prefill engines so far (P/D; tests check the layouts')."""
         return self.connector.bytes_received if self.connector is not None else 0
 
+    def kv_read_paths(self) -> tuple[int, int]:
+        """(source → this rank pairs READ staged, READ zero-copy) so far (P/D; tests and the
+        benchmarks check which path disagg/staging.py chose)."""
+        if self.connector is None:
+            return 0, 0
+        return self.connector.pairs_staged, self.connector.pairs_zero_copy
+
+    def check_connector(self) -> None:
+        """P/D invariants of this rank (staging buffers: one per request receiving staged)."""
+        if self.connector is not None:
+            self.connector.check_integrity()
+
     def host_tier_spec(self) -> tuple[int, int]:
         """(host blocks, bytes of one block on this rank); (0, 0) without a host tier."""
         if self.copier is None:

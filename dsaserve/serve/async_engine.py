@@ -238,7 +238,7 @@ class AsyncEngine:
             from dsaserve.disagg.connector import fetch_remote
 
             kv_remote = await asyncio.to_thread(fetch_remote, kv_transfer_params,
-                                                disagg.transfer_timeout_s)
+                                                disagg.transfer_timeout_s, request_id)
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         with self._lock:
             if self._dead_reason is not None:

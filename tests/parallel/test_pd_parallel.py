@@ -1,9 +1,10 @@
 """P/D between multi-rank engines on gloo processes (shared memory transport): greedy output
-through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1 and = block size,
-TP2 × DCP2) and a decode engine (1 rank, DP2) equals the single-rank engine's, bf16 and
-fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the MTP rows that came over), and
-with --async-scheduling on both sides (the prefill engine's params equal its sync ones); the
-bytes each request moved are what the layouts require; nothing leaks on either side."""
+through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1, READ staged, and
+= block size, READ zero-copy; TP2 × DCP2) and a decode engine (1 rank, DP2) equals the
+single-rank engine's, bf16 and fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the
+MTP rows that came over), and with --async-scheduling on both sides (the prefill engine's
+params equal its sync ones); the bytes each request moved are what the layouts require; nothing
+leaks on either side."""
 
 from __future__ import annotations
 
@@ -57,13 +58,25 @@ def _hits(decode) -> int:
     return decode.stats().prefix_cache_hits
 
 
-@pytest.mark.parametrize("prefill_layout,decode_dp,dtype", [
-    (dict(pcp=2, dcp=2, interleave=1), 1, "auto"),
-    (dict(pcp=2, dcp=2, interleave=16), 2, "fp8_ds_mla"),
-    (dict(tp=2, dcp=2), 1, "fp8_ds_mla"),
-], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i16-to-dp2-fp8", "tp2dcp2-to-1rank-fp8"])
+def _read_paths(decode) -> tuple[int, int]:
+    """(pairs READ staged, pairs READ zero-copy) over every decode rank (disagg/staging.py)."""
+    replicas = decode.replicas if isinstance(decode, DataParallelEngine) else [decode]
+    paths = [p for r in replicas for p in r.executor.call("kv_read_paths")]
+    return sum(s for s, _ in paths), sum(z for _, z in paths)
+
+
+@pytest.mark.parametrize("prefill_layout,decode_dp,dtype,path", [
+    (dict(pcp=2, dcp=2, interleave=1), 1, "auto", "staged"),
+    (dict(pcp=2, dcp=2, interleave=1), 1, "fp8_ds_mla", "staged"),
+    (dict(pcp=2, dcp=2, interleave=16), 2, "fp8_ds_mla", "zero-copy"),
+    (dict(pcp=2, dcp=2, interleave=16), 1, "auto", "zero-copy"),
+    (dict(tp=2, dcp=2), 1, "fp8_ds_mla", "staged"),
+], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i1-to-1rank-fp8", "pcp2dcp2-i16-to-dp2-fp8",
+        "pcp2dcp2-i16-to-1rank-bf16", "tp2dcp2-to-1rank-fp8"])
 def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, greedy,
-                               prefill_layout, decode_dp, dtype, hang_guard):
+                               prefill_layout, decode_dp, dtype, path, hang_guard):
+    """Interleave 1 (one zero-copy segment per row) READs staged, interleave = block size
+    zero-copy: every (prefill DCP rank → decode rank) pair of every request went that way."""
     prompts, reference = prompts[:2], reference_outputs[:2]
     if dtype != "auto":
         ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype))
@@ -78,6 +91,8 @@ def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, gree
             # bytes: every prompt position but the last, less what the decode side had cached
             moved = sum(len(q) - 1 for q in prompts) - (_hits(d) - hits)
             assert _received(d) == moved * _per_token(d)
+            pairs = 2 * len(prompts)  # both prefill DCP ranks → the request's decode rank
+            assert _read_paths(d) == ((pairs, 0) if path == "staged" else (0, pairs))
             _check_no_leak(p, d)
         finally:
             p.shutdown()
@@ -187,21 +202,30 @@ def test_prefill_ranks_killed_then_next_request(parallel_config, prompts, greedy
                 remove_shm_files(agent)
 
 
+@pytest.mark.parametrize("prefill_layout,decode_layout", [
+    ({}, dict(tp=2, dcp=2)), (dict(pcp=2, dcp=2), dict(tp=2))],
+    ids=["1rank-to-tp2dcp2-zero-copy", "pcp2dcp2-i1-to-tp2-staged"])
 def test_abort_while_receiving_then_the_same_id_on_two_decode_ranks(parallel_config, prompts,
-                                                                    greedy, hang_guard):
-    """A decode engine of two ranks (TP2 × DCP2, each READs its share): a request aborted right
+                                                                    greedy, prefill_layout,
+                                                                    decode_layout, hang_guard):
+    """A decode engine of two ranks (TP2 × DCP2, each READs its share; or TP2, each READs
+    every row): a request aborted right
     after its READs were posted (each rank may have landed, reported or still be reading its
     share) is sent again at once under the same id; every rank cancels what it still has in
     flight before the retry's READs are posted (into blocks the first one held), the executor's
     tally forgets the first one's reports, and the retry's output equals the single-rank
-    engine's; nothing leaks on either side."""
+    engine's; nothing leaks on either side. From a PCP2 × DCP2 prefill engine at interleave 1
+    into TP2 the READs are staged: the staging buffers (checked with every step's invariants)
+    go back at the cancel, and no staged row of the aborted READs lands in the retry's blocks."""
     prompts = prompts[:2]
     reference = LLMEngine.from_config(_with(parallel_config(), None, "auto"))
     want = reference.generate(prompts, greedy)
     reference.shutdown()
     with hang_guard(300):
-        p = LLMEngine.from_config(_with(parallel_config(), "kv_producer", "auto"))
-        d = LLMEngine.from_config(_with(parallel_config(tp=2, dcp=2), "kv_consumer", "auto"))
+        p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer",
+                                        "auto"))
+        d = LLMEngine.from_config(_with(parallel_config(**decode_layout), "kv_consumer",
+                                        "auto"))
         try:
             tokens: dict[str, list[int]] = {"a": [], "b": []}
             d.add_request("a", prompts[0], greedy,
@@ -228,6 +252,9 @@ def test_abort_while_receiving_then_the_same_id_on_two_decode_ranks(parallel_con
             assert sorted(reasons) == ["a", "b"] and all(e is None for _, e in reasons.values())
             assert reasons["b"][0] != "abort"  # the retry's own end, not the first one's
             assert [tokens["a"], tokens["b"]] == want
+            staged, zero_copy = _read_paths(d)
+            assert (staged if prefill_layout else zero_copy) > 0
+            assert (zero_copy if prefill_layout else staged) == 0
             d.step()  # the runners learn that the last requests ended
             _check_no_leak(p, d)
         finally:

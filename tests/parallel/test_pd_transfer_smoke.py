@@ -23,7 +23,11 @@ def test_pd_transfer_smoke(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| shm | 1,024 |" in out and "| nixl |" not in out
     assert "| 1,024 | 64 | 2 |" in out  # whole pages: rank 0 holds 2 pages of 64 tokens
-    assert "| shm | 1,024 | 64 | 4 |" in out  # zero-copy: 2 pages × (MLA, indexer) segments
+    # the connector's choice: whole pages zero-copy, 2 pages × (MLA, indexer) segments; at
+    # interleave 1 staged: MLA rows of the 2 adjacent pages in one, each page's FP8 values and
+    # scales apart, against 128 rows × 3 zero-copy segments
+    assert "| shm | 1,024 | 64 | zero-copy | 4 | " in out
+    assert "| shm | 1,024 | 1 | staged | 5 | " in out and " | 384 | " in out
 
 
 def test_pd_e2e_smoke(capsys, monkeypatch):

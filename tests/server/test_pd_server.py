@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -111,6 +112,24 @@ def test_prefill_params_then_replay_is_400(servers) -> None:
     assert "kv_transfer_params" not in r.json()  # only where P/D set it
     r = _post(servers["decode"], "/v1/completions", dict(decode, kv_transfer_params=params))
     assert r.status_code == 400 and "not held" in r.json()["error"]["message"]
+    _check_no_leak(servers)
+
+
+def test_the_same_params_twice_at_once_one_is_400(servers) -> None:
+    """Two decode requests with one prefill's params at the same time: one is served, the other
+    refused with 400 before it READs (claimed by the first's check, or consumed by its READ)."""
+    body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1, "temperature": 0.0,
+            "kv_transfer_params": {"do_remote_decode": True}}
+    params = _post(servers["prefill"], "/v1/completions", body).json()["kv_transfer_params"]
+    decode = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4, "temperature": 0.0,
+              "ignore_eos": True, "kv_transfer_params": params}
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda _: _post(servers["decode"], "/v1/completions", decode),
+                                range(2)))
+    assert sorted(r.status_code for r in replies) == [200, 400], [r.text for r in replies]
+    (refused,) = [r for r in replies if r.status_code == 400]
+    message = refused.json()["error"]["message"]
+    assert "already being read by another decode request" in message or "not held" in message
     _check_no_leak(servers)
 
 

@@ -107,6 +107,23 @@ def test_bad_requests_are_clear_errors() -> None:
         fetch_metadata(port, timeout_s=1)
 
 
+def test_side_channel_answers_a_question(monkeypatch) -> None:
+    """An empty frame gets the payload, a question `ask`'s answer; a client that sends nothing
+    or an oversized question is dropped without stalling the next one."""
+    monkeypatch.setattr(SideChannel, "ASK_TIMEOUT_S", 0.2)
+    side = SideChannel(lambda: b"payload", ask=lambda q: b"answer to " + q)
+    try:
+        assert fetch_metadata(side.port) == b"payload"
+        assert fetch_metadata(side.port, question=b"who") == b"answer to who"
+        with socket.create_connection(("127.0.0.1", side.port)):  # silent: dropped in 0.2 s
+            assert fetch_metadata(side.port, timeout_s=5) == b"payload"
+        with pytest.raises(TransferError, match="side channel"):  # too long: no answer
+            fetch_metadata(side.port, timeout_s=5, question=b"x" * (SideChannel.MAX_QUESTION + 1))
+        assert fetch_metadata(side.port, question=b"again") == b"answer to again"
+    finally:
+        side.close()
+
+
 def test_auto_picks_nixl_when_importable() -> None:
     with make_transport("auto", "auto-agent") as t:
         assert t.backend == ("nixl" if transport.nixl_available() else "shm")

@@ -4,14 +4,22 @@ written itself, byte for byte (bf16 and FP8 formats, IndexShare and MTP layers, 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
 
-from dsaserve.disagg import descriptors, kvio, transport
+from dsaserve.config import DisaggConfig
+from dsaserve.core import KVRecv, KVTransferParams
+from dsaserve.disagg import descriptors, kvio, staging, transport
+from dsaserve.disagg.connector import ConnectorWorker
+from dsaserve.disagg.hostplan import HostDest
 from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.disagg.shmcopy import CopyThread
 from dsaserve.kernels import formats
 from dsaserve.kv import layout
+from dsaserve.kv.hisparse.mla_pages import SPILLED
 from dsaserve.model.dsa import LayerCache
 
 L, R, D = 128, 16, 32  # latent, RoPE and indexer widths (fp8_ds_mla needs L % 128 == 0)
@@ -64,10 +72,12 @@ LAYOUTS = [  # (N_s, I_s, B_s, N_t, I_t, B_t)
 ]
 
 
-def _scenario(fp8: bool, ns: int, i_s: int, bs: int, nt: int, i_t: int, bt: int):
+def _scenario(fp8: bool, ns: int, i_s: int, bs: int, nt: int, i_t: int, bt: int,
+              layouts: bool = False):
     """Source caches of every prefill rank, and two identical sets of target caches: `got`
     holds the decode side's cached prefix and is to receive the rest, `want` is the decode
-    rank having written every token itself. Returns (plan, src, got, want)."""
+    rank having written every token itself. Returns (plan, src, got, want), and with
+    `layouts` also (source KVLayout, target KVLayout, cached prefix, tokens)."""
     rng = random.Random(hash((fp8, ns, i_s, bs, nt, i_t, bt)))
     gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
     num_tokens = rng.randint(2 * ns * bs, 5 * ns * bs + 3)
@@ -88,7 +98,8 @@ def _scenario(fp8: bool, ns: int, i_s: int, bs: int, nt: int, i_t: int, bt: int)
     for q in range(nt):
         _write(got[q], dst, q, pos[:cached], data)
         _write(want[q], dst, q, pos, data)
-    return plan_transfer(src, dst, cached, num_tokens), src_caches, got, want
+    out = plan_transfer(src, dst, cached, num_tokens), src_caches, got, want
+    return (*out, src, dst, cached, num_tokens) if layouts else out
 
 
 def _assert_same(got: list[list[LayerCache]], want: list[list[LayerCache]]) -> None:
@@ -133,6 +144,73 @@ def test_byte_segments_equal_decode_side_writes(fp8: bool, ns: int, i_s: int, bs
                     b[d: d + n] = a[s: s + n]
     _assert_same(got, want)
     assert moved == plan.nbytes(kvio.row_bytes(got[0]))
+
+
+def _staged_targets(caches: list[LayerCache]) -> list[dict[str, list[torch.Tensor]]]:
+    return [{"kv": (v := kvio.part_views(c))[:1], "index": v[1:]} for c in caches]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("ns,i_s,bs,nt,i_t,bt", LAYOUTS)
+def test_staged_read_equals_decode_side_writes(fp8: bool, ns: int, i_s: int, bs: int, nt: int,
+                                              i_t: int, bt: int) -> None:
+    """The staged form: the pair's rows copied by their segments from the source's cache
+    tensors into a buffer (what the READ into a staging region does), then scattered: the same
+    target, plan.nbytes moved, and no more segments per tensor than the pieces of consecutive
+    source slots in one source page (fewer than zero-copy needs wherever staging is chosen)."""
+    plan, src_caches, got, want = _scenario(fp8, ns, i_s, bs, nt, i_t, bt)
+    moved = 0
+    for pair in plan.pairs:
+        src_fmt = descriptors.layer_formats(src_caches[pair.src_rank])
+        dst_fmt = descriptors.layer_formats(got[pair.dst_rank])
+        sp = staging.plan_staged(pair, src_fmt, dst_fmt)
+        buf = torch.zeros(sp.nbytes, dtype=torch.uint8)
+        src_regions = descriptors.cache_regions(src_caches[pair.src_rank])
+        for i, layer in enumerate(sp.reads):
+            for part, segs in layer.items():
+                a = src_regions[f"L{i}.{part}"]
+                for s, d, n in segs.tolist():
+                    buf[d: d + n] = a[s: s + n]
+                    moved += n
+        staging.scatter_staged(sp, buf, _staged_targets(got[pair.dst_rank]))
+        # pieces of consecutive source slots within one source page
+        slots = pair.src_slots().sort().values
+        pieces = 1 + int(((slots[1:] != slots[:-1] + 1) | (slots[1:] % bs == 0)).sum())
+        per_tensor = [2 if part == "index" and fp8 else 1
+                      for layer in sp.reads for part in layer]
+        assert sp.num_segments <= pieces * sum(per_tensor)
+        zero_copy = descriptors.plan_segments(pair, src_fmt, dst_fmt)
+        if staging.worth_staging(zero_copy, sp):
+            assert sp.num_segments < sum(int(g.shape[0]) for layer in zero_copy
+                                         for g in layer.values())
+    _assert_same(got, want)
+    assert moved == plan.nbytes(kvio.row_bytes(got[0]))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_staged_is_chosen_where_segments_are_per_row(fp8: bool) -> None:
+    """PCP/DCP 2 at interleave 1 → a DP rank: one zero-copy segment per row (two per FP8 key),
+    above the threshold; at interleave = block size one per page, below it. The staged READ of
+    the interleave-1 pair needs one segment per source page per tensor."""
+    b, n = 16, 2
+    fmt = [descriptors.LayerFormat(b, 656, 132 if fp8 else 64, fp8)] * 3
+    dst = KVLayout(tuple(range(8)), b)
+    per_row = {}
+    for i in (1, b):
+        plan = plan_transfer(KVLayout((3, 1, 6, 0), b, n, i), dst, 0, 8 * b - 1)
+        pair = plan.pair(0, 0)
+        assert pair is not None
+        per_row[i] = staging.segments_per_row(descriptors.plan_segments(pair, fmt, fmt),
+                                              pair.num_rows)
+        sp = staging.plan_staged(pair, fmt, fmt)
+        assert staging.worth_staging(descriptors.plan_segments(pair, fmt, fmt), sp) == (i == 1)
+        if i == 1:
+            # source pages 0, 1, 3, 6: kv rows and bf16 keys merge the adjacent 0-1; an FP8
+            # page's values and scales are two segments, never merged across pages
+            assert sp.num_segments == 3 * (3 + (8 if fp8 else 3))
+            assert sp.nbytes == pair.num_rows * 3 * (656 + fmt[0].index_bytes)
+    assert per_row[1] == (3 if fp8 else 2) >= staging.STAGE_SEGMENTS_PER_ROW
+    assert per_row[b] < staging.STAGE_SEGMENTS_PER_ROW
 
 
 @pytest.mark.parametrize("b", [4, 16])
@@ -224,3 +302,166 @@ def test_incompatible_formats_are_refused() -> None:
     with pytest.raises(ValueError, match="out must be"):
         kvio.gather_rows(_caches(2, 4, True, gen), torch.tensor([0, 1]),
                          out=torch.empty(10, dtype=torch.uint8))
+
+
+# ---- the connector's choice (ConnectorWorker: two prefill ranks, one decode rank) ---------------
+class _Pd:
+    """Two prefill ranks (DCP 2) and a decode rank as the connector's workers, over real caches
+    in registered memory; `recv()` is the decode rank's job for the scenario's request."""
+
+    def __init__(self, backend: str, fp8: bool, layout: tuple[int, ...], staging_mb: int = 1024,
+                 transfer_timeout_s: float = 30.0) -> None:
+        ns, i_s, bs, nt, i_t, bt = layout
+        (self.plan, src_caches, got, self.want, self.src, self.dst, self.cached,
+         self.num_tokens) = _scenario(fp8, *layout, layouts=True)
+        role = DisaggConfig(kv_role="kv_producer", backend=backend, side_channel_port=0)
+        self.prefill = [ConnectorWorker(role, rank=r, dcp_rank=r, world_size=ns, block_size=bs,
+                                        dcp_size=ns, interleave=i_s) for r in range(ns)]
+        self.decode = ConnectorWorker(
+            DisaggConfig(kv_role="kv_consumer", backend=backend, side_channel_port=0,
+                         staging_mb=staging_mb, transfer_timeout_s=transfer_timeout_s),
+            rank=0, dcp_rank=0, world_size=1, block_size=bt, dcp_size=nt, interleave=i_t)
+        self.src_caches = [w.register(c) for w, c in zip(self.prefill, src_caches, strict=True)]
+        self.got = [self.decode.register(got[0])]
+
+    def recv(self) -> KVRecv:
+        params = KVTransferParams(
+            remote_request_id="req", remote_block_ids=self.src.block_ids,
+            remote_block_size=self.src.block_size, remote_dcp_size=self.src.dcp_size,
+            remote_interleave=self.src.interleave, remote_num_tokens=self.num_tokens + 1)
+        return KVRecv("req", self.dst.block_ids, self.cached, self.num_tokens, params,
+                      tuple(w.metadata() for w in self.prefill))
+
+    def settle(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        for _ in range(10_000):
+            done, failed = self.decode.poll_receives()
+            if done or failed:
+                return done, failed
+            time.sleep(0.001)
+        raise AssertionError("the READs never settled")
+
+    def close(self) -> None:
+        for w in [self.decode, *self.prefill]:
+            w.close()
+
+
+def _held_copies(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Shared memory's copy thread holds every READ until the event is set or it is cancelled."""
+    release = threading.Event()
+    real = CopyThread._copy
+
+    def held(thread: CopyThread, job) -> bool:
+        while not (release.wait(0.002) or job.cancelled):
+            pass
+        return real(thread, job)
+
+    monkeypatch.setattr(CopyThread, "_copy", held)
+    return release
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("layout,path", [
+    ((2, 1, 4, 1, 1, 8), "staged"),  # interleave 1: one zero-copy segment per row
+    ((2, 4, 4, 1, 1, 4), "zero-copy"),  # interleave = block size: whole pages
+], ids=["i1", "i=b"])
+def test_the_connector_chooses_per_pair(backend: str, fp8: bool, layout, path: str) -> None:
+    """The decode rank's READs of both prefill ranks' shares: staged where zero-copy would be
+    per row, zero-copy where pages line up; the target = the decode rank's own writes, bytes =
+    plan.nbytes, the staging buffer back once the rows are scattered, the producer notified."""
+    pd = _Pd(backend, fp8, layout)
+    try:
+        pd.decode.start_receives([pd.recv()])
+        assert pd.decode.staging is not None
+        pd.decode.check_integrity()
+        assert pd.settle() == (("req",), {})
+        _assert_same(pd.got, pd.want)
+        assert pd.decode.bytes_received == pd.plan.nbytes(kvio.row_bytes(pd.got[0]))
+        staged = 2 if path == "staged" else 0
+        assert (pd.decode.pairs_staged, pd.decode.pairs_zero_copy) == (staged, 2 - staged)
+        assert not pd.decode.staging.in_use and len(pd.decode.staging.free) == staged // 2
+        pd.decode.check_integrity()
+        for _ in range(1000):
+            if pd.prefill[0].poll_sends() == ("req",):
+                break
+            time.sleep(0.001)
+        else:
+            raise AssertionError("the producer was not notified")
+    finally:
+        pd.close()
+
+
+def test_staging_that_does_not_fit_reads_zero_copy() -> None:
+    """staging_mb 0: the same per-row pairs READ zero-copy, same bytes, same target."""
+    pd = _Pd("shm", True, (2, 1, 4, 1, 1, 8), staging_mb=0)
+    try:
+        pd.decode.start_receives([pd.recv()])
+        assert pd.settle() == (("req",), {})
+        _assert_same(pd.got, pd.want)
+        assert (pd.decode.pairs_staged, pd.decode.pairs_zero_copy) == (0, 2)
+        assert pd.decode.bytes_received == pd.plan.nbytes(kvio.row_bytes(pd.got[0]))
+        pd.decode.check_integrity()
+    finally:
+        pd.close()
+
+
+@pytest.mark.parametrize("end", ["cancel", "timeout", "close"])
+def test_a_staged_read_that_ends_early_gives_its_buffer_back(end: str, monkeypatch) -> None:
+    """READs held in flight by the copy thread, then cancelled (an abort), timed out, or the
+    decode rank closed: the staging buffer is given back, and nothing lands in the target
+    (its caches keep their bytes: no scatter from a buffer whose READs did not all land)."""
+    release = _held_copies(monkeypatch)
+    pd = _Pd("shm", True, (2, 1, 4, 1, 1, 8), transfer_timeout_s=0.2)
+    try:
+        before = [t.clone() for t in _bytes(pd.got[0])]
+        pd.decode.start_receives([pd.recv()])
+        assert pd.decode.staging is not None and len(pd.decode.staging.in_use) == 1
+        pd.decode.check_integrity()
+        if end == "cancel":
+            pd.decode.cancel_receives(["req"])
+        elif end == "timeout":
+            done, failed = pd.settle()
+            assert not done and "transfer timeout" in failed["req"]
+        else:
+            pd.decode.close()
+        assert not pd.decode.staging.in_use and pd.decode.num_receiving == 0
+        pd.decode.check_integrity()
+        release.set()
+        assert all(torch.equal(a, b) for a, b in zip(before, _bytes(pd.got[0]), strict=True))
+    finally:
+        release.set()
+        pd.close()
+
+
+@pytest.mark.parametrize("staging_mb", [1024, 0], ids=["staged", "no-room"])
+def test_staged_into_a_hisparse_host_pool(staging_mb: int) -> None:
+    """Into a spilling HiSparse rank: the MLA rows of spilled blocks READ into the host pool
+    (staged: through the buffer, then scattered into the pool; no room: zero-copy, straight
+    into the pool), the tail's into GPU pages, every key into its indexer page."""
+    pd = _Pd("shm", True, (2, 1, 4, 1, 1, 8), staging_mb=staging_mb)
+    try:
+        b, blocks = pd.dst.block_size, pd.dst.block_ids
+        num_blocks = -(-pd.num_tokens // b)
+        host = [torch.zeros_like(c.kv) for c in pd.got[0]]  # [H, B, row] per layer
+        host = pd.decode.register_host_pool(host)
+        host_blocks = tuple(reversed(range(num_blocks)))
+        mla_pages = (SPILLED,) * (num_blocks - 1) + (blocks[num_blocks - 1],)
+        pd.decode.start_receives([pd.recv()], {"req": HostDest(host_blocks, mla_pages)})
+        assert pd.settle() == (("req",), {})
+        # the keys, the host pool's rows and the tail's rows, from both prefill ranks
+        paths = (pd.decode.pairs_staged, pd.decode.pairs_zero_copy)
+        assert paths == ((6, 0) if staging_mb else (0, 6))
+        assert pd.decode.mla_rows_to_host and pd.decode.mla_rows_to_gpu
+        for g, w, h in zip(pd.got[0], pd.want[0], host, strict=True):
+            if w.index is not None:
+                assert torch.equal(g.index, w.index)
+            g_kv, w_kv, h_kv = (kvio.kv_rows(t) for t in (g.kv, w.kv, h))
+            for p in range(pd.cached, pd.num_tokens):
+                slot = blocks[p // b] * b + p % b
+                if p // b < num_blocks - 1:
+                    assert torch.equal(h_kv[host_blocks[p // b] * b + p % b], w_kv[slot])
+                else:
+                    assert torch.equal(g_kv[slot], w_kv[slot])
+        pd.decode.check_integrity()
+    finally:
+        pd.close()

@@ -2,8 +2,9 @@
 imports): greedy output through P/D equals the aggregated engine's (bf16 and fp8_ds_mla; MTP
 and multi-rank layouts are in tests/parallel/test_pd_parallel.py), bytes moved equal what the
 layouts require, a later turn moves only the blocks the decode engine lacks, corrupt or replayed
-params are refused, unread blocks are freed after the timeout, a HiSparse decode engine reads
-the transferred prefix through its host pool, and nothing leaks on either side."""
+params (after the first READ, or racing it) are refused, unread blocks are freed after the
+timeout, a HiSparse decode engine reads the transferred prefix through its host pool, and nothing
+leaks on either side."""
 
 from __future__ import annotations
 
@@ -126,7 +127,22 @@ def test_bad_and_replayed_params_are_refused(model_dirs, engine_config, mixed_pr
             with pytest.raises(RequestError, match=message):
                 d.add_request("x", prompt, GREEDY, kv_transfer_params=wrong)
             d.check_integrity()
-        assert _decode(p, d, "a", prompt, params)  # the real one still works
+        # the real one still works; a replay racing its READ (checked, the READ not posted
+        # yet: the prefill engine still holds the blocks) is refused, as is one after it
+        d.add_request("a", prompt, GREEDY, kv_transfer_params=params)
+        with pytest.raises(RequestError, match="already being read by another decode"):
+            d.add_request("a2", prompt, GREEDY, kv_transfer_params=params)
+        d.check_integrity()
+        tokens = []
+        for _ in range(500):
+            if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
+                break
+            for out in d.step():
+                assert out.error is None and out.request_id == "a"
+                tokens += out.new_token_ids
+            p.step()
+        assert len(tokens) == GREEDY.max_tokens and not p.scheduler.connector.held
+        assert not p.scheduler.connector._claims  # forgotten with the blocks
         with pytest.raises(RequestError, match="not held"):  # replayed: already consumed
             d.add_request("a2", prompt, GREEDY, kv_transfer_params=params)
         with pytest.raises(RequestError, match="kv_role"):  # the producer does not consume
