@@ -54,8 +54,9 @@ def test_zero_copy_mirror_matches_index_copy(g, row_shape, dtype) -> None:
     pools = [torch.zeros(4096, *row_shape, dtype=dtype) for _ in range(2)]
     for pool in pools:
         pin_host_memory(owner, pool.view(torch.uint8).view(-1), "--test")
-    gpus = [torch.randint(0, 256, (2048, *row_shape), dtype=torch.uint8, device="cuda",
-                          generator=g).view(dtype) for _ in range(2)]
+    row_bytes = row_shape[-1] * dtype.itemsize  # random bytes, viewed as the rows' dtype
+    gpus = [torch.randint(0, 256, (2048, *row_shape[:-1], row_bytes), dtype=torch.uint8,
+                          device="cuda", generator=g).view(dtype) for _ in range(2)]
     n = 3000
     host_idx = torch.randperm(4096, device="cuda", generator=g)[:n]  # distinct destinations
     gpu_idx = torch.randint(0, 2048, (n,), device="cuda", generator=g)
