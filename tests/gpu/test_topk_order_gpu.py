@@ -12,27 +12,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsaserve.kernels.triton import indexer, row_topk
-
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 K = 2048
+GROUP = 8  # keys per group maximum (kernels/triton/row_topk.py); imported there only on a GPU:
+# Triton decides at its first import whether kernels are interpreted (tests/unit's interpreter
+# tests import it first)
 
 
 def _scored(rows: int, keys: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     # few distinct scores: ties, as fp8 index keys give them
     logits = (torch.randn(rows, keys, device="cuda", generator=g) * 8).round() / 8
-    pad = -keys % row_topk.GROUP
+    pad = -keys % GROUP
     gm = torch.nn.functional.pad(logits, (0, pad), value=float("-inf"))
-    gm = gm.view(rows, -1, row_topk.GROUP).amax(2)
+    gm = gm.view(rows, -1, GROUP).amax(2)
     limits = torch.full((rows,), keys, device="cuda", dtype=torch.int32)
     return logits, gm, limits
 
 
 @pytest.mark.parametrize("kernel", ["cuda", "triton"])
 def test_select_order_is_the_same_every_run(kernel):
+    from dsaserve.kernels.triton import indexer, row_topk
+    assert row_topk.GROUP == GROUP
     cfg = indexer.IndexerConfig(topk_kernel=kernel)
     scored = _scored(64, 1 << 17, 5)
     runs = [indexer._select(scored, K, cfg, torch.int32) for _ in range(4)]
@@ -62,11 +65,12 @@ def test_what_the_order_costs():
     """The sort's time beside the CUDA top-k's, at b = 64 decode rows and a 16K-row prefill
     chunk (printed, not asserted)."""
     from dsaserve.kernels.cuda import topk as cuda_topk
+    from dsaserve.kernels.triton import indexer
     for rows, keys in ((64, 1 << 17), (16384, 1 << 15)):
         logits, gm, limits = _scored(rows, keys, 7)
 
         def topk(logits=logits, gm=gm, limits=limits):
-            return cuda_topk.topk_rows(logits, gm, limits, K, group=row_topk.GROUP)
+            return cuda_topk.topk_rows(logits, gm, limits, K, group=GROUP)
 
         values, local = topk()
         raw_again = topk()[1]
