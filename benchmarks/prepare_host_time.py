@@ -30,11 +30,11 @@ def prepare_ms(runner: ModelRunner, chunk: int, at: int, repeats: int) -> float:
     b = runner.block_size
     n = at + chunk
     runner.requests["r"] = _ReqState(
-        token_ids=[5] * (n + 1), params=SamplingParams(), generator=torch.Generator(),
-        num_computed_tokens=at)
-    # its row of the device block table: filled once (the first call sends it), as when the
-    # request first runs
+        token_ids=[5] * (n + 1), params=SamplingParams(), num_computed_tokens=at)
+    # its rows of the device block table and sampling parameters: filled once (the first call
+    # sends them), as when the request first runs
     runner.block_table.add("r", range(-(-n // b)))
+    runner.sampling.add("r", runner.block_table.row_of["r"], SamplingParams())
     return _min_ms(runner, {"r": chunk}, repeats)
 
 
@@ -44,10 +44,10 @@ def decode_ms(runner: ModelRunner, batch: int, context: int, repeats: int) -> fl
     for i in range(batch):
         rid = f"r{i}"
         runner.requests[rid] = _ReqState(
-            token_ids=[5] * (context + 1), params=SamplingParams(),
-            generator=torch.Generator(), num_computed_tokens=context)
+            token_ids=[5] * (context + 1), params=SamplingParams(), num_computed_tokens=context)
         runner.block_table.remove(rid)
         runner.block_table.add(rid, range(-(-(context + 1) // runner.block_size)))
+        runner.sampling.add(rid, runner.block_table.row_of[rid], SamplingParams())
     return _min_ms(runner, {f"r{i}": 1 for i in range(batch)}, repeats)
 
 

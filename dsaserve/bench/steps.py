@@ -7,6 +7,8 @@ cost does not depend on their values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
@@ -31,17 +33,19 @@ def prefill(prompt_len: int, vocab: int, block_size: int, tag: str, seed: int = 
     return SchedulerOutput(new, (), {req.request_id: prompt_len for req in new}, finished)
 
 
-def decode(context: int, batch: int, vocab: int, block_size: int, drafts: int = 0
+def decode(context: int, batch: int, vocab: int, block_size: int, drafts: int = 0,
+           params: Sequence[SamplingParams] = (GREEDY,)
            ) -> tuple[SchedulerOutput, SchedulerOutput]:
     """(the step that hands the runner its requests, the step repeated after it): every
-    request has `context` tokens computed, one known token left and `drafts` to verify."""
+    request has `context` tokens computed, one known token left and `drafts` to verify.
+    Request r samples with params[r % len(params)]."""
     per_request = blocks_per_request(context + 2 * drafts + 2, block_size)
     g = torch.Generator().manual_seed(0)
     new, sched, spec = [], {}, {}
     for r in range(batch):
         tokens = tuple(torch.randint(4, vocab, (context + 1,), generator=g).tolist())
         blocks = tuple(range(r * per_request, (r + 1) * per_request))
-        new.append(NewRequestData(f"r{r}", tokens, GREEDY, blocks, context))
+        new.append(NewRequestData(f"r{r}", tokens, params[r % len(params)], blocks, context))
         sched[f"r{r}"] = 1 + drafts
         if drafts:
             spec[f"r{r}"] = tuple(torch.randint(4, vocab, (drafts,), generator=g).tolist())

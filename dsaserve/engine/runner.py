@@ -27,7 +27,8 @@ from dsaserve.disagg.hostplan import HostDest
 from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
-from dsaserve.engine.sampler import make_generator, sample_on_device
+from dsaserve.engine.sampler import sample_on_device
+from dsaserve.engine.sampling_table import SamplingTable
 from dsaserve.kernels import formats, staging
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
@@ -155,7 +156,6 @@ class _ReqState:
 
     token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
     num_computed_tokens: int = 0
 
 
@@ -218,7 +218,9 @@ class ModelRunner:
                                       self._max_blocks_per_request(), self.device)
         # P/D into spilling HiSparse: block ids of requests whose read was started, not added
         self._recv_blocks: dict[str, list[int]] = {}
-        self._seed_counter = config.seed
+        # each request's sampling parameters at its block-table row, on the device across
+        # steps and updated from the diffs (engine/sampling_table.py)
+        self.sampling = SamplingTable(self.block_table.max_rows, self.device, config.seed)
         spec = config.speculative
         self.drafter = None if spec is None else MtpDrafter(
             self.model, self.caches, spec.num_speculative_tokens, self._draft_metadata)
@@ -419,6 +421,9 @@ class ModelRunner:
         assert self.block_table.row_of.keys() == self.requests.keys(), (
             "block-table rows are not the live requests'")
         self.block_table.check_integrity()
+        assert self.sampling.row_of() == self.block_table.row_of, (
+            "sampling-parameter rows are not the block table's")
+        self.sampling.check_integrity()
         if self.mla_page_of is not None:
             self.mla_page_of.check_integrity()
 
@@ -641,14 +646,18 @@ class ModelRunner:
         qsl = batch.query_start_loc
         dev = hidden.device
         plain = [r for r in range(len(req_ids)) if batch.samples[r] and not batch.num_drafts[r]]
+        verify = [r for r in range(len(req_ids)) if batch.samples[r] and batch.num_drafts[r]]
+        # the sampling requests' rows of the parameter table (plain ones, then verifying ones)
+        sampled_ids = [req_ids[r] for r in plain + verify]
+        param_rows = self.block_table.rows(sampled_ids)
         tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
         if plain:
-            (last_rows,) = staging.upload_lists([[qsl[r + 1] - 1 for r in plain]], dev)
+            last_rows, rows_d = staging.upload(
+                [torch.tensor([qsl[r + 1] - 1 for r in plain]),
+                 torch.from_numpy(param_rows[: len(plain)])], dev)
             logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
-            states = [self.requests[req_ids[r]] for r in plain]
-            tokens, lps = sample_on_device(logits, [s.params for s in states],
-                                           [s.generator for s in states])
-        verify = [r for r in range(len(req_ids)) if batch.samples[r] and batch.num_drafts[r]]
+            tokens, lps = sample_on_device(
+                logits, self.sampling.batch(sampled_ids[: len(plain)], rows_d))
         accepted = torch.zeros(0, dtype=torch.int64, device=dev)
         emitted = emitted_lps = torch.zeros(0, 1, dtype=torch.int64, device=dev)
         if verify:
@@ -657,20 +666,21 @@ class ModelRunner:
             # by repeating the last row; padded rows are never read)
             rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
                      for i in range(k + 1)] for r in verify]
-            rows_d, draft_ids, num_drafts = staging.upload([
+            rows_d, draft_ids, num_drafts, param_rows_d = staging.upload([
                 torch.tensor(rows).flatten(),
                 torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
-                torch.tensor([batch.num_drafts[r] for r in verify])], dev)  # [M]
+                torch.tensor([batch.num_drafts[r] for r in verify]),  # [M]
+                torch.from_numpy(param_rows[len(plain):])], dev)  # [M]
             if batch.device_ids is not None:  # async: drafts proposed on the device (their
                 # host values are placeholders) are this step's inputs
                 on_device = batch.device_ids[rows_d].view(len(verify), k + 1)[:, 1:]
                 draft_ids = torch.where(draft_ids == PLACEHOLDER_TOKEN_ID, on_device, draft_ids)
             logits = self.model.compute_logits(hidden[rows_d])
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
-            states = [self.requests[req_ids[r]] for r in verify]
             accepted, final = rejection_sample_on_device(
-                logits, draft_ids, num_drafts, [s.params for s in states],
-                [s.generator for s in states], self._synthetic_rates)
+                logits, draft_ids, num_drafts,
+                self.sampling.batch(sampled_ids[len(plain):], param_rows_d),
+                self._synthetic_rates)
             # token i of a run comes from row i: its log-probability there
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
             emitted_lps = logits.log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
@@ -803,6 +813,7 @@ class ModelRunner:
                           else self.block_table.blocks(rid).tolist() if st is not None else [])
                 self.hisparse.remove(rid, {b: i for i, b in enumerate(blocks) if b in keep})
             self.block_table.remove(rid)
+            self.sampling.remove(rid)
         if self.hisparse is not None:
             assert keep <= self.hisparse.kept.keys(), "a kept block's request did not end"
             self._restore_host_blocks(so.host_restore)
@@ -849,14 +860,14 @@ class ModelRunner:
     def _apply_diff(self, so: SchedulerOutput) -> None:
         self._apply_releases(so)
         for new in so.new_requests:
-            self._seed_counter += 1
             self.requests[new.request_id] = _ReqState(
                 token_ids=list(new.token_ids),
                 params=new.sampling_params,
-                generator=make_generator(new.sampling_params, self.device, self._seed_counter),
                 num_computed_tokens=new.num_computed_tokens,
             )
             self.block_table.add(new.request_id, new.block_ids)
+            self.sampling.add(new.request_id, self.block_table.row_of[new.request_id],
+                              new.sampling_params)
             self._recv_blocks.pop(new.request_id, None)
             if self.hisparse is not None:
                 self.hisparse.add(new.request_id, new.num_computed_tokens,
@@ -1038,7 +1049,8 @@ class ModelRunner:
         slots = layout.slot_mapping(pos_t, rows_t[req_t], torch.from_numpy(table.host),
                                     self.block_size, self.dcp_size, self.dcp_rank,
                                     self.interleave)
-        diffs = [table.pending()]  # [2, n] each: (flat index, value) changed since last step
+        # [2, n] each: (flat index, value) changed since last step
+        diffs = [table.pending(), self.sampling.pending()]
         mla_slots: list[torch.Tensor] = []
         if self.mla_page_of is not None:  # HiSparse spilling: MLA pages apart from block ids
             diffs.append(self.mla_page_of.pending())
@@ -1070,10 +1082,11 @@ class ModelRunner:
         mla_d, pcp_d = rest[: len(mla_slots)], rest[len(mla_slots) :]
         # the device table brought up to date, then the step's rows of it
         table.apply(diffs_d[0])
+        self.sampling.apply(diffs_d[1])
         table_d = table.gather(rows_d, width)  # [R, width] int32
         mla_table_d = None
         if self.mla_page_of is not None:
-            self.mla_page_of.apply(diffs_d[1])
+            self.mla_page_of.apply(diffs_d[2])
             page_of_d = self.mla_page_of.device_array  # [num_blocks] int32
             # [R, width] MLA pages (−1: none or spilled)
             mla_table_d = torch.where(table_d >= 0, page_of_d[table_d.clamp(min=0).long()], -1)

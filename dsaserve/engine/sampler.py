@@ -1,6 +1,26 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds — batched over requests.
+
+A step's sampling parameters are [R] device tensors (`SamplingBatch`; the runner keeps them on
+the device across steps, engine/sampling_table.py), so a step dispatches the same ops whatever
+its batch and its mix of greedy and sampling requests (vLLM's sampler, in our own words):
+
+    logits [R, V] ─ / temperature (greedy rows: / 1) ─ top-k, top-p per row ─ softmax → p [R, V]
+    token = argmax_v p[r, v] / E[r, v],   E ~ Exp(1)      (greedy rows: argmax of the logits)
+
+The exponential race picks v with probability p[r, v] (the minimum of independent Exp(p_v)
+clocks E_v / p_v is the v-th with probability p_v / Σp), so it is multinomial in distribution
+with one batched draw. A request with a seed draws its own row of E from its own generator:
+its samples are reproducible whatever the batch. Every other row draws from the step's
+generator, which the runner seeds identically on every rank of a replica.
+
+`filter_top_k_top_p` and `sample_reference` are the per-request reference the batched path is
+tested against.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -16,9 +36,150 @@ def make_generator(
     return g
 
 
+def row_values(params: SamplingParams) -> tuple[float, int, float]:
+    """A request's row of a SamplingBatch: (temperature, 0 = greedy; top_k, 0 = off; top_p,
+    1 = off). A greedy request is temperature 0 whatever its other values."""
+    if params.greedy:
+        return 0.0, 0, 1.0
+    return params.temperature, max(params.top_k, 0), params.top_p
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """One step's sampling parameters, a row per sampling request, on the device. The flags
+    are host-known bounds (True when some row may use the feature: the step then dispatches
+    it for every row; False: no row does and the ops are skipped). Without any_sampled every
+    row is greedy and the parameter rows are not read (None)."""
+
+    temperature: torch.Tensor | None  # [R] fp32; 0: greedy
+    top_k: torch.Tensor | None  # [R] int64; 0: off
+    top_p: torch.Tensor | None  # [R] fp32; 1: off
+    any_sampled: bool  # some row is not greedy (False: argmax only, no draws)
+    any_top_k: bool
+    any_top_p: bool
+    seeded: tuple[tuple[int, torch.Generator], ...]  # (row, its request's generator)
+    generator: torch.Generator | None  # every other row's draws (None: torch's default)
+
+    @staticmethod
+    def of(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           device: torch.device, generator: torch.Generator | None = None) -> SamplingBatch:
+        """From per-request params (a loop over requests: for tests and one-off callers; the
+        runner's rows stay on the device). generators[r] is used only where params[r] has a
+        seed."""
+        rows = [row_values(p) for p in params]
+        temperature, top_k, top_p = zip(*rows, strict=True) if rows else ((), (), ())
+        return SamplingBatch(
+            torch.tensor(temperature, dtype=torch.float32, device=device),
+            torch.tensor(top_k, dtype=torch.int64, device=device),
+            torch.tensor(top_p, dtype=torch.float32, device=device),
+            any_sampled=any(t > 0 for t in temperature),
+            any_top_k=any(k > 0 for k in top_k), any_top_p=any(p < 1 for p in top_p),
+            seeded=tuple((r, generators[r]) for r, p in enumerate(params)
+                         if p.seed is not None and not p.greedy),
+            generator=generator)
+
+
+def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[R] → [R, 1, ...] broadcasting against `like` [R, ..., V]."""
+    return x.view(-1, *([1] * (like.dim() - 1)))
+
+
+def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                any_top_k: bool = True, any_top_p: bool = True) -> torch.Tensor:
+    """logits [R, ..., V], top_k [R] (0: off), top_p [R] (1: off) → logits with everything
+    outside each row's top-k / top-p nucleus set to −inf (ties at the k-th value kept, the
+    nucleus taken after top-k, as in `filter_top_k_top_p`). One sort for both filters."""
+    if not (any_top_k or any_top_p):
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, ..., V]
+    if any_top_k:
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [R]
+        k = _per_row(k, logits).expand(*logits.shape[:-1], 1)  # [R, ..., 1]
+        kth = sorted_logits.gather(-1, k - 1)  # [R, ..., 1] the k-th largest value
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if any_top_p:
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always
+        # stays); rows with top_p = 1 keep every token (no rounding of the sum may drop one).
+        p = _per_row(top_p, logits)
+        drop_sorted = ((probs.cumsum(-1) - probs) >= p) & (p < 1)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [R, ..., V] → the distributions rows sample from [R, ..., V]: temperature, top-k
+    and top-p applied per row; a greedy row's distributions are one-hot at the argmax."""
+    onehot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, True), 1.0)
+    if not batch.any_sampled:
+        return onehot
+    greedy = _per_row(batch.temperature == 0, logits)  # [R, 1, ...]
+    # greedy rows divide by 1, never by their zero temperature
+    scaled = logits / torch.where(greedy, 1.0, _per_row(batch.temperature, logits))
+    probs = filter_rows(scaled, batch.top_k, batch.top_p, batch.any_top_k,
+                        batch.any_top_p).softmax(-1)
+    return torch.where(greedy, onehot, probs)
+
+
+def exponential_noise(shape: tuple[int, int], batch: SamplingBatch,
+                      device: torch.device) -> torch.Tensor:
+    """E ~ Exp(1) [R, V]: one draw from the step's generator, then each seeded row redrawn from
+    its request's generator (two ops per seeded request)."""
+    noise = torch.empty(shape, device=device).exponential_(generator=batch.generator)
+    for r, g in batch.seeded:
+        noise[r].exponential_(generator=g)
+    return noise
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [R, V], noise [R, V] Exp(1) → [R] int64: argmax p / E, a sample of each row.
+    E = 0 (possible in fp32) is clamped so that no p = 0 token reads 0 / 0."""
+    return (probs / noise.clamp(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+
+
+def sample_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """probs [R, V] (greedy rows one-hot) → one token per row [R] int64 on the device."""
+    if not batch.any_sampled:
+        return probs.argmax(-1)
+    return race(probs, exponential_noise(tuple(probs.shape), batch, probs.device))
+
+
+def sample_on_device(
+    logits: torch.Tensor,  # [R, V] fp32
+    batch: SamplingBatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row [R] int64 and its log-probability under the unfiltered distribution
+    [R] fp32, both left on the device (the step copies its results to the host once)."""
+    logprobs = logits.log_softmax(-1)  # [R, V]
+    if batch.any_sampled:
+        tokens = sample_probs(sampling_probs(logits, batch), batch)  # [R]
+    else:
+        tokens = logits.argmax(-1)
+    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,  # [R, V] fp32
+    params: list[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], list[float]]:
+    """sample_on_device from per-request params, read back: one token per row and its
+    log-probability. generators[r]: request r's own (used where it has a seed); `generator`:
+    the other rows' (None: torch's default)."""
+    batch = SamplingBatch.of(params, generators, logits.device, generator)
+    tokens, chosen = sample_on_device(logits, batch)
+    return tokens.tolist(), chosen.tolist()
+
+
+# ---- the per-request reference (the sampler before it was batched) --------------------------
+
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """logits [..., V] → logits with everything outside top-k / the top-p nucleus of each row set
-    to −inf."""
+    to −inf (one request's values)."""
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,28 +193,16 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
     return logits
 
 
-def sample_on_device(
+def sample_reference(
     logits: torch.Tensor,  # [R, V] fp32
     params: list[SamplingParams],
     generators: list[torch.Generator],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row [R] int64 and its log-probability under the unfiltered distribution
-    [R] fp32, both left on the device (the step copies its results to the host once)."""
-    logprobs = logits.log_softmax(-1)  # [R, V]
-    tokens = logits.argmax(-1)  # [R]; greedy rows keep this
-    for r, p in enumerate(params):  # each request draws from its own generator
-        if p.greedy:
-            continue
-        row = filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
-        tokens[r] = torch.multinomial(row.softmax(-1), 1, generator=generators[r])[0]
-    return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
-
-
-def sample(
-    logits: torch.Tensor,  # [R, V] fp32
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> tuple[list[int], list[float]]:
-    """sample_on_device, read back: one token per row and its log-probability."""
-    tokens, chosen = sample_on_device(logits, params, generators)
-    return tokens.tolist(), chosen.tolist()
+) -> torch.Tensor:
+    """One token per row [R] int64, a loop over requests: argmax for greedy ones, else a
+    multinomial draw from the request's filtered distribution with its own generator."""
+    tokens = logits.argmax(-1)
+    for r, p in enumerate(params):
+        if not p.greedy:
+            row = filter_top_k_top_p(logits[r] / p.temperature, p.top_k, p.top_p)
+            tokens[r] = torch.multinomial(row.softmax(-1), 1, generator=generators[r])[0]
+    return tokens

@@ -15,22 +15,36 @@ Synthetic mode (benchmarks) replaces the test by u_i < c_i (fixed conditional ra
 the target's own sample of p_j at the first rejection: the acceptance length is fixed, the text
 is not faithful.
 
-The maths is in pure batched functions over [R, k(+1), V] tensors (no loop over tokens);
-`rejection_sample` composes them with each request's own generator, so seeded requests are
-reproducible whatever the batch.
+The maths is in pure batched functions over [R, k(+1), V] tensors, with no loop over tokens or
+requests: per-request temperature / top-k / top-p are rows of a SamplingBatch
+(engine/sampler.py), the uniforms one batched draw, the emitted token an exponential race. A
+seeded request draws its own uniforms and noise from its own generator, so it is reproducible
+whatever the batch. `target_probs_reference` is the per-request loop it is tested against.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from dsaserve.core import SamplingParams
-from dsaserve.engine.sampler import filter_top_k_top_p
+from dsaserve.engine.sampler import (
+    SamplingBatch,
+    filter_top_k_top_p,
+    sample_probs,
+    sampling_probs,
+)
 
 
-def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [R, S, V] fp32 → the distributions the target samples from [R, S, V]: temperature,
     top-k and top-p applied per request; a greedy request's rows are one-hot at the argmax."""
+    return sampling_probs(logits, batch)
+
+
+def target_probs_reference(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """target_probs as a loop over requests (the reference)."""
     probs = torch.empty_like(logits)
     for r, p in enumerate(params):  # per request: its own temperature / top-k / top-p
         if p.greedy:
@@ -83,33 +97,39 @@ def recovery_probs(
     return p
 
 
+def draft_uniforms(num_reqs: int, k: int, batch: SamplingBatch,
+                   device: torch.device) -> torch.Tensor:
+    """U[0, 1) [R, k]: one draw from the step's generator, then each seeded request's row from
+    its own. A greedy row's uniform is harmless: against a one-hot p, u < p(x) iff x is the
+    argmax for any u in [0, 1)."""
+    uniforms = torch.rand(num_reqs, k, device=device, generator=batch.generator)
+    for r, g in batch.seeded:
+        uniforms[r] = torch.rand(k, device=device, generator=g)
+    return uniforms
+
+
 def rejection_sample_on_device(
     logits: torch.Tensor,  # [R, k+1, V] fp32 target logits (rows past 1 + d_r: anything)
     draft_ids: torch.Tensor,  # [R, k] int64
     num_drafts: torch.Tensor,  # [R] int64
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
+    batch: SamplingBatch,
     conditional_rates: torch.Tensor | None = None,  # [≥ k]: synthetic mode
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify every request's drafts → (accepted drafts [R] int64, the token emitted after
     them [R] int64), left on the device."""
     num_reqs, k = draft_ids.shape
-    probs = target_probs(logits, params)  # [R, k+1, V]
-    # 1. one uniform per draft from the request's generator (greedy requests draw nothing:
-    #    u = 0 accepts exactly when p(x) = 1, i.e. x is the argmax)
-    uniforms = torch.zeros(num_reqs, k, device=logits.device)
-    for r, p in enumerate(params):
-        if not p.greedy or conditional_rates is not None:
-            uniforms[r] = torch.rand(k, generator=generators[r], device=logits.device)
+    probs = target_probs(logits, batch)  # [R, k+1, V]
+    # 1. one uniform per draft (greedy targets need none: u = 0 accepts exactly the argmax;
+    #    synthetic mode draws for every request)
+    if batch.any_sampled or conditional_rates is not None:
+        uniforms = draft_uniforms(num_reqs, k, batch, logits.device)
+    else:
+        uniforms = torch.zeros(num_reqs, k, device=logits.device)
     accepted = num_accepted_drafts(probs, draft_ids, num_drafts, uniforms, conditional_rates)
-    # 2. the token after the accepted run, sampled with the request's generator
+    # 2. the token after the accepted run: a sample of the residual or of the bonus row
     final = recovery_probs(probs, draft_ids, num_drafts, accepted,
                            residual=conditional_rates is None)  # [R, V]
-    tokens = final.argmax(-1)  # [R]; greedy requests keep this
-    for r, p in enumerate(params):
-        if not p.greedy:
-            tokens[r] = torch.multinomial(final[r], 1, generator=generators[r])[0]
-    return accepted, tokens
+    return accepted, sample_probs(final, batch)
 
 
 def emitted_tokens(draft_ids: torch.Tensor, accepted: torch.Tensor,
@@ -128,11 +148,15 @@ def rejection_sample(
     draft_ids: torch.Tensor,  # [R, k] int64
     num_drafts: torch.Tensor,  # [R] int64
     params: list[SamplingParams],
-    generators: list[torch.Generator],
+    generators: Sequence[torch.Generator | None],
     conditional_rates: torch.Tensor | None = None,  # [≥ k]: synthetic mode
+    generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Verify every request's drafts: per request, its accepted drafts and one more token."""
-    accepted, tokens = rejection_sample_on_device(logits, draft_ids, num_drafts, params,
-                                                  generators, conditional_rates)
+    """Verify every request's drafts: per request, its accepted drafts and one more token.
+    generators[r]: request r's own (used where it has a seed); `generator`: the other rows'
+    (None: torch's default)."""
+    batch = SamplingBatch.of(params, generators, logits.device, generator)
+    accepted, tokens = rejection_sample_on_device(logits, draft_ids, num_drafts, batch,
+                                                  conditional_rates)
     accepted_l, tokens_l, drafts_l = accepted.tolist(), tokens.tolist(), draft_ids.tolist()
     return [drafts_l[r][: accepted_l[r]] + [tokens_l[r]] for r in range(draft_ids.shape[0])]
