@@ -24,8 +24,9 @@ Projection to the model simulated (L layers, k drafts), the assumptions:
   layers launch more (and sync once for the expert counts), so this is the low side;
 - prefill and mixed steps (eager: the graphs cover decode-only steps) are priced from the
   prefill fit at L layers, measured, not extrapolated from 2: 2.30 ms + 0.252 ms per layer,
-  22 ms at 78 layers. The fit is from an H100 machine's host CPU (PREFILL_RUN), whose decode
-  host time was ~1.6× the H200 machine's on the same rows, so on an H200 this is the high side.
+  22 ms at 78 layers. The fit is from an H100 machine's host CPU (PREFILL_RUN), whose graphed
+  decode steps took 1.6–1.7× the H200 machine's wall on the same rows with the same kernels
+  (host time 2.1–2.3×, docs/decode.md), so on an H200 this is the high side.
 
 How a prefill or mixed step combines the two. The prefill rows measure the *exposed* host
 time of a step whose kernels are long (16 ms of them at 2 layers for 2 ms of host), not all
@@ -70,8 +71,9 @@ import torch
 # The graphed rows replay the engine's own decode graphs, MTP drafts included (the table in
 # docs/decode_h200.md).
 DECODE_RUN = "H200 run, benchmarks/decode.py (docs/decode_h200.md), 2026-12-05, engine graphs"
-# An H100 machine's host CPU, not the H200 machine's of DECODE_RUN: on the same decode rows its
-# host time was ~1.6× the H200 machine's (docs/decode.md), so this fit is the high side there.
+# An H100 machine's host CPU, not the H200 machine's of DECODE_RUN: on the same graphed decode
+# rows its steps took 1.6–1.7× the H200 machine's, kernels alike (docs/decode.md), so this fit is
+# the high side for an H200.
 PREFILL_RUN = ("H100 run, benchmarks/prefill_host.py (docs/prefill_host_h100.md, 2026-12-05), "
                "4K prompt at 2, 4, 6 layers, steady state")
 MEASURED_LAYERS = 2  # GLM-5.3-shaped: 1 dense + 1 MoE layer (+ the MTP layer with MTP)
