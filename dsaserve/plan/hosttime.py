@@ -5,14 +5,15 @@ The engine is synchronous per step today: `ModelRunner.execute` builds the step'
 launches (or replays) its kernels and waits for the sampled tokens before the scheduler runs
 again, so a step lasts its kernels plus the host time they do not hide. Both benchmarks time
 `ModelRunner.execute` (the scheduler's own time is not in them, nor in the simulator), and
-host time here is wall − GPU kernels of the same step:
+host time here is wall − GPU kernels (busy) of the same step:
 
-    step kind        measured on (2 layers; MTP: + its layer) fitted, per kind, at 2 layers
-    decode graphed   benchmarks/decode.py, graph rows        fixed + per request · B
-    decode eager     benchmarks/decode.py, eager rows          + per block-table entry · B·ctx/64
-    (k = 0 and k = 3 MTP drafts: one fit each; other k linear between them)
-    prefill / mixed  benchmarks/long_prefill.py (16K chunks) the eager decode host of its
-                                                             requests + one fitted extra per step
+    step kind        measured on                              fitted, per kind
+    decode graphed   benchmarks/decode.py, graph rows         fixed + per request · B
+    decode eager     benchmarks/decode.py, eager rows           + per block-table entry · B·ctx/64
+                     (2 layers; MTP: + its layer; k = 0 and k = 3 drafts: one fit each, other
+                     k linear between them)
+    prefill          benchmarks/prefill_host.py: one 4K       per step + per layer · L
+                     prompt per step at 2, 4 and 6 layers
 
 Projection to the model simulated (L layers, k drafts), the assumptions:
 - graphed decode: one replay launches every layer, so the host part does not grow with layers
@@ -21,12 +22,43 @@ Projection to the model simulated (L layers, k drafts), the assumptions:
   the forwards it runs: L target layers + k one-layer MTP drafts (measured: 2 + k). The
   measured pair of layers is one dense and one MoE layer; GLM-5.3's are mostly MoE, whose
   layers launch more (and sync once for the expert counts), so this is the low side;
-- prefill and mixed steps are eager (the graphs cover decode-only steps): their extra scales
-  with L / 2 the same way.
+- prefill and mixed steps (eager: the graphs cover decode-only steps) are priced from the
+  prefill fit at L layers, measured, not extrapolated from 2: 2.30 ms + 0.252 ms per layer,
+  22 ms at 78 layers. The fit is from an H100 machine's host CPU (PREFILL_RUN), whose graphed
+  decode steps took 1.6–1.7× the H200 machine's wall on the same rows with the same kernels
+  (host time 2.1–2.3×, docs/decode.md), so on an H200 this is the high side.
 
-Fitting: per kind, least squares on relative error of the step's wall time (kernels + host),
-coefficients held ≥ 0 (a feature whose coefficient would be negative is dropped).
-`tests/unit/test_hosttime.py` checks every measured row's residual.
+How a prefill or mixed step combines the two. The prefill rows measure the *exposed* host
+time of a step whose kernels are long (16 ms of them at 2 layers for 2 ms of host), not all
+the host work it does: what the host issues while earlier kernels still run is hidden, and
+what the GPU waits for is the work before the first kernel (the batch's inputs, metadata,
+uploads), the syncs inside the forward (the MoE's expert counts, one per MoE layer: the per
+layer part), and the sampling and result copy after the last kernel. An eager decode step's
+kernels are short (~1 ms), so its fit is nearly all of its host work. A prefill or mixed step
+of B requests with E block-table entries therefore costs
+
+    prefill(L)                                  the measured step: its fixed work, one 4K
+                                                request, and the exposed per-layer part
+  + max(eager₀(B, E) − eager₀(1, 64), 0)        the per-request and per-entry parts of the
+                                                eager decode fit beyond that one request
+  + eager_k(B, E) − eager₀(B, E)                if its requests draft: the k one-layer MTP
+                                                forwards after the target forward
+
+with every eager fit at the measured 2 layers, not scaled by L: the per-request and per-entry
+work (inputs and block tables before the forward, sampling after it) does not repeat per
+layer, and whatever the eager decode fit's per-layer excess is, in a step with a prefill chunk
+it is issued under that chunk's long kernels, which is what the small per-layer term of the
+prefill fit says. The drafts run after the target forward as decode rows of one layer, short
+kernels, so their host time shows; it does not depend on L. Not measured: prompts other than
+4K and mixed steps. The earlier long-prefill run (H200, 2 layers, 16K chunks, each prompt
+prefilled once, no warm-up) exposed 10–14 ms of host per step on its 128K–1M prompts against
+this fit's 2.8 ms at 2 layers; how much of that was first use and how much grows with the
+chunk or its depth in the prompt is not known, so a deep 16K chunk may cost more than this.
+
+Fitting: decode, per kind, least squares on relative error of the step's wall time (kernels +
+host), coefficients held ≥ 0 (a feature whose coefficient would be negative is dropped);
+prefill, least squares on the host time, a and b ≥ 0. `tests/unit/test_hosttime.py` checks
+every measured row's residual.
 """
 
 from __future__ import annotations
@@ -39,11 +71,15 @@ import torch
 # The graphed rows replay the engine's own decode graphs, MTP drafts included (the table in
 # docs/decode_h200.md).
 DECODE_RUN = "H200 run, benchmarks/decode.py (docs/decode_h200.md), 2026-12-05, engine graphs"
-PREFILL_RUN = "H200 run, benchmarks/long_prefill.py (docs/long_prefill_h200.md, 2026-12-05)"
+# An H100 machine's host CPU, not the H200 machine's of DECODE_RUN: on the same graphed decode
+# rows its steps took 1.6–1.7× the H200 machine's, kernels alike (docs/decode.md), so this fit is
+# the high side for an H200.
+PREFILL_RUN = ("H100 run, benchmarks/prefill_host.py (docs/prefill_host_h100.md, 2026-12-05), "
+               "4K prompt at 2, 4, 6 layers, steady state")
 MEASURED_LAYERS = 2  # GLM-5.3-shaped: 1 dense + 1 MoE layer (+ the MTP layer with MTP)
 MEASURED_DRAFTS = 3  # MTP3 rows
 MEASURED_BLOCK = 64  # tokens per block-table entry in both runs
-PREFILL_CHUNK = 16384  # tokens per prefill step of the long-prefill run
+PREFILL_PROMPT = 4096  # tokens of the one prompt of each measured prefill step
 
 
 @dataclass(frozen=True)
@@ -90,22 +126,55 @@ DECODE_H200 = _rows("""
 
 
 @dataclass(frozen=True)
-class PrefillRow:
-    """One prompt of the long-prefill table: prefilled alone in chunks, no MTP layer."""
+class PrefillHostRow:
+    """One row of the prefill host table: one fresh 4K-token prompt prefilled whole per step,
+    steady state; per step, the median wall time and the union of its kernels' intervals."""
 
-    prompt: int
-    wall_s: float
-    gpu_busy_s: float  # the union of the kernels' intervals
+    layers: int
+    wall_ms: float
+    busy_ms: float
 
     @property
-    def steps(self) -> int:
-        return -(-self.prompt // PREFILL_CHUNK)
+    def host_ms(self) -> float:
+        return self.wall_ms - self.busy_ms
 
 
-# GLM-5.3-shaped, 2 layers, fp8_ds_mla, triton backend, 16K-token chunks, one H200.
-PREFILL_H200 = (PrefillRow(4096, 0.033, 0.016), PrefillRow(32768, 0.164, 0.131),
-                PrefillRow(131072, 0.742, 0.661), PrefillRow(524288, 5.147, 4.773),
-                PrefillRow(1048575, 16.269, 15.397))
+# GLM-5.3-shaped (1 dense layer, the rest MoE), fp8_ds_mla, triton backend, bf16, eager, one
+# H100; after 3 warm-up steps, median of 5 (docs/prefill_host_h100.md).
+# layers  step wall (ms)  GPU busy (ms)
+PREFILL_HOST_H100 = tuple(PrefillHostRow(int(n), float(w), float(b)) for n, w, b in (
+    line.split() for line in """
+  2  18.26  16.11
+  4  35.64  31.02
+  6  48.26  45.10
+""".strip().splitlines()))
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """Exposed host seconds of a prefill step of one PREFILL_PROMPT-token prompt at L layers:
+    per_step + per_layer · L."""
+
+    per_step: float
+    per_layer: float
+    source: str
+
+    def __call__(self, num_layers: int) -> float:
+        return self.per_step + self.per_layer * num_layers
+
+
+def fit_prefill(rows: Sequence[PrefillHostRow], source: str = PREFILL_RUN) -> PrefillFit:
+    """Least squares on host = a + b · layers (absolute ms: the rows' walls differ 3×, but their
+    host times are of one size), a and b held ≥ 0."""
+    layers = torch.tensor([float(r.layers) for r in rows], dtype=torch.float64)
+    host = torch.tensor([r.host_ms for r in rows], dtype=torch.float64) * 1e-3
+    a = torch.stack([torch.ones_like(layers), layers], dim=1)  # [rows, 2]
+    per_step, per_layer = torch.linalg.lstsq(a, host[:, None]).solution[:, 0].tolist()
+    if per_layer < 0:  # host time that falls with layers: all of it per step
+        per_step, per_layer = float(host.mean()), 0.0
+    elif per_step < 0:
+        per_step, per_layer = 0.0, float((layers * host).sum() / (layers * layers).sum())
+    return PrefillFit(per_step, per_layer, source)
 
 
 @dataclass(frozen=True)
@@ -145,32 +214,23 @@ def fit_decode(rows: Sequence[DecodeRow], source: str = DECODE_RUN) -> HostFit:
     return HostFit(*full, source=source)
 
 
-def fit_prefill_extra(eager: HostFit, rows: Sequence[PrefillRow]) -> float:
-    """Host seconds a prefill step spends beyond the eager decode step of its one request:
-    (Σ measured host − Σ eager decode host of each chunk at its context) / Σ steps."""
-    host = sum(r.wall_s - r.gpu_busy_s for r in rows)
-    decode = sum(eager(1, _entries(min((i + 1) * PREFILL_CHUNK, r.prompt)))
-                 for r in rows for i in range(r.steps))
-    return max(host - decode, 0.0) / sum(r.steps for r in rows)
-
-
 @dataclass(frozen=True)
 class HostFits:
     """The fitted host time of the measured model, by step kind and drafts (0 or MEASURED)."""
 
     graphed: dict[int, HostFit]
     eager: dict[int, HostFit]
-    prefill_extra: float  # seconds per prefill or mixed step, at MEASURED_LAYERS
+    prefill: PrefillFit  # the exposed host of a prefill step of one request, by layers
 
     @staticmethod
     def fit(decode: Sequence[DecodeRow] = DECODE_H200,
-            prefill: Sequence[PrefillRow] = PREFILL_H200) -> HostFits:
+            prefill: Sequence[PrefillHostRow] = PREFILL_HOST_H100) -> HostFits:
         def kind(graph: bool, drafts: int) -> HostFit:
             return fit_decode([r for r in decode if r.graph == graph and r.drafts == drafts])
 
-        eager = {k: kind(False, k) for k in (0, MEASURED_DRAFTS)}
-        return HostFits(graphed={k: kind(True, k) for k in (0, MEASURED_DRAFTS)}, eager=eager,
-                        prefill_extra=fit_prefill_extra(eager[0], prefill))
+        return HostFits(graphed={k: kind(True, k) for k in (0, MEASURED_DRAFTS)},
+                        eager={k: kind(False, k) for k in (0, MEASURED_DRAFTS)},
+                        prefill=fit_prefill(prefill))
 
     def figures(self) -> dict[str, dict[str, float | str]]:
         """Every fitted coefficient by name (for `simulate --json`)."""
@@ -180,7 +240,9 @@ class HostFits:
                 out[f"decode_{name}_mtp{k}"] = {
                     "fixed_ms": f.fixed * 1e3, "per_request_us": f.per_request * 1e6,
                     "per_block_entry_ns": f.per_entry * 1e9, "source": f.source}
-        out["prefill_extra"] = {"per_step_ms": self.prefill_extra * 1e3, "source": PREFILL_RUN}
+        out["prefill"] = {"per_step_ms": self.prefill.per_step * 1e3,
+                          "per_layer_ms": self.prefill.per_layer * 1e3,
+                          "source": self.prefill.source}
         return out
 
 
@@ -199,7 +261,9 @@ class HostTimeModel:
         self.graphs, self.block_tokens, self.fits = graphs, block_tokens, fits
         self.num_layers, self.num_drafts = num_layers, num_drafts
         self.gap = max(num_layers - MEASURED_LAYERS, 0) * layer_gap
-        self.prefill_extra = fits.prefill_extra * num_layers / MEASURED_LAYERS
+        self.prefill = fits.prefill(num_layers)
+        # The eager decode host of the measured prefill step's one request (subtracted below).
+        self.prefill_request = fits.eager[0](1, _entries(PREFILL_PROMPT))
 
     def _eager(self, k: int, b: int, entries: int) -> float:
         """The measured eager step at k ∈ {0, 3} drafts: the graphed step's host work plus its
@@ -213,6 +277,18 @@ class HostTimeModel:
         f = self.num_drafts / MEASURED_DRAFTS
         return (1 - f) * at_k(0) + f * at_k(MEASURED_DRAFTS)
 
+    def prefill_step(self, b: int, entries: int, drafting: bool) -> float:
+        """A prefill or mixed step of `b` requests, `entries` block-table entries (module
+        docstring): the measured prefill host at this model's layers, plus the eager decode
+        fit's per-request and per-entry parts beyond the measured step's one 4K request, plus
+        the drafts' host when its requests draft. The decode fits are taken at the measured
+        layers, unprojected."""
+        eager = self.fits.eager
+        more = max(eager[0](b, entries) - self.prefill_request, 0.0)
+        drafts = (self._at_drafts(lambda k: eager[k](b, entries)) - eager[0](b, entries)
+                  if drafting else 0.0)
+        return self.prefill + more + drafts
+
     def step(self, contexts: Sequence[int], prefill: bool, drafting: bool) -> float:
         """`contexts`: each scheduled request's context after the step; `prefill`: some
         request computes more than a decode row (the step runs eager); `drafting`: the step's
@@ -221,10 +297,8 @@ class HostTimeModel:
             return 0.0
         b = len(contexts)
         entries = sum(-(-c // self.block_tokens) for c in contexts)
-        if not prefill and self.graphs:
+        if prefill:
+            return self.prefill_step(b, entries, drafting)
+        if self.graphs:
             return self._at_drafts(lambda k: self.fits.graphed[k](b, entries)) + self.gap
-        if prefill and not drafting:  # a prefill or mixed step whose requests do not draft
-            decode = self._eager(0, b, entries)
-        else:
-            decode = self._at_drafts(lambda k: self._eager(k, b, entries))
-        return decode + (self.prefill_extra if prefill else 0.0)
+        return self._at_drafts(lambda k: self._eager(k, b, entries))

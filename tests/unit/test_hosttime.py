@@ -1,6 +1,6 @@
 """The simulator's host-time term (plan/hosttime.py): the fit reproduces every measured decode
-row of the H200 run, projects to more layers as stated, and moves simulated latency the way the
-engine's host time does."""
+row of the H200 run and every prefill row of the H100 run, projects to more layers as stated,
+and moves simulated latency the way the engine's host time does."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from dsaserve.plan.hosttime import (
     DECODE_H200,
     H200_HOST,
     MEASURED_LAYERS,
-    PREFILL_H200,
+    PREFILL_HOST_H100,
+    PREFILL_PROMPT,
     HostFits,
     HostTimeModel,
 )
@@ -29,6 +30,10 @@ GAP = H200.kernel_overhead_us.value * 1e-6
 # grows with context reproduces; eager host time moves that much between runs (an earlier run
 # of the same day measured 4.95 and 6.55 ms for these two rows).
 GRAPHED_TOLERANCE, EAGER_TOLERANCE = 0.05, 0.20
+# The prefill rows: a line through three points whose host time is not monotonic in layers
+# (2.15, 4.61, 3.16 ms at 2, 4, 6): each row's host within 1.5 ms of the fit (the 4-layer row is
+# 1.30 ms above it), each step's wall (busy + fitted host) within 5 % (at most 3.7 % off).
+PREFILL_HOST_TOLERANCE_S, PREFILL_WALL_TOLERANCE = 1.5e-3, 0.05
 
 
 def _measured_model(row) -> HostTimeModel:
@@ -66,20 +71,57 @@ def test_fit_coefficients_are_non_negative_and_ordered():
     assert H200_HOST.graphed[3](1, 128) > H200_HOST.graphed[0](1, 128)  # drafts cost host time
 
 
-def test_prefill_extra_reproduces_the_long_prefill_host_time():
-    """Σ over the long-prefill run's steps of (eager decode host of its request + the extra)
-    is the measured host time (wall − GPU busy), by construction of the fit."""
-    model = HostTimeModel(MEASURED_LAYERS, 0, True, 64, GAP)
-    predicted = sum(model.step([min((i + 1) * 16384, r.prompt)], prefill=True, drafting=False)
-                    for r in PREFILL_H200 for i in range(r.steps))
-    measured = sum(r.wall_s - r.gpu_busy_s for r in PREFILL_H200)
-    assert predicted == pytest.approx(measured, rel=1e-6)
-    assert H200_HOST.prefill_extra > 0
+@pytest.mark.parametrize("row", PREFILL_HOST_H100, ids=lambda r: f"layers{r.layers}")
+def test_prefill_fit_reproduces_each_measured_prefill_row(row):
+    """The measured step (one 4K prompt, alone, no drafts) at the measured layer count."""
+    host = HostTimeModel(row.layers, 0, True, 64, GAP).step([PREFILL_PROMPT], prefill=True,
+                                                              drafting=False)
+    assert host == pytest.approx(H200_HOST.prefill(row.layers))  # nothing added for one 4K request
+    assert host == pytest.approx(row.host_ms * 1e-3, abs=PREFILL_HOST_TOLERANCE_S)
+    assert row.busy_ms * 1e-3 + host == pytest.approx(row.wall_ms * 1e-3,
+                                                      rel=PREFILL_WALL_TOLERANCE)
+
+
+def test_prefill_fit_coefficients_and_projection_to_78_layers():
+    """host = 2.30 ms + 0.252 ms per layer (docs/prefill_host_h100.md): 22 ms at GLM-5.3's 78
+    layers, per layer a small part, not the ~0.46 s the 2-layer extrapolation gave."""
+    fit = H200_HOST.prefill
+    assert fit.per_step == pytest.approx(2.30e-3, abs=0.01e-3)
+    assert fit.per_layer == pytest.approx(0.252e-3, abs=0.001e-3)
+    assert fit(78) == pytest.approx(22.0e-3, abs=0.05e-3)
+    assert HostTimeModel(78, 0, True, 64, GAP).step([PREFILL_PROMPT], True, False) == \
+        pytest.approx(fit(78))
+    # residuals of a least-squares line sum to zero over its rows
+    assert sum(fit(r.layers) - r.host_ms * 1e-3 for r in PREFILL_HOST_H100) == \
+        pytest.approx(0.0, abs=1e-9)
+
+
+def test_mixed_step_adds_the_eager_decode_parts_of_its_other_requests():
+    """A prefill or mixed step: the prefill fit at L layers, plus the eager decode fit (at the
+    measured layers, unscaled) beyond the measured step's one 4K request, plus the drafts'."""
+    eager = H200_HOST.eager
+    ctx = [65536] * 32
+    entries = 32 * 1024
+    for layers in (2, 78):
+        plain = HostTimeModel(layers, 0, True, 64, GAP).step(ctx, True, False)
+        more = eager[0](32, entries) - eager[0](1, PREFILL_PROMPT // 64)
+        assert plain == pytest.approx(H200_HOST.prefill(layers) + more)
+        mtp = HostTimeModel(layers, 3, True, 64, GAP).step(ctx, True, True)
+        assert mtp == pytest.approx(plain + eager[3](32, entries) - eager[0](32, entries))
+        # a step whose requests do not draft pays no draft host time, and graphs do not apply
+        assert HostTimeModel(layers, 3, False, 64, GAP).step(ctx, True, False) == \
+            pytest.approx(plain)
+    # what grows with layers is the prefill fit's per-layer part alone
+    many, two = (HostTimeModel(n, 0, True, 64, GAP).step(ctx, True, False) for n in (78, 2))
+    assert many - two == pytest.approx(76 * H200_HOST.prefill.per_layer)
+    # a shorter request than the measured one costs no less than the measured step
+    assert HostTimeModel(78, 0, True, 64, GAP).step([512], True, False) == \
+        pytest.approx(H200_HOST.prefill(78))
 
 
 def test_projection_to_more_layers():
-    """Graphed decode host time barely grows with layers (a launch gap each), eager decode and
-    prefill host time grow with the forwards they run."""
+    """Graphed decode host time barely grows with layers (a launch gap each), eager decode host
+    time grows with the forwards it runs."""
     ctx = [8192] * 16
     two = HostTimeModel(2, 0, True, 64, GAP)
     many = HostTimeModel(78, 0, True, 64, GAP)
@@ -88,8 +130,6 @@ def test_projection_to_more_layers():
     e2 = HostTimeModel(2, 0, False, 64, GAP).step(ctx, False, False)
     e78 = HostTimeModel(78, 0, False, 64, GAP).step(ctx, False, False)
     assert e78 - g == pytest.approx((e2 - g) * 78 / 2)
-    p2, p78 = two.step(ctx, True, False), many.step(ctx, True, False)
-    assert p78 - p2 == pytest.approx((e78 - e2) + H200_HOST.prefill_extra * 76 / 2)
     # MTP3 eager: 2 + 3 forwards measured → 78 + 3 projected
     e3 = HostTimeModel(2, 3, False, 64, GAP).step(ctx, False, True)
     e3_78 = HostTimeModel(78, 3, False, 64, GAP).step(ctx, False, True)
@@ -150,3 +190,6 @@ def test_refit_from_other_rows_changes_the_model():
                     for r in DECODE_H200)
     fits = HostFits.fit(doubled)
     assert fits.graphed[0](1, 128) == pytest.approx(2 * H200_HOST.graphed[0](1, 128), rel=0.05)
+    prefill = tuple(dataclasses.replace(r, wall_ms=r.busy_ms + 2 * r.host_ms)
+                    for r in PREFILL_HOST_H100)
+    assert HostFits.fit(prefill=prefill).prefill(78) == pytest.approx(2 * H200_HOST.prefill(78))
