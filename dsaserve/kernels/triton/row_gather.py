@@ -96,8 +96,9 @@ def _fetch_kernel(
                gpu_ptr, tl.maximum(page, 0) * B + off, copy, WORDS, BLOCK)
     num_miss = tl.sum(miss.to(tl.int64), axis=0)
     if num_miss > 0:  # most programs of a high-overlap step have none
-        tl.atomic_add(counts_ptr, num_miss)
-        tl.atomic_add(counts_ptr + 1, tl.sum((miss & from_host).to(tl.int64), axis=0))
+        tl.atomic_add(counts_ptr, num_miss, sem="relaxed")
+        tl.atomic_add(counts_ptr + 1, tl.sum((miss & from_host).to(tl.int64), axis=0),
+                      sem="relaxed")
 
 
 def _words(rows: torch.Tensor) -> torch.Tensor:
