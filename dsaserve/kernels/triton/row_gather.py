@@ -84,14 +84,16 @@ def _fetch_kernel(
     region = tl.load(regions_ptr + r, mask=miss, other=TRASH)
     # masked entries (the trash slot S) fetch nothing, nor does the trash region (no hot rows)
     copy = miss & (slot < S) & (region < TRASH)
-    from_host = miss_pos < tl.load(upto_ptr + r, mask=miss, other=0)
+    upto = tl.load(upto_ptr + r, mask=miss, other=0)
+    from_host = miss_pos < upto
+    from_gpu = copy & (miss_pos >= upto)
     pos = tl.maximum(miss_pos, 0)
     blk, off = pos // B, pos % B
     host_blk = tl.load(host_table_ptr + region * stride_host + blk, mask=copy & from_host,
                        other=0)
-    req = tl.load(requests_ptr + r, mask=copy & ~from_host, other=0)
+    req = tl.load(requests_ptr + r, mask=from_gpu, other=0)
     page = tl.load(block_table_ptr + req * stride_block + tl.minimum(blk, max_blocks - 1),
-                   mask=copy & ~from_host, other=0).to(tl.int64)
+                   mask=from_gpu, other=0).to(tl.int64)
     _copy_rows(hot_ptr, region * P + slot, host_ptr, host_blk * B + off, from_host,
                gpu_ptr, tl.maximum(page, 0) * B + off, copy, WORDS, BLOCK)
     num_miss = tl.sum(miss.to(tl.int64), axis=0)
@@ -107,6 +109,13 @@ def _words(rows: torch.Tensor) -> torch.Tensor:
     if flat.shape[1] % 4:
         raise ValueError(f"row gather: rows of {flat.shape[1]} bytes are not whole words")
     return flat.view(torch.int32)
+
+
+def _num_warps(block: int, entries: int) -> int:
+    """Threads for an [entries, block] tile of words: 32 words a thread per copy (on sm_90 the
+    fetch of 656-byte rows, 16 entries, 4 warps: 118 registers, no spill;
+    benchmarks/sm90_resources.py --only fetch)."""
+    return max(1, min(16, block * entries // 1024))
 
 
 def _same_width(*rows: torch.Tensor) -> int:
@@ -130,7 +139,8 @@ def row_gather(dst: torch.Tensor, dst_idx: torch.Tensor, host: torch.Tensor,
     grid = (triton.cdiv(n, entries_per_program),)
     _row_gather_kernel[grid](
         d, dst_idx, h, host_idx, g, gpu_idx, from_host.view(torch.uint8), n,
-        WORDS=words, BLOCK=triton.next_power_of_2(words), ENTRIES=entries_per_program)
+        WORDS=words, BLOCK=triton.next_power_of_2(words), ENTRIES=entries_per_program,
+        num_warps=_num_warps(triton.next_power_of_2(words), entries_per_program))
 
 
 def fetch_misses(hot: torch.Tensor, host: torch.Tensor, gpu: torch.Tensor,
@@ -156,4 +166,5 @@ def fetch_misses(hot: torch.Tensor, host: torch.Tensor, gpu: torch.Tensor,
         mirrored_upto, host_table, host_table.stride(0), block_table, block_table.stride(0),
         block_table.shape[1], counts, n, width,
         S=buffer_rows, P=region_rows, TRASH=trash_region, B=block_size, WORDS=words,
-        BLOCK=triton.next_power_of_2(words), ENTRIES=entries_per_program)
+        BLOCK=triton.next_power_of_2(words), ENTRIES=entries_per_program,
+        num_warps=_num_warps(triton.next_power_of_2(words), entries_per_program))
