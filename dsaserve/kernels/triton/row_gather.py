@@ -86,6 +86,8 @@ def _fetch_kernel(
     copy = miss & (slot < S) & (region < TRASH)
     upto = tl.load(upto_ptr + r, mask=miss, other=0)
     from_host = miss_pos < upto
+    # spelled out, not copy & ~from_host: Triton 3.6's sm_90 layout pass refuses that mask on
+    # the loads below ("mask type matches ptr type")
     from_gpu = copy & (miss_pos >= upto)
     pos = tl.maximum(miss_pos, 0)
     blk, off = pos // B, pos % B
