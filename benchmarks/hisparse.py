@@ -29,7 +29,7 @@ from dsaserve.engine.args import resolve_attention_backend
 from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import get_backend, position_slots
-from dsaserve.kv.hisparse.residency import resolve, resolve_step
+from dsaserve.kv.hisparse.residency import resolve, resolve_tables
 from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 from dsaserve.model.dsa import LayerCache
 
@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> list[str]:
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(lines), flush=True)
     late = torch.tensor(1 << 40, device=device)  # a stamp above every stamp held
+    rows_of_tables = torch.arange(step.hot_regions.numel(), device=device)
     for overlap in args.overlaps:
         topk = torch.rand(b, n - 1, generator=g).topk(k, dim=1).indices.to(device)
         full, hs, res_t, missed, res_only, res_ref = [], [], [], [], [], []
@@ -109,7 +110,9 @@ def run(args: argparse.Namespace) -> list[str]:
             resolve(pos, step.row_region, step.row_rank, *tables, late, step.max_rows)
             _sync(device)
             t_res = time.perf_counter()
-            resolve_step(pos, step.row_region, step.row_rank, *tables, late, step.max_rows)
+            # the runtime's launch (tables updated in place: here the copies)
+            resolve_tables(pos, step.row_region, step.row_rank, *tables, rows_of_tables, late,
+                           step.max_rows)
             _sync(device)
             t2 = time.perf_counter()
             rows = rt.resolve(0, pos, meta, step)

@@ -3,7 +3,7 @@
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
       (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
-       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp)
+       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -43,6 +43,7 @@ from dsaserve.kernels.triton import (
     indexer_gluon,
     l2_hint,
     residency,
+    row_gather,
     row_topk,
     sparse_mla,
     sparse_mla_gluon,
@@ -312,9 +313,8 @@ def _residency_build(k: int, max_rows: int, size: int) -> Build:
     width = max_rows * k
     wb, sb = triton.next_power_of_2(width), triton.next_power_of_2(size)
     pointers = {name: "*i64" for name in (
-        "row_region_ptr", "row_rank_ptr", "tok_ptr", "stamp_ptr", "now_ptr", "hot_ptr",
-        "miss_pos_ptr", "miss_slot_ptr", "out_tok_ptr", "out_stamp_ptr", "num_miss_ptr",
-        "u_ptr", "at_ptr")}
+        "row_region_ptr", "row_rank_ptr", "tok_ptr", "stamp_ptr", "regions_ptr", "now_ptr",
+        "hot_ptr", "miss_pos_ptr", "miss_slot_ptr", "num_miss_ptr", "u_ptr", "at_ptr")}
     consts = {"K": k, "S": size, "MAX_ROWS": max_rows, "W": width, "WB": wb,
               "WLOG": wb.bit_length() - 1, "SB": sb, "SLOG": sb.bit_length() - 1, "TB": 256}
     sig = {"topk_ptr": "*i32", "stride_topk": "i32", "row_region_ptr": "*i64",
@@ -336,12 +336,39 @@ def residency_mtp_builds() -> list[Build]:
     return [_residency_build(2048, 2, 6144), _residency_build(2048, 4, 10240)]
 
 
+def fetch_builds() -> list[Build]:
+    """HiSparse's fetch and mirror (kernels/triton/row_gather.py) on 656-byte fp8_ds_mla and
+    1,152-byte bf16 rows, as launched (16 entries a program; an int32 block table)."""
+    builds = []
+    for row_bytes in (656, 1152):
+        words = row_bytes // 4
+        consts = {"WORDS": words, "BLOCK": triton.next_power_of_2(words), "ENTRIES": 16}
+        warps = row_gather._num_warps(consts["BLOCK"], consts["ENTRIES"])
+        fetch = _sig({"hot_ptr": "*i32", "host_ptr": "*i32", "gpu_ptr": "*i32",
+                      "miss_pos_ptr": "*i64", "miss_slot_ptr": "*i64", "regions_ptr": "*i64",
+                      "requests_ptr": "*i64", "upto_ptr": "*i64", "host_table_ptr": "*i64",
+                      "stride_host": "i32", "block_table_ptr": "*i32", "stride_block": "i32",
+                      "max_blocks": "i32", "counts_ptr": "*i64"}, ["n", "W"],
+                     ["S", "P", "TRASH", "B"] + list(consts))
+        assert list(fetch) == row_gather._fetch_kernel.arg_names  # positional
+        mirror = _sig({"dst_ptr": "*i32", "dst_idx_ptr": "*i64", "host_ptr": "*i32",
+                       "host_idx_ptr": "*i64", "gpu_ptr": "*i32", "gpu_idx_ptr": "*i64",
+                       "from_host_ptr": "*u8"}, ["n"], list(consts))
+        assert list(mirror) == row_gather._row_gather_kernel.arg_names
+        builds += [
+            Build(f"HiSparse fetch, {row_bytes}-byte rows", row_gather._fetch_kernel, fetch,
+                  {"S": 4096, "P": 4160, "TRASH": 64, "B": 64} | consts, warps),
+            Build(f"HiSparse mirror (row gather), {row_bytes}-byte rows",
+                  row_gather._row_gather_kernel, mirror, consts, warps)]
+    return builds
+
+
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds, "residency": residency_builds,
-         "residency_mtp": residency_mtp_builds}
+         "residency_mtp": residency_mtp_builds, "fetch": fetch_builds}
 
 
 def main() -> None:

@@ -1,13 +1,14 @@
 """HiSparse's residency kernel on the GPU at serving sizes: every output equals the PyTorch
 reference's over consecutive steps (the tables carried from step to step), it does not
-synchronise with the host, and the step (kernel + device stamp) replays from a CUDA graph."""
+synchronise with the host, and the step (kernel + device stamp) replays from a CUDA graph. As
+the runtime runs it (`resolve_tables`), it updates rows of larger tables in place."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsaserve.kv.hisparse.residency import Residency, resolve, resolve_step
+from dsaserve.kv.hisparse.residency import Residency, resolve, resolve_step, resolve_tables
 
 pytestmark = pytest.mark.gpu
 
@@ -57,6 +58,39 @@ def test_residency_kernel_equals_the_reference(g, b, k, size, max_rows) -> None:
         _equal(got, want)
         assert int(want.num_misses.sum()) > 0, step
         token, stamp = got.slot_token, got.slot_stamp
+        now += 1
+
+
+def test_residency_kernel_updates_the_runtime_tables_in_place(g) -> None:
+    """b = 60 request regions of 64 and 4 padded slots in the trash region (64): each step's
+    rows of the tables equal the reference's on gathered copies, the others stay as they were."""
+    b, k, size, context, max_req = 64, 2048, 4096, 131072, 64
+    tok = torch.full((max_req + 1, size), -1, dtype=torch.int64, device="cuda")
+    stamp = torch.full_like(tok, -1)
+    regions = torch.randperm(max_req, device="cuda", generator=g)[:b]
+    regions[-4:] = max_req
+    now = torch.zeros((), dtype=torch.int64, device="cuda")
+    for step in range(3):
+        topk, region, rank = _rows(g, tok[regions], 1, k, context, overlap=0.9)
+        region = torch.where((region >= 0) & (region < b - 4), region, -1)  # the trash: none
+        want = resolve(topk, region, rank, tok[regions], stamp[regions], now, 1)
+        before_tok, before_stamp = tok.clone(), stamp.clone()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = resolve_tables(topk, region, rank, tok, stamp, regions, now, 1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert got.slot_token is tok and got.slot_stamp is stamp
+        for name in ("hot_slots", "miss_pos", "miss_slot", "num_misses"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, name)
+        assert torch.equal(tok[regions], want.slot_token)
+        assert torch.equal(stamp[regions], want.slot_stamp)
+        others = torch.ones(max_req + 1, dtype=torch.bool, device="cuda")
+        others[regions] = False
+        assert torch.equal(tok[others], before_tok[others])
+        assert torch.equal(stamp[others], before_stamp[others])
+        assert int(want.num_misses.sum()) > 0, step
         now += 1
 
 

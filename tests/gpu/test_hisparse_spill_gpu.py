@@ -133,6 +133,16 @@ def _reference_mirror(layers, host_idx, gpu_idx):
         host.index_copy_(0, host_idx.cpu(), gpu.index_select(0, gpu_idx).cpu())
 
 
+def _reference_resolve_tables(topk, row_region, row_rank, token, stamp, regions, now, max_rows):
+    """residency.resolve_tables with the reference on CUDA: gather, resolve, scatter."""
+    from dsaserve.kv.hisparse.residency import Residency, resolve
+
+    res = resolve(topk, row_region, row_rank, token[regions], stamp[regions], now, max_rows)
+    token[regions] = res.slot_token
+    stamp[regions] = res.slot_stamp
+    return Residency(res.hot_slots, res.miss_pos, res.miss_slot, token, stamp, res.num_misses)
+
+
 @pytest.mark.parametrize("swap", ["residency", "fetch", "all"])
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-dsv32", "fp8_ds_mla"), ("tiny-glm5", "auto")])
 def test_spilled_pages_with_reference_kernels(model_dirs, engine_config, monkeypatch, preset, kv,
@@ -140,12 +150,12 @@ def test_spilled_pages_with_reference_kernels(model_dirs, engine_config, monkeyp
     """The spilling run with HiSparse's CUDA kernels swapped for their PyTorch references
     (the residency step; the fetch and the mirror; all of them): which kernel, if any, makes
     the spilling engine's tokens differ from the all-GPU engine's."""
-    from dsaserve.kv.hisparse import fetch, residency, runtime
+    from dsaserve.kv.hisparse import fetch, runtime
 
     if swap in ("residency", "all"):
-        monkeypatch.setattr(runtime, "resolve_step", lambda *a: residency.resolve(*a))
+        monkeypatch.setattr(runtime, "resolve_tables", _reference_resolve_tables)
     if swap in ("fetch", "all"):
-        monkeypatch.setattr(runtime, "fetch_rows", fetch.fetch_rows_reference)
+        monkeypatch.setattr(runtime, "fetch_misses", fetch.fetch_misses_reference)
         monkeypatch.setattr(runtime, "mirror_rows", _reference_mirror)
     cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
     prompts = _prompts()

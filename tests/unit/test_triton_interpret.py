@@ -758,6 +758,97 @@ def test_row_gather_matches_the_reference_fetch(k, row_bytes, seed):
     assert torch.equal(got, want)
 
 
+def _fetch_case(g: torch.Generator, width: int, row_bytes: int):
+    """The fetch's operands as the runtime hands them: 4 request regions of 6 (C = 6, the trash
+    region 6) and 2 padded slots in the trash region, in shuffled order; per region distinct
+    miss slots < S, most entries masked (−1 / S); positions below mirrored_upto (host pool)
+    and above (GPU pages, some blocks past the block table's width: clamped); block tables
+    int32 with −1 (unallocated) entries; a little of everything from the trash region too."""
+    b, size, max_req, nb, mb = 4, 10, 6, 8, 6
+    region_rows = -(-(size + 1) // b) * b  # P
+    regions = torch.cat([torch.randperm(max_req, generator=g)[:4], torch.tensor([max_req] * 2)])
+    order = torch.randperm(6, generator=g)
+    regions = regions[order]
+    requests = torch.randperm(7, generator=g)[:6]  # rows of the step's block table
+    upto = torch.randint(0, nb * b, (6,), generator=g)
+    miss_pos = torch.full((6, width), -1, dtype=torch.int64)
+    miss_slot = torch.full((6, width), size, dtype=torch.int64)
+    for i in range(6):
+        n = int(torch.randint(0, min(width, size) + 1, (), generator=g))
+        cols = torch.randperm(width, generator=g)[:n]
+        miss_pos[i, cols] = torch.randint(0, nb * b, (n,), generator=g)
+        miss_slot[i, cols] = torch.randperm(size, generator=g)[:n]
+    num_host = (max_req + 2) * nb  # host blocks, more than the windows
+    host_table = torch.randperm(num_host, generator=g)[: (max_req + 1) * nb].view(-1, nb)
+    block_table = torch.randint(-1, 9, (7, mb), generator=g, dtype=torch.int32)
+    host = torch.randint(0, 256, (num_host * b, row_bytes), dtype=torch.uint8, generator=g)
+    gpu = torch.randint(0, 256, (9 * b, row_bytes), dtype=torch.uint8, generator=g)
+    hot = torch.randint(0, 256, (max_req * region_rows, row_bytes), dtype=torch.uint8,
+                        generator=g)
+    layout = dict(block_size=b, buffer_rows=size, region_rows=region_rows, trash_region=max_req)
+    return (hot, host, gpu, miss_pos, miss_slot, regions, requests, upto, host_table,
+            block_table), layout
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("width,entries", [(8, 16), (24, 16), (37, 4)])  # top-k × 1, 3 rows; odd
+@pytest.mark.parametrize("row_bytes", [656, 1152])  # an fp8_ds_mla row; a bf16 latent+rope row
+def test_fused_fetch_matches_the_reference(k, row_bytes, width, entries, seed):
+    """The one-launch fetch (operands derived in the kernel, counters in it) against
+    `fetch_misses_reference` (the runtime's former index maths + `fetch_rows_reference`):
+    the hot buffer byte for byte and both counters."""
+    from dsaserve.kv.hisparse.fetch import fetch_misses_reference
+
+    g = _gen(seed)
+    for _ in range(3):
+        (hot, *rest), layout = _fetch_case(g, width, row_bytes)
+        want, got = hot.clone(), hot.clone()
+        counts_want = torch.tensor([5, 2])  # the counters add to what they held
+        counts_got = counts_want.clone()
+        fetch_misses_reference(want, *rest, counts_want, **layout)
+        k.row_gather.fetch_misses(got, *rest, counts_got, **layout, entries_per_program=entries)
+        assert torch.equal(got, want)
+        assert torch.equal(counts_got, counts_want)
+        miss_pos = rest[2]
+        assert int(counts_want[0]) - 5 == int((miss_pos >= 0).sum())
+    assert not torch.equal(want, hot), "nothing was fetched"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_residency_kernel_updates_the_tables_in_place(k, seed):
+    """`resolve_triton` with `regions`: the runtime's [C, S] tables, the rows of the regions
+    resolved in place (no gather or scatter around it), the others untouched, a repeated
+    trash region (empty union) unchanged; the outputs equal the reference's on the rows."""
+    from dsaserve.kv.hisparse.residency import resolve
+
+    g = _gen(seed)
+    size, k_top, max_rows, now = 12, 4, 3, 40
+    topk, region, rank, token, stamp = _residency_case(
+        g, num_regions=3, size=size, k=k_top, max_rows=max_rows, span=3 * size, now=now,
+        dtype=torch.int64)
+    tables_tok = torch.full((6, size), -1, dtype=torch.int64)  # rows 0..4 requests', 5 trash
+    tables_stamp = torch.full_like(tables_tok, -1)
+    other = torch.randint(0, 30, (6, size), generator=g)
+    tables_tok[:5], tables_stamp[:5] = other[:5], other[:5] // 2
+    regions = torch.cat([torch.randperm(5, generator=g)[:3], torch.tensor([5, 5])])
+    tables_tok[regions[:3]], tables_stamp[regions[:3]] = token, stamp
+    before_tok, before_stamp = tables_tok.clone(), tables_stamp.clone()
+    want = resolve(topk, region, rank, token, stamp, torch.tensor(now), max_rows)
+    out = k.residency.resolve_triton(topk, region, rank, tables_tok, tables_stamp,
+                                     torch.tensor(now), max_rows, regions=regions)
+    assert out[3] is tables_tok and out[4] is tables_stamp
+    assert torch.equal(out[0], want.hot_slots)
+    assert torch.equal(out[1][:3], want.miss_pos) and torch.equal(out[2][:3], want.miss_slot)
+    assert (out[1][3:] == -1).all() and (out[2][3:] == size).all()  # the trash: no fetch
+    assert torch.equal(tables_tok[regions[:3]], want.slot_token)
+    assert torch.equal(tables_stamp[regions[:3]], want.slot_stamp)
+    untouched = torch.ones(6, dtype=torch.bool)
+    untouched[regions[:3]] = False
+    assert torch.equal(tables_tok[untouched], before_tok[untouched])
+    assert torch.equal(tables_stamp[untouched], before_stamp[untouched])
+    assert int(want.num_misses.sum()) > 0
+
+
 def _residency_case(g: torch.Generator, num_regions: int, size: int, k: int, max_rows: int,
                     span: int, now: int, dtype: torch.dtype):
     """Random tables (some slots empty, stamps with ties) and rows: 0..max_rows rows per region,

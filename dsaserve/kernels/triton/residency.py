@@ -13,10 +13,15 @@ H100. Here each program keeps its region in registers and a little global scratc
        (scratch); a hit slot writes its index at the union entry (scratch) and takes stamp := now
     4. victims: tl.sort of (stamp + 1) << log S | slot — empty slots first, then LRU, ties by
        slot; the k-th miss in position order (a cumsum) takes the k-th victim
-    5. the new table: slot-wise copy with the hits' stamps, then (after a barrier) the misses'
-       positions scattered into their victims
+    5. the table, in place: the hits' stamps, then (after a barrier) the misses' positions
+       scattered into their victims
     6. each selected entry's slot: the slot of the first entry of its run of equal positions
        (a running max of run starts), written at its row and column of hot_slots
+
+A program reads and writes its region's row of the runtime's [C, S] tables in place (the row
+`regions[g]`), so no gather before the launch or scatter after it: every read of the table
+(phase 3) precedes every write. A region given twice (the trash region, for a padded step's
+slots that read no hot buffer) has an empty union, so neither program writes its row.
 
 Barriers (tl.debug_barrier) order the scratch writes and reads of one program: a program is one
 thread block, and a block barrier makes its global writes visible to its own threads. Nothing is
@@ -57,11 +62,11 @@ def _residency_kernel(
     topk_ptr, stride_topk,  # [T, K] positions (−1 pad), any integer dtype
     row_region_ptr, row_rank_ptr,  # [T] int64
     num_rows,  # T
-    tok_ptr, stamp_ptr,  # [R, S] int64 the regions' tables (read)
+    tok_ptr, stamp_ptr,  # [C, S] int64 the tables, region regions[g]'s row updated in place
+    regions_ptr,  # [R] int64 program g's row of the tables
     now_ptr,  # [] int64 this step's stamp
     hot_ptr,  # [T, K] int64 out, filled with −1 (rows of other regions keep it)
     miss_pos_ptr, miss_slot_ptr,  # [R, W] int64 out
-    out_tok_ptr, out_stamp_ptr,  # [R, S] int64 out
     num_miss_ptr,  # [R] int64 out
     u_ptr, at_ptr,  # [R, WB] int64 scratch: the sorted union; a slot per union entry
     vic_ptr,  # [R, SB] int32 scratch: the victims in order
@@ -107,15 +112,14 @@ def _residency_kernel(
     # 3. hits, slot by slot (a token is in the union at most once as a wanted entry)
     s = tl.arange(0, SB)
     in_s = s < S
-    s_base = g.to(tl.int64) * S
+    s_base = tl.load(regions_ptr + g) * S
     tok = tl.load(tok_ptr + s_base + s, mask=in_s, other=-1)
     stamp = tl.load(stamp_ptr + s_base + s, mask=in_s, other=-1)
     lb = _lower_bound(u_base, tok, WLOG)
     hit_s = in_s & (tok >= 0) & (tl.load(u_base + lb) == tok)
     tl.store(at_base + lb, s.to(tl.int64), mask=hit_s)
     stamp = tl.where(hit_s, now, stamp)
-    tl.store(out_tok_ptr + s_base + s, tok, mask=in_s)
-    tl.store(out_stamp_ptr + s_base + s, stamp, mask=in_s)
+    tl.store(stamp_ptr + s_base + s, stamp, mask=hit_s)  # the table's own row: hits only
     # 4. victims in (stamp, slot) order
     vkey = tl.where(in_s, ((stamp + 1) << SLOG) | s, _MAXKEY)
     vkey = tl.sort(vkey)
@@ -135,8 +139,8 @@ def _residency_kernel(
     tl.store(miss_slot_ptr + g.to(tl.int64) * W + j, victim, mask=j < W)
     tl.store(num_miss_ptr + g, tl.sum(miss.to(tl.int64), axis=0))
     # 5. the misses into their victims (after the slot-wise copy above)
-    tl.store(out_tok_ptr + s_base + victim, u, mask=miss)
-    tl.store(out_stamp_ptr + s_base + victim, tl.zeros((WB,), tl.int64) + now, mask=miss)
+    tl.store(tok_ptr + s_base + victim, u, mask=miss)
+    tl.store(stamp_ptr + s_base + victim, tl.zeros((WB,), tl.int64) + now, mask=miss)
     # 6. every entry takes its run's slot: the run's first entry is the wanted one
     slot = tl.where(hit, hit_slot, victim)
     tl.debug_barrier()  # every hit_slot above is read before the scratch is reused
@@ -157,36 +161,42 @@ def _num_warps(width: int) -> int:
 
 def resolve_triton(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
                    slot_token: torch.Tensor, slot_stamp: torch.Tensor, stamp: torch.Tensor,
-                   max_rows: int) -> tuple[torch.Tensor, ...]:
+                   max_rows: int, regions: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, ...]:
     """As `kv/hisparse/residency.resolve`, in one launch: the fields of its `Residency`
     (hot_slots, miss_pos, miss_slot, slot_token, slot_stamp, num_misses) in order.
-    topk [T, K] (−1 pad); row_region, row_rank [T] int64; slot_token, slot_stamp [R, S] int64
-    (not modified); stamp [] int64 on the same device, > every stamp in slot_stamp. Outputs
-    equal the reference's when the union of a region's rows fits its slots (|U| ≤ S, which
-    the configuration guarantees)."""
+    topk [T, K] (−1 pad); row_region, row_rank [T] int64; stamp [] int64 on the same device,
+    > every stamp in the tables. Without `regions`, slot_token, slot_stamp [R, S] int64 are
+    not modified and the tables returned are new; with regions [R] int64, they are the
+    runtime's [C, S] tables, whose rows `regions` are resolved and updated in place (and
+    returned, whole). Outputs equal the reference's when the union of a region's rows fits its
+    slots (|U| ≤ S, which the configuration guarantees)."""
     num_rows, k = topk.shape
-    num_regions, size = slot_token.shape
     dev = topk.device
+    if regions is None:
+        slot_token, slot_stamp = slot_token.clone(), slot_stamp.clone()
+        regions = torch.arange(slot_token.shape[0], device=dev)
+    if not (slot_token.is_contiguous() and slot_stamp.is_contiguous()):
+        raise ValueError("residency: the slot tables must be contiguous (updated in place)")
+    num_regions, size = regions.numel(), slot_token.shape[1]
     width = max_rows * k
     wb, sb = triton.next_power_of_2(width), triton.next_power_of_2(size)
     i64 = torch.int64
     hot_slots = torch.full((num_rows, k), -1, dtype=i64, device=dev)
     miss_pos = torch.empty((num_regions, width), dtype=i64, device=dev)
     miss_slot = torch.empty_like(miss_pos)
-    tokens = torch.empty_like(slot_token)
-    stamps = torch.empty_like(slot_stamp)
     num_misses = torch.empty((num_regions,), dtype=i64, device=dev)
     if num_regions == 0:
-        return hot_slots, miss_pos, miss_slot, tokens, stamps, num_misses
+        return hot_slots, miss_pos, miss_slot, slot_token, slot_stamp, num_misses
     u = torch.empty((num_regions, wb), dtype=i64, device=dev)
     at = torch.empty_like(u)
     vic = torch.empty((num_regions, sb), dtype=torch.int32, device=dev)
     topk = topk if topk.stride(1) == 1 else topk.contiguous()
     _residency_kernel[(num_regions,)](
         topk, topk.stride(0), row_region.contiguous(), row_rank.contiguous(), num_rows,
-        slot_token.contiguous(), slot_stamp.contiguous(), stamp.reshape(()).to(i64),
-        hot_slots, miss_pos, miss_slot, tokens, stamps, num_misses, u, at, vic,
+        slot_token, slot_stamp, regions.contiguous(), stamp.reshape(()).to(i64),
+        hot_slots, miss_pos, miss_slot, num_misses, u, at, vic,
         K=k, S=size, MAX_ROWS=max_rows, W=width, WB=wb, WLOG=wb.bit_length() - 1, SB=sb,
         SLOG=sb.bit_length() - 1, TB=min(1024, triton.next_power_of_2(max(num_rows, 1))),
         num_warps=_num_warps(max(wb, sb)))
-    return hot_slots, miss_pos, miss_slot, tokens, stamps, num_misses
+    return hot_slots, miss_pos, miss_slot, slot_token, slot_stamp, num_misses

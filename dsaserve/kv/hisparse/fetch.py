@@ -4,8 +4,10 @@ this step, not mirrored yet) and the mirror (rows a step wrote, from their GPU p
 host pool).
 
 On CUDA each is one Triton launch that reads or writes the mapped pinned pool in place
-(`kernels/triton/row_gather.py`): no host sync, and only the rows named move. On the CPU (the
-documented fallback, what CI runs) the same contract is met with index_select / index_copy_.
+(`kernels/triton/row_gather.py`): no host sync, and only the rows named move; the fetch's
+launch also derives each entry's source and destination from the residency step's outputs and
+the tables. On the CPU (the documented fallback, what CI runs) the same contracts are met with
+index maths and index_select / index_copy_ (`fetch_misses_reference`, `fetch_rows_reference`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,58 @@ def fetch_rows(dst: torch.Tensor, dst_idx: torch.Tensor, host: torch.Tensor,
         row_gather(dst, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
     else:
         fetch_rows_reference(dst, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
+
+
+def fetch_misses_reference(hot: torch.Tensor, host: torch.Tensor, gpu: torch.Tensor,
+                           miss_pos: torch.Tensor, miss_slot: torch.Tensor,
+                           regions: torch.Tensor, requests: torch.Tensor,
+                           mirrored_upto: torch.Tensor, host_table: torch.Tensor,
+                           block_table: torch.Tensor, counts: torch.Tensor, *, block_size: int,
+                           buffer_rows: int, region_rows: int, trash_region: int) -> None:
+    """The residency step's misses into their hot slots. Entry (i, j) is a miss when
+    p = miss_pos[i, j] ≥ 0; it is fetched when its slot s = miss_slot[i, j] < S (buffer_rows)
+    and c = regions[i] is a request's (< trash_region: the trash region has no hot rows):
+
+        hot[c·P + s] = host[host_table[c, p // B]·B + p % B]          p < mirrored_upto[i]
+                     = gpu[page·B + p % B], page = block_table[requests[i], p // B]   else
+
+    (B: block_size, P: region_rows; a GPU row is one written this step, not mirrored yet, whose
+    page is resident.) counts [2] int64 += (misses, of those below mirrored_upto): metrics.
+    Rows hot [C·P, ...], host [H·B, ...], gpu [G·B, ...]; miss_pos, miss_slot [R, W] int64;
+    regions, requests, mirrored_upto [R] int64; host_table [C + 1, NB]; block_table [.., MB]."""
+    b = block_size
+    miss = miss_pos >= 0  # [R, W]
+    pos = miss_pos.clamp(min=0)
+    blk, off = pos // b, pos % b
+    host_rows = host_table[regions].gather(1, blk) * b + off
+    table = block_table[requests].long()  # [R, MB]
+    gpu_rows = table.gather(1, blk.clamp(max=table.shape[1] - 1)).clamp(min=0) * b + off
+    from_host = miss_pos < mirrored_upto[:, None]
+    counts += torch.stack([miss.sum(), (miss & from_host).sum()])
+    owned = (regions < trash_region)[:, None]  # [R, 1]
+    dest = torch.where(miss & (miss_slot < buffer_rows) & owned,
+                       regions[:, None] * region_rows + miss_slot, -1)  # [R, W]
+    fetch_rows_reference(hot, dest.flatten(), host, host_rows.flatten(), gpu, gpu_rows.flatten(),
+                         from_host.flatten())
+
+
+def fetch_misses(hot: torch.Tensor, host: torch.Tensor, gpu: torch.Tensor,
+                 miss_pos: torch.Tensor, miss_slot: torch.Tensor, regions: torch.Tensor,
+                 requests: torch.Tensor, mirrored_upto: torch.Tensor, host_table: torch.Tensor,
+                 block_table: torch.Tensor, counts: torch.Tensor, *, block_size: int,
+                 buffer_rows: int, region_rows: int, trash_region: int) -> None:
+    """As `fetch_misses_reference`; on CUDA one launch of the zero-copy kernel (the host pool
+    must be the runtime's mapped pinned pool), operands derived inside it."""
+    args = (hot, host, gpu, miss_pos, miss_slot, regions, requests, mirrored_upto, host_table,
+            block_table, counts)
+    kw = dict(block_size=block_size, buffer_rows=buffer_rows, region_rows=region_rows,
+              trash_region=trash_region)
+    if hot.is_cuda:
+        from dsaserve.kernels.triton.row_gather import fetch_misses as fetch_triton
+
+        fetch_triton(*args, **kw)
+    else:
+        fetch_misses_reference(*args, **kw)
 
 
 def mirror_rows(layers: list[tuple[torch.Tensor, torch.Tensor]], host_idx: torch.Tensor,

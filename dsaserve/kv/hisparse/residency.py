@@ -1,8 +1,10 @@
 """The residency step: which hot-buffer slot holds each row the indexer selected, and which rows
 must be fetched first. `resolve` is the pure, batched PyTorch reference (no host sync: no
-`.item()`, no data-dependent shapes); `resolve_step` is what the runtime calls: on CUDA one Triton
-launch with the same outputs, entry for entry (`kernels/triton/residency.py`), on the CPU the
-reference (what CI runs), as `fetch.fetch_rows` dispatches the fetch.
+`.item()`, no data-dependent shapes); `resolve_step` dispatches it: on CUDA one Triton launch
+with the same outputs, entry for entry (`kernels/triton/residency.py`), on the CPU the reference
+(what CI runs), as `fetch.fetch_misses` dispatches the fetch. `resolve_tables`, what the runtime
+calls, resolves rows of the runtime's whole tables and updates them in place (on CUDA inside the
+launch: no gather of the regions' rows before it, no scatter after).
 
 One hot buffer ("region") per request, S slots, each slot holding one token's MLA row:
 
@@ -122,3 +124,24 @@ def resolve_step(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.T
         return Residency(*resolve_triton(topk, row_region, row_rank, slot_token, slot_stamp,
                                          stamp, max_rows))
     return resolve(topk, row_region, row_rank, slot_token, slot_stamp, stamp, max_rows)
+
+
+def resolve_tables(topk: torch.Tensor, row_region: torch.Tensor, row_rank: torch.Tensor,
+                   slot_token: torch.Tensor, slot_stamp: torch.Tensor, regions: torch.Tensor,
+                   stamp: torch.Tensor, max_rows: int) -> Residency:
+    """As `resolve_step` over the rows `regions` [R] of the tables slot_token / slot_stamp
+    [C, S], which it updates in place; the Residency's slot_token / slot_stamp are those whole
+    tables. A region given twice must resolve an empty union (a padded step's trash region).
+    On CUDA the kernel reads and writes the rows in place; on the CPU the reference, then a
+    scatter of its rows."""
+    if topk.is_cuda:
+        from dsaserve.kernels.triton.residency import resolve_triton  # triton only where CUDA is
+
+        return Residency(*resolve_triton(topk, row_region, row_rank, slot_token, slot_stamp,
+                                         stamp, max_rows, regions=regions))
+    res = resolve(topk, row_region, row_rank, slot_token[regions], slot_stamp[regions], stamp,
+                  max_rows)
+    slot_token[regions] = res.slot_token
+    slot_stamp[regions] = res.slot_stamp
+    return Residency(hot_slots=res.hot_slots, miss_pos=res.miss_pos, miss_slot=res.miss_slot,
+                     slot_token=slot_token, slot_stamp=slot_stamp, num_misses=res.num_misses)

@@ -10,7 +10,7 @@ and the per-step description the attention backend reads (`HiSparseStep`).
     host pool  host[l] [H, B, row]     request r's position p: host_table[r, p // B]·B + p % B
         │                              (a spilled cached block of an ended request: its host
         │                              block is kept, `kept`, and a prefix hit restores it)
-        │ miss fetch (residency.resolve → gather)
+        │ miss fetch (residency.resolve → fetch_misses)
         ▼
     hot buffer hot[l]  [C·P/B, B, row] region c's slot s: flat row c·P + s (s = S: trash),
                                        P = S + 1 rounded up to whole pages of B rows
@@ -22,6 +22,9 @@ reason). The hot buffer is laid out as a paged cache with the engine's page size
 backend's sparse MLA reads it as it reads the paged cache. On the CPU the host pool is ordinary
 memory and a fetch is an index_select (the documented fallback); on CUDA the pool is pinned and
 mapped, and one Triton launch reads the missed rows in place (`fetch.py`), with no host sync.
+A layer's step on CUDA is then two launches besides invalidation: the residency step, which
+updates the layer's slot tables in place, and the fetch, which derives each row's source and
+destination itself and counts the misses.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import torch
 
 from dsaserve.kernels import staging
 from dsaserve.kv.hisparse.admission import hot_region_rows
-from dsaserve.kv.hisparse.fetch import fetch_rows, mirror_rows
+from dsaserve.kv.hisparse.fetch import fetch_misses, mirror_rows
 from dsaserve.kv.hisparse.mla_pages import reads_through_buffer
-from dsaserve.kv.hisparse.residency import Residency, resolve_step
+from dsaserve.kv.hisparse.residency import Residency, resolve_tables
 from dsaserve.kv.host_pool import pin_host_memory
 
 if TYPE_CHECKING:
@@ -98,20 +101,22 @@ class HiSparseRuntime:
         # read no hot buffer (kv/hisparse/padded.py) resolve there an empty union, so it has
         # table rows but no hot rows (a fetch into it is masked in `_fetch`)
         self.trash_region = max_requests
-        self.slot_token = [torch.full((max_requests + 1, buffer_rows), -1, dtype=torch.int64,
-                                      device=device) for _ in caches]
-        self.slot_stamp = [torch.full_like(t, -1) for t in self.slot_token]
+        # IndexShare: a layer without its own indexer attends over the top-k of the last layer
+        # before it with one (its group's leader), so its residency is the leader's: resolved
+        # once per group, the group's layers sharing the leader's tables (vLLM does the same)
+        self.leader = [0] * len(caches)
+        for i, c in enumerate(caches):
+            self.leader[i] = i if c.index is not None or i == 0 else self.leader[i - 1]
+        tables = {i: torch.full((max_requests + 1, buffer_rows), -1, dtype=torch.int64,
+                                device=device) for i in set(self.leader)}
+        self.slot_token = [tables[i] for i in self.leader]  # [C + 1, S] one tensor per group
+        stamps = {i: torch.full_like(t, -1) for i, t in tables.items()}
+        self.slot_stamp = [stamps[i] for i in self.leader]
         self.host_table = torch.zeros((max_requests + 1, blocks_per_request), dtype=torch.int64,
                                       device=device)  # region → its reserved host blocks
         # LRU clock, one tick per resolve: a device tensor, so a layer's step reads no host state
         self._stamp = torch.zeros((), dtype=torch.int64, device=device)
         self._layer_of = {c.kv.data_ptr(): i for i, c in enumerate(caches)}
-        # IndexShare: a layer without its own indexer attends over the top-k of the last layer
-        # before it with one (its group's leader), so its residency is the leader's: resolved
-        # once per group, each layer's tables kept equal to the leader's (vLLM does the same)
-        self.leader = [0] * len(caches)
-        for i, c in enumerate(caches):
-            self.leader[i] = i if c.index is not None or i == 0 else self.leader[i - 1]
         # leader layer → the positions it resolved in this forward and their residency
         self._resolved: dict[int, tuple[torch.Tensor, Residency]] = {}
         self.num_resolves = 0  # residency steps run (a host counter for tests)
@@ -121,8 +126,17 @@ class HiSparseRuntime:
         # cache after the request that held it ended (the scheduler's MlaPageMap.host_kept)
         self.kept: dict[int, int] = {}
         self._free_regions = list(range(max_requests))
-        self.rows_missed = torch.zeros((), dtype=torch.int64, device=device)  # all layers, steps
-        self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)  # of those
+        # (rows missed, of those read from the host pool), all layers and steps: metrics the
+        # fetch adds to on the device (no launch of their own)
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)
+
+    @property
+    def rows_missed(self) -> torch.Tensor:
+        return self._counts[0]
+
+    @property
+    def rows_from_host(self) -> torch.Tensor:
+        return self._counts[1]
 
     @property
     def num_host_blocks(self) -> int:
@@ -161,9 +175,9 @@ class HiSparseRuntime:
         region = self._free_regions.pop()
         self.entries[rid] = _Entry(region, blocks, arriving=True)
         self.host_table[region] = torch.tensor(blocks, dtype=torch.int64)
-        for tok, st in zip(self.slot_token, self.slot_stamp, strict=True):
-            tok[region] = -1
-            st[region] = -1
+        for leader in set(self.leader):
+            self.slot_token[leader][region] = -1
+            self.slot_stamp[leader][region] = -1
         return blocks
 
     def remove(self, rid: str, keep: dict[int, int] | None = None) -> None:
@@ -268,7 +282,11 @@ class HiSparseRuntime:
         return self._layer_of[kv.data_ptr()]
 
     def invalidate(self, layer: int, step: HiSparseStep) -> None:
-        """Forget hot copies of positions this forward rewrites (rejected drafts, MTP rows)."""
+        """Forget hot copies of positions this forward rewrites (rejected drafts, MTP rows).
+        A group's tables are its leader's: invalidated there, before its residency step (a
+        later layer of the group must not forget what that step put in)."""
+        if self.leader[layer] != layer:
+            return
         regions = step.tracked_regions
         tok = self.slot_token[layer][regions]  # [Rt, S]
         stale = tok >= step.tracked_from[:, None]
@@ -286,47 +304,35 @@ class HiSparseRuntime:
         regions = step.hot_regions
         leader = self.leader[layer]
         if leader == layer:
-            res = resolve_step(positions, step.row_region, step.row_rank,
-                               self.slot_token[layer][regions], self.slot_stamp[layer][regions],
-                               self._stamp, step.max_rows)
+            # the group's tables, updated in place
+            res = resolve_tables(positions, step.row_region, step.row_rank,
+                                 self.slot_token[layer], self.slot_stamp[layer], regions,
+                                 self._stamp, step.max_rows)
             self._stamp.add_(1)
             self.num_resolves += 1
             self._resolved[layer] = (positions, res)
         else:
-            # the leader's tables were this layer's before the step, and its positions are the
-            # same tensor (the model hands a shared layer its leader's top-k), so its outcome
-            # is this layer's: only the fetch is per layer (the rows differ)
+            # the group's tables are the leader's and its positions are the same tensor (the
+            # model hands a shared layer its leader's top-k), so its outcome is this layer's:
+            # only the fetch is per layer (the rows differ)
             leader_positions, res = self._resolved[leader]
             assert leader_positions is positions, (
                 f"layer {layer} shares layer {leader}'s indexer but got other positions")
-        self.slot_token[layer][regions] = res.slot_token
-        self.slot_stamp[layer][regions] = res.slot_stamp
-        self.rows_missed += res.num_misses.sum()
         self._fetch(layer, res.miss_pos, res.miss_slot, meta, step)
         region_of_row = regions[step.row_region.clamp(min=0)]  # [T]
         return torch.where(res.hot_slots >= 0, region_of_row[:, None] * s1 + res.hot_slots, -1)
 
     def _fetch(self, layer: int, miss_pos: torch.Tensor, miss_slot: torch.Tensor,
                meta: AttentionMetadata, step: HiSparseStep) -> None:
-        """Fill the missed slots: from the host pool below mirrored_upto, else from the
-        request's GPU page (`fetch.fetch_rows`: zero copy on CUDA; meta addresses the MLA
-        pages, and the write tail is resident)."""
-        b, s1 = self.block_size, self.region_rows
-        pos = miss_pos.clamp(min=0)  # [Rh, W]
-        blk, off = pos // b, pos % b
-        host_rows = self.host_table[step.hot_regions].gather(1, blk) * b + off
-        table = meta.block_table[step.hot_requests].long()  # [Rh, max_blocks]
-        gpu_rows = table.gather(1, blk.clamp(max=table.shape[1] - 1)).clamp(min=0) * b + off
-        from_host = (miss_pos < step.mirrored_upto[:, None])[..., None]
-        self.rows_from_host += (from_host[..., 0] & (miss_pos >= 0)).sum()
-        # masked entries (miss_slot = the trash slot S) fetch nothing, nor does the trash
-        # region (it has no hot rows; its union is empty)
-        owned = (step.hot_regions < self.trash_region)[:, None]  # [Rh, 1]
-        dest = torch.where((miss_slot < self.buffer_rows) & owned,
-                           step.hot_regions[:, None] * s1 + miss_slot, -1)  # [Rh, W]
-        fetch_rows(self.hot[layer].flatten(0, 1), dest.flatten(),
-                   self.host[layer].flatten(0, 1), host_rows.flatten(),
-                   self.caches[layer].kv.flatten(0, 1), gpu_rows.flatten(), from_host.flatten())
+        """Fill the missed slots [Rh, W]: from the host pool below mirrored_upto, else from the
+        request's GPU page (`fetch.fetch_misses`: one zero-copy launch on CUDA; meta addresses
+        the MLA pages, and the write tail is resident). Masked entries (the trash slot S)
+        fetch nothing, nor does the trash region (it has no hot rows; its union is empty)."""
+        fetch_misses(self.hot[layer].flatten(0, 1), self.host[layer].flatten(0, 1),
+                     self.caches[layer].kv.flatten(0, 1), miss_pos, miss_slot, step.hot_regions,
+                     step.hot_requests, step.mirrored_upto, self.host_table, meta.block_table,
+                     self._counts, block_size=self.block_size, buffer_rows=self.buffer_rows,
+                     region_rows=self.region_rows, trash_region=self.trash_region)
 
     # ---- invariants --------------------------------------------------------------------------
     def check_integrity(self, requests: dict[str, tuple[int, list[int]]]) -> None:
@@ -342,9 +348,9 @@ class HiSparseRuntime:
         assert len(set(owned)) == len(owned), "a host block is free, reserved or kept twice"
         assert len(self._free_regions) + len(self.entries) == self.max_requests
         for layer, leader in enumerate(self.leader):  # what lets a group resolve once
-            assert torch.equal(self.slot_token[layer], self.slot_token[leader]) and torch.equal(
-                self.slot_stamp[layer], self.slot_stamp[leader]), (
-                f"layer {layer}'s hot tables differ from its index group's ({leader})")
+            assert self.slot_token[layer] is self.slot_token[leader] and (
+                self.slot_stamp[layer] is self.slot_stamp[leader]), (
+                f"layer {layer}'s hot tables are not its index group's ({leader})")
         arriving = {rid for rid, e in self.entries.items() if e.arriving}
         assert set(self.entries) - arriving == set(requests), "HiSparse state for unknown requests"
         b, s = self.block_size, self.buffer_rows
