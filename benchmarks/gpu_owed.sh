@@ -13,7 +13,8 @@
 #                                          #   term at 4K over 2, 4, 6 layers, P/D end to end
 #   bash benchmarks/gpu_owed.sh 7          # part 7: the top-k in a fixed order (run to run, its
 #                                          #   cost), the fp8 engines against each other again,
-#                                          #   the staged P/D READ, the batched sampler's decode
+#                                          #   the staged P/D READ, the batched sampler, HiSparse's
+#                                          #   fused fetch; decode and HiSparse timed again
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -75,16 +76,16 @@ elif [ "$part" = 6 ]; then
         --repeats 5 --no-ops --out "$out/prefill_host.md" --json "$out/prefill_host.json"
     run 90 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 7 ]; then
-    run 200 retests python -m pytest -q -m gpu -rf --tb=short -s \
-        -k "order or on_cuda_equal or cpu_reference or staged or graphs_equal_eager" \
+    run 260 retests python -m pytest -q -m gpu -rf --tb=short -s \
+        -k "order or on_cuda_equal or cpu_reference or staged or (graphs_equal_eager and fp8) or sampler or fetch or residency" \
         tests/gpu/test_topk_order_gpu.py tests/gpu/test_hisparse_spill_gpu.py \
-        tests/gpu/test_pd_staged_gpu.py tests/gpu/test_hisparse_graph_gpu.py
+        tests/gpu/test_pd_staged_gpu.py tests/gpu/test_hisparse_graph_gpu.py \
+        tests/gpu/test_sampler_gpu.py tests/gpu/test_hisparse_fetch_gpu.py \
+        tests/gpu/test_hisparse_residency_gpu.py
     grep "order equal\|unlike the CPU\|equal to all-GPU\|staged\|zero-copy" "$out/retests.log"
-    run 120 long_prefill python benchmarks/long_prefill.py --lengths 4K,128K --no-profile \
-        --out "$out/long_prefill.md"
-    run 120 decode python benchmarks/decode.py --contexts 8192 --batches 1,64 --steps 10 \
+    run 110 decode python benchmarks/decode.py --contexts 8192 --batches 1,64 --steps 10 \
         --out "$out/decode.md"
-    run 80 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
+    run 70 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
