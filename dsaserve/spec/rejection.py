@@ -37,14 +37,10 @@ from dsaserve.engine.sampler import (
 )
 
 
-def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [R, S, V] fp32 → the distributions the target samples from [R, S, V]: temperature,
-    top-k and top-p applied per request; a greedy request's rows are one-hot at the argmax."""
-    return sampling_probs(logits, batch)
-
-
 def target_probs_reference(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """target_probs as a loop over requests (the reference)."""
+    """logits [R, S, V] fp32 → the distributions the target samples from [R, S, V], a loop over
+    requests (the reference of engine/sampler.py `sampling_probs`, which the verify step
+    uses)."""
     probs = torch.empty_like(logits)
     for r, p in enumerate(params):  # per request: its own temperature / top-k / top-p
         if p.greedy:
@@ -118,7 +114,7 @@ def rejection_sample_on_device(
     """Verify every request's drafts → (accepted drafts [R] int64, the token emitted after
     them [R] int64), left on the device."""
     num_reqs, k = draft_ids.shape
-    probs = target_probs(logits, batch)  # [R, k+1, V]
+    probs = sampling_probs(logits, batch)  # [R, k+1, V]
     # 1. one uniform per draft (greedy targets need none: u = 0 accepts exactly the argmax;
     #    synthetic mode draws for every request)
     if batch.any_sampled or conditional_rates is not None:

@@ -12,7 +12,6 @@ import torch
 from dsaserve.kv.hisparse.fetch import (
     fetch_misses,
     fetch_misses_reference,
-    fetch_rows,
     fetch_rows_reference,
     mirror_rows,
 )
@@ -27,6 +26,8 @@ class _Owner:
 
 @pytest.mark.parametrize("row_shape,dtype", [((656,), torch.uint8), ((576,), torch.bfloat16)])
 def test_zero_copy_fetch_matches_the_reference(g, row_shape, dtype) -> None:
+    """The row copy under the fused fetch and the mirror (kernels/triton/row_gather.py)."""
+    from dsaserve.kernels.triton.row_gather import row_gather  # triton only where CUDA is
     owner = _Owner()
     cpu = torch.Generator().manual_seed(0)  # the host rows' (g draws on the GPU)
     if dtype == torch.uint8:
@@ -48,7 +49,7 @@ def test_zero_copy_fetch_matches_the_reference(g, row_shape, dtype) -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fetch_rows(got, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
+        row_gather(got, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

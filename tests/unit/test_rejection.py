@@ -11,12 +11,11 @@ import torch
 
 from dsaserve.config import ConfigError, SpecConfig
 from dsaserve.core import SamplingParams
-from dsaserve.engine.sampler import SamplingBatch
+from dsaserve.engine.sampler import SamplingBatch, sampling_probs
 from dsaserve.spec.rejection import (
     num_accepted_drafts,
     recovery_probs,
     rejection_sample,
-    target_probs,
 )
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -55,7 +54,7 @@ def _emitted(params: SamplingParams, logits: torch.Tensor, draft: list[int], tri
     drafts = torch.tensor(draft).expand(trials, k)
     num = torch.full((trials,), k)
     g = torch.Generator().manual_seed(1234)
-    probs = target_probs(logits, _batch(params)).expand(trials, k + 1, -1)  # the same every trial
+    probs = sampling_probs(logits, _batch(params)).expand(trials, k + 1, -1)  # the same every trial
     accepted = num_accepted_drafts(probs, drafts, num, torch.rand(trials, k, generator=g))
     final = recovery_probs(probs, drafts, num, accepted, residual=residual)
     last = torch.multinomial(final, 1, generator=g)[:, 0]
@@ -81,7 +80,7 @@ def test_speculative_sampling_keeps_the_target_distribution(params: SamplingPara
     the draft x, a TV error of p_0(x)(1 − p_0(x)) ≈ 0.2 here, and must fail the same bound."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 3, 6, generator=g) * 1.5  # [1, k+1, V]
-    p = target_probs(logits, _batch(params))[0]  # [3, 6]
+    p = sampling_probs(logits, _batch(params))[0]  # [3, 6]
     draft = [int(p[0].argsort()[-2]), int(p[1].argmax())]  # a plausible, not certain, draft 0
     out = _emitted(params, logits, draft, 40_000)
     assert _tv(out[:, 0], p[0]) < 0.02

@@ -24,7 +24,7 @@ from dsaserve.engine.sampler import (
     sampling_probs,
 )
 from dsaserve.engine.sampling_table import SamplingTable
-from dsaserve.spec.rejection import rejection_sample, target_probs, target_probs_reference
+from dsaserve.spec.rejection import rejection_sample, target_probs_reference
 
 CPU = torch.device("cpu")
 MIX = [SamplingParams(temperature=0.0),
@@ -61,10 +61,10 @@ def test_filters_equal_the_reference_row_by_row():
 def test_target_probs_equal_the_reference():
     logits = torch.randn(len(MIX), 3, 10, generator=torch.Generator().manual_seed(1)) * 2
     batch = SamplingBatch.of(MIX, [None] * len(MIX), CPU)
-    torch.testing.assert_close(target_probs(logits, batch), target_probs_reference(logits, MIX))
+    torch.testing.assert_close(sampling_probs(logits, batch), target_probs_reference(logits, MIX))
     greedy = [SamplingParams(temperature=0.0)] * 2
     torch.testing.assert_close(
-        target_probs(logits[:2], SamplingBatch.of(greedy, [None] * 2, CPU)),
+        sampling_probs(logits[:2], SamplingBatch.of(greedy, [None] * 2, CPU)),
         target_probs_reference(logits[:2], greedy))
 
 

@@ -12,8 +12,8 @@ from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 
 
 class HiSparseBackend:
-    """A layer's step (invalidate, resolve_step, fetch) has no host sync and no host state (the
-    LRU stamp is a device tensor), and a padded decode step's description lives in static
+    """A layer's step (invalidate, resolve_tables, fetch_misses) has no host sync and no host
+    state (the LRU stamp is a device tensor), and a padded decode step's description lives in static
     buffers (kv/hisparse/padded.py): it captures into a CUDA graph wherever the wrapped backend
     does."""
 

@@ -27,19 +27,6 @@ def fetch_rows_reference(dst: torch.Tensor, dst_idx: torch.Tensor, host: torch.T
     dst.index_copy_(0, dst_idx[live], torch.where(pick, rows_host, rows_gpu))
 
 
-def fetch_rows(dst: torch.Tensor, dst_idx: torch.Tensor, host: torch.Tensor,
-               host_idx: torch.Tensor, gpu: torch.Tensor, gpu_idx: torch.Tensor,
-               from_host: torch.Tensor) -> None:
-    """As `fetch_rows_reference`; on CUDA the zero-copy kernel (the host pool must be the
-    runtime's mapped pinned pool)."""
-    if dst.is_cuda:
-        from dsaserve.kernels.triton.row_gather import row_gather  # triton only where CUDA is
-
-        row_gather(dst, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
-    else:
-        fetch_rows_reference(dst, dst_idx, host, host_idx, gpu, gpu_idx, from_host)
-
-
 def fetch_misses_reference(hot: torch.Tensor, host: torch.Tensor, gpu: torch.Tensor,
                            miss_pos: torch.Tensor, miss_slot: torch.Tensor,
                            regions: torch.Tensor, requests: torch.Tensor,

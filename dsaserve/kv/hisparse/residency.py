@@ -2,9 +2,9 @@
 must be fetched first. `resolve` is the pure, batched PyTorch reference (no host sync: no
 `.item()`, no data-dependent shapes); `resolve_step` dispatches it: on CUDA one Triton launch
 with the same outputs, entry for entry (`kernels/triton/residency.py`), on the CPU the reference
-(what CI runs), as `fetch.fetch_misses` dispatches the fetch. `resolve_tables`, what the runtime
-calls, resolves rows of the runtime's whole tables and updates them in place (on CUDA inside the
-launch: no gather of the regions' rows before it, no scatter after).
+(what CI runs; the tests' entry), as `fetch.fetch_misses` dispatches the fetch. `resolve_tables`,
+what the runtime calls, resolves rows of the runtime's whole tables and updates them in place
+(on CUDA inside the launch: no gather of the regions' rows before it, no scatter after).
 
 One hot buffer ("region") per request, S slots, each slot holding one token's MLA row:
 
