@@ -21,13 +21,19 @@ does not depend on their values) and the same decode step is run again and again
   for one step overlaps the device's for the previous one);
 * tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
   MTP3 at synthetic acceptance 2.99) over the step's wall time.
+
+--host-profile N prints, per row, the N Python functions with the most own time over as many
+more steps (cProfile, not in the timed ones: it slows the host several-fold): where a
+host-bound step's time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import math
+import pstats
 import sys
 import tempfile
 import time
@@ -141,6 +147,19 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
             outs.append(runner.execute(again))
             _sync(args.device)
             times.append(time.perf_counter() - t0)
+        if args.host_profile:  # its own steps: the profiler slows the Python it watches
+            profile = cProfile.Profile()
+            profile.enable()
+            if async_:
+                _pipelined(runner, again, args.steps, args.device)
+            for _ in range(0 if async_ else args.steps):
+                runner.execute(again)
+                _sync(args.device)
+            profile.disable()
+            print(f"host profile: context {context}, batch {batch}, MTP3 {mtp}, graph {graph}, "
+                  f"async {async_}, {args.steps} steps", file=sys.stderr)
+            pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(
+                args.host_profile)
         emitted = [sum(map(len, out.sampled_token_ids.values())) / batch for out in outs]
         kernels = math.nan
         if args.device == "cuda":
@@ -209,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="print each row's N Python functions with the most own time (cProfile)")
     args = p.parse_args(argv)
     if args.smoke:
         args.contexts, args.batches, args.steps, args.warmup = [40], [1, 2], 2, 1

@@ -15,6 +15,9 @@
 #                                          #   cost), the fp8 engines against each other again,
 #                                          #   the staged P/D READ, the batched sampler, HiSparse's
 #                                          #   fused fetch; decode and HiSparse timed again
+#   bash benchmarks/gpu_owed.sh 8          # part 8: the top-k in key order (its cost), engines
+#                                          #   repeating themselves, decode with its host profile,
+#                                          #   long prefill at 4K and 128K
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -86,6 +89,14 @@ elif [ "$part" = 7 ]; then
     run 110 decode python benchmarks/decode.py --contexts 8192 --batches 1,64 --steps 10 \
         --out "$out/decode.md"
     run 70 hisparse python benchmarks/hisparse.py --out "$out/hisparse.md"
+elif [ "$part" = 8 ]; then
+    run 150 retests python -m pytest -q -m gpu -rf --tb=short -s -k "order or repeats" \
+        tests/gpu/test_topk_order_gpu.py tests/gpu/test_repeatability_gpu.py
+    grep "key order\|different token" "$out/retests.log"
+    run 100 decode python benchmarks/decode.py --contexts 8192 --batches 1,64 --steps 10 \
+        --host-profile 12 --out "$out/decode.md"
+    run 90 long_prefill python benchmarks/long_prefill.py --lengths 4K,128K --no-profile \
+        --out "$out/long_prefill.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call

@@ -533,7 +533,7 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
         else:
             values, local = row_topk.topk_rows(logits, group_max, limits, kk,
                                                list_len=config.list_len, index_dtype=index_dtype)
-        return _in_score_order(values, local)
+        return _in_key_order(values, local)
     values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
     keep = torch.arange(kk, device=logits.device)[None, :] < limits.clamp(max=kk)[:, None]
     values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
@@ -543,14 +543,17 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
     return values, local.to(index_dtype)
 
 
-def _in_score_order(values: torch.Tensor, local: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The list kernels' top-k [T, k] in torch.topk's order: best first, equal scores by the
-    smaller index, padding last. They write a row's keys in the order their atomics filled the
-    list, which changes from run to run, and sparse MLA sums over the keys in the order given:
-    unsorted, the same step rounded differently from run to run (on the GPU: greedy tokens of
-    one prompt changed between runs, and HiSparse against all-GPU, docs/hisparse.md)."""
-    order = torch.sort(_order_key(values, local), dim=1, descending=True).indices  # [T, k]
+def _in_key_order(values: torch.Tensor, local: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The list kernels' top-k [T, k] with the chosen keys in ascending key order, padding
+    (−1) last. They write a row's keys in the order their atomics filled the list, which
+    changes from run to run, and sparse MLA sums over the keys in the order given: unsorted,
+    the same step rounded differently from run to run (on the GPU: greedy tokens of one prompt
+    changed between runs, docs/hisparse.md). The key order is one sort of the 32-bit indices;
+    torch.topk's order (by score) cost 5x the top-k itself at b = 64 and 2.4x on a 16K-row
+    chunk (H100, tests/gpu/test_topk_order_gpu.py)."""
+    pad = torch.iinfo(local.dtype).max
+    order = torch.where(local >= 0, local, pad).sort(dim=1).indices  # [T, k]
     return values.gather(1, order), local.gather(1, order)
 
 
@@ -587,8 +590,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tens
                  meta: AttentionMetadata, topk: int, config: IndexerConfig = IndexerConfig(),
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best keys this rank stores for each query → (scores [T, topk] fp32, positions [T, topk]
-    int32): the chosen keys best first (equal scores: the smaller index first), then (−inf, −1)
-    padding; the same order from run to run.
+    int32): the chosen keys first (best first from torch.topk and the key-window merge, in key
+    order from the list kernels), then (−inf, −1) padding; the same order from run to run.
 
     positions are request-local token positions. Without DCP that is the answer; under DCP it is
     the local top-k, and merging every rank's lists by score gives the global top-k exactly
