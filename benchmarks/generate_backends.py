@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = results["reference"][0]
     lines = [
         f"GLM-5.3-shaped, {args.layers} layers, prompt {args.prompt_len} tokens, "
-        f"{args.max_tokens} greedy tokens, {args.dtype}, {args.kv_cache_dtype} KV, one H200",
+        f"{args.max_tokens} greedy tokens, {args.dtype}, {args.kv_cache_dtype} KV, "
+        f"{torch.cuda.get_device_name()}",
         "",
         "| backend | prefill (ms) | decode step, mean / median / slowest (ms) "
         "| tokens equal to reference |",

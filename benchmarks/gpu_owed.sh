@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu_owed.sh 8          # part 8: the top-k in key order (its cost), engines
 #                                          #   repeating themselves, decode with its host profile,
 #                                          #   long prefill at 4K and 128K
+#   bash benchmarks/gpu_owed.sh 9          # part 9: the sampler and graph tests part 7 did not
+#                                          #   reach; the decode table for plan/hosttime.py's refit
+#                                          #   (8K and 128K, b = 1, 16, 64); the 1M prompt twice
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -97,6 +100,15 @@ elif [ "$part" = 8 ]; then
         --host-profile 12 --out "$out/decode.md"
     run 90 long_prefill python benchmarks/long_prefill.py --lengths 4K,128K --no-profile \
         --out "$out/long_prefill.md"
+elif [ "$part" = 9 ]; then
+    run 150 retests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_sampler_gpu.py tests/gpu/test_hisparse_graph_gpu.py
+    run 260 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,16,64 \
+        --steps 10 --out "$out/decode.md"
+    for i in 1 2; do  # does the 1M prompt's first token repeat with the top-k in key order?
+        run 80 "long_1m_$i" python benchmarks/long_prefill.py --lengths 1M --no-profile \
+            --out "$out/long_1m_$i.md"
+    done
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call

@@ -210,7 +210,7 @@ def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> 
 
 
 def report(args: argparse.Namespace, results: list[Result], flops) -> str:
-    where = "one H200" if args.device == "cuda" else "CPU"
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = [
         f"{args.preset}, {args.layers} layers, {args.kv_cache_dtype} KV, {args.attention_backend} "
         f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, "
