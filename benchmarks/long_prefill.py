@@ -20,7 +20,12 @@ Per length it prints:
     outside synchronisation calls (the host's own work, launches included);
   - peak device memory;
   - the floor: `dsaserve plan`'s prefill FLOPs (plan/costmodel.prefill_flops) at the measured
-    rates of the indexer logits and sparse MLA kernels, and wall / floor.
+    rates of the indexer logits and sparse MLA kernels, and wall / floor;
+  - the floor with the weight matrices: that floor plus the prompt's pass through the layers'
+    matrices (projections, MLPs, experts: `PrefillFlops.matrices`) at the measured dense bf16
+    matmul rate (the engine multiplies in bf16: FP8 checkpoints are dequantized at load), and
+    wall / it. The attention floor leaves that work out; at 2 layers it is 22.6 TFLOP per 16K
+    tokens, as much as the attention of a 128K prompt.
 
 For the longest prompt a per-chunk table follows: each chunk's time against its own floor at
 its position. Work that grows with the cached context shows as a ratio rising with position.
@@ -61,9 +66,11 @@ from dsaserve.kernels.registry import register_backend
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.costmodel import prefill_flops
+from dsaserve.plan.parts import Parts
 
 INDEXER_TFLOPS = 887.0  # indexer logits, measured on an H200 (issue 34, docs/kernels.md)
 MLA_TFLOPS = 480.0  # sparse MLA prefill, measured on an H200
+MATMUL_TFLOPS = Parts().matmul_bf16_tflops.value  # dense bf16 matmul ceiling, the same H200
 
 
 def parse_length(text: str) -> int:
@@ -88,6 +95,12 @@ class Result:
     profile: Profile | None
     peak_bytes: int | None
     floor: float
+    floor_matrices: float  # the floor plus the weight matrices' FLOPs at the matmul rate
+
+
+def matrices_seconds(flops, first: int, end: int, matmul_tflops: float) -> float:
+    """Prompt positions [first, end) through the layers' weight matrices at the matmul rate."""
+    return (flops.matrices(end) - flops.matrices(first)) / (matmul_tflops * 1e12)
 
 
 def floor_seconds(flops, first: int, end: int, indexer_tflops: float, mla_tflops: float
@@ -206,7 +219,8 @@ def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> 
         profile = summarize(prof.events(), sum(s for _, _, s in prof_steps), on_device)
     wall = sum(s for _, _, s in steps)
     floor = floor_seconds(flops, 0, length, args.indexer_tflops, args.mla_tflops)
-    return Result(length, wall, steps, token, profile, peak, floor)
+    matrices = matrices_seconds(flops, 0, length, args.matmul_tflops)
+    return Result(length, wall, steps, token, profile, peak, floor, floor + matrices)
 
 
 def report(args: argparse.Namespace, results: list[Result], flops) -> str:
@@ -216,10 +230,11 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
         f"backend, {human(args.max_num_batched_tokens)}-token chunks, PCP {args.pcp}, "
         f"{'async' if args.async_scheduling else 'sync'} scheduling, {where}; "
         f"floor = indexer logits at {args.indexer_tflops:g} TFLOP/s + sparse MLA at "
-        f"{args.mla_tflops:g} TFLOP/s (plan/costmodel.prefill_flops)", "",
-        "| prompt | wall (s) | floor (s) | wall / floor | GPU busy (s) | host: wall − busy (s) "
-        "| host CPU (s) | peak memory (GiB) | token |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"{args.mla_tflops:g} TFLOP/s (plan/costmodel.prefill_flops); + matrices: the weight "
+        f"matrices at {args.matmul_tflops:g} TFLOP/s besides", "",
+        "| prompt | wall (s) | floor (s) | wall / floor | floor + matrices (s) | wall / it "
+        "| GPU busy (s) | host: wall − busy (s) | host CPU (s) | peak memory (GiB) | token |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         p = r.profile
@@ -228,7 +243,9 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
         cpu = f"{p.host_cpu:.3f}" if p else "—"
         peak = f"{r.peak_bytes / 2**30:.2f}" if r.peak_bytes is not None else "—"
         lines.append(f"| {human(r.length)} | {r.wall:.3f} | {r.floor:.3f} | "
-                     f"{r.wall / r.floor:.2f}× | {busy} | {gap} | {cpu} | {peak} | {r.token} |")
+                     f"{r.wall / r.floor:.2f}× | {r.floor_matrices:.3f} | "
+                     f"{r.wall / r.floor_matrices:.2f}× | {busy} | {gap} | {cpu} | {peak} | "
+                     f"{r.token} |")
     if any(r.profile for r in results):
         unit = "kernel" if args.device == "cuda" else "CPU operator"
         lines += ["", f"{unit} time by category (s)", "",
@@ -240,11 +257,14 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
                 lines.append(f"| {human(r.length)} | {cells} |")
     longest = max(results, key=lambda r: r.length)
     lines += ["", f"per chunk of the {human(longest.length)} prompt", "",
-              "| chunk | first position | tokens | time (ms) | floor (ms) | time / floor |",
-              "|---:|---:|---:|---:|---:|---:|"]
+              "| chunk | first position | tokens | time (ms) | floor (ms) | time / floor "
+              "| floor + matrices (ms) | time / it |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, (first, n, s) in enumerate(longest.chunks):
         f = floor_seconds(flops, first, first + n, args.indexer_tflops, args.mla_tflops)
-        lines.append(f"| {i} | {first} | {n} | {1e3 * s:.1f} | {1e3 * f:.2f} | {s / f:.2f}× |")
+        fm = f + matrices_seconds(flops, first, first + n, args.matmul_tflops)
+        lines.append(f"| {i} | {first} | {n} | {1e3 * s:.1f} | {1e3 * f:.2f} | {s / f:.2f}× "
+                     f"| {1e3 * fm:.2f} | {s / fm:.2f}× |")
     return "\n".join(lines)
 
 
@@ -266,6 +286,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "while chunk k runs")
     p.add_argument("--indexer-tflops", type=float, default=INDEXER_TFLOPS)
     p.add_argument("--mla-tflops", type=float, default=MLA_TFLOPS)
+    p.add_argument("--matmul-tflops", type=float, default=MATMUL_TFLOPS,
+                   help="the dense matmul rate the weight matrices are priced at")
     p.add_argument("--logits-split", choices=("rows", "keys"), default=None,
                    help="the triton backend's indexer with IndexerConfig(logits_split=...): "
                         "'keys' is the key-window merge before row passes (one GPU only; "

@@ -72,6 +72,9 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
         ("mla_at_context", "sparse MLA, prompt of --context",
          "b x (K x L - K(K-1)/2) with b the per-(query, row) line, K = top-k: query p reads "
          "min(p+1, K) rows; and its time at the dense BF16 peak"),
+        ("matrices_at_context", "matrices, prompt of --context",
+         "L x 2 x the parameters one token passes (projections, MLPs, shared and top-k routed "
+         "experts; no lm_head) / pcp; and its time at the dense FP8 peak (FP8 weights)"),
         ("crossover", "crossover prompt length",
          "shortest prompt whose indexer FLOPs reach its sparse-MLA FLOPs (exact sums)"),
         ("crossover_asymptotic", "crossover, asymptotic",
@@ -296,6 +299,7 @@ def _prefill_lines(
              f"{model.num_hidden_layers} layers / pcp {pcp}", f.mla_per_row),
         _flops_line("indexer_at_context", f.indexer(context), gpu.fp8_tflops),
         _flops_line("mla_at_context", f.mla(context), gpu.bf16_tflops),
+        _flops_line("matrices_at_context", f.matrices(context), gpu.fp8_tflops),
         Line("crossover", f"{f.crossover:,} tokens", f.crossover),
         Line("crossover_asymptotic", f"{f.asymptotic_crossover:,.0f} tokens",
              f.asymptotic_crossover),

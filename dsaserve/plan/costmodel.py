@@ -304,6 +304,59 @@ def sparse_mla_cost(model: ModelConfig, kv_dtype: KVDType, heads: int) -> Sparse
     )
 
 
+# ---- the weight matrices a token passes through ----------------------------------------------
+@dataclass(frozen=True)
+class MatrixParams:
+    """Parameters one GPU multiplies each token by, per layer kind (one byte each in FP8)."""
+
+    attn: int  # attention projections (absorbed W_UK / W_UV included)
+    indexer: int  # indexer projections (full-indexer layers only)
+    dense_mlp: int
+    moe_shared: int  # shared experts + router
+    expert: int  # one routed expert, as this GPU holds it
+    experts_here: int  # routed experts this GPU holds
+    lm_head: int
+
+
+def matrix_params(model: ModelConfig, par: ParallelConfig) -> MatrixParams:
+    """The matrices of one layer of each kind on one GPU of layout `par`: attention replicated
+    (its down-projections) or split over TP; shared experts split over TP like dense MLPs;
+    routed experts whole under EP (this GPU holds 1/ep of them), else every expert split."""
+    m, tp = model, par.tensor_parallel_size
+    heads = m.num_attention_heads
+    attn_rep = m.hidden_size * (m.q_lora_rank + m.kv_cache_width)
+    attn_tp = (m.q_lora_rank * heads * m.qk_head_dim  # q_b
+               + heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # W_UK, W_UV
+               + heads * m.v_head_dim * m.hidden_size)  # o_proj
+    indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim
+               + m.hidden_size * (m.index_head_dim + m.index_n_heads))
+    full_expert = 3 * m.hidden_size * m.moe_intermediate_size
+    ep = par.enable_expert_parallel
+    return MatrixParams(
+        attn=attn_rep + attn_tp // tp,
+        indexer=indexer,
+        dense_mlp=3 * m.hidden_size * m.intermediate_size // tp,
+        moe_shared=full_expert * m.n_shared_experts // tp + m.hidden_size * m.n_routed_experts,
+        expert=full_expert if ep else full_expert // tp,
+        experts_here=-(-m.n_routed_experts // expert_shards(par)) if ep else m.n_routed_experts,
+        lm_head=m.hidden_size * m.vocab_size // tp,
+    )
+
+
+def matrix_flops_per_token(model: ModelConfig, par: ParallelConfig) -> int:
+    """FLOPs of one token's pass through every main-model layer's matrices on the GPU that
+    computes its row (projections, dense MLPs, shared experts and router, its
+    num_experts_per_tok routed experts; not the lm_head, which only sampled rows reach). Under
+    EP a GPU runs the routed experts of as many assignments as its own rows bring, on average."""
+    w = matrix_params(model, par)
+    num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
+    num_dense = model.num_hidden_layers - num_moe
+    params = (model.num_hidden_layers * w.attn + len(model.full_indexer_layers) * w.indexer
+              + num_dense * w.dense_mlp
+              + num_moe * (w.moe_shared + model.num_experts_per_tok * w.expert))
+    return 2 * params
+
+
 # ---- prefill FLOPs: indexer against sparse MLA ---------------------------------------------------
 def indexer_flops_per_pair(model: ModelConfig) -> int:
     """One (query, key) score on one indexer layer: per head a dot product (2·head_dim) plus the
@@ -313,7 +366,8 @@ def indexer_flops_per_pair(model: ModelConfig) -> int:
 
 @dataclass(frozen=True)
 class PrefillFlops:
-    """Per-GPU prefill FLOPs of one prompt, attention scoring only, main-model layers.
+    """Per-GPU prefill FLOPs of one prompt, main-model layers: attention scoring (indexer,
+    sparse MLA) and, apart, the weight matrices (`matrices`), which grow with the prompt only.
 
     Query at position p (0-based) sees p + 1 keys (causal, itself included):
         indexer(L) = a · Σ_{p<L} (p + 1)            = a · L(L+1)/2
@@ -324,6 +378,10 @@ class PrefillFlops:
     indexer_per_key: float  # a: FLOPs per (query, key) pair per GPU, all indexer layers
     mla_per_row: float  # b: FLOPs per (query, selected row) per GPU, all layers
     topk: int  # K
+    matrices_per_token: float  # FLOPs of the weight matrices per prompt token per GPU
+
+    def matrices(self, length: int) -> float:
+        return self.matrices_per_token * length
 
     def indexer(self, length: int) -> float:
         return self.indexer_per_key * length * (length + 1) / 2
@@ -366,6 +424,7 @@ def prefill_flops(model: ModelConfig, par: ParallelConfig) -> PrefillFlops:
         indexer_per_key=indexer_flops_per_pair(model) * len(model.full_indexer_layers) / pcp,
         mla_per_row=mla_flops_per_row_head(model) * heads_per_gpu * model.num_hidden_layers / pcp,
         topk=model.index_topk,
+        matrices_per_token=matrix_flops_per_token(model, par) / pcp,
     )
 
 

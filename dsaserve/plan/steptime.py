@@ -96,19 +96,6 @@ class _Layers:
     indexer: int  # layers that run their own indexer (IndexShare layers reuse its top-k)
 
 
-@dataclass(frozen=True)
-class _Weights:
-    """Parameters one GPU multiplies each token by, per layer kind (FP8: 1 B each)."""
-
-    attn: int  # attention projections (absorbed W_UK / W_UV included)
-    indexer: int  # indexer projections (full-indexer layers only)
-    dense_mlp: int
-    moe_shared: int  # shared experts + router
-    expert: int  # one routed expert, as this GPU holds it
-    experts_here: int  # routed experts this GPU holds
-    lm_head: int
-
-
 class StepTimeModel:
     """Prices steps of one engine replica (`par`: its tp, pcp, dcp, ep; dp = replicas that run
     in lock-step with it when their experts are shared over EP)."""
@@ -136,7 +123,7 @@ class StepTimeModel:
         self.num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
         self.num_dense = model.num_hidden_layers - self.num_moe
         self.num_indexer = len(model.full_indexer_layers)
-        self.w = self._weights()
+        self.w = cm.matrix_params(model, par)
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)
@@ -146,29 +133,6 @@ class StepTimeModel:
                                  host_fits)
 
     # ---- set-up ---------------------------------------------------------------------------------
-    def _weights(self) -> _Weights:
-        m, tp = self.model, self.tp
-        heads = m.num_attention_heads
-        attn_rep = m.hidden_size * (m.q_lora_rank + m.kv_cache_width)
-        attn_tp = (m.q_lora_rank * heads * m.qk_head_dim  # q_b
-                   + heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # W_UK, W_UV
-                   + heads * m.v_head_dim * m.hidden_size)  # o_proj
-        indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim
-                   + m.hidden_size * (m.index_head_dim + m.index_n_heads))
-        # Shared experts are TP-sharded like dense MLPs; routed ones are whole experts under EP
-        # (this GPU holds 1/ep of them), else every expert TP-sharded.
-        full_expert = 3 * m.hidden_size * m.moe_intermediate_size
-        ep = self.par.enable_expert_parallel
-        return _Weights(
-            attn=attn_rep + attn_tp // tp,
-            indexer=indexer,
-            dense_mlp=3 * m.hidden_size * m.intermediate_size // tp,
-            moe_shared=full_expert * m.n_shared_experts // tp + m.hidden_size * m.n_routed_experts,
-            expert=full_expert if ep else full_expert // tp,
-            experts_here=-(-m.n_routed_experts // self.ep) if ep else m.n_routed_experts,
-            lm_head=m.hidden_size * m.vocab_size // tp,
-        )
-
     def _mla_row_roofline(self, heads: int) -> float:
         """Seconds one decode row takes at the roofline of this GPU's measured ceilings."""
         cost = cm.sparse_mla_cost(self.model, self.kv.kv_dtype, heads)

@@ -188,6 +188,25 @@ def test_param_count_matches_published_totals() -> None:
     assert round((cm.weight_bytes(ds).num_params + copies) / 1e9) == 685
 
 
+def test_matrix_flops_match_published_active_parameters() -> None:
+    """A token's pass through the weight matrices is 2 FLOPs per active parameter: DeepSeek-V3
+    is published as 37B activated per token, GLM-5 (indexer on every layer) as 40B active;
+    without embedding and lm_head (a prompt token reaches neither matrix's product)."""
+    ds = ModelConfig.from_hf(preset_config("deepseek-v3.2"))
+    assert round(cm.matrix_flops_per_token(ds, ParallelConfig()) / 2e9) == 37
+    raw = preset_config("glm-5.3")
+    raw.pop("indexer_types")
+    raw.update(index_topk_freq=1)
+    glm5 = ModelConfig.from_hf(raw)
+    assert round(cm.matrix_flops_per_token(glm5, ParallelConfig()) / 2e9) == 40
+    # PCP splits a prompt's rows; TP splits the matrices but not the replicated down-projections
+    one = cm.prefill_flops(glm5, ParallelConfig()).matrices(1 << 20)
+    assert cm.prefill_flops(glm5, ParallelConfig(prefill_context_parallel_size=8)).matrices(
+        1 << 20) == pytest.approx(one / 8)
+    tp8 = cm.matrix_flops_per_token(glm5, ParallelConfig(tensor_parallel_size=8))
+    assert one / (1 << 20) / 8 < tp8 < one / (1 << 20) / 4
+
+
 def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
     fp8, bf16 = cm.weight_bytes(glm, "fp8"), cm.weight_bytes(glm, "bf16")
     assert fp8.num_params == bf16.num_params
