@@ -13,7 +13,8 @@ what differs is only how long each step takes. The measured run also prices each
 steps, which separates the step model's error from the different interleavings the two clocks
 lead to. The model is built from the H200's measured parts, so only an H200 run means anything.
 The simulated deployment is given the settings the real runner runs with (`deployment_spec`):
-its KV dtype, whether its decode steps replay CUDA graphs, its MTP drafts.
+its KV dtype, its weights' precision (bf16: the engine dequantizes FP8 checkpoints at load),
+whether its decode steps replay CUDA graphs, its MTP drafts.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def deployment_spec(runner: ModelRunner) -> str:
     """The one-GPU deployment the simulator is given: the real runner's own settings."""
     cfg = runner.config
     words = ["tp1", "kv=" + ("fp8_ds_mla" if cfg.cache.kv_cache_dtype == "fp8_ds_mla" else
-                             "bf16")]
+                             "bf16"), "weights=bf16"]  # the runner multiplies in bf16 (or fp32)
     graphs = runner.decode_graphs
     if graphs is None or not graphs.capture:  # eager decode: --enforce-eager, or the CPU
         words.append("enforce-eager")

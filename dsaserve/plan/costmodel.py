@@ -38,6 +38,7 @@ from dsaserve.kv.hisparse.admission import (
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
 WeightDType = Literal["fp8", "bf16"]
+WEIGHT_DTYPES: tuple[WeightDType, ...] = ("fp8", "bf16")
 KV_DTYPES: tuple[KVDType, ...] = ("fp8_ds_mla", "bf16")
 
 FP8_TILE = 128  # fp8_ds_mla quantizes the latent in tiles of 128 values, one fp32 scale each

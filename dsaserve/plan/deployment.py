@@ -48,6 +48,9 @@ class Deployment:
     spec: str  # as given, for tables
     parallel: ParallelConfig  # data_parallel_size = replicas
     kv_dtype: cm.KVDType = "fp8_ds_mla"
+    # the weight matrices in HBM and in the GEMMs: FP8 (block-scaled, as vLLM and SGLang serve
+    # the checkpoints) or bf16 (dsaserve's engine today: it dequantizes FP8 checkpoints at load)
+    weight_dtype: cm.WeightDType = "fp8"
     router: str = "prefix"
     block_size: int = 64
     max_num_seqs: int = 64
@@ -213,6 +216,11 @@ def _parse_engine(text: str, spec: str) -> Deployment:
             if value not in cm.KV_DTYPES:
                 raise ConfigError(f"--deployment {spec!r}: kv must be one of {cm.KV_DTYPES}")
             kwargs["kv_dtype"] = value
+        elif key == "weights":
+            if value not in cm.WEIGHT_DTYPES:
+                raise ConfigError(f"--deployment {spec!r}: weights must be one of "
+                                  f"{cm.WEIGHT_DTYPES}")
+            kwargs["weight_dtype"] = value
         elif field_name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             kwargs[field_name] = _number(spec, key, value, int)
         elif key in ("offload", "host"):
@@ -225,7 +233,8 @@ def _parse_engine(text: str, spec: str) -> Deployment:
             kwargs[field_name] = _number(spec, key, value, int)
         elif key != "hisparse":
             raise ConfigError(f"--deployment {spec!r}: unknown option {key!r} (router, kv, "
-                              "block-size, max-num-seqs, max-num-batched-tokens, max-model-len, "
+                              "weights, block-size, max-num-seqs, max-num-batched-tokens, "
+                              "max-model-len, "
                               "gpu-memory-utilization, offload, mtp, acceptance, hisparse, host, "
                               "hot-rows, overlap, enforce-eager, async-scheduling)")
     _check_hisparse(spec, "hisparse" in options, parallel, kwargs)

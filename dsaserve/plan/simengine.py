@@ -64,7 +64,7 @@ def engine_capacity(model: ModelConfig, d: Deployment, parts: Parts,
     the host pool, whose admission (kv/hisparse/admission.py) caps the requests at once."""
     par = d.parallel
     kv = cm.kv_bytes_per_token(model, d.kv_dtype)
-    weights = cm.weight_bytes_per_gpu(cm.weight_bytes(model), par)
+    weights = cm.weight_bytes_per_gpu(cm.weight_bytes(model, d.weight_dtype), par)
     room = cm.MemoryBudget(parts.hbm_bytes, d.gpu_memory_utilization, weights,
                            int(cm.DEFAULT_ACTIVATION_RESERVE_GIB * 2**30)).kv_room
     block_tokens = d.block_size * par.decode_context_parallel_size
@@ -195,7 +195,8 @@ class SimEngine:
                                    HiSparseReads(d.hot_rows or (1 + self.num_drafts)
                                                  * model.index_topk, d.overlap)
                                    if d.hisparse else None, graphs=not d.enforce_eager,
-                                   async_scheduling=d.async_scheduling, block_size=d.block_size)
+                                   async_scheduling=d.async_scheduling, block_size=d.block_size,
+                                   weight_dtype=d.weight_dtype)
         # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
         self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
         self._uniforms = torch.Generator().manual_seed(0)

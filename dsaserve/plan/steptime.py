@@ -4,8 +4,9 @@ A step is what the scheduler emits: per request, `n` new tokens whose context af
 `ctx` tokens. The model prices one GPU of the engine (all GPUs of a replica do the same work in
 lock-step) layer by layer:
 
-    gemm      dense projections, dense MLPs, shared experts, router, lm_head: max(FLOPs at the fp8
-              matmul rate, weight bytes at the HBM rate) — decode reads every weight once per step
+    gemm      dense projections, dense MLPs, shared experts, router, lm_head: max(FLOPs at the
+              matmul rate of the weights' precision (FP8 by default; bf16 as dsaserve's engine
+              runs today), weight bytes at the HBM rate) — decode reads every weight once a step
     moe       routed experts: the same max(), over the experts this GPU holds that the step's
               tokens touch (EP: the whole engine's tokens are dispatched to it)
     indexer   prefill rows: causal (query, key) pairs at the measured prefill rate; decode rows:
@@ -104,11 +105,12 @@ class StepTimeModel:
                  kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0,
                  hisparse: HiSparseReads | None = None, *, graphs: bool = True,
                  async_scheduling: bool = False, block_size: int = 64,
-                 host_fits: HostFits = H200_HOST) -> None:
+                 host_fits: HostFits = H200_HOST, weight_dtype: cm.WeightDType = "fp8") -> None:
         """`hisparse`: decode rows read through hot buffers (None: from GPU pages). `graphs`:
         decode-only steps replay CUDA graphs (the engine's default; False: --enforce-eager);
         `async_scheduling`: the engine's host work overlaps the kernels (the engine's
-        --async-scheduling: docs/decode.md)."""
+        --async-scheduling: docs/decode.md). `weight_dtype`: the weight matrices' precision,
+        which sets their matmul rate and the bytes a step reads of them."""
         cm.check_layout(model, par)
         self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
@@ -124,6 +126,9 @@ class StepTimeModel:
         self.num_dense = model.num_hidden_layers - self.num_moe
         self.num_indexer = len(model.full_indexer_layers)
         self.w = cm.matrix_params(model, par)
+        fp8 = weight_dtype == "fp8"
+        self._matmul = (parts.matmul_fp8_tflops if fp8 else parts.matmul_bf16_tflops).value * 1e12
+        self._param_bytes = 1 if fp8 else 2
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)
@@ -180,16 +185,15 @@ class StepTimeModel:
         return rows * self.kv.mla_row / (self.parts.host_gbps.value * 1e9)
 
     def _gemm(self, params: int, n_rows: float) -> float:
-        """A weight matrix of `params` FP8 values times `n_rows` rows: compute or weight reads."""
-        p = self.parts
-        return max(2 * n_rows * params / (p.matmul_fp8_tflops.value * 1e12),
-                   params / (p.hbm_tbps.value * 1e12))
+        """A weight matrix of `params` values times `n_rows` rows: compute or weight reads."""
+        return max(2 * n_rows * params / self._matmul,
+                   params * self._param_bytes / (self.parts.hbm_tbps.value * 1e12))
 
     def _forward(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None,
                  layers: _Layers) -> StepTime:
         """`layers` decoder layers over `batch` on this GPU (no lm_head, no fixed costs)."""
         p, m = self.parts, self.model
-        hbm, f8 = p.hbm_tbps.value * 1e12, p.matmul_fp8_tflops.value * 1e12
+        hbm = p.hbm_tbps.value * 1e12
         decode = [(n, c) for n, c in batch if n <= self.decode_rows]
         prefill = [(n, c) for n, c in batch if n > self.decode_rows]
         rows = sum(n for n, _ in decode) + sum(n for n, _ in prefill) / self.pcp  # this GPU
@@ -210,7 +214,8 @@ class StepTimeModel:
         else:
             assignments = rows * k
             touched = e * (1 - (1 - 1 / e) ** (rows * k))
-        moe = layers.moe * max(2 * assignments * w.expert / f8, touched * w.expert / hbm)
+        moe = layers.moe * max(2 * assignments * w.expert / self._matmul,
+                               touched * w.expert * self._param_bytes / hbm)
 
         # 3. indexer (replicated over TP: every TP rank scores every key)
         pairs = sum(n * (c - (n - 1) / 2) for n, c in prefill) / self.pcp

@@ -48,6 +48,28 @@ def test_step_time_grows_with_work_and_shrinks_with_parallelism():
     assert dp.step([]).total == 0.0
 
 
+def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
+    """weights=bf16 (the engine as it runs today): a prefill chunk's matrices at the bf16
+    matmul rate, a decode step's weight reads at two bytes a parameter; and the weights twice
+    the HBM: GLM-5.3 in bf16 does not fit eight H200s."""
+    _, model = load_model("glm-5.3")
+    fp8, bf16 = (parse_deployment(f"tp8 weights={w}") for w in ("fp8", "bf16"))
+    assert (fp8.weight_dtype, bf16.weight_dtype) == ("fp8", "bf16")
+    f8, b16 = (StepTimeModel(model, d.parallel, H200, weight_dtype=d.weight_dtype)
+               for d in (fp8, bf16))
+    prefill = [(16384, 16384)]
+    ratio = H200.matmul_fp8_tflops.value / H200.matmul_bf16_tflops.value
+    # (the lm_head of the one sampled row is a weight read: 2x, not the rate's ratio)
+    assert b16.step(prefill).gemm == pytest.approx(f8.step(prefill).gemm * ratio, rel=1e-4)
+    assert b16.step(prefill).moe == pytest.approx(f8.step(prefill).moe * ratio)
+    decode = [(1, 8192)]  # weight reads bound a one-row step
+    assert b16.step(decode).gemm == pytest.approx(2 * f8.step(decode).gemm)
+    assert b16.step(prefill).indexer == f8.step(prefill).indexer
+    assert replica_kv_capacity(model, fp8, H200)[0] > 0
+    with pytest.raises(ConfigError, match="weights=bf16.*leave no room for KV"):
+        replica_kv_capacity(model, bf16, H200)
+
+
 def test_curve_interpolates_and_extrapolates():
     c = Curve((32, 128), (40.0, 120.0), "us", "test")
     assert c(32) == 40.0 and c(80) == pytest.approx(80.0)
@@ -68,6 +90,7 @@ def test_deployment_specs():
     ("", "empty"), ("dq8", "bad layout term"), ("dp8xep4", "ep4 must span all 8"),
     ("pcp8xdcp4", "dcp must equal"), ("tp8 router=random", "router must be"),
     ("tp8 kv", "key=value"), ("tp8 max-num-seqs=0", "positive"), ("tp8 colour=red", "unknown"),
+    ("tp8 weights=int4", "weights must be one of"),
     ("dp8xep hisparse", "needs host="),
     ("pcp8xdcp8xep8 hisparse host=48GiB", "without PCP or DCP"), ("tp8 offload=-1", "positive"),
 ])
@@ -208,7 +231,7 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     rows = [line for line in out.out.splitlines() if line.startswith("| 256 ")]
     assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared
     # The simulator is given the runner's own settings: on the CPU its decode steps are eager.
-    assert "simulated as --deployment 'tp1 kv=bf16 enforce-eager'" in out.err
+    assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
 
 
 def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
