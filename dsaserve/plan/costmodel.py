@@ -347,14 +347,16 @@ def matrix_params(model: ModelConfig, par: ParallelConfig) -> MatrixParams:
 def matrix_flops_per_token(model: ModelConfig, par: ParallelConfig) -> int:
     """FLOPs of one token's pass through every main-model layer's matrices on the GPU that
     computes its row (projections, dense MLPs, shared experts and router, its
-    num_experts_per_tok routed experts; not the lm_head, which only sampled rows reach). Under
-    EP a GPU runs the routed experts of as many assignments as its own rows bring, on average."""
+    num_experts_per_tok routed experts; not the lm_head, which only sampled rows reach). The
+    routed experts cost k / tp whole experts per row either way: split over TP, or whole under
+    EP, where the TP ranks share their rows and the group's assignments spread over its GPUs."""
     w = matrix_params(model, par)
     num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
     num_dense = model.num_hidden_layers - num_moe
+    routed = (model.num_experts_per_tok * 3 * model.hidden_size * model.moe_intermediate_size
+              // par.tensor_parallel_size)
     params = (model.num_hidden_layers * w.attn + len(model.full_indexer_layers) * w.indexer
-              + num_dense * w.dense_mlp
-              + num_moe * (w.moe_shared + model.num_experts_per_tok * w.expert))
+              + num_dense * w.dense_mlp + num_moe * (w.moe_shared + routed))
     return 2 * params
 
 

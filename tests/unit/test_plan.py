@@ -205,6 +205,18 @@ def test_matrix_flops_match_published_active_parameters() -> None:
         1 << 20) == pytest.approx(one / 8)
     tp8 = cm.matrix_flops_per_token(glm5, ParallelConfig(tensor_parallel_size=8))
     assert one / (1 << 20) / 8 < tp8 < one / (1 << 20) / 4
+    # EP moves whole experts, not the work: TP8 with EP costs what TP8 does, and the simulator's
+    # step model prices a compute-bound chunk's routed experts at those FLOPs either way
+    from dsaserve.plan.parts import H200
+    from dsaserve.plan.steptime import StepTimeModel
+    ep = ParallelConfig(tensor_parallel_size=8, enable_expert_parallel=True)
+    assert cm.matrix_flops_per_token(glm5, ep) == tp8
+    num_moe = sum(glm5.is_moe_layer(i) for i in range(glm5.num_hidden_layers))
+    routed = (num_moe * 2 * glm5.num_experts_per_tok * 3 * glm5.hidden_size
+              * glm5.moe_intermediate_size / 8)  # FLOPs per token per GPU
+    for par in (ParallelConfig(tensor_parallel_size=8), ep):
+        moe = StepTimeModel(glm5, par, H200).step([(16384, 16384)]).moe
+        assert moe == pytest.approx(16384 * routed / (H200.matmul_fp8_tflops.value * 1e12))
 
 
 def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
