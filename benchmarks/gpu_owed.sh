@@ -21,6 +21,9 @@
 #   bash benchmarks/gpu_owed.sh 9          # part 9: the sampler and graph tests part 7 did not
 #                                          #   reach; the decode table for plan/hosttime.py's refit
 #                                          #   (8K and 128K, b = 1, 16, 64); the 1M prompt twice
+#   bash benchmarks/gpu_owed.sh 10         # part 10: HiSparse's engine-level targets (step
+#                                          #   against all-GPU with a model's own misses,
+#                                          #   concurrency at a fixed budget), P/D end to end
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -109,6 +112,12 @@ elif [ "$part" = 9 ]; then
         run 80 "long_1m_$i" python benchmarks/long_prefill.py --lengths 1M --no-profile \
             --out "$out/long_1m_$i.md"
     done
+elif [ "$part" = 10 ]; then
+    run 300 hisparse_engine python benchmarks/hisparse_engine.py --sections step,concurrency \
+        --out "$out/hisparse_engine.md"
+    run 150 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    run 120 hisparse_1m python benchmarks/hisparse_engine.py --sections long \
+        --out "$out/hisparse_1m.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
