@@ -59,7 +59,9 @@ class LogprobFormatter:
             out.tokens.append(text)
             out.token_logprobs.append(_finite(e.logprob))
             top = {self.text(t): _finite(lp) for t, lp in e.top[: self._num_top]}
-            top.setdefault(text, _finite(e.logprob))  # the chosen token's, as vLLM reports it
+            # the chosen token's too, as vLLM reports it; its value wins where another token
+            # decodes to the same text (byte pieces of one character all read "\ufffd")
+            top[text] = _finite(e.logprob)
             out.top_logprobs.append(top)
             out.text_offset.append(self._offset)
             self._offset += len(text)
