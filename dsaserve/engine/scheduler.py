@@ -917,5 +917,9 @@ def token_logprobs(req: Request, new_tokens: tuple[int, ...],
         return None
     lps = runner_output.logprobs.get(req.request_id, [])
     top = runner_output.top_logprobs.get(req.request_id, [])
+    if len(lps) < len(new_tokens) or (n and len(top) < len(new_tokens)):
+        raise RuntimeError(f"runner output: logprobs of {len(lps)} tokens and top-{n} of "
+                           f"{len(top)} for request {req.request_id!r}, which emits "
+                           f"{len(new_tokens)}")
     return tuple(TokenLogprob(t, lps[i], top[i][:n] if n else ())
                  for i, t in enumerate(new_tokens))
