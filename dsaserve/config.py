@@ -387,11 +387,15 @@ class SchedulerConfig:
     # --async-scheduling: step k + 1 is scheduled while step k runs; its inputs that continue
     # from step k are taken from step k's samples on the device (docs/decode.md)
     async_scheduling: bool = False
+    # --max-logprobs: the largest SamplingParams.logprobs a request may ask for (vLLM's 20)
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')}: must be >= 1")
+        if self.max_logprobs < 0:
+            raise ConfigError("--max-logprobs: must be >= 0")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 "--max-num-batched-tokens: must be >= --max-model-len without chunked prefill"

@@ -34,6 +34,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
+    # vLLM's: None = none; N >= 0 = each emitted token's log-probability and the N most
+    # likely tokens' (the raw model distribution, whatever the temperature and top-p)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -50,6 +53,10 @@ class SamplingParams:
             raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logprobs is not None and (
+                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                or self.logprobs < 0):
+            raise RequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -309,6 +316,9 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[float]] = field(default_factory=dict)  # one per emitted token
+    # per emitted token, the step's top-W (id, log-probability), most likely first; W is the
+    # largest `logprobs` of the live requests (absent when no live request asks)
+    top_logprobs: dict[str, list[tuple[tuple[int, float], ...]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Host-tier copy jobs finished so far, per kind (a prefix of the job ids on every rank; the
     # executor reports the minimum over ranks).
@@ -325,6 +335,16 @@ class ModelRunnerOutput:
 # Engine → client
 # ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the raw model distribution, and the
+    SamplingParams.logprobs most likely tokens' (id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
@@ -335,6 +355,16 @@ class RequestOutput:
     num_output_tokens: int
     kv_transfer_params: KVTransferParams | None = None  # P/D: what the decode request needs
     error: str | None = None  # why the request failed (e.g. its remote KV could not be read)
+    # one per new token when the request asked (SamplingParams.logprobs not None), else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's whole output from the offline path (LLMEngine.generate_with_logprobs)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None  # one per token; None: logprobs not asked
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="longest prompt + output, in tokens (default: %(default)s)")
     g.add_argument("--max-num-seqs", type=pos, default=64,
                    help="most requests running at once (default: %(default)s)")
+    g.add_argument("--max-logprobs", type=int_at_least(0), default=20,
+                   help="most top log-probabilities a request may ask for per token "
+                        "(logprobs / top_logprobs; default: %(default)s)")
     g.add_argument("--max-num-batched-tokens", type=pos, default=2048,
                    help="most tokens computed in one step; longer prefills are chunked "
                         "(default: %(default)s)")
@@ -225,6 +228,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
             async_scheduling=args.async_scheduling,
+            max_logprobs=args.max_logprobs,
         ),
         attention=AttentionConfig.from_json(
             args.attention_config,

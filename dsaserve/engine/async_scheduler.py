@@ -46,7 +46,7 @@ from dsaserve.core import (
     RequestStatus,
     SchedulerOutput,
 )
-from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.scheduler import Scheduler, token_logprobs
 
 
 class AsyncScheduler(Scheduler):
@@ -173,7 +173,9 @@ class AsyncScheduler(Scheduler):
             if not req.num_output_placeholders:  # no later step continues from its drafts
                 req.spec_token_ids = list(runner_output.draft_token_ids.get(req.request_id, ()))
             self._rollback_blocks(req)
-        return self._make_output(req, tuple(emitted), params)
+        new_tokens = tuple(emitted)
+        return self._make_output(req, new_tokens, params,
+                                 token_logprobs(req, new_tokens, runner_output))
 
     def _hold_finished(self, req: Request, was_running: bool) -> KVTransferParams:
         """P/D producer: the prompt's last step was read, so its KV is written; its blocks

@@ -20,6 +20,7 @@ from dataclasses import fields
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
+    Completion,
     EngineDeadError,
     EngineStats,
     KVTransferParams,
@@ -28,7 +29,7 @@ from dsaserve.core import (
     RequestOutput,
     SamplingParams,
 )
-from dsaserve.engine.engine import LLMEngine, run_to_completion
+from dsaserve.engine.engine import LLMEngine, run_completions, run_to_completion
 from dsaserve.engine.executor import MultiprocExecutor
 from dsaserve.tokenizer import Tokenizer
 
@@ -182,6 +183,12 @@ class DataParallelEngine:
                  *, cache_salt: str | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each, in order."""
         return run_to_completion(self, prompts, params, cache_salt=cache_salt)
+
+    def generate_with_logprobs(self, prompts: Sequence[Sequence[int]],
+                               params: SamplingParams | Sequence[SamplingParams],
+                               *, cache_salt: str | None = None) -> list[Completion]:
+        """generate, each prompt's tokens with their logprob entries (SamplingParams.logprobs)."""
+        return run_completions(self, prompts, params, cache_salt=cache_salt)
 
     @staticmethod
     def _load(replica: LLMEngine) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
+    Completion,
     EngineStats,
     KVTransferParams,
     Request,
@@ -28,6 +29,7 @@ from dsaserve.core import (
     RequestOutput,
     SamplingParams,
     SchedulerOutput,
+    TokenLogprob,
 )
 from dsaserve.engine.async_scheduler import AsyncScheduler
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
@@ -47,17 +49,30 @@ def run_to_completion(engine: LLMEngine | DataParallelEngine, prompts: Sequence[
                       params: SamplingParams | Sequence[SamplingParams],
                       *, cache_salt: str | None = None) -> list[list[int]]:
     """Add every prompt, step until all finish; the output token ids of each, in order."""
+    return [list(c.token_ids)
+            for c in run_completions(engine, prompts, params, cache_salt=cache_salt)]
+
+
+def run_completions(engine: LLMEngine | DataParallelEngine, prompts: Sequence[Sequence[int]],
+                    params: SamplingParams | Sequence[SamplingParams],
+                    *, cache_salt: str | None = None) -> list[Completion]:
+    """run_to_completion with each token's logprob entries (where the params ask for them)."""
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt, p in zip(ids, prompts, params, strict=True):
         engine.add_request(rid, prompt, p, cache_salt=cache_salt)
-    outputs: dict[str, list[int]] = {rid: [] for rid in ids}
+    tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+    logprobs: dict[str, list[TokenLogprob] | None] = {
+        rid: None if p.logprobs is None else [] for rid, p in zip(ids, params, strict=True)}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id in outputs:
-                outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[rid] for rid in ids]
+            if out.request_id in tokens:
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.logprobs is not None:
+                    logprobs[out.request_id].extend(out.logprobs)
+    return [Completion(tuple(tokens[rid]), None if logprobs[rid] is None
+                       else tuple(logprobs[rid])) for rid in ids]
 
 
 class LLMEngine:
@@ -153,6 +168,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        max_logprobs = self.config.scheduler.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise RequestError(f"logprobs: {params.logprobs} exceeds the engine's "
+                               f"--max-logprobs {max_logprobs}")
         try:  # hashed as UTF-8 into the first block: a lone surrogate would fail a shared step
             (cache_salt or "").encode("utf-8")
         except UnicodeEncodeError as e:
@@ -257,3 +276,9 @@ class LLMEngine:
                  *, cache_salt: str | None = None) -> list[list[int]]:
         """Run prompts to completion; returns the output token ids of each, in order."""
         return run_to_completion(self, prompts, params, cache_salt=cache_salt)
+
+    def generate_with_logprobs(self, prompts: Sequence[Sequence[int]],
+                               params: SamplingParams | Sequence[SamplingParams],
+                               *, cache_salt: str | None = None) -> list[Completion]:
+        """generate, each prompt's tokens with their logprob entries (SamplingParams.logprobs)."""
+        return run_completions(self, prompts, params, cache_salt=cache_salt)

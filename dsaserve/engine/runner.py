@@ -27,7 +27,7 @@ from dsaserve.disagg.hostplan import HostDest
 from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
-from dsaserve.engine.sampler import sample_on_device
+from dsaserve.engine.sampler import sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
 from dsaserve.kernels import formats, staging
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
@@ -653,6 +653,7 @@ class ModelRunner:
         sampled_ids = [req_ids[r] for r in plain + verify]
         param_rows = self.block_table.rows(sampled_ids)
         tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
+        emitted_from: list[torch.Tensor] = []  # the logits of every row a token comes from
         if plain:
             last_rows, rows_d = staging.upload(
                 [torch.tensor([qsl[r + 1] - 1 for r in plain]),
@@ -660,6 +661,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
             tokens, lps = sample_on_device(
                 logits, self.sampling.batch(sampled_ids[: len(plain)], rows_d))
+            emitted_from.append(logits)
         accepted = torch.zeros(0, dtype=torch.int64, device=dev)
         emitted = emitted_lps = torch.zeros(0, 1, dtype=torch.int64, device=dev)
         if verify:
@@ -686,8 +688,15 @@ class ModelRunner:
             # token i of a run comes from row i: its log-probability there
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
             emitted_lps = logits.log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
+            emitted_from.append(logits.flatten(0, 1))
+        # some live request asked for logprobs: the top-W of every row, one topk for the step
+        top_ids = top_lps = None
+        width = self.sampling.top_logprobs_width
+        if width and emitted_from:
+            top_ids, top_lps = top_logprobs(torch.cat(emitted_from), width)
         return step_results.DeviceSamples(plain, tokens, lps, verify, accepted, emitted,
-                                          emitted_lps, num_drafts if verify else None)
+                                          emitted_lps, num_drafts if verify else None,
+                                          top_ids, top_lps)
 
     @staticmethod
     def _drafts_of(batch: _Batch, r: int, k: int) -> list[int]:

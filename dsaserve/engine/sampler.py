@@ -161,6 +161,15 @@ def sample_on_device(
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
+def top_logprobs(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] → the `width` most likely tokens of each row under the raw distribution:
+    ids [R, W] int64 and log-probabilities [R, W] fp32, most likely first (W = min(width, V)).
+    One log_softmax and one topk over every row the step emits from (sampled or verified), so
+    a step pays it once, only when some live request asked (SamplingParams.logprobs)."""
+    values, ids = logits.log_softmax(-1).topk(min(width, logits.shape[-1]), dim=-1)
+    return ids, values
+
+
 def sample(
     logits: torch.Tensor,  # [R, V] fp32
     params: list[SamplingParams],

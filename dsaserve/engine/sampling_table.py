@@ -20,6 +20,7 @@ so that every rank of a replica draws the same noise.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -45,6 +46,7 @@ class SamplingTable:
         self.num_sampled = 0  # live requests that are not greedy
         self.num_top_k = 0
         self.num_top_p = 0
+        self._logprobs: Counter[int] = Counter()  # live requests by SamplingParams.logprobs
         self._seed = seed
         self._num_steps = 0
         self._step_generator = torch.Generator(device=device)
@@ -64,6 +66,8 @@ class SamplingTable:
         if params.seed is not None and not params.greedy:
             self._generators[request_id] = make_generator(params, self.device, params.seed)
         self._count(temperature, top_k, top_p, +1)
+        if params.logprobs is not None:
+            self._logprobs[params.logprobs] += 1
 
     def remove(self, request_id: str) -> None:
         """The request ended or was preempted (its row is the block table's to reuse)."""
@@ -71,6 +75,11 @@ class SamplingTable:
         if entry is not None:
             self._count(*row_values(entry[1]), -1)
             self._generators.pop(request_id, None)
+            n = entry[1].logprobs
+            if n is not None:
+                self._logprobs[n] -= 1
+                if not self._logprobs[n]:
+                    del self._logprobs[n]
 
     def _count(self, temperature: float, top_k: int, top_p: float, sign: int) -> None:
         self.num_sampled += sign * (temperature > 0)
@@ -82,6 +91,13 @@ class SamplingTable:
         old = self._table.host
         host[: old.shape[0]] = old
         self._table = MirroredArray(host, self.device)  # queued writes are in its copy
+
+    @property
+    def top_logprobs_width(self) -> int:
+        """How many most likely tokens a step reports per emitted token: the largest
+        SamplingParams.logprobs of the live requests (a host-known bound, like the flags; at
+        most --max-logprobs + 1 distinct values to look at); 0: no step top-k."""
+        return max(self._logprobs, default=0)
 
     def row_of(self) -> dict[str, int]:
         """Live request → its row."""
@@ -126,6 +142,8 @@ class SamplingTable:
         assert self.num_top_k == sum(k > 0 for _, k, _ in values)
         assert self.num_top_p == sum(p < 1 for _, _, p in values)
         assert self._generators.keys() <= self._params.keys()
+        assert self._logprobs == Counter(
+            p.logprobs for _, p in self._params.values() if p.logprobs is not None)
         host = self._table.host
         for row, p in self._params.values():
             t, k, top_p = row_values(p)

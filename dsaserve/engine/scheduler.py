@@ -59,6 +59,7 @@ from dsaserve.core import (
     RequestOutput,
     RequestStatus,
     SchedulerOutput,
+    TokenLogprob,
 )
 from dsaserve.kv.hisparse.admission import (
     HiSparseAdmission,
@@ -371,7 +372,8 @@ class Scheduler:
                 else:
                     self._release(req)
             if new_tokens or req.is_finished:
-                outputs.append(self._make_output(req, new_tokens, params))
+                outputs.append(self._make_output(req, new_tokens, params,
+                                                 token_logprobs(req, new_tokens, runner_output)))
         return outputs
 
     # ---- helpers of the step --------------------------------------------------------------------
@@ -767,7 +769,8 @@ class Scheduler:
 
     @staticmethod
     def _make_output(req: Request, new_tokens: tuple[int, ...],
-                     kv_transfer_params: KVTransferParams | None = None) -> RequestOutput:
+                     kv_transfer_params: KVTransferParams | None = None,
+                     logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         finished = req.is_finished
         return RequestOutput(
             request_id=req.request_id,
@@ -778,6 +781,8 @@ class Scheduler:
             num_cached_tokens=max(req.num_cached_tokens, 0),
             num_output_tokens=req.num_output_tokens,
             kv_transfer_params=kv_transfer_params,
+            # a request that asked gets entries (none for no new token); others get None
+            logprobs=(logprobs or ()) if req.sampling_params.logprobs is not None else None,
         )
 
     # ---- introspection --------------------------------------------------------------------------
@@ -900,3 +905,21 @@ def _tokens_from(req: Request, start: int) -> tuple[int, ...]:
     if start >= num_prompt:
         return tuple(req.output_token_ids[start - num_prompt :])
     return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids)
+
+
+def token_logprobs(req: Request, new_tokens: tuple[int, ...],
+                   runner_output: ModelRunnerOutput) -> tuple[TokenLogprob, ...] | None:
+    """The request's logprob entries for `new_tokens` (a prefix of what the runner emitted for
+    it: a stop drops the rest), its own SamplingParams.logprobs of the step's top-W; None when
+    it did not ask."""
+    n = req.sampling_params.logprobs
+    if n is None:
+        return None
+    lps = runner_output.logprobs.get(req.request_id, [])
+    top = runner_output.top_logprobs.get(req.request_id, [])
+    if len(lps) < len(new_tokens) or (n and len(top) < len(new_tokens)):
+        raise RuntimeError(f"runner output: logprobs of {len(lps)} tokens and top-{n} of "
+                           f"{len(top)} for request {req.request_id!r}, which emits "
+                           f"{len(new_tokens)}")
+    return tuple(TokenLogprob(t, lps[i], top[i][:n] if n else ())
+                 for i, t in enumerate(new_tokens))

@@ -8,11 +8,15 @@ the host waits for it one engine step later, after scheduling and launching the 
 
     packed = | plain tokens M | plain logprobs M | accepted V | emitted V·(k+1) |
              | emitted logprobs V·(k+1) | drafts D·k |
+             | top ids (M + V·(k+1))·W | top logprobs (M + V·(k+1))·W |
+
+The last two only when some live request asked for logprobs (W > 0): the W most likely tokens
+of every row emitted from, plain rows first, then each verifying request's k + 1 rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -32,6 +36,9 @@ class DeviceSamples:
     emitted: torch.Tensor  # [V, k+1] int64: accepted drafts, then one more token, 0 after
     emitted_logprobs: torch.Tensor  # [V, k+1] fp32
     verified: torch.Tensor | None = None  # [V] int64: drafts each verified (None: V = 0)
+    # the W most likely tokens of each row (plain rows, then verifying rows), None: W = 0
+    top_ids: torch.Tensor | None = None  # [M + V·(k+1), W] int64
+    top_logprobs: torch.Tensor | None = None  # [M + V·(k+1), W] fp32
 
     @property
     def rejected(self) -> torch.Tensor:
@@ -49,6 +56,8 @@ class HostSamples:
     tokens: dict[int, list[int]]
     logprobs: dict[int, list[float]]
     drafts: list[list[int]]
+    # per batch index, per emitted token: the top-W (id, log-probability); empty when W = 0
+    top: dict[int, list[tuple[tuple[int, float], ...]]] = field(default_factory=dict)
 
 
 def read_back(samples: DeviceSamples, drafts: torch.Tensor | None) -> HostSamples:
@@ -66,6 +75,8 @@ def start_read_back(samples: DeviceSamples, drafts: torch.Tensor | None,
              samples.emitted.flatten(), samples.emitted_logprobs.flatten()]
     if drafts is not None:
         parts.append(drafts.flatten())
+    if samples.top_ids is not None:
+        parts += [samples.top_ids.flatten(), samples.top_logprobs.flatten()]
     shape = (tuple(drafts.shape) if drafts is not None else None)
     if sum(p.numel() for p in parts) == 0:
         return PendingSamples(samples, shape, None, None)
@@ -127,7 +138,20 @@ def _unpack(samples: DeviceSamples, drafts_shape: tuple[int, ...] | None,
         d, k = drafts_shape
         rest = take(d * k)
         out_drafts = [[int(t) for t in rest[i * k : (i + 1) * k]] for i in range(d)]
-    return HostSamples(tokens, logprobs, out_drafts)
+    top: dict[int, list[tuple[tuple[int, float], ...]]] = {}
+    if samples.top_ids is not None:
+        num_rows, w = samples.top_ids.shape
+        ids, lps = take(num_rows * w), take(num_rows * w)
+
+        def row(i: int) -> tuple[tuple[int, float], ...]:
+            return tuple(zip(map(int, ids[i * w : (i + 1) * w]), lps[i * w : (i + 1) * w],
+                             strict=True))
+
+        for i, r in enumerate(samples.plain):
+            top[r] = [row(i)]
+        for i, r in enumerate(samples.verify):
+            top[r] = [row(m + i * width + j) for j in range(len(tokens[r]))]
+    return HostSamples(tokens, logprobs, out_drafts, top)
 
 
 class PendingStep(Protocol):
@@ -153,6 +177,7 @@ class PendingOutput:
         return ModelRunnerOutput(
             sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(self.req_ids)},
             logprobs={self.req_ids[r]: lps for r, lps in host.logprobs.items()},
+            top_logprobs={self.req_ids[r]: top for r, top in host.top.items()},
             draft_token_ids=dict(zip(self.drafting, host.drafts, strict=True)))
 
 

@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsaserve.config import ConfigError
-from dsaserve.core import KVTransferParams, RequestError, SamplingParams
+from dsaserve.core import KVTransferParams, RequestError, SamplingParams, TokenLogprob
 from dsaserve.serve.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -38,6 +38,7 @@ from dsaserve.serve.auth import APIKeyMiddleware
 from dsaserve.serve.drain import DrainMiddleware, DrainState
 from dsaserve.serve.guard_metrics import GuardCollector
 from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
+from dsaserve.serve.logprobs import LogprobFormatter, requested
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
 from dsaserve.serve.middleware import BodySizeLimitMiddleware
 from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
@@ -169,6 +170,14 @@ class Generation:
         self._tracker = tracker
         self._held = ""  # text that may be the start of a stop string
         self._closed = False
+        # the logprob entries of tokens received and not yet taken (SamplingParams.logprobs);
+        # a stop string cuts the text, not the entries of the tokens already received
+        self._logprobs: list[TokenLogprob] = []
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprob entries received since the last call (in token order)."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     @property
     def usage(self) -> Usage:
@@ -179,6 +188,7 @@ class Generation:
             async for out in self.stream:
                 self._tracker.on_tokens(len(out.new_token_ids))
                 self.num_output_tokens += len(out.new_token_ids)
+                self._logprobs += out.logprobs or ()
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
                 text = self._held + "".join(self._detok.push(t) for t in out.new_token_ids)
@@ -230,9 +240,26 @@ def _completion_prompt(tokenizer: Tokenizer, prompt: str | list[Any], vocab_size
         raise APIError(400, str(e), param=e.param) from e
 
 
+def _logprobs(body: ChatCompletionRequest | CompletionRequest, max_logprobs: int) -> int | None:
+    """SamplingParams.logprobs from the request: chat's `logprobs: true` + `top_logprobs`,
+    completions' `logprobs: N`; a 400 naming the field beyond --max-logprobs."""
+    if isinstance(body, CompletionRequest):
+        field, value = "logprobs", body.logprobs
+    else:
+        field, value = "top_logprobs", body.top_logprobs
+        if value and not body.logprobs:  # 0 asks for nothing
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param=field)
+        value = (value or 0) if body.logprobs else None
+    try:
+        return requested(field, value, max_logprobs)
+    except RequestError as e:
+        raise APIError(400, str(e), param=field) from e
+
+
 def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None,
                      num_prompt_tokens: int, max_model_len: int,
-                     default_max_tokens: int | None = None) -> SamplingParams:
+                     default_max_tokens: int | None = None,
+                     max_logprobs: int = 20) -> SamplingParams:
     """`max_tokens` as the client sent it (None: absent); `default_max_tokens` replaces an absent
     one, capped to the context (None: the rest of the context)."""
     check_supported(body)
@@ -251,6 +278,7 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
                        param="stream_options")
     if max_tokens is None:  # the rest of the context, as vLLM does, or the default if shorter
         max_tokens = min(max_model_len - num_prompt_tokens, default_max_tokens or max_model_len)
+    logprobs = _logprobs(body, max_logprobs)
     try:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -261,6 +289,7 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
+            logprobs=logprobs,
         )
     except RequestError as e:
         raise APIError(400, str(e)) from e
@@ -324,6 +353,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                           "the server needs a tokenizer")
     model_name = config.served_model_name
     max_model_len = engine.config.scheduler.max_model_len
+    max_logprobs = engine.config.scheduler.max_logprobs
     metrics = ServerMetrics(model_name, engine.stats)
     guards = GuardCollector(model_name)
     guards.counter("stream_buffer_overflows", "Requests aborted because their client stopped "
@@ -463,13 +493,19 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                                              body.chat_template_kwargs)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
-        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len)
+        params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len,
+                                  max_logprobs=max_logprobs)
         request_id = new_id("chatcmpl")
         gen = await start(request_id, prompt_ids, params, stops, body)
+        lps = LogprobFormatter(tokenizer, params) if params.logprobs is not None else None
 
         def chunk(delta: DeltaMessage, finish_reason: str | None = None,
                   kv_transfer_params: dict[str, Any] | None = None) -> str:
-            choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
+            # the entries of the tokens received since the last chunk
+            taken = gen.take_logprobs()
+            logprobs = lps.chat(taken) if lps is not None and taken else None
+            choice = ChatChunkChoice(delta=delta, logprobs=logprobs,
+                                     finish_reason=finish_reason)
             return _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[choice],
                                             kv_transfer_params=kv_transfer_params))
 
@@ -488,7 +524,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         text = await complete(request, gen)
         if text is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason)
+        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason,
+                            logprobs=lps.chat(gen.take_logprobs()) if lps is not None else None)
         return JSONResponse(_dump(ChatCompletionResponse(
             id=request_id, model=model_name, choices=[choice], usage=gen.usage,
             kv_transfer_params=gen.kv_transfer_params)))
@@ -502,13 +539,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         prompt_ids = await asyncio.to_thread(_completion_prompt, tokenizer, body.prompt,
                                              engine.config.model.vocab_size)
         params = _sampling_params(body, body.max_tokens, len(prompt_ids), max_model_len,
-                                  COMPLETION_DEFAULT_MAX_TOKENS)
+                                  COMPLETION_DEFAULT_MAX_TOKENS, max_logprobs)
         request_id = new_id("cmpl")
         gen = await start(request_id, prompt_ids, params, stops, body)
+        lps = LogprobFormatter(tokenizer, params) if params.logprobs is not None else None
 
         def chunk(text: str, finish_reason: str | None = None,
                   kv_transfer_params: dict[str, Any] | None = None) -> str:
-            choice = CompletionChoice(text=text, finish_reason=finish_reason)
+            taken = gen.take_logprobs()
+            logprobs = lps.completion(taken) if lps is not None and taken else None
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
             return _sse(CompletionResponse(id=request_id, model=model_name, choices=[choice],
                                            kv_transfer_params=kv_transfer_params))
 
@@ -526,7 +566,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         text = await complete(request, gen)
         if text is None:
             return Response(status_code=499)
-        choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
+        choice = CompletionChoice(
+            text=text, finish_reason=gen.finish_reason,
+            logprobs=lps.completion(gen.take_logprobs()) if lps is not None else None)
         return JSONResponse(_dump(CompletionResponse(
             id=request_id, model=model_name, choices=[choice], usage=gen.usage,
             kv_transfer_params=gen.kv_transfer_params)))

@@ -77,7 +77,8 @@ class _SamplingFields(_Request):
     length_penalty: Any = unsupported(1, why="no beam search")
     bad_words: Any = unsupported([], why="no logit processors")
     allowed_token_ids: Any = unsupported(why="no logit processors")
-    prompt_logprobs: Any = unsupported(why="no logprobs")
+    prompt_logprobs: Any = unsupported(why="no prompt logprobs; the generated tokens' "
+                                       "logprobs are (logprobs, top_logprobs)")
     include_stop_str_in_output: Any = unsupported(False, why="stop strings are always cut")
     skip_special_tokens: Any = unsupported(True, why="special tokens are always skipped")
     spaces_between_special_tokens: Any = unsupported(True, why="special tokens are skipped")
@@ -103,8 +104,8 @@ class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[dict[str, Any]], WithJsonSchema(_MESSAGES_SCHEMA)] = Field(
         min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's successor of max_tokens
-    logprobs: Any = unsupported(False, why="no logprobs")
-    top_logprobs: Any = unsupported(0, why="no logprobs")
+    logprobs: bool = False  # each generated token's log-probability
+    top_logprobs: int | None = None  # and that many most likely tokens' (needs logprobs)
     tools: Any = unsupported([], why="no tool calling")
     tool_choice: Any = unsupported("none", why="no tool calling")
     parallel_tool_calls: Any = unsupported(False, True, why="no tool calling")
@@ -126,7 +127,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: Any = unsupported(why="no logprobs")  # an int here: 0 still asks for logprobs
+    logprobs: int | None = None  # the chosen tokens' and this many most likely (0 asks too)
     suffix: Any = unsupported("", why="no insertion")
 
 
@@ -166,10 +167,29 @@ class ChatMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token's UTF-8 bytes
+
+
+class ChatLogprob(BaseModel):
+    """One generated token (OpenAI's ChatCompletionTokenLogprob)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]  # the top_logprobs most likely tokens, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -191,7 +211,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -205,10 +225,21 @@ class ChatCompletionChunk(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # P/D: on the chunk with finish_reason
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: per generated token its text, log-probability, the
+    `logprobs` most likely tokens' (text → log-probability, the chosen token's included) and
+    where the token starts in the completion's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 

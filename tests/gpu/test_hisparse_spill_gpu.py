@@ -6,7 +6,12 @@ every step. Run on the device machine with `pytest -m gpu tests/gpu/test_hispars
 In float32: under spilling the scheduler runs other batches (fewer prefills fit at once), and in
 bf16 a GEMM's rounding depends on its batch — the all-GPU engine's own greedy output differs
 between its graphed and eager runs of these prompts (measured on the H100), so a bf16 comparison
-would test the GEMMs' batch invariance, not HiSparse."""
+would test the GEMMs' batch invariance, not HiSparse. Float32 KV (tiny-glm5) is compared token
+for token. fp8_ds_mla KV (tiny-dsv32) is compared up to near-ties (tests/logprob_compare.py):
+the batch moves the GEMMs' rounding, fp8 quantization boundaries can turn that into another
+cached value, and the tiny model's near-tied indexer scores into another token (docs/hisparse.md);
+the runs must agree until a first divergence where each run's token is among the other's top 2
+within MARGIN nats, and are not compared after it."""
 
 from __future__ import annotations
 
@@ -14,17 +19,30 @@ from dataclasses import replace
 
 import pytest
 import torch
+from logprob_compare import check_outputs_close
 
 from dsaserve.config import HiSparseConfig
-from dsaserve.core import SamplingParams
+from dsaserve.core import Completion, SamplingParams
 from dsaserve.engine.engine import LLMEngine
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
 PAGES = 4  # cdiv(256, 64): one max-length request; the four need 12-16 blocks together
+# fp8_ds_mla: the largest gap (nats, in each run) between the two tokens where the runs part.
+# A judgement, not a measurement: the gaps found are printed.
+MARGIN = 0.1
+
+
+def _assert_same(kv: str, got: list[Completion], want: list[Completion], what: str) -> None:
+    """float32 KV: token for token; fp8_ds_mla: equal up to near-ties."""
+    if kv != "fp8_ds_mla":
+        assert [c.token_ids for c in got] == [c.token_ids for c in want], what
+        return
+    parted = check_outputs_close(got, want, margin=MARGIN)
+    print(f"{what}: near-tie divergences against the all-GPU engine: {parted}")
 
 
 def _configs(model_dirs, engine_config, preset: str, kv: str):
@@ -43,30 +61,36 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
 
 
-def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict[str, list[int]], int]:
+def _run(engine: LLMEngine, prompts: dict[str, list[int]]) -> tuple[dict[str, Completion], int]:
     """Step by step, every invariant checked → (outputs, most blocks held at once)."""
     for rid, p in prompts.items():
         engine.add_request(rid, p, PARAMS)
-    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    tokens: dict[str, tuple[int, ...]] = {rid: () for rid in prompts}
+    logprobs: dict[str, tuple] = {rid: () for rid in prompts}
     most_blocks = 0
     while engine.has_unfinished_requests():
         for o in engine.step():
-            out[o.request_id] += o.new_token_ids
+            tokens[o.request_id] += o.new_token_ids
+            logprobs[o.request_id] += o.logprobs
         most_blocks = max(most_blocks, sum(len(r.block_ids) for r in engine.scheduler.running))
         engine.check_integrity()
     engine.step()  # an empty step tells the runner which requests ended
     engine.check_integrity()
-    return out, most_blocks
+    return {rid: Completion(tokens[rid], logprobs[rid]) for rid in prompts}, most_blocks
+
+
+def _in_order(out: dict[str, Completion], n: int) -> list[Completion]:
+    return [out[str(i)] for i in range(n)]
 
 
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
 def test_spilled_pages_on_cuda_equal_all_gpu(model_dirs, engine_config, preset, kv):
     cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
     prompts = _prompts()
-    want = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
+    want = LLMEngine.from_config(cfg).generate_with_logprobs(prompts, PARAMS)
     engine = LLMEngine.from_config(spilling)
     out, most_blocks = _run(engine, {str(i): p for i, p in enumerate(prompts)})
-    assert [out[str(i)] for i in range(len(prompts))] == want
+    _assert_same(kv, _in_order(out, len(prompts)), want, f"{preset} {kv}")
     assert engine.scheduler.mla.num_spills > 0 and most_blocks > PAGES
 
 
@@ -80,9 +104,11 @@ def test_later_turn_restores_spilled_blocks_on_cuda(model_dirs, engine_config, p
     ref, engine = LLMEngine.from_config(cfg), LLMEngine.from_config(spilling)
     turn1, _ = _run(engine, {str(i): p for i, p in enumerate(prompts)})
     assert engine.scheduler.mla.num_host_kept > 0
-    turn2 = prompts[0] + turn1["0"] + _prompts()[1][:20]
+    turn2 = prompts[0] + list(turn1["0"].token_ids) + _prompts()[1][:20]
     out, _ = _run(engine, {"0.2": turn2})
-    assert out["0.2"] == ref.generate([turn2], PARAMS)[0]
+    # the all-GPU engine prefills turn 2 whole, the spilling one after its prefix hit
+    _assert_same(kv, [out["0.2"]], ref.generate_with_logprobs([turn2], PARAMS),
+                 f"{preset} {kv} turn 2")
     assert engine.scheduler.mla.num_restores > 0
 
 
@@ -123,7 +149,7 @@ def test_auto_mla_pages_from_the_cuda_budget(model_dirs, engine_config, monkeypa
     assert engine.runner.num_mla_pages == engine.scheduler.mla.num_pages == sizing.num_mla_pages
     assert engine.runner.num_blocks == sizing.num_blocks
     out, most_blocks = _run(engine, {str(i): p for i, p in enumerate(prompts)})
-    assert [out[str(i)] for i in range(len(prompts))] == want
+    assert [list(c.token_ids) for c in _in_order(out, len(prompts))] == want
     assert engine.scheduler.mla.num_spills > 0 and most_blocks > sizing.num_mla_pages
 
 
@@ -159,11 +185,12 @@ def test_spilled_pages_with_reference_kernels(model_dirs, engine_config, monkeyp
         monkeypatch.setattr(runtime, "mirror_rows", _reference_mirror)
     cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
     prompts = _prompts()
-    want = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
+    want = LLMEngine.from_config(cfg).generate_with_logprobs(prompts, PARAMS)
     out, _ = _run(LLMEngine.from_config(spilling), {str(i): p for i, p in enumerate(prompts)})
-    got = [out[str(i)] for i in range(len(prompts))]
-    print(f"{preset} {kv}, reference {swap}: equal to all-GPU: {got == want}")
-    assert got == want
+    got = _in_order(out, len(prompts))
+    print(f"{preset} {kv}, reference {swap}: equal to all-GPU: "
+          f"{[c.token_ids for c in got] == [c.token_ids for c in want]}")
+    _assert_same(kv, got, want, f"{preset} {kv}, reference {swap}")
 
 
 @pytest.mark.parametrize(("preset", "kv"), [("tiny-dsv32", "fp8_ds_mla"), ("tiny-glm5", "auto")])
@@ -193,7 +220,7 @@ def test_engines_on_cuda_equal_the_cpu_reference(model_dirs, engine_config, pres
     want = LLMEngine.from_config(cpu).generate(prompts, PARAMS)
     all_gpu = LLMEngine.from_config(cfg).generate(prompts, PARAMS)
     out, _ = _run(LLMEngine.from_config(spilling), {str(i): p for i, p in enumerate(prompts)})
-    spilled = [out[str(i)] for i in range(len(prompts))]
+    spilled = [list(c.token_ids) for c in _in_order(out, len(prompts))]
     for name, got in (("all-GPU", all_gpu), ("spilling", spilled)):
         first = [next((j for j, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
                  for g, w in zip(got, want, strict=True)]

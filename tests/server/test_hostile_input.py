@@ -181,8 +181,7 @@ def test_lengths_that_fit_exactly_are_served(client) -> None:
 # Fields the server does not implement
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("path, extra", [
-    ("/v1/chat/completions", {"logprobs": True}),
-    ("/v1/chat/completions", {"top_logprobs": 3}),
+    ("/v1/chat/completions", {"prompt_logprobs": 1}),
     ("/v1/chat/completions", {"logit_bias": {"5": 100}}),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}),
     ("/v1/chat/completions", {"tool_choice": "auto"}),
@@ -192,8 +191,7 @@ def test_lengths_that_fit_exactly_are_served(client) -> None:
     ("/v1/chat/completions", {"repetition_penalty": 1.2}),
     ("/v1/chat/completions", {"store": True}),
     ("/v1/chat/completions", {"echo": True}),
-    ("/v1/completions", {"logprobs": 1}),
-    ("/v1/completions", {"logprobs": 0}),  # asks for the sampled token's logprob
+    ("/v1/completions", {"prompt_logprobs": 0}),  # asks for the prompt's logprobs
     ("/v1/completions", {"best_of": 2}),
     ("/v1/completions", {"suffix": "end"}),
     ("/v1/completions", {"n": 3}),

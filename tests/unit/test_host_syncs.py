@@ -56,15 +56,32 @@ def test_read_back_unpacks_every_part():
     assert host.tokens == {2: [7], 0: [4, 5, 6], 1: [9]}
     assert host.logprobs == {2: [-0.25], 0: [-1.0, -2.0, -3.0], 1: [-4.0]}
     assert host.drafts == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert host.top == {}
+    # with a top-2: the plain row, then each verifying request's k + 1 = 4 rows
+    rows = 1 + 2 * 4
+    ids = torch.arange(rows * 2).view(rows, 2)
+    top = dataclasses.replace(samples, top_ids=ids, top_logprobs=-ids.float() / 8)
+    with SyncCounter() as syncs:
+        host = step_results.read_back(top, drafts)
+    assert syncs.count == 1
+    assert host.drafts == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+    def row(i: int) -> tuple[tuple[int, float], ...]:
+        return ((2 * i, -2 * i / 8), (2 * i + 1, -(2 * i + 1) / 8))
+
+    # request 0 emitted 3 tokens (rows 1-3), request 1 one (row 5)
+    assert host.top == {2: [row(0)], 0: [row(1), row(2), row(3)], 1: [row(5)]}
 
 
+@pytest.mark.parametrize("logprobs", [None, 3])  # 3: the step's top-k is in the same copy
 @pytest.mark.parametrize("k", [None, 3])
-def test_decode_step_reads_the_device_once(engine_config, model_dirs, k):
+def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprobs):
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
     if k is not None:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
-    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                             logprobs=logprobs),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, top_k=5, ignore_eos=True)]
     for i, p in enumerate(params):
@@ -80,6 +97,9 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k):
         out = engine.runner.execute(so)
     assert syncs.count == 1, syncs.report()
     assert "step_results.py" in syncs.report()
+    if logprobs is not None:
+        assert all(len(top) == 3 for tops in out.top_logprobs.values() for top in tops)
+        assert out.top_logprobs.keys() == out.sampled_token_ids.keys()
     engine.scheduler.update_from_output(so, out)
     while engine.has_unfinished_requests():
         engine.step()
