@@ -89,7 +89,9 @@ class PrefillProcessError(RuntimeError):
 
 # ---- this side ---------------------------------------------------------------------------------
 class PrefillProcess:
-    """A kv_producer engine built from `config` in a spawned process. Not thread-safe."""
+    """A kv_producer engine built from `config` in a spawned process. Not thread-safe; create
+    it from a thread that outlives it (Linux's parent-death signal follows the creating thread).
+    """
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = 600.0,
                  timeout_s: float = 600.0) -> None:
@@ -119,6 +121,11 @@ class PrefillProcess:
 
     def is_alive(self) -> bool:
         return self._proc.is_alive()
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        """The transport agents of its ranks (their shm files are swept once it is stopped)."""
+        return tuple(self._agents)
 
     def prefill(self, request_id: str, prompt: Sequence[int]) -> KVTransferParams:
         """Prefill `prompt` there for one token; the params the decode side needs. Its blocks
@@ -223,7 +230,7 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
                 raise TypeError(f"unexpected message {type(message).__name__}")
     except EOFError:
         return
-    except BaseException:
+    except Exception:  # (SIGTERM's SystemExit is no failure to report: we were stopped)
         try:
             conn.send(Failed(traceback.format_exc()))
         except OSError:

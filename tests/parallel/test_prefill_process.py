@@ -70,7 +70,7 @@ def test_pd_across_processes_equals_aggregated(parallel_config, prompts, referen
                     assert moved == (len(prompt) - 1 - cached) * per_token > 0
                     p.drain()  # the producer learnt the blocks were read and freed them; checked
                     d.check_integrity()
-                pid, agents = p.pid, list(p._agents)
+                pid, agents = p.pid, list(p.agents)
             assert not p.is_alive()
             assert_gone((pid,))
             assert not _shm_files(agents)
@@ -86,7 +86,7 @@ def test_an_exception_in_the_child_is_raised_here(parallel_config, assert_gone, 
             p.prefill("too-long", list(range(4, 4 + 300)))  # max_model_len 256
         assert not p.is_alive()
         assert_gone((p.pid,))
-        assert not _shm_files(p._agents)
+        assert not _shm_files(list(p.agents))
         with pytest.raises(PrefillProcessError, match="exited"):
             p.prefill("after", [5, 6, 7])
         p.close()  # idempotent
@@ -100,7 +100,7 @@ def test_a_killed_child_and_a_drain_that_cannot_finish(parallel_config, assert_g
     with hang_guard(180):
         p = PrefillProcess(config, timeout_s=60)
         p.prefill("held", [5, 6, 7, 8, 9])
-        agents = list(p._agents)
+        agents = list(p.agents)
         assert _shm_files(agents)
         os.kill(p.pid, signal.SIGKILL)
         start = time.monotonic()
