@@ -1,13 +1,17 @@
-"""P/D through the engine on one device: a prefill engine and a decode engine (NixlConnector),
-the time from the prefill's end to the first decoded token, and the KV transfer's share of it.
+"""P/D through the engine on one device: a prefill engine and a decode engine (NixlConnector) in
+two processes, the time from the prefill's end to the first decoded token, and the KV transfer's
+share of it.
 
     python benchmarks/pd_e2e.py                        # H200: GLM-5.3-shaped, fp8_ds_mla, NIXL
     python benchmarks/pd_e2e.py --out docs/pd_h200.md
-    python benchmarks/pd_e2e.py --smoke                # CPU, tiny sizes (the script runs)
+    python benchmarks/pd_e2e.py --smoke                # CPU, tiny sizes, shm (the script runs)
+    python benchmarks/pd_e2e.py --smoke --transport nixl
 
-Both engines live in this process (one agent each; on a GPU their caches are registered as
-VRAM, so a READ is GPU → GPU). Per prompt length: the prefill engine prefills and holds the
-blocks; then, timed, the decode engine checks the params over the side channel, allocates,
+The prefill engine runs in a spawned process (`disagg/prefill_process.py`: built from the same
+config, stepping while it holds blocks, as a prefill server does), the decode engine in this one,
+as deployed: each has its own agent, and a READ goes between processes (on a GPU both caches
+are VRAM, so it is GPU → GPU). Per prompt length: the prefill process prefills and holds the
+blocks; then, timed here, the decode engine checks the params over the side channel, allocates,
 READs every prompt row it lacks (posted in the runner's step with the `KVRecv`, polled in
 the following ones until they land) and decodes its first token. Columns: that time to the
 first decoded token; the READs alone (until the request leaves `receiving`) and their GB/s over the
@@ -36,8 +40,9 @@ from dsaserve.config import (
     SchedulerConfig,
 )
 from dsaserve.core import SamplingParams
-from dsaserve.disagg import offline
+from dsaserve.disagg.prefill_process import PrefillProcess
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.executor import cpu_threads_per_worker
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 
@@ -66,49 +71,62 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
         return dataclasses.replace(base, disagg=DisaggConfig(kv_role=r, backend=args.transport,
                                                              side_channel_port=0))
 
-    p, d = LLMEngine.from_config(role("kv_producer")), LLMEngine.from_config(role("kv_consumer"))
-    assert isinstance(p, LLMEngine) and isinstance(d, LLMEngine)
-    g = torch.Generator().manual_seed(0)
-    rows = [f"P/D on one {device.type} ({model.num_hidden_layers} layers + MTP, "
-            f"{args.kv_cache_dtype}, {args.transport}, block {args.block_size})", "",
-            "| prompt | first decoded token after the prefill (ms) | READ step (ms) | KV moved "
-            "(MiB) | GB/s | whole-model KV at that rate (ms) | 16 GPUs, IB 50 GB/s (ms) |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # the cores are shared with the prefill process, which takes as
+        # many: oversubscribed, torch's spin-waiting threads made the first token ~20x slower
+        torch.set_num_threads(cpu_threads_per_worker(2))
     try:
-        for n in [min(args.tokens), *args.tokens]:  # the first is a warm-up, not reported
-            prompt = torch.randint(4, model.vocab_size, (n,), generator=g).tolist()
-            rid = f"p{n}-{time.monotonic_ns()}"
-            params = offline.prefill(p, rid, prompt)
-            before = sum(d.executor.call("kv_bytes_received"))
-            _sync(device)
-            t0 = time.perf_counter()
-            d.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0,
-                                                      ignore_eos=True), kv_transfer_params=params)
-            read_s = first_s = None
-            while d.has_unfinished_requests():
-                outs = d.step()
-                _sync(device)
-                if read_s is None and rid not in d.scheduler.receiving:
-                    # check + the READs (posted in one step, polled until they land)
-                    read_s = time.perf_counter() - t0
-                if any(o.new_token_ids for o in outs) and first_s is None:
-                    first_s = time.perf_counter() - t0
-            while p.has_unfinished_requests():
-                p.step()
-            moved = sum(d.executor.call("kv_bytes_received")) - before
-            assert read_s is not None and first_s is not None
-            gbps = moved / read_s / 1e9
-            whole = n * FULL_RECORD
-            rows.append(f"| {n:,} | {first_s * 1e3:.1f} | {read_s * 1e3:.1f} | "
-                        f"{moved / 2**20:.1f} | {gbps:.2f} | {whole / (gbps * 1e9) * 1e3:,.0f} | "
-                        f"{whole / (IB_GBPS * 1e9) * 1e3:.1f} |")
-            for e in (p, d):
-                e.check_integrity()
-        del rows[4]  # the warm-up row
+        with PrefillProcess(role("kv_producer")) as p:
+            d = LLMEngine.from_config(role("kv_consumer"))
+            assert isinstance(d, LLMEngine)
+            try:
+                rows = [f"P/D on one {device.type}, the engines in two processes "
+                        f"({model.num_hidden_layers} layers + MTP, {args.kv_cache_dtype}, "
+                        f"{args.transport}, block {args.block_size})", "",
+                        "| prompt | first decoded token after the prefill (ms) | READ step (ms) | "
+                        "KV moved (MiB) | GB/s | whole-model KV at that rate (ms) | 16 GPUs, "
+                        "IB 50 GB/s (ms) |",
+                        "|---:|---:|---:|---:|---:|---:|---:|"]
+                g = torch.Generator().manual_seed(0)
+                for n in [min(args.tokens), *args.tokens]:  # the first: a warm-up, not reported
+                    prompt = torch.randint(4, model.vocab_size, (n,), generator=g).tolist()
+                    rows.append(_measure(p, d, prompt, device))
+                del rows[4]  # the warm-up row
+            finally:
+                d.shutdown()
     finally:
-        p.shutdown()
-        d.shutdown()
+        torch.set_num_threads(threads)
     return rows
+
+
+def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.device) -> str:
+    """One prompt prefilled there, then timed here until the first decoded token: its row."""
+    n = len(prompt)
+    rid = f"p{n}-{time.monotonic_ns()}"
+    params = p.prefill(rid, prompt)
+    before = sum(d.executor.call("kv_bytes_received"))
+    _sync(device)
+    t0 = time.perf_counter()
+    d.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                  kv_transfer_params=params)
+    read_s = first_s = None
+    while d.has_unfinished_requests():
+        outs = d.step()
+        _sync(device)
+        if read_s is None and rid not in d.scheduler.receiving:
+            # check + the READs (posted in one step, polled until they land)
+            read_s = time.perf_counter() - t0
+        if any(o.new_token_ids for o in outs) and first_s is None:
+            first_s = time.perf_counter() - t0
+    p.drain()  # the producer freed the blocks read; its invariants
+    d.check_integrity()
+    moved = sum(d.executor.call("kv_bytes_received")) - before
+    assert read_s is not None and first_s is not None
+    gbps = moved / read_s / 1e9
+    whole = n * FULL_RECORD
+    return (f"| {n:,} | {first_s * 1e3:.1f} | {read_s * 1e3:.1f} | {moved / 2**20:.1f} | "
+            f"{gbps:.2f} | {whole / (gbps * 1e9) * 1e3:,.0f} | "
+            f"{whole / (IB_GBPS * 1e9) * 1e3:.1f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,14 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=16384, help="--max-num-batched-tokens")
     ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
-    ap.add_argument("--transport", default="nixl", choices=("nixl", "shm", "auto"))
+    ap.add_argument("--transport", default=None, choices=("nixl", "shm", "auto"),
+                    help="the KV transport (default: nixl; shm with --smoke)")
     ap.add_argument("--backend", default="triton", choices=("reference", "triton"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = ap.parse_args(argv)
     if args.smoke:
         args.tokens, args.block_size, args.chunk = [48, 96], 16, 64
-        args.backend, args.dtype, args.transport = "reference", "auto", "shm"
+        args.backend, args.dtype = "reference", "auto"
+        args.transport = args.transport or "shm"
+    args.transport = args.transport or "nixl"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:

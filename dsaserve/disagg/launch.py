@@ -106,8 +106,9 @@ def stop(procs: list[subprocess.Popen], timeout_s: float = 30.0) -> None:
             p.wait()
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the launcher dies, however it dies (Linux)."""
+def die_with_parent() -> None:
+    """In a child (before exec, or first thing in a spawned one): SIGTERM when the launcher
+    dies, however it dies (Linux)."""
     try:
         import ctypes
 
@@ -116,7 +117,7 @@ def _die_with_parent() -> None:
         pass
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
@@ -128,7 +129,7 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
 
     spec = parse_pd_spec(args.pd)
     # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     if args.served_model_name:
         for flags in spec.values():
             flags += ["--served-model-name", args.served_model_name]
@@ -139,7 +140,7 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
         for name in _SIDES:
             print(f"dsaserve: {name}: {shlex.join(commands[name])}", file=sys.stderr)
             procs.append(subprocess.Popen(commands[name], env=dict(os.environ),
-                                          preexec_fn=_die_with_parent))
+                                          preexec_fn=die_with_parent))
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
         for name, proc in zip(_SIDES, procs, strict=True):
             wait_healthy(urls[name], proc, args.pd_start_timeout)

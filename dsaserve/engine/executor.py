@@ -366,7 +366,7 @@ class MultiprocExecutor:
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
-        _reap(self._procs, _TERMINATE_TIMEOUT_S)
+        reap(self._procs, _TERMINATE_TIMEOUT_S)
         if self._dead_reason is None:
             self._dead_reason = "the engine's workers were stopped"
         self._finalizer()
@@ -409,7 +409,7 @@ def _join_within(procs: Sequence[BaseProcess], timeout_s: float) -> list[BasePro
     return [proc for proc in procs if proc.is_alive()]
 
 
-def _reap(procs: Sequence[BaseProcess], timeout_s: float) -> None:
+def reap(procs: Sequence[BaseProcess], timeout_s: float) -> None:
     """Join `procs` within `timeout_s` overall; SIGKILL whatever is left, then join that."""
     for proc in _join_within(procs, timeout_s):
         proc.kill()
@@ -426,7 +426,7 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection], rendezvous_
                 pass
     for proc in _join_within(procs, _SHUTDOWN_TIMEOUT_S):
         proc.terminate()
-    _reap(procs, _TERMINATE_TIMEOUT_S)
+    reap(procs, _TERMINATE_TIMEOUT_S)
     for conn in conns:
         conn.close()
     shutil.rmtree(rendezvous_dir, ignore_errors=True)

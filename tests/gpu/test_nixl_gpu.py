@@ -1,7 +1,8 @@
-"""NIXL READs of GPU memory between two agents in one process (what `benchmarks/pd_e2e.py` and a
-one-GPU P/D test do): the bytes arrive with the transport's default progress thread; the case
-without it is printed, not asserted (it documents why the default is on where CUDA is); a READ
-landed by polling alone, as the P/D consumer's steps do."""
+"""NIXL READs of GPU memory between two agents in one process (what a one-GPU P/D test with both
+engines in one process does; `benchmarks/pd_e2e.py` now runs them in two): the bytes arrive with
+the transport's default progress thread; the case without it is printed, not asserted (it
+documents why the default is on where CUDA is); a READ landed by polling alone, as the P/D
+consumer's steps do."""
 
 from __future__ import annotations
 

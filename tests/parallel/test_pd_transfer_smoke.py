@@ -4,12 +4,16 @@ cannot rot."""
 from __future__ import annotations
 
 import importlib
+import multiprocessing as mp
 import sys
 from pathlib import Path
 
 import pytest
 
+from dsaserve.disagg.transport import nixl_available
+
 pytestmark = pytest.mark.parallel
+NO_NIXL = "nixl not installed (pip install 'dsaserve[nixl]')"
 
 
 def test_pd_transfer_smoke(capsys, monkeypatch):
@@ -30,12 +34,24 @@ def test_pd_transfer_smoke(capsys, monkeypatch):
     assert "| shm | 1,024 | 1 | staged | 5 | " in out and " | 384 | " in out
 
 
-def test_pd_e2e_smoke(capsys, monkeypatch):
-    """benchmarks/pd_e2e.py: two engines through the connector, the table printed."""
+@pytest.mark.parametrize("transport", [
+    "shm",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason=NO_NIXL)),
+])
+def test_pd_e2e_smoke(capsys, monkeypatch, transport):
+    """benchmarks/pd_e2e.py: the prefill engine in a spawned process, the decode engine here,
+    through the connector; the table printed, the prefill process gone afterwards."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
     monkeypatch.delitem(sys.modules, "pd_e2e", raising=False)
     bench = importlib.import_module("pd_e2e")
     assert bench.FULL_RECORD == 54_728
-    assert bench.main(["--smoke"]) == 0
+    before = set(mp.active_children())
+    assert bench.main(["--smoke", "--transport", transport]) == 0
+    assert set(mp.active_children()) <= before  # the prefill process was stopped and reaped
     out = capsys.readouterr().out
-    assert "| 48 |" in out and "| 96 |" in out
+    assert f"the engines in two processes (4 layers + MTP, fp8_ds_mla, {transport}," in out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| 48 |")
+            or line.startswith("| 96 |")]
+    assert len(rows) == 2
+    for row in rows:  # a first token timed, the prompt's KV moved (MiB)
+        assert float(row[2]) > 0 and float(row[4]) > 0
