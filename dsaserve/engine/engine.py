@@ -166,7 +166,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params,
             ))
         except RequestError:
-            if self.connector is not None:
+            if self.connector is not None:  # refused after its check: its claim given back
                 self.connector.forget(request_id)
             raise
 
@@ -185,6 +185,8 @@ class LLMEngine:
                                f"is {self.connector.config.kv_role!r}")
         if params.do_remote_prefill:
             if request_id in self.scheduler.requests:
+                if kv_remote is not None:  # its fetch claimed the held request: give it back
+                    self.connector.refused(request_id, params, kv_remote)
                 raise RequestError(f"request id {request_id!r} is already in use")
             self.connector.check_request(request_id, params, len(prompt_token_ids),
                                          kv_remote)
