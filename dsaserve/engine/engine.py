@@ -166,7 +166,10 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params,
             ))
         except RequestError:
-            if self.connector is not None:  # refused after its check: its claim given back
+            if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill:
+                # refused after its check: its claim given back. Only then: a plain request
+                # refused for an id in use must not touch the live decode request's state
+                assert self.connector is not None
                 self.connector.forget(request_id)
             raise
 

@@ -142,6 +142,9 @@ def test_an_abort_before_the_reads_frees_the_producer_blocks_at_once(model_dirs,
         params = offline.prefill(p, "a", prompts[0])
         d.add_request("a", prompts[0], GREEDY, kv_transfer_params=params)
         assert _claims(p) == {"a": "a"} and d.connector.num_claimed == 1
+        with pytest.raises(RequestError, match="already in use"):  # a plain one, same id
+            d.add_request("a", prompts[1], GREEDY)
+        assert _claims(p) == {"a": "a"} and d.connector.num_claimed == 1  # still a's
         d.check_integrity()
         t0 = time.monotonic()
         d.abort_request("a")  # the engine core's abort path: queued, never waited on
