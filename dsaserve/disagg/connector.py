@@ -48,6 +48,7 @@ import torch
 from dsaserve.config import ConfigError, DisaggConfig
 from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, RequestStatus
 from dsaserve.disagg import descriptors, kvio
+from dsaserve.disagg.claims import Release, ReleaseSender
 from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
 from dsaserve.disagg.receiving import PostedRead
 from dsaserve.disagg.relayout import CopyRuns, KVLayout, TransferPlan, plan_transfer
@@ -112,6 +113,14 @@ class ConnectorScheduler:
     # written by the side channel's thread, forgotten when the blocks are freed
     _claims: dict[str, str] = field(default_factory=dict)
     _claims_lock: threading.Lock = field(default_factory=threading.Lock)
+    # producer: held requests their claimant gave back unread (`_release_claim`), freed by the
+    # next `release` on the engine core's thread
+    _unread: set[str] = field(default_factory=set)
+    # consumer: decode request id → the params it claimed, until its READs are posted
+    # (`recv`), then until they settle (`_reading`); `forget` gives back what is left
+    _claimed: dict[str, KVTransferParams] = field(default_factory=dict)
+    _reading: dict[str, KVTransferParams] = field(default_factory=dict)
+    _releases: ReleaseSender | None = None
 
     def __post_init__(self) -> None:
         if self.config.is_producer:
@@ -141,12 +150,18 @@ class ConnectorScheduler:
             remote_num_tokens=req.num_prompt_tokens)
 
     def release(self, sent: Sequence[str], now: float | None = None) -> list[Request]:
-        """Held requests to free: every consumer read them (`sent`), or their time is up."""
+        """Held requests to free: every consumer read them (`sent`), their claimant gave them
+        back unread, or their time is up."""
         now = time.monotonic() if now is None else now
+        with self._claims_lock:
+            unread, self._unread = self._unread, set()
         out = []
         for rid in list(self.held):
-            if rid in sent or self.held[rid].deadline <= now:
-                if rid not in sent:
+            if rid in sent or rid in unread or self.held[rid].deadline <= now:
+                if rid in unread and rid not in sent:
+                    logger.info("P/D: request %s's decode request will not read it; its blocks "
+                                "are freed", rid)
+                elif rid not in sent:
                     logger.warning("P/D: request %s was not read within %.0f s; its blocks are "
                                    "freed", rid, self.config.abort_timeout_s)
                 out.append(self.held.pop(rid).request)
@@ -166,9 +181,12 @@ class ConnectorScheduler:
         whether the held request it names is now that consumer's. The first decode request to
         check a held request's params claims it; the same one checking again still holds it;
         any other is refused (`claim.granted` false), so a replay racing the first READ never
-        READs. Only an exact match (engine id, request, block ids) claims anything."""
+        READs. Only an exact match (engine id, request, block ids) claims anything. A question
+        with "release" instead is a claimant giving its claim back (`_release_claim`)."""
         try:
             q = json.loads(question)
+            if isinstance(q, dict) and "release" in q:
+                return self._release_claim(q)
             rid, by = str(q["claim"]), str(q["by"])
             engine, blocks = q.get("engine"), q.get("blocks")
         except (ValueError, KeyError, TypeError):
@@ -178,6 +196,29 @@ class ConnectorScheduler:
             granted = (engine == snap["engine_id"] and snap["held"].get(rid) == blocks
                        and self._claims.setdefault(rid, by) == by)
         return json.dumps(dict(snap, claim={"request": rid, "granted": granted})).encode()
+
+    def _release_claim(self, q: dict) -> bytes:
+        """A consumer gives back the claim of decode request `by` on held request `release`
+        (disagg/claims.py; the side channel's thread). Only that claimant may, with this
+        engine's id (as a claim is checked); anything else is refused and logged, and changes
+        nothing. `free`: it will never READ the blocks and none of its READs is in flight
+        (the consumer sends it only then: the claim kept every other decode request from
+        READing them), so they are freed at the next step as if read; otherwise only the
+        claim is dropped and the blocks stay held for another decode request (or the timeout).
+        """
+        rid, by, engine, free = q.get("release"), q.get("by"), q.get("engine"), q.get("free")
+        with self._claims_lock:  # a claim lives while its blocks are held (`release`)
+            ok = (isinstance(rid, str) and isinstance(by, str) and isinstance(free, bool)
+                  and engine == self.engine_id and self._claims.get(rid) == by)
+            if ok:
+                del self._claims[rid]
+                if free:
+                    self._unread.add(rid)
+        if not ok:
+            logger.warning("P/D: refused a release of held request %r by %r for engine %r "
+                           "(not its claimant, not held here, or malformed)",
+                           str(rid)[:80], str(by)[:80], str(engine)[:80])
+        return json.dumps({"release": rid, "released": ok}).encode()
 
     def _publish(self) -> None:
         self._snapshot = json.dumps({
@@ -192,7 +233,31 @@ class ConnectorScheduler:
         """A decode request's params against the prefill engine's side channel: the engine id,
         the request still held, with these blocks. RequestError (→ 400) otherwise; nothing is
         allocated yet. `fetched`: the side channel's answer, read beforehand off the engine
-        core's thread (fetch_remote); without it the core reads it here."""
+        core's thread (fetch_remote); without it the core reads it here. A request refused
+        after its fetch claimed the held request gives the claim back (`ReleaseSender`)."""
+        try:
+            self._check_fields(params, num_prompt_tokens)
+            if fetched is None:
+                fetched = fetch_remote(params, self.config.transfer_timeout_s, request_id)
+            self._check_remote(request_id, params, fetched)
+        except RequestError:
+            if fetched is not None:
+                self.refused(request_id, params, fetched)
+            raise
+
+    def refused(self, request_id: str, params: KVTransferParams, fetched: dict) -> None:
+        """Decode request `request_id` was refused after its check's fetch (`fetched`): the
+        claim that fetch took is given back, the blocks stay held. Not when a live request of
+        the same id already holds that claim (a duplicate id: the claim is the live one's)."""
+        if _granted(fetched, params) and not self._owns(request_id, params):
+            self._give_back(request_id, params, free=False)
+
+    def _owns(self, request_id: str, params: KVTransferParams) -> bool:
+        mine = self._claimed.get(request_id) or self._reading.get(request_id)
+        return mine is not None and (mine.remote_engine_id, mine.remote_request_id) == (
+            params.remote_engine_id, params.remote_request_id)
+
+    def _check_fields(self, params: KVTransferParams, num_prompt_tokens: int) -> None:
         if not self.config.is_consumer:
             raise RequestError("kv_transfer_params: do_remote_prefill on an engine whose "
                                f"kv_role is {self.config.kv_role!r}")
@@ -204,8 +269,8 @@ class ConnectorScheduler:
             raise RequestError(
                 f"kv_transfer_params: the prefill held {params.remote_num_tokens} prompt tokens, "
                 f"this prompt has {num_prompt_tokens}")
-        raw = fetched if fetched is not None else fetch_remote(
-            params, self.config.transfer_timeout_s, request_id)
+
+    def _check_remote(self, request_id: str, params: KVTransferParams, raw: dict) -> None:
         if raw.get("engine_id") != params.remote_engine_id:
             raise RequestError(f"kv_transfer_params: unknown remote_engine_id "
                                f"{params.remote_engine_id!r} (that address serves "
@@ -229,18 +294,67 @@ class ConnectorScheduler:
             raise RequestError(f"kv_transfer_params: remote_dcp_size {params.remote_dcp_size} "
                                f"does not match the prefill engine's ranks {sorted(by_dcp)}")
         self._remote[request_id] = tuple(by_dcp[d] for d in range(params.remote_dcp_size))
+        if claim is not None:
+            self._claimed[request_id] = params
 
     def recv(self, req: Request, num_cached: int) -> KVRecv:
         """The runner's job for a consumer request whose blocks are allocated: every prompt
         position but the last past `num_cached` (the last is recomputed for its logits)."""
         assert req.kv_transfer_params is not None
+        claimed = self._claimed.pop(req.request_id, None)
+        if claimed is not None:  # from now on its READs' notifications (or cancels) free them
+            self._reading[req.request_id] = claimed
         return KVRecv(request_id=req.request_id, block_ids=tuple(req.block_ids),
                       num_cached=num_cached, num_tokens=req.num_prompt_tokens - 1,
                       remote=req.kv_transfer_params,
                       remote_ranks=self._remote.pop(req.request_id))
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str, *, unread: bool = False) -> None:
+        """Decode request `request_id` leaves this engine (refused after its check, finished,
+        aborted, failed). A claim it still holds on a prefill engine's held request is given
+        back off this thread (disagg/claims.py):
+
+            its READs not posted (refused after the check)  → the claim dropped: the blocks
+                                                              stay held for another request
+            `unread`, READs not posted (aborted waiting)    → the blocks freed now
+            `unread`, READs all settled (a failed READ)     → the blocks freed now
+            READs posted, not `unread` (landed; or aborted  → nothing: each rank's notification
+              while receiving: each rank cancels first)       frees them, after its cancel
+
+        `unread` says that none of its READs is or will be in flight: a READ in flight is never
+        the reason blocks are freed under it."""
         self._remote.pop(request_id, None)
+        claimed = self._claimed.pop(request_id, None)
+        reading = self._reading.pop(request_id, None)
+        if claimed is not None:
+            self._give_back(request_id, claimed, free=unread)
+        elif reading is not None and unread:
+            self._give_back(request_id, reading, free=True)
+
+    def _give_back(self, request_id: str, params: KVTransferParams, free: bool) -> None:
+        if self._releases is None:
+            self._releases = ReleaseSender(self.config.transfer_timeout_s)
+        self._releases.send(Release(request_id, params, free))
+
+    @property
+    def num_claimed(self) -> int:
+        """Consumer: claims held by requests whose READs are not posted or not settled."""
+        return len(self._claimed) + len(self._reading)
+
+    def flush_releases(self, timeout_s: float) -> bool:
+        """Wait until every claim given back so far was answered (or failed); False after
+        `timeout_s`. For tests and shutdown: the engine core never waits on it."""
+        return self._releases is None or self._releases.flush(timeout_s)
+
+    def check_integrity(self, waiting: Sequence[str], receiving: Sequence[str]) -> None:
+        """Consumer: a claim is held by a waiting request (READs not posted) or a receiving
+        one (READs not settled), none other: every request that left gave its claim back."""
+        if not set(self._claimed) <= set(waiting):
+            raise AssertionError(f"P/D: claims {sorted(set(self._claimed) - set(waiting))} "
+                                 "held by requests not waiting")
+        if not set(self._reading) <= set(receiving):
+            raise AssertionError(f"P/D: claims {sorted(set(self._reading) - set(receiving))} "
+                                 "held by requests not receiving")
 
     @property
     def num_held(self) -> int:
@@ -249,6 +363,18 @@ class ConnectorScheduler:
     def close(self) -> None:
         if self.side_channel is not None:
             self.side_channel.close()
+        self.flush_releases(CLOSE_FLUSH_S)  # the last aborts' releases, briefly: a dead
+        # producer frees at its timeout anyway
+
+
+CLOSE_FLUSH_S = 2.0  # a consumer's close waits this long at most for its releases to go
+
+
+def _granted(raw: dict, params: KVTransferParams) -> bool:
+    """Whether the side channel's answer `raw` says the held request of `params` was claimed."""
+    claim = raw.get("claim")
+    return (isinstance(claim, dict) and claim.get("granted") is True
+            and claim.get("request") == params.remote_request_id)
 
 
 def fetch_remote(params: KVTransferParams, timeout_s: float, request_id: str) -> dict:

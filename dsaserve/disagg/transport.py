@@ -292,7 +292,14 @@ class SideChannel:
                     pass
 
     def close(self) -> None:
+        """Stop serving: a bare close does not wake a thread blocked in accept (Linux), which
+        would go on answering from a closed engine's state; shutdown does."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected / already closed
+            pass
         self._sock.close()
+        self._thread.join(timeout=1.0)
 
 
 def fetch_metadata(port: int, host: str = "127.0.0.1", timeout_s: float = 10.0,

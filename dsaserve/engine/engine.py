@@ -185,7 +185,10 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids, kv_transfer_params=kv_transfer_params,
             ))
         except RequestError:
-            if self.connector is not None:
+            if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill:
+                # refused after its check: its claim given back. Only then: a plain request
+                # refused for an id in use must not touch the live decode request's state
+                assert self.connector is not None
                 self.connector.forget(request_id)
             raise
 
@@ -204,6 +207,8 @@ class LLMEngine:
                                f"is {self.connector.config.kv_role!r}")
         if params.do_remote_prefill:
             if request_id in self.scheduler.requests:
+                if kv_remote is not None:  # its fetch claimed the held request: give it back
+                    self.connector.refused(request_id, params, kv_remote)
                 raise RequestError(f"request id {request_id!r} is already in use")
             self.connector.check_request(request_id, params, len(prompt_token_ids),
                                          kv_remote)

@@ -208,8 +208,11 @@ class Scheduler:
                 self.running.remove(req)
             elif req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:  # its load holds its blocks
                 self.waiting.remove(req)
+            # a P/D request aborted before its READs were posted never reads its claimed blocks:
+            # the prefill engine frees them now (READs posted: each rank's cancel notifies it)
+            unread = req.status == RequestStatus.WAITING
             req.status = RequestStatus.FINISHED_ABORTED
-            self._release(req)
+            self._release(req, unread=unread)
             if receiving:
                 # P/D READs in flight: the runner cancels them at the start of the next step,
                 # before anything of that step writes (a cancel is final), so the blocks, the
@@ -589,6 +592,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
+            self.connector.forget(request_id)  # its claim ends with the READ's notification
             # blocks received spilled are findable too: their rows are in the host window
             self.kv.cache_full_blocks(req)
             self.running.append(req)
@@ -597,7 +601,7 @@ class Scheduler:
             if req is None:
                 continue
             req.status = RequestStatus.FINISHED_ABORTED
-            self._release(req)
+            self._release(req, unread=True)  # every rank settled: none of its READs in flight
             outputs.append(replace(self._make_output(req, ()), error=reason))
         for req in self.connector.release(runner_output.kv_sends_done):
             self.kv.free(req)
@@ -746,11 +750,13 @@ class Scheduler:
         if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
 
-    def _release(self, req: Request) -> None:
-        """A finished or aborted request leaves: blocks freed, the runner told."""
+    def _release(self, req: Request, unread: bool = False) -> None:
+        """A finished or aborted request leaves: blocks freed, the runner told. `unread`: a P/D
+        request that will never read its prompt's KV, none of its READs in flight
+        (`ConnectorScheduler.forget`)."""
         self.kv.free(req)
         if self.connector is not None:
-            self.connector.forget(req.request_id)
+            self.connector.forget(req.request_id, unread=unread)
         if self.offload is not None:
             self.offload.forget(req)
         del self.requests[req.request_id]
@@ -849,6 +855,8 @@ class Scheduler:
                 f"scheduler: running {running_ids} + waiting {waiting_ids} (+ loading) != live "
                 f"requests {sorted(self.requests)}"
             )
+        if self.connector is not None:  # a claim held only by a live request that may READ
+            self.connector.check_integrity(waiting_ids, list(self.receiving))
         if self.mla is not None:
             self.mla.check_integrity(self.running, self.block_size, self.hisparse_buffer_rows,
                                      self.receiving.values())

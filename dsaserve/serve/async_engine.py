@@ -234,7 +234,11 @@ class AsyncEngine:
         if (kv_transfer_params is not None and kv_transfer_params.do_remote_prefill
                 and disagg is not None and disagg.is_consumer):
             # Network I/O here, on a worker thread: a slow or unreachable prefill host stalls
-            # this request only, never the engine core's steps.
+            # this request only, never the engine core's steps. An id in use is refused first,
+            # so that its fetch does not claim the held request for nothing (a claim refused
+            # later in the core is given back there).
+            if request_id in self._streams:
+                raise RequestError(f"request id {request_id!r} is already in use")
             from dsaserve.disagg.connector import fetch_remote
 
             kv_remote = await asyncio.to_thread(fetch_remote, kv_transfer_params,

@@ -7,6 +7,7 @@ either side."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from server_harness import MODEL_NAME, LiveServer, serve
 
+from dsaserve.core import KVTransferParams, RequestError, SamplingParams
 from dsaserve.disagg.launch import parse_pd_spec, server_commands
 from dsaserve.router.app import PREFILL_HEADER, create_router_app
 from dsaserve.router.config import RouterConfig
@@ -268,3 +270,57 @@ def test_an_unreachable_prefill_host_stalls_only_its_request(make_async_engine) 
         for c in conns:
             c.close()
         silent.close()
+
+
+def test_an_aborted_decode_request_frees_the_producer_blocks(make_async_engine) -> None:
+    """Through the engine cores (`AsyncEngine`, as the server runs them): a decode request whose
+    id is in use is refused before its fetch claims anything; one aborted by its client while it
+    waits for a seat (checked and claimed, its READs not posted) has the producer free the held
+    blocks at once, long before the producer's 120 s timeout; no block left on either side."""
+    extra = {"backend": "shm", "side_channel_port": 0, "abort_timeout_s": 120}
+    kv = {"kv_connector": "NixlConnector", "kv_connector_extra_config": extra}
+    prefill = make_async_engine("--kv-transfer-config",
+                                json.dumps(dict(kv, kv_role="kv_producer")))
+    decode = make_async_engine("--kv-transfer-config", json.dumps(dict(kv, kv_role="kv_consumer")),
+                               "--max-num-seqs", "1")
+    prompt = list(range(5, 45))
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+    def in_core(engine, fn):
+        return asyncio.to_thread(engine.call_in_core, fn)
+
+    async def scenario() -> None:
+        stream = await prefill.add_request("a", prompt, once,
+                                           kv_transfer_params=KVTransferParams(
+                                               do_remote_decode=True))
+        params = [o async for o in stream][-1].kv_transfer_params
+        assert params is not None
+        busy = await decode.add_request("busy", [5, 6, 7], long)  # holds the only seat
+        assert not (await anext(aiter(busy))).finished
+        with pytest.raises(RequestError, match="already in use"):
+            await decode.add_request("busy", prompt, long, kv_transfer_params=params)
+        assert await in_core(prefill, lambda e: dict(e.scheduler.connector._claims)) == {}
+        waiting = await decode.add_request("a", prompt, long, kv_transfer_params=params)
+        assert await in_core(prefill, lambda e: dict(e.scheduler.connector._claims)) == {
+            "a": "a"}
+        assert await in_core(decode, lambda e: "a" in [r.request_id
+                                                       for r in e.scheduler.waiting])
+        t0 = time.monotonic()
+        waiting.abort()  # the client went away
+        while await in_core(prefill, lambda e: "a" in e.scheduler.connector.held):
+            assert time.monotonic() - t0 < 30, "the producer still holds the blocks"
+            await asyncio.sleep(0.05)
+        busy.abort()
+
+    asyncio.run(scenario())
+    for engine in (prefill, decode):
+        def check(e):
+            e.check_integrity()
+            s = e.stats()
+            return s.num_free_blocks == s.num_total_blocks and not e.has_unfinished_requests()
+
+        deadline = time.monotonic() + 30
+        while not engine.call_in_core(check):
+            assert time.monotonic() < deadline, "blocks still in use"
+            time.sleep(0.05)

@@ -214,7 +214,8 @@ def test_others_decode_while_a_read_is_in_flight(model_dirs, engine_config, mixe
 def test_a_read_failing_midway_frees_everything(model_dirs, engine_config, mixed_prompts):
     """One READ fails after the others landed: the request ends with the reason (once nothing
     is in flight), the others keep decoding to the reference, the producer frees the unread
-    blocks after its timeout; nothing leaks."""
+    blocks (the claim given back unread once every READ settled, test_pd_claims.py; or its
+    timeout); nothing leaks."""
     config = engine_config(model_dirs["tiny-glm5"])
     prompts = mixed_prompts()[:2]
     reference = LLMEngine.from_config(config).generate(prompts[:1], SAMPLING)[0]
@@ -231,7 +232,7 @@ def test_a_read_failing_midway_frees_everything(model_dirs, engine_config, mixed
         assert slow.num_landed == slow.num_posted - 1 > 0  # the others landed: "mid-way"
         assert len(run.tokens["a"]) > 1  # a decoded meanwhile
         slow.restore()
-        run.drain()  # the producer's timeout frees b's blocks
+        run.drain()  # the producer frees b's blocks (b's claim given back unread)
         assert run.tokens["a"] == reference and list(run.errors) == ["b"]
     finally:
         p.shutdown()
