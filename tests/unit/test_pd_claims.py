@@ -65,6 +65,20 @@ def _step_until_freed(p: LLMEngine, rid: str, within_s: float) -> float:
     return time.monotonic() - t0
 
 
+def _serve(p: LLMEngine, d: LLMEngine, tokens: dict[str, list[int]]) -> None:
+    """Step the pair until both are idle, the decode side's tokens into `tokens` (no output
+    may carry an error), both engines' invariants checked after every step."""
+    for _ in range(MAX_STEPS):
+        if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
+            return
+        for out in d.step():
+            assert out.error is None
+            tokens[out.request_id] += out.new_token_ids
+        p.step()
+        for e in (p, d):
+            e.check_integrity()
+
+
 def _release(p: LLMEngine, question: dict) -> dict:
     """A release question sent to the producer's side channel by hand."""
     side = p.scheduler.connector.side_channel
@@ -109,15 +123,7 @@ def test_a_request_refused_after_its_check_gives_its_claim_back(model_dirs, engi
         # 3. another decode request with the same params is served
         tokens: dict[str, list[int]] = {"b": [], "busy": []}
         d.add_request("b", prompt, GREEDY, kv_transfer_params=params)
-        for _ in range(MAX_STEPS):
-            if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
-                break
-            for out in d.step():
-                assert out.error is None
-                tokens[out.request_id] += out.new_token_ids
-            p.step()
-            for e in (p, d):
-                e.check_integrity()
+        _serve(p, d, tokens)
         assert tokens["b"] == reference and len(tokens["busy"]) == GREEDY.max_tokens
         assert time.monotonic() - t0 < LONG_TIMEOUT_S / 2  # not the timeout's doing
         assert not _claims(p) and d.connector.num_claimed == 0
@@ -205,13 +211,7 @@ def test_a_forged_release_is_refused_and_changes_nothing(model_dirs, engine_conf
         p.check_integrity()
         d.add_request("u", prompts[1], GREEDY, kv_transfer_params=unclaimed)  # still held
         tokens: dict[str, list[int]] = {"a": [], "u": []}
-        for _ in range(MAX_STEPS):
-            if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
-                break
-            for out in d.step():
-                assert out.error is None
-                tokens[out.request_id] += out.new_token_ids
-            p.step()
+        _serve(p, d, tokens)
         assert [tokens["a"], tokens["u"]] == reference
         _all_free(p, d)
     finally:
