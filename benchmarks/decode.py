@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint (with MTP)")
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
+                   help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block scales "
+                        "as the released checkpoints (kept in FP8 by the engine)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
@@ -240,11 +243,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None:
             model_dir, shape = args.model, str(args.model.name)
         elif args.smoke:
-            model_dir, shape = make_model("tiny-glm5", Path(tmp) / "tiny"), "tiny-glm5"
+            model_dir, shape = make_model("tiny-glm5", Path(tmp) / "tiny",
+                                          fp8=args.weights == "fp8"), "tiny-glm5"
         else:
-            model_dir = make_model("glm-5.3", Path(tmp) / "glm53",
+            model_dir = make_model("glm-5.3", Path(tmp) / "glm53", fp8=args.weights == "fp8",
                                    overrides=glm53_shaped(args.layers, mtp=True))
-            shape = f"GLM-5.3-shaped, {args.layers} layers + MTP"
+            shape = f"GLM-5.3-shaped, {args.layers} layers + MTP, {args.weights} weights"
         rows = []
         for context in args.contexts:
             for batch in args.batches:

@@ -295,6 +295,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
+    p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
+                   help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block scales "
+                        "as the released checkpoints (kept in FP8 by the engine)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU, tiny-glm5, reference backend, float32, prompts of 256 and 1024 "
                         "tokens in 256-token chunks (what CI runs)")
@@ -326,12 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None:
             model_dir = args.model
         elif args.smoke:
-            model_dir = make_model("tiny-glm5", Path(tmp) / "tiny")
+            model_dir = make_model("tiny-glm5", Path(tmp) / "tiny", fp8=args.weights == "fp8")
         else:
-            print(f"building a GLM-5.3-shaped checkpoint ({args.layers} layers) ...",
-                  file=sys.stderr)
+            print(f"building a GLM-5.3-shaped checkpoint ({args.layers} layers, {args.weights} "
+                  "weights) ...", file=sys.stderr)
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", with_mtp=False,
-                                   overrides=glm53_shaped(args.layers))
+                                   fp8=args.weights == "fp8", overrides=glm53_shaped(args.layers))
         if args.logits_split is not None:
             args.attention_backend = split_backend(args.logits_split)
         args.lengths = fit_lengths(args.lengths, model_max_len(model_dir))

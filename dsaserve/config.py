@@ -664,6 +664,10 @@ class EngineConfig:
     dtype: str = "auto"  # auto | bfloat16 | float32 (auto: the checkpoint's dtype)
     device: str = "cpu"
     seed: int = 0
+    # FP8 checkpoints: keep the matrices in FP8 (model/fp8.py) or dequantize them at load. None:
+    # keep them on CUDA, where the FP8 kernels read one byte per weight; dequantize elsewhere,
+    # where the reference would dequantize every matrix at every step (tests pass True to run it).
+    keep_fp8_weights: bool | None = None
 
     def __post_init__(self) -> None:
         interleave = self.parallel.cp_kv_cache_interleave_size

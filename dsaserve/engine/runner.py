@@ -185,8 +185,13 @@ class ModelRunner:
         if config.hisparse is not None:  # decode through hot buffers (kv/hisparse/)
             backend = HiSparseBackend(backend)
         backend.prepare(self.device)
+        keep_fp8 = config.keep_fp8_weights
+        keep_fp8 = self.device.type == "cuda" if keep_fp8 is None else keep_fp8
+        # A model built without the FP8 layout holds the model dtype: the loader dequantizes.
+        build_cfg = (self.model_cfg if keep_fp8
+                     else replace(self.model_cfg, fp8_weights=None))
         self.model = DsaForCausalLM.build(
-            self.model_cfg, with_mtp=with_mtp, backend=backend,
+            build_cfg, with_mtp=with_mtp, backend=backend,
             dtype=self.dtype, device=self.device,
             shard=(lambda m: shard_model(m, self.groups, config.parallel)) if sharded else None,
         )

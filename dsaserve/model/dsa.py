@@ -29,7 +29,7 @@ from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend, use_kernels
 from dsaserve.kv import layout
-from dsaserve.model import moe_compute
+from dsaserve.model import fp8, moe_compute
 from dsaserve.model.rope import RotaryTable, apply_rope
 from dsaserve.parallel import cp_attention, ep
 from dsaserve.parallel.groups import Group, ParallelGroups
@@ -83,6 +83,12 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return layer
 
 
+def keeps_fp8(cfg: ModelConfig) -> bool:
+    """Whether the model keeps the checkpoint's FP8 matrices in FP8 (model/fp8.py): FP8
+    checkpoints with DeepSeek's 128 × 128 blocks; other block shapes are dequantized at load."""
+    return cfg.fp8_weights is not None and cfg.fp8_weights.block_size == (fp8.BLOCK, fp8.BLOCK)
+
+
 class Indexer(nn.Module):
     """Lightning indexer (MODEL_SPEC.md §2.4). Keys are written to the index cache every step;
     scores are `Σ_h w[t,h]·ReLU(q_h·k)` with every positive scale folded into w."""
@@ -92,8 +98,9 @@ class Indexer(nn.Module):
         self.n_heads = cfg.index_n_heads
         self.head_dim = cfg.index_head_dim
         self.interleaved = cfg.indexer_rope_interleave
-        self.wq_b = _linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
-        self.wk = _linear(cfg.hidden_size, self.head_dim)
+        q8 = keeps_fp8(cfg)
+        self.wq_b = fp8.linear(cfg.q_lora_rank, self.n_heads * self.head_dim, q8)
+        self.wk = fp8.linear(cfg.hidden_size, self.head_dim, q8)
         self.k_norm = LayerNormFP32(self.head_dim, cfg.index_k_norm_eps)
         self.weights_proj = _linear(cfg.hidden_size, self.n_heads).float()  # fp32, as the reference
 
@@ -125,13 +132,16 @@ class MLAAttention(nn.Module):
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.scale = cfg.softmax_scale
-        self.q_a_proj = _linear(cfg.hidden_size, cfg.q_lora_rank)
+        q8 = keeps_fp8(cfg)
+        self.q_a_proj = fp8.linear(cfg.hidden_size, cfg.q_lora_rank, q8)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.latent_norm_eps)
-        self.q_b_proj = _linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim)
-        self.kv_a_proj_with_mqa = _linear(cfg.hidden_size, cfg.kv_cache_width)
+        self.q_b_proj = fp8.linear(cfg.q_lora_rank, self.num_heads * cfg.qk_head_dim, q8)
+        self.kv_a_proj_with_mqa = fp8.linear(cfg.hidden_size, cfg.kv_cache_width, q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.latent_norm_eps)
+        # Dequantized at load even from FP8 checkpoints: attention reads it as W_UK and W_UV
+        # per head (absorbed into the query and the output), not as a projection.
         self.kv_b_proj = _linear(cfg.kv_lora_rank, self.num_heads * (self.nope + self.v_dim))
-        self.o_proj = _linear(self.num_heads * self.v_dim, cfg.hidden_size)
+        self.o_proj = fp8.linear(self.num_heads * self.v_dim, cfg.hidden_size, q8)
         self.indexer = Indexer(cfg) if cfg.has_indexer(layer_idx) else None
         # (kv_b_proj's storage, shape, dtype) and the W_UK, W_UV, W_UVᵀ views of it (_w_uk_uv)
         self._w_views: tuple | None = None
@@ -333,11 +343,11 @@ class MLAAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
+    def __init__(self, hidden: int, inter: int, fp8_kept: bool = False) -> None:
         super().__init__()
-        self.gate_proj = _linear(hidden, inter)
-        self.up_proj = _linear(hidden, inter)
-        self.down_proj = _linear(inter, hidden)
+        self.gate_proj = fp8.linear(hidden, inter, fp8_kept)
+        self.up_proj = fp8.linear(hidden, inter, fp8_kept)
+        self.down_proj = fp8.linear(inter, hidden, fp8_kept)
         self.reduce: Group | None = None  # TP: the intermediate is sharded, outputs are summed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -376,21 +386,38 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts, stacked. Under EP this rank holds experts [first, first + count) only; under
-    TP without EP every expert's intermediate dimension is sharded instead."""
+    TP without EP every expert's intermediate dimension is sharded instead (`inter_range`: the
+    part of the model's intermediate kept). From FP8 checkpoints w13 and w2 stay float8_e4m3fn
+    beside their block scales `w13_scale_inv` [E, 2·⌈I/128⌉, ⌈H/128⌉] (gate's blocks, then up's)
+    and `w2_scale_inv` [E, ⌈H/128⌉, ⌈I/128⌉] (model/fp8.py)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.inter = i
+        self.inter_range = fp8.BlockRange(0, i)
         self.num_experts = e  # the model's; this rank's are w13.shape[0] from `first`
         self.first = 0
-        self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h), requires_grad=False)  # [gate; up]
-        self.w2 = nn.Parameter(torch.zeros(e, h, i), requires_grad=False)
+        self.fp8 = keeps_fp8(cfg)
+        dtype = torch.float8_e4m3fn if self.fp8 else None
+        self.w13 = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(e, h, i, dtype=dtype), requires_grad=False)
+        if self.fp8:
+            ib, hb = -(-i // fp8.BLOCK), -(-h // fp8.BLOCK)
+            self.w13_scale_inv = _fp32_param(e, 2 * ib, hb)
+            self.w2_scale_inv = _fp32_param(e, hb, ib)
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor] | fp8.Fp8Experts:
+        """What moe_compute multiplies by: (w13, w2), or their FP8 form."""
+        if not self.fp8:
+            return self.w13, self.w2
+        return fp8.Fp8Experts(self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
+                              self.inter_range)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32."""
         # without reading the routing on the host where the batch allows (model/moe_compute.py)
-        return moe_compute.routed_experts(x, self.w13, self.w2, ids, weights, self.first,
+        return moe_compute.routed_experts(x, self.weights(), ids, weights, self.first,
                                           self.num_experts)
 
 
@@ -400,7 +427,7 @@ class MoE(nn.Module):
         self.gate = Router(cfg)
         self.experts = Experts(cfg)
         self.shared_experts = (
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, keeps_fp8(cfg))
             if cfg.n_shared_experts
             else None
         )
@@ -426,7 +453,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAAttention(cfg, layer_idx)
         self.mlp = (
-            MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
+            MoE(cfg) if cfg.is_moe_layer(layer_idx)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, keeps_fp8(cfg))
         )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -582,8 +610,13 @@ class DsaForCausalLM(nn.Module):
             for p in m.parameters()
         }
         keep_fp32 |= {id(m.weights_proj.weight) for m in model.modules() if isinstance(m, Indexer)}
+        # FP8 matrices and their fp32 block scales keep their dtypes (model/fp8.py)
+        keep_fp32 |= {id(p) for m in model.modules() if isinstance(m, fp8.Fp8Linear)
+                      for p in m.parameters()}
+        keep_fp32 |= {id(p) for m in model.modules() if isinstance(m, Experts) and m.fp8
+                      for p in (m.w13_scale_inv, m.w2_scale_inv)}
         for p in model.parameters():
-            if id(p) not in keep_fp32:
+            if id(p) not in keep_fp32 and p.dtype != torch.float8_e4m3fn:
                 p.data = p.data.to(dtype)
         if shard is not None:
             shard(model)

@@ -7,7 +7,10 @@ routed experts, which it stacks:
     model.layers.{i}.mlp.experts.{e}.gate_proj.weight  → model.layers.{i}.mlp.experts.w13[e, 0:I]
     model.layers.{i}.mlp.experts.{e}.up_proj.weight    → model.layers.{i}.mlp.experts.w13[e, I:2I]
     model.layers.{i}.mlp.experts.{e}.down_proj.weight  → model.layers.{i}.mlp.experts.w2[e]
-    X.weight (float8_e4m3fn) + X.weight_scale_inv      → X.weight, dequantized in fp32
+    X.weight (float8_e4m3fn) + X.weight_scale_inv      → both as stored where the module keeps X
+                                                       in FP8 (model/fp8.py: experts' scales
+                                                       stacked as w13_scale_inv, w2_scale_inv);
+                                                       else X.weight, dequantized in fp32
     model.layers.{N}.embed_tokens.weight              dropped (DeepSeek's copy; use the target's)
     model.layers.{N}.shared_head.head.weight          dropped (likewise)
 
@@ -32,6 +35,7 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.model.fp8 import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -114,13 +118,23 @@ class _Targets:
     def __init__(self, module: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
                  first_expert: int = 0) -> None:
         self.tensors: dict[str, torch.Tensor] = dict(module.state_dict(keep_vars=True))
+        # Projections kept in FP8, by their weight's name: their scales are cut to their range.
+        self.fp8_linears: dict[str, Fp8Linear] = {
+            f"{name}.weight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
+        # Stacked experts kept in FP8 (model.dsa.Experts), by their checkpoint prefix.
+        self.experts: dict[str, Any] = {
+            name: m for name, m in module.named_modules() if hasattr(m, "w13_scale_inv")}
         # Under expert parallelism the stacked experts hold global ids [first, first + count).
         self.first_expert = first_expert
         # Layers the module holds; those >= num_hidden_layers are MTP layers.
         self.layers = {int(m.group(1)) for m in map(_LAYER_RE.match, self.tensors) if m}
         self.required: set[str] = set()  # checkpoint names that must be loaded
         for name, t in self.tensors.items():
-            if t.is_floating_point() and t.dtype not in (dtype, torch.float32):
+            if name.endswith(SCALE_SUFFIX):
+                continue  # an FP8 weight's scale: filled with its weight
+            # float8_e4m3fn: a matrix kept in FP8, filled as stored
+            if t.is_floating_point() and t.dtype not in (dtype, torch.float32,
+                                                         torch.float8_e4m3fn):
                 raise LoadError(f"{name}: module holds {t.dtype}, expected {dtype} or float32")
             if name.endswith(".mlp.experts.w13") or name.endswith(".mlp.experts.w2"):
                 base, kind = name.rsplit(".", 1)
@@ -185,11 +199,9 @@ class _ShardReader:
             raise LoadError(f"{name}: unreadable ({e}): a truncated or corrupt shard?") from e
 
 
-def _read_dequantized(reader: _ShardReader, name: str, block: tuple[int, int]) -> torch.Tensor:
-    """The tensor `name` as stored, or in fp32 if it is an FP8 weight (dequantized by its scale)."""
-    src = reader.get(name)
-    if src.dtype != torch.float8_e4m3fn:
-        return src
+def _read_scale(reader: _ShardReader, name: str, src: torch.Tensor,
+                block: tuple[int, int]) -> torch.Tensor:
+    """The block scale [⌈out/br⌉, ⌈in/bc⌉] of FP8 weight `name` (src: the weight as stored)."""
     scale_name = name + SCALE_SUFFIX
     if not reader.has(scale_name):
         raise LoadError(f"{name}: FP8 weight without its scale {scale_name}")
@@ -198,7 +210,33 @@ def _read_dequantized(reader: _ShardReader, name: str, block: tuple[int, int]) -
     if list(scale.shape) != expected:
         raise LoadError(f"{scale_name}: shape {list(scale.shape)}, expected {expected} "
                         f"for weight {list(src.shape)}")
-    return dequantize_fp8_blocks(src, scale, block)
+    return scale
+
+
+def _read_dequantized(reader: _ShardReader, name: str, block: tuple[int, int]) -> torch.Tensor:
+    """The tensor `name` as stored, or in fp32 if it is an FP8 weight (dequantized by its scale)."""
+    src = reader.get(name)
+    if src.dtype != torch.float8_e4m3fn:
+        return src
+    return dequantize_fp8_blocks(src, _read_scale(reader, name, src, block), block)
+
+
+def _scale_destination(name: str, targets: _Targets, scale: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(module tensor, the checkpoint scale cut to what it holds) for FP8-kept weight `name`."""
+    linear = targets.fp8_linears.get(name)
+    if linear is not None:
+        return targets.tensors[name + SCALE_SUFFIX], linear.narrow_scale(scale)
+    m = _EXPERT_RE.match(name)  # _destination matched it: a routed expert of this rank
+    assert m is not None, name
+    base, e, proj = m.group(1), int(m.group(2)) - targets.first_expert, m.group(3)
+    experts = targets.experts[base]
+    blocks = experts.inter_range.blocks  # the intermediate's blocks this rank keeps (TP)
+    if proj == "down":
+        return experts.w2_scale_inv[e], scale[:, blocks]
+    half = experts.w13_scale_inv.shape[1] // 2  # gate's blocks, then up's
+    dst = experts.w13_scale_inv[e, :half] if proj == "gate" else experts.w13_scale_inv[e, half:]
+    return dst, scale[blocks]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
@@ -291,10 +329,20 @@ def _load(
         with _ShardReader(weight_map) as reader:
             for name in to_load[path]:
                 try:
-                    value = _read_dequantized(reader, name, block)
+                    dst = _destination(name, targets)
+                    if dst.dtype == torch.float8_e4m3fn:  # kept as stored, with its scale
+                        value = reader.get(name)
+                        if value.dtype != torch.float8_e4m3fn:
+                            raise LoadError(f"{name}: stored as {value.dtype}, but the config's "
+                                            "quantization_config says FP8")
+                        scale_dst, scale = _scale_destination(
+                            name, targets, _read_scale(reader, name, value, block))
+                        _copy(scale_dst, scale, name + SCALE_SUFFIX)
+                    else:
+                        value = _read_dequantized(reader, name, block)
                     if narrow is not None:
                         value = narrow(name, value)
-                    _copy(_destination(name, targets), value, name)
+                    _copy(dst, value, name)
                 except LoadError as e:  # name the file too: it is the one to re-download
                     raise LoadError(f"{e} (in {path})") from e
 

@@ -12,7 +12,10 @@ Three formulations of the same sum `out[t] = Σ_j w[t, j] · expert_{ids[t, j]}(
   received tokens; the per-expert counts are read on the host (one sync per layer, in prefill).
 
 Pairs routed to experts held on another rank (EP) are dropped (weight 0); each path adds the
-experts' contributions in ascending expert order, in fp32.
+experts' contributions in ascending expert order, in fp32. Experts kept in FP8 (model/fp8.py) take
+the same three paths: grouped through the FP8 grouped kernel (kernels/triton/fp8_linear.py) where
+their blocks line up with the gate/up halves, else every expert dequantized first; dense and looped
+through each expert's dequantized matrices.
 
     pairs (t, j) flattened:  p = t·k + j          expert e(p) = ids[t, j] − first
     sorted by e (stable):    order [P]            group ends: ends[e] = #pairs with expert ≤ e
@@ -21,16 +24,25 @@ experts' contributions in ascending expert order, in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from dsaserve.model.fp8 import Fp8Experts
+
+# Either form of the stacked experts: (w13 [E, 2I, H], w2 [E, H, I]) or their FP8 form.
+ExpertWeights = tuple[torch.Tensor, torch.Tensor] | Fp8Experts
 
 # Dense path up to this many (token × held expert) products: decode batches, not prefill.
 DENSE_MAX_TOKEN_EXPERTS = 4096
 
 
 def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """torch._grouped_mm runs bf16 on CUDA (sm90+); dims must be multiples of 16 bytes."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+    """torch._grouped_mm runs bf16 on CUDA (sm90+); dims must be multiples of 16 bytes. w: the
+    stacked w13, bf16 or float8_e4m3fn (dequantized first or through the FP8 kernel)."""
+    return (x.is_cuda and x.dtype == torch.bfloat16
+            and w.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(x.device)[0] >= 9
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
@@ -67,10 +79,39 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
     return out.index_add_(0, token_of, y)
 
 
-def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
+                        weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
+    """grouped_experts on FP8 experts: the FP8 grouped kernel reads one byte per weight. Experts
+    whose gate/up halves do not start on a block (I not a multiple of 128, or a TP shard
+    starting inside one: tiny models) are dequantized first and take the bf16 path."""
+    if not experts.aligned:
+        w13, w2 = experts.dequantized(x.dtype)
+        return grouped_experts(x, w13, w2, ids, weights, first, held_all)
+    from dsaserve.kernels.triton import fp8_linear
+
+    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, experts.num_experts, held_all)
+    xs = x[token_of]  # [P, H]
+    gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, ends).chunk(2, dim=-1)
+    y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, ends)
+    # fp8_grouped writes 0 past the last group: the pairs of experts held elsewhere add nothing
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token_of, y.float() * w_sorted[:, None])
+
+
+def _per_expert(experts: ExpertWeights, dtype: torch.dtype
+                ) -> tuple[int, Callable[[int], torch.Tensor], Callable[[int], torch.Tensor]]:
+    """(count, expert e's w13 [2I, H], expert e's w2 [H, I]) in dtype, either form."""
+    if isinstance(experts, Fp8Experts):
+        return (experts.num_experts, lambda e: experts.gate_up(e, dtype),
+                lambda e: experts.down(e, dtype))
+    w13, w2 = experts
+    return w13.shape[0], w13.__getitem__, w2.__getitem__
+
+
+def dense_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
                   weights: torch.Tensor, first: int) -> torch.Tensor:
     """Every held expert on every token; the unchosen ones weighted 0."""
-    count, inter = w13.shape[0], w2.shape[2]
+    count, w13, w2 = _per_expert(experts, x.dtype)
     local = ids - first  # [N, k]
     held = (local >= 0) & (local < count)
     mix = torch.zeros(x.shape[0], count + 1, dtype=torch.float32, device=x.device)  # [N, E+1]
@@ -78,38 +119,42 @@ def dense_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: tor
     mix.scatter_add_(1, torch.where(held, local, count), weights.float())
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(count):  # ascending expert order, as the looped path adds them
-        gate, up = F.linear(x, w13[e]).split(inter, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[e]).float() * mix[:, e, None]
+        gate, up = F.linear(x, w13(e)).chunk(2, dim=-1)
+        out += F.linear(F.silu(gate) * up, w2(e)).float() * mix[:, e, None]
     return out
 
 
-def looped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+def looped_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
                    weights: torch.Tensor, first: int) -> torch.Tensor:
     """One GEMM per expert that received tokens; reads the group ends on the host."""
-    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0])
-    inter = w2.shape[2]
+    count, w13, w2 = _per_expert(experts, x.dtype)
+    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, count)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     start = 0
     for expert, end in enumerate(ends.tolist()):  # the one host read (prefill)
         if end == start:
             continue
         tok = token_of[start:end]
-        gate, up = F.linear(x[tok], w13[expert]).split(inter, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up = F.linear(x[tok], w13(expert)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2(expert))
         out.index_add_(0, tok, y.float() * w_sorted[start:end, None])
         start = end
     return out
 
 
-def routed_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+def routed_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
                    weights: torch.Tensor, first: int, num_experts: int | None = None
                    ) -> torch.Tensor:
     """The formulation for this batch (chosen from host-known shapes, never from routing).
     num_experts: the model's routed experts, when known (this rank holding all of them skips
     the grouped path's masking of experts held elsewhere)."""
+    fp8 = isinstance(experts, Fp8Experts)
+    w13 = experts.w13 if fp8 else experts[0]
     if grouped_mm_available(x, w13):
         held_all = first == 0 and w13.shape[0] == num_experts
-        return grouped_experts(x, w13, w2, ids, weights, first, held_all)
+        if fp8:
+            return grouped_fp8_experts(x, experts, ids, weights, first, held_all)
+        return grouped_experts(x, *experts, ids, weights, first, held_all)
     if x.shape[0] * w13.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
-        return dense_experts(x, w13, w2, ids, weights, first)
-    return looped_experts(x, w13, w2, ids, weights, first)
+        return dense_experts(x, experts, ids, weights, first)
+    return looped_experts(x, experts, ids, weights, first)

@@ -22,12 +22,19 @@ import torch
 from torch import nn
 
 from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+from dsaserve.model import fp8
 from dsaserve.model.dsa import MLP, DsaForCausalLM, Experts, MLAAttention, MoE
 from dsaserve.parallel.groups import ParallelGroups
 
 
 def _slice(p: nn.Parameter, view: torch.Tensor) -> None:
     p.data = view.contiguous().clone()
+
+
+def _chunk(size: int, rank: int, parts: int) -> tuple[int, int]:
+    """Rank's [start, stop) of `size` cut in `parts` equal chunks."""
+    n = size // parts
+    return rank * n, (rank + 1) * n
 
 
 def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
@@ -43,11 +50,10 @@ def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
 
 
 def _shard_mlp(mlp: MLP, rank: int, size: int) -> None:
-    inter = mlp.gate_proj.weight.shape[0] // size
-    rows = slice(rank * inter, (rank + 1) * inter)
-    _slice(mlp.gate_proj.weight, mlp.gate_proj.weight[rows])
-    _slice(mlp.up_proj.weight, mlp.up_proj.weight[rows])
-    _slice(mlp.down_proj.weight, mlp.down_proj.weight[:, rows])
+    rows = _chunk(mlp.gate_proj.weight.shape[0], rank, size)
+    fp8.shard_linear(mlp.gate_proj, rows=rows)
+    fp8.shard_linear(mlp.up_proj, rows=rows)
+    fp8.shard_linear(mlp.down_proj, cols=rows)
 
 
 def shard_model(model: DsaForCausalLM, groups: ParallelGroups, p: ParallelConfig) -> None:
@@ -59,15 +65,11 @@ def shard_model(model: DsaForCausalLM, groups: ParallelGroups, p: ParallelConfig
         if isinstance(m, MLAAttention):
             m.groups, m.comm_backend = groups, p.dcp_comm_backend
             if tp > 1:
-                h, hl = m.num_heads, m.num_heads // tp
-                heads = slice(r * hl, (r + 1) * hl)
-                w = m.q_b_proj.weight
-                _slice(w, w.view(h, -1, w.shape[1])[heads].reshape(-1, w.shape[1]))
-                w = m.kv_b_proj.weight
-                _slice(w, w.view(h, -1, w.shape[1])[heads].reshape(-1, w.shape[1]))
-                w = m.o_proj.weight
-                _slice(w, w.view(w.shape[0], h, -1)[:, heads].reshape(w.shape[0], -1))
-                m.num_heads = hl
+                # this rank's heads are a contiguous range of rows (q_b, kv_b), of columns (o)
+                for proj in (m.q_b_proj, m.kv_b_proj):
+                    fp8.shard_linear(proj, rows=_chunk(proj.weight.shape[0], r, tp))
+                fp8.shard_linear(m.o_proj, cols=_chunk(m.o_proj.weight.shape[1], r, tp))
+                m.num_heads //= tp
         elif isinstance(m, MoE):
             if use_ep:
                 m.ep = groups.ep
@@ -86,17 +88,24 @@ def shard_model(model: DsaForCausalLM, groups: ParallelGroups, p: ParallelConfig
             if isinstance(m, Experts):
                 per = m.w13.shape[0] // groups.ep.size
                 m.first = groups.ep.rank_in_group * per
-                _slice(m.w13, m.w13[m.first : m.first + per])
-                _slice(m.w2, m.w2[m.first : m.first + per])
+                held = slice(m.first, m.first + per)
+                for p in (m.w13, m.w2) + ((m.w13_scale_inv, m.w2_scale_inv) if m.fp8 else ()):
+                    _slice(p, p[held])
 
 
 def _shard_experts_tp(experts: Experts, rank: int, size: int) -> None:
-    inter = experts.inter // size
-    rows = slice(rank * inter, (rank + 1) * inter)
+    start, stop = _chunk(experts.inter, rank, size)
+    rows = slice(start, stop)
     gate, up = experts.w13[:, : experts.inter], experts.w13[:, experts.inter :]
     _slice(experts.w13, torch.cat((gate[:, rows], up[:, rows]), dim=1))
     _slice(experts.w2, experts.w2[:, :, rows])
-    experts.inter = inter
+    experts.inter = stop - start
+    experts.inter_range = experts.inter_range.sub(start, stop)
+    if experts.fp8:  # the scale blocks covering the kept rows, for gate and up alike
+        s13, s2, blocks = experts.w13_scale_inv, experts.w2_scale_inv, experts.inter_range.blocks
+        ib = s13.shape[1] // 2
+        _slice(s13, torch.cat((s13[:, :ib][:, blocks], s13[:, ib:][:, blocks]), dim=1))
+        _slice(s2, s2[:, :, blocks])
 
 
 # Checkpoint names and how TP cuts them: rows or columns, per head (attention) or in equal chunks.

@@ -179,7 +179,9 @@ class WeightBytes:
 
 
 def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> WeightBytes:
-    """Count every checkpoint tensor (main and MTP layers, embedding, lm_head) exactly."""
+    """Count every checkpoint tensor (main and MTP layers, embedding, lm_head) exactly, as the
+    engine holds it: FP8 matrices as stored (model/fp8.py), except kv_b_proj, which it
+    dequantizes (attention reads it absorbed, per head)."""
     if weight_dtype not in ("fp8", "bf16"):
         raise ConfigError(f"--weights: expected 'fp8' or 'bf16', got {weight_dtype!r}")
     fp8 = weight_dtype == "fp8"
@@ -207,7 +209,8 @@ def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> Weigh
         rep += matrix(model.q_lora_rank, h) + matrix(model.kv_cache_width, h)
         rep += vector(model.q_lora_rank) + vector(model.kv_lora_rank) + vector(2 * h)
         tp += matrix(heads * model.qk_head_dim, model.q_lora_rank)
-        tp += matrix(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)
+        tp += matrix(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank,
+                     quantized=False)  # kv_b_proj
         tp += matrix(h, heads * model.v_head_dim)
         if model.has_indexer(layer):
             d, nh = model.index_head_dim, model.index_n_heads
@@ -222,7 +225,7 @@ def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> Weigh
         else:
             tp += matrix(model.intermediate_size, h, count=3)
         if layer >= model.num_hidden_layers:  # MTP: enorm, hnorm, shared_head.norm, eh_proj
-            rep += vector(3 * h) + matrix(h, 2 * h)
+            rep += vector(3 * h) + matrix(h, 2 * h, quantized=False)  # stored unquantized
     tp += matrix(model.vocab_size, h, quantized=False)  # embedding
     if not model.tie_word_embeddings:
         tp += matrix(model.vocab_size, h, quantized=False)  # lm_head

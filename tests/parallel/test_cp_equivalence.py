@@ -259,3 +259,24 @@ def test_pcp_dcp_with_fp8_cache(model_dirs, engine_config_module, single):
     # results differ in the last bit and an e4m3 rounding can flip: one fp8 ulp, not a layout bug
     # (a misplaced row or scale gives errors of order 1).
     _check(run_parallel(cfg, 2), single["fp8_ds_mla"], tol=5e-3, mtp_ref=single["fp8_ds_mla/mtp"])
+
+
+@pytest.fixture(scope="module")
+def fp8_glm(tmp_path_factory):
+    from dsaserve.model.make_model import make_model
+
+    return make_model("tiny-glm5", tmp_path_factory.mktemp("fp8") / "tiny-glm5", fp8=True)
+
+
+@pytest.mark.parametrize("case", ["tp2", "tp2-ep", "tp4-dcp4-a2a"])
+def test_fp8_weights_sharded_match_single_rank(fp8_glm, engine_config_module, case):
+    """Matrices kept in FP8 (model/fp8.py), cut by TP mid-block (rank 1's q_b rows start 64 rows
+    into a 128-row block; its experts' 32 rows at 32, its o_proj columns at 64) or by EP: each
+    rank keeps the scale blocks covering its part, and the logits are the single rank's."""
+    import dataclasses
+
+    ref_cfg = dataclasses.replace(engine_config_module(fp8_glm), keep_fp8_weights=True)
+    tokens, steps = _schedule(ref_cfg.model.vocab_size)
+    ref, mtp_ref = run_schedule(ModelRunner(ref_cfg), tokens, steps)
+    cfg = dataclasses.replace(engine_config_module(fp8_glm, **CASES[case]), keep_fp8_weights=True)
+    _check(run_parallel(cfg, cfg.parallel.world_size), ref, mtp_ref=mtp_ref)

@@ -45,7 +45,8 @@ def test_formulations_match_reference(path, n, experts, held, first):
     dtype = torch.bfloat16 if path is moe_compute.grouped_experts else torch.float32
     case = _case(n, experts, held, first, dtype=dtype)
     want = _reference(*case)
-    got = path(*case)
+    x, w13, w2, rest = case[0], case[1], case[2], case[3:]
+    got = path(*case) if path is moe_compute.grouped_experts else path(x, (w13, w2), *rest)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
@@ -70,6 +71,48 @@ def test_sorted_pairs_groups_by_expert():
 
 def test_decode_sized_batch_reads_nothing_on_the_host():
     case = _case(4, 8, 8, 0)
+    x, w13, w2, rest = case[0], case[1], case[2], case[3:]
     with SyncCounter() as syncs:
-        moe_compute.routed_experts(*case)
+        moe_compute.routed_experts(x, (w13, w2), *rest)
     assert syncs.count == 0, syncs.report()
+
+
+def _fp8_experts(w13, w2, inter_range=None):
+    """Quantize stacked experts as an FP8 checkpoint stores them (each projection on its own
+    128-block grid) → (Fp8Experts, the dequantized w13 and w2 the model would use)."""
+    from dsaserve.model.fp8 import BlockRange, Fp8Experts
+    from dsaserve.model.make_model import quantize_fp8_blocks
+
+    inter = w2.shape[2]
+    q13, s13, q2, s2 = [], [], [], []
+    for e in range(w13.shape[0]):
+        (gq, gs), (uq, us) = (quantize_fp8_blocks(w13[e, :inter].float()),
+                              quantize_fp8_blocks(w13[e, inter:].float()))
+        q13.append(torch.cat((gq, uq)))
+        s13.append(torch.cat((gs, us)))
+        dq, ds = quantize_fp8_blocks(w2[e].float())
+        q2.append(dq)
+        s2.append(ds)
+    experts = Fp8Experts(torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2),
+                         inter_range or BlockRange(0, inter))
+    return experts, *experts.dequantized(w13.dtype)
+
+
+@pytest.mark.parametrize("path", [moe_compute.dense_experts, moe_compute.looped_experts,
+                                  moe_compute.grouped_fp8_experts, moe_compute.routed_experts])
+@pytest.mark.parametrize("inter", [16, 128])  # halves inside one block; on the block grid
+def test_fp8_experts_equal_their_dequantized_weights(path, inter):
+    """FP8-kept experts (model/fp8.py) give the bits of the same experts dequantized first: each
+    gate/up half on its own block grid (I = 16 puts both halves in one 128-row block)."""
+    dtype = torch.bfloat16 if path is moe_compute.grouped_fp8_experts else torch.float32
+    x, w13, w2, ids, weights, first = _case(9, 8, 3, 2, inter=inter, dtype=dtype)
+    experts, d13, d2 = _fp8_experts(w13, w2)
+    assert experts.aligned == (inter == 128)
+    if path is moe_compute.grouped_fp8_experts:
+        if experts.aligned:
+            pytest.skip("the FP8 grouped kernel runs on CUDA (tests/gpu)")
+        want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first)
+    else:
+        want = (moe_compute.routed_experts if path is moe_compute.routed_experts else path)(
+            x, (d13, d2), ids, weights, first)
+    assert torch.equal(path(x, experts, ids, weights, first), want)

@@ -140,9 +140,11 @@ def test_crossover_depends_on_tp_only(glm: ModelConfig) -> None:
 
 # ---- weights ----------------------------------------------------------------------------------
 def _checkpoint_bytes_fp8(model: torch.nn.Module) -> int:
-    """FP8 checkpoint bytes of an HF model by MODEL_SPEC.md §1.3's naming rule: norms, router,
-    embedding, lm_head and weights_proj stay bf16; other matrices are e4m3 + fp32 block scales."""
-    keep_bf16 = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "weights_proj")
+    """Bytes the engine holds for an FP8 checkpoint of an HF model, by MODEL_SPEC.md §1.3's
+    naming rule: norms, router, embedding, lm_head and weights_proj stay bf16; other matrices are
+    e4m3 + fp32 block scales, except kv_b_proj, which the engine dequantizes (model/fp8.py)."""
+    keep_bf16 = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "weights_proj",
+                 "kv_b_proj")
     total = 0
     for name, p in model.named_parameters():
         shapes = [tuple(p.shape)]
