@@ -117,6 +117,19 @@ def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
                   fw.linear_reference(x, wq, scale, n_off, k_off))
 
 
+def test_weight_values_are_rounded_once(fl):
+    """One-hot rows pick single weight columns: each output is one product, the weight value
+    itself, so it equals dtype(fp32(wq) · scale) bit for bit — in fp16, a rounding of the fp32
+    product (scales of the checkpoint maker: not powers of two), straddled blocks included."""
+    wq, scale = _shard(150, 200, 64, 37)
+    cols = torch.randperm(200, generator=_gen())[:20]
+    for dtype in DTYPES:
+        x = torch.zeros(20, 200, dtype=dtype)
+        x[torch.arange(20), cols] = 1
+        want = fw.dequantize(wq, scale, dtype, 64, 37)[:, cols].T  # [20, N]
+        assert torch.equal(fl.fp8_linear(x, wq, scale, 64, 37), want)
+
+
 def test_fp8_linear_split_k_and_strided_rows(fl):
     """K split on its own (few n tiles; the interpreter counts 8 SMs), and forced into three
     splits, over rows of a wider buffer (a slice of a fused projection's output)."""
@@ -171,6 +184,7 @@ def _experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     ([3, 0, 20, 1, 0], 13),  # empty experts, a group over two tiles, rows past the end
     ([0, 0, 0, 0, 0], 6),  # every row held elsewhere
     ([40, 0, 0, 0, 7], 0),  # P not a multiple of the tile, nothing past the end
+    ([17, 1, 1, 33, 1], 1),  # every run one row into a new tile: the grid's last tile used
 ])
 def test_fp8_grouped_matches_reference(fl, dtype, counts, tail):
     wq, scale = _experts(len(counts), 150, 200)
