@@ -166,8 +166,6 @@ def _fp8_linear_kernel(
                     other=0.0)  # [BLOCK_M, BLOCK_K]
         w = _dequant_tile(w_ptr, s_ptr, cols, col_live, k0, K, n_off, k_off, num_kb, dtype,
                           BLOCK_K, K_ALIGNED)  # [BLOCK_N, BLOCK_K]
-        # the accumulator passed in: fp32 accumulation (and the interpreter's bf16 dot is
-        # only right with it)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     out = (split * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
     live = row_live[:, None] & col_live[None, :]
@@ -177,7 +175,7 @@ def _fp8_linear_kernel(
         tl.store(out_ptr + out, acc, mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numel"])
 def _sum_splits_kernel(
     part_ptr,  # [SPLIT_K, numel] fp32
     out_ptr,  # [numel]
