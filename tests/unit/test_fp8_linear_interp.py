@@ -133,7 +133,7 @@ def test_weight_values_are_rounded_once(fl):
 def test_fp8_linear_split_k_and_strided_rows(fl):
     """K split on its own (few n tiles; the interpreter counts 8 SMs), and forced into three
     splits, over rows of a wider buffer (a slice of a fused projection's output)."""
-    n, k = 40, 1100
+    n, k = 40, 2200
     wq, scale = _weight(n, k)
     x = torch.randn(3, k + 9, generator=_gen())[:, 9:]
     cfg = fl.choose_config(3, n, k)
@@ -149,11 +149,16 @@ def test_split_k_choice(fl):
     # enough n tiles for two programs per SM: no split
     assert fl.choose_split_k(1, 2 * 132 * 64, 2048, cfg, num_sms=132) == 1
     assert fl.choose_split_k(1, 2 * 132 * 64 - 64, 2048, cfg, num_sms=132) == 2
-    # q_a-like (32 n tiles): about two programs per SM, ≥ 4 k tiles per split
-    assert fl.choose_split_k(1, 2048, 6144, cfg, num_sms=132) == 8  # 48 k tiles: 8 × 6
+    # q_a-like (32 n tiles): more programs, ≥ 4 k tiles per split, partials ≤ 1/8 of weights
+    assert fl.choose_split_k(1, 2048, 6144, cfg, num_sms=132) == 6  # capped by the partials
+    # the same for every M of the bucket (one compiled kernel)
+    assert {fl.choose_split_k(m, 2048, 6144, cfg, num_sms=132) for m in range(1, 17)} == {6}
     assert fl.choose_split_k(1, 576, 512, cfg, num_sms=132) == 1  # 4 k tiles: one split
     # the partials capped at 1/8 of the weight bytes: M = 64 over K = 2048 does not split
     assert fl.choose_split_k(64, 576, 2048, fl.Fp8LinearConfig(64, 64), num_sms=132) == 1
+    assert fl.choose_split_k(16, 576, 6144, cfg, num_sms=132) == 6
+    # prefill buckets never split (their m tiles vary with M)
+    assert fl.choose_split_k(100, 576, 6144, fl.choose_config(100, 576, 6144), 132) == 1
     for m, n, k in [(1, 576, 6144), (16, 2048, 6144), (7, 100, 1000)]:
         splits = fl.choose_split_k(m, n, k, cfg, num_sms=132)
         k_tiles = -(-k // cfg.block_k)

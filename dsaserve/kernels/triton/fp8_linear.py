@@ -83,16 +83,20 @@ MAX_PARTIAL_FRACTION = 1 / 8
 
 
 def choose_split_k(m: int, n: int, k: int, cfg: Fp8LinearConfig, num_sms: int) -> int:
-    """Splits of the K range so that the grid gives every SM about two programs (a memory-bound
-    kernel wants several tiles' loads in flight per SM); 1 when the m × n tiles already do, or
-    when the partials would cost more than a fraction of the weight bytes (large M)."""
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    """Splits of the K range for decode (one m tile: m ≤ block_m ≤ 64) so that the grid gives
+    every SM about two programs (a memory-bound kernel wants several tiles' loads in flight per
+    SM); 1 when the n tiles already do, or when the partials would cost more than a fraction
+    of the weight bytes. Counted at the bucket's largest M (block_m), so that every M of a
+    bucket launches the same compiled kernel (a new split count would compile mid-serving)."""
+    if m > cfg.block_m or cfg.block_m > 64:
+        return 1
+    tiles = triton.cdiv(n, cfg.block_n)
     k_tiles = triton.cdiv(k, cfg.block_k)
     if tiles >= 2 * num_sms:
         return 1
     by_sms = triton.cdiv(2 * num_sms, tiles)
     by_k = k_tiles // MIN_K_TILES_PER_SPLIT
-    by_bytes = int(MAX_PARTIAL_FRACTION * k / (8 * m))
+    by_bytes = int(MAX_PARTIAL_FRACTION * k / (8 * cfg.block_m))
     splits = max(1, min(by_sms, by_k, by_bytes))
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty split
 
