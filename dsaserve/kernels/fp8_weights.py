@@ -1,0 +1,137 @@
+"""Block-FP8 weights (weight-only FP8, "w8a16"): the layout maths and the PyTorch reference.
+
+DeepSeek-V3.2 / GLM-5.x checkpoints store a matrix W [N, K] (out × in) as float8_e4m3fn bytes Wq
+with one fp32 scale per 128 × 128 block, `weight_scale_inv` S [⌈N/128⌉, ⌈K/128⌉]:
+
+         k →  0 .. 127 | 128 .. 255 | 256 .. K-1
+    n 0      ┌────────┬────────────┬──────┐        W[n, k] ≈ Wq[n, k] · S[n // 128, k // 128]
+      ..     │ S[0,0] │   S[0,1]   │S[0,2]│
+      127    ├────────┼────────────┼──────┤        the last block row / column may be partial
+      128    │ S[1,0] │   S[1,1]   │S[1,2]│
+             └────────┴────────────┴──────┘
+
+The weight value every path computes with is dtype(fp32(Wq) · S) — the same value loading the
+checkpoint dequantized in fp32 and casting it to the model dtype gives — and activations stay in
+their own dtype (they are not quantized); products accumulate in fp32.
+
+A tensor-parallel shard of W may start inside a block: rows 192 .. 383 of a 128-blocked matrix
+keep the scale rows of blocks 1 .. 2, and their row 0 is row 64 of block 1 (`n_off` = 64):
+
+    full rows    0 ....... 127 | 128 ... 191 192 ....... 255 | 256 ...... 383 | 384 ..
+    shard rows                            0 ........... 63 | 64 ....... 191 |
+    scale rows   block 0       | block 1  (kept: row 0)      | block 2 (row 1) |
+                                 ├─ n_off ─┤
+
+Element (n, k) of a shard uses S_shard[(n + n_off) // 128, (k + k_off) // 128], 0 ≤ off < 128.
+Pure PyTorch, runs anywhere; the Triton kernels (kernels/triton/fp8_linear.py) are tested
+against these functions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_BLOCK = 128  # rows and columns sharing one scale
+
+
+def num_blocks(size: int, off: int = 0) -> int:
+    """Scale blocks covering `size` elements that start `off` elements into their first block."""
+    return -(-(size + off) // FP8_BLOCK)
+
+
+def _check(wq: torch.Tensor, scale: torch.Tensor, n_off: int, k_off: int) -> None:
+    if wq.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8 weight: expected float8_e4m3fn, got {wq.dtype}")
+    if not (0 <= n_off < FP8_BLOCK and 0 <= k_off < FP8_BLOCK):
+        raise ValueError(f"fp8 weight: offsets must be in [0, {FP8_BLOCK}), got n_off={n_off}, "
+                         f"k_off={k_off}")
+    n, k = wq.shape[-2:]
+    want = (*wq.shape[:-2], num_blocks(n, n_off), num_blocks(k, k_off))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"fp8 weight: scale shape {list(scale.shape)}, expected {list(want)} "
+                         f"for weight {list(wq.shape)} with n_off={n_off}, k_off={k_off}")
+
+
+def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, n_off: int = 0,
+               k_off: int = 0) -> torch.Tensor:
+    """wq [..., N, K] e4m3, scale [..., Nb, Kb] fp32 → [..., N, K] dtype: element (n, k) is
+    dtype(fp32(wq[n, k]) · scale[(n + n_off) // 128, (k + k_off) // 128]).
+
+    With no offsets and dtype fp32 this is the loader's dequantize_fp8_blocks at 128 × 128."""
+    _check(wq, scale, n_off, k_off)
+    n, k = wq.shape[-2:]
+    s = scale.float().repeat_interleave(FP8_BLOCK, dim=-2)[..., n_off:n_off + n, :]
+    s = s.repeat_interleave(FP8_BLOCK, dim=-1)[..., k_off:k_off + k]  # [..., N, K]
+    return (wq.float() * s).to(dtype)
+
+
+def shard_scale(scale: torch.Tensor, dim: int, start: int, stop: int
+                ) -> tuple[torch.Tensor, int]:
+    """The scale blocks covering elements [start, stop) of the weight along `dim` (0: rows,
+    1: columns) and the offset of `start` inside its first block: the shard
+    weight[start:stop] (or [:, start:stop]) with (scale_slice, offset) satisfies `dequantize`'s
+    contract, the offset as n_off (dim 0) or k_off (dim 1).
+
+        start = 192, stop = 384:  blocks 192 // 128 = 1 .. ⌈384 / 128⌉ = 3 (exclusive), offset 64
+    """
+    if dim not in (0, 1):
+        raise ValueError(f"shard_scale: dim must be 0 (rows) or 1 (columns), got {dim}")
+    if not 0 <= start < stop <= scale.shape[dim] * FP8_BLOCK:
+        raise ValueError(f"shard_scale: need 0 <= start < stop <= {scale.shape[dim] * FP8_BLOCK}"
+                         f" (scale dim {dim} has {scale.shape[dim]} blocks), got [{start}, {stop})")
+    first, end = start // FP8_BLOCK, -(-stop // FP8_BLOCK)
+    return scale.narrow(dim, first, end - first), start - first * FP8_BLOCK
+
+
+def grouped_row_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
+    """Row tiles of a grouped GEMM's grid that suffice for any split of num_rows sorted rows
+    into num_groups groups plus the rows past the last group: a group of c rows takes
+    ⌈c / block_m⌉ tiles, and ⌈a / b⌉ + ⌈c / b⌉ ≤ ⌈(a + c) / b⌉ + 1, so the num_groups + 1 runs
+    take at most ⌈num_rows / block_m⌉ + num_groups. Host-known sizes only (no routing)."""
+    return -(-num_rows // block_m) + num_groups
+
+
+def grouped_tiles(ends: list[int], num_rows: int, block_m: int) -> list[tuple[int, int, int]]:
+    """The row tiles of a grouped GEMM, as the kernel finds them on the device, listed on the
+    host: tile t → (group, first row, end row), group −1 for the rows past the last group
+    (written 0). Tiles past these have no rows.
+
+        tiles[e] = ⌈(ends[e] − ends[e−1]) / block_m⌉    cum = running sum of tiles
+        tile t:  e = #{e : cum[e] ≤ t}                 groups wholly before t
+                 e < E: rows ends[e−1] + (t − cum[e] + tiles[e])·block_m .. ≤ ends[e]
+                 e = E: rows ends[E−1] + (t − cum[E−1])·block_m .. ≤ num_rows
+    """
+    out, start = [], 0
+    for e, end in enumerate(ends):
+        out += [(e, r, min(r + block_m, end)) for r in range(start, end, block_m)]
+        start = end
+    out += [(-1, r, min(r + block_m, num_rows)) for r in range(start, num_rows, block_m)]
+    return out
+
+
+def linear_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
+                     k_off: int = 0) -> torch.Tensor:
+    """x [M, K], wq [N, K] e4m3, scale [Nb, Kb] fp32 → x · Wᵀ [M, N] in x's dtype, W
+    dequantized to x's dtype first (what a dequantize-at-load model computes)."""
+    return F.linear(x, dequantize(wq, scale, x.dtype, n_off, k_off))
+
+
+def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                      ends: torch.Tensor) -> torch.Tensor:
+    """xs [P, K] rows sorted by expert, wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32, ends [E]
+    int (non-decreasing, ≤ P) → [P, N] in xs's dtype.
+
+        rows   0 ........ ends[0] ........ ends[1] ... ends[E-1] ........ P
+               │ expert 0 │    expert 1    │  ...   │   zeros (no group) │
+
+    Rows past ends[E-1] (pairs of experts held on another rank) are 0. Reads `ends` on the host:
+    a reference, not a hot path."""
+    _check(wq, scale, 0, 0)
+    out = torch.zeros(xs.shape[0], wq.shape[1], dtype=xs.dtype, device=xs.device)  # [P, N]
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = linear_reference(xs[start:end], wq[e], scale[e])
+        start = end
+    return out

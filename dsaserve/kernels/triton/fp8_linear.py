@@ -1,0 +1,403 @@
+"""Weight-only FP8 GEMMs ("w8a16"): x · Wᵀ with W kept as block-FP8 bytes and fp32 scales.
+
+The weight layout and the reference are kernels/fp8_weights.py. Every kernel here computes with
+the weight value dtype(fp32(Wq) · S) — bit for bit what dequantizing at load gives — and
+accumulates in fp32, so it differs from the dequantize-at-load model only in summation order:
+
+    program (n tile, m tile, k split)
+      for each BLOCK_K columns of its split:
+        x  [BLOCK_M, BLOCK_K]   activation tile, x's dtype
+        Wq [BLOCK_N, BLOCK_K]   e4m3 bytes, read once per m tile
+        W  = dtype(fp32(Wq) · S[(n + n_off) // 128, (k + k_off) // 128])    in registers
+        acc [BLOCK_M, BLOCK_N] += x · Wᵀ    fp32 (tl.dot with its accumulator)
+
+Decode (M ≤ 64) is bound by the weight bytes: one m tile, so every weight byte is read once;
+when the n tiles alone leave SMs idle the K range is split, each split writing fp32 partials
+that a second kernel sums in split order (deterministic, unlike atomics).
+
+`fp8_grouped` is the MoE form (the FP8 counterpart of moe_compute's torch._grouped_mm): rows
+sorted by expert, group ends on the device, never read on the host, so one launch with a grid
+fixed by (P, N, E) serves any routing and is capturable in a CUDA graph.
+
+No autotuning: tiles are chosen by a pure function of (M, N, K, SMs) — nothing is timed at
+start-up or during graph capture. benchmarks/fp8_linear.py --sweep times the alternatives.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.fp8_weights import FP8_BLOCK, grouped_row_tiles, num_blocks
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Fp8LinearConfig:
+    """Launch shape of the FP8 GEMMs. Block sizes are powers of two ≥ 16; BLOCK_K divides 128
+    (a k tile then spans at most two scale blocks, one when k_off = 0)."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int | None = None  # None: chosen from the grid size and the SM count (fp8_linear)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"Fp8LinearConfig.{name}: a power of two >= 16, got {v}")
+        if FP8_BLOCK % self.block_k:
+            raise ValueError(f"Fp8LinearConfig.block_k: must divide {FP8_BLOCK}, "
+                             f"got {self.block_k}")
+        if self.split_k is not None and self.split_k < 1:
+            raise ValueError(f"Fp8LinearConfig.split_k: must be >= 1, got {self.split_k}")
+
+
+def choose_config(m: int, n: int, k: int) -> Fp8LinearConfig:
+    """Tiles by M bucket. Decode buckets take one m tile (the weight streamed once) and narrow
+    n tiles (more programs); prefill ones take square tensor-core tiles, the k tile halved to
+    keep the dequantized weight tile in registers beside the accumulator."""
+    if m <= 16:
+        return Fp8LinearConfig(16, 64)
+    if m <= 32:
+        return Fp8LinearConfig(32, 64)
+    if m <= 64:
+        return Fp8LinearConfig(64, 64)
+    if m <= 256:
+        return Fp8LinearConfig(64, 128)
+    return Fp8LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+
+
+# A split of the K range: at least this many k tiles, and the fp32 partials (written and read
+# back: 8 bytes per output element per split) at most 1/8 of the weight bytes.
+MIN_K_TILES_PER_SPLIT = 4
+MAX_PARTIAL_FRACTION = 1 / 8
+
+
+def choose_split_k(m: int, n: int, k: int, cfg: Fp8LinearConfig, num_sms: int) -> int:
+    """Splits of the K range for decode (one m tile: m ≤ block_m ≤ 64) so that the grid gives
+    every SM about two programs (a memory-bound kernel wants several tiles' loads in flight per
+    SM); 1 when the n tiles already do, or when the partials would cost more than a fraction
+    of the weight bytes. Counted at the bucket's largest M (block_m), so that every M of a
+    bucket launches the same compiled kernel (a new split count would compile mid-serving)."""
+    if m > cfg.block_m or cfg.block_m > 64:
+        return 1
+    tiles = triton.cdiv(n, cfg.block_n)
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    if tiles >= 2 * num_sms:
+        return 1
+    by_sms = triton.cdiv(2 * num_sms, tiles)
+    by_k = k_tiles // MIN_K_TILES_PER_SPLIT
+    by_bytes = int(MAX_PARTIAL_FRACTION * k / (8 * cfg.block_m))
+    splits = max(1, min(by_sms, by_k, by_bytes))
+    return triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty split
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter runs: small, but exercises the split path
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 x: full-precision products
+
+
+# --------------------------------------------------------------------------------------------
+# Dense: fp8_linear
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _dequant_tile(w_ptr, s_ptr, cols, col_live, k0, K, n_off, k_off, num_kb,
+                  dtype: tl.constexpr, BLOCK_K: tl.constexpr, K_ALIGNED: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns k0 .. k0 + BLOCK_K of rows `cols`, in
+    `dtype`: fp32(Wq) · its block's scale, rounded once. Masked elements are 0."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    live = col_live[:, None] & (ks < K)[None, :]
+    wq = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :], mask=live, other=0.0)
+    s_row = s_ptr + ((cols + n_off) // 128) * num_kb  # [BLOCK_N] scale row of each weight row
+    kb = (k0 + k_off) // 128
+    s_lo = tl.load(s_row + kb, mask=col_live, other=0.0)  # [BLOCK_N]
+    if K_ALIGNED:  # the tile lies in one scale block
+        s = s_lo[:, None]
+    else:  # it may cross into the next one
+        s_hi = tl.load(s_row + kb + 1, mask=col_live & (kb + 1 < num_kb), other=0.0)
+        s = tl.where(((ks + k_off) // 128 == kb)[None, :], s_lo[:, None], s_hi[:, None])
+    return (wq.to(tl.float32) * s).to(dtype)
+
+
+# The row count changes from step to step: not specialized on (a new value divisible by 16
+# would compile the kernel again, mid-serving).
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(
+    x_ptr,  # [M, K], rows stride_x apart, unit last stride
+    w_ptr,  # [N, K] e4m3, contiguous
+    s_ptr,  # [Nb, Kb] fp32, contiguous
+    out_ptr,  # [M, N] in x's dtype, or fp32 partials [SPLIT_K, M, N] when SPLIT_K > 1
+    M, N, K, stride_x, n_off, k_off, num_kb,
+    k_tiles_per_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, K_ALIGNED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    dtype = x_ptr.dtype.element_ty
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] weight rows = output columns
+    row_live = rows < M
+    col_live = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    first = split * k_tiles_per_split
+    last = tl.minimum(first + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for kt in range(first, last):
+        k0 = kt * BLOCK_K
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + ks[None, :], mask=row_live[:, None] & (ks < K)[None, :],
+                    other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = _dequant_tile(w_ptr, s_ptr, cols, col_live, k0, K, n_off, k_off, num_kb, dtype,
+                          BLOCK_K, K_ALIGNED)  # [BLOCK_N, BLOCK_K]
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    out = (split * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
+    live = row_live[:, None] & col_live[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(out_ptr + out, acc, mask=live)
+
+
+@triton.jit(do_not_specialize=["numel"])
+def _sum_splits_kernel(
+    part_ptr,  # [SPLIT_K, numel] fp32
+    out_ptr,  # [numel]
+    numel,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out = Σ_s part[s] in split order (the same sum every run), cast to out's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + i, mask=live, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                  n_off: int = 0, k_off: int = 0) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"{what}: x must be [M, K] with unit last stride, "
+                         f"got {tuple(x.shape)} strides {x.stride()}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{what}: x must be bf16, fp16 or fp32, got {x.dtype}")
+    if wq.dtype != torch.float8_e4m3fn or not wq.is_contiguous():
+        raise ValueError(f"{what}: the weight must be contiguous float8_e4m3fn, got {wq.dtype}")
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        raise ValueError(f"{what}: the scale must be contiguous fp32, got {scale.dtype}")
+    if wq.shape[-1] != x.shape[1]:
+        raise ValueError(f"{what}: x has K = {x.shape[1]}, the weight {wq.shape[-1]}")
+    if not (0 <= n_off < FP8_BLOCK and 0 <= k_off < FP8_BLOCK):
+        raise ValueError(f"{what}: offsets must be in [0, {FP8_BLOCK}), got n_off={n_off}, "
+                         f"k_off={k_off}")
+    n, k = wq.shape[-2:]
+    want = (*wq.shape[:-2], num_blocks(n, n_off), num_blocks(k, k_off))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{what}: scale shape {list(scale.shape)}, expected {list(want)} for "
+                         f"weight {list(wq.shape)} (n_off={n_off}, k_off={k_off})")
+
+
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
+               k_off: int = 0, config: Fp8LinearConfig | None = None) -> torch.Tensor:
+    """x [M, K] (bf16, fp16 or fp32; rows may be strided), wq [N, K] e4m3, scale [Nb, Kb] fp32
+    (fp8_weights.dequantize's layout, offsets included) → x · Wᵀ [M, N] in x's dtype.
+
+    config: the launch shape (default: choose_config by M, split_k by the grid and SMs).
+    No host sync; allocates its output (and fp32 partials when the K range is split)."""
+    _check_weight("fp8_linear", x, wq, scale, n_off, k_off)
+    m, k = x.shape
+    n = wq.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or choose_config(m, n, k)
+    split = cfg.split_k or choose_split_k(m, n, k, cfg, _num_sms(x.device))
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per_split)  # no empty split
+    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    _fp8_linear_kernel[grid](
+        x, wq, scale, dst, m, n, k, x.stride(0), n_off, k_off, scale.shape[1], per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
+        K_ALIGNED=k_off == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT_K=split,
+                                                         BLOCK=block, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantization (a bf16 copy: prefill's "dequantize to scratch, then cuBLAS" alternative)
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _dequantize_kernel(
+    w_ptr,  # [B, N, K] e4m3, contiguous
+    s_ptr,  # [B, Nb, Kb] fp32, contiguous
+    out_ptr,  # [B, N, K], contiguous
+    N, K, n_off, k_off, num_nb, num_kb,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_ALIGNED: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = cols < N
+    k0 = pid_k * BLOCK_K
+    w = _dequant_tile(w_ptr + b * N * K, s_ptr + b * num_nb * num_kb, cols, col_live, k0, K,
+                      n_off, k_off, num_kb, out_ptr.dtype.element_ty, BLOCK_K, K_ALIGNED)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + b * N * K + cols.to(tl.int64)[:, None] * K + ks[None, :], w,
+             mask=col_live[:, None] & (ks < K)[None, :])
+
+
+def fp8_dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, n_off: int = 0,
+                   k_off: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_weights.dequantize on the GPU: wq [..., N, K] e4m3, scale [..., Nb, Kb] fp32 →
+    [..., N, K] dtype (into `out` when given: a scratch buffer reused across layers)."""
+    probe = torch.empty(0, wq.shape[-1], dtype=dtype, device=wq.device)
+    _check_weight("fp8_dequantize", probe, wq, scale, n_off, k_off)
+    n, k = wq.shape[-2:]
+    if out is None:
+        out = torch.empty(wq.shape, dtype=dtype, device=wq.device)
+    elif out.shape != wq.shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"fp8_dequantize: out must be contiguous {list(wq.shape)} {dtype}, got "
+                         f"{list(out.shape)} {out.dtype}")
+    batch = wq.numel() // max(1, n * k)
+    if out.numel():
+        block_n, block_k = 32, 128
+        grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k), batch)
+        _dequantize_kernel[grid](wq, scale, out, n, k, n_off, k_off, scale.shape[-2],
+                                 scale.shape[-1], BLOCK_N=block_n, BLOCK_K=block_k,
+                                 K_ALIGNED=k_off == 0, num_warps=4)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped (MoE): fp8_grouped
+# --------------------------------------------------------------------------------------------
+def choose_grouped_config(p: int, n: int, k: int, e: int) -> Fp8LinearConfig:
+    """Rows per tile near twice the mean rows per expert (most groups fit in one tile, so most
+    experts' weights are read once), between 16 and 64 in decode; prefill-sized groups take
+    the dense kernel's large tiles."""
+    mean = p / max(1, e)
+    if mean > 128:
+        return Fp8LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+    block_m = min(64, max(16, triton.next_power_of_2(int(2 * mean))))
+    return Fp8LinearConfig(block_m, 64 if block_m <= 32 else 128)
+
+
+# The row count changes from step to step: not specialized on.
+@triton.jit(do_not_specialize=["P"])
+def _fp8_grouped_kernel(
+    x_ptr,  # [P, K] rows sorted by expert, rows stride_x apart, unit last stride
+    w_ptr,  # [E, N, K] e4m3, contiguous
+    s_ptr,  # [E, Nb, Kb] fp32, contiguous
+    ends_ptr,  # [E] int32: rows of expert e are ends[e − 1] .. ends[e] (ends[−1] = 0)
+    out_ptr,  # [P, N] in x's dtype
+    P, N, K, stride_x, num_nb, num_kb, E,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Row tile t finds its group on the device (fp8_weights.grouped_tiles lists the same map):
+    group e owns tiles cum[e] − tiles[e] .. cum[e] − 1 (tiles[e] = ⌈rows of e / BLOCK_M⌉, cum
+    their running sum); tiles past cum[E − 1] cover the rows past the last group (written 0);
+    tiles past those have no rows (their stores are masked off)."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    ex = tl.arange(0, E_P2)
+    ex_live = ex < E
+    ends = tl.load(ends_ptr + ex, mask=ex_live, other=0)  # [E_P2]
+    starts = tl.load(ends_ptr + ex - 1, mask=ex_live & (ex > 0), other=0)
+    tiles = tl.where(ex_live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    cum = tl.cumsum(tiles, axis=0)  # [E_P2] tile end of each group
+    e = tl.sum((ex_live & (cum <= t)).to(tl.int32), axis=0)  # groups wholly before tile t
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = cols < N
+    if e < E:
+        mine = ex == e
+        first_row = (tl.sum(tl.where(mine, starts, 0), axis=0)
+                     + (t - tl.sum(tl.where(mine, cum - tiles, 0), axis=0)) * BLOCK_M)
+        end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_live = rows < end_row
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        w_e = w_ptr + e.to(tl.int64) * N * K
+        s_e = s_ptr + e * num_nb * num_kb
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_live[:, None] & (ks < K)[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = _dequant_tile(w_e, s_e, cols, col_live, k0, K, 0, 0, num_kb, dtype, BLOCK_K,
+                              True)  # [BLOCK_N, BLOCK_K]
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+    else:  # rows past the last group (pairs of experts held elsewhere): zeros
+        last = tl.sum(tl.where(ex == E - 1, ends, 0), axis=0)
+        total = tl.sum(tiles, axis=0)
+        rows = last + (t - total) * BLOCK_M + tl.arange(0, BLOCK_M)
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], zeros,
+                 mask=(rows < P)[:, None] & col_live[None, :])
+
+
+def fp8_grouped(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
+                config: Fp8LinearConfig | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """xs [P, K] rows sorted by expert, wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32, ends [E]
+    int32 on the device (non-decreasing, ≤ P: moe_compute.sorted_pairs' group ends) → [P, N]
+    in xs's dtype; rows past ends[E − 1] are 0 (fp8_weights.grouped_reference).
+
+    `ends` is never read on the host: the grid depends on (P, N, E) only, so a CUDA graph
+    captured once replays with any routing. out: a contiguous [P, N] buffer to write (every
+    element is written), else a new one."""
+    _check_weight("fp8_grouped", xs, wq, scale)
+    if wq.dim() != 3 or wq.shape[0] < 1 or ends.shape != (wq.shape[0],) \
+            or ends.dtype != torch.int32:
+        raise ValueError(f"fp8_grouped: need wq [E, N, K] and ends [E] int32, got wq "
+                         f"{list(wq.shape)}, ends {list(ends.shape)} {ends.dtype}")
+    p, k = xs.shape
+    e, n, _ = wq.shape
+    if out is None:
+        out = torch.empty(p, n, dtype=xs.dtype, device=xs.device)
+    elif out.shape != (p, n) or out.dtype != xs.dtype or not out.is_contiguous():
+        raise ValueError(f"fp8_grouped: out must be contiguous [{p}, {n}] {xs.dtype}, got "
+                         f"{list(out.shape)} {out.dtype}")
+    if p == 0 or n == 0:
+        return out
+    cfg = config or choose_grouped_config(p, n, k, e)
+    grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _fp8_grouped_kernel[grid](
+        xs, wq, scale, ends, out, p, n, k, xs.stride(0), scale.shape[1], scale.shape[2], e,
+        E_P2=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(xs.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out

@@ -1,0 +1,185 @@
+"""The FP8-weight GEMMs (kernels/triton/fp8_linear.py) on the GPU at GLM-5.3 shapes, against the
+PyTorch reference (kernels/fp8_weights.py: cuBLAS on the dequantized weight).
+
+Tolerances, from the output magnitude: both sides compute with the same weight values
+(dtype(fp32(wq) · scale), checked bit for bit below) and accumulate in fp32, so they differ by
+the summation order (≈ 2^-20 of the output's scale, the tensor cores' fp32 accumulation
+included) and by the final rounding of two nearby fp32 sums to the activation dtype (at most
+one step: 2^-7 relative in bf16): rtol one step of the dtype, atol 2^-10 of the largest
+|output| for the elements near 0. A wrong scale block or a lost k tile moves outputs by
+O(1) relative, far outside.
+
+Run on the device machine: `pytest -m gpu tests/gpu/test_fp8_linear_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsaserve.kernels import fp8_weights as fw
+from dsaserve.model.moe_compute import sorted_pairs
+from dsaserve.model.presets import GLM_5_3
+
+pytestmark = [pytest.mark.gpu]
+if not torch.cuda.is_available():
+    # Skip before importing triton: on a CPU machine the interpreter tests need to be the
+    # first to import it.
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+triton = pytest.importorskip("triton")
+
+from dsaserve.kernels.triton import fp8_linear as fl  # noqa: E402
+
+DEV = "cuda"
+_C = GLM_5_3
+_HEADS = _C["num_attention_heads"]
+# (name, N, K) of GLM-5.3's FP8 projections (one GPU, no TP)
+SHAPES = [
+    ("q_a", _C["q_lora_rank"], _C["hidden_size"]),
+    ("q_b", _HEADS * (_C["qk_nope_head_dim"] + _C["qk_rope_head_dim"]), _C["q_lora_rank"]),
+    ("kv_a", _C["kv_lora_rank"] + _C["qk_rope_head_dim"], _C["hidden_size"]),  # 576: 4.5 blocks
+    ("o_proj", _C["hidden_size"], _HEADS * _C["v_head_dim"]),
+    ("wk", _C["index_head_dim"], _C["hidden_size"]),
+    ("shared_gate_up", 2 * _C["moe_intermediate_size"], _C["hidden_size"]),
+    ("shared_down", _C["hidden_size"], _C["moe_intermediate_size"]),
+]
+SHAPE_IDS = [s[0] for s in SHAPES]
+
+
+def _weight(n: int, k: int, g: torch.Generator, batch: tuple[int, ...] = ()):
+    """Random e4m3 bytes (finite, both signs, subnormals included) and scales spread over four
+    octaves, so that neighbouring blocks differ."""
+    wq = (torch.randn(*batch, n, k, generator=g, device=DEV) * 64).clamp(-448, 448)
+    wq = wq.to(torch.float8_e4m3fn)
+    nb, kb = fw.num_blocks(n), fw.num_blocks(k)
+    scale = torch.exp2(torch.rand(*batch, nb, kb, generator=g, device=DEV) * 4 - 14)
+    return wq, scale
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
+    big = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=step[want.dtype],
+                               atol=2.0**-10 * big)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 4096])
+@pytest.mark.parametrize("name,n,k", SHAPES, ids=SHAPE_IDS)
+def test_fp8_linear_matches_reference(g, name, n, k, m):
+    wq, scale = _weight(n, k, g)
+    x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
+    _assert_close(fl.fp8_linear(x, wq, scale), fw.linear_reference(x, wq, scale))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("m", [1, 300])
+def test_fp8_linear_other_dtypes(g, dtype, m):
+    wq, scale = _weight(576, 6144, g)
+    x = torch.randn(m, 6144, generator=g, device=DEV).to(dtype)
+    _assert_close(fl.fp8_linear(x, wq, scale), fw.linear_reference(x, wq, scale))
+
+
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_fp8_linear_tp_shard(g, m):
+    """A tensor-parallel shard starting mid-block: rows 192 .. 192 + 1000 of q_a and columns
+    100 .. 100 + 3000 (n_off 64, k_off 100), against the same rows of the full product."""
+    wq, scale = _weight(2048, 6144, g)
+    s, n_off = fw.shard_scale(scale, 0, 192, 1192)
+    s, k_off = fw.shard_scale(s, 1, 100, 3100)
+    shard = wq[192:1192, 100:3100].contiguous()
+    x = torch.randn(m, 3000, generator=g, device=DEV).bfloat16()
+    want = fw.linear_reference(x, shard, s.contiguous(), n_off, k_off)
+    _assert_close(fl.fp8_linear(x, shard, s.contiguous(), n_off, k_off), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_weight_values_bit_exact(g, dtype):
+    """One-hot rows pick single weight columns: each output is one product, the weight value
+    itself, so it must equal dtype(fp32(wq) · scale) bit for bit (a truncating cast or a scale
+    of the wrong block shows here even where the tolerance above would hide it)."""
+    n, k = 576, 1000
+    wq, scale = _weight(n, k, g)
+    cols = torch.randperm(k, generator=g, device=DEV)[:64]
+    x = torch.zeros(64, k, device=DEV, dtype=dtype)
+    x[torch.arange(64, device=DEV), cols] = 1
+    want = fw.dequantize(wq, scale, dtype)[:, cols].T  # [64, N]
+    assert torch.equal(fl.fp8_linear(x, wq, scale), want)
+    for split in (1, 3):  # the split path sums exact partials: exact too
+        cfg = fl.Fp8LinearConfig(64, 64, split_k=split)
+        assert torch.equal(fl.fp8_linear(x[:5], wq, scale, config=cfg), want[:5])
+    assert torch.equal(fl.fp8_dequantize(wq, scale, dtype), fw.dequantize(wq, scale, dtype))
+
+
+@pytest.mark.parametrize("p,e", [(64 * 8, 32), (4096 * 8, 32)], ids=["decode", "prefill"])
+@pytest.mark.parametrize("proj", ["w13", "w2"])
+def test_fp8_grouped_matches_reference(g, p, e, proj):
+    """Routed experts of one EP8 rank (32 of 256): the pairs of experts held elsewhere past the
+    last group."""
+    h, inter = _C["hidden_size"], _C["moe_intermediate_size"]
+    n, k = (2 * inter, h) if proj == "w13" else (h, inter)
+    wq, scale = _weight(n, k, g, batch=(e,))
+    ids = torch.randint(0, 8 * e, (p // 8, 8), generator=g, device=DEV)
+    weights = torch.rand(p // 8, 8, generator=g, device=DEV)
+    token_of, _, ends = sorted_pairs(ids, weights, first=e, count=e)
+    xs = torch.randn(p // 8, k, generator=g, device=DEV).bfloat16()[token_of]
+    got = fl.fp8_grouped(xs, wq, scale, ends)
+    want = fw.grouped_reference(xs, wq, scale, ends)
+    _assert_close(got, want)
+    assert (got[int(ends[-1]):] == 0).all()
+
+
+def test_fp8_grouped_replays_in_a_cuda_graph(g):
+    """Captured once with one routing, replayed with others written into the same inputs:
+    the grid does not depend on the routing and `ends` is never read on the host."""
+    e, tokens, k_top = 32, 64, 8
+    h, inter = _C["hidden_size"], _C["moe_intermediate_size"]
+    wq, scale = _weight(2 * inter, h, g, batch=(e,))
+    x = torch.randn(tokens, h, generator=g, device=DEV).bfloat16()
+    ids = torch.randint(0, 8 * e, (tokens, k_top), generator=g, device=DEV)
+    weights = torch.rand(tokens, k_top, generator=g, device=DEV)
+
+    def step():
+        token_of, _, ends = sorted_pairs(ids, weights, first=e, count=e)
+        return fl.fp8_grouped(x[token_of], wq, scale, ends), token_of, ends
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, token_of, ends = step()
+    routings = [torch.randint(0, 8 * e, ids.shape, generator=g, device=DEV),
+                torch.randint(e, 2 * e, ids.shape, generator=g, device=DEV),  # all local
+                torch.randint(2 * e, 8 * e, ids.shape, generator=g, device=DEV),  # none local
+                torch.full(ids.shape, e + 3, device=DEV)]  # one expert takes every pair
+    for new in routings:
+        ids.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fw.grouped_reference(x[token_of], wq, scale, ends)
+        _assert_close(out, want)
+        eager, _, _ = step()
+        assert torch.equal(out, eager)  # the same launch: the same sums
+
+
+def test_fp8_linear_replays_in_a_cuda_graph(g):
+    """A decode projection with split K (its fp32 partials allocated inside the capture)."""
+    wq, scale = _weight(2048, 6144, g)  # q_a: 32 n tiles, split
+    x = torch.randn(1, 6144, generator=g, device=DEV).bfloat16()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fl.fp8_linear(x, wq, scale)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fl.fp8_linear(x, wq, scale)
+    for _ in range(2):
+        x.copy_(torch.randn(1, 6144, generator=g, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, fl.fp8_linear(x, wq, scale))
+        _assert_close(out, fw.linear_reference(x, wq, scale))

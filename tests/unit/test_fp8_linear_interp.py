@@ -1,0 +1,234 @@
+"""The FP8-weight GEMMs (kernels/triton/fp8_linear.py) run by Triton's CPU interpreter against
+the PyTorch reference (kernels/fp8_weights.py), on small irregular shapes: N and K not multiples
+of 128 or of the tiles, shards starting mid-block, split K, grouped rows with empty experts and
+rows past the last group. Skipped when triton is not installed.
+
+Activations are fp32 and fp16 here: the interpreter's tl.dot multiplies bf16 operands as their
+integer bit patterns (triton 3.6 stores bf16 as uint16 and matmuls the raw arrays), with or
+without an accumulator; tests/gpu/test_fp8_linear_gpu.py covers bf16. fp16 does go through the
+kernel's rounding of each weight to the activation dtype (numpy rounds to nearest even).
+
+Tolerances, from the output magnitude: the kernel and the reference compute with the same
+weight values and accumulate in fp32, so they differ by the fp32 summation order (≈ 1e-6 of
+the output's scale) and, in fp16, by the final rounding of the two fp32 sums (≤ one fp16 step,
+2^-10 relative): rtol one step of the dtype, atol a fraction of the largest output.
+
+Like tests/unit/test_triton_interpret.py, triton is imported in a fixture (with
+TRITON_INTERPRET=1, so that its own helpers are interpreted), never at collection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+from dsaserve.kernels import fp8_weights as fw
+from dsaserve.model.make_model import quantize_fp8_blocks
+
+B = fw.FP8_BLOCK
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into an int with int(array) on a size-1 array,
+    which numpy ≥ 2.4 refuses; loops with run-time bounds need it (test_triton_interpret.py
+    applies the same patch)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_size1_index", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._size1_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+def _reload(interpret: bool) -> ModuleType:
+    """fp8_linear imported again: triton.jit picks interpreted or compiled at import time."""
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    return importlib.reload(importlib.import_module("dsaserve.kernels.triton.fp8_linear"))
+
+
+@pytest.fixture(scope="module")
+def fl():
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton")
+        import triton.language.standard as std
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(std.zeros, InterpretedFunction):
+            pytest.skip("triton was imported before without TRITON_INTERPRET=1 (GPU suites)")
+        _patch_interpreter_index()
+        yield _reload(interpret=True)
+        _reload(interpret=False)  # compiled kernels for anything imported later
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = _gen(100 + seed)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3
+    return quantize_fp8_blocks(w)  # (wq [n, k] e4m3, scale [⌈n/128⌉, ⌈k/128⌉])
+
+
+def _shard(n: int, k: int, n_off: int, k_off: int, seed: int = 0):
+    """An [n, k] shard starting n_off rows and k_off columns into its first scale blocks."""
+    wq, scale = _weight(n + n_off, k + k_off, seed)
+    return wq[n_off:, k_off:].contiguous(), scale
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    step = {torch.float32: 2.0**-20, torch.float16: 2.0**-10}[want.dtype]
+    big = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=max(step, 1e-5) * big)
+
+
+DTYPES = [torch.float32, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m,n,k,n_off,k_off", [
+    (1, 200, 300, 0, 0),
+    (5, 130, 260, 64, 0),  # a shard of rows from the middle of a block
+    (64, 70, 150, 0, 37),  # of columns: k tiles straddle two scale blocks
+    (130, 40, 200, 5, 100),  # two m tiles of the prefill bucket
+])
+def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
+    wq, scale = _shard(n, k, n_off, k_off)
+    x = torch.randn(m, k, generator=_gen(m)).to(dtype)
+    _assert_close(fl.fp8_linear(x, wq, scale, n_off, k_off),
+                  fw.linear_reference(x, wq, scale, n_off, k_off))
+
+
+def test_weight_values_are_rounded_once(fl):
+    """One-hot rows pick single weight columns: each output is one product, the weight value
+    itself, so it equals dtype(fp32(wq) · scale) bit for bit — in fp16, a rounding of the fp32
+    product (scales of the checkpoint maker: not powers of two), straddled blocks included."""
+    wq, scale = _shard(150, 200, 64, 37)
+    cols = torch.randperm(200, generator=_gen())[:20]
+    for dtype in DTYPES:
+        x = torch.zeros(20, 200, dtype=dtype)
+        x[torch.arange(20), cols] = 1
+        want = fw.dequantize(wq, scale, dtype, 64, 37)[:, cols].T  # [20, N]
+        assert torch.equal(fl.fp8_linear(x, wq, scale, 64, 37), want)
+
+
+def test_fp8_linear_split_k_and_strided_rows(fl):
+    """K split on its own (few n tiles; the interpreter counts 8 SMs), and forced into three
+    splits, over rows of a wider buffer (a slice of a fused projection's output)."""
+    n, k = 40, 2200
+    wq, scale = _weight(n, k)
+    x = torch.randn(3, k + 9, generator=_gen())[:, 9:]
+    cfg = fl.choose_config(3, n, k)
+    assert fl.choose_split_k(3, n, k, cfg, num_sms=8) == 2
+    want = fw.linear_reference(x.contiguous(), wq, scale)
+    _assert_close(fl.fp8_linear(x, wq, scale), want)
+    forced = fl.Fp8LinearConfig(16, 32, 64, split_k=3)
+    _assert_close(fl.fp8_linear(x, wq, scale, config=forced), want)
+
+
+def test_split_k_choice(fl):
+    cfg = fl.Fp8LinearConfig(16, 64)
+    # enough n tiles for two programs per SM: no split
+    assert fl.choose_split_k(1, 2 * 132 * 64, 2048, cfg, num_sms=132) == 1
+    assert fl.choose_split_k(1, 2 * 132 * 64 - 64, 2048, cfg, num_sms=132) == 2
+    # q_a-like (32 n tiles): more programs, ≥ 4 k tiles per split, partials ≤ 1/8 of weights
+    assert fl.choose_split_k(1, 2048, 6144, cfg, num_sms=132) == 6  # capped by the partials
+    # the same for every M of the bucket (one compiled kernel)
+    assert {fl.choose_split_k(m, 2048, 6144, cfg, num_sms=132) for m in range(1, 17)} == {6}
+    assert fl.choose_split_k(1, 576, 512, cfg, num_sms=132) == 1  # 4 k tiles: one split
+    # the partials capped at 1/8 of the weight bytes: M = 64 over K = 2048 does not split
+    assert fl.choose_split_k(64, 576, 2048, fl.Fp8LinearConfig(64, 64), num_sms=132) == 1
+    assert fl.choose_split_k(16, 576, 6144, cfg, num_sms=132) == 6
+    # prefill buckets never split (their m tiles vary with M)
+    assert fl.choose_split_k(100, 576, 6144, fl.choose_config(100, 576, 6144), 132) == 1
+    for m, n, k in [(1, 576, 6144), (16, 2048, 6144), (7, 100, 1000)]:
+        splits = fl.choose_split_k(m, n, k, cfg, num_sms=132)
+        k_tiles = -(-k // cfg.block_k)
+        per = -(-k_tiles // splits)
+        assert splits >= 1 and per >= fl.MIN_K_TILES_PER_SPLIT or splits == 1
+        assert -(-k_tiles // per) == splits  # no empty split
+
+
+def test_fp8_dequantize_is_exact(fl):
+    wq, scale = _shard(150, 200, 64, 37)
+    for dtype in DTYPES:
+        got = fl.fp8_dequantize(wq, scale, dtype, 64, 37)
+        assert torch.equal(got, fw.dequantize(wq, scale, dtype, 64, 37))
+    stacked = [_weight(130, 140, seed) for seed in range(3)]
+    wq3, s3 = torch.stack([p[0] for p in stacked]), torch.stack([p[1] for p in stacked])
+    out = torch.full(wq3.shape, float("nan"), dtype=torch.float16)
+    assert fl.fp8_dequantize(wq3, s3, torch.float16, out=out) is out
+    assert torch.equal(out, fw.dequantize(wq3, s3, torch.float16))
+
+
+def _experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [_weight(n, k, seed) for seed in range(e)]
+    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("counts,tail", [
+    ([3, 0, 20, 1, 0], 13),  # empty experts, a group over two tiles, rows past the end
+    ([0, 0, 0, 0, 0], 6),  # every row held elsewhere
+    ([40, 0, 0, 0, 7], 0),  # P not a multiple of the tile, nothing past the end
+    ([17, 1, 1, 33, 1], 1),  # every run one row into a new tile: the grid's last tile used
+])
+def test_fp8_grouped_matches_reference(fl, dtype, counts, tail):
+    wq, scale = _experts(len(counts), 150, 200)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    p = sum(counts) + tail
+    xs = torch.randn(p, 200, generator=_gen(p)).to(dtype)
+    out = torch.full((p, 150), float("nan"), dtype=dtype)  # every element must be written
+    got = fl.fp8_grouped(xs, wq, scale, ends, out=out)
+    assert got is out
+    _assert_close(got, fw.grouped_reference(xs, wq, scale, ends))
+    assert (got[sum(counts):] == 0).all()
+
+
+def test_fp8_grouped_tiles_and_one_expert(fl):
+    """Forced 16-row tiles over 37 rows of a single expert (three tiles, the last partial),
+    and the default tile for 5 pairs per expert on average."""
+    wq, scale = _experts(1, 70, 130)
+    xs = torch.randn(37, 130, generator=_gen())
+    ends = torch.tensor([37], dtype=torch.int32)
+    cfg = fl.Fp8LinearConfig(16, 32)
+    _assert_close(fl.fp8_grouped(xs, wq, scale, ends, config=cfg),
+                  fw.grouped_reference(xs, wq, scale, ends))
+    assert fl.choose_grouped_config(64 * 8, 4096, 6144, 32).block_m == 32  # decode: 16 / expert
+    assert fl.choose_grouped_config(16384 * 8, 4096, 6144, 32).block_m == 128  # prefill
+
+
+def test_arguments_are_checked(fl):
+    wq, scale = _weight(200, 300)
+    x = torch.randn(2, 300)
+    with pytest.raises(ValueError, match="scale shape"):
+        fl.fp8_linear(x, wq, scale, n_off=100)
+    with pytest.raises(ValueError, match="K = 299"):
+        fl.fp8_linear(torch.randn(2, 299), wq, scale)
+    with pytest.raises(ValueError, match="unit last stride"):
+        fl.fp8_linear(x.t().contiguous().t(), wq, scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fl.fp8_linear(x, wq.float(), scale)
+    w3, s3 = wq[None], scale[None]
+    with pytest.raises(ValueError, match="ends"):
+        fl.fp8_grouped(x, w3, s3, torch.tensor([2]))  # int64 ends
+    with pytest.raises(ValueError, match="block_k"):
+        fl.Fp8LinearConfig(16, 64, 256)
