@@ -658,15 +658,20 @@ class ModelRunner:
         sampled_ids = [req_ids[r] for r in plain + verify]
         param_rows = self.block_table.rows(sampled_ids)
         tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
-        emitted_from: list[torch.Tensor] = []  # the logits of every row a token comes from
+        # One log_softmax per row a token comes from (sampled or verified) serves both its
+        # token's log-probability and, when some live request asked, the row's top-W.
+        width = self.sampling.top_logprobs_width  # host-known: no read of the device
+        emitted_from: list[torch.Tensor] = []  # [rows, V] log-probabilities, kept for the top-W
         if plain:
             last_rows, rows_d = staging.upload(
                 [torch.tensor([qsl[r + 1] - 1 for r in plain]),
                  torch.from_numpy(param_rows[: len(plain)])], dev)
             logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
+            logprobs = logits.log_softmax(-1)  # [M, V]
             tokens, lps = sample_on_device(
-                logits, self.sampling.batch(sampled_ids[: len(plain)], rows_d))
-            emitted_from.append(logits)
+                logits, self.sampling.batch(sampled_ids[: len(plain)], rows_d), logprobs)
+            if width:
+                emitted_from.append(logprobs)
         accepted = torch.zeros(0, dtype=torch.int64, device=dev)
         emitted = emitted_lps = torch.zeros(0, 1, dtype=torch.int64, device=dev)
         if verify:
@@ -692,13 +697,17 @@ class ModelRunner:
                 self._synthetic_rates)
             # token i of a run comes from row i: its log-probability there
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
-            emitted_lps = logits.log_softmax(-1).gather(-1, emitted[..., None])[..., 0]
-            emitted_from.append(logits.flatten(0, 1))
-        # some live request asked for logprobs: the top-W of every row, one topk for the step
+            logprobs = logits.log_softmax(-1)  # [M, k+1, V]
+            emitted_lps = logprobs.gather(-1, emitted[..., None])[..., 0]
+            if width:
+                emitted_from.append(logprobs.flatten(0, 1))
+        # some live request asked for logprobs: the top-W of every row (plain rows, then the
+        # verifying ones), a topk per group: the [rows, V] log-probabilities are never copied
         top_ids = top_lps = None
-        width = self.sampling.top_logprobs_width
-        if width and emitted_from:
-            top_ids, top_lps = top_logprobs(torch.cat(emitted_from), width)
+        if emitted_from:
+            tops = [top_logprobs(lp, width) for lp in emitted_from]  # ([rows, W], [rows, W])
+            top_ids = torch.cat([ids for ids, _ in tops])  # [M + V·(k+1), W]
+            top_lps = torch.cat([lp for _, lp in tops])
         return step_results.DeviceSamples(plain, tokens, lps, verify, accepted, emitted,
                                           emitted_lps, num_drafts if verify else None,
                                           top_ids, top_lps)

@@ -150,10 +150,13 @@ def sample_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample_on_device(
     logits: torch.Tensor,  # [R, V] fp32
     batch: SamplingBatch,
+    logprobs: torch.Tensor | None = None,  # [R, V] fp32: logits.log_softmax(-1), if computed
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row [R] int64 and its log-probability under the unfiltered distribution
-    [R] fp32, both left on the device (the step copies its results to the host once)."""
-    logprobs = logits.log_softmax(-1)  # [R, V]
+    [R] fp32, both left on the device (the step copies its results to the host once). A caller
+    that also needs the rows' top-k passes their `logprobs`: one log_softmax serves both."""
+    if logprobs is None:
+        logprobs = logits.log_softmax(-1)  # [R, V]
     if batch.any_sampled:
         tokens = sample_probs(sampling_probs(logits, batch), batch)  # [R]
     else:
@@ -161,12 +164,12 @@ def sample_on_device(
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 
-def top_logprobs(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [R, V] → the `width` most likely tokens of each row under the raw distribution:
-    ids [R, W] int64 and log-probabilities [R, W] fp32, most likely first (W = min(width, V)).
-    One log_softmax and one topk over every row the step emits from (sampled or verified), so
-    a step pays it once, only when some live request asked (SamplingParams.logprobs)."""
-    values, ids = logits.log_softmax(-1).topk(min(width, logits.shape[-1]), dim=-1)
+def top_logprobs(logprobs: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logprobs [R, V] (the raw distribution's log_softmax, the one the chosen tokens' values
+    were gathered from) → the `width` most likely tokens of each row: ids [R, W] int64 and
+    log-probabilities [R, W] fp32, most likely first (W = min(width, V)). A step pays it only
+    when some live request asked (SamplingParams.logprobs)."""
+    values, ids = logprobs.topk(min(width, logprobs.shape[-1]), dim=-1)
     return ids, values
 
 

@@ -27,7 +27,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsaserve.config import ConfigError
-from dsaserve.core import KVTransferParams, RequestError, SamplingParams, TokenLogprob
+from dsaserve.core import KVTransferParams, RequestError, SamplingParams
 from dsaserve.serve.async_engine import (
     AsyncEngine,
     EngineDeadError,
@@ -38,7 +38,7 @@ from dsaserve.serve.auth import APIKeyMiddleware
 from dsaserve.serve.drain import DrainMiddleware, DrainState
 from dsaserve.serve.guard_metrics import GuardCollector
 from dsaserve.serve.limits import RequestLimitError, check_lengths, check_supported
-from dsaserve.serve.logprobs import LogprobFormatter, requested
+from dsaserve.serve.logprobs import LogprobFormatter, LogprobSpans, PlacedLogprob, requested
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
 from dsaserve.serve.middleware import BodySizeLimitMiddleware
 from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
@@ -122,6 +122,12 @@ def find_stop(text: str, stop: Sequence[str]) -> int:
     return min(found, default=-1)
 
 
+def stop_length(text: str, start: int, stop: Sequence[str]) -> int:
+    """Length of the shortest stop string at `start` of `text` (find_stop's match: the one that
+    completes first)."""
+    return min(len(s) for s in stop if text.startswith(s, start))
+
+
 def held_back(text: str, stop: Sequence[str]) -> int:
     """How many trailing characters of `text` could be the start of a stop string: they are held
     back until the next output shows whether the stop string completes.
@@ -152,6 +158,10 @@ class Generation:
         step k:    "... is ST"      → release "... is ",  hold "ST"
         step k+1:  "ST" + "OP now"  → "STOP" found at 0: release nothing, finish with "stop"
 
+    The logprob entries (SamplingParams.logprobs) follow the text: `take_logprobs` gives those
+    whose text has been yielded, and the rest once the generation ended (serve/logprobs.py,
+    LogprobSpans: which tokens a stop string leaves, each token's text offset).
+
     `close()` is idempotent and runs on every exit path: it aborts the request in the engine if it
     has not finished (client gone, stop string) and records the request's metrics.
     """
@@ -169,15 +179,18 @@ class Generation:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
         self._tracker = tracker
         self._held = ""  # text that may be the start of a stop string
+        self._num_released = 0  # characters of text yielded so far
+        self._ended = False  # deltas() has returned: no more text will come
         self._closed = False
-        # the logprob entries of tokens received and not yet taken (SamplingParams.logprobs);
-        # a stop string cuts the text, not the entries of the tokens already received
-        self._logprobs: list[TokenLogprob] = []
+        # the logprob entries (SamplingParams.logprobs) of the tokens received, tied to their text
+        self._logprobs = LogprobSpans(tokenizer)
 
-    def take_logprobs(self) -> list[TokenLogprob]:
-        """The logprob entries received since the last call (in token order)."""
-        taken, self._logprobs = self._logprobs, []
-        return taken
+    def take_logprobs(self) -> list[PlacedLogprob]:
+        """The logprob entries not taken yet whose text has been yielded, in token order; once
+        deltas() has returned, all that are left (LogprobSpans: a stop string leaves the tokens
+        up to the one that completes it), so a stream's last piece of text never carries the
+        entries of text it withholds: the finishing chunk does."""
+        return self._logprobs.take(self._num_released, final=self._ended)
 
     @property
     def usage(self) -> Usage:
@@ -188,27 +201,35 @@ class Generation:
             async for out in self.stream:
                 self._tracker.on_tokens(len(out.new_token_ids))
                 self.num_output_tokens += len(out.new_token_ids)
-                self._logprobs += out.logprobs or ()
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
-                text = self._held + "".join(self._detok.push(t) for t in out.new_token_ids)
+                text = self._held
+                for k, t in enumerate(out.new_token_ids):
+                    text += (piece := self._detok.push(t))
+                    if out.logprobs is not None:
+                        self._logprobs.push(out.logprobs[k], piece)
                 if out.finished:
-                    text += self._detok.flush()
+                    text += (piece := self._detok.flush())
+                    self._logprobs.flush(piece)
                     self.finish_reason = out.finish_reason
                     self.error = out.error
                     if out.kv_transfer_params is not None:
                         self.kv_transfer_params = out.kv_transfer_params.to_json()
                 if self.stop and (i := find_stop(text, self.stop)) >= 0:
+                    # `text` starts after the text released so far
+                    self._logprobs.cut(self._num_released + i + stop_length(text, i, self.stop))
                     text = text[:i]
                     self.finish_reason = "stop"
                     self.stream.abort()  # the engine would otherwise keep generating
                 keep = 0 if self.finish_reason is not None else held_back(text, self.stop)
                 self._held = text[len(text) - keep:]
                 if piece := text[:len(text) - keep]:
+                    self._num_released += len(piece)
                     yield piece
                 if self.finish_reason is not None:
                     return
         finally:
+            self._ended = True
             self.close()
 
     def close(self) -> None:

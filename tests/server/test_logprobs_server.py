@@ -6,6 +6,7 @@ field; prompt_logprobs stays a 400 that says what is supported instead."""
 from __future__ import annotations
 
 import json
+from os.path import commonprefix
 
 import openai.types
 import openai.types.chat
@@ -62,10 +63,11 @@ def test_completions_legacy_format(client, engine, tok) -> None:
     want = _engine_entries(engine, 3)
     assert lp.tokens == [tok.decode([e.token_id], skip_special_tokens=False) for e in want]
     assert lp.token_logprobs == pytest.approx([e.logprob for e in want], abs=1e-5)
-    offsets = [0]
-    for t in lp.tokens[:-1]:
-        offsets.append(offsets[-1] + len(t))
-    assert lp.text_offset == offsets
+    # where each token's text starts in the returned text: the characters the tokens before
+    # it decode to (tests/server/test_logprob_text.py has special tokens and byte pieces)
+    ids = [e.token_id for e in want]
+    assert lp.text_offset == [len(commonprefix([tok.decode(ids[:i]), choice.text]))
+                              for i in range(len(ids))]
     for top, e, text in zip(lp.top_logprobs, want, lp.tokens, strict=True):
         # the 3 most likely (distinct texts) and the chosen token's
         assert text in top and top[text] == pytest.approx(e.logprob, abs=1e-5)

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dsaserve.config import SpecConfig
 from dsaserve.core import (
@@ -27,7 +28,7 @@ from dsaserve.core import (
 )
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.runner import ModelRunner
-from dsaserve.engine.sampler import top_logprobs
+from dsaserve.engine.sampler import sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
 
 ATOL = 2e-3  # a batched decode against one prefill of the whole sequence (fp32 CPU: ~1e-5)
@@ -214,8 +215,74 @@ def test_logprobs_above_max_logprobs_are_refused(engine_config, model_dirs):
 
 def test_top_logprobs_op():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.5, 0.0, 5.0, -1.0]])
-    ids, lps = top_logprobs(logits, 2)
+    ids, lps = top_logprobs(logits.log_softmax(-1), 2)
     assert ids.tolist() == [[1, 2], [2, 0]]
     assert torch.allclose(lps, logits.log_softmax(-1).gather(1, ids))
-    ids, _ = top_logprobs(logits, 9)  # wider than the vocabulary: all of it
+    ids, _ = top_logprobs(logits.log_softmax(-1), 9)  # wider than the vocabulary: all of it
     assert ids.shape == (2, 4)
+
+
+def test_sample_on_device_takes_the_callers_log_softmax():
+    """Given the rows' log_softmax (the runner keeps it for the top-N), the same tokens and
+    values as without."""
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.0, top_k=3)]
+
+    def batch():  # a fresh table each time: the same draws
+        table = SamplingTable(3, torch.device("cpu"), seed=0)
+        for i, p in enumerate(params):
+            table.add(f"r{i}", i, p)
+        return table.batch(["r0", "r1", "r2"], torch.arange(3))
+
+    logprobs = logits.log_softmax(-1)
+    own, given = sample_on_device(logits, batch()), sample_on_device(logits, batch(), logprobs)
+    assert torch.equal(own[0], given[0]) and torch.equal(own[1], given[1])
+    assert torch.equal(given[1], logprobs.gather(1, given[0][:, None])[:, 0])
+
+
+class _LogSoftmaxRows(TorchFunctionMode):
+    """Counts the rows every log_softmax of the step normalises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.log_softmax, torch.log_softmax,
+                    torch.nn.functional.log_softmax):
+            self.rows += args[0].numel() // args[0].shape[-1]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_one_log_softmax_per_emitting_row(engine_config, draftable, k):
+    """A decode step with logprobs asked: each row a token comes from (the plain requests' last
+    rows, each verifying request's k + 1 rows) is normalised once, for its token's
+    log-probability and the top-N alike."""
+    cfg = engine_config(draftable["tiny-glm5"], max_num_seqs=4)
+    if k is not None:
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+    engine = LLMEngine.from_config(cfg)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                          logprobs=N if i != 1 else None))
+    for _ in range(3):  # prefill, then decode steps (with MTP: drafts to verify)
+        engine.step()
+    so = engine.scheduler.schedule()
+    drafts = so.scheduled_spec_token_ids
+    assert all(n == 1 + len(drafts.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
+    if k is not None:
+        assert drafts, "no drafts verified"
+    # rows emitted from: one per plain request, k + 1 per verifying one (k: the most drafts)
+    width = 1 + max((len(d) for d in drafts.values()), default=0)
+    rows = sum(1 if rid not in drafts else width for rid in so.num_scheduled_tokens)
+    with _LogSoftmaxRows() as mode:
+        out = engine.runner.execute(so)
+    assert mode.rows == rows
+    assert all(len(top) == N for tops in out.top_logprobs.values() for top in tops)
+    engine.scheduler.update_from_output(so, out)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()

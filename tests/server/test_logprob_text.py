@@ -1,0 +1,211 @@
+"""logprobs against the text returned, over HTTP, on scripted engine outputs (several tokens per
+output, as MTP steps give; special tokens; the byte pieces of one character): a stop string
+keeps the entries of the tokens up to the one that completes it, as generating one token at a
+time would (vLLM's behaviour); a streamed entry goes out only with its token's text; and
+text_offset is where each token's text starts in the returned text. Checked against brute-force
+references built from the tokenizer alone, in both endpoints, whole and streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from os.path import commonprefix
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from server_harness import MODEL_NAME
+
+from dsaserve.core import RequestOutput, SamplingParams, TokenLogprob
+from dsaserve.serve.api import ServerConfig, create_app
+from dsaserve.serve.async_engine import AsyncEngine, RequestStream
+from dsaserve.tokenizer import Tokenizer
+
+
+class ScriptedEngine:
+    """The module's engine (config, tokenizer, stats) whose requests emit `script`: one
+    RequestOutput per inner list of token ids, each token with an entry whose log-probability
+    tells its position (−1 − i / 100)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self.script: list[list[int]] = []
+        self.aborted: list[str] = []
+        self.max_stream_buffer = 1024
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams, **_: Any) -> RequestStream:
+        stream = RequestStream(request_id, self, asyncio.get_running_loop())  # type: ignore[arg-type]
+        n = 0
+        for k, ids in enumerate(self.script):
+            last = k == len(self.script) - 1
+            entries = tuple(TokenLogprob(t, _lp(n + i), ((t, _lp(n + i)),))
+                            for i, t in enumerate(ids))
+            n += len(ids)
+            stream.queue.put_nowait(RequestOutput(
+                request_id, tuple(ids), last, "length" if last else None,
+                num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=0,
+                num_output_tokens=n, logprobs=entries))
+        return stream
+
+    def _abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _lp(i: int) -> float:
+    return -1.0 - i / 100
+
+
+@pytest.fixture(scope="module")
+def scripted(engine: AsyncEngine) -> ScriptedEngine:
+    return ScriptedEngine(engine)
+
+
+@pytest.fixture(scope="module")
+def client(scripted: ScriptedEngine):
+    app = create_app(scripted, ServerConfig(served_model_name=MODEL_NAME))  # type: ignore[arg-type]
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(engine: AsyncEngine) -> Tokenizer:
+    assert engine.tokenizer is not None
+    return engine.tokenizer
+
+
+# ---- the references: the tokenizer alone, one token at a time --------------------------------
+def released(tok: Tokenizer, ids: list[int], n: int) -> str:
+    """The text after n tokens, one at a time: a trailing U+FFFD (maybe an unfinished character)
+    is released with the token after it, or at the end."""
+    if n == len(ids):
+        return tok.decode(ids)
+    return tok.decode(ids[:max(m for m in range(n + 1)
+                               if not tok.decode(ids[:m]).endswith("\ufffd"))])
+
+
+def kept(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], str]:
+    """The tokens a request keeps and its text: generating one token at a time, it stops after
+    the first token whose text completes a stop string, and its text ends before that string."""
+    for n in range(1, len(ids) + 1):
+        text = released(tok, ids, n)
+        found = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if found:
+            return ids[:n], text[:min(found)]
+    return ids, tok.decode(ids)
+
+
+def offsets(tok: Tokenizer, ids: list[int], text: str) -> list[int]:
+    """Where token i's text starts in `text`: the characters of `text` that the tokens before it
+    already decode to (a special token adds none, the bytes of one character share its start)."""
+    return [len(commonprefix([tok.decode(ids[:i]), text])) for i in range(len(ids))]
+
+
+def _body(chat: bool, stop: list[str], stream: bool) -> dict[str, Any]:
+    if chat:
+        body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                "top_logprobs": 1}
+    else:
+        body = {"prompt": [5, 6, 7], "logprobs": 1}
+    return body | {"max_tokens": 64, "stop": stop, "stream": stream}
+
+
+def _request(client: TestClient, chat: bool, stop: list[str]) -> tuple[str, list[dict], dict]:
+    """The whole response's text and entries (chat's content or completions' lists zipped),
+    and the response."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = client.post(path, json=_body(chat, stop, stream=False))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if chat:
+        return choice["message"]["content"], choice["logprobs"]["content"], choice
+    lp = choice["logprobs"]
+    return choice["text"], [{"token": t, "logprob": v, "text_offset": o} for t, v, o in zip(
+        lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)], choice
+
+
+def _stream(client: TestClient, chat: bool, stop: list[str]) -> list[tuple[str, list[dict],
+                                                                          str | None]]:
+    """Each streamed chunk's (text, entries, finish_reason)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with client.stream("POST", path, json=_body(chat, stop, stream=True)) as r:
+        assert r.status_code == 200
+        lines = [line.removeprefix("data: ") for line in r.iter_lines()
+                 if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    out = []
+    for c in (json.loads(line) for line in lines[:-1]):
+        choice = c["choices"][0]
+        lp = choice["logprobs"]
+        if chat:
+            text, entries = choice["delta"].get("content") or "", (lp or {}).get("content", [])
+        else:
+            text = choice["text"]
+            entries = [] if lp is None else [
+                {"token": t, "logprob": v, "text_offset": o} for t, v, o in zip(
+                    lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)]
+        out.append((text, entries, choice["finish_reason"]))
+    return out
+
+
+def _check(client: TestClient, scripted: ScriptedEngine, tok: Tokenizer, chat: bool,
+           script: list[list[int]], stop: list[str]) -> None:
+    scripted.script = script
+    ids = [t for step in script for t in step]
+    want_ids, want_text = kept(tok, ids, stop)
+    text, entries, _ = _request(client, chat, stop)
+    assert text == want_text
+    # exactly the kept tokens' entries, in order (the log-probability tells the position)
+    assert [e["logprob"] for e in entries] == [_lp(i) for i in range(len(want_ids))]
+    assert [e["token"] for e in entries] == [tok.decode([t], skip_special_tokens=False)
+                                             for t in want_ids]
+    if not chat:
+        assert [e["text_offset"] for e in entries] == offsets(tok, want_ids, text)
+    # streamed: the same entries joined; none sent before its token's text (and the text of
+    # every token before it) was
+    chunks = _stream(client, chat, stop)
+    assert "".join(t for t, _, _ in chunks) == text
+    assert [e for _, es, _ in chunks for e in es] == entries
+    released, sent = "", 0
+    for piece, es, finish_reason in chunks:
+        released += piece
+        sent += len(es)
+        if finish_reason is None:
+            assert released.startswith(tok.decode(want_ids[:sent])), (released, sent)
+
+
+def _ids(tok: Tokenizer, *pieces: str) -> list[list[int]]:
+    return [tok.encode(p) for p in pieces]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("steps", [
+    ("the answer is STOP and more",),  # one output: tokens after the stop string
+    ("the answer", " is S", "TOP and", " more"),  # the stop string straddles outputs
+    ("the answer is S", "T", "O", "P"),  # one token per output at the end
+    ("STOP now",),  # at the very start: no text
+], ids=["one-output", "straddling", "one-per-output", "at-start"])
+def test_a_stop_string_keeps_the_tokens_through_the_one_completing_it(client, scripted, tok,
+                                                                     chat, steps) -> None:
+    _check(client, scripted, tok, chat, _ids(tok, *steps), ["STOP", "never"])
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_held_back_text_that_is_no_stop_string_is_released_with_its_entries(
+        client, scripted, tok, chat) -> None:
+    _check(client, scripted, tok, chat, _ids(tok, "the S", "T", "AR is", " out"), ["STOP"])
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stop", [[], ["fé"], ["y"]], ids=["no-stop", "stop-in-char", "stop"])
+def test_special_tokens_and_byte_pieces_in_the_text(client, scripted, tok, chat, stop) -> None:
+    """<|user|> (skipped in the text: adds 0 to the offsets), the two byte pieces of "é" in
+    separate outputs, a lone byte (U+FFFD in the text) and eos at the end."""
+    user, eos = tok.token_to_id("<|user|>"), tok.eos_token_id
+    e1, e2 = tok.encode("é")
+    script = [tok.encode("x"), [user] + tok.encode(" ca") + [tok.encode("f")[0], e1], [e2],
+              tok.encode(" y") + [e1], tok.encode("z") + [eos]]
+    _check(client, scripted, tok, chat, script, stop)
