@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from dsaserve.config import (
@@ -22,6 +23,7 @@ from dsaserve.config import (
     ConfigError,
     DisaggConfig,
     EngineConfig,
+    FP8WeightConfig,
     HiSparseConfig,
     ModelConfig,
     OffloadConfig,
@@ -132,6 +134,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="engine seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weight / activation dtype; auto: the checkpoint's")
+    g.add_argument("--quantization", "-q", choices=("fp8",), default=None,
+                   help="fp8: matrices in FP8 with 128x128 block scales, kept in FP8 on every "
+                        "device (a bf16 checkpoint is quantized at load); default: an FP8 "
+                        "checkpoint is kept in FP8 on a GPU, dequantized on the CPU")
     g.add_argument("--attention-config", default=None,
                    type=_json_flag("--attention-config", AttentionConfig.from_json),
                    help='JSON object, e.g. \'{"sparse_mla_force_mqa": true}\'')
@@ -213,6 +219,8 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
             raise ConfigError(f"--speculative-config: the checkpoint {path} has no MTP layer "
                               "(num_nextn_predict_layers is 0 or its weights are absent)")
     device = args.device or _default_device()
+    if args.quantization == "fp8" and model_config.fp8_weights is None:
+        model_config = replace(model_config, fp8_weights=FP8WeightConfig())  # quantized at load
     return EngineConfig(
         model_path=str(path),
         model=model_config,
@@ -243,6 +251,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         dtype=args.dtype,
         device=device,
         seed=args.seed,
+        keep_fp8_weights=True if args.quantization == "fp8" else None,
     )
 
 

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from dsaserve.config import ConfigError, ModelConfig
 from dsaserve.model.fp8 import Fp8Linear
+from dsaserve.model.make_model import quantize_fp8_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -330,13 +331,13 @@ def _load(
             for name in to_load[path]:
                 try:
                     dst = _destination(name, targets)
-                    if dst.dtype == torch.float8_e4m3fn:  # kept as stored, with its scale
+                    if dst.dtype == torch.float8_e4m3fn:  # kept in FP8, with its scale
                         value = reader.get(name)
-                        if value.dtype != torch.float8_e4m3fn:
-                            raise LoadError(f"{name}: stored as {value.dtype}, but the config's "
-                                            "quantization_config says FP8")
-                        scale_dst, scale = _scale_destination(
-                            name, targets, _read_scale(reader, name, value, block))
+                        if value.dtype == torch.float8_e4m3fn:  # as stored
+                            scale = _read_scale(reader, name, value, block)
+                        else:  # a bf16 / fp32 checkpoint served with --quantization fp8
+                            value, scale = quantize_fp8_blocks(value.float())
+                        scale_dst, scale = _scale_destination(name, targets, scale)
                         _copy(scale_dst, scale, name + SCALE_SUFFIX)
                     else:
                         value = _read_dequantized(reader, name, block)

@@ -75,3 +75,35 @@ def test_every_fp8_matrix_stays_fp8(fp8_dir, engine_config):
                     if p.dtype == torch.bfloat16 and p.dim() >= 2)
     # the FP8 values replace exactly half the bf16 bytes of what they hold
     assert fp8_bytes * 2 == ref_bytes - kept_bf16
+
+
+def test_quantization_fp8_quantizes_a_bf16_checkpoint_at_load(tmp_path):
+    """`--quantization fp8` on a float32 checkpoint: its matrices quantized at load into the
+    bytes and block scales an FP8 checkpoint of the same weights stores (make_model quantizes them
+    the same way), kept in FP8 even on the CPU; kv_b_proj, which stays in the model dtype, keeps
+    the checkpoint's values."""
+    import argparse
+
+    from dsaserve.engine.args import add_engine_args, engine_config_from_args
+
+    plain = make_model("tiny-glm5", tmp_path / "plain")
+    stored = make_model("tiny-glm5", tmp_path / "fp8", fp8=True)
+    parser = add_engine_args(argparse.ArgumentParser())
+    flags = ["--block-size", "16", "--num-gpu-blocks-override", "8", "--max-model-len", "256",
+             "--device", "cpu", "-q", "fp8"]
+    online = engine_config_from_args(parser.parse_args(flags), str(plain))
+    assert online.keep_fp8_weights and online.model.fp8_weights is not None
+    got = ModelRunner(online).model.state_dict()
+    want = ModelRunner(engine_config_from_args(parser.parse_args(flags), str(stored))
+                       ).model.state_dict()
+    plain_model = ModelRunner(engine_config_from_args(parser.parse_args(flags[:-2]), str(plain))
+                              ).model.state_dict()
+    fp8_names = [n for n, t in want.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8_names) > 20
+    for name, t in want.items():
+        if "kv_b_proj" in name:
+            assert torch.equal(got[name], plain_model[name]), name
+        else:  # FP8 values compared as bytes (float8 has no equality kernel on the CPU)
+            a, b = (got[name], t) if t.dtype != torch.float8_e4m3fn else (
+                got[name].view(torch.uint8), t.view(torch.uint8))
+            assert torch.equal(a, b), name
