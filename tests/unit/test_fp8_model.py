@@ -13,11 +13,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_model_vs_hf import _prompt, run_chunks
 
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.model import fp8
 from dsaserve.model.make_model import make_model
-from tests.unit.test_model_vs_hf import _prompt, run_chunks
 
 
 @pytest.fixture(scope="module", params=["tiny-glm5", "tiny-dsv32"])
