@@ -6,6 +6,7 @@ model (plan/steptime.py); per request, predicted against measured TTFT and inter
     python benchmarks/simulate_calibration.py --contexts 8192,32768 --concurrency 2,8
     python benchmarks/simulate_calibration.py --enforce-eager    # decode eager, as the flag
     python benchmarks/simulate_calibration.py --mtp 3            # MTP3, synthetic acceptance 2.99
+    python benchmarks/simulate_calibration.py --weights fp8      # an FP8 checkpoint, kept in FP8
     python benchmarks/simulate_calibration.py --smoke            # CPU, tiny model (CI)
 
 Both runs share the simulator's event loop (arrivals, think times, routing, the scheduler), so
@@ -13,8 +14,10 @@ what differs is only how long each step takes. The measured run also prices each
 steps, which separates the step model's error from the different interleavings the two clocks
 lead to. The model is built from the H200's measured parts, so only an H200 run means anything.
 The simulated deployment is given the settings the real runner runs with (`deployment_spec`):
-its KV dtype, its weights' precision (bf16: the engine dequantizes FP8 checkpoints at load),
-whether its decode steps replay CUDA graphs, its MTP drafts.
+its KV dtype, its weights (`--weights fp8`: the runner keeps the FP8 matrices on CUDA and
+multiplies them with bf16 activations, `weights=fp8-weight-only`; a bf16 checkpoint, or FP8
+dequantized at load as on the CPU, `weights=bf16`), whether its decode steps replay CUDA graphs,
+its MTP drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from dsaserve.config import (
 )
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.model.dsa import keeps_fp8
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.deployment import parse_deployment
@@ -72,8 +76,11 @@ ACCEPTANCE = 2.99  # MTP's synthetic mean acceptance length (benchmarks/decode.p
 def deployment_spec(runner: ModelRunner) -> str:
     """The one-GPU deployment the simulator is given: the real runner's own settings."""
     cfg = runner.config
+    # The model as built: FP8 layers only where the runner keeps the checkpoint's FP8 (CUDA);
+    # either way the activations, and so the products, are bf16 (or fp32)
+    weights = "fp8-weight-only" if keeps_fp8(runner.model.cfg) else "bf16"
     words = ["tp1", "kv=" + ("fp8_ds_mla" if cfg.cache.kv_cache_dtype == "fp8_ds_mla" else
-                             "bf16"), "weights=bf16"]  # the runner multiplies in bf16 (or fp32)
+                             "bf16"), f"weights={weights}"]
     graphs = runner.decode_graphs
     if graphs is None or not graphs.capture:  # eager decode: --enforce-eager, or the CPU
         words.append("enforce-eager")
@@ -110,7 +117,7 @@ def errors(measured: SimResult, modelled: SimResult) -> dict[str, float]:
             "itl": statistics.median(itl) if itl else float("nan")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--contexts", default="8192,32768")
@@ -122,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the engine's flag: decode steps run eager, not from CUDA graphs")
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help=f"MTP drafts per step, accepted at synthetic length {ACCEPTANCE}")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
+                    help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block "
+                         "scales as the released checkpoints (kept in FP8 on CUDA; default: "
+                         "%(default)s)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     contexts = [int(c) for c in args.contexts.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -131,11 +146,12 @@ def main(argv: list[str] | None = None) -> int:
         contexts, concurrency, args.sessions, args.turns, args.output_tokens = [256], [2], 2, 2, 4
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "model"
+        fp8 = args.weights == "fp8"
         if args.smoke:
-            make_model("tiny-glm5", model_dir)
+            make_model("tiny-glm5", model_dir, fp8=fp8)
         else:
-            make_model("glm-5.3", model_dir, overrides=glm53_shaped(args.layers,
-                                                                    mtp=args.mtp > 0))
+            make_model("glm-5.3", model_dir, fp8=fp8,
+                       overrides=glm53_shaped(args.layers, mtp=args.mtp > 0))
         model = ModelConfig.from_file(model_dir)
         print("| context | c | requests | TTFT error (median) | ITL error (median) | "
               "step error (median) | steps |")

@@ -74,7 +74,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
          "min(p+1, K) rows; and its time at the dense BF16 peak"),
         ("matrices_at_context", "matrices, prompt of --context",
          "L x 2 x the parameters one token passes (projections, MLPs, shared and top-k routed "
-         "experts; no lm_head) / pcp; and its time at the dense FP8 peak (FP8 weights)"),
+         "experts; no lm_head) / pcp; and its time at the --weights matmul peak (FP8 for fp8; "
+         "BF16 for fp8-weight-only and bf16, whose activations are bf16)"),
         ("crossover", "crossover prompt length",
          "shortest prompt whose indexer FLOPs reach its sparse-MLA FLOPs (exact sums)"),
         ("crossover_asymptotic", "crossover, asymptotic",
@@ -185,7 +186,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
     sections["memory"] = _memory_lines(model, par, gpu, kv, weights, budget, context)
     sections["sparse_mla"] = _sparse_mla_lines(model, kv_dtype, tp, gpu)
     prefill = cm.prefill_flops(model, par)
-    sections["prefill"] = _prefill_lines(model, par, gpu, prefill, context)
+    matmul_tflops = cm.weight_format(args.weights).matmul_tflops(gpu.bf16_tflops,
+                                                                 gpu.fp8_tflops)
+    sections["prefill"] = _prefill_lines(model, par, gpu, prefill, context, matmul_tflops)
     sections["dcp"] = _dcp_lines(cm.dcp_gather_cost(kv, context, dcp, gpu.link_gbps))
     host_pool = int(args.host_pool_gib * GIB)
     hs = cm.hisparse_concurrency(kv, context, budget.kv_room, host_pool, hot_rows)
@@ -286,8 +289,10 @@ def _flops_line(key: str, flops: float, tflops: float) -> Line:
 
 
 def _prefill_lines(
-    model: ModelConfig, par: ParallelConfig, gpu: GPUSpec, f: cm.PrefillFlops, context: int
+    model: ModelConfig, par: ParallelConfig, gpu: GPUSpec, f: cm.PrefillFlops, context: int,
+    matmul_tflops: float,
 ) -> list[Line]:
+    """`matmul_tflops`: the weight matrices' rate (the --weights mode's)."""
     pcp, tp = par.prefill_context_parallel_size, par.tensor_parallel_size
     n_idx = len(model.full_indexer_layers)
     pair, row = cm.indexer_flops_per_pair(model), cm.mla_flops_per_row_head(model)
@@ -299,7 +304,7 @@ def _prefill_lines(
              f"{model.num_hidden_layers} layers / pcp {pcp}", f.mla_per_row),
         _flops_line("indexer_at_context", f.indexer(context), gpu.fp8_tflops),
         _flops_line("mla_at_context", f.mla(context), gpu.bf16_tflops),
-        _flops_line("matrices_at_context", f.matrices(context), gpu.fp8_tflops),
+        _flops_line("matrices_at_context", f.matrices(context), matmul_tflops),
         Line("crossover", f"{f.crossover:,} tokens", f.crossover),
         Line("crossover_asymptotic", f"{f.asymptotic_crossover:,.0f} tokens",
              f.asymptotic_crossover),
@@ -427,8 +432,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--kv-cache-dtype", choices=cm.KV_DTYPES, default="fp8_ds_mla",
                    help="KV format of the memory, roofline, DCP and HiSparse lines (default: "
                         "%(default)s; bf16 is the engine's 'auto' for bf16 checkpoints)")
-    m.add_argument("--weights", choices=("fp8", "bf16"), default="fp8",
-                   help="weight format (default: %(default)s, 128x128 block scales)")
+    m.add_argument("--weights", choices=cm.WEIGHT_DTYPES, default="fp8",
+                   help="weight format: fp8 (128x128 block scales, activations in FP8 too, as "
+                        "vLLM and SGLang), fp8-weight-only (the same bytes, matrices at the BF16 "
+                        "rate: dsaserve's engine on CUDA) or bf16 (default: %(default)s)")
     m.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                    help="fraction of HBM the engine may use (default: %(default)s)")
     m.add_argument("--activation-reserve-gib", type=_non_negative_float,

@@ -37,8 +37,7 @@ from dsaserve.kv.hisparse.admission import (
 )
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
-WeightDType = Literal["fp8", "bf16"]
-WEIGHT_DTYPES: tuple[WeightDType, ...] = ("fp8", "bf16")
+WeightDType = Literal["fp8", "fp8-weight-only", "bf16"]
 KV_DTYPES: tuple[KVDType, ...] = ("fp8_ds_mla", "bf16")
 
 FP8_TILE = 128  # fp8_ds_mla quantizes the latent in tiles of 128 values, one fp32 scale each
@@ -165,6 +164,48 @@ def request_kv_bytes_per_gpu(kv: KVBytesPerToken, context: int, dcp: int) -> int
 
 # ---- weights -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class WeightFormat:
+    """How an engine holds its weight matrices and the tensor-core rate it multiplies them at.
+
+        mode              held as                         matmul   served so by
+        fp8               e4m3 + fp32 128×128 scales       FP8      vLLM, SGLang (W8A8)
+        fp8-weight-only   e4m3 + fp32 128×128 scales       bf16     dsaserve on CUDA (model/fp8.py)
+        bf16              bf16                             bf16     FP8 checkpoints dequantized
+                                                                    at load; bf16 checkpoints
+
+    Weight-only FP8 reads one byte per weight but keeps activations in bf16, so its products run
+    at the bf16 rate: like fp8 where weight reads bound a step (small-batch decode), like bf16
+    where FLOPs do (prefill)."""
+
+    fp8_held: bool  # quantized matrices: 1 B per value + one fp32 scale per block (else 2 B)
+    fp8_matmul: bool  # activations quantized too: the FP8 tensor-core rate (else bf16)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes of one quantizable matrix value, in HBM and in a step's weight reads."""
+        return 1 if self.fp8_held else BF16
+
+    def matmul_tflops(self, bf16: float, fp8: float) -> float:
+        """The matrices' rate, from a GPU's dense bf16 and FP8 ceilings."""
+        return fp8 if self.fp8_matmul else bf16
+
+
+WEIGHT_FORMATS: dict[WeightDType, WeightFormat] = {
+    "fp8": WeightFormat(fp8_held=True, fp8_matmul=True),
+    "fp8-weight-only": WeightFormat(fp8_held=True, fp8_matmul=False),
+    "bf16": WeightFormat(fp8_held=False, fp8_matmul=False),
+}
+WEIGHT_DTYPES: tuple[WeightDType, ...] = tuple(WEIGHT_FORMATS)
+
+
+def weight_format(weight_dtype: str) -> WeightFormat:
+    """The format of a weight mode; the error names --weights."""
+    if weight_dtype not in WEIGHT_FORMATS:
+        raise ConfigError(f"--weights: expected one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
+    return WEIGHT_FORMATS[weight_dtype]  # type: ignore[index]
+
+
+@dataclass(frozen=True)
 class WeightBytes:
     """Checkpoint bytes by how a layout divides them."""
 
@@ -181,10 +222,8 @@ class WeightBytes:
 def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> WeightBytes:
     """Count every checkpoint tensor (main and MTP layers, embedding, lm_head) exactly, as the
     engine holds it: FP8 matrices as stored (model/fp8.py), except kv_b_proj, which it
-    dequantizes (attention reads it absorbed, per head)."""
-    if weight_dtype not in ("fp8", "bf16"):
-        raise ConfigError(f"--weights: expected 'fp8' or 'bf16', got {weight_dtype!r}")
-    fp8 = weight_dtype == "fp8"
+    dequantizes (attention reads it absorbed, per head). Both FP8 modes hold the same bytes."""
+    fp8 = weight_format(weight_dtype).fp8_held
     bo, bi = model.fp8_weights.block_size if model.fp8_weights else (128, 128)
     params = 0
 

@@ -5,8 +5,10 @@ A step is what the scheduler emits: per request, `n` new tokens whose context af
 lock-step) layer by layer:
 
     gemm      dense projections, dense MLPs, shared experts, router, lm_head: max(FLOPs at the
-              matmul rate of the weights' precision (FP8 by default; bf16 as dsaserve's engine
-              runs today), weight bytes at the HBM rate) — decode reads every weight once a step
+              matmul rate of the weight mode (costmodel.WeightFormat: FP8 for W8A8, the default;
+              bf16 for weight-only FP8, dsaserve's engine on CUDA, and for bf16 weights), weight
+              bytes at the HBM rate: 1 B a value in FP8, 2 in bf16) — decode reads every weight
+              once a step
     moe       routed experts: the same max(), over the experts this GPU holds that the step's
               tokens touch (EP: the whole engine's tokens are dispatched to it)
     indexer   prefill rows: causal (query, key) pairs at the measured prefill rate; decode rows:
@@ -109,8 +111,9 @@ class StepTimeModel:
         """`hisparse`: decode rows read through hot buffers (None: from GPU pages). `graphs`:
         decode-only steps replay CUDA graphs (the engine's default; False: --enforce-eager);
         `async_scheduling`: the engine's host work overlaps the kernels (the engine's
-        --async-scheduling: docs/decode.md). `weight_dtype`: the weight matrices' precision,
-        which sets their matmul rate and the bytes a step reads of them."""
+        --async-scheduling: docs/decode.md). `weight_dtype`: the weight mode
+        (costmodel.WEIGHT_FORMATS), which sets the matrices' matmul rate and the bytes a step
+        reads of them."""
         cm.check_layout(model, par)
         self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
@@ -126,9 +129,10 @@ class StepTimeModel:
         self.num_dense = model.num_hidden_layers - self.num_moe
         self.num_indexer = len(model.full_indexer_layers)
         self.w = cm.matrix_params(model, par)
-        fp8 = weight_dtype == "fp8"
-        self._matmul = (parts.matmul_fp8_tflops if fp8 else parts.matmul_bf16_tflops).value * 1e12
-        self._param_bytes = 1 if fp8 else 2
+        weights = cm.weight_format(weight_dtype)
+        self._matmul = weights.matmul_tflops(parts.matmul_bf16_tflops.value,
+                                             parts.matmul_fp8_tflops.value) * 1e12
+        self._param_bytes = weights.param_bytes
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)

@@ -229,6 +229,11 @@ def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
     assert bf16.total == 2 * bf16.num_params + 2 * moe_layers * glm.n_routed_experts
     # fp8 experts: 1 B per value + one fp32 scale per 128×128 block (2048×6144 → 16×48 blocks)
     assert fp8.routed_experts == moe_layers * 256 * 3 * (2048 * 6144 + 4 * 16 * 48)
+    # weight-only FP8 holds the same bytes as fp8 (it differs in the matmul rate alone)
+    assert cm.weight_bytes(glm, "fp8-weight-only") == fp8
+    assert cm.weight_format("fp8-weight-only").param_bytes == cm.weight_format("fp8").param_bytes
+    with pytest.raises(ConfigError, match="--weights: expected one of .*'fp8-weight-only'"):
+        cm.weight_bytes(glm, "int4")
     w = fp8
     assert cm.weight_bytes_per_gpu(w, _layout(pcp=8, dcp=8, ep=True)) == (
         w.replicated + w.tp_sharded + w.routed_experts // 8)
@@ -335,6 +340,20 @@ def test_cli_hardware_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert mla["seconds"] == pytest.approx(mla["flops"] / 5e14)
 
 
+def test_cli_weight_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    """--weights fp8-weight-only: fp8's memory, the prompt's matrices at the BF16 peak (bf16's
+    time); fp8 at the FP8 peak."""
+    p = {w: _json([*TP8, "--weights", w], capsys) for w in cm.WEIGHT_DTYPES}
+    assert p["fp8-weight-only"]["inputs"]["weights"] == "fp8-weight-only"
+    assert p["fp8-weight-only"]["memory"] == p["fp8"]["memory"]
+    assert p["bf16"]["memory"]["weights_per_gpu"] > 1.9 * p["fp8"]["memory"]["weights_per_gpu"]
+    matrices = {w: q["prefill"]["matrices_at_context"] for w, q in p.items()}
+    assert matrices["fp8"]["seconds"] == pytest.approx(matrices["fp8"]["flops"] / 1979e12)
+    for w in ("fp8-weight-only", "bf16"):
+        assert matrices[w] == pytest.approx({"flops": matrices["fp8"]["flops"],
+                                             "seconds": matrices["fp8"]["flops"] / 989e12})
+
+
 def test_cli_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     """GLM-5.3 FP8 needs 105 GiB per GPU under EP8 without TP: more than an H100 has."""
     p = _json(["--gpu", "h100", "--pcp", "8", "--dcp", "8", "--ep"], capsys)
@@ -357,7 +376,8 @@ def test_cli_plot_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [(["--pcp", "0"], "--pcp"), (["--gpu", "a100"], "--gpu"), (["--context", "-5"], "--context"),
-     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")],
+     (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+     (["--weights", "int4"], "--weights")],
 )
 def test_cli_bad_flags_exit_naming_the_flag(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]

@@ -4,6 +4,7 @@ same requests give the same schedule and the same KV block usage as a real LLMEn
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -17,6 +18,8 @@ from dsaserve.core import SamplingParams
 from dsaserve.engine.args import resolve_model
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.model.make_model import make_model
+from dsaserve.plan import costmodel as cm
 from dsaserve.plan.cli import load_model
 from dsaserve.plan.deployment import parse_deployment
 from dsaserve.plan.parts import H200, Curve
@@ -70,6 +73,34 @@ def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
         replica_kv_capacity(model, bf16, H200)
 
 
+def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
+    """weights=fp8-weight-only (the engine on CUDA: FP8 matrices, bf16 activations): the memory
+    of fp8; a decode step, bound by weight reads, priced as fp8's plus at most its FLOPs at the
+    bf16 rate (exactly fp8's for one row); a prefill chunk, bound by FLOPs, as bf16's."""
+    _, model = load_model("glm-5.3")
+    specs = {w: parse_deployment(f"tp8 weights={w}") for w in ("fp8", "fp8-weight-only", "bf16")}
+    assert specs["fp8-weight-only"].weight_dtype == "fp8-weight-only"
+    f8, w8, b16 = (StepTimeModel(model, d.parallel, H200, weight_dtype=d.weight_dtype)
+                   for d in specs.values())
+    assert (replica_kv_capacity(model, specs["fp8-weight-only"], H200)
+            == replica_kv_capacity(model, specs["fp8"], H200))
+    par = specs["fp8"].parallel
+    flops_per_row = cm.matrix_flops_per_token(model, par) + 2 * cm.matrix_params(model, par).lm_head
+    for rows in (1, 16, 64):
+        decode = [(1, 8192)] * rows
+        fp8_step, w8_step = f8.step(decode), w8.step(decode)
+        flop_term = rows * flops_per_row / (H200.matmul_bf16_tflops.value * 1e12)
+        assert fp8_step.total <= w8_step.total <= fp8_step.total + flop_term
+        assert w8_step.gemm + w8_step.moe < b16.step(decode).gemm + b16.step(decode).moe
+        if rows == 1:
+            assert (w8_step.gemm, w8_step.moe) == (fp8_step.gemm, fp8_step.moe)
+    prefill = [(16384, 16384)]
+    assert w8.step(prefill).moe == pytest.approx(b16.step(prefill).moe)
+    # (the lm_head of the one sampled row is a weight read: one byte a value, not bf16's two)
+    assert w8.step(prefill).gemm == pytest.approx(b16.step(prefill).gemm, rel=1e-3)
+    assert w8.step(prefill).gemm > 1.5 * f8.step(prefill).gemm
+
+
 def test_curve_interpolates_and_extrapolates():
     c = Curve((32, 128), (40.0, 120.0), "us", "test")
     assert c(32) == 40.0 and c(80) == pytest.approx(80.0)
@@ -91,6 +122,7 @@ def test_deployment_specs():
     ("pcp8xdcp4", "dcp must equal"), ("tp8 router=random", "router must be"),
     ("tp8 kv", "key=value"), ("tp8 max-num-seqs=0", "positive"), ("tp8 colour=red", "unknown"),
     ("tp8 weights=int4", "weights must be one of"),
+    ("tp8 weights=w8a16", "'fp8-weight-only'"),
     ("dp8xep hisparse", "needs host="),
     ("pcp8xdcp8xep8 hisparse host=48GiB", "without PCP or DCP"), ("tp8 offload=-1", "positive"),
 ])
@@ -232,6 +264,28 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert len(rows) == 1 and "| 4 |" in rows[0]  # 2 sessions × 2 turns, all compared
     # The simulator is given the runner's own settings: on the CPU its decode steps are eager.
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
+    # An FP8 checkpoint: the CPU runner dequantizes it at load, so its matrices are bf16 too.
+    assert bench.main(["--smoke", "--weights", "fp8"]) == 0
+    assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in \
+        capsys.readouterr().err
+
+
+def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engine_config,
+                                                  capsys):
+    """--weights picks the checkpoint's matrices (bf16 unless asked); a runner that keeps an FP8
+    checkpoint in FP8 (the engine on CUDA) is simulated as weights=fp8-weight-only."""
+    bench = load_benchmark("simulate_calibration")
+    assert bench.parse_args([]).weights == "bf16"
+    assert bench.parse_args(["--weights", "fp8", "--mtp", "3"]).weights == "fp8"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--weights", "int4"])
+    assert "--weights" in capsys.readouterr().err
+    config = engine_config(make_model("tiny-glm5", tmp_path / "fp8", fp8=True), num_blocks=8)
+    kept = ModelRunner(dataclasses.replace(config, keep_fp8_weights=True))
+    assert bench.deployment_spec(kept) == "tp1 kv=bf16 weights=fp8-weight-only enforce-eager"
+    assert parse_deployment(bench.deployment_spec(kept)).weight_dtype == "fp8-weight-only"
+    dequantized = ModelRunner(dataclasses.replace(config, keep_fp8_weights=False))
+    assert bench.deployment_spec(dequantized) == "tp1 kv=bf16 weights=bf16 enforce-eager"
 
 
 def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
