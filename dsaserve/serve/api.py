@@ -116,16 +116,24 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 # ------------------------------------------------------------------------------------------------
 # Stop strings (pure): matched on the detokenized text, never released to the client
 # ------------------------------------------------------------------------------------------------
-def find_stop(text: str, stop: Sequence[str]) -> int:
-    """Start of the earliest stop string in `text`, or -1."""
-    found = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(found, default=-1)
+def find_stop(text: str, stop: Sequence[str], num_new: int | None = None) -> int:
+    """Start of the stop string that completes first in `text`, or -1; `num_new`: only those
+    ending in its last `num_new` characters (the text before them was searched already).
 
+    The earliest end, not the earliest start, is what one token at a time finds: the text stops
+    growing at the first stop string it completes, whatever longer one started before it. Of
+    several ending at one place, the first in `stop` wins (vLLM's check_stop_strings: earliest
+    end, then list order). So the answer does not depend on how tokens were grouped in outputs:
 
-def stop_length(text: str, start: int, stop: Sequence[str]) -> int:
-    """Length of the shortest stop string at `start` of `text` (find_stop's match: the one that
-    completes first)."""
-    return min(len(s) for s in stop if text.startswith(s, start))
+        text = "xABCD"   stop = ["ABCD", "C"]   → 3 ("C" ends at 4, "ABCD" at 5)
+        text = "xAB"     stop = ["AB", "B"]     → 1 (both end at 3: "AB" is listed first)
+    """
+    best, best_end = -1, len(text) + 1
+    for s in stop:
+        i = text.find(s, 0 if num_new is None else max(len(text) - num_new - len(s) + 1, 0))
+        if i >= 0 and i + len(s) < best_end:
+            best, best_end = i, i + len(s)
+    return best
 
 
 def held_back(text: str, stop: Sequence[str]) -> int:
@@ -134,6 +142,9 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 
         text = "... the answer is ST"   stop = ["STOP"]   → 2 ("ST" may become "STOP")
         text = "... the answer is"      stop = ["STOP"]   → 0
+
+    Whichever stop string later completes first (find_stop), it starts within these characters:
+    the part of it already generated is a suffix of `text` and a proper prefix of it.
     """
     longest = 0
     for s in stop:
@@ -150,17 +161,23 @@ def held_back(text: str, stop: Sequence[str]) -> int:
 class Generation:
     """Consumes one request's outputs and yields its text in pieces, applying stop strings.
 
-    Invariant: the pieces concatenate to the detokenized output cut before the first stop string.
-    Each step's new text is searched together with the text held back from earlier steps, which
+    Invariant: the pieces concatenate to what generating one token at a time returns, however
+    the tokens were grouped in outputs (an MTP step emits several): stop strings are searched
+    after each token, in the text that token released joined with the text held back, which
     never holds a complete stop string (it was searched already), so a stop string that straddles
     two steps is found:
 
         step k:    "... is ST"      → release "... is ",  hold "ST"
-        step k+1:  "ST" + "OP now"  → "STOP" found at 0: release nothing, finish with "stop"
+        step k+1:  "ST" + "OP now"  → "STOP" found at 0 after "OP": release nothing, finish
+                                       with "stop"; the step's tokens after "OP" are dropped
+
+    The tokens after the one completing a stop string would never have been generated: they
+    count in no usage and carry no logprob entry, so usage.completion_tokens is the number of
+    tokens returned (that of the entries, when logprobs are asked).
 
     The logprob entries (SamplingParams.logprobs) follow the text: `take_logprobs` gives those
     whose text has been yielded, and the rest once the generation ended (serve/logprobs.py,
-    LogprobSpans: which tokens a stop string leaves, each token's text offset).
+    LogprobSpans: each token's text offset).
 
     `close()` is idempotent and runs on every exit path: it aborts the request in the engine if it
     has not finished (client gone, stop string) and records the request's metrics.
@@ -173,7 +190,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
-        self.num_output_tokens = 0
+        self.num_output_tokens = 0  # tokens returned: through the one completing a stop string
         self.kv_transfer_params: dict[str, Any] | None = None  # P/D: from the final output
         self.error: str | None = None  # the engine failed this request (e.g. its remote KV)
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
@@ -187,9 +204,9 @@ class Generation:
 
     def take_logprobs(self) -> list[PlacedLogprob]:
         """The logprob entries not taken yet whose text has been yielded, in token order; once
-        deltas() has returned, all that are left (LogprobSpans: a stop string leaves the tokens
-        up to the one that completes it), so a stream's last piece of text never carries the
-        entries of text it withholds: the finishing chunk does."""
+        deltas() has returned, all that are left (the tokens up to the one that completed a
+        stop string), so a stream's last piece of text never carries the entries of text it
+        withholds: the finishing chunk does."""
         return self._logprobs.take(self._num_released, final=self._ended)
 
     @property
@@ -199,26 +216,30 @@ class Generation:
     async def deltas(self) -> AsyncIterator[str]:
         try:
             async for out in self.stream:
+                # The engine's work, as vLLM's generation_tokens counts it: every token of the
+                # output, those past a stop string included (usage counts the tokens returned).
                 self._tracker.on_tokens(len(out.new_token_ids))
-                self.num_output_tokens += len(out.new_token_ids)
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
-                text = self._held
+                text, stop_at = self._held, -1
                 for k, t in enumerate(out.new_token_ids):
                     text += (piece := self._detok.push(t))
+                    self.num_output_tokens += 1
                     if out.logprobs is not None:
                         self._logprobs.push(out.logprobs[k], piece)
+                    if (stop_at := self._find_stop(text, piece)) >= 0:
+                        break  # the later tokens would never have been generated
                 if out.finished:
-                    text += (piece := self._detok.flush())
-                    self._logprobs.flush(piece)
+                    if stop_at < 0:
+                        text += (piece := self._detok.flush())
+                        self._logprobs.flush(piece)
+                        stop_at = self._find_stop(text, piece)
                     self.finish_reason = out.finish_reason
                     self.error = out.error
                     if out.kv_transfer_params is not None:
                         self.kv_transfer_params = out.kv_transfer_params.to_json()
-                if self.stop and (i := find_stop(text, self.stop)) >= 0:
-                    # `text` starts after the text released so far
-                    self._logprobs.cut(self._num_released + i + stop_length(text, i, self.stop))
-                    text = text[:i]
+                if stop_at >= 0:
+                    text = text[:stop_at]
                     self.finish_reason = "stop"
                     self.stream.abort()  # the engine would otherwise keep generating
                 keep = 0 if self.finish_reason is not None else held_back(text, self.stop)
@@ -231,6 +252,10 @@ class Generation:
         finally:
             self._ended = True
             self.close()
+
+    def _find_stop(self, text: str, piece: str) -> int:
+        """Where a stop string completed by `piece`, the end of `text`, starts; or -1."""
+        return find_stop(text, self.stop, len(piece)) if self.stop and piece else -1
 
     def close(self) -> None:
         if self._closed:

@@ -65,11 +65,12 @@ class LogprobSpans:
 
     A stop string keeps the entries of the tokens up to the one whose text completes it, as
     vLLM does: it checks stop strings after each token and returns the token that completed
-    one (its token_ids and logprobs keep it, though its text is cut), so tokens after it exist
-    only where one step emits several (MTP drafts) and are dropped here as they would never have
-    been generated. The kept tokens' offsets are clamped to the returned text's end ("TO" and
-    "P" above: 3). A stream sends an entry only once its span is released (a stop string can
-    only start in held-back text, so a sent entry is always kept); at the end, the rest.
+    one (its token_ids and logprobs keep it, though its text is cut). Tokens after it exist
+    only where one step emits several (MTP drafts); Generation never pushes them, as they would
+    never have been generated. The kept tokens' offsets are clamped to the returned text's end
+    ("TO" and "P" above: 3). A stream sends an entry only once its span is released (a stop
+    string can only start in held-back text, so a sent entry is always kept); at the end, the
+    rest.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -99,15 +100,6 @@ class LogprobSpans:
                 same = len(commonprefix([self._tokenizer.decode(ids[:j]), whole]))
                 starts[j] = start + min(same, len(piece))
         self._placed += [(e, s, self._num_chars) for e, s in zip(self._open, starts, strict=True)]
-        self._open = []
-
-    def cut(self, stop_end: int) -> None:
-        """A stop string ends at character `stop_end` of the output: drop the entries of the
-        tokens after the one that completes it. Groups' ends strictly increase, so "end ≤ the
-        first end reaching stop_end" is that token's group and those before it."""
-        ends = [end for _, _, end in self._placed if end >= stop_end]
-        if ends:
-            self._placed = [p for p in self._placed if p[2] <= ends[0]]
         self._open = []
 
     def take(self, released: int, *, final: bool) -> list[PlacedLogprob]:

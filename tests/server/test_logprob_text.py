@@ -1,7 +1,8 @@
-"""logprobs against the text returned, over HTTP, on scripted engine outputs (several tokens per
-output, as MTP steps give; special tokens; the byte pieces of one character): a stop string
-keeps the entries of the tokens up to the one that completes it, as generating one token at a
-time would (vLLM's behaviour); a streamed entry goes out only with its token's text; and
+"""logprobs, stop strings and usage against the text returned, over HTTP, on scripted engine
+outputs (several tokens per output, as MTP steps give; special tokens; the byte pieces of one
+character): a stop string keeps the text, the entries and the usage count of the tokens up to
+the one that completes it, as generating one token at a time would (vLLM's behaviour), however
+the tokens are grouped in outputs; a streamed entry goes out only with its token's text; and
 text_offset is where each token's text starts in the returned text. Checked against brute-force
 references built from the tokenizer alone, in both endpoints, whole and streamed."""
 
@@ -14,6 +15,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 from server_harness import MODEL_NAME
 
 from dsaserve.core import RequestOutput, SamplingParams, TokenLogprob
@@ -87,15 +91,18 @@ def released(tok: Tokenizer, ids: list[int], n: int) -> str:
                                if not tok.decode(ids[:m]).endswith("\ufffd"))])
 
 
-def kept(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], str]:
-    """The tokens a request keeps and its text: generating one token at a time, it stops after
-    the first token whose text completes a stop string, and its text ends before that string."""
+def kept(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], str, str]:
+    """The tokens a request keeps, its text and finish_reason: generating one token at a time,
+    it stops after the first token whose text completes a stop string, and its text ends before
+    the stop string that token completed first (of those ending at one place, the first listed:
+    vLLM's check_stop_strings)."""
     for n in range(1, len(ids) + 1):
         text = released(tok, ids, n)
-        found = [i for i in (text.find(s) for s in stop) if i >= 0]
+        # (end, list position, start): no stop string was in the text before this token
+        found = [(i + len(s), k, i) for k, s in enumerate(stop) if (i := text.find(s)) >= 0]
         if found:
-            return ids[:n], text[:min(found)]
-    return ids, tok.decode(ids)
+            return ids[:n], text[:min(found)[2]], "stop"
+    return ids, tok.decode(ids), "length"
 
 
 def offsets(tok: Tokenizer, ids: list[int], text: str) -> list[int]:
@@ -110,7 +117,8 @@ def _body(chat: bool, stop: list[str], stream: bool) -> dict[str, Any]:
                 "top_logprobs": 1}
     else:
         body = {"prompt": [5, 6, 7], "logprobs": 1}
-    return body | {"max_tokens": 64, "stop": stop, "stream": stream}
+    body |= {"max_tokens": 64, "stop": stop, "stream": stream}
+    return body | {"stream_options": {"include_usage": True}} if stream else body
 
 
 def _request(client: TestClient, chat: bool, stop: list[str]) -> tuple[str, list[dict], dict]:
@@ -121,23 +129,25 @@ def _request(client: TestClient, chat: bool, stop: list[str]) -> tuple[str, list
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     if chat:
-        return choice["message"]["content"], choice["logprobs"]["content"], choice
+        return choice["message"]["content"], choice["logprobs"]["content"], r.json()
     lp = choice["logprobs"]
     return choice["text"], [{"token": t, "logprob": v, "text_offset": o} for t, v, o in zip(
-        lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)], choice
+        lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)], r.json()
 
 
-def _stream(client: TestClient, chat: bool, stop: list[str]) -> list[tuple[str, list[dict],
-                                                                          str | None]]:
-    """Each streamed chunk's (text, entries, finish_reason)."""
+def _stream(client: TestClient, chat: bool, stop: list[str]
+            ) -> tuple[list[tuple[str, list[dict], str | None]], dict]:
+    """Each streamed chunk's (text, entries, finish_reason), and the usage chunk's usage."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     with client.stream("POST", path, json=_body(chat, stop, stream=True)) as r:
         assert r.status_code == 200
         lines = [line.removeprefix("data: ") for line in r.iter_lines()
                  if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
+    *chunks, last = (json.loads(line) for line in lines[:-1])
+    assert last["choices"] == [] and all(c["usage"] is None for c in chunks)
     out = []
-    for c in (json.loads(line) for line in lines[:-1]):
+    for c in chunks:
         choice = c["choices"][0]
         lp = choice["logprobs"]
         if chat:
@@ -148,16 +158,18 @@ def _stream(client: TestClient, chat: bool, stop: list[str]) -> list[tuple[str, 
                 {"token": t, "logprob": v, "text_offset": o} for t, v, o in zip(
                     lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)]
         out.append((text, entries, choice["finish_reason"]))
-    return out
+    return out, last["usage"]
 
 
 def _check(client: TestClient, scripted: ScriptedEngine, tok: Tokenizer, chat: bool,
            script: list[list[int]], stop: list[str]) -> None:
     scripted.script = script
     ids = [t for step in script for t in step]
-    want_ids, want_text = kept(tok, ids, stop)
-    text, entries, _ = _request(client, chat, stop)
-    assert text == want_text
+    want_ids, want_text, want_reason = kept(tok, ids, stop)
+    text, entries, response = _request(client, chat, stop)
+    assert text == want_text and response["choices"][0]["finish_reason"] == want_reason
+    # usage counts the tokens returned: those whose entries are returned
+    assert response["usage"]["completion_tokens"] == len(want_ids)
     # exactly the kept tokens' entries, in order (the log-probability tells the position)
     assert [e["logprob"] for e in entries] == [_lp(i) for i in range(len(want_ids))]
     assert [e["token"] for e in entries] == [tok.decode([t], skip_special_tokens=False)
@@ -166,8 +178,10 @@ def _check(client: TestClient, scripted: ScriptedEngine, tok: Tokenizer, chat: b
         assert [e["text_offset"] for e in entries] == offsets(tok, want_ids, text)
     # streamed: the same entries joined; none sent before its token's text (and the text of
     # every token before it) was
-    chunks = _stream(client, chat, stop)
+    chunks, usage = _stream(client, chat, stop)
     assert "".join(t for t, _, _ in chunks) == text
+    assert [r for _, _, r in chunks if r is not None] == [want_reason]
+    assert usage["completion_tokens"] == len(want_ids)
     assert [e for _, es, _ in chunks for e in es] == entries
     released, sent = "", 0
     for piece, es, finish_reason in chunks:
@@ -209,3 +223,66 @@ def test_special_tokens_and_byte_pieces_in_the_text(client, scripted, tok, chat,
     script = [tok.encode("x"), [user] + tok.encode(" ca") + [tok.encode("f")[0], e1], [e2],
               tok.encode(" y") + [e1], tok.encode("z") + [eos]]
     _check(client, scripted, tok, chat, script, stop)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stop,want", [
+    (["ABCD", "C"], "x AB"),  # "C" completes before "ABCD", which starts first
+    (["AB", "B"], "x "),  # both end at one place: the first listed
+    (["B", "AB"], "x A"),
+])
+@pytest.mark.parametrize("one_output", [True, False], ids=["one-output", "one-per-output"])
+def test_the_stop_string_completed_first_cuts_the_text(client, scripted, tok, chat, stop, want,
+                                                       one_output) -> None:
+    """Whether the tokens come in one output (an MTP step) or one per output."""
+    ids = tok.encode("x ABCD yz")
+    _check(client, scripted, tok, chat, [ids] if one_output else [[t] for t in ids], stop)
+    assert _request(client, chat, stop)[0] == want
+
+
+TEXT = "AB C"  # few characters: stop strings overlap, repeat and straddle tokens often
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@settings(max_examples=60, deadline=None, database=None, derandomize=True)
+@given(data=st.data(), text=st.text(TEXT, min_size=1, max_size=14))
+def test_stop_strings_equal_one_token_at_a_time_for_every_grouping(client, scripted, tok, chat,
+                                                                   data, text) -> None:
+    """Text, finish_reason, logprob entries and usage, whole and streamed, against the reference
+    of one token at a time, for random texts, stop lists (parts of the text or not) and
+    groupings of the tokens into outputs."""
+    ids = tok.encode(text)
+    part = st.tuples(st.integers(0, len(text) - 1), st.integers(1, 4)).map(
+        lambda a: text[a[0]:a[0] + a[1]])
+    stop = data.draw(st.lists(part | st.text(TEXT, min_size=1, max_size=4), min_size=1,
+                              max_size=3), "stop")
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(ids) - 1)), "cuts")) if len(ids) > 1 \
+        else []
+    bounds = [0, *cuts, len(ids)]
+    script = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    _check(client, scripted, tok, chat, script, stop)
+
+
+def _generation_tokens(client: TestClient) -> float:
+    text = client.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:generation_tokens_total")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_generation_tokens_count_the_engine_s_tokens_usage_those_returned(client, scripted, tok,
+                                                                         stream) -> None:
+    """vllm:generation_tokens_total counts what the engine generated, as vLLM's does (its
+    output processor counts an output's tokens before checking stop strings): an MTP step's
+    tokens after a stop string count there, though not in usage."""
+    ids = tok.encode("the answer is STOP and more")
+    scripted.script = [ids]
+    want_ids, _, _ = kept(tok, ids, ["STOP"])
+    assert len(want_ids) < len(ids)
+    before = _generation_tokens(client)
+    if stream:
+        usage = _stream(client, False, ["STOP"])[1]
+    else:
+        usage = _request(client, False, ["STOP"])[2]["usage"]
+    assert usage["completion_tokens"] == len(want_ids)
+    assert _generation_tokens(client) - before == len(ids)

@@ -101,9 +101,9 @@ def test_stop_string_inside_an_accepted_run(client, offline, spec_engine) -> Non
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_logprobs_end_at_the_token_completing_it(client, offline, stream) -> None:
-    """Several tokens arrive per step: the entries are those of the tokens up to the one whose
-    text completes the stop string (as one token per step gives), none of the step's later
-    ones, whatever the stop string's place in the run."""
+    """Several tokens arrive per step: the entries, and usage's count, are those of the tokens
+    up to the one whose text completes the stop string (as one token per step gives), none of
+    the step's later ones, whatever the stop string's place in the run."""
     tok = offline.tokenizer
     assert tok is not None
     ids = offline.generate([tok.encode(PROMPT)], SamplingParams(
@@ -117,14 +117,16 @@ def test_stop_string_logprobs_end_at_the_token_completing_it(client, offline, st
                                    if not tok.decode(ids[:m]).endswith("\ufffd"))])
 
     extra = {"ignore_eos": True}
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
     for at in range(4, 34, 3):
         stop = full[at:at + 2]
         n = next(n for n in range(1, len(ids) + 1) if stop in released(n))
         want = [tok.decode([t], skip_special_tokens=False) for t in ids[:n]]
         r = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=40,
                                       temperature=0.0, stop=[stop], logprobs=0, stream=stream,
-                                      extra_body=extra)
+                                      extra_body=extra, **usage)
         chunks = list(r) if stream else [r]
+        assert chunks[-1].usage.completion_tokens == n, (stop, chunks[-1].usage, n)
         tokens = [t for c in chunks if c.choices and c.choices[0].logprobs
                   for t in c.choices[0].logprobs.tokens]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == full[:full.index(stop)]

@@ -28,9 +28,15 @@ from dsaserve.serve.protocol import (
 from dsaserve.tokenizer import Tokenizer
 
 
-def brute_find(text: str, stop: list[str]) -> int:
-    hits = [i for i in range(len(text)) for s in stop if text.startswith(s, i)]
-    return min(hits, default=-1)
+def brute_find(text: str, stop: list[str], num_new: int | None = None) -> int:
+    """Read one character at a time: the first stop string completed (the first listed of those
+    completed by the same character), among those ending in the last `num_new` characters."""
+    first = 1 if num_new is None else max(len(text) - num_new + 1, 1)
+    for end in range(first, len(text) + 1):
+        for s in stop:
+            if text.endswith(s, 0, end):
+                return end - len(s)
+    return -1
 
 
 def brute_held(text: str, stop: list[str]) -> int:
@@ -45,10 +51,17 @@ def test_stop_matching_and_hold_back_equal_brute_force() -> None:
                 for _ in range(rng.randint(1, 3))]
         assert held_back(text, stop) == brute_held(text, stop), (text, stop)
         assert find_stop(text, stop) == brute_find(text, stop), (text, stop)
+        num_new = rng.randint(0, len(text))
+        assert find_stop(text, stop, num_new) == brute_find(text, stop, num_new), (text, stop)
 
 
 def test_stop_examples() -> None:
     assert find_stop("abcSTOPxSTOP", ["STOP", "x"]) == 3  # earliest wins
+    # the one that completes first, as one token at a time finds it, not the one starting first
+    assert find_stop("xABCD", ["ABCD", "C"]) == 3
+    assert find_stop("xAB", ["AB", "B"]) == 1  # both end at 3: the first listed
+    assert find_stop("xAB", ["B", "AB"]) == 2
+    assert find_stop("STOP and", ["STOP", "and"], num_new=4) == 5  # "STOP" was searched already
     assert find_stop("abc", ["STOP"]) == -1
     assert held_back("the answer is ST", ["STOP"]) == 2
     assert held_back("the answer is", ["STOP"]) == 0
