@@ -13,9 +13,13 @@ thread:
                                                                        request (or the timeout)
     aborted / failed with no ──► release(free=True) ──► question ─────► blocks freed at the next
     READ of it in flight                                               step (as if read)
+    shut down: every claim
+    not read, once every rank
+    cancelled its READs     ──► release(free=True) ──► question ─────► (the same)
 
 The engine core only queues the message: a producer that is slow or gone costs the sender
-thread a timeout and a log line, never a step.
+thread a timeout and a log line, never a step; a shutdown waits for the last ones briefly
+(`ConnectorScheduler.give_back_claims`), then goes on.
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ class ReleaseSender:
                                                 name="kv-claim-release")
                 self._thread.start()
         self._queue.put(release)
+
+    @property
+    def num_pending(self) -> int:
+        """Releases queued or being sent, not yet answered or failed."""
+        return self._queue.unfinished_tasks
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every queued release was answered or failed; False after `timeout_s`."""

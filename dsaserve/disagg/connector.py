@@ -72,6 +72,8 @@ from dsaserve.model.dsa import LayerCache
 
 logger = logging.getLogger(__name__)
 
+CLOSE_FLUSH_S = 2.0  # a consumer's shutdown waits this long at most for its releases to go
+
 
 @dataclass(frozen=True)
 class EngineLayout:
@@ -120,6 +122,10 @@ class ConnectorScheduler:
     # (`recv`), then until they settle (`_reading`); `forget` gives back what is left
     _claimed: dict[str, KVTransferParams] = field(default_factory=dict)
     _reading: dict[str, KVTransferParams] = field(default_factory=dict)
+    # consumer: aborted while receiving, until the step that tells the ranks (each cancels its
+    # READs, then notifies the producer) came back (`cancelled`); a shutdown before then gives
+    # these claims back itself (`give_back_claims`)
+    _cancelling: dict[str, KVTransferParams] = field(default_factory=dict)
     _releases: ReleaseSender | None = None
 
     def __post_init__(self) -> None:
@@ -318,11 +324,13 @@ class ConnectorScheduler:
                                                               stay held for another request
             `unread`, READs not posted (aborted waiting)    → the blocks freed now
             `unread`, READs all settled (a failed READ)     → the blocks freed now
-            READs posted, not `unread` (landed; or aborted  → nothing: each rank's notification
-              while receiving: each rank cancels first)       frees them, after its cancel
+            READs posted, not `unread` (aborted while       → nothing yet: each rank cancels,
+              receiving)                                      then notifies (frees them); kept
+                                                              until that step came back
 
         `unread` says that none of its READs is or will be in flight: a READ in flight is never
-        the reason blocks are freed under it."""
+        the reason blocks are freed under it. A request whose READs all landed is `received`
+        first."""
         self._remote.pop(request_id, None)
         claimed = self._claimed.pop(request_id, None)
         reading = self._reading.pop(request_id, None)
@@ -330,6 +338,20 @@ class ConnectorScheduler:
             self._give_back(request_id, claimed, free=unread)
         elif reading is not None and unread:
             self._give_back(request_id, reading, free=True)
+        elif reading is not None:
+            self._cancelling[request_id] = reading
+
+    def received(self, request_id: str) -> None:
+        """Decode request `request_id`'s READs all landed on every rank, each notified the
+        producer (which frees the blocks): its claim ends."""
+        self._reading.pop(request_id, None)
+
+    def cancelled(self, request_ids: Sequence[str]) -> None:
+        """The step that told the ranks of these ended requests came back: each rank cancelled
+        what of their READs was in flight and notified the producer (`cancel_receives`), so
+        the claims of those aborted while receiving end."""
+        for rid in request_ids:
+            self._cancelling.pop(rid, None)
 
     def _give_back(self, request_id: str, params: KVTransferParams, free: bool) -> None:
         if self._releases is None:
@@ -338,8 +360,9 @@ class ConnectorScheduler:
 
     @property
     def num_claimed(self) -> int:
-        """Consumer: claims held by requests whose READs are not posted or not settled."""
-        return len(self._claimed) + len(self._reading)
+        """Consumer: claims held by requests whose READs are not posted or not settled, or that
+        were aborted while receiving and whose ranks have not cancelled yet."""
+        return len(self._claimed) + len(self._reading) + len(self._cancelling)
 
     def flush_releases(self, timeout_s: float) -> bool:
         """Wait until every claim given back so far was answered (or failed); False after
@@ -361,13 +384,36 @@ class ConnectorScheduler:
         return len(self.held)
 
     def close(self) -> None:
+        """Shutdown, first: a producer's side channel stops answering, so no consumer checks or
+        claims blocks this engine is about to drop."""
         if self.side_channel is not None:
             self.side_channel.close()
-        self.flush_releases(CLOSE_FLUSH_S)  # the last aborts' releases, briefly: a dead
-        # producer frees at its timeout anyway
 
+    def give_back_claims(self, timeout_s: float = CLOSE_FLUSH_S) -> bool:
+        """Shutdown, once every rank has stopped reading (`ConnectorWorker.close` cancels its
+        READs without notifying; a rank's process may be gone): every claim still held — READs
+        never posted, cancelled unread, or aborted while receiving with no step to tell the
+        ranks — is given back free, as an abort's, so each producer frees those blocks at its
+        next step instead of its abort timeout. Sent off this thread with the releases already
+        queued, waited for at most `timeout_s`; a producer gone or silent costs a warning (its
+        timeout frees them). False if some release was not answered in time.
 
-CLOSE_FLUSH_S = 2.0  # a consumer's close waits this long at most for its releases to go
+            LLMEngine.shutdown: abort every request → close (side channel)
+                                → executor.shutdown (every rank: cancel READs, close transport)
+                                → give_back_claims ─► producers: freed at their next step
+        """
+        for claims in (self._claimed, self._reading, self._cancelling):
+            for rid, params in claims.items():
+                self._give_back(rid, params, free=True)
+            claims.clear()
+        self._remote.clear()
+        if self.flush_releases(timeout_s):
+            return True
+        assert self._releases is not None
+        logger.warning("P/D: shutting down with %d claim release(s) unanswered after %.0f s; "
+                       "those prefill engines free the blocks at their timeout",
+                       self._releases.num_pending, timeout_s)
+        return False
 
 
 def _granted(raw: dict, params: KVTransferParams) -> bool:
@@ -675,7 +721,9 @@ class ConnectorWorker:
 
     def close(self) -> None:
         """Cancel every READ in flight (none writes into the caches after this), then release
-        the transport. The producer is not notified: its timeout frees what it held."""
+        the transport. The producer is not notified from here: once every rank closed, the
+        engine core gives back the claims (`ConnectorScheduler.give_back_claims`), one message
+        per request however many ranks read it."""
         for posted in self._receiving.values():
             posted.cancel(self.transport)
             self._settle(posted, landed=False)

@@ -263,16 +263,25 @@ class LLMEngine:
                 dict(mla.page_of), mla.pending_changes()))
 
     def shutdown(self) -> None:
-        """Stop the worker processes, or release the in-process runner's weights and KV cache.
-        Live requests are aborted first (their blocks freed); P/D READs still in flight are
-        cancelled by the runners as they close (nothing lands in freed memory)."""
+        """Stop the worker processes, or release the in-process runner's weights and KV cache
+        (idempotent; a DataParallelEngine shuts each replica down here too)."""
+        # 1. live requests aborted: their blocks freed, claims of P/D requests not yet
+        #    receiving given back
         try:
             self.scheduler.abort_requests(list(self.scheduler.requests))
         except Exception:  # a core that died mid-step: its workers must still be stopped
             logger.exception("shutdown: aborting the live requests failed")
+        # 2. a producer's side channel stops answering
         if self.connector is not None:
             self.connector.close()
+        # 3. every rank cancels its P/D READs in flight (nothing lands in freed memory), then
+        #    closes its transport
         self.executor.shutdown()
+        # 4. only now, with no READ in flight: the claims on prefill engines' blocks not fully
+        #    read given back, so those engines free them at once, not at their abort timeout
+        #    (bounded: a producer gone or silent is logged)
+        if self.connector is not None:
+            self.connector.give_back_claims()
         self.runner = None
 
     # ---- offline convenience ---------------------------------------------------------------------

@@ -322,6 +322,9 @@ class Scheduler:
         if self.offload is not None:
             self._finish_transfers(runner_output)
         if self.connector is not None:
+            # every rank cancelled the READs of the requests that ended before this step, and
+            # notified their producers: the claims of those aborted while receiving end
+            self.connector.cancelled(scheduler_output.finished_request_ids)
             outputs += self._finish_remote(runner_output)
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
@@ -592,7 +595,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = req.num_tokens - 1
             req.kv_transfer_params = None  # read once: a preemption recomputes locally
-            self.connector.forget(request_id)  # its claim ends with the READ's notification
+            self.connector.received(request_id)  # its claim ends with the READ's notification
             # blocks received spilled are findable too: their rows are in the host window
             self.kv.cache_full_blocks(req)
             self.running.append(req)

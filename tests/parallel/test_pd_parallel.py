@@ -4,11 +4,13 @@ through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1, 
 single-rank engine's, bf16 and fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the
 MTP rows that came over), and with --async-scheduling on both sides (the prefill engine's
 params equal its sync ones); the bytes each request moved are what the layouts require; nothing
-leaks on either side."""
+leaks on either side. A decode engine of two ranks or two replicas shut down mid-READ gives its
+claims back."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 
@@ -257,6 +259,46 @@ def test_abort_while_receiving_then_the_same_id_on_two_decode_ranks(parallel_con
             assert (zero_copy if prefill_layout else staged) == 0
             d.step()  # the runners learn that the last requests ended
             _check_no_leak(p, d)
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+
+@pytest.mark.parametrize("decode_layout", [dict(tp=2), dict(dp=2)], ids=["tp2", "dp2"])
+def test_a_multi_rank_decode_engine_shut_down_gives_its_claims_back(parallel_config, prompts,
+                                                                    greedy, decode_layout,
+                                                                    hang_guard):
+    """A decode engine of two ranks (TP2) or two replicas (DP2, one request each) shut down in
+    the step after its READs were posted, one request aborted just before (no step told its
+    ranks to cancel and notify): the worker processes cancel their READs as they stop, then the
+    engine core (each replica's) gives back every claim not fully read, so the producer frees
+    its blocks long before its 120 s timeout; nothing leaks on either side."""
+    producer = _with(parallel_config(), "kv_producer", "auto")
+    producer = dataclasses.replace(producer, disagg=dataclasses.replace(
+        producer.disagg, abort_timeout_s=120.0))
+    with hang_guard(300):
+        p = LLMEngine.from_config(producer)
+        d = LLMEngine.from_config(_with(parallel_config(**decode_layout), "kv_consumer",
+                                        "auto"))
+        try:
+            for rid, prompt in zip("ab", prompts[:2], strict=True):
+                d.add_request(rid, prompt, greedy,
+                              kv_transfer_params=offline.prefill(p, rid, prompt))
+            d.step()  # posted: each rank may have landed, reported or still be reading
+            d.abort_request("b")
+            d.shutdown()
+            t0 = time.monotonic()
+            while p.scheduler.connector.held:
+                assert time.monotonic() - t0 < 30, "held until the producer's timeout"
+                p.step()
+                p.check_integrity()
+            _check_no_leak(p)
+            replicas = d.replicas if isinstance(d, DataParallelEngine) else [d]
+            for r in replicas:  # executors gone: the schedulers' own checks
+                r.scheduler.check_integrity()
+                s = r.stats()
+                assert s.num_free_blocks == s.num_total_blocks and not r.scheduler.requests
+                assert r.connector.num_claimed == 0
         finally:
             p.shutdown()
             d.shutdown()

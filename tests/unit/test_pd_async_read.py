@@ -4,9 +4,10 @@ only after N polls, or shared memory's copy thread held back) the other requests
 and the received request then decodes to the aggregated engine's greedy output; a READ failing
 mid-way frees everything; an abort while receiving frees the blocks, the host window (into a
 spilling HiSparse engine) and the id at once, the READs cancelled, and the same id sent again
-is served; a decode engine shut down with READs in flight cancels them — both engines'
-invariants checked after every step. Also: the tally of several ranks' reports, the READ
-timeout."""
+is served; a decode engine shut down with READs in flight cancels them, then gives its claims
+back (the producer frees its blocks at its next step), and does not hang on a producer gone or
+silent — both engines' invariants checked after every step. Also: the tally of several ranks'
+reports, the READ timeout."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from dsaserve.engine.engine import LLMEngine
 SAMPLING = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])
 MAX_STEPS = 500  # a bound on every stepping loop: a bug fails the test rather than hangs it
+LONG_TIMEOUT_S = 120.0  # a producer's abort timeout: "at its next step" is well before it
 
 
 class SlowReads:
@@ -109,16 +111,17 @@ def _copy_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("shm-copy-")]
 
 
-def _disagg(role: str, backend: str, abort_timeout_s: float = 480.0) -> DisaggConfig:
+def _disagg(role: str, backend: str, abort_timeout_s: float = 480.0, **kw) -> DisaggConfig:
     return DisaggConfig(kv_role=role, backend=backend, side_channel_port=0,
-                        abort_timeout_s=abort_timeout_s)
+                        abort_timeout_s=abort_timeout_s, **kw)
 
 
-def _engines(config, backend: str, abort_timeout_s: float = 480.0, decode_config=None):
+def _engines(config, backend: str, abort_timeout_s: float = 480.0, decode_config=None,
+             **decode_kw):
     p = LLMEngine.from_config(dataclasses.replace(
         config, disagg=_disagg("kv_producer", backend, abort_timeout_s)))
     d = LLMEngine.from_config(dataclasses.replace(
-        decode_config or config, disagg=_disagg("kv_consumer", backend)))
+        decode_config or config, disagg=_disagg("kv_consumer", backend, **decode_kw)))
     return p, d
 
 
@@ -386,42 +389,111 @@ def test_the_same_id_again_right_after_an_abort_while_receiving(model_dirs, engi
         d.shutdown()
 
 
+def _decode_side_clean(d: LLMEngine) -> None:
+    """A decode engine after its shutdown: its invariants, every block free, no request and
+    no claim left (its executor is gone: the scheduler's own checks)."""
+    d.scheduler.check_integrity()
+    s = d.stats()
+    assert s.num_free_blocks == s.num_total_blocks and not d.scheduler.requests
+    assert d.connector.num_claimed == 0
+
+
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_decode_engine_shut_down_with_reads_in_flight(model_dirs, engine_config,
-                                                         mixed_prompts, monkeypatch):
-    """Shutdown with READs in flight returns promptly: the READs are cancelled (none copies,
-    then or later), the copy thread is gone, the decode engine's blocks are all free; the
-    producer frees what it held for them at its timeout, as for any consumer that went away."""
+                                                         mixed_prompts, monkeypatch, backend,
+                                                         scheduling):
+    """Shutdown with READs in flight (a and b; c aborted while receiving just before, with no
+    step to tell its ranks): the READs are cancelled (none lands, then or later; shm: the copy
+    thread held back, then gone), the decode engine's blocks are all free and its claims given
+    back, one release each, after the cancels: the producer frees all three at its next step,
+    not at its 120 s timeout. The same with --async-scheduling (the step that posted the READs
+    still unread)."""
     config = engine_config(model_dirs["tiny-glm5"])
-    prompts = mixed_prompts()[:2]
+    prompts = mixed_prompts()[:3]
     threads_before = set(_copy_threads())
-    held = HeldCopies(monkeypatch)
-    p, d = _engines(config, "shm", abort_timeout_s=1.0)
+    p, d = _engines(config, backend, abort_timeout_s=LONG_TIMEOUT_S,
+                    decode_config=_async(config) if scheduling == "async" else None)
+    held = HeldCopies(monkeypatch) if backend == "shm" else None
+    slow = None if held else SlowReads(d.runner.connector.transport, polls=MAX_STEPS)
     try:
         run = Driver(p, d)
-        run.add("a", prompts[0])
-        run.add("b", prompts[1])
-        run.step()  # both posted, held
-        jobs = [x.handle for posted in d.runner.connector._receiving.values()
-                for x in posted.transfers]
-        assert jobs and d.runner.connector.num_receiving == 2
+        for rid, prompt in zip("abc", prompts, strict=True):
+            run.add(rid, prompt)
+        run.step()  # all posted, held in flight
+        xfers = [x for posted in d.runner.connector._receiving.values()
+                 for x in posted.transfers]
+        assert xfers and d.runner.connector.num_receiving == 3
+        d.abort_request("c")
+        assert d.connector.num_claimed == 3  # c's until its ranks cancel
         t0 = time.monotonic()
         d.shutdown()
         assert time.monotonic() - t0 < 10
-        assert all(j.state is CopyState.CANCELLED for j in jobs)
-        held.release()
-        assert not held.copied and set(_copy_threads()) <= threads_before
-        d.scheduler.check_integrity()
-        s = d.stats()
-        assert s.num_free_blocks == s.num_total_blocks and not d.scheduler.requests
-        deadline = time.monotonic() + 30
-        while p.has_unfinished_requests():  # the producer's timeout frees a and b
-            assert time.monotonic() < deadline
-            p.step()
-            p.check_integrity()
+        if held is not None:
+            assert all(x.handle.state is CopyState.CANCELLED for x in xfers)
+            held.release()
+            assert not held.copied and set(_copy_threads()) <= threads_before
+        else:
+            assert slow.num_cancelled == slow.num_posted > 0 and slow.num_landed == 0
+        _decode_side_clean(d)
+        releases = d.connector._releases
+        assert releases.num_released == 3 and releases.num_failed == 0
+        assert sorted(p.scheduler.connector.held) == ["a", "b", "c"]
+        p.step()  # the next step frees them all
+        assert not p.scheduler.connector.held and not p.scheduler.connector._claims
+        p.check_integrity()
         s = p.stats()
         assert s.num_free_blocks == s.num_total_blocks
     finally:
-        held.release()
+        if held is not None:
+            held.release()
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("producer", ["gone", "silent"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_decode_engine_shut_down_when_its_producer_cannot_answer(
+        model_dirs, engine_config, mixed_prompts, caplog, backend, producer):
+    """The producer shut down before the decode engine (its side channel refuses), or silent
+    (its side channel takes the release and does not answer): the decode engine's shutdown
+    with READs in flight still returns well before its 60 s transfer timeout, the READs
+    cancelled, nothing leaked on its side; a producer gone costs one failed release per
+    request, a silent one a warning — and its answer, once it comes, still frees the blocks."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    p, d = _engines(config, backend, abort_timeout_s=LONG_TIMEOUT_S, transfer_timeout_s=60.0)
+    side = p.scheduler.connector.side_channel
+    answer, answering = side._ask, threading.Event()
+    try:
+        run = Driver(p, d)
+        for rid, prompt in zip("ab", prompts, strict=True):
+            run.add(rid, prompt)
+        slow = SlowReads(d.runner.connector.transport, polls=MAX_STEPS)
+        run.step()  # both posted, in flight
+        assert d.runner.connector.num_receiving == 2 and slow.num_posted > 0
+        if producer == "gone":
+            p.shutdown()
+        else:
+            side._ask = lambda q: answering.wait(60) and answer(q)
+        t0 = time.monotonic()
+        d.shutdown()
+        assert time.monotonic() - t0 < 30  # not the sender's 60 s timeout
+        assert slow.num_cancelled == slow.num_posted and slow.num_landed == 0
+        _decode_side_clean(d)
+        releases = d.connector._releases
+        if producer == "gone":
+            assert releases.num_failed == 2 and releases.num_released == 0
+        else:
+            assert "unanswered" in caplog.text and releases.num_pending == 2
+            assert sorted(p.scheduler.connector.held) == ["a", "b"]
+            answering.set()
+            assert d.connector.flush_releases(30) and releases.num_released == 2
+            p.step()
+            assert not p.scheduler.connector.held
+            p.check_integrity()
+    finally:
+        answering.set()
         p.shutdown()
         d.shutdown()
 
