@@ -48,7 +48,7 @@ class BlockRange:
 
     @property
     def num_blocks(self) -> int:
-        return self.blocks.stop - self.blocks.start
+        return fp8_weights.num_blocks(self.stop - self.start, self.offset)
 
     def sub(self, start: int, stop: int) -> BlockRange:
         """The part [start, stop) of this range, in its own coordinates (0 = self.start)."""
@@ -91,7 +91,8 @@ class Fp8Linear(nn.Module):
 
     def narrow_scale(self, full: torch.Tensor) -> torch.Tensor:
         """The checkpoint's whole scale [⌈out/128⌉, ⌈in/128⌉] → the blocks this module keeps."""
-        return full[self.rows.blocks, self.cols.blocks]
+        rows, _ = fp8_weights.shard_scale(full, 0, self.rows.start, self.rows.stop)
+        return fp8_weights.shard_scale(rows, 1, self.cols.start, self.cols.stop)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
@@ -132,15 +133,18 @@ def shard_linear(layer: nn.Module, rows: tuple[int, int] | None = None,
     w.data = view.contiguous().clone()
 
 
+@dataclass(frozen=True)
 class Fp8Experts:
     """The FP8 form of stacked routed experts, as moe_compute reads it: w13 [E, 2I, H] (gate
-    rows, then up rows) and w2 [E, H, I] in float8_e4m3fn; scales [E, 2·Ib, Hb] (gate's Ib
-    block rows, then up's) and [E, Hb, Ib]; `inter` = I, the intermediate range kept (TP: a
-    part of the model's, offset in its first block)."""
+    rows, then up rows) and w2 [E, H, I] in float8_e4m3fn; scales s13 [E, 2·Ib, Hb] (gate's Ib
+    block rows, then up's) and s2 [E, Hb, Ib]; `inter`, the intermediate range kept (TP: a part
+    of the model's, offset in its first block)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, s13: torch.Tensor, s2: torch.Tensor,
-                 inter: BlockRange) -> None:
-        self.w13, self.w2, self.s13, self.s2, self.inter = w13, w2, s13, s2, inter
+    w13: torch.Tensor
+    w2: torch.Tensor
+    s13: torch.Tensor
+    s2: torch.Tensor
+    inter: BlockRange
 
     @property
     def num_experts(self) -> int:
@@ -169,12 +173,3 @@ class Fp8Experts:
         e = self.num_experts
         return (torch.stack([self.gate_up(j, dtype) for j in range(e)]),
                 torch.stack([self.down(j, dtype) for j in range(e)]))
-
-
-def dense_linear_weight(layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """The weight of either kind of projection in dtype (tests, and paths that need it whole)."""
-    if isinstance(layer, Fp8Linear):
-        return fp8_weights.dequantize(layer.weight, layer.weight_scale_inv, dtype,
-                                      layer.rows.offset, layer.cols.offset)
-    return layer.weight.to(dtype)
-
