@@ -200,6 +200,10 @@ class ModelRunner:
             narrow=checkpoint_narrower(self.model_cfg, self.groups, config.parallel),
             first_expert=first_expert(self.model_cfg, self.groups, config.parallel),
         )
+        kept = sum(p.numel() for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn)
+        logger.info("weights: %.2f GiB on this rank (%s)", sum(
+            p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,
+            f"FP8 kept: {kept / 1e6:.1f}M values" if kept else self.dtype)
         # HiSparse spilling: the MLA cache has its own, smaller page count (0: one per block)
         self.num_mla_pages, sized_blocks = self._mla_page_count()
         self.num_blocks = sized_blocks or self._num_blocks()
