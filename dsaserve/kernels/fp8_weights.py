@@ -40,16 +40,18 @@ def num_blocks(size: int, off: int = 0) -> int:
     return -(-(size + off) // FP8_BLOCK)
 
 
-def _check(wq: torch.Tensor, scale: torch.Tensor, n_off: int, k_off: int) -> None:
+def check_weight(wq: torch.Tensor, scale: torch.Tensor, n_off: int, k_off: int,
+                 what: str = "fp8 weight") -> None:
+    """ValueError (prefixed by `what`) unless wq is e4m3 and scale has the blocks covering it."""
     if wq.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8 weight: expected float8_e4m3fn, got {wq.dtype}")
+        raise ValueError(f"{what}: expected float8_e4m3fn, got {wq.dtype}")
     if not (0 <= n_off < FP8_BLOCK and 0 <= k_off < FP8_BLOCK):
-        raise ValueError(f"fp8 weight: offsets must be in [0, {FP8_BLOCK}), got n_off={n_off}, "
+        raise ValueError(f"{what}: offsets must be in [0, {FP8_BLOCK}), got n_off={n_off}, "
                          f"k_off={k_off}")
     n, k = wq.shape[-2:]
     want = (*wq.shape[:-2], num_blocks(n, n_off), num_blocks(k, k_off))
     if tuple(scale.shape) != want:
-        raise ValueError(f"fp8 weight: scale shape {list(scale.shape)}, expected {list(want)} "
+        raise ValueError(f"{what}: scale shape {list(scale.shape)}, expected {list(want)} "
                          f"for weight {list(wq.shape)} with n_off={n_off}, k_off={k_off}")
 
 
@@ -59,7 +61,7 @@ def dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, n_off:
     dtype(fp32(wq[n, k]) · scale[(n + n_off) // 128, (k + k_off) // 128]).
 
     With no offsets and dtype fp32 this is the loader's dequantize_fp8_blocks at 128 × 128."""
-    _check(wq, scale, n_off, k_off)
+    check_weight(wq, scale, n_off, k_off)
     n, k = wq.shape[-2:]
     s = scale.float().repeat_interleave(FP8_BLOCK, dim=-2)[..., n_off:n_off + n, :]
     s = s.repeat_interleave(FP8_BLOCK, dim=-1)[..., k_off:k_off + k]  # [..., N, K]
@@ -127,7 +129,7 @@ def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
 
     Rows past ends[E-1] (pairs of experts held on another rank) are 0. Reads `ends` on the host:
     a reference, not a hot path."""
-    _check(wq, scale, 0, 0)
+    check_weight(wq, scale, 0, 0)
     out = torch.zeros(xs.shape[0], wq.shape[1], dtype=xs.dtype, device=xs.device)  # [P, N]
     start = 0
     for e, end in enumerate(ends.tolist()):

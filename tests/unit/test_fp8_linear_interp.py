@@ -25,29 +25,12 @@ from types import ModuleType
 
 import pytest
 import torch
+from triton_interp import patch_interpreter_index
 
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.make_model import quantize_fp8_blocks
 
 B = fw.FP8_BLOCK
-
-
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into an int with int(array) on a size-1 array,
-    which numpy ≥ 2.4 refuses; loops with run-time bounds need it (test_triton_interpret.py
-    applies the same patch)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_size1_index", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._size1_index = True
-    interpreter._patch_lang_tensor = patched
 
 
 def _reload(interpret: bool) -> ModuleType:
@@ -67,7 +50,7 @@ def fl():
 
         if not isinstance(std.zeros, InterpretedFunction):
             pytest.skip("triton was imported before without TRITON_INTERPRET=1 (GPU suites)")
-        _patch_interpreter_index()
+        patch_interpreter_index()
         yield _reload(interpret=True)
         _reload(interpret=False)  # compiled kernels for anything imported later
     finally:

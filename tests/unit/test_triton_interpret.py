@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from triton_interp import patch_interpreter_index
 
 # triton decides at import time whether its own helpers (tl.zeros, ...) are interpreted.
 _FRESH = "triton" not in sys.modules
@@ -44,23 +45,6 @@ _MODULES = ("mla_cache", "index_cache", "sparse_mla", "mla_workspace", "slots", 
             "residency")
 
 
-def _patch_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into an int with int(array) on a size-1 array,
-    which numpy ≥ 2.4 refuses; kernels with a loop bound computed at run time need it."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_size1_index", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._size1_index = True
-    interpreter._patch_lang_tensor = patched
-
-
 def _load(interpret: bool) -> SimpleNamespace:
     """(Re)import the kernel modules; triton.jit picks interpreted or compiled at import time."""
     saved = os.environ.get("TRITON_INTERPRET")
@@ -80,7 +64,7 @@ def _load(interpret: bool) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def k():
-    _patch_interpreter_index()
+    patch_interpreter_index()
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"  # read again at launch time by the interpreter
     try:

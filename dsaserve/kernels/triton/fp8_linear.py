@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels.fp8_weights import FP8_BLOCK, grouped_row_tiles, num_blocks
+from dsaserve.kernels.fp8_weights import FP8_BLOCK, check_weight, grouped_row_tiles
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -208,14 +208,7 @@ def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, scale: torch.Ten
         raise ValueError(f"{what}: the scale must be contiguous fp32, got {scale.dtype}")
     if wq.shape[-1] != x.shape[1]:
         raise ValueError(f"{what}: x has K = {x.shape[1]}, the weight {wq.shape[-1]}")
-    if not (0 <= n_off < FP8_BLOCK and 0 <= k_off < FP8_BLOCK):
-        raise ValueError(f"{what}: offsets must be in [0, {FP8_BLOCK}), got n_off={n_off}, "
-                         f"k_off={k_off}")
-    n, k = wq.shape[-2:]
-    want = (*wq.shape[:-2], num_blocks(n, n_off), num_blocks(k, k_off))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"{what}: scale shape {list(scale.shape)}, expected {list(want)} for "
-                         f"weight {list(wq.shape)} (n_off={n_off}, k_off={k_off})")
+    check_weight(wq, scale, n_off, k_off, what)
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
