@@ -354,9 +354,12 @@ class ConnectorScheduler:
             self._cancelling.pop(rid, None)
 
     def _give_back(self, request_id: str, params: KVTransferParams, free: bool) -> None:
-        if self._releases is None:
+        self._sender().send(Release(request_id, params, free))
+
+    def _sender(self) -> ReleaseSender:
+        if self._releases is None:  # no thread until the first release
             self._releases = ReleaseSender(self.config.transfer_timeout_s)
-        self._releases.send(Release(request_id, params, free))
+        return self._releases
 
     @property
     def num_claimed(self) -> int:
@@ -396,7 +399,9 @@ class ConnectorScheduler:
         ranks — is given back free, as an abort's, so each producer frees those blocks at its
         next step instead of its abort timeout. Sent off this thread with the releases already
         queued, waited for at most `timeout_s`; a producer gone or silent costs a warning (its
-        timeout frees them). False if some release was not answered in time.
+        timeout frees them). The wait is `timeout_s` in all, the releases to each producer
+        sent apart from the others'. Nothing is sent after it (a release queued then is dropped,
+        logged); those already queued still go. False if some release was not answered in time.
 
             LLMEngine.shutdown: abort every request → close (side channel)
                                 → executor.shutdown (every rank: cancel READs, close transport)
@@ -407,13 +412,14 @@ class ConnectorScheduler:
                 self._give_back(rid, params, free=True)
             claims.clear()
         self._remote.clear()
-        if self.flush_releases(timeout_s):
-            return True
-        assert self._releases is not None
-        logger.warning("P/D: shutting down with %d claim release(s) unanswered after %.0f s; "
-                       "those prefill engines free the blocks at their timeout",
-                       self._releases.num_pending, timeout_s)
-        return False
+        sender = self._sender()
+        sent = sender.flush(timeout_s)
+        sender.close()
+        if not sent:
+            logger.warning("P/D: shutting down with %d claim release(s) unanswered after %.0f s; "
+                           "those prefill engines free the blocks at their timeout",
+                           sender.num_pending, timeout_s)
+        return sent
 
 
 def _granted(raw: dict, params: KVTransferParams) -> bool:

@@ -3,31 +3,34 @@ where it imports): a decode request refused after its check gives its claim back
 decode request with the same params is served before the producer's timeout; one aborted before
 its READs frees the producer's blocks at once; a failed READ frees them once every rank
 settled; a forged release (wrong claimant, unknown request, other engine, malformed) is refused
-and changes nothing; a producer that is gone or silent costs the consumer a log line, not a step.
-Both engines' invariants after every scenario, every block free at the end."""
+and changes nothing; a producer that is gone or silent costs the consumer a log line, not a step,
+and holds up no release to another producer (then or at shutdown); the sender's threads are capped
+and stop once idle. Every engine's invariants after every scenario, every block free at the end."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import socket
+import threading
 import time
 
 import pytest
-from test_pd_async_read import SlowReads
+from test_pd_async_read import SlowReads, _decode_side_clean
 
 from dsaserve.config import DisaggConfig
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
 from dsaserve.disagg import offline
 from dsaserve.disagg.claims import Release, ReleaseSender
 from dsaserve.disagg.connector import fetch_remote
-from dsaserve.disagg.transport import fetch_metadata, nixl_available
+from dsaserve.disagg.transport import SideChannel, fetch_metadata, nixl_available
 from dsaserve.engine.engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BACKENDS = ["shm"] + (["nixl"] if nixl_available() else [])
 LONG_TIMEOUT_S = 120.0  # the producer's abort timeout: "at once" is well before it
 MAX_STEPS = 500
+SILENT_TIMEOUT_S = 60.0  # the consumer's transfer timeout where a producer is silent
 
 
 def _disagg(role: str, backend: str, **kw) -> DisaggConfig:
@@ -77,6 +80,27 @@ def _serve(p: LLMEngine, d: LLMEngine, tokens: dict[str, list[int]]) -> None:
         p.step()
         for e in (p, d):
             e.check_integrity()
+
+
+def _silence(p: LLMEngine) -> threading.Event:
+    """From now on `p`'s side channel takes each question and answers none until the event is
+    set (then as before)."""
+    side = p.scheduler.connector.side_channel
+    answer, answering = side._ask, threading.Event()
+    side._ask = lambda q: answering.wait(2 * SILENT_TIMEOUT_S) and answer(q)
+    return answering
+
+
+def _sender_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "kv-claim-release"}
+
+
+def _until_stopped(before: set[threading.Thread], within_s: float = 10.0) -> None:
+    """Wait until every sender thread started since `before` was taken has stopped (idle)."""
+    t0 = time.monotonic()
+    while _sender_threads() - before:
+        assert time.monotonic() - t0 < within_s, f"sender threads still alive after {within_s} s"
+        time.sleep(0.02)
 
 
 def _release(p: LLMEngine, question: dict) -> dict:
@@ -292,3 +316,172 @@ def test_the_sender_never_blocks_on_a_silent_producer():
             "release": "r", "by": "x", "engine": "e", "free": True}
     finally:
         silent.close()
+
+
+def _params(rid: str, port: int) -> KVTransferParams:
+    return KVTransferParams(do_remote_prefill=True, remote_engine_id="e", remote_request_id=rid,
+                            remote_host="127.0.0.1", remote_port=port)
+
+
+class _Answering:
+    """A producer's side channel that answers every release "released", noting the questions
+    and, at each, what the sender had failed so far and how many sender threads were alive."""
+
+    def __init__(self, sender: ReleaseSender | None = None) -> None:
+        self.sender = sender
+        self.asked: list[str] = []  # the releasing decode request ids, in arrival order
+        self.failed_before: list[int] = []
+        self.num_threads: list[int] = []
+        self.side = SideChannel(lambda: b"{}", ask=self._ask)
+
+    def _ask(self, question: bytes) -> bytes:
+        self.asked.append(json.loads(question)["by"])
+        if self.sender is not None:
+            self.failed_before.append(self.sender.num_failed)
+        self.num_threads.append(len(_sender_threads()))
+        return json.dumps({"released": True}).encode()
+
+
+def test_releases_to_another_producer_do_not_wait_for_a_silent_one():
+    """Releases queued to a silent producer (two, its timeout 60 s) then to a healthy one
+    (three): the healthy one's are all answered, in order, while the silent one's first is still
+    unanswered; the silent one's fail once it drops its connections."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    healthy = _Answering()
+    try:
+        sender = ReleaseSender(timeout_s=SILENT_TIMEOUT_S)
+        for rid in ("a1", "a2"):
+            sender.send(Release(rid, _params("r" + rid, silent.getsockname()[1]), free=True))
+        for rid in ("b1", "b2", "b3"):
+            sender.send(Release(rid, _params("r" + rid, healthy.side.port), free=True))
+        t0 = time.monotonic()
+        while sender.num_released < 3:
+            assert time.monotonic() - t0 < SILENT_TIMEOUT_S / 2, "queued behind the silent one"
+            time.sleep(0.02)
+        assert healthy.asked == ["b1", "b2", "b3"]
+        assert sender.num_pending == 2 and sender.num_failed == 0
+        silent.close()  # its queued connections reset: the silent one's releases fail now
+        assert sender.flush(SILENT_TIMEOUT_S / 2) and sender.num_failed == 2
+    finally:
+        silent.close()
+        healthy.side.close()
+
+
+def test_the_sender_threads_are_capped_take_turns_and_stop_when_idle():
+    """One thread allowed: a release to a healthy producer queued after two to a silent one
+    waits for the first of those only (the endpoints take turns, each one's in order). Four
+    allowed, four silent producers and a healthy one: never more than four threads, the healthy
+    one's answered in order. Once idle, every thread stops; after `close` a release is dropped,
+    no thread started."""
+    before = _sender_threads()
+    silent = [socket.create_server(("127.0.0.1", 0)) for _ in range(4)]
+    ports = [s.getsockname()[1] for s in silent]
+    sender = ReleaseSender(timeout_s=1.0, max_threads=1, idle_s=0.2)
+    healthy = _Answering(sender)
+    try:
+        sender.send(Release("a1", _params("x", ports[0]), free=True))
+        sender.send(Release("a2", _params("y", ports[0]), free=True))
+        sender.send(Release("b1", _params("z", healthy.side.port), free=True))
+        assert sender.flush(30) and sender.num_released == 1 and sender.num_failed == 2
+        assert healthy.asked == ["b1"] and healthy.failed_before == [1]  # after a1, before a2
+        assert max(healthy.num_threads) - len(before) <= 1
+        _until_stopped(before)
+        assert sender.num_threads == 0
+
+        sender = healthy.sender = ReleaseSender(timeout_s=1.0, max_threads=4, idle_s=0.2)
+        for i, port in enumerate(ports):
+            sender.send(Release(f"s{i}", _params(f"s{i}", port), free=True))
+        for i in range(6):
+            sender.send(Release(f"h{i}", _params(f"h{i}", healthy.side.port), free=False))
+        assert sender.flush(30) and sender.num_released == 6 and sender.num_failed == 4
+        assert healthy.asked[1:] == [f"h{i}" for i in range(6)]
+        assert max(healthy.num_threads[1:]) - len(before) <= 4
+        _until_stopped(before)
+        assert sender.num_threads == 0
+        sender.close()
+        sender.send(Release("late", _params("late", healthy.side.port), free=True))
+        assert sender.num_failed == 5 and sender.num_pending == 0
+        assert not _sender_threads() - before and healthy.asked[-1] == "h5"
+    finally:
+        for s in silent:
+            s.close()
+        healthy.side.close()
+
+
+def _claim_on_two(config, backend: str, prompts: list[list[int]]):
+    """Producers A and B, a decode engine with a waiting request claiming each ("a" on A, then
+    "b" on B); A then goes silent (the event makes it answer)."""
+    a, b = _producer(config, backend), _producer(config, backend)
+    d = _consumer(config, backend, transfer_timeout_s=SILENT_TIMEOUT_S)
+    for rid, p, prompt in zip("ab", (a, b), prompts, strict=True):
+        d.add_request(rid, prompt, GREEDY, kv_transfer_params=offline.prefill(p, rid, prompt))
+        assert _claims(p) == {rid: rid}
+    assert d.connector.num_claimed == 2
+    return a, b, d, _silence(a)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_silent_producer_holds_up_no_release_to_another(model_dirs, engine_config,
+                                                          mixed_prompts, monkeypatch, backend):
+    """Decode requests claiming on a silent producer A and a healthy one B, aborted in that
+    order: B frees its blocks long before A's release could time out (60 s), while A's is still
+    unanswered; A's answer, once it comes, frees A's. Every engine's invariants after each step
+    of the way; the sender's threads stop once idle."""
+    monkeypatch.setattr(ReleaseSender, "IDLE_S", 0.2)
+    before = _sender_threads()
+    config = engine_config(model_dirs["tiny-glm5"])
+    a, b, d, answering = _claim_on_two(config, backend, mixed_prompts()[:2])
+    try:
+        d.abort_request("a")
+        d.abort_request("b")
+        assert d.connector.num_claimed == 0
+        _step_until_freed(b, "b", within_s=SILENT_TIMEOUT_S / 2)
+        releases = d.connector._releases
+        assert releases.num_released == 1 and releases.num_pending == 1
+        assert "a" in a.scheduler.connector.held and _claims(a) == {"a": "a"}
+        assert sorted(o.request_id for o in d.step()) == ["a", "b"]  # the aborts' outputs
+        _all_free(b, d)
+        a.check_integrity()
+        answering.set()
+        assert d.connector.flush_releases(30) and releases.num_released == 2
+        _step_until_freed(a, "a", within_s=10)
+        _all_free(a, b, d)
+        _until_stopped(before)
+    finally:
+        answering.set()
+        for e in (a, b, d):
+            e.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shutdown_gives_back_to_a_healthy_producer_past_a_silent_one(
+        model_dirs, engine_config, mixed_prompts, monkeypatch, caplog, backend):
+    """A decode engine shut down with claims on a silent producer A (given back first) and a
+    healthy one B: within the shutdown's 2 s, B's release is answered (B frees its blocks at
+    its next step), A's is logged unanswered; A's, queued before the shutdown, still goes once
+    A answers, and frees A's blocks. Nothing leaked on any side; the threads stop once idle."""
+    monkeypatch.setattr(ReleaseSender, "IDLE_S", 0.2)
+    before = _sender_threads()
+    config = engine_config(model_dirs["tiny-glm5"])
+    a, b, d, answering = _claim_on_two(config, backend, mixed_prompts()[:2])
+    try:
+        d.shutdown()
+        assert "unanswered" in caplog.text
+        _decode_side_clean(d)
+        releases = d.connector._releases
+        assert releases.num_released == 1 and releases.num_pending == 1
+        b.step()  # B's next step frees them
+        assert "b" not in b.scheduler.connector.held and not _claims(b)
+        _all_free(b)
+        assert "a" in a.scheduler.connector.held
+        a.check_integrity()
+        answering.set()
+        assert releases.flush(30) and releases.num_released == 2
+        a.step()
+        assert not a.scheduler.connector.held and not _claims(a)
+        _all_free(a)
+        _until_stopped(before)
+    finally:
+        answering.set()
+        for e in (a, b, d):
+            e.shutdown()
