@@ -191,6 +191,8 @@ class Request:
     # --async-scheduling: output tokens the in-flight steps will sample, held in
     # output_token_ids as PLACEHOLDER_TOKEN_ID at its end until their step's results are read
     num_output_placeholders: int = 0
+    # set when one of SamplingParams.stop_token_ids ended it (RequestOutput.stop_token_id)
+    stop_token_id: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -357,6 +359,9 @@ class RequestOutput:
     error: str | None = None  # why the request failed (e.g. its remote KV could not be read)
     # one per new token when the request asked (SamplingParams.logprobs not None), else None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    # the SamplingParams.stop_token_ids entry that ended the request (its last token); None
+    # for every other end, EOS included (vLLM's stop_reason)
+    stop_token_id: int | None = None
 
 
 @dataclass(frozen=True)

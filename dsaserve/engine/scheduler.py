@@ -738,7 +738,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> None:
         """Stop rules after a token is appended: EOS / stop ids (not before min_tokens) give
-        "stop"; max_tokens or reaching max_model_len give "length"."""
+        "stop", a stop id recorded as the request's stop_token_id; max_tokens or reaching
+        max_model_len give "length"."""
         params = req.sampling_params
         num_output = req.num_output_tokens  # placeholders of async steps after it not counted
         last = req.output_token_ids[num_output - 1]
@@ -748,6 +749,7 @@ class Scheduler:
                 return
             if last in params.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_token_id = last  # EOS, checked first, reports none (vLLM's order)
                 return
         num_tokens = req.num_prompt_tokens + num_output
         if num_output >= params.max_tokens or num_tokens >= self.config.max_model_len:
@@ -792,6 +794,7 @@ class Scheduler:
             kv_transfer_params=kv_transfer_params,
             # a request that asked gets entries (none for no new token); others get None
             logprobs=(logprobs or ()) if req.sampling_params.logprobs is not None else None,
+            stop_token_id=req.stop_token_id if finished else None,
         )
 
     # ---- introspection --------------------------------------------------------------------------

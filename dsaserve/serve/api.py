@@ -119,6 +119,7 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 def find_stop(text: str, stop: Sequence[str], num_new: int | None = None) -> int:
     """Start of the stop string that completes first in `text`, or -1; `num_new`: only those
     ending in its last `num_new` characters (the text before them was searched already).
+    `first_stop` also names the string.
 
     The earliest end, not the earliest start, is what one token at a time finds: the text stops
     growing at the first stop string it completes, whatever longer one started before it. Of
@@ -128,11 +129,19 @@ def find_stop(text: str, stop: Sequence[str], num_new: int | None = None) -> int
         text = "xABCD"   stop = ["ABCD", "C"]   → 3 ("C" ends at 4, "ABCD" at 5)
         text = "xAB"     stop = ["AB", "B"]     → 1 (both end at 3: "AB" is listed first)
     """
-    best, best_end = -1, len(text) + 1
+    found = first_stop(text, stop, num_new)
+    return -1 if found is None else found[0]
+
+
+def first_stop(text: str, stop: Sequence[str], num_new: int | None = None
+               ) -> tuple[int, str] | None:
+    """find_stop's stop string and where it starts; None where none completes."""
+    best: tuple[int, str] | None = None
+    best_end = len(text) + 1
     for s in stop:
         i = text.find(s, 0 if num_new is None else max(len(text) - num_new - len(s) + 1, 0))
         if i >= 0 and i + len(s) < best_end:
-            best, best_end = i, i + len(s)
+            best, best_end = (i, s), i + len(s)
     return best
 
 
@@ -163,9 +172,8 @@ class Generation:
 
     Invariant: the pieces concatenate to what generating one token at a time returns, however
     the tokens were grouped in outputs (an MTP step emits several): stop strings are searched
-    after each token, in the text that token released joined with the text held back, which
-    never holds a complete stop string (it was searched already), so a stop string that straddles
-    two steps is found:
+    after each token, for those ending in the text that token released, joined with the text
+    held back (searched already), so a stop string that straddles two steps is found:
 
         step k:    "... is ST"      → release "... is ",  hold "ST"
         step k+1:  "ST" + "OP now"  → "STOP" found at 0 after "OP": release nothing, finish
@@ -174,6 +182,14 @@ class Generation:
     The tokens after the one completing a stop string would never have been generated: they
     count in no usage and carry no logprob entry, so usage.completion_tokens is the number of
     tokens returned (that of the entries, when logprobs are asked).
+
+    `min_tokens` (vLLM's): stop strings are searched only from the token that makes the output
+    longer than min_tokens on, in the text it completes (a stop string may start in the earlier
+    tokens' text, but one they complete does not count). The engine itself does not stop on EOS
+    or stop_token_ids before min_tokens.
+
+    `stop_reason` (vLLM's): the stop string that cut the text, or the stop_token_ids entry that
+    ended the request (RequestOutput.stop_token_id); None for EOS, length or an abort.
 
     The logprob entries (SamplingParams.logprobs) follow the text: `take_logprobs` gives those
     whose text has been yielded, and the rest once the generation ended (serve/logprobs.py,
@@ -184,10 +200,12 @@ class Generation:
     """
 
     def __init__(self, stream: RequestStream, tokenizer: Tokenizer, prompt_token_ids: list[int],
-                 stop: tuple[str, ...], tracker: RequestTracker) -> None:
+                 stop: tuple[str, ...], tracker: RequestTracker, min_tokens: int = 0) -> None:
         self.stream = stream
         self.stop = stop
+        self.min_tokens = min_tokens
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_cached_tokens = 0
         self.num_output_tokens = 0  # tokens returned: through the one completing a stop string
@@ -221,26 +239,27 @@ class Generation:
                 self._tracker.on_tokens(len(out.new_token_ids))
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
-                text, stop_at = self._held, -1
+                text, found = self._held, None
                 for k, t in enumerate(out.new_token_ids):
                     text += (piece := self._detok.push(t))
                     self.num_output_tokens += 1
                     if out.logprobs is not None:
                         self._logprobs.push(out.logprobs[k], piece)
-                    if (stop_at := self._find_stop(text, piece)) >= 0:
+                    if (found := self._find_stop(text, piece)) is not None:
                         break  # the later tokens would never have been generated
                 if out.finished:
-                    if stop_at < 0:
+                    if found is None:
                         text += (piece := self._detok.flush())
                         self._logprobs.flush(piece)
-                        stop_at = self._find_stop(text, piece)
+                        found = self._find_stop(text, piece)
                     self.finish_reason = out.finish_reason
+                    self.stop_reason = out.stop_token_id
                     self.error = out.error
                     if out.kv_transfer_params is not None:
                         self.kv_transfer_params = out.kv_transfer_params.to_json()
-                if stop_at >= 0:
-                    text = text[:stop_at]
-                    self.finish_reason = "stop"
+                if found is not None:
+                    text = text[:found[0]]
+                    self.finish_reason, self.stop_reason = "stop", found[1]
                     self.stream.abort()  # the engine would otherwise keep generating
                 keep = 0 if self.finish_reason is not None else held_back(text, self.stop)
                 self._held = text[len(text) - keep:]
@@ -253,9 +272,12 @@ class Generation:
             self._ended = True
             self.close()
 
-    def _find_stop(self, text: str, piece: str) -> int:
-        """Where a stop string completed by `piece`, the end of `text`, starts; or -1."""
-        return find_stop(text, self.stop, len(piece)) if self.stop and piece else -1
+    def _find_stop(self, text: str, piece: str) -> tuple[int, str] | None:
+        """The stop string completed by `piece`, the end of `text`, and where it starts; None
+        when none is, or while the output is not longer than min_tokens."""
+        if not (self.stop and piece) or self.num_output_tokens <= self.min_tokens:
+            return None
+        return first_stop(text, self.stop, len(piece))
 
     def close(self) -> None:
         if self._closed:
@@ -310,10 +332,10 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
     one, capped to the context (None: the rest of the context)."""
     check_supported(body)
     chat = isinstance(body, ChatCompletionRequest)
+    max_tokens_field = "max_completion_tokens" if chat and body.max_completion_tokens is not None \
+        else "max_tokens"
     check_lengths(num_prompt_tokens, max_tokens, max_model_len,
-                  prompt_field="messages" if chat else "prompt",
-                  max_tokens_field="max_completion_tokens"
-                  if chat and body.max_completion_tokens is not None else "max_tokens")
+                  prompt_field="messages" if chat else "prompt", max_tokens_field=max_tokens_field)
     if body.n != 1:
         raise APIError(400, f"n: only n=1 is supported, got {body.n}", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -324,6 +346,9 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
                        param="stream_options")
     if max_tokens is None:  # the rest of the context, as vLLM does, or the default if shorter
         max_tokens = min(max_model_len - num_prompt_tokens, default_max_tokens or max_model_len)
+    if not 0 <= body.min_tokens <= max_tokens:  # an absent max_tokens: the one it defaults to
+        raise APIError(400, f"min_tokens: must be in [0, {max_tokens_field} = {max_tokens}], "
+                       f"got {body.min_tokens}", param="min_tokens")
     logprobs = _logprobs(body, max_logprobs)
     try:
         return SamplingParams(
@@ -496,7 +521,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             raise APIError(400, str(e)) from e
         except EngineDeadError as e:
             raise APIError(503, f"engine is not running: {e}") from e
-        return Generation(stream, tokenizer, prompt_ids, stops, tracker)
+        return Generation(stream, tokenizer, prompt_ids, stops, tracker, params.min_tokens)
 
     def streaming(gen: Generation, frames: AsyncIterator[str]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
@@ -546,12 +571,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         lps = LogprobFormatter(tokenizer, params) if params.logprobs is not None else None
 
         def chunk(delta: DeltaMessage, finish_reason: str | None = None,
-                  kv_transfer_params: dict[str, Any] | None = None) -> str:
+                  kv_transfer_params: dict[str, Any] | None = None,
+                  stop_reason: str | int | None = None) -> str:
             # the entries of the tokens received since the last chunk
             taken = gen.take_logprobs()
             logprobs = lps.chat(taken) if lps is not None and taken else None
             choice = ChatChunkChoice(delta=delta, logprobs=logprobs,
-                                     finish_reason=finish_reason)
+                                     finish_reason=finish_reason, stop_reason=stop_reason)
             return _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[choice],
                                             kv_transfer_params=kv_transfer_params))
 
@@ -560,7 +586,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             async for piece in gen.deltas():
                 yield chunk(DeltaMessage(content=piece))
             # P/D: the params a decode request needs, known once the prefill finished
-            yield chunk(DeltaMessage(), gen.finish_reason, gen.kv_transfer_params)
+            yield chunk(DeltaMessage(), gen.finish_reason, gen.kv_transfer_params,
+                        gen.stop_reason)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[],
                                                usage=gen.usage))
@@ -571,6 +598,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if text is None:
             return Response(status_code=499)  # the client left; nobody reads this
         choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason,
+                            stop_reason=gen.stop_reason,
                             logprobs=lps.chat(gen.take_logprobs()) if lps is not None else None)
         return JSONResponse(_dump(ChatCompletionResponse(
             id=request_id, model=model_name, choices=[choice], usage=gen.usage,
@@ -591,10 +619,12 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         lps = LogprobFormatter(tokenizer, params) if params.logprobs is not None else None
 
         def chunk(text: str, finish_reason: str | None = None,
-                  kv_transfer_params: dict[str, Any] | None = None) -> str:
+                  kv_transfer_params: dict[str, Any] | None = None,
+                  stop_reason: str | int | None = None) -> str:
             taken = gen.take_logprobs()
             logprobs = lps.completion(taken) if lps is not None and taken else None
-            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason)
+            choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason,
+                                      stop_reason=stop_reason)
             return _sse(CompletionResponse(id=request_id, model=model_name, choices=[choice],
                                            kv_transfer_params=kv_transfer_params))
 
@@ -602,7 +632,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
             async for piece in gen.deltas():
                 yield chunk(piece)
             # P/D: the params a decode request needs, known once the prefill finished
-            yield chunk("", gen.finish_reason, gen.kv_transfer_params)
+            yield chunk("", gen.finish_reason, gen.kv_transfer_params, gen.stop_reason)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse(CompletionResponse(id=request_id, model=model_name, choices=[],
                                               usage=gen.usage))
@@ -613,7 +643,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         if text is None:
             return Response(status_code=499)
         choice = CompletionChoice(
-            text=text, finish_reason=gen.finish_reason,
+            text=text, finish_reason=gen.finish_reason, stop_reason=gen.stop_reason,
             logprobs=lps.completion(gen.take_logprobs()) if lps is not None else None)
         return JSONResponse(_dump(CompletionResponse(
             id=request_id, model=model_name, choices=[choice], usage=gen.usage,

@@ -191,6 +191,9 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    # vLLM's: the stop string or stop_token_ids entry that ended the output; None otherwise
+    # (EOS, length)
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -213,6 +216,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's (ChatChoice), on the finishing chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -241,6 +245,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's (ChatChoice); on a stream's last chunk
 
 
 class CompletionResponse(BaseModel):

@@ -29,11 +29,13 @@ from dsaserve.tokenizer import Tokenizer
 class ScriptedEngine:
     """The module's engine (config, tokenizer, stats) whose requests emit `script`: one
     RequestOutput per inner list of token ids, each token with an entry whose log-probability
-    tells its position (−1 − i / 100)."""
+    tells its position (−1 − i / 100); the last one ends as `end` says (finish_reason,
+    stop_token_id)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self.script: list[list[int]] = []
+        self.end: tuple[str, int | None] = ("length", None)
         self.aborted: list[str] = []
         self.max_stream_buffer = 1024
 
@@ -50,9 +52,10 @@ class ScriptedEngine:
                             for i, t in enumerate(ids))
             n += len(ids)
             stream.queue.put_nowait(RequestOutput(
-                request_id, tuple(ids), last, "length" if last else None,
+                request_id, tuple(ids), last, self.end[0] if last else None,
                 num_prompt_tokens=len(prompt_token_ids), num_cached_tokens=0,
-                num_output_tokens=n, logprobs=entries))
+                num_output_tokens=n, logprobs=entries,
+                stop_token_id=self.end[1] if last else None))
         return stream
 
     def _abort(self, request_id: str) -> None:
@@ -66,6 +69,11 @@ def _lp(i: int) -> float:
 @pytest.fixture(scope="module")
 def scripted(engine: AsyncEngine) -> ScriptedEngine:
     return ScriptedEngine(engine)
+
+
+@pytest.fixture(autouse=True)
+def _ends_on_length(scripted: ScriptedEngine) -> None:
+    scripted.end = ("length", None)
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +99,23 @@ def released(tok: Tokenizer, ids: list[int], n: int) -> str:
                                if not tok.decode(ids[:m]).endswith("\ufffd"))])
 
 
-def kept(tok: Tokenizer, ids: list[int], stop: list[str]) -> tuple[list[int], str, str]:
-    """The tokens a request keeps, its text and finish_reason: generating one token at a time,
-    it stops after the first token whose text completes a stop string, and its text ends before
-    the stop string that token completed first (of those ending at one place, the first listed:
-    vLLM's check_stop_strings)."""
-    for n in range(1, len(ids) + 1):
+def kept(tok: Tokenizer, ids: list[int], stop: list[str], min_tokens: int = 0
+         ) -> tuple[list[int], str, str, str | None]:
+    """The tokens a request keeps, its text, finish_reason and stop_reason: generating one token
+    at a time, it stops after the first token past min_tokens whose text completes a stop
+    string, and its text ends before the stop string that token completed first (of those ending
+    at one place, the first listed: vLLM's check_stop_strings). A stop string that the first
+    min_tokens tokens complete does not count."""
+    floor = len(released(tok, ids, min(min_tokens, len(ids))))
+    for n in range(min_tokens + 1, len(ids) + 1):
         text = released(tok, ids, n)
-        # (end, list position, start): no stop string was in the text before this token
-        found = [(i + len(s), k, i) for k, s in enumerate(stop) if (i := text.find(s)) >= 0]
+        # (end, list position, start): no stop string that counts was in the text before
+        found = [(i + len(s), k, i) for k, s in enumerate(stop)
+                 if (i := text.find(s, max(floor - len(s) + 1, 0))) >= 0]
         if found:
-            return ids[:n], text[:min(found)[2]], "stop"
-    return ids, tok.decode(ids), "length"
+            end, k, start = min(found)
+            return ids[:n], text[:start], "stop", stop[k]
+    return ids, tok.decode(ids), "length", None
 
 
 def offsets(tok: Tokenizer, ids: list[int], text: str) -> list[int]:
@@ -111,21 +124,24 @@ def offsets(tok: Tokenizer, ids: list[int], text: str) -> list[int]:
     return [len(commonprefix([tok.decode(ids[:i]), text])) for i in range(len(ids))]
 
 
-def _body(chat: bool, stop: list[str], stream: bool) -> dict[str, Any]:
+def _body(chat: bool, stop: list[str], stream: bool, min_tokens: int = 0) -> dict[str, Any]:
     if chat:
         body = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                 "top_logprobs": 1}
     else:
         body = {"prompt": [5, 6, 7], "logprobs": 1}
     body |= {"max_tokens": 64, "stop": stop, "stream": stream}
+    if min_tokens:
+        body["min_tokens"] = min_tokens
     return body | {"stream_options": {"include_usage": True}} if stream else body
 
 
-def _request(client: TestClient, chat: bool, stop: list[str]) -> tuple[str, list[dict], dict]:
+def _request(client: TestClient, chat: bool, stop: list[str], min_tokens: int = 0
+             ) -> tuple[str, list[dict], dict]:
     """The whole response's text and entries (chat's content or completions' lists zipped),
     and the response."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    r = client.post(path, json=_body(chat, stop, stream=False))
+    r = client.post(path, json=_body(chat, stop, stream=False, min_tokens=min_tokens))
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     if chat:
@@ -135,11 +151,13 @@ def _request(client: TestClient, chat: bool, stop: list[str]) -> tuple[str, list
         lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)], r.json()
 
 
-def _stream(client: TestClient, chat: bool, stop: list[str]
-            ) -> tuple[list[tuple[str, list[dict], str | None]], dict]:
-    """Each streamed chunk's (text, entries, finish_reason), and the usage chunk's usage."""
+def _stream(client: TestClient, chat: bool, stop: list[str], min_tokens: int = 0
+            ) -> tuple[list[tuple[str, list[dict], str | None, str | int | None]], dict]:
+    """Each streamed chunk's (text, entries, finish_reason, stop_reason), and the usage chunk's
+    usage."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    with client.stream("POST", path, json=_body(chat, stop, stream=True)) as r:
+    body = _body(chat, stop, stream=True, min_tokens=min_tokens)
+    with client.stream("POST", path, json=body) as r:
         assert r.status_code == 200
         lines = [line.removeprefix("data: ") for line in r.iter_lines()
                  if line.startswith("data: ")]
@@ -157,17 +175,20 @@ def _stream(client: TestClient, chat: bool, stop: list[str]
             entries = [] if lp is None else [
                 {"token": t, "logprob": v, "text_offset": o} for t, v, o in zip(
                     lp["tokens"], lp["token_logprobs"], lp["text_offset"], strict=True)]
-        out.append((text, entries, choice["finish_reason"]))
+        out.append((text, entries, choice["finish_reason"], choice["stop_reason"]))
     return out, last["usage"]
 
 
 def _check(client: TestClient, scripted: ScriptedEngine, tok: Tokenizer, chat: bool,
-           script: list[list[int]], stop: list[str]) -> None:
+           script: list[list[int]], stop: list[str], min_tokens: int = 0) -> None:
     scripted.script = script
     ids = [t for step in script for t in step]
-    want_ids, want_text, want_reason = kept(tok, ids, stop)
-    text, entries, response = _request(client, chat, stop)
+    want_ids, want_text, want_reason, want_stop = kept(tok, ids, stop, min_tokens)
+    if want_stop is None:  # no stop string: the engine's end
+        want_reason, want_stop = scripted.end
+    text, entries, response = _request(client, chat, stop, min_tokens)
     assert text == want_text and response["choices"][0]["finish_reason"] == want_reason
+    assert response["choices"][0]["stop_reason"] == want_stop
     # usage counts the tokens returned: those whose entries are returned
     assert response["usage"]["completion_tokens"] == len(want_ids)
     # exactly the kept tokens' entries, in order (the log-probability tells the position)
@@ -178,13 +199,15 @@ def _check(client: TestClient, scripted: ScriptedEngine, tok: Tokenizer, chat: b
         assert [e["text_offset"] for e in entries] == offsets(tok, want_ids, text)
     # streamed: the same entries joined; none sent before its token's text (and the text of
     # every token before it) was
-    chunks, usage = _stream(client, chat, stop)
-    assert "".join(t for t, _, _ in chunks) == text
-    assert [r for _, _, r in chunks if r is not None] == [want_reason]
+    chunks, usage = _stream(client, chat, stop, min_tokens)
+    assert "".join(t for t, _, _, _ in chunks) == text
+    assert [r for _, _, r, _ in chunks if r is not None] == [want_reason]
+    # stop_reason on the finishing chunk alone
+    assert [s for _, _, _, s in chunks] == [None] * (len(chunks) - 1) + [want_stop]
     assert usage["completion_tokens"] == len(want_ids)
-    assert [e for _, es, _ in chunks for e in es] == entries
+    assert [e for _, es, _, _ in chunks for e in es] == entries
     released, sent = "", 0
-    for piece, es, finish_reason in chunks:
+    for piece, es, finish_reason, _ in chunks:
         released += piece
         sent += len(es)
         if finish_reason is None:
@@ -277,7 +300,7 @@ def test_generation_tokens_count_the_engine_s_tokens_usage_those_returned(client
     tokens after a stop string count there, though not in usage."""
     ids = tok.encode("the answer is STOP and more")
     scripted.script = [ids]
-    want_ids, _, _ = kept(tok, ids, ["STOP"])
+    want_ids = kept(tok, ids, ["STOP"])[0]
     assert len(want_ids) < len(ids)
     before = _generation_tokens(client)
     if stream:
@@ -286,3 +309,64 @@ def test_generation_tokens_count_the_engine_s_tokens_usage_those_returned(client
         usage = _request(client, False, ["STOP"])[2]["usage"]
     assert usage["completion_tokens"] == len(want_ids)
     assert _generation_tokens(client) - before == len(ids)
+
+
+# ---- stop_reason and min_tokens (vLLM's) -------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("end", ["stop-string", "stop-token", "eos", "length"])
+def test_stop_reason_names_what_ended_the_output(client, scripted, tok, chat, end) -> None:
+    """The stop string that cut the text; the stop_token_ids entry the engine stopped on (its
+    RequestOutput.stop_token_id); null for EOS and length: on the whole response's choice and
+    on the finishing chunk alone (_check), both endpoints."""
+    ids = tok.encode("the answer is STOP and more")
+    user, eos = tok.token_to_id("<|user|>"), tok.eos_token_id
+    script, stop = {
+        "stop-string": ([ids[:3], ids[3:]], ["never", "STOP"]),
+        "stop-token": ([ids[:3], ids[3:] + [user]], ["never"]),
+        "eos": ([ids[:3], ids[3:] + [eos]], ["never"]),
+        "length": ([ids[:3], ids[3:]], ["never"]),
+    }[end]
+    scripted.end = {"stop-token": ("stop", user), "eos": ("stop", None)}.get(end, ("length", None))
+    _check(client, scripted, tok, chat, script, stop)
+    want = {"stop-string": "STOP", "stop-token": user}.get(end)
+    stop_reason = _request(client, chat, stop)[2]["choices"][0]["stop_reason"]
+    assert stop_reason == want and type(stop_reason) is type(want)  # a token id stays an int
+
+
+def _first_completing(tok: Tokenizer, ids: list[int], s: str) -> int:
+    """How many tokens it takes for the text to hold `s`."""
+    return next(n for n in range(len(ids) + 1) if s in released(tok, ids, n))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("one_output", [True, False], ids=["one-output", "one-per-output"])
+def test_a_stop_string_the_first_min_tokens_complete_does_not_end_the_output(
+        client, scripted, tok, chat, one_output) -> None:
+    """min_tokens = the tokens through the first "STOP": the output goes on to the second; one
+    token fewer, and the first "STOP", completed past min_tokens, cuts the text; min_tokens past
+    the last token: no stop string counts (the engine ends on length)."""
+    ids = tok.encode("STOP then STOP end")
+    script = [ids] if one_output else [[t] for t in ids]
+    n = _first_completing(tok, ids, "STOP")
+    assert 1 < n < len(ids) - 1
+    for min_tokens, want in [(n, "STOP then "), (n - 1, ""), (len(ids), "STOP then STOP end")]:
+        _check(client, scripted, tok, chat, script, ["STOP"], min_tokens)
+        assert _request(client, chat, ["STOP"], min_tokens)[0] == want, min_tokens
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@settings(max_examples=40, deadline=None, database=None, derandomize=True)
+@given(data=st.data(), text=st.text(TEXT, min_size=2, max_size=14))
+def test_min_tokens_stop_strings_equal_one_token_at_a_time(client, scripted, tok, chat, data,
+                                                           text) -> None:
+    """As the test above over random texts, stop lists, groupings and min_tokens: a stop string
+    counts only when a token past min_tokens completes it (vLLM's detokenizer)."""
+    ids = tok.encode(text)
+    stop = data.draw(st.lists(st.text(TEXT, min_size=1, max_size=3), min_size=1, max_size=3),
+                     "stop")
+    min_tokens = data.draw(st.integers(1, len(ids)), "min_tokens")
+    cuts = sorted(data.draw(st.sets(st.integers(1, len(ids) - 1)), "cuts")) if len(ids) > 1 \
+        else []
+    bounds = [0, *cuts, len(ids)]
+    script = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    _check(client, scripted, tok, chat, script, stop, min_tokens)

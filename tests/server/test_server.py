@@ -215,6 +215,116 @@ def test_stop_strings_cut_the_text_and_free_the_request(client, offline, tok, en
     assert_no_blocks_held(engine)  # the engine was told to stop generating
 
 
+def _ask(server: LiveServer, chat: bool, prompt: list[int], stream: bool, **fields
+         ) -> tuple[str, str, str | int | None, int]:
+    """Raw HTTP (the JSON types as sent): text, finish_reason, stop_reason, completion_tokens;
+    streamed, stop_reason on the finishing chunk alone."""
+    if chat:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt}
+    body |= {"model": MODEL_NAME, "temperature": 0.0, "max_tokens": 24, "ignore_eos": True,
+             "stream": stream} | fields
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = sse_events(r.iter_lines())
+        *chunks, usage = (json.loads(e) for e in events[:-1])
+        choices = [c["choices"][0] for c in chunks]
+        assert [c["finish_reason"] is None for c in choices] == [True] * (len(choices) - 1) + [
+            False]
+        assert all(c["stop_reason"] is None for c in choices[:-1])
+        text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
+        return (text, choices[-1]["finish_reason"], choices[-1]["stop_reason"],
+                usage["usage"]["completion_tokens"])
+    r = httpx.post(server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    return text, choice["finish_reason"], choice["stop_reason"], r.json()["usage"][
+        "completion_tokens"]
+
+
+def _reference(offline: LLMEngine, tok: Tokenizer, chat: bool, **params) -> list[int]:
+    """_ask's prompt generated offline."""
+    prompt = chat_ids(tok, [{"role": "user", "content": "x"}]) if chat else PROMPT_IDS
+    return generate(offline, prompt, **({"max_tokens": 24, "temperature": 0.0,
+                                        "ignore_eos": True} | params))
+
+
+PROMPT_IDS = [11, 37, 52, 90, 17, 8, 64]
+
+
+def _first_new(ids: list[int], start: int) -> int:
+    """The first position from `start` on whose token has not come before."""
+    return next(j for j in range(start, len(ids)) if ids[j] not in ids[:j])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_reason_names_the_stop_string_or_token_id(server, offline, tok, engine, chat,
+                                                        stream) -> None:
+    """vLLM's stop_reason: the stop_token_ids entry the engine stopped on (an integer), the stop
+    string that cut the text, null on length."""
+    ref = _reference(offline, tok, chat)
+    full = tok.decode(ref)
+    prompt = PROMPT_IDS
+    j = _first_new(ref, 3)
+    assert _ask(server, chat, prompt, stream, stop_token_ids=[ref[j]]) == (
+        tok.decode(ref[:j + 1]), "stop", ref[j], j + 1)
+    stop = full[12:15]
+    assert len(stop) == 3 and full.index(stop) <= 12
+    text, reason, stop_reason, _ = _ask(server, chat, prompt, stream, stop=["\u2603never", stop])
+    assert (text, reason, stop_reason) == (full[:full.index(stop)], "stop", stop)
+    assert _ask(server, chat, prompt, stream) == (full, "length", None, 24)
+    assert_no_blocks_held(engine)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_min_tokens_holds_back_stop_token_ids_and_stop_strings(server, offline, tok, engine,
+                                                                chat, stream) -> None:
+    """A stop id emitted within the first min_tokens tokens does not end the output (offline
+    generation with min_tokens is the reference); a stop string that those tokens complete does
+    not count."""
+    ref = _reference(offline, tok, chat)
+    prompt = PROMPT_IDS
+    j = _first_new(ref, 2)
+    want = _reference(offline, tok, chat, stop_token_ids=(ref[j],), min_tokens=j + 3)
+    assert len(want) >= j + 3 and want[:j + 1] == ref[:j + 1]  # not ended at j + 1
+    text, reason, stop_reason, n = _ask(server, chat, prompt, stream, stop_token_ids=[ref[j]],
+                                        min_tokens=j + 3)
+    assert (text, n) == (tok.decode(want), len(want))
+    assert (reason, stop_reason) == (("stop", ref[j]) if len(want) < 24 else ("length", None))
+    # a piece of the text found once: completed within min_tokens, it cuts nothing
+    full = tok.decode(ref)
+    stop = next(full[i:i + 3] for i in range(len(full) - 3) if full.count(full[i:i + 3]) == 1
+                and full[i:i + 3].strip() == full[i:i + 3])
+    m = next(n for n in range(len(ref) + 1) if stop in tok.decode(ref[:n]))
+    assert _ask(server, chat, prompt, stream, stop=[stop], min_tokens=m - 1)[:3] == (
+        full[:full.index(stop)], "stop", stop)
+    assert _ask(server, chat, prompt, stream, stop=[stop], min_tokens=m) == (
+        full, "length", None, 24)
+    assert_no_blocks_held(engine)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("fields", [{"min_tokens": 9, "max_tokens": 8}, {"min_tokens": -1},
+                                    {"min_tokens": 17}])
+def test_min_tokens_out_of_range_is_400_naming_it(server, chat, fields) -> None:
+    """0 <= min_tokens <= max_tokens, an absent max_tokens being the one it defaults to (16 for
+    completions, the rest of the context for chat)."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = (CHAT if chat else {"model": MODEL_NAME, "prompt": "x"}) | fields
+    if chat and fields == {"min_tokens": 17}:
+        body["min_tokens"] = MAX_MODEL_LEN
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "min_tokens"
+    assert "min_tokens" in r.json()["error"]["message"]
+
+
 def test_agentx_request_shape_raw_http(server, tok) -> None:
     """What the AgentX harness sends and reads: streaming chat with max_completion_tokens,
     ignore_eos and include_usage; usage on the last chunk before [DONE]; TTFT from the first

@@ -64,8 +64,9 @@ def _run(config, params: list[SamplingParams], arrivals=_ARRIVALS, same_prompt_a
                 outputs[f"r{i}"] = []
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
+            if out.finished:  # with the stop id that ended it, if one did
+                reasons[out.request_id] = out.finish_reason if out.stop_token_id is None \
+                    else (out.finish_reason, out.stop_token_id)
                 assert out.num_output_tokens == len(outputs[out.request_id])
         engine.check_integrity()
         _check_hashes(engine)
@@ -99,7 +100,7 @@ def test_async_stop_tokens_at_different_steps(engine_config, model_dirs):
     # each request stops at a token it emits at a different step (its first occurrence)
     stops = {i: free[f"r{i}"][j] for i, j in [(0, 2), (1, 6), (3, 0), (5, 9)]}
     sync, _ = _run(cfg, _greedy(stops))
-    assert [sync[f"r{i}"][-1] for i in stops] == ["stop"] * len(stops)
+    assert [sync[f"r{i}"][-1] for i in stops] == [("stop", stops[i]) for i in stops]
     got, engine = _run(_async(cfg), _greedy(stops))
     assert got == sync
     engine.check_integrity()
@@ -181,7 +182,7 @@ def test_async_mtp_stop_tokens_and_max_tokens_mid_run(engine_config, draftable_d
     plain, _ = _run(cfg, _greedy(stops, arrivals), arrivals)
     got, engine = _run(_async(_mtp(cfg)), _greedy(stops, arrivals), arrivals)
     assert got == plain
-    assert [got[f"r{i}"][-1] for i in stops] == ["stop"] * len(stops)
+    assert [got[f"r{i}"][-1] for i in stops] == [("stop", stops[i]) for i in stops]
 
 
 def test_async_mtp_with_preemption(engine_config, draftable_dirs):

@@ -397,20 +397,27 @@ def test_eos_min_tokens_ignore_eos_and_stop_ids() -> None:
     def always(tok: int) -> NextToken:
         return lambda tokens: tok
 
+    # the last column: RequestOutput.stop_token_id, set only where a stop id ended the request
+    # (EOS is checked first and reports none, as vLLM's stop_reason)
     cases = [
-        (dict(), (7,), 7, 1, "stop"),
-        (dict(min_tokens=3), (7,), 7, 3, "stop"),
-        (dict(ignore_eos=True), (7,), 7, 5, "length"),
-        (dict(stop_token_ids=(9,)), (), 9, 1, "stop"),
-        (dict(), (), 9, 5, "length"),
+        (dict(), (7,), 7, 1, "stop", None),
+        (dict(min_tokens=3), (7,), 7, 3, "stop", None),
+        (dict(ignore_eos=True), (7,), 7, 5, "length", None),
+        (dict(stop_token_ids=(9,)), (), 9, 1, "stop", 9),
+        (dict(stop_token_ids=(9,), min_tokens=4), (), 9, 4, "stop", 9),
+        (dict(stop_token_ids=(7,)), (7,), 7, 1, "stop", None),
+        (dict(stop_token_ids=(7,), ignore_eos=True), (7,), 7, 1, "stop", 7),
+        (dict(), (), 9, 5, "length", None),
     ]
-    for params, eos, tok, n_out, reason in cases:
+    for params, eos, tok, n_out, reason, stop_id in cases:
         sched = make_sched(max_model_len=64)
         r = req("a", prompt(1, 6), max_tokens=5, eos=eos, **params)
         sched.add_request(r)
         outputs = drive(sched, FakeRunner(sched, 4, next_token=always(tok)))
         assert r.output_token_ids == [tok] * n_out, params
         assert outputs["a"][-1].finish_reason == reason, params
+        assert [o.stop_token_id for o in outputs["a"]] == [None] * (len(outputs["a"]) - 1) + [
+            stop_id], params
 
 
 def test_max_num_seqs_bounds_the_batch() -> None:
