@@ -15,16 +15,19 @@ Conventions (docs/plan.md derives each DESIGN.md §2 number from them):
   MLA heads but every TP rank runs the whole indexer (replicated), so only MLA divides by tp. DCP
   changes where KV lives, not FLOPs.
 * Weights: FP8 block-quantized matrices cost 1 B per value plus one fp32 scale per 128×128 block;
-  norms, router, embedding, lm_head and indexer `weights_proj` stay bf16; the router's correction
-  bias is fp32. TP shards the attention up/out projections, dense and shared-expert MLPs,
-  embedding and lm_head; EP shards routed experts over every GPU of the engine (without EP they
-  are TP-sharded); PCP and DCP replicate weights.
+  norms, router, embedding, lm_head, indexer `weights_proj`, MTP `eh_proj` and kv_b_proj (which
+  the engine dequantizes) stay bf16; the router's correction bias is fp32. One list of tensors
+  (`model_tensors`) says how each is held; the memory (`weight_bytes`) and a step's weight reads
+  (`matrix_bytes`) are both sums over it. TP shards the attention up/out projections, dense and
+  shared-expert MLPs, embedding and lm_head; EP shards routed experts over every GPU of the engine
+  (without EP they are TP-sharded); PCP and DCP replicate weights.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
@@ -205,6 +208,131 @@ def weight_format(weight_dtype: str) -> WeightFormat:
     return WEIGHT_FORMATS[weight_dtype]  # type: ignore[index]
 
 
+# ---- the tensors, as the engine holds them -------------------------------------------------------
+Held = Literal["fp8", "bf16", "fp32"]  # "fp8": block-quantized when the mode holds FP8, else bf16
+Shard = Literal["replicated", "tp", "experts"]
+# The matrix group a step reads a tensor in (a MatrixParams field), or "vector": norms and biases,
+# applied element-wise, and "embedding", gathered by token row; neither is priced as a read.
+Part = Literal["attn", "indexer", "dense_mlp", "moe_shared", "expert", "mtp_proj", "lm_head",
+               "embedding", "vector"]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """`count` alike checkpoint tensors of [rows, cols] values (a vector: cols 1), as the engine
+    holds them (docs/fp8_weights.md) and as a layout divides them."""
+
+    part: Part
+    rows: int
+    cols: int = 1
+    held: Held = "bf16"
+    shard: Shard = "replicated"
+    count: int = 1
+
+    @property
+    def values(self) -> int:
+        return self.count * self.rows * self.cols
+
+    def nbytes(self, fmt: WeightFormat, block: tuple[int, int]) -> int:
+        """Bytes in HBM, which a step reads whole: an FP8 matrix's values at fmt.param_bytes
+        plus one fp32 weight_scale_inv per `block` (rows × cols) block."""
+        if self.held == "fp8" and fmt.fp8_held:
+            bo, bi = block
+            scales = FP32 * -(-self.rows // bo) * -(-self.cols // bi)
+            return self.count * (fmt.param_bytes * self.rows * self.cols + scales)
+        return (FP32 if self.held == "fp32" else BF16) * self.values
+
+
+def attention_tensors(model: ModelConfig) -> list[Tensor]:
+    """MLA: down-projections and norms replicated, up/out projections split by heads over TP.
+    kv_b_proj is held dequantized: attention reads it absorbed, per head (W_UK, W_UV)."""
+    m, h, heads = model, model.hidden_size, model.num_attention_heads
+    return [
+        Tensor("attn", m.q_lora_rank, h, "fp8"),  # q_a_proj
+        Tensor("attn", m.kv_cache_width, h, "fp8"),  # kv_a_proj_with_mqa
+        Tensor("vector", m.q_lora_rank + m.kv_lora_rank + 2 * h),  # q_a, kv_a, layer norms
+        Tensor("attn", heads * m.qk_head_dim, m.q_lora_rank, "fp8", "tp"),  # q_b_proj
+        Tensor("attn", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank,
+               "bf16", "tp"),  # kv_b_proj
+        Tensor("attn", h, heads * m.v_head_dim, "fp8", "tp"),  # o_proj
+    ]
+
+
+def indexer_tensors(model: ModelConfig) -> list[Tensor]:
+    """A full-indexer layer's own projections, replicated (every TP rank runs the indexer)."""
+    d, nh, h = model.index_head_dim, model.index_n_heads, model.hidden_size
+    return [
+        Tensor("indexer", nh * d, model.q_lora_rank, "fp8"),  # wq_b
+        Tensor("indexer", d, h, "fp8"),  # wk
+        Tensor("vector", 2 * d),  # k_norm weight and bias
+        Tensor("indexer", nh, h),  # weights_proj
+    ]
+
+
+def dense_mlp_tensors(model: ModelConfig) -> list[Tensor]:
+    return [Tensor("dense_mlp", model.intermediate_size, model.hidden_size, "fp8", "tp",
+                   count=3)]  # gate, up, down
+
+
+def routed_expert_tensors(model: ModelConfig) -> list[Tensor]:
+    """One routed expert: gate, up, down (EP holds it whole, else TP splits it)."""
+    return [Tensor("expert", model.moe_intermediate_size, model.hidden_size, "fp8", "experts",
+                   count=3)]
+
+
+def moe_shared_tensors(model: ModelConfig) -> list[Tensor]:
+    """What every token of an MoE layer passes through: the router (weight bf16,
+    e_score_correction_bias fp32) and the shared experts (TP-split like dense MLPs)."""
+    e, h = model.n_routed_experts, model.hidden_size
+    return [
+        Tensor("moe_shared", e, h),  # router weight
+        Tensor("vector", e, held="fp32"),  # e_score_correction_bias
+        Tensor("moe_shared", model.moe_intermediate_size, h, "fp8", "tp",
+               count=3 * model.n_shared_experts),
+    ]
+
+
+def mtp_tensors(model: ModelConfig) -> list[Tensor]:
+    """What an MTP layer adds to a decoder layer: enorm, hnorm, shared_head.norm and eh_proj
+    (stored unquantized); it reuses the target's embedding and lm_head."""
+    h = model.hidden_size
+    return [Tensor("vector", 3 * h), Tensor("mtp_proj", h, 2 * h)]
+
+
+def head_tensors(model: ModelConfig) -> list[Tensor]:
+    """Embedding, lm_head (vocab-split over TP, both as stored) and the final norm."""
+    h, v = model.hidden_size, model.vocab_size
+    lm_head = [] if model.tie_word_embeddings else [Tensor("lm_head", v, h, shard="tp")]
+    return [Tensor("embedding", v, h, shard="tp"), *lm_head, Tensor("vector", h)]
+
+
+def layer_tensors(model: ModelConfig, layer: int) -> list[Tensor]:
+    """Every tensor of decoder layer `layer` (MTP layers are numbered after the main ones)."""
+    tensors = attention_tensors(model)
+    if model.has_indexer(layer):
+        tensors += indexer_tensors(model)
+    if model.is_moe_layer(layer):
+        e = model.n_routed_experts
+        tensors += moe_shared_tensors(model) + [
+            replace(t, count=t.count * e) for t in routed_expert_tensors(model)]
+    else:
+        tensors += dense_mlp_tensors(model)
+    if layer >= model.num_hidden_layers:
+        tensors += mtp_tensors(model)
+    return tensors
+
+
+def model_tensors(model: ModelConfig) -> list[Tensor]:
+    """Every checkpoint tensor: main and MTP layers, embedding, lm_head, final norm."""
+    layers = range(model.num_hidden_layers + model.num_nextn_predict_layers)
+    return [t for layer in layers for t in layer_tensors(model, layer)] + head_tensors(model)
+
+
+def fp8_block(model: ModelConfig) -> tuple[int, int]:
+    """The FP8 scale block (rows, cols): the checkpoint's, or 128 × 128 when quantized at load."""
+    return model.fp8_weights.block_size if model.fp8_weights else (128, 128)
+
+
 @dataclass(frozen=True)
 class WeightBytes:
     """Checkpoint bytes by how a layout divides them."""
@@ -220,56 +348,17 @@ class WeightBytes:
 
 
 def weight_bytes(model: ModelConfig, weight_dtype: WeightDType = "fp8") -> WeightBytes:
-    """Count every checkpoint tensor (main and MTP layers, embedding, lm_head) exactly, as the
-    engine holds it: FP8 matrices as stored (model/fp8.py), except kv_b_proj, which it
-    dequantizes (attention reads it absorbed, per head). Both FP8 modes hold the same bytes."""
-    fp8 = weight_format(weight_dtype).fp8_held
-    bo, bi = model.fp8_weights.block_size if model.fp8_weights else (128, 128)
-    params = 0
-
-    def matrix(rows: int, cols: int, quantized: bool = True, count: int = 1) -> int:
-        """`count` [rows, cols] matrices."""
-        nonlocal params
-        params += count * rows * cols
-        if quantized and fp8:  # 1 B per value + one fp32 weight_scale_inv per block
-            return count * (rows * cols + FP32 * -(-rows // bo) * -(-cols // bi))
-        return count * BF16 * rows * cols
-
-    def vector(n: int, nbytes: int = BF16) -> int:
-        nonlocal params
-        params += n
-        return nbytes * n
-
-    h, heads = model.hidden_size, model.num_attention_heads
-    rep = tp = experts = 0
-    num_mtp = model.num_nextn_predict_layers
-    for layer in range(model.num_hidden_layers + num_mtp):
-        # attention: q/kv down-projections and norms are replicated; up/out projections TP-sharded
-        rep += matrix(model.q_lora_rank, h) + matrix(model.kv_cache_width, h)
-        rep += vector(model.q_lora_rank) + vector(model.kv_lora_rank) + vector(2 * h)
-        tp += matrix(heads * model.qk_head_dim, model.q_lora_rank)
-        tp += matrix(heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank,
-                     quantized=False)  # kv_b_proj
-        tp += matrix(h, heads * model.v_head_dim)
-        if model.has_indexer(layer):
-            d, nh = model.index_head_dim, model.index_n_heads
-            rep += matrix(nh * d, model.q_lora_rank) + matrix(d, h)  # wq_b, wk
-            rep += vector(2 * d) + matrix(nh, h, quantized=False)  # k_norm (w, b), weights_proj
-        if model.is_moe_layer(layer):
-            e, width = model.n_routed_experts, model.moe_intermediate_size
-            # router weight (bf16) and e_score_correction_bias (fp32)
-            rep += matrix(e, h, quantized=False) + vector(e, FP32)
-            tp += matrix(width, h, count=3 * model.n_shared_experts)  # gate, up, down
-            experts += matrix(width, h, count=3 * e)
-        else:
-            tp += matrix(model.intermediate_size, h, count=3)
-        if layer >= model.num_hidden_layers:  # MTP: enorm, hnorm, shared_head.norm, eh_proj
-            rep += vector(3 * h) + matrix(h, 2 * h, quantized=False)  # stored unquantized
-    tp += matrix(model.vocab_size, h, quantized=False)  # embedding
-    if not model.tie_word_embeddings:
-        tp += matrix(model.vocab_size, h, quantized=False)  # lm_head
-    rep += vector(h)  # final norm
-    return WeightBytes(replicated=rep, tp_sharded=tp, routed_experts=experts, num_params=params)
+    """Count every checkpoint tensor (`model_tensors`) exactly, as the engine holds it: FP8
+    matrices as stored (model/fp8.py), except kv_b_proj, which it dequantizes. Both FP8 modes
+    hold the same bytes."""
+    fmt, block = weight_format(weight_dtype), fp8_block(model)
+    by_shard = dict.fromkeys(("replicated", "tp", "experts"), 0)
+    tensors = model_tensors(model)
+    for t in tensors:
+        by_shard[t.shard] += t.nbytes(fmt, block)
+    return WeightBytes(replicated=by_shard["replicated"], tp_sharded=by_shard["tp"],
+                       routed_experts=by_shard["experts"],
+                       num_params=sum(t.values for t in tensors))
 
 
 def weight_bytes_per_gpu(w: WeightBytes, par: ParallelConfig) -> int:
@@ -350,40 +439,58 @@ def sparse_mla_cost(model: ModelConfig, kv_dtype: KVDType, heads: int) -> Sparse
 # ---- the weight matrices a token passes through ----------------------------------------------
 @dataclass(frozen=True)
 class MatrixParams:
-    """Parameters one GPU multiplies each token by, per layer kind (one byte each in FP8)."""
+    """The matrices one GPU multiplies each row by, per layer kind: their values
+    (`matrix_params`) or the bytes a step reads of them (`matrix_bytes`)."""
 
     attn: int  # attention projections (absorbed W_UK / W_UV included)
     indexer: int  # indexer projections (full-indexer layers only)
     dense_mlp: int
     moe_shared: int  # shared experts + router
     expert: int  # one routed expert, as this GPU holds it
-    experts_here: int  # routed experts this GPU holds
+    experts_here: int  # routed experts this GPU holds (a count in both forms)
     lm_head: int
+    mtp_proj: int  # an MTP layer's eh_proj
+
+
+def _matrices_per_gpu(model: ModelConfig, par: ParallelConfig,
+                      size: Callable[[Tensor], int]) -> MatrixParams:
+    """Sum `size` over each part's tensors (from one layer that has the part), divided as
+    weight_bytes_per_gpu divides memory: TP-split tensors by tp; a routed expert is whole under
+    EP (this GPU holds 1/ep of them), else split over TP."""
+    tp, ep = par.tensor_parallel_size, par.enable_expert_parallel
+    shards = {"replicated": 1, "tp": tp, "experts": 1 if ep else tp}
+    tensors = (attention_tensors(model) + indexer_tensors(model) + dense_mlp_tensors(model)
+               + moe_shared_tensors(model) + routed_expert_tensors(model) + mtp_tensors(model)
+               + head_tensors(model))
+    by_part: dict[tuple[str, str], int] = {}
+    for t in tensors:
+        key = (t.part, t.shard)
+        by_part[key] = by_part.get(key, 0) + size(t)
+
+    def part(name: str) -> int:
+        return sum(-(-n // shards[shard]) for (p, shard), n in by_part.items() if p == name)
+
+    return MatrixParams(
+        attn=part("attn"), indexer=part("indexer"), dense_mlp=part("dense_mlp"),
+        moe_shared=part("moe_shared"), expert=part("expert"),
+        experts_here=-(-model.n_routed_experts // expert_shards(par)) if ep
+        else model.n_routed_experts,
+        lm_head=part("lm_head"), mtp_proj=part("mtp_proj"),
+    )
 
 
 def matrix_params(model: ModelConfig, par: ParallelConfig) -> MatrixParams:
-    """The matrices of one layer of each kind on one GPU of layout `par`: attention replicated
-    (its down-projections) or split over TP; shared experts split over TP like dense MLPs;
-    routed experts whole under EP (this GPU holds 1/ep of them), else every expert split."""
-    m, tp = model, par.tensor_parallel_size
-    heads = m.num_attention_heads
-    attn_rep = m.hidden_size * (m.q_lora_rank + m.kv_cache_width)
-    attn_tp = (m.q_lora_rank * heads * m.qk_head_dim  # q_b
-               + heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank  # W_UK, W_UV
-               + heads * m.v_head_dim * m.hidden_size)  # o_proj
-    indexer = (m.q_lora_rank * m.index_n_heads * m.index_head_dim
-               + m.hidden_size * (m.index_head_dim + m.index_n_heads))
-    full_expert = 3 * m.hidden_size * m.moe_intermediate_size
-    ep = par.enable_expert_parallel
-    return MatrixParams(
-        attn=attn_rep + attn_tp // tp,
-        indexer=indexer,
-        dense_mlp=3 * m.hidden_size * m.intermediate_size // tp,
-        moe_shared=full_expert * m.n_shared_experts // tp + m.hidden_size * m.n_routed_experts,
-        expert=full_expert if ep else full_expert // tp,
-        experts_here=-(-m.n_routed_experts // expert_shards(par)) if ep else m.n_routed_experts,
-        lm_head=m.hidden_size * m.vocab_size // tp,
-    )
+    """Values of the matrices of one layer of each kind on one GPU of layout `par`."""
+    return _matrices_per_gpu(model, par, lambda t: t.values)
+
+
+def matrix_bytes(model: ModelConfig, par: ParallelConfig,
+                 weight_dtype: WeightDType = "fp8") -> MatrixParams:
+    """Bytes of the same matrices as the engine holds them (weight_bytes' tensors): what a step
+    reads of each, FP8 scales included; kv_b_proj, router, weights_proj, eh_proj and lm_head
+    at their own dtype in every mode."""
+    fmt, block = weight_format(weight_dtype), fp8_block(model)
+    return _matrices_per_gpu(model, par, lambda t: t.nbytes(fmt, block))
 
 
 def matrix_flops_per_token(model: ModelConfig, par: ParallelConfig) -> int:

@@ -4,11 +4,13 @@ A step is what the scheduler emits: per request, `n` new tokens whose context af
 `ctx` tokens. The model prices one GPU of the engine (all GPUs of a replica do the same work in
 lock-step) layer by layer:
 
-    gemm      dense projections, dense MLPs, shared experts, router, lm_head: max(FLOPs at the
-              matmul rate of the weight mode (costmodel.WeightFormat: FP8 for W8A8, the default;
-              bf16 for weight-only FP8, dsaserve's engine on CUDA, and for bf16 weights), weight
-              bytes at the HBM rate: 1 B a value in FP8, 2 in bf16) — decode reads every weight
-              once a step
+    gemm      dense projections, dense MLPs, shared experts, router, lm_head, MTP eh_proj:
+              max(FLOPs at the matmul rate of the weight mode (costmodel.WeightFormat: FP8 for
+              W8A8, the default; bf16 for weight-only FP8, dsaserve's engine on CUDA, and for
+              bf16 weights), bytes at the HBM rate) — decode reads every matrix once a step, at
+              the bytes the engine holds it in (costmodel.matrix_bytes, weight_bytes' tensors:
+              FP8 matrices 1 B a value plus their block scales; kv_b_proj, router,
+              weights_proj, eh_proj and lm_head as stored; everything 2 B in bf16)
     moe       routed experts: the same max(), over the experts this GPU holds that the step's
               tokens touch (EP: the whole engine's tokens are dispatched to it)
     indexer   prefill rows: causal (query, key) pairs at the measured prefill rate; decode rows:
@@ -128,11 +130,10 @@ class StepTimeModel:
         self.num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
         self.num_dense = model.num_hidden_layers - self.num_moe
         self.num_indexer = len(model.full_indexer_layers)
-        self.w = cm.matrix_params(model, par)
-        weights = cm.weight_format(weight_dtype)
-        self._matmul = weights.matmul_tflops(parts.matmul_bf16_tflops.value,
-                                             parts.matmul_fp8_tflops.value) * 1e12
-        self._param_bytes = weights.param_bytes
+        self.w = cm.matrix_params(model, par)  # values: FLOPs
+        self.w_bytes = cm.matrix_bytes(model, par, weight_dtype)  # held bytes: reads
+        self._matmul = cm.weight_format(weight_dtype).matmul_tflops(
+            parts.matmul_bf16_tflops.value, parts.matmul_fp8_tflops.value) * 1e12
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)
@@ -162,13 +163,15 @@ class StepTimeModel:
         m = self.model
         sampled = len(batch) if num_sampled is None else num_sampled
         main = _Layers(m.num_hidden_layers, self.num_moe, self.num_dense, self.num_indexer)
-        t = self._forward(batch, engine_tokens, main) + StepTime(gemm=self._gemm(self.w.lm_head,
+        t = self._forward(batch, engine_tokens, main) + StepTime(gemm=self._gemm("lm_head",
                                                                                  sampled))
         if drafting and self.num_drafts:
             rows = [(1, c) for c in drafting]
             ep_rows = None if engine_tokens is None else engine_tokens * len(rows) // len(batch)
             one = self._forward(rows, ep_rows, _Layers(1, 1, 0, 1))
-            one = one + StepTime(gemm=self._gemm(self.w.lm_head, len(rows)))
+            # eh_proj on [embedding | hidden], then the layer, then the shared lm_head
+            one = one + StepTime(gemm=self._gemm("mtp_proj", len(rows))
+                                 + self._gemm("lm_head", len(rows)))
             for _ in range(self.num_drafts):
                 t = t + one
         prefill = any(n > self.decode_rows for n, _ in batch)
@@ -188,10 +191,11 @@ class StepTimeModel:
         rows = hot * (1 - hs.overlap) * (self.kv.num_layers + self.kv.num_mtp_layers)
         return rows * self.kv.mla_row / (self.parts.host_gbps.value * 1e9)
 
-    def _gemm(self, params: int, n_rows: float) -> float:
-        """A weight matrix of `params` values times `n_rows` rows: compute or weight reads."""
-        return max(2 * n_rows * params / self._matmul,
-                   params * self._param_bytes / (self.parts.hbm_tbps.value * 1e12))
+    def _gemm(self, part: str, n_rows: float) -> float:
+        """The matrices of `part` (a MatrixParams field) times `n_rows` rows: compute or
+        weight reads."""
+        return max(2 * n_rows * getattr(self.w, part) / self._matmul,
+                   getattr(self.w_bytes, part) / (self.parts.hbm_tbps.value * 1e12))
 
     def _forward(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None,
                  layers: _Layers) -> StepTime:
@@ -206,8 +210,8 @@ class StepTimeModel:
 
         # 1. dense matrices
         w = self.w
-        g = layers.all * gemm(w.attn, rows) + layers.indexer * gemm(w.indexer, rows)
-        g += layers.dense * gemm(w.dense_mlp, rows) + layers.moe * gemm(w.moe_shared, rows)
+        g = layers.all * gemm("attn", rows) + layers.indexer * gemm("indexer", rows)
+        g += layers.dense * gemm("dense_mlp", rows) + layers.moe * gemm("moe_shared", rows)
 
         # 2. routed experts: the tokens dispatched here, the distinct experts they touch
         engine = tokens if engine_tokens is None else engine_tokens
@@ -219,7 +223,7 @@ class StepTimeModel:
             assignments = rows * k
             touched = e * (1 - (1 - 1 / e) ** (rows * k))
         moe = layers.moe * max(2 * assignments * w.expert / self._matmul,
-                               touched * w.expert * self._param_bytes / hbm)
+                               touched * self.w_bytes.expert / hbm)
 
         # 3. indexer (replicated over TP: every TP rank scores every key)
         pairs = sum(n * (c - (n - 1) / 2) for n, c in prefill) / self.pcp

@@ -244,6 +244,39 @@ def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
     assert cm.weight_bytes_per_gpu(w, _layout(pcp=8, dcp=8)) == w.total  # PCP replicates
 
 
+@pytest.mark.parametrize("weights", cm.WEIGHT_DTYPES)
+@pytest.mark.parametrize("layout", [dict(tp=8), dict(tp=8, ep=True), dict(dp=8, ep=True),
+                                    dict(pcp=8, dcp=8, ep=True), dict(tp=2)])
+def test_matrix_reads_are_the_memory_count_per_gpu(glm: ModelConfig, weights: str,
+                                                   layout: dict) -> None:
+    """The bytes a step reads of each layer kind's matrices come from weight_bytes' own tensors:
+    every layer's matrices, all experts this GPU holds and the lm_head, plus what is not read
+    as a matrix (norms and biases; the embedding, gathered by row), is the memory per GPU."""
+    par = _layout(**layout)
+    held, tp = cm.matrix_bytes(glm, par, weights), par.tensor_parallel_size
+    layers = range(glm.num_hidden_layers + glm.num_nextn_predict_layers)  # MTP layer: MoE
+    reads = sum(held.attn + (held.indexer if glm.has_indexer(i) else 0)
+                + (held.moe_shared + held.experts_here * held.expert if glm.is_moe_layer(i)
+                   else held.dense_mlp) for i in layers)
+    reads += glm.num_nextn_predict_layers * held.mtp_proj + held.lm_head
+    h, moe_layers = glm.hidden_size, sum(glm.is_moe_layer(i) for i in layers)
+    vectors = 2 * (len(layers) * (glm.q_lora_rank + glm.kv_lora_rank + 2 * h) + 3 * h + h
+                   + 2 * glm.index_head_dim * sum(glm.has_indexer(i) for i in layers)) \
+        + 4 * moe_layers * glm.n_routed_experts  # the router's fp32 correction bias
+    embedding = 2 * glm.vocab_size * h // tp
+    memory = cm.weight_bytes_per_gpu(cm.weight_bytes(glm, weights), par)
+    assert reads + vectors + embedding == memory
+    # kv_b_proj is read dequantized in every mode: 2 B a value, TP-split by heads
+    kv_b = glm.num_attention_heads * (glm.qk_nope_head_dim + glm.v_head_dim) * glm.kv_lora_rank
+    if weights != "bf16":
+        q_b = glm.num_attention_heads * glm.qk_head_dim * glm.q_lora_rank
+        o = h * glm.num_attention_heads * glm.v_head_dim
+        fp8 = sum(r * c + 4 * -(-r // 128) * -(-c // 128) for r, c in (
+            (glm.q_lora_rank, h), (glm.kv_cache_width, h)))
+        fp8_tp = (q_b + 4 * (q_b // 128 // 128) + o + 4 * (o // 128 // 128)) // tp
+        assert held.attn == fp8 + fp8_tp + 2 * kv_b // tp
+
+
 # ---- DCP gather and HiSparse ------------------------------------------------------------------
 def test_dcp_gather_bytes(glm: ModelConfig) -> None:
     kv = cm.kv_bytes_per_token(glm, "fp8_ds_mla")

@@ -53,8 +53,9 @@ def test_step_time_grows_with_work_and_shrinks_with_parallelism():
 
 def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
     """weights=bf16 (the engine as it runs today): a prefill chunk's matrices at the bf16
-    matmul rate, a decode step's weight reads at two bytes a parameter; and the weights twice
-    the HBM: GLM-5.3 in bf16 does not fit eight H200s."""
+    matmul rate, a decode step's weight reads at two bytes a parameter (fp8's at the bytes
+    its matrices are held in); and the weights twice the HBM: GLM-5.3 in bf16 does not fit
+    eight H200s."""
     _, model = load_model("glm-5.3")
     fp8, bf16 = (parse_deployment(f"tp8 weights={w}") for w in ("fp8", "bf16"))
     assert (fp8.weight_dtype, bf16.weight_dtype) == ("fp8", "bf16")
@@ -62,11 +63,23 @@ def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
                for d in (fp8, bf16))
     prefill = [(16384, 16384)]
     ratio = H200.matmul_fp8_tflops.value / H200.matmul_bf16_tflops.value
-    # (the lm_head of the one sampled row is a weight read: 2x, not the rate's ratio)
-    assert b16.step(prefill).gemm == pytest.approx(f8.step(prefill).gemm * ratio, rel=1e-4)
+    # (the lm_head of the one sampled row is a weight read, of bf16 values in both modes)
+    fp8_bytes, bf16_bytes = (cm.matrix_bytes(model, fp8.parallel, w) for w in ("fp8", "bf16"))
+    assert fp8_bytes.lm_head == bf16_bytes.lm_head
+    lm_head = bf16_bytes.lm_head / (H200.hbm_tbps.value * 1e12)
+    assert b16.step(prefill).gemm - lm_head == pytest.approx(
+        (f8.step(prefill).gemm - lm_head) * ratio, rel=1e-9)
     assert b16.step(prefill).moe == pytest.approx(f8.step(prefill).moe * ratio)
     decode = [(1, 8192)]  # weight reads bound a one-row step
-    assert b16.step(decode).gemm == pytest.approx(2 * f8.step(decode).gemm)
+    params = cm.matrix_params(model, fp8.parallel)
+    for part in ("attn", "indexer", "dense_mlp", "moe_shared", "expert", "lm_head"):
+        assert getattr(bf16_bytes, part) == 2 * getattr(params, part)
+    hbm = H200.hbm_tbps.value * 1e12
+    for times, held in ((b16, bf16_bytes), (f8, fp8_bytes)):
+        assert times.step(decode).gemm == pytest.approx(sum(
+            n * getattr(held, part) for n, part in ((78, "attn"), (21, "indexer"),
+                                                   (3, "dense_mlp"), (75, "moe_shared"),
+                                                   (1, "lm_head"))) / hbm)
     assert b16.step(prefill).indexer == f8.step(prefill).indexer
     assert replica_kv_capacity(model, fp8, H200)[0] > 0
     with pytest.raises(ConfigError, match="weights=bf16.*leave no room for KV"):
@@ -99,6 +112,93 @@ def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
     # (the lm_head of the one sampled row is a weight read: one byte a value, not bf16's two)
     assert w8.step(prefill).gemm == pytest.approx(b16.step(prefill).gemm, rel=1e-3)
     assert w8.step(prefill).gemm > 1.5 * f8.step(prefill).gemm
+
+
+def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
+    """One decode row of GLM-5.3 at TP8 reads each matrix it passes through once, as the engine
+    holds it (docs/fp8_weights.md), counted here from the config alone: under fp8 a quantized
+    matrix is 1 B a value plus an fp32 scale per 128×128 block, while kv_b_proj (dequantized),
+    the router, indexer weights_proj and lm_head are bf16; under bf16 every value is 2 B, the
+    same as before the engine's dtypes were tracked; so fp8's step rises by what 1 B a value
+    left out: the second byte of the bf16 matrices and the scales."""
+    _, m = load_model("glm-5.3")
+    par = parse_deployment("tp8").parallel
+    tp, h, heads, hbm = 8, m.hidden_size, m.num_attention_heads, H200.hbm_tbps.value * 1e12
+
+    def scales(rows: int, cols: int) -> int:
+        return 4 * -(-rows // 128) * -(-cols // 128)
+
+    # [rows, cols] per matrix, whether the engine holds it in FP8, whether TP splits it
+    attn = [(m.q_lora_rank, h, True, False), (m.kv_lora_rank + m.qk_rope_head_dim, h, True, False),
+            (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank, True, True),
+            (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False, True),  # kv_b
+            (h, heads * m.v_head_dim, True, True)]
+    indexer = [(m.index_n_heads * m.index_head_dim, m.q_lora_rank, True, False),
+               (m.index_head_dim, h, True, False), (m.index_n_heads, h, False, False)]
+    dense = [(m.intermediate_size, h, True, True)] * 3
+    shared = [(m.n_routed_experts, h, False, False)] + [
+        (m.moe_intermediate_size, h, True, True)] * (3 * m.n_shared_experts)
+    expert = [(m.moe_intermediate_size, h, True, True)] * 3
+    lm_head = [(m.vocab_size, h, False, True)]
+
+    def reads(matrices: list[tuple[int, int, bool, bool]], weights: str) -> tuple[int, int]:
+        """(values, bytes) one GPU reads of `matrices` under `weights`."""
+        values = nbytes = 0
+        for rows, cols, quantized, split in matrices:
+            v = rows * cols
+            b = v + scales(rows, cols) if quantized and weights == "fp8" else 2 * v
+            values, nbytes = values + v // (tp if split else 1), nbytes + b // (tp if split else 1)
+        return values, nbytes
+
+    num_moe = sum(m.is_moe_layer(i) for i in range(m.num_hidden_layers))
+    per_step = [(m.num_hidden_layers, attn), (len(m.full_indexer_layers), indexer),
+                (m.num_hidden_layers - num_moe, dense), (num_moe, shared), (1, lm_head)]
+    k, e = m.num_experts_per_tok, m.n_routed_experts
+    touched = e * (1 - (1 - 1 / e) ** k)  # distinct experts one row's k choices reach
+    decode = [(1, 8192)]
+    steps = {}
+    for weights in ("fp8", "bf16"):
+        step = StepTimeModel(model=m, par=par, parts=H200, weight_dtype=weights).step(decode)
+        gemm = sum(n * reads(mats, weights)[1] for n, mats in per_step)
+        moe = num_moe * touched * reads(expert, weights)[1]
+        assert step.gemm == pytest.approx(gemm / hbm, rel=1e-12)
+        assert step.moe == pytest.approx(moe / hbm, rel=1e-12)
+        steps[weights] = step
+    # bf16: the old pricing, every value at 2 B (the same expression, so equal to the last bit)
+    w = cm.matrix_params(m, par)
+    assert w.attn == reads(attn, "bf16")[0] and w.expert == reads(expert, "bf16")[0]
+    old_gemm = ((78 * (w.attn * 2 / hbm) + 21 * (w.indexer * 2 / hbm))
+                + (3 * (w.dense_mlp * 2 / hbm) + 75 * (w.moe_shared * 2 / hbm))
+                + w.lm_head * 2 / hbm)
+    assert (steps["bf16"].gemm, steps["bf16"].moe) == (
+        old_gemm, num_moe * max(2 * k * w.expert / (H200.matmul_bf16_tflops.value * 1e12),
+                                touched * w.expert * 2 / hbm))
+    # fp8 rises by the second byte of the bf16-held matrices plus the FP8 scales
+    old = (sum(n * reads(mats, "fp8")[0] for n, mats in per_step)
+           + num_moe * touched * reads(expert, "fp8")[0])
+    bf16_held = (78 * (heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank // tp)
+                 + 21 * m.index_n_heads * h + 75 * e * h + m.vocab_size * h // tp)
+    fp8_scales = sum(n * sum(scales(r, c) // (tp if split else 1) for r, c, q, split in mats if q)
+                     for n, mats in [*per_step, (num_moe * touched, expert)])
+    rise = (steps["fp8"].gemm + steps["fp8"].moe) * hbm / old - 1
+    assert rise == pytest.approx((bf16_held + fp8_scales) / old, rel=1e-9)
+    assert 0.06 < rise < 0.07  # GLM-5.3 at TP8: mostly lm_head, kv_b_proj and the router
+
+
+def test_an_mtp_draft_reads_its_eh_proj_as_stored():
+    """Each MTP draft forward runs eh_proj (held unquantized: [hidden, 2·hidden] bf16,
+    replicated) before the layer, and the shared lm_head after it, in every weight mode."""
+    _, m = load_model("glm-5.3")
+    par = parse_deployment("tp8").parallel
+    hbm = H200.hbm_tbps.value * 1e12
+    for weights in cm.WEIGHT_DTYPES:
+        held = cm.matrix_bytes(m, par, weights)
+        assert held.mtp_proj == 2 * m.hidden_size * 2 * m.hidden_size
+        times = StepTimeModel(m, par, H200, num_drafts=3, weight_dtype=weights)
+        batch = [(4, 8192)]
+        drafted = times.step(batch, drafting=[8192]).gemm - times.step(batch).gemm
+        per_draft = held.attn + held.indexer + held.moe_shared + held.mtp_proj + held.lm_head
+        assert drafted == pytest.approx(3 * per_draft / hbm, rel=1e-9)
 
 
 def test_curve_interpolates_and_extrapolates():
