@@ -63,6 +63,7 @@ every measured row's residual.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -163,13 +164,39 @@ class PrefillFit:
         return self.per_step + self.per_layer * num_layers
 
 
+def _least_squares(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """x minimising |a·x − b|, a [rows, n] (full column rank), b [rows] → x [n] float64.
+
+    In Python floats (modified Gram-Schmidt QR, columns scaled to unit norm first): LAPACK's
+    lstsq rounds the last bits differently from run to run (its kernels depend on the
+    buffers' alignment), and the simulator must give the same numbers every time."""
+    rows = a.tolist()
+    rhs = b.tolist()
+    n = len(rows[0])
+    cols = [[r[j] for r in rows] for j in range(n)]
+    norms = [math.sqrt(sum(v * v for v in c)) or 1.0 for c in cols]
+    q = [[v / norms[j] for v in c] for j, c in enumerate(cols)]
+    r = [[0.0] * n for _ in range(n)]
+    for j in range(n):
+        for i in range(j):
+            r[i][j] = sum(x * y for x, y in zip(q[i], q[j], strict=True))
+            q[j] = [y - r[i][j] * x for x, y in zip(q[i], q[j], strict=True)]
+        r[j][j] = math.sqrt(sum(v * v for v in q[j]))
+        q[j] = [v / r[j][j] for v in q[j]]
+    qtb = [sum(x * y for x, y in zip(q[j], rhs, strict=True)) for j in range(n)]
+    x = [0.0] * n
+    for j in reversed(range(n)):
+        x[j] = (qtb[j] - sum(r[j][k] * x[k] for k in range(j + 1, n))) / r[j][j]
+    return torch.tensor([x[j] / norms[j] for j in range(n)], dtype=torch.float64)
+
+
 def fit_prefill(rows: Sequence[PrefillHostRow], source: str = PREFILL_RUN) -> PrefillFit:
     """Least squares on host = a + b · layers (absolute ms: the rows' walls differ 3×, but their
     host times are of one size), a and b held ≥ 0."""
     layers = torch.tensor([float(r.layers) for r in rows], dtype=torch.float64)
     host = torch.tensor([r.host_ms for r in rows], dtype=torch.float64) * 1e-3
     a = torch.stack([torch.ones_like(layers), layers], dim=1)  # [rows, 2]
-    per_step, per_layer = torch.linalg.lstsq(a, host[:, None]).solution[:, 0].tolist()
+    per_step, per_layer = _least_squares(a, host).tolist()
     if per_layer < 0:  # host time that falls with layers: all of it per step
         per_step, per_layer = float(host.mean()), 0.0
     elif per_step < 0:
@@ -204,7 +231,7 @@ def fit_decode(rows: Sequence[DecodeRow], source: str = DECODE_RUN) -> HostFit:
     keep = [0, 1, 2]
     while True:
         a = features[:, keep] / wall[:, None]
-        coef = torch.linalg.lstsq(a, (host / wall)[:, None]).solution[:, 0]
+        coef = _least_squares(a, host / wall)
         if (coef >= 0).all() or len(keep) == 1:
             break
         del keep[int(coef.argmin())]
