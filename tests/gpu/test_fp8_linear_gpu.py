@@ -129,6 +129,30 @@ def test_fp8_grouped_matches_reference(g, p, e, proj):
     assert (got[int(ends[-1]):] == 0).all()
 
 
+@pytest.mark.parametrize("tokens", [64, 2048], ids=["decode", "prefill"])
+def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
+    """model/moe_compute.py's grouped path on FP8 experts aligned to the block grid (GLM-5.3's
+    I = 2048): both FP8 grouped products, SiLU between, the routing weights, the experts held
+    elsewhere (EP8 rank 1) adding nothing — against grouped_experts on the dequantized
+    weights (torch._grouped_mm), within bf16 rounding of the intermediate."""
+    from dsaserve.model import moe_compute
+    from dsaserve.model.fp8 import BlockRange, Fp8Experts
+
+    h, inter, e = _C["hidden_size"], _C["moe_intermediate_size"], 32
+    w13, s13 = _weight(2 * inter, h, g, batch=(e,))
+    w2, s2 = _weight(h, inter, g, batch=(e,))
+    experts = Fp8Experts(w13, w2, s13, s2, BlockRange(0, inter))
+    assert experts.aligned
+    x = (torch.randn(tokens, h, generator=g, device=DEV) * 0.1).bfloat16()
+    ids = torch.randint(0, 8 * e, (tokens, 8), generator=g, device=DEV)
+    weights = torch.rand(tokens, 8, generator=g, device=DEV)
+    got = moe_compute.routed_experts(x, experts, ids, weights, first=e, num_experts=8 * e)
+    d13, d2 = experts.dequantized(torch.bfloat16)
+    want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first=e)
+    big = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-8 * big)
+
+
 def test_fp8_grouped_replays_in_a_cuda_graph(g):
     """Captured once with one routing, replayed with others written into the same inputs:
     the grid does not depend on the routing and `ends` is never read on the host."""

@@ -99,20 +99,23 @@ def _fp8_experts(w13, w2, inter_range=None):
 
 
 @pytest.mark.parametrize("path", [moe_compute.dense_experts, moe_compute.looped_experts,
-                                  moe_compute.grouped_fp8_experts, moe_compute.routed_experts])
+                                  moe_compute.routed_experts])
 @pytest.mark.parametrize("inter", [16, 128])  # halves inside one block; on the block grid
 def test_fp8_experts_equal_their_dequantized_weights(path, inter):
     """FP8-kept experts (model/fp8.py) give the bits of the same experts dequantized first: each
     gate/up half on its own block grid (I = 16 puts both halves in one 128-row block)."""
-    dtype = torch.bfloat16 if path is moe_compute.grouped_fp8_experts else torch.float32
-    x, w13, w2, ids, weights, first = _case(9, 8, 3, 2, inter=inter, dtype=dtype)
+    x, w13, w2, ids, weights, first = _case(9, 8, 3, 2, inter=inter)
     experts, d13, d2 = _fp8_experts(w13, w2)
     assert experts.aligned == (inter == 128)
-    if path is moe_compute.grouped_fp8_experts:
-        if experts.aligned:
-            pytest.skip("the FP8 grouped kernel runs on CUDA (tests/gpu)")
-        want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first)
-    else:
-        want = (moe_compute.routed_experts if path is moe_compute.routed_experts else path)(
-            x, (d13, d2), ids, weights, first)
-    assert torch.equal(path(x, experts, ids, weights, first), want)
+    assert torch.equal(path(x, experts, ids, weights, first), path(x, (d13, d2), ids, weights,
+                                                                    first))
+
+
+def test_unaligned_fp8_experts_take_the_dequantized_grouped_path():
+    """Halves that do not start on a block (I = 16): the grouped path dequantizes first and
+    gives grouped_experts' bits. (The aligned case runs the FP8 grouped kernel: CUDA only,
+    tests/gpu/test_fp8_linear_gpu.py.)"""
+    x, w13, w2, ids, weights, first = _case(9, 8, 3, 2, inter=16, dtype=torch.bfloat16)
+    experts, d13, d2 = _fp8_experts(w13, w2)
+    want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first)
+    assert torch.equal(moe_compute.grouped_fp8_experts(x, experts, ids, weights, first), want)
