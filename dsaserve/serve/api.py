@@ -189,7 +189,9 @@ class Generation:
     or stop_token_ids before min_tokens.
 
     `stop_reason` (vLLM's): the stop string that cut the text, or the stop_token_ids entry that
-    ended the request (RequestOutput.stop_token_id); None for EOS, length or an abort.
+    ended the request (RequestOutput.stop_token_id); None for EOS, length or an abort. The token
+    that ended a request (EOS or a stop id) counts in usage and has its logprob entry, but its
+    text is not returned, as in vLLM.
 
     The logprob entries (SamplingParams.logprobs) follow the text: `take_logprobs` gives those
     whose text has been yielded, and the rest once the generation ended (serve/logprobs.py,
@@ -240,8 +242,12 @@ class Generation:
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
                 text, found = self._held, None
+                # an EOS or stop_token_ids entry that ended the request counts, but its text is
+                # not returned (vLLM's, without include_stop_str_in_output)
+                last = (len(out.new_token_ids) - 1 if out.finished and out.finish_reason == "stop"
+                        else -1)
                 for k, t in enumerate(out.new_token_ids):
-                    text += (piece := self._detok.push(t))
+                    text += (piece := self._detok.push(t) if k != last else "")
                     self.num_output_tokens += 1
                     if out.logprobs is not None:
                         self._logprobs.push(out.logprobs[k], piece)
