@@ -113,10 +113,11 @@ class LLMEngine:
                                    connector=self.connector, num_mla_pages=mla_pages,
                                    hisparse_buffer_rows=config.hisparse_buffer_rows,
                                    hisparse_host=host_pool)
-        eos = set(config.model.eos_token_ids)
+        # the tokenizer's EOS first (vLLM's model EOS), then the config's others
+        eos = list(config.model.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+            eos.insert(0, tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(dict.fromkeys(eos))
 
     def _kv_connector(self, dp_rank: int) -> ConnectorScheduler | None:
         """P/D: the connector's scheduler half, with every rank's transport metadata."""

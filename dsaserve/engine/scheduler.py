@@ -738,7 +738,8 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> None:
         """Stop rules after a token is appended: EOS / stop ids (not before min_tokens) give
-        "stop", a stop id recorded as the request's stop_token_id; max_tokens or reaching
+        "stop", a stop id (or an EOS id other than the first) recorded as the request's
+        stop_token_id; max_tokens or reaching
         max_model_len give "length"."""
         params = req.sampling_params
         num_output = req.num_output_tokens  # placeholders of async steps after it not counted
@@ -746,6 +747,9 @@ class Scheduler:
         if num_output >= params.min_tokens:
             if not params.ignore_eos and last in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
+                # the model's own EOS (the first) reports none; another of the model's EOS ids
+                # reports itself, as vLLM's stop_reason does (it adds them to stop_token_ids)
+                req.stop_token_id = None if last == req.eos_token_ids[0] else last
                 return
             if last in params.stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED

@@ -398,7 +398,7 @@ def test_eos_min_tokens_ignore_eos_and_stop_ids() -> None:
         return lambda tokens: tok
 
     # the last column: RequestOutput.stop_token_id, set only where a stop id ended the request
-    # (EOS is checked first and reports none, as vLLM's stop_reason)
+    # (the first EOS is checked first and reports none, as vLLM's stop_reason)
     cases = [
         (dict(), (7,), 7, 1, "stop", None),
         (dict(min_tokens=3), (7,), 7, 3, "stop", None),
@@ -408,6 +408,11 @@ def test_eos_min_tokens_ignore_eos_and_stop_ids() -> None:
         (dict(stop_token_ids=(7,)), (7,), 7, 1, "stop", None),
         (dict(stop_token_ids=(7,), ignore_eos=True), (7,), 7, 1, "stop", 7),
         (dict(), (), 9, 5, "length", None),
+        # a model with several EOS ids: the first reports none, the others themselves (vLLM
+        # makes them stop ids)
+        (dict(), (7, 8), 7, 1, "stop", None),
+        (dict(), (7, 8), 8, 1, "stop", 8),
+        (dict(ignore_eos=True), (7, 8), 8, 5, "length", None),
     ]
     for params, eos, tok, n_out, reason, stop_id in cases:
         sched = make_sched(max_model_len=64)
