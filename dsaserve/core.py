@@ -176,7 +176,7 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = 0.0
     cache_salt: str | None = None
-    eos_token_ids: tuple[int, ...] = ()  # the model's own EOS first (it alone reports no stop_reason)
+    eos_token_ids: tuple[int, ...] = ()  # the model's own EOS first (no stop_reason)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
