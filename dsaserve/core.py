@@ -58,6 +58,17 @@ class SamplingParams:
                 or self.logprobs < 0):
             raise RequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
 
+    def min_tokens_stop_ids(self, eos_token_ids: tuple[int, ...],
+                            vocab_size: int) -> tuple[int, ...]:
+        """The ids kept from sampling while the output is shorter than min_tokens (vLLM's
+        MinTokensLogitsProcessor): the request's EOS ids unless ignore_eos, and its
+        stop_token_ids, sorted, those outside [0, vocab_size) left out (no row can sample
+        them); () when min_tokens is 0."""
+        if not self.min_tokens:
+            return ()
+        ids = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        return tuple(sorted(t for t in ids if 0 <= t < vocab_size))
+
     @property
     def greedy(self) -> bool:
         """Argmax decoding. Also below these values, where sampling is argmax in effect and its fp32
@@ -228,6 +239,10 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    # the prompt's length (token_ids past it are outputs; None: every token is the prompt's)
+    # and the request's EOS ids: what SamplingParams.min_tokens masks on the device
+    num_prompt_tokens: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from dsaserve.core import (
 from dsaserve.engine.async_scheduler import AsyncScheduler
 from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecutor
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.sampling_table import MAX_STOP_IDS
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.engine.step_results import PendingStep
 from dsaserve.tokenizer import Tokenizer
@@ -169,6 +170,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        num_stops = len(params.min_tokens_stop_ids(self.eos_token_ids, vocab))
+        if num_stops > MAX_STOP_IDS:  # masked before min_tokens from a row of that width
+            raise RequestError(f"stop_token_ids: at most {MAX_STOP_IDS} ids with the EOS ids "
+                               f"when min_tokens > 0, got {num_stops}")
         max_logprobs = self.config.scheduler.max_logprobs
         if params.logprobs is not None and params.logprobs > max_logprobs:
             raise RequestError(f"logprobs: {params.logprobs} exceeds the engine's "

@@ -231,7 +231,8 @@ class ModelRunner:
         self._recv_blocks: dict[str, list[int]] = {}
         # each request's sampling parameters at its block-table row, on the device across
         # steps and updated from the diffs (engine/sampling_table.py)
-        self.sampling = SamplingTable(self.block_table.max_rows, self.device, config.seed)
+        self.sampling = SamplingTable(self.block_table.max_rows, self.device, config.seed,
+                                      self.model_cfg.vocab_size)
         spec = config.speculative
         self.drafter = None if spec is None else MtpDrafter(
             self.model, self.caches, spec.num_speculative_tokens, self._draft_metadata)
@@ -666,14 +667,19 @@ class ModelRunner:
         # token's log-probability and, when some live request asked, the row's top-W.
         width = self.sampling.top_logprobs_width  # host-known: no read of the device
         emitted_from: list[torch.Tensor] = []  # [rows, V] log-probabilities, kept for the top-W
+        # min_tokens: some live request masks its stop ids (host-known); the positions of the
+        # rows' tokens then go up too
+        masking = self.sampling.num_masking > 0
         if plain:
-            last_rows, rows_d = staging.upload(
+            last_rows, rows_d, *at = staging.upload(
                 [torch.tensor([qsl[r + 1] - 1 for r in plain]),
-                 torch.from_numpy(param_rows[: len(plain)])], dev)
+                 torch.from_numpy(param_rows[: len(plain)]),
+                 *(self._token_positions(batch, plain) if masking else ())], dev)
             logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
             logprobs = logits.log_softmax(-1)  # [M, V]
-            tokens, lps = sample_on_device(
-                logits, self.sampling.batch(sampled_ids[: len(plain)], rows_d), logprobs)
+            params = self.sampling.batch(sampled_ids[: len(plain)], rows_d,
+                                         self._moved_positions(batch, *at) if at else None)
+            tokens, lps = sample_on_device(logits, params, logprobs)
             if width:
                 emitted_from.append(logprobs)
         accepted = torch.zeros(0, dtype=torch.int64, device=dev)
@@ -684,11 +690,12 @@ class ModelRunner:
             # by repeating the last row; padded rows are never read)
             rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
                      for i in range(k + 1)] for r in verify]
-            rows_d, draft_ids, num_drafts, param_rows_d = staging.upload([
+            rows_d, draft_ids, num_drafts, param_rows_d, *at = staging.upload([
                 torch.tensor(rows).flatten(),
                 torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
                 torch.tensor([batch.num_drafts[r] for r in verify]),  # [M]
-                torch.from_numpy(param_rows[len(plain):])], dev)  # [M]
+                torch.from_numpy(param_rows[len(plain):]),  # [M]
+                *(self._token_positions(batch, verify) if masking else ())], dev)
             if batch.device_ids is not None:  # async: drafts proposed on the device (their
                 # host values are placeholders) are this step's inputs
                 on_device = batch.device_ids[rows_d].view(len(verify), k + 1)[:, 1:]
@@ -697,7 +704,8 @@ class ModelRunner:
             logits = logits.view(len(verify), k + 1, -1)  # [M, k+1, V]
             accepted, final = rejection_sample_on_device(
                 logits, draft_ids, num_drafts,
-                self.sampling.batch(sampled_ids[len(plain):], param_rows_d),
+                self.sampling.batch(sampled_ids[len(plain):], param_rows_d,
+                                    self._moved_positions(batch, *at) if at else None),
                 self._synthetic_rates)
             # token i of a run comes from row i: its log-probability there
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
@@ -715,6 +723,23 @@ class ModelRunner:
         return step_results.DeviceSamples(plain, tokens, lps, verify, accepted, emitted,
                                           emitted_lps, num_drafts if verify else None,
                                           top_ids, top_lps)
+
+    @staticmethod
+    def _token_positions(batch: _Batch, reqs: list[int]) -> list[torch.Tensor]:
+        """min_tokens: for the sampling requests at `reqs` (batch indices), the host's
+        position of the token each samples (a verifying request's first: the one after its
+        last known token) and the indices, for the upload → [positions [M], reqs [M]]."""
+        qsl = batch.query_start_loc
+        return [torch.tensor([batch.starts[r] + qsl[r + 1] - qsl[r] - batch.num_drafts[r]
+                              for r in reqs]), torch.tensor(reqs)]
+
+    @staticmethod
+    def _moved_positions(batch: _Batch, positions: torch.Tensor,
+                         reqs: torch.Tensor) -> torch.Tensor:
+        """The uploaded `_token_positions` [M] where the tokens really are: async rows that
+        continue from a verifying step moved back on the device by its rejected drafts (the
+        host placed them as if all were accepted). No host count of tokens enters."""
+        return positions if batch.moved is None else positions + batch.moved[reqs]
 
     @staticmethod
     def _drafts_of(batch: _Batch, r: int, k: int) -> list[int]:
@@ -895,8 +920,11 @@ class ModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
             )
             self.block_table.add(new.request_id, new.block_ids)
+            num_prompt = (len(new.token_ids) if new.num_prompt_tokens is None
+                          else new.num_prompt_tokens)
             self.sampling.add(new.request_id, self.block_table.row_of[new.request_id],
-                              new.sampling_params)
+                              new.sampling_params, num_prompt, new.eos_token_ids,
+                              len(new.token_ids))
             self._recv_blocks.pop(new.request_id, None)
             if self.hisparse is not None:
                 self.hisparse.add(new.request_id, new.num_computed_tokens,
@@ -904,6 +932,8 @@ class ModelRunner:
         for cached in so.cached_requests:
             st = self.requests[cached.request_id]
             st.token_ids.extend(cached.new_token_ids)
+            if self.sampling.num_masking:  # min_tokens reached by the known tokens: unmasked
+                self.sampling.tokens_known(cached.request_id, len(st.token_ids))
             if cached.num_kept_blocks is not None:  # blocks of rejected drafts were given back
                 self.block_table.truncate(cached.request_id, cached.num_kept_blocks)
             if cached.new_block_ids:

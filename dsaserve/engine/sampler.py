@@ -13,8 +13,14 @@ with one batched draw. A request with a seed draws its own row of E from its own
 its samples are reproducible whatever the batch. Every other row draws from the step's
 generator, which the runner seeds identically on every rank of a replica.
 
-`filter_top_k_top_p` and `sample_reference` are the per-request reference the batched path is
-tested against.
+min_tokens (vLLM's MinTokensLogitsProcessor): while a request's output is shorter than its
+min_tokens, its stop ids (EOS unless ignore_eos, and stop_token_ids) are set to −inf in the
+logits of the rows it samples from, so no row samples them; a row knows which output it samples
+from the device (`SamplingBatch.min_tokens_left`), never from a host count that lags behind
+the steps in flight. The log-probabilities stay those of the raw logits (vLLM's raw_logprobs).
+
+`filter_top_k_top_p`, `sample_reference` and `mask_stop_ids_reference` are the per-request
+reference the batched path is tested against.
 """
 
 from __future__ import annotations
@@ -59,15 +65,32 @@ class SamplingBatch:
     any_top_p: bool
     seeded: tuple[tuple[int, torch.Generator], ...]  # (row, its request's generator)
     generator: torch.Generator | None  # every other row's draws (None: torch's default)
+    # min_tokens: both None unless some live request still masks its stop ids (host-known)
+    stop_ids: torch.Tensor | None = None  # [R, S] int64, −1 padding: ids kept from sampling
+    # [R] int64: min_tokens − the output index of the row's token (a verifying request's
+    # first row; its row j samples index + j): rows j < min_tokens_left[r] mask (≤ 0: none)
+    min_tokens_left: torch.Tensor | None = None
 
     @staticmethod
     def of(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-           device: torch.device, generator: torch.Generator | None = None) -> SamplingBatch:
+           device: torch.device, generator: torch.Generator | None = None, *,
+           num_output_tokens: Sequence[int] | None = None, eos_token_ids: tuple[int, ...] = (),
+           vocab_size: int = 2**31 - 1) -> SamplingBatch:
         """From per-request params (a loop over requests: for tests and one-off callers; the
         runner's rows stay on the device). generators[r] is used only where params[r] has a
-        seed."""
+        seed. With `num_output_tokens` (request r's outputs before its row's token) the
+        requests' min_tokens masks too, `eos_token_ids` being every request's EOS ids."""
         rows = [row_values(p) for p in params]
         temperature, top_k, top_p = zip(*rows, strict=True) if rows else ((), (), ())
+        stop_ids = left = None
+        if num_output_tokens is not None:
+            stops = [p.min_tokens_stop_ids(eos_token_ids, vocab_size) for p in params]
+            if any(stops):
+                width = max(map(len, stops))
+                stop_ids = torch.tensor([list(ids) + [-1] * (width - len(ids)) for ids in stops],
+                                        dtype=torch.int64, device=device)
+                left = torch.tensor([p.min_tokens - n for p, n in zip(
+                    params, num_output_tokens, strict=True)], dtype=torch.int64, device=device)
         return SamplingBatch(
             torch.tensor(temperature, dtype=torch.float32, device=device),
             torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -76,12 +99,29 @@ class SamplingBatch:
             any_top_k=any(k > 0 for k in top_k), any_top_p=any(p < 1 for p in top_p),
             seeded=tuple((r, generators[r]) for r, p in enumerate(params)
                          if p.seed is not None and not p.greedy),
-            generator=generator)
+            generator=generator, stop_ids=stop_ids, min_tokens_left=left)
 
 
 def _per_row(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """[R] → [R, 1, ...] broadcasting against `like` [R, ..., V]."""
     return x.view(-1, *([1] * (like.dim() - 1)))
+
+
+def mask_stop_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [R, V] (row r: request r's next token) or [R, J, V] (row j: the token j after
+    it) → logits with request r's stop ids at −inf in its rows j < min_tokens_left[r], the
+    rows whose token would be an output below min_tokens; unchanged without stop_ids."""
+    if batch.stop_ids is None:
+        return logits
+    assert batch.min_tokens_left is not None
+    rows = logits.reshape(logits.shape[0], -1, logits.shape[-1])  # [R, J, V]
+    j = torch.arange(rows.shape[1], device=logits.device)  # [J]
+    below = j[None, :] < batch.min_tokens_left[:, None]  # [R, J]
+    ids = batch.stop_ids[:, None, :].expand(-1, rows.shape[1], -1)  # [R, J, S]
+    # −inf added at each masked (row, id), 0 elsewhere: a padding entry (−1) adds 0 to id 0,
+    # and sums of 0s and −inf are the same in whatever order duplicates land (no race)
+    add = torch.where(below[..., None] & (ids >= 0), float("-inf"), 0.0).to(logits.dtype)
+    return rows.scatter_add(-1, ids.clamp(min=0), add).view(logits.shape)
 
 
 def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -157,6 +197,7 @@ def sample_on_device(
     that also needs the rows' top-k passes their `logprobs`: one log_softmax serves both."""
     if logprobs is None:
         logprobs = logits.log_softmax(-1)  # [R, V]
+    logits = mask_stop_ids(logits, batch)  # min_tokens: after the raw log-probabilities
     if batch.any_sampled:
         tokens = sample_probs(sampling_probs(logits, batch), batch)  # [R]
     else:
@@ -203,6 +244,21 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def mask_stop_ids_reference(logits: torch.Tensor, params: list[SamplingParams],
+                            eos_token_ids: tuple[int, ...],
+                            num_output_tokens: Sequence[int]) -> torch.Tensor:
+    """logits [R, J, V] → logits with request r's min_tokens stop ids at −inf in its row j
+    whenever num_output_tokens[r] + j < min_tokens (vLLM's MinTokensLogitsProcessor), a loop
+    over requests and rows."""
+    out = logits.clone()
+    for r, p in enumerate(params):
+        ids = list(p.min_tokens_stop_ids(eos_token_ids, logits.shape[-1]))
+        for j in range(logits.shape[1]):
+            if ids and num_output_tokens[r] + j < p.min_tokens:
+                out[r, j, ids] = float("-inf")
+    return out
 
 
 def sample_reference(

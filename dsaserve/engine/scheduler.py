@@ -716,6 +716,8 @@ class Scheduler:
             sampling_params=req.sampling_params,
             block_ids=tuple(req.block_ids),
             num_computed_tokens=req.num_computed_tokens,
+            num_prompt_tokens=req.num_prompt_tokens,
+            eos_token_ids=req.eos_token_ids,
         )
 
     def _cached_request_data(self, req: Request) -> CachedRequestData:

@@ -32,6 +32,7 @@ from dsaserve.core import SamplingParams
 from dsaserve.engine.sampler import (
     SamplingBatch,
     filter_top_k_top_p,
+    mask_stop_ids,
     sample_probs,
     sampling_probs,
 )
@@ -114,7 +115,15 @@ def rejection_sample_on_device(
     """Verify every request's drafts → (accepted drafts [R] int64, the token emitted after
     them [R] int64), left on the device."""
     num_reqs, k = draft_ids.shape
-    probs = sampling_probs(logits, batch)  # [R, k+1, V]
+    # min_tokens: the target rows whose token would be an output below min_tokens give the
+    # stop ids no mass, so a draft that is one is rejected (p = 0) and no emitted token is
+    # one; greedy MTP emits what greedy without drafts does. The drafts are not masked: the
+    # draft chain runs inside the decode graph, where masking would need each request's
+    # stop ids and output index in static buffers, and all it would win is the acceptance of
+    # the drafts after a stop-id draft, in the few steps before min_tokens where the model
+    # wants to end. (Synthetic acceptance ignores the target: it may accept a stop-id draft,
+    # as its text is not faithful anyway.)
+    probs = sampling_probs(mask_stop_ids(logits, batch), batch)  # [R, k+1, V]
     # 1. one uniform per draft (greedy targets need none: u = 0 accepts exactly the argmax;
     #    synthetic mode draws for every request)
     if batch.any_sampled or conditional_rates is not None:
