@@ -739,9 +739,9 @@ class Scheduler:
         )
 
     def _check_stop(self, req: Request) -> None:
-        """Stop rules after a token is appended: EOS / stop ids (not before min_tokens) give
-        "stop", a stop id (or an EOS id other than the first) recorded as the request's
-        stop_token_id; max_tokens or reaching
+        """Stop rules after a token is appended: EOS / stop ids (not before min_tokens, where
+        the runner masks them out of sampling) give "stop", a stop id (or an EOS id other than
+        the first) recorded as the request's stop_token_id; max_tokens or reaching
         max_model_len give "length"."""
         params = req.sampling_params
         num_output = req.num_output_tokens  # placeholders of async steps after it not counted

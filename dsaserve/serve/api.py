@@ -185,8 +185,9 @@ class Generation:
 
     `min_tokens` (vLLM's): stop strings are searched only from the token that makes the output
     longer than min_tokens on, in the text it completes (a stop string may start in the earlier
-    tokens' text, but one they complete does not count). The engine itself does not stop on EOS
-    or stop_token_ids before min_tokens.
+    tokens' text, but one they complete does not count). The engine never samples EOS (unless
+    ignore_eos) or a stop_token_ids entry before min_tokens: it masks them out of sampling, as
+    vLLM's MinTokensLogitsProcessor does.
 
     `stop_reason` (vLLM's): the stop string that cut the text, or the stop_token_ids entry that
     ended the request (RequestOutput.stop_token_id); None for EOS, length or an abort. The token

@@ -286,14 +286,15 @@ def test_stop_reason_names_the_stop_string_or_token_id(server, offline, tok, eng
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_min_tokens_holds_back_stop_token_ids_and_stop_strings(server, offline, tok, engine,
                                                                 chat, stream) -> None:
-    """A stop id emitted within the first min_tokens tokens does not end the output (offline
-    generation with min_tokens is the reference); a stop string that those tokens complete does
-    not count."""
+    """A stop id is not sampled within the first min_tokens tokens (masked, as vLLM does), so
+    it does not end the output there (offline generation with min_tokens is the reference); a
+    stop string that those tokens complete does not count."""
     ref = _reference(offline, tok, chat)
     prompt = PROMPT_IDS
     j = _first_new(ref, 2)
     want = _reference(offline, tok, chat, stop_token_ids=(ref[j],), min_tokens=j + 3)
-    assert len(want) >= j + 3 and want[:j + 1] == ref[:j + 1]  # not ended at j + 1
+    # the same tokens up to j, where the stop id is masked: another token, and none up to j + 3
+    assert len(want) >= j + 3 and want[:j] == ref[:j] and ref[j] not in want[: j + 3]
     text, reason, stop_reason, n = _ask(server, chat, prompt, stream, stop_token_ids=[ref[j]],
                                         min_tokens=j + 3)
     stopped = len(want) < 24  # on the stop id, whose text is not returned
@@ -325,6 +326,19 @@ def test_min_tokens_out_of_range_is_400_naming_it(server, chat, fields) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "min_tokens"
     assert "min_tokens" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_min_tokens_with_too_many_stop_ids_is_400(server, chat) -> None:
+    """min_tokens masks the stop ids on the device, at most 128 of them (the EOS ids
+    included): more is the client's mistake; without min_tokens any number is served."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = (CHAT if chat else {"model": MODEL_NAME, "prompt": "x"}) | {
+        "stop_token_ids": list(range(1, 200)), "max_tokens": 2}
+    r = httpx.post(server.url + path, json=body | {"min_tokens": 1}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "stop_token_ids" in r.json()["error"]["message"]
+    assert httpx.post(server.url + path, json=body, timeout=30).status_code == 200
 
 
 def test_agentx_request_shape_raw_http(server, tok) -> None:

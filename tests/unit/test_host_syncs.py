@@ -73,9 +73,10 @@ def test_read_back_unpacks_every_part():
     assert host.top == {2: [row(0)], 0: [row(1), row(2), row(3)], 1: [row(5)]}
 
 
+@pytest.mark.parametrize("min_tokens", [0, 10])  # 10: stop ids masked on the device
 @pytest.mark.parametrize("logprobs", [None, 3])  # 3: the step's top-k is in the same copy
 @pytest.mark.parametrize("k", [None, 3])
-def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprobs):
+def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprobs, min_tokens):
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
     if k is not None:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
@@ -84,6 +85,8 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprob
                              logprobs=logprobs),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, top_k=5, ignore_eos=True)]
+    params = [dataclasses.replace(p, min_tokens=min_tokens, stop_token_ids=(7, 8))
+              for p in params]
     for i, p in enumerate(params):
         engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)), p)
     for _ in range(3):  # prefill, then decode steps (with MTP: drafts to verify)
@@ -97,6 +100,7 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprob
         out = engine.runner.execute(so)
     assert syncs.count == 1, syncs.report()
     assert "step_results.py" in syncs.report()
+    assert bool(engine.runner.sampling.num_masking) == bool(min_tokens)
     if logprobs is not None:
         assert all(len(top) == 3 for tops in out.top_logprobs.values() for top in tops)
         assert out.top_logprobs.keys() == out.sampled_token_ids.keys()
@@ -106,8 +110,9 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprob
     engine.check_integrity()
 
 
+@pytest.mark.parametrize("min_tokens", [0, 10])
 @pytest.mark.parametrize("k", [None, 3])
-def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k):
+def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k, min_tokens):
     """--async-scheduling: launching step k + 1 (its inputs gathered on the device from step k's
     samples; with MTP3 also its drafts, and its rows moved back by the drafts step k rejected)
     reads nothing; reading step k's results is the one sync, after the launch."""
@@ -120,7 +125,8 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     for i in range(3):
         engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),
                            SamplingParams(max_tokens=12, temperature=0.7 * i, seed=i,
-                                          ignore_eos=True))
+                                          ignore_eos=True, min_tokens=min_tokens,
+                                          stop_token_ids=(7, 8)))
     for _ in range(3):  # prefill, then decode steps, one in flight
         engine.step()
     so = engine.scheduler.schedule()
@@ -131,6 +137,7 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k):
     with SyncCounter(exclude=("kernels/",)) as launch:
         pending = engine.executor.submit(so)
     assert launch.count == 0, launch.report()
+    assert bool(engine.runner.sampling.num_masking) == bool(min_tokens)
     engine._in_flight.append((so, pending))
     prev_so, prev = engine._in_flight.popleft()
     with SyncCounter(exclude=("kernels/",)) as read:

@@ -3,7 +3,9 @@
 the filtered distributions, in distribution for sampled tokens (total variation against the
 exact probabilities, fixed seeds); seeded requests give the same tokens alone and batched, in
 the sampler, the rejection sampler and the engine; the device table of sampling parameters
-follows the diffs (engine/sampling_table.py)."""
+follows the diffs (engine/sampling_table.py). The min_tokens mask equals its per-request
+reference (`mask_stop_ids_reference`) on random logits, through SamplingBatch.of and through
+the table's rows and the rows' positions; no masked id is sampled or accepted as a draft."""
 
 from __future__ import annotations
 
@@ -18,13 +20,19 @@ from dsaserve.engine.sampler import (
     filter_rows,
     filter_top_k_top_p,
     make_generator,
+    mask_stop_ids,
+    mask_stop_ids_reference,
     sample,
     sample_on_device,
     sample_reference,
     sampling_probs,
 )
 from dsaserve.engine.sampling_table import SamplingTable
-from dsaserve.spec.rejection import rejection_sample, target_probs_reference
+from dsaserve.spec.rejection import (
+    rejection_sample,
+    rejection_sample_on_device,
+    target_probs_reference,
+)
 
 CPU = torch.device("cpu")
 MIX = [SamplingParams(temperature=0.0),
@@ -212,3 +220,125 @@ def test_step_generator_is_the_same_on_every_rank():
                       for _ in range(2)])
     assert all(torch.equal(x, y) for x, y in zip(*draws, strict=True))
     assert not torch.equal(draws[0][0], draws[0][1])
+
+
+# ---- min_tokens ------------------------------------------------------------------------------
+EOS = (2, 11)
+
+
+def _min_tokens_mix(num: int, vocab: int, seed: int) -> tuple[list[SamplingParams], list[int]]:
+    """`num` requests with random min_tokens (0 included), stop ids (several, repeats, one
+    outside the vocabulary), ignore_eos and sampling; outputs so far below and past
+    min_tokens → (params, num_output_tokens)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(hi: int) -> int:
+        return int(torch.randint(0, hi, (), generator=g))
+
+    params, num_output = [], []
+    for _ in range(num):
+        stops = tuple(draw(vocab) for _ in range(draw(4))) + ((vocab + 3,) if draw(4) == 0
+                                                              else ())
+        params.append(SamplingParams(max_tokens=20, min_tokens=draw(7), stop_token_ids=stops,
+                                     ignore_eos=draw(3) == 0, temperature=draw(2) * 0.8))
+        num_output.append(draw(9))
+    return params, num_output
+
+
+def test_min_tokens_mask_equals_the_reference():
+    """[R, J, V] (a verifying request's rows: output index + j) and [R, V] rows."""
+    vocab, num = 20, 64
+    params, num_output = _min_tokens_mix(num, vocab, seed=11)
+    logits = torch.randn(num, 4, vocab, generator=torch.Generator().manual_seed(12))
+    batch = SamplingBatch.of(params, [None] * num, CPU, num_output_tokens=num_output,
+                             eos_token_ids=EOS, vocab_size=vocab)
+    want = mask_stop_ids_reference(logits, params, EOS, num_output)
+    assert torch.equal(mask_stop_ids(logits, batch), want)
+    assert torch.equal(mask_stop_ids(logits[:, 0], batch), want[:, 0])
+    masked = want[:, 0].isinf()
+    assert masked.any() and not masked.all(1).any()  # some rows mask, none masks everything
+    # the rows the batch says are below min_tokens are exactly the reference's
+    assert ((batch.min_tokens_left > 0) & (batch.stop_ids >= 0).any(1)).tolist() == [
+        bool(p.min_tokens_stop_ids(EOS, vocab)) and n < p.min_tokens
+        for p, n in zip(params, num_output, strict=True)]
+    # no request masks: no tensors, logits untouched
+    plain = SamplingBatch.of([dataclasses.replace(p, min_tokens=0) for p in params],
+                             [None] * num, CPU, num_output_tokens=num_output,
+                             eos_token_ids=EOS, vocab_size=vocab)
+    assert plain.stop_ids is None and mask_stop_ids(logits, plain) is logits
+
+
+def test_no_masked_id_is_sampled_or_accepted():
+    """Logits that favour a masked id by far: greedy and sampled rows never emit it before
+    min_tokens; a draft that is one is rejected, the verified rows below min_tokens emit
+    none; past min_tokens the favoured id comes back."""
+    vocab, trials = 8, 2000
+    favour = torch.zeros(vocab)
+    favour[2] = 10.0  # EOS 2
+    params = [SamplingParams(min_tokens=3, temperature=t) for t in (0.0, 1.0)] * trials
+    logits = favour.repeat(len(params), 1)
+    below = SamplingBatch.of(params, [None] * len(params), CPU, torch.Generator().manual_seed(1),
+                             num_output_tokens=[2] * len(params), eos_token_ids=EOS,
+                             vocab_size=vocab)
+    tokens, _ = sample_on_device(logits, below)
+    assert 2 not in tokens.tolist() and 11 not in tokens.tolist()
+    past = dataclasses.replace(below, min_tokens_left=below.min_tokens_left - 1)
+    assert sample_on_device(logits, past)[0][::2].eq(2).all()  # greedy rows
+    # verification at output index 1: rows 0, 1 masked, rows 2, 3 not
+    verify = favour.repeat(len(params), 4, 1)
+    drafts = torch.tensor([[2, 5, 5]]).repeat(len(params), 1)
+    at_one = dataclasses.replace(below, min_tokens_left=below.min_tokens_left + 1)
+    accepted, final = rejection_sample_on_device(verify, drafts, torch.full((len(params),), 3),
+                                                 at_one)
+    assert accepted.eq(0).all() and 2 not in final.tolist()
+    ok = torch.tensor([[5, 5, 2]]).repeat(len(params), 1)
+    accepted, final = rejection_sample_on_device(verify, ok, torch.full((len(params),), 3),
+                                                 at_one)
+    # greedy rows: draft 5 is not the masked argmax (the zeros' first, id 0); a token emitted
+    # at output index 1 + accepted is masked below 3
+    assert accepted[::2].eq(0).all() and final[::2].eq(0).all()
+    assert final[accepted < 2].ne(2).all() and final[accepted == 3].eq(2).any()
+
+
+def test_table_min_tokens_rows_follow_the_diffs():
+    """Rows of (min_end, stop ids) per request, the stop columns grown for a larger set, ids
+    outside the vocabulary left out; the mask from the rows and the positions of their tokens
+    equals the reference; the host flag counts the requests short of min_end."""
+    vocab, num = 20, 12
+    params, num_output = _min_tokens_mix(num, vocab, seed=21)
+    params[3] = dataclasses.replace(params[3], min_tokens=4,
+                                    stop_token_ids=tuple(range(3, 12)) + (vocab, -1))
+    num_output[3] = 1
+    prompts = [5 + 3 * r for r in range(num)]
+    table = SamplingTable(4, CPU, seed=0, vocab_size=vocab)
+    rows = torch.randperm(16, generator=torch.Generator().manual_seed(2))[:num]
+    for r, p in enumerate(params):
+        table.add(f"r{r}", int(rows[r]), p, prompts[r], EOS, prompts[r] + num_output[r])
+        table.check_integrity()
+    table.apply(table.pending())
+    table.check_integrity()
+    masking = [bool(p.min_tokens_stop_ids(EOS, vocab)) and n < p.min_tokens
+               for p, n in zip(params, num_output, strict=True)]
+    assert table.num_masking == sum(masking)
+    ids = [f"r{r}" for r in range(num)]
+    positions = torch.tensor([prompts[r] + num_output[r] for r in range(num)])
+    batch = table.batch(ids, rows, positions)
+    logits = torch.randn(num, 3, vocab, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(mask_stop_ids(logits, batch),
+                       mask_stop_ids_reference(logits, params, EOS, num_output))
+    # grown past its first 4 stop columns for r3's ids (its EOS ids with them)
+    assert batch.stop_ids.shape[1] >= len(params[3].min_tokens_stop_ids(EOS, vocab)) > 4
+    # r3's known tokens reach min_end: the flag no longer counts it; its row still says so
+    table.tokens_known("r3", prompts[3] + 3)
+    assert table.num_masking == sum(masking)
+    table.tokens_known("r3", prompts[3] + 4)
+    assert table.num_masking == sum(masking) - 1
+    table.check_integrity()
+    for r in range(num):
+        table.remove(f"r{r}")
+    table.add("plain", int(rows[3]), SamplingParams(temperature=0.0))  # a reused row
+    table.apply(table.pending())
+    table.check_integrity()
+    assert table.num_masking == 0
+    batch = table.batch(["plain"], rows[3:4], None)
+    assert batch.stop_ids is None and batch.temperature is None

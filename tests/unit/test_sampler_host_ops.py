@@ -5,8 +5,9 @@ are rows of a device table gathered per step, sampling and verification are batc
 The triton backend's GPU path runs its host code on the CPU with launches counted, not run
 (engine/host_ops.py). A plain step and an MTP3 step (synthetic and standard verification) at
 b = 1 and b = 16 count no more ops at any site outside the decoder layers at b = 16, for
-greedy requests and for a mix of temperature, top-k and top-p ones; a seeded request may add a
-few ops (its own draws). Per site, so that no growth hides behind a cut elsewhere."""
+greedy requests, for a mix of temperature, top-k and top-p ones, and for that mix with
+min_tokens masking stop ids; a seeded request may add a few ops (its own draws). Per site, so
+that no growth hides behind a cut elsewhere."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ SAMPLED = (SamplingParams(max_tokens=1 << 20, temperature=0.8, top_k=5, top_p=0.
            SamplingParams(max_tokens=1 << 20, temperature=0.7, top_k=5, ignore_eos=True),
            SamplingParams(max_tokens=1 << 20, temperature=1.2, ignore_eos=True),
            bench_steps.GREEDY)
+# the same requests, their min_tokens masking their stop ids at every step
+MASKED = tuple(dataclasses.replace(p, min_tokens=1 << 10, stop_token_ids=(3, 9))
+               for p in SAMPLED)
 # one seeded request at b = 1, four at b = 16
 SEEDED = (dataclasses.replace(SAMPLED[0], seed=3),) + SAMPLED[1:4]
 OPS_PER_SEEDED = 6  # MTP: the row of uniforms (select, rand, copy) and of noise (select, draw)
@@ -93,12 +97,13 @@ def _outside_ops(runner, batch: int, params: tuple[SamplingParams, ...]) -> Coun
 @pytest.mark.parametrize("spec", SPECS)
 def test_step_ops_do_not_grow_with_the_batch(model_dir, spec):
     runner = _runner(model_dir, SPECS[spec])
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SAMPLED, MASKED):
         one = _outside_ops(runner, 1, params)
         sixteen = _outside_ops(runner, 16, params)
         grown = sixteen - one  # the sites with more ops at b = 16
         assert not grown, f"{spec}, {params[0]}: grown from b = 1 to 16: {dict(grown)}"
         assert one == sixteen, f"{spec}, {params[0]}: fewer ops at b = 16: {dict(one - sixteen)}"
+        assert bool(runner.sampling.num_masking) == (params is MASKED)
     one = _outside_ops(runner, 1, SEEDED)
     grown = _outside_ops(runner, 16, SEEDED) - one
     assert grown.total() <= 3 * OPS_PER_SEEDED, f"{spec} seeded: {dict(grown)}"
