@@ -18,14 +18,16 @@ so building them costs the same few ops whatever the batch:
 
 min_end = prompt length + min_tokens: the position of the first token that may be a stop id
 (the token at position t is output t − prompt length). The runner gives each sampling row the
-position of its token from the device (engine/runner.py `_sample`), so the mask follows the
-tokens really emitted, however far the host lags under async scheduling. S grows to the
+position of its token as the device has it (the host's schedule, moved back on the device by
+rejected drafts under async MTP: engine/runner.py `_sample`), so the mask follows the tokens
+really emitted, however far the host's count lags. S grows to the
 largest stop set of a request (at most MAX_STOP_IDS).
 
 The host flags of a step (some row samples / uses top-k / top-p / masks stop ids) are bounds
 over the live requests, counted as they come and go: a feature no live request uses is skipped
 for the step. A request stops counting as masking once its host-known tokens reach min_end
 (the device's, which run ahead, are past it too).
+
 Seeded requests keep their own generator (their draws are reproducible whatever the batch);
 the others draw from one generator per step, seeded from the engine seed and the step's number
 so that every rank of a replica draws the same noise.
