@@ -437,6 +437,11 @@ def test_a_silent_producer_holds_up_no_release_to_another(model_dirs, engine_con
         assert d.connector.num_claimed == 0
         _step_until_freed(b, "b", within_s=SILENT_TIMEOUT_S / 2)
         releases = d.connector._releases
+        # B freed its blocks on the release's question; the sender counts B's answer when its
+        # thread reads it, a moment later (far inside A's timeout)
+        t0 = time.monotonic()
+        while releases.num_released < 1 and time.monotonic() - t0 < SILENT_TIMEOUT_S / 4:
+            time.sleep(0.01)
         assert releases.num_released == 1 and releases.num_pending == 1
         assert "a" in a.scheduler.connector.held and _claims(a) == {"a": "a"}
         assert sorted(o.request_id for o in d.step()) == ["a", "b"]  # the aborts' outputs
