@@ -67,7 +67,8 @@ from dsaserve.serve.protocol import (
     template_tools,
 )
 from dsaserve.serve.tools.base import ChatDelta
-from dsaserve.serve.tools.registry import ChatOutputParser, ToolRequestError, chat_output_parser
+from dsaserve.serve.tools.output import ChatOutputParser
+from dsaserve.serve.tools.registry import ToolRequestError, chat_output_parser
 from dsaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

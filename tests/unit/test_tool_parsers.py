@@ -6,6 +6,7 @@ parser promises: any cut of the text into deltas gives what the whole text gives
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -14,10 +15,10 @@ from hypothesis import strategies as st
 
 from dsaserve.serve.tools.base import ChatDelta, TagSplitter, partial_suffix
 from dsaserve.serve.tools.dsml import DSML
+from dsaserve.serve.tools.output import ChatOutputParser
 from dsaserve.serve.tools.registry import (
     REASONING_PARSERS,
     TOOL_PARSERS,
-    ChatOutputParser,
     ToolRequestError,
     chat_output_parser,
 )
@@ -212,6 +213,8 @@ def test_coerce() -> None:
     assert coerce("True", {"boolean"}) is True and coerce("None", set()) is None
     assert coerce("hello", {"integer"}) == "hello" and coerce("{1, 2}", set()) == "{1, 2}"
     assert coerce(" [1] ", {"array"}) == [1] and coerce("null", {"string", "null"}) is None
+    assert coerce("1e999", {"number"}) == "1e999" and coerce("[NaN]", set()) == "[NaN]"
+    assert coerce("9" * 5000, {"integer"}) == "9" * 5000  # past Python's int-parsing limit
 
 
 # ---- split invariance ---------------------------------------------------------------------------
@@ -280,3 +283,15 @@ def test_tag_splitter_any_split_equals_whole(data, text) -> None:
 def test_registries_use_vllm_names() -> None:
     assert set(TOOL_PARSERS) == {"glm45", "glm47", "deepseek_v32"}
     assert set(REASONING_PARSERS) == {"glm45", "glm47", "deepseek_v3", "deepseek_r1"}
+
+
+def test_a_long_argument_streamed_in_small_deltas_costs_linear_time() -> None:
+    """A 400 KB file-content argument two characters at a time: every delta is searched only
+    where a closing tag can end (quadratic work would take minutes here)."""
+    value = "line of code <arg_value> & </arg\n" * 12_000
+    text = "thinking</think>" + glm_call("get_weather", {"code": value}) + " done"
+    start = time.monotonic()
+    out = run(parser(reasoning="glm45"), [text[i:i + 2] for i in range(0, len(text), 2)])
+    assert time.monotonic() - start < 20
+    assert (out.reasoning, out.content) == ("thinking", " done")
+    assert [json.loads(c.arguments) for c in out.calls] == [{"code": value}]

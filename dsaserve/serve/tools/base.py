@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from dsaserve.serve.tools.values import schema_types
 
 
 @dataclass(frozen=True)
@@ -74,37 +75,51 @@ class TagSplitter:
 
         deltas: "a <to", "ol_call>f", "</tool_call> b"
         pieces:  "a "    (hold "<to")   block "f", " b"
+
+    A block's text is kept as a list of deltas and only the newest delta (with the few characters
+    before it) is searched for `end`, so a long argument costs linear time, not quadratic.
     """
 
     def __init__(self, start: str, end: str) -> None:
         self.start, self.end = start, end
-        self._buf = ""
+        self._held = ""  # outside: a tail that may be the start of `start`
         self._inside = False
+        self._parts: list[str] = []  # inside: the block's text so far
+        self._tail = ""  # inside: its last len(end) - 1 characters
 
     def push(self, delta: str) -> list[Piece]:
-        self._buf += delta
         out: list[Piece] = []
         while True:
-            tag = self.end if self._inside else self.start
-            i = self._buf.find(tag)
-            if i < 0:
-                break
             if self._inside:
-                out.append(Piece(self._buf[:i], is_block=True))
-            elif i:
-                out.append(Piece(self._buf[:i]))
-            self._buf = self._buf[i + len(tag):]
-            self._inside = not self._inside
-        if not self._inside:
-            keep = partial_suffix(self._buf, self.start)
-            if len(self._buf) > keep:
-                out.append(Piece(self._buf[:len(self._buf) - keep]))
-                self._buf = self._buf[len(self._buf) - keep:]
-        return out
+                window = self._tail + delta
+                i = window.find(self.end)
+                if i < 0:
+                    self._parts.append(delta)
+                    self._tail = window[max(len(window) - len(self.end) + 1, 0):]
+                    return out
+                inner = "".join(self._parts)  # ends with self._tail, where window starts
+                cut = len(inner) - len(self._tail) + i
+                text = inner + delta
+                out.append(Piece(text[:cut], is_block=True))
+                delta = text[cut + len(self.end):]
+                self._parts, self._tail, self._inside = [], "", False
+            else:
+                text = self._held + delta
+                i = text.find(self.start)
+                if i < 0:
+                    keep = partial_suffix(text, self.start)
+                    if len(text) > keep:
+                        out.append(Piece(text[:len(text) - keep]))
+                    self._held = text[len(text) - keep:]
+                    return out
+                if i:
+                    out.append(Piece(text[:i]))
+                delta = text[i + len(self.start):]
+                self._held, self._inside = "", True
 
     def finish(self) -> list[Piece]:
-        text = (self.start + self._buf) if self._inside else self._buf
-        self._buf, self._inside = "", False
+        text = self.start + "".join(self._parts) if self._inside else self._held
+        self._held, self._parts, self._tail, self._inside = "", [], "", False
         return [Piece(text)] if text else []
 
 
@@ -146,25 +161,3 @@ class BlockToolParser:
                 props = (function.get("parameters") or {}).get("properties") or {}
                 return {k: schema_types(v) for k, v in props.items() if isinstance(v, dict)}
         return {}
-
-
-def schema_types(schema: dict[str, Any]) -> set[str]:
-    """The types a parameter's JSON schema allows: `type` (a name or a list), or those of its
-    `anyOf` / `oneOf` branches; an enum of strings is a string."""
-    t = schema.get("type")
-    if isinstance(t, str):
-        return {t}
-    if isinstance(t, list):
-        return {x for x in t if isinstance(x, str)}
-    types: set[str] = set()
-    for key in ("anyOf", "oneOf"):
-        for branch in schema.get(key) or []:
-            if isinstance(branch, dict):
-                types |= schema_types(branch)
-    if not types and schema.get("enum") and all(isinstance(v, str) for v in schema["enum"]):
-        types.add("string")
-    return types
-
-
-def arguments_json(arguments: dict[str, Any]) -> str:
-    return json.dumps(arguments, ensure_ascii=False)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import re
 
-from dsaserve.serve.tools.base import BlockToolParser, ToolCall, arguments_json
-from dsaserve.serve.tools.values import coerce
+from dsaserve.serve.tools.base import BlockToolParser, ToolCall
+from dsaserve.serve.tools.values import arguments_json, coerce
 
 BAR = "\uff5c"  # "｜", FULLWIDTH VERTICAL LINE, as in DeepSeek's special tokens
 DSML = f"{BAR}DSML{BAR}"

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import re
 
-from dsaserve.serve.tools.base import BlockToolParser, ToolCall, arguments_json
-from dsaserve.serve.tools.values import coerce
+from dsaserve.serve.tools.base import BlockToolParser, ToolCall
+from dsaserve.serve.tools.values import arguments_json, coerce
 
 _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _NAME_END = re.compile(r"\n|<arg_key>")

@@ -1,5 +1,5 @@
-"""The parsers by vLLM's names, and ChatOutputParser: one request's text → reasoning, content and
-tool calls."""
+"""The parsers by vLLM's names, and the choice of one request's output parser from its tool
+fields (vLLM's rules)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from dsaserve.serve.tools.base import ChatDelta, ToolParser
+from dsaserve.serve.tools.base import ToolParser
 from dsaserve.serve.tools.dsml import DeepSeekV32ToolParser
 from dsaserve.serve.tools.glm import GlmToolParser
+from dsaserve.serve.tools.output import ChatOutputParser
 from dsaserve.serve.tools.reasoning import ReasoningFormat, ReasoningSplitter
 
 # --tool-call-parser NAME → a parser for one request, given its `tools`
@@ -26,45 +27,6 @@ REASONING_PARSERS: dict[str, ReasoningFormat] = {
     "deepseek_v3": ReasoningFormat(thinking_by_default=False),
     "deepseek_r1": ReasoningFormat(thinking_by_default=True, always=True),
 }
-
-
-class ChatOutputParser:
-    """One chat request's generated text, in deltas → ChatDelta's: first the reasoning is split
-    off (if a reasoning parser is on), then the content goes through the tool parser (if the
-    request's tools are parsed). `push` + `finish` deltas join to the whole text's parse.
-
-        "I should look.</think>On it.<tool_call>f<arg_key>x</arg_key><arg_value>1</arg_value>
-         </tool_call>"
-        → reasoning "I should look.", content "On it.", calls [f({"x": 1})]
-    """
-
-    def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningSplitter | None,
-                 max_calls: int | None = None) -> None:
-        self._tools = tool_parser
-        self._reasoning = reasoning
-        self._max_calls = max_calls  # `parallel_tool_calls: false`: 1 (later calls are dropped)
-        self.num_calls = 0
-
-    def push(self, delta: str) -> ChatDelta:
-        reasoning, content = self._reasoning.push(delta) if self._reasoning else ("", delta)
-        return self._content(reasoning, content, last=False)
-
-    def finish(self) -> ChatDelta:
-        reasoning, content = self._reasoning.finish() if self._reasoning else ("", "")
-        return self._content(reasoning, content, last=True)
-
-    def _content(self, reasoning: str, content: str, last: bool) -> ChatDelta:
-        if self._tools is None:
-            out = ChatDelta(reasoning, content)
-        else:
-            out = self._tools.push(content) if content else ChatDelta()
-            if last:
-                out.extend(self._tools.finish())
-            out.reasoning = reasoning
-        if self._max_calls is not None:
-            out.calls = out.calls[:max(self._max_calls - self.num_calls, 0)]
-        self.num_calls += len(out.calls)
-        return out
 
 
 class ToolRequestError(ValueError):

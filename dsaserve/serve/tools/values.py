@@ -24,6 +24,7 @@ def coerce(raw: str, types: set[str]) -> Any:
         coerce("42", {"integer"}) → 42        coerce("42", {"string"}) → "42"
         coerce("[1, 2]", set())   → [1, 2]    coerce("hello", {"integer"}) → "hello"
         coerce("True", {"boolean"}) → True    coerce("null", {"string", "null"}) → None
+        coerce("1e999", {"number"}) → "1e999" (no JSON number)
     """
     if types and types <= {"string"}:
         return raw
@@ -33,11 +34,36 @@ def coerce(raw: str, types: set[str]) -> Any:
     except ValueError:
         try:
             value = ast.literal_eval(text)
-            json.dumps(value)  # sets, bytes, complex numbers: not JSON
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             return raw
+    try:  # sets, bytes, complex numbers, NaN and infinities: no JSON value, the text stays
+        json.dumps(value, allow_nan=False)
+    except (ValueError, TypeError):
+        return raw
     kind = _json_type(value)
     allowed = kind in types or (kind == "integer" and "number" in types)
     if "string" in types and not allowed:
         return raw
     return value
+
+
+def schema_types(schema: dict[str, Any]) -> set[str]:
+    """The types a parameter's JSON schema allows: `type` (a name or a list), or those of its
+    `anyOf` / `oneOf` branches; an enum of strings is a string."""
+    t = schema.get("type")
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    types: set[str] = set()
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key) or []:
+            if isinstance(branch, dict):
+                types |= schema_types(branch)
+    if not types and schema.get("enum") and all(isinstance(v, str) for v in schema["enum"]):
+        types.add("string")
+    return types
+
+
+def arguments_json(arguments: dict[str, Any]) -> str:
+    return json.dumps(arguments, ensure_ascii=False)
