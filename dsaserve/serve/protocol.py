@@ -104,6 +104,13 @@ _MESSAGES_SCHEMA = {
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART},
                               {"type": "null"}]},
         "name": {"type": "string"},
+        # an assistant turn's calls (arguments: a JSON object as text) and the result's id
+        "tool_calls": {"type": "array", "items": {"type": "object", "properties": {
+            "id": {"type": "string"}, "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
+        "tool_call_id": {"type": "string"},
+        "reasoning_content": {"type": "string"},  # an earlier turn's reasoning (GLM renders it)
     }},
 }
 
@@ -112,7 +119,6 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; its property types guide parsing
-    strict: bool | None = None
 
 
 class ChatTool(_Request):
@@ -123,9 +129,11 @@ class ChatTool(_Request):
 
 
 def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
-    """The tools as the chat template sees them (its `tools` variable): plain JSON objects, unset
-    fields left out. The router renders with the same, so its prefix hashes match the server's."""
-    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+    """The tools as the chat template sees them (its `tools` variable), as vLLM dumps them: the
+    declared fields in order (null where unset), then any others the client sent (`strict`, …),
+    so a template renders the prompt vLLM would. The router renders with the same, so its prefix
+    hashes match the server's."""
+    return None if tools is None else [t.model_dump() for t in tools]
 
 
 class NamedToolChoice(_Request):
