@@ -6,7 +6,8 @@ A request's life here:
        body (pydantic; bad input or an unimplemented field → 400);
     2. render the chat template / tokenize off the event loop; build SamplingParams (→ 400);
     3. admission by the engine core (prompt too long → 400; engine dead → 503);
-    4. outputs → incremental detokenization → stop strings → SSE chunks or one JSON body;
+    4. outputs → incremental detokenization → stop strings → (chat, with --reasoning-parser or
+       parsed tools) reasoning / content / tool calls (serve/tools) → SSE chunks or one JSON body;
     5. leaving early (client gone, stop string) aborts the request, which frees its KV blocks.
 """
 
