@@ -295,3 +295,29 @@ def test_a_long_argument_streamed_in_small_deltas_costs_linear_time() -> None:
     assert time.monotonic() - start < 20
     assert (out.reasoning, out.content) == ("thinking", " done")
     assert [json.loads(c.arguments) for c in out.calls] == [{"code": value}]
+
+
+FRAGMENTS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+             "<arg_value>", "</arg_value>", "<", "</", "think>", "tool_", "f", "\n", "1", " "]
+
+
+@pytest.mark.parametrize("tool_parser, reasoning, kwargs", [
+    ("glm47", "glm45", None), ("glm47", "glm45", {"enable_thinking": False}),
+    (None, "deepseek_r1", None), ("glm45", None, None)])
+@settings(max_examples=200, deadline=None, database=None, derandomize=True)
+@given(data=st.data(), parts=st.lists(st.sampled_from(FRAGMENTS), max_size=24))
+def test_random_tag_soup_any_split_equals_whole(tool_parser, reasoning, kwargs, data,
+                                                parts) -> None:
+    """Texts made of the formats' tags and their pieces, in any order: the same parse for every
+    split, and no exception whatever the model wrote."""
+    text = "".join(parts)
+    tools = TOOLS if tool_parser else None
+
+    def go(deltas: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+        out = run(parser(tool_parser, reasoning, kwargs, tools=tools), deltas)
+        return out.reasoning, out.content, [(c.name, c.arguments) for c in out.calls]
+
+    whole_parse = go([text])
+    assert go(splits(data.draw, text)) == whole_parse
+    if not whole_parse[2] and reasoning is None:  # no calls, no reasoning: the text unchanged
+        assert whole_parse[1] == text
