@@ -234,8 +234,16 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.globals["raise_exception"] = _raise_exception
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters["tojson"] = _tojson
     return env
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson` filter: its keywords too (GLM's templates render tools with
+    `tool | tojson(ensure_ascii=False)`)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 class Tokenizer:

@@ -121,6 +121,21 @@ def exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def shared_flags(args: argparse.Namespace) -> list[str]:
+    """The top-level `serve` flags both servers take: the served name, and the tool-call and
+    reasoning parsers (both servers see each request: the prefill one would refuse its tools
+    without them)."""
+    flags = []
+    if args.served_model_name:
+        flags += ["--served-model-name", args.served_model_name]
+    if getattr(args, "enable_auto_tool_choice", False):
+        flags.append("--enable-auto-tool-choice")
+    for name in ("tool_call_parser", "reasoning_parser"):
+        if (value := getattr(args, name, None)) is not None:
+            flags += [f"--{name.replace('_', '-')}", value]
+    return flags
+
+
 def run_pd(args: argparse.Namespace, model: str) -> int:
     import uvicorn
 
@@ -130,9 +145,8 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
     spec = parse_pd_spec(args.pd)
     # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
     signal.signal(signal.SIGTERM, exit_on_sigterm)
-    if args.served_model_name:
-        for flags in spec.values():
-            flags += ["--served-model-name", args.served_model_name]
+    for flags in spec.values():
+        flags += shared_flags(args)
     ports = {name: free_port() for name in _SIDES}
     commands = server_commands(model, spec, ports, free_port(), args.pd_kv_backend)
     procs: list[subprocess.Popen] = []

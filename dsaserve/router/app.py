@@ -37,6 +37,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import TypeAdapter
 from starlette.background import BackgroundTask
 
 from dsaserve.kv.prefix_cache import request_block_hashes
@@ -47,6 +48,7 @@ from dsaserve.router.metrics import RouterMetrics
 from dsaserve.router.policy import Decision, Picker
 from dsaserve.serve.api import error_body, error_response, unless_disconnected
 from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
+from dsaserve.serve.protocol import ChatTool, template_tools
 from dsaserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -185,8 +187,11 @@ class Router:
             return {}
         try:
             if path == "/v1/chat/completions":
+                tools = body.get("tools")
+                tools = None if tools is None else template_tools(
+                    TypeAdapter(list[ChatTool]).validate_python(tools))
                 ids = await asyncio.to_thread(render_chat, tokenizer, body.get("messages"),
-                                              body.get("chat_template_kwargs"))
+                                              body.get("chat_template_kwargs"), tools)
             else:
                 # Ids outside the vocabulary are the backend's to reject: no bound here.
                 ids = await asyncio.to_thread(completion_prompt, tokenizer, body.get("prompt"),

@@ -6,7 +6,8 @@ A request's life here:
        body (pydantic; bad input or an unimplemented field → 400);
     2. render the chat template / tokenize off the event loop; build SamplingParams (→ 400);
     3. admission by the engine core (prompt too long → 400; engine dead → 503);
-    4. outputs → incremental detokenization → stop strings → SSE chunks or one JSON body;
+    4. outputs → incremental detokenization → stop strings → (chat, with --reasoning-parser or
+       parsed tools) reasoning / content / tool calls (serve/tools) → SSE chunks or one JSON body;
     5. leaving early (client gone, stop string) aborts the request, which frees its KV blocks.
 """
 
@@ -52,15 +53,23 @@ from dsaserve.serve.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
+    FunctionCall,
     KVInfo,
     ModelCard,
     ModelList,
+    ToolCallOut,
     Usage,
     new_id,
+    template_tools,
 )
+from dsaserve.serve.tools.base import ChatDelta
+from dsaserve.serve.tools.output import ChatOutputParser
+from dsaserve.serve.tools.registry import ToolRequestError, chat_output_parser
 from dsaserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,6 +94,11 @@ class ServerConfig:
     # Larger bodies get a 413 before they are parsed. 32 MiB holds a 1M-token prompt as token ids
     # (~7 bytes each in JSON) or as text.
     max_request_body_bytes: int = 32 * 2**20
+    # Chat output parsing (vLLM's flags; serve/tools): requests with tools and tool_choice "auto"
+    # need both of the first two, else they get vLLM's 400.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a serve.tools.TOOL_PARSERS name
+    reasoning_parser: str | None = None  # a serve.tools.REASONING_PARSERS name
 
 
 class APIError(Exception):
@@ -301,9 +315,10 @@ class Generation:
 # Request → prompt ids + SamplingParams
 # ------------------------------------------------------------------------------------------------
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
     try:
-        return render_chat(tokenizer, messages, template_kwargs)
+        return render_chat(tokenizer, messages, template_kwargs, tools)
     except PromptError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -371,6 +386,42 @@ def _sampling_params(body: ChatCompletionRequest | CompletionRequest, max_tokens
         )
     except RequestError as e:
         raise APIError(400, str(e)) from e
+
+
+def _output_parser(body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                   config: ServerConfig) -> ChatOutputParser | None:
+    """The request's tool-call / reasoning parser (serve/tools); a 400 for tool fields it cannot
+    honour."""
+    choice = body.tool_choice
+    try:
+        return chat_output_parser(
+            tool_call_parser=config.tool_call_parser, reasoning_parser=config.reasoning_parser,
+            enable_auto_tool_choice=config.enable_auto_tool_choice, tools=tools,
+            tool_choice=choice.model_dump() if isinstance(choice, BaseModel) else choice,
+            parallel_tool_calls=body.parallel_tool_calls,
+            template_kwargs=body.chat_template_kwargs)
+    except ToolRequestError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def _delta_message(delta: ChatDelta, first_index: int) -> DeltaMessage:
+    """A parsed delta as a chunk's delta: each call whole (id, name and all its arguments) in one
+    entry, numbered from `first_index`."""
+    calls = [DeltaToolCall(index=first_index + k, id=c.id, type="function",
+                           function=DeltaFunctionCall(name=c.name, arguments=c.arguments))
+             for k, c in enumerate(delta.calls)]
+    return DeltaMessage(content=delta.content or None, reasoning_content=delta.reasoning or None,
+                        reasoning=delta.reasoning or None, tool_calls=calls or None)
+
+
+def _parsed_message(delta: ChatDelta) -> ChatMessage:
+    """The whole parsed output as the response message: content None when empty (or only
+    whitespace around calls), as vLLM returns it."""
+    content = delta.content if delta.content.strip() or not delta.calls else ""
+    calls = [ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+             for c in delta.calls]
+    return ChatMessage(content=content or None, reasoning_content=delta.reasoning or None,
+                       reasoning=delta.reasoning or None, tool_calls=calls)
 
 
 def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -567,8 +618,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         stops = _stop_strings(body.stop)
+        tools = template_tools(body.tools)
+        parser = _output_parser(body, tools, config)
         prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages,
-                                             body.chat_template_kwargs)
+                                             body.chat_template_kwargs, tools)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
         params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len,
@@ -591,10 +644,16 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         async def frames() -> AsyncIterator[str]:
             yield chunk(DeltaMessage(role="assistant", content=""))
             async for piece in gen.deltas():
-                yield chunk(DeltaMessage(content=piece))
+                if parser is None:
+                    yield chunk(DeltaMessage(content=piece))
+                elif delta := parser.push(piece):  # else held back: its entries wait too
+                    yield chunk(_delta_message(delta, parser.num_calls - len(delta.calls)))
+            if parser is not None and (delta := parser.finish()):
+                yield chunk(_delta_message(delta, parser.num_calls - len(delta.calls)))
+            called = parser is not None and parser.num_calls > 0
             # P/D: the params a decode request needs, known once the prefill finished
-            yield chunk(DeltaMessage(), gen.finish_reason, gen.kv_transfer_params,
-                        gen.stop_reason)
+            yield chunk(DeltaMessage(), "tool_calls" if called else gen.finish_reason,
+                        gen.kv_transfer_params, gen.stop_reason)
             if body.stream_options and body.stream_options.include_usage:
                 yield _sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[],
                                                usage=gen.usage))
@@ -604,8 +663,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         text = await complete(request, gen)
         if text is None:
             return Response(status_code=499)  # the client left; nobody reads this
-        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=gen.finish_reason,
-                            stop_reason=gen.stop_reason,
+        message = ChatMessage(content=text)
+        if parser is not None:
+            parsed = parser.push(text)
+            parsed.extend(parser.finish())
+            message = _parsed_message(parsed)
+        choice = ChatChoice(message=message, stop_reason=gen.stop_reason,
+                            finish_reason="tool_calls" if message.tool_calls else gen.finish_reason,
                             logprobs=lps.chat(gen.take_logprobs()) if lps is not None else None)
         return JSONResponse(_dump(ChatCompletionResponse(
             id=request_id, model=model_name, choices=[choice], usage=gen.usage,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dsaserve.config import ConfigError
 from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
 from dsaserve.model.presets import DEFAULT_MODEL
+from dsaserve.serve.tools.registry import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
     from dsaserve.kv.events import KVEventsConfig
@@ -67,6 +68,15 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
                    "\"endpoint\":\"tcp://127.0.0.1:5557\"}' (DP replica i binds port + i)")
+    t = p.add_argument_group("tool calling and reasoning (docs/serving.md)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse the model's tool calls into tool_calls for requests with tools "
+                   "(tool_choice \"auto\"); needs --tool-call-parser")
+    t.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format: glm45 / glm47 (GLM), deepseek_v32")
+    t.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split <think>…</think> into reasoning_content: glm45 / glm47 (GLM), "
+                   "deepseek_v3 (DeepSeek-V3.2), deepseek_r1")
     d = p.add_argument_group("P/D on one machine (docs/disagg.md)")
     d.add_argument("--pd", default=None, metavar="'prefill: FLAGS ; decode: FLAGS'",
                    help="start a prefill and a decode server of MODEL with these flags and serve "
@@ -99,10 +109,22 @@ def server_config_from_args(args: argparse.Namespace, model: str,
     from dsaserve.serve.api import ServerConfig
     from dsaserve.serve.auth import api_key_from_env
 
+    check_tool_flags(args)
     return ServerConfig(served_model_name=args.served_model_name or model,
                         api_key=args.api_key or api_key_from_env(),
                         host=args.host, port=args.port, kv_events_endpoints=kv_events_endpoints,
-                        max_request_body_bytes=args.max_request_body_bytes)
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
+
+
+def check_tool_flags(args: argparse.Namespace) -> None:
+    """--enable-auto-tool-choice without a parser would accept tools it cannot read (vLLM refuses
+    it too)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser "
+                          f"({', '.join(sorted(TOOL_PARSERS))})")
 
 
 def model_from_args(args: argparse.Namespace) -> str:
@@ -124,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from dsaserve.serve.drain import DrainingServer
 
     model = model_from_args(args)
+    check_tool_flags(args)  # before the engine is built: a bad flag fails at once
     if getattr(args, "pd", None) is not None:
         from dsaserve.disagg.launch import run_pd
 

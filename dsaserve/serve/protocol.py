@@ -12,7 +12,15 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    WithJsonSchema,
+    model_serializer,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from dsaserve.serve.limits import find_lone_surrogate, unsupported
@@ -96,8 +104,41 @@ _MESSAGES_SCHEMA = {
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _CONTENT_PART},
                               {"type": "null"}]},
         "name": {"type": "string"},
+        # an assistant turn's calls (arguments: a JSON object as text) and the result's id
+        "tool_calls": {"type": "array", "items": {"type": "object", "properties": {
+            "id": {"type": "string"}, "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
+        "tool_call_id": {"type": "string"},
+        "reasoning_content": {"type": "string"},  # an earlier turn's reasoning (GLM renders it)
     }},
 }
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; its property types guide parsing
+
+
+class ChatTool(_Request):
+    """An OpenAI function tool; rendered by the chat template (its `tools` variable)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template sees them (its `tools` variable), as vLLM dumps them: the
+    declared fields in order (null where unset), then any others the client sent (`strict`, …),
+    so a template renders the prompt vLLM would. The router renders with the same, so its prefix
+    hashes match the server's."""
+    return None if tools is None else [t.model_dump() for t in tools]
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -106,9 +147,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None  # OpenAI's successor of max_tokens
     logprobs: bool = False  # each generated token's log-probability
     top_logprobs: int | None = None  # and that many most likely tokens' (needs logprobs)
-    tools: Any = unsupported([], why="no tool calling")
-    tool_choice: Any = unsupported("none", why="no tool calling")
-    parallel_tool_calls: Any = unsupported(False, True, why="no tool calling")
+    # Tool calling (docs/serving.md): parsed by --tool-call-parser with --enable-auto-tool-choice
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call is returned
     functions: Any = unsupported([], why="no tool calling")
     function_call: Any = unsupported("none", why="no tool calling")
     modalities: Any = unsupported(["text"], why="text only")
@@ -162,9 +204,25 @@ class Usage(BaseModel):
         )
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the output was all reasoning or tool calls
+    # vLLM's fields (with --reasoning-parser): the text inside <think>…</think>; `reasoning` is
+    # newer vLLM's name for the same text
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class TopLogprob(BaseModel):
@@ -206,9 +264,33 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # P/D: what the decode request needs
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int  # the call's position in the message's tool_calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (and `reasoning`, the same)
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set_extras(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Chunks without reasoning or calls keep the plain {role?, content} shape."""
+        out = handler(self)
+        for key in ("reasoning_content", "reasoning", "tool_calls"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class ChatChunkChoice(BaseModel):

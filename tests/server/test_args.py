@@ -109,6 +109,8 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
      "argument --speculative-config: give synthetic_acceptance_length or "
      "synthetic_acceptance_rates, not both"),
     (["--attention-backend", "cuda"], "argument --attention-backend: invalid choice: 'cuda'"),
+    (["--tool-call-parser", "hermes"], "argument --tool-call-parser: invalid choice: 'hermes'"),
+    (["--reasoning-parser", "qwen3"], "argument --reasoning-parser: invalid choice: 'qwen3'"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--max-model", "10"], "unrecognized arguments: --max-model"),  # no abbreviations
 ])
@@ -199,6 +201,22 @@ def test_top_level_cli_routes_serve(capsys) -> None:
         top_cli.main(["serve", "--max-num-seqs", "-3"])
     assert e.value.code == 2
     assert "--max-num-seqs" in capsys.readouterr().err
+
+
+def test_tool_flags_reach_the_server_config(model_dir: Path, capsys) -> None:
+    args = parse_serve("--enable-auto-tool-choice", "--tool-call-parser", "glm47",
+                       "--reasoning-parser", "glm45")
+    c = serve_cli.server_config_from_args(args, "m")
+    assert (c.enable_auto_tool_choice, c.tool_call_parser, c.reasoning_parser) == (
+        True, "glm47", "glm45")
+    c = serve_cli.server_config_from_args(parse_serve(), "m")
+    assert (c.enable_auto_tool_choice, c.tool_call_parser, c.reasoning_parser) == (
+        False, None, None)
+    # auto tool choice without a parser: a usage error before any engine is built
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), "--enable-auto-tool-choice"])
+    assert e.value.code == 2
+    assert "--enable-auto-tool-choice: needs --tool-call-parser" in capsys.readouterr().err
 
 
 def test_model_positional_and_flag_must_agree() -> None:

@@ -7,6 +7,7 @@ either side."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -18,7 +19,7 @@ import pytest
 from server_harness import MODEL_NAME, LiveServer, serve
 
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
-from dsaserve.disagg.launch import parse_pd_spec, server_commands
+from dsaserve.disagg.launch import parse_pd_spec, server_commands, shared_flags
 from dsaserve.router.app import PREFILL_HEADER, create_router_app
 from dsaserve.router.config import RouterConfig
 
@@ -224,6 +225,18 @@ def test_pd_spec_parsing() -> None:
                          ("prefill: ; prefill:", "twice")]:
         with pytest.raises(ConfigError, match=message):
             parse_pd_spec(bad)
+
+
+def test_both_pd_servers_take_the_served_name_and_the_parsers() -> None:
+    from dsaserve.serve import cli as serve_cli
+
+    parser = serve_cli._configure(argparse.ArgumentParser(allow_abbrev=False))
+    args = parser.parse_args(["--pd", "prefill: ; decode:", "--served-model-name", "m",
+                              "--enable-auto-tool-choice", "--tool-call-parser", "glm47",
+                              "--reasoning-parser", "glm45"])
+    assert shared_flags(args) == ["--served-model-name", "m", "--enable-auto-tool-choice",
+                                  "--tool-call-parser", "glm47", "--reasoning-parser", "glm45"]
+    assert shared_flags(parser.parse_args(["--pd", "prefill: ; decode:"])) == []
 
 
 def test_an_unreachable_prefill_host_stalls_only_its_request(make_async_engine) -> None:
