@@ -284,3 +284,63 @@ def test_lines_wait_for_their_gpu_time_in_order(tmp_path):
     lines = written()
     assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]
     assert lines[3]["gpu_forward_ms"] == 2.0 and lines[4]["gpu_forward_ms"] is None
+
+
+class _LaggingEvent:
+    """A CUDA event that passes once a later step has recorded its events (3 per step), or
+    when waited for: the GPU path's timing on the CPU."""
+
+    recorded = 0
+    waited = -1  # the last event waited for: it and every earlier one (one stream) passed
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.seq = -1
+
+    def record(self) -> None:
+        self.seq = _LaggingEvent.recorded
+        _LaggingEvent.recorded += 1
+
+    def query(self) -> bool:
+        return self.seq <= _LaggingEvent.waited or _LaggingEvent.recorded - self.seq > 3
+
+    def synchronize(self) -> None:
+        _LaggingEvent.waited = max(_LaggingEvent.waited, self.seq)
+
+    def elapsed_time(self, end: _LaggingEvent) -> float:
+        assert self.query() and end.query(), "elapsed_time of an event not passed: a wait"
+        return float(end.seq**2 - self.seq**2)  # times that tell the steps apart
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_gpu_times_reach_their_lines(engine_config, model_dirs, tmp_path, monkeypatch,
+                                     async_):
+    """The GPU path end to end on the CPU (events that pass a step late): every line gets its
+    own step's forward and step times, written in order one step or more late, the last
+    ones at shutdown (the runner's drain)."""
+    import torch
+
+    from dsaserve.engine.step_timer import StepTimer
+
+    monkeypatch.setattr(torch.cuda, "Event", _LaggingEvent)
+    monkeypatch.setattr(_LaggingEvent, "recorded", 0)
+    monkeypatch.setattr(_LaggingEvent, "waited", -1)
+    cfg = _config(engine_config, model_dirs, tmp_path, async_=async_, mtp=True)
+    engine = LLMEngine.from_config(cfg)
+    engine.runner.step_timer = StepTimer(torch.device("cpu"))
+    engine.runner.step_timer.timed = True
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),
+                           SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    path = tmp_path / "steps.jsonl"
+    before = len(path.read_text().splitlines())
+    engine.shutdown()
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    assert before < len(lines) <= steps
+    assert [line["step"] for line in lines] == list(range(len(lines)))
+    # step i's events are the 3i-th to (3i + 2)-th recorded, at "times" seq²: its own
+    for i, line in enumerate(lines):
+        assert (line["gpu_forward_ms"], line["gpu_step_ms"]) == (6 * i + 1, 12 * i + 4)
