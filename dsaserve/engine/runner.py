@@ -611,8 +611,9 @@ class ModelRunner:
         #    graph where graphs are on); then sample (or verify drafts) for requests whose
         #    known tokens are done, the results left on the device
         padded = self._padded_size(batch)  # None: the step runs as it is
-        replays = self._graph_replays()
+        replays = (0, 0)  # --step-log: graph replays before this step's
         if self.step_timer is not None:
+            replays = self._graph_replays()
             self.step_timer.record_start()
         hidden = self._forward(batch, padded)  # [N, hidden]
         if self.step_timer is not None:
