@@ -22,6 +22,11 @@ does not depend on their values) and the same decode step is run again and again
 * tokens/s/user: tokens emitted per step (measured: 1 without MTP; 1 + accepted drafts with
   MTP3 at synthetic acceptance 2.99) over the step's wall time.
 
+Beside its own table, the script prints the same columns from the engine's step log of the
+same timed steps (--step-log, engine/step_log.py; read by dsaserve/bench/steplog.py): the
+runner's own stats and its forward's GPU time from CUDA events, one log per context (kept
+under --step-log DIR). Its GPU column is the target forward alone, not the step's kernels.
+
 --host-profile N prints, per row, the N Python functions with the most own time over as many
 more steps (cProfile, not in the timed ones: it slows the host several-fold): where a
 host-bound step's time goes.
@@ -42,6 +47,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
+from dsaserve.bench import steplog
 from dsaserve.bench import steps as bench_steps
 from dsaserve.bench.argtypes import positive_ints
 from dsaserve.config import (
@@ -55,6 +61,7 @@ from dsaserve.config import (
 )
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.step_log import StepLog
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 
@@ -104,30 +111,42 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _pipelined(runner: ModelRunner, so: SchedulerOutput, steps: int, device: str
-               ) -> tuple[list[float], list[ModelRunnerOutput]]:
+def _pipelined(runner: ModelRunner, so: SchedulerOutput, steps: int, device: str,
+               log: StepLog | None = None) -> tuple[list[float], list[ModelRunnerOutput]]:
     """--async-scheduling's loop: launch step k + 1, then read step k; the interval between
-    reads is a step's wall time."""
+    reads is a step's wall time. `log`: each step read gets its line."""
     pending = runner.submit(so)
     times, outs = [], []
     _sync(device)
     t0 = time.perf_counter()
+    if log is not None:
+        log.restart_clock()
     for _ in range(steps):
         launched = runner.submit(so)
         outs.append(pending.result())
+        if log is not None:
+            log.record(so, outs[-1])
         pending = launched
         t1 = time.perf_counter()
         times.append(t1 - t0)
         t0 = t1
-    pending.result()
+    last = pending.result()
+    if log is not None:  # launched after the last step read: the GPU times it brought
+        log.take_gpu_times(last.gpu_times)
     return times, outs
 
 
 def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
-            args: argparse.Namespace, async_: bool = False) -> Row:
+            args: argparse.Namespace, async_: bool = False, step_log: Path | None = None
+            ) -> Row:
+    """One row; `step_log`: the timed steps' lines appended there (engine/step_log.py)."""
     k = 3 if mtp else 0
     cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
                   args.kv_cache_dtype, async_)
+    log = None
+    if step_log is not None:  # the runner times its steps (CUDA events), the log writes them
+        cfg = dataclasses.replace(cfg, step_log=str(step_log))
+        log = StepLog(str(step_log), async_scheduling=async_)
     runner = ModelRunner(cfg)
     first, again = bench_steps.decode(context, batch, cfg.model.vocab_size, BLOCK, k)
     note = ""
@@ -140,13 +159,21 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
             runner.execute(again)
         times, outs = [], []
         if async_:
-            times, outs = _pipelined(runner, again, args.steps, args.device)
+            times, outs = _pipelined(runner, again, args.steps, args.device, log)
+        if log is not None and not async_:
+            _sync(args.device)
+            log.restart_clock()
         for _ in range(0 if async_ else args.steps):
             _sync(args.device)
             t0 = time.perf_counter()
             outs.append(runner.execute(again))
             _sync(args.device)
             times.append(time.perf_counter() - t0)
+            if log is not None:
+                log.record(again, outs[-1])
+        if log is not None:  # the timed steps' GPU times not back yet: waited for here
+            log.close(runner.drain_step_times())
+            log = None
         if args.host_profile:  # its own steps: the profiler slows the Python it watches
             profile = cProfile.Profile()
             profile.enable()
@@ -187,6 +214,8 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
             note = "no draft graph replayed"
     except (RuntimeError, torch.OutOfMemoryError) as e:  # report the row, keep the table
         wall, kernels, per_step, note = math.nan, math.nan, math.nan, f"failed: {e}"[:120]
+    if log is not None:  # the row failed before its log was closed
+        log.close()
     del runner
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -231,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
+    p.add_argument("--step-log", type=Path, default=None, metavar="DIR",
+                   help="keep the engine's step logs there (steps-CONTEXT.jsonl; default: a "
+                        "temporary directory)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="print each row's N Python functions with the most own time (cProfile)")
     args = p.parse_args(argv)
@@ -240,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             args.dtype, args.kv_cache_dtype = "float32", "auto"
     graphs = [False, True] if args.device == "cuda" else [False]
     with tempfile.TemporaryDirectory() as tmp:
+        log_dir = args.step_log or Path(tmp) / "steps"
+        log_dir.mkdir(parents=True, exist_ok=True)
         if args.model is not None:
             model_dir, shape = args.model, str(args.model.name)
         elif args.smoke:
@@ -249,20 +283,26 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", fp8=args.weights == "fp8",
                                    overrides=glm53_shaped(args.layers, mtp=True))
             shape = f"GLM-5.3-shaped, {args.layers} layers + MTP, {args.weights} weights"
-        rows = []
+        rows, log_tables = [], []
         for context in args.contexts:
+            log = log_dir / f"steps-{context}.jsonl"
+            log.unlink(missing_ok=True)
             for batch in args.batches:
                 for graph in graphs:
                     for mtp, async_ in ((False, False), (True, False), (False, True),
                                         (True, True)):
                         if async_ and graph != graphs[-1]:
                             continue  # async rows: with graphs where they run
-                        row = measure(model_dir, context, batch, mtp, graph, args, async_)
+                        row = measure(model_dir, context, batch, mtp, graph, args, async_,
+                                      log)
                         print(row, file=sys.stderr)
                         rows.append(row)
+            log_tables += ["", *steplog.table(
+                steplog.summarise(steplog.read(log)),
+                f"The engine's step log of the same steps ({log.name}), context {context}")]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     lines = table(rows, f"{shape}, {args.dtype}, {args.kv_cache_dtype} KV, {device}; median of "
-                        f"{args.steps} steps")
+                        f"{args.steps} steps") + log_tables
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -79,6 +79,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         stats = engine.stats()
         print(f"cached prompt tokens: {stats.prefix_cache_hits} from the GPU prefix cache, "
               f"{stats.offload_hits} from the host KV tier", file=sys.stderr)
+    engine.shutdown()  # workers stopped; --step-log: its last lines written
     return 0
 
 

@@ -668,6 +668,8 @@ class EngineConfig:
     # keep them on CUDA, where the FP8 kernels read one byte per weight; dequantize elsewhere,
     # where the reference would dequantize every matrix at every step (tests pass True to run it).
     keep_fp8_weights: bool | None = None
+    # --step-log: a file the engine appends one JSON line per step to (engine/step_log.py)
+    step_log: str | None = None
 
     def __post_init__(self) -> None:
         interleave = self.parallel.cp_kv_cache_interleave_size

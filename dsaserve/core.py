@@ -325,6 +325,30 @@ class SchedulerOutput:
 
 
 @dataclass(frozen=True)
+class StepStats:
+    """What a runner (rank 0's) knows of a step it launched, for the engine's step log
+    (--step-log, engine/step_log.py); host-known only: reading it syncs nothing."""
+
+    index: int  # the runner's count of launched steps, from 0: the key of its GPU time
+    num_decode_rows: int  # rows of requests computing their last token (and drafts)
+    num_prefill_rows: int  # the other rows (prompt chunks, a resumed request's tokens)
+    padded_size: int | None  # the padded path's size (engine/decode_graph.py); None: as it is
+    graph: bool  # the target forward was replayed from a CUDA graph
+    draft_graph: bool  # MTP's draft chain was replayed from a CUDA graph
+    launch_ms: float  # host time of the runner's launch (the diff → drafts; not the copy)
+    timed: bool  # CUDA events were recorded: its StepGpuTime comes with a later output
+
+
+@dataclass(frozen=True)
+class StepGpuTime:
+    """A launched step's device time from CUDA events on its stream, read once they passed."""
+
+    index: int  # StepStats.index
+    forward_ms: float  # the target forward (a graph replay, or the eager forward's launches)
+    step_ms: float  # forward start → the step's sampling and drafts done (not the copy)
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """Per scheduled request: the tokens it emits this step, in order — none while a prefill
     chunk is still partial, one without drafts, 1..k+1 after verifying k drafts (the accepted
@@ -346,6 +370,10 @@ class ModelRunnerOutput:
     kv_recvs_done: tuple[str, ...] = ()
     kv_recvs_failed: dict[str, str] = field(default_factory=dict)
     kv_sends_done: tuple[str, ...] = ()
+    # --step-log: this step's stats (None: the log is off, or the step computed nothing) and
+    # the GPU times of earlier steps whose events had passed when this one was launched
+    step_stats: StepStats | None = None
+    gpu_times: tuple[StepGpuTime, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -96,6 +96,19 @@ def _gib(text: str) -> float:
     return value
 
 
+def _appendable_file(text: str) -> str:
+    """A file the process can create or append to (checked now, opened by the engine)."""
+    path = Path(text).expanduser()
+    parent = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, expected a file")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no directory {str(parent)!r}")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: permission denied")
+    return str(path)
+
+
 def _device(text: str) -> str:
     kind, _, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
@@ -162,6 +175,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "the host one step later (docs/decode.md)")
     g.add_argument("--device", type=_device, default=None,
                    help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    g.add_argument("--step-log", type=_appendable_file, default=None, metavar="PATH",
+                   help="append one JSON line per engine step to PATH: wall and host time, "
+                        "the batch, drafts accepted, CUDA graph, GPU forward time "
+                        "(docs/decode.md; summarise with python -m dsaserve.bench.steplog)")
 
     o = parser.add_argument_group("host KV tier (vLLM names; docs/offload.md)")
     o.add_argument("--kv-offloading-size", type=_gib, default=None, metavar="GIB",
@@ -252,6 +269,7 @@ def engine_config_from_args(args: argparse.Namespace, model: str) -> EngineConfi
         device=device,
         seed=args.seed,
         keep_fp8_weights=True if args.quantization == "fp8" else None,
+        step_log=args.step_log,
     )
 
 

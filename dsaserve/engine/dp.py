@@ -14,6 +14,7 @@ The public API is LLMEngine's, so the server and the CLI drive either without kn
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -134,7 +135,11 @@ class DataParallelEngine:
     def _step_sync(self) -> list[RequestOutput]:
         """Schedule every replica, start those with work, then collect each."""
         # 1. schedule every replica (this process, CPU only)
-        scheduled = [r.scheduler.schedule() for r in self.replicas]
+        scheduled, schedule_ms = [], []
+        for r in self.replicas:
+            started = time.perf_counter()
+            scheduled.append(r.scheduler.schedule())
+            schedule_ms.append(1e3 * (time.perf_counter() - started))
         # 2. start every replica with something to run or forget: they compute concurrently
         busy = [not so.is_empty or bool(so.finished_request_ids) or bool(so.kv_recvs)
                 or bool(r.scheduler.receiving)  # P/D READs in flight: polled each step
@@ -145,9 +150,11 @@ class DataParallelEngine:
                 replica.executor.execute_async(so)
         # 3. collect each, advance its scheduler (aborted requests come out of idle ones too)
         outputs: list[RequestOutput] = []
-        for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
+        for replica, so, b, ms in zip(self.replicas, scheduled, busy, schedule_ms, strict=True):
             runner_output = (replica.executor.collect() if b
                              else ModelRunnerOutput(sampled_token_ids={}))
+            if replica.step_log is not None:
+                replica.step_log.record(so, runner_output, ms)
             outputs += replica.scheduler.update_from_output(so, runner_output)
         return outputs
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
     Completion,
+    EngineDeadError,
     EngineStats,
     KVTransferParams,
     Request,
@@ -36,6 +37,7 @@ from dsaserve.engine.executor import Executor, InProcessExecutor, MultiprocExecu
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.sampling_table import MAX_STOP_IDS
 from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.step_log import StepLog
 from dsaserve.engine.step_results import PendingStep
 from dsaserve.tokenizer import Tokenizer
 
@@ -119,6 +121,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.insert(0, tokenizer.eos_token_id)
         self.eos_token_ids = tuple(dict.fromkeys(eos))
+        # --step-log: a JSON line per step (engine/step_log.py); the runners time their steps
+        self.step_log = None if config.step_log is None else StepLog(
+            config.step_log, async_scheduling=self.async_scheduling, dp_rank=dp_rank)
 
     def _kv_connector(self, dp_rank: int) -> ConnectorScheduler | None:
         """P/D: the connector's scheduler half, with every rank's transport metadata."""
@@ -227,15 +232,22 @@ class LLMEngine:
         if self.async_scheduling:
             self.launch_next_step()
             return self.finish_oldest_step()
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        schedule_ms = 1e3 * (time.perf_counter() - started)
         runner_output = self.executor.execute(scheduler_output)
+        if self.step_log is not None:
+            self.step_log.record(scheduler_output, runner_output, schedule_ms)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     # ---- --async-scheduling: step k + 1 launched while step k runs, then step k's results ------
     def launch_next_step(self) -> None:
         """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
         the device from step k's samples)."""
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        if self.step_log is not None:
+            self.step_log.scheduled(scheduler_output, 1e3 * (time.perf_counter() - started))
         # P/D READs, held blocks' read notifications and host-tier copies in flight are
         # polled by every step, empty ones too
         offload, connector = self.scheduler.offload, self.connector
@@ -250,7 +262,10 @@ class LLMEngine:
         if len(self._in_flight) == 1:
             return self.scheduler.take_aborted_outputs()
         scheduler_output, pending = self._in_flight.popleft()
-        return self.scheduler.update_from_output(scheduler_output, pending.result())
+        runner_output = pending.result()
+        if self.step_log is not None:
+            self.step_log.record(scheduler_output, runner_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -280,15 +295,29 @@ class LLMEngine:
         # 2. a producer's side channel stops answering
         if self.connector is not None:
             self.connector.close()
-        # 3. every rank cancels its P/D READs in flight (nothing lands in freed memory), then
+        # 3. --step-log: the lines still waiting for their GPU time (rank 0's runner waits
+        #    for its last events)
+        if self.step_log is not None:
+            self._close_step_log()
+        # 4. every rank cancels its P/D READs in flight (nothing lands in freed memory), then
         #    closes its transport
         self.executor.shutdown()
-        # 4. only now, with no READ in flight: the claims on prefill engines' blocks not fully
+        # 5. only now, with no READ in flight: the claims on prefill engines' blocks not fully
         #    read given back, so those engines free them at once, not at their abort timeout
         #    (bounded: a producer gone or silent is logged)
         if self.connector is not None:
             self.connector.give_back_claims()
         self.runner = None
+
+    def _close_step_log(self) -> None:
+        assert self.step_log is not None
+        log, self.step_log = self.step_log, None  # shutdown is idempotent
+        try:
+            times = self.executor.call("drain_step_times")[0]
+        except (EngineDeadError, RuntimeError):  # a dead core: its lines without GPU times
+            logger.exception("shutdown: the step log's last GPU times were not read")
+            times = ()
+        log.close(times)
 
     # ---- offline convenience ---------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],

@@ -21,6 +21,8 @@ from dsaserve.core import (
     ModelRunnerOutput,
     SamplingParams,
     SchedulerOutput,
+    StepGpuTime,
+    StepStats,
 )
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.disagg.hostplan import HostDest
@@ -29,6 +31,7 @@ from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
 from dsaserve.engine.sampler import sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
+from dsaserve.engine.step_timer import StepTimer
 from dsaserve.kernels import formats, staging
 from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
 from dsaserve.kernels.registry import get_backend
@@ -243,6 +246,11 @@ class ModelRunner:
         self._last = _LastStep.empty(self.device)
         # [D] the first position each drafting request's rows wrote this step (_draft_inputs)
         self._drafts_written_from: torch.Tensor | None = None
+        # --step-log: rank 0 reports each step's stats and GPU time (the engine's output is
+        # rank 0's); None: off, no events recorded
+        self.step_timer = (StepTimer(self.device)
+                           if config.step_log is not None and self.groups.rank == 0 else None)
+        self._num_timed_steps = 0
 
     # ---- set-up ---------------------------------------------------------------------------------
     def _max_blocks_per_request(self) -> int:
@@ -590,6 +598,7 @@ class ModelRunner:
 
     def _launch(self, so: SchedulerOutput, *, non_blocking: bool) -> step_results.PendingOutput:
         # 1. apply the diff
+        launched_at = time.perf_counter()
         self._apply_diff(so)
         if so.is_empty:
             return step_results.PendingOutput([], [], None)
@@ -602,7 +611,13 @@ class ModelRunner:
         #    graph where graphs are on); then sample (or verify drafts) for requests whose
         #    known tokens are done, the results left on the device
         padded = self._padded_size(batch)  # None: the step runs as it is
+        replays = (0, 0)  # --step-log: graph replays before this step's
+        if self.step_timer is not None:
+            replays = self._graph_replays()
+            self.step_timer.record_start()
         hidden = self._forward(batch, padded)  # [N, hidden]
+        if self.step_timer is not None:
+            self.step_timer.record_forward_end()
         samples = self._sample(req_ids, batch, hidden)
 
         # 4. speculative decoding: the MTP layer drafts the next step's tokens (at the padded
@@ -628,9 +643,44 @@ class ModelRunner:
         #    here, waited for after the next step is launched); the sampled tokens and drafts
         #    stay on the device for a next step that continues from them
         self._last = last
-        return step_results.PendingOutput(
+        # --step-log: the step's work launched (its last event recorded), its stats
+        stats = (None if self.step_timer is None
+                 else self._step_stats(batch, padded, replays, launched_at))
+        pending = step_results.PendingOutput(
             req_ids, drafting,
             step_results.start_read_back(samples, drafts, non_blocking=non_blocking))
+        if stats is None:
+            return pending
+        # with the GPU times of earlier steps whose events have passed by now
+        return replace(pending, stats=stats, gpu_times=self.step_timer.poll())
+
+    def _graph_replays(self) -> tuple[int, int]:
+        """(target, draft chain) graph replays so far."""
+        graphs = self.decode_graphs
+        return (0, 0) if graphs is None else (graphs.num_replays, graphs.num_draft_replays)
+
+    def _step_stats(self, batch: _Batch, padded: int | None, replays_before: tuple[int, int],
+                    launched_at: float) -> StepStats:
+        """--step-log, once the step's forward, sampling and drafts are launched: its last
+        event, and what the step was (host-known values only)."""
+        assert self.step_timer is not None
+        launch_ms = 1e3 * (time.perf_counter() - launched_at)
+        index = self._num_timed_steps
+        self._num_timed_steps += 1
+        self.step_timer.record_end(index)
+        qsl = batch.query_start_loc
+        decode_rows = sum(qsl[r + 1] - qsl[r] for r in range(len(batch.samples))
+                          if batch.samples[r] and qsl[r + 1] - qsl[r] == 1 + batch.num_drafts[r])
+        target, drafts = (now - before for now, before in zip(
+            self._graph_replays(), replays_before, strict=True))
+        return StepStats(index=index, num_decode_rows=decode_rows,
+                         num_prefill_rows=qsl[-1] - decode_rows, padded_size=padded,
+                         graph=target > 0, draft_graph=drafts > 0, launch_ms=launch_ms,
+                         timed=self.step_timer.timed)
+
+    def drain_step_times(self) -> tuple[StepGpuTime, ...]:
+        """--step-log at shutdown: the GPU times not reported yet (waits for the device)."""
+        return () if self.step_timer is None else self.step_timer.drain()
 
     def _padded_size(self, batch: _Batch) -> int | None:
         """The size a decode-only step (each request: its last known token and its drafts)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from dsaserve.core import ModelRunnerOutput
+from dsaserve.core import ModelRunnerOutput, StepGpuTime, StepStats
 
 
 @dataclass(frozen=True)
@@ -169,16 +169,21 @@ class PendingOutput:
     req_ids: list[str]
     drafting: list[str]
     copy: PendingSamples | None
+    # --step-log (engine/step_log.py): passed on in the output
+    stats: StepStats | None = None
+    gpu_times: tuple[StepGpuTime, ...] = ()
 
     def result(self) -> ModelRunnerOutput:
         if self.copy is None:
-            return ModelRunnerOutput(sampled_token_ids={})
+            return ModelRunnerOutput(sampled_token_ids={}, step_stats=self.stats,
+                                     gpu_times=self.gpu_times)
         host = self.copy.wait()
         return ModelRunnerOutput(
             sampled_token_ids={rid: host.tokens.get(r, []) for r, rid in enumerate(self.req_ids)},
             logprobs={self.req_ids[r]: lps for r, lps in host.logprobs.items()},
             top_logprobs={self.req_ids[r]: top for r, top in host.top.items()},
-            draft_token_ids=dict(zip(self.drafting, host.drafts, strict=True)))
+            draft_token_ids=dict(zip(self.drafting, host.drafts, strict=True)),
+            step_stats=self.stats, gpu_times=self.gpu_times)
 
 
 @dataclass(frozen=True)

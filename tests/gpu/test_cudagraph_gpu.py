@@ -17,11 +17,13 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import warnings
 
 import pytest
 import torch
 
+from dsaserve.bench import steplog
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -124,8 +126,8 @@ _SNIPPETS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n",
 _JOINS = [0, 0, 1, 3, 3]  # the step each snippet's request joins at
 
 
-def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool = False
-              ) -> tuple[dict[str, list[int]], LLMEngine]:
+def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool = False,
+              step_log: str | None = None) -> tuple[dict[str, list[int]], LLMEngine]:
     """The trained tiny model (confident logits: bf16 batch-shape differences do not flip its
     argmax) on the triton backend, fp8_ds_mla KV; five requests of different lengths joining
     at three steps and leaving at different ones: running batches of 1 to 5 requests, padded
@@ -137,7 +139,8 @@ def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool 
                        scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024,
                                                  async_scheduling=async_scheduling),
                        attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
-                       dtype="bfloat16", device="cuda", compilation=compilation)
+                       dtype="bfloat16", device="cuda", compilation=compilation,
+                       step_log=step_log)
     if k:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
@@ -212,3 +215,27 @@ def test_async_decode_launch_does_not_sync(k):
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_step_log_times_the_gpu(tmp_path, k, async_scheduling):
+    """--step-log on a GPU: every line has its forward's and its step's GPU time from CUDA
+    events (read once passed, or at shutdown), decode steps replay their graph (and with MTP3
+    the drafts' graph), and the tokens are those of the engine without the log."""
+    plain, _ = _generate(CompilationConfig(), k, async_scheduling=async_scheduling)
+    path = tmp_path / "steps.jsonl"
+    logged, engine = _generate(CompilationConfig(), k, async_scheduling=async_scheduling,
+                               step_log=str(path))
+    engine.shutdown()
+    assert logged == plain
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(len(lines)))
+    for line in lines:
+        assert 0 < line["gpu_forward_ms"] <= line["gpu_step_ms"], line
+    # every padded step replays its graph (a size's first step captures it, then replays)
+    padded = [line for line in lines if line["padded_size"] is not None]
+    assert padded and all(line["graph"] for line in padded)
+    assert all(line["draft_graph"] == bool(k) for line in padded)
+    assert not any(line["graph"] for line in lines if line["padded_size"] is None)
+    print(steplog.table(steplog.summarise(lines), f"k={k}, async {async_scheduling}"))

@@ -4,6 +4,8 @@ as one when a replica's worker dies; nothing is leaked."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -136,6 +138,32 @@ class _Recording:
 
     def shutdown(self) -> None:
         pass
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_step_log_of_two_replicas_with_workers(parallel_config, prompts, greedy, assert_gone,
+                                               tmp_path, async_scheduling) -> None:
+    """--step-log under -dp 2 (each replica's runner in a worker process): one file, a line
+    per step of each replica (its `dp_rank`, its own step count), their tokens the tokens
+    the engine returned."""
+    config = parallel_config(dp=2)
+    path = tmp_path / "steps.jsonl"
+    config = dataclasses.replace(config, step_log=str(path), scheduler=dataclasses.replace(
+        config.scheduler, async_scheduling=async_scheduling))
+    engine = LLMEngine.from_config(config)
+    pids = _pids(engine)
+    for i, prompt in enumerate(prompts[:4]):
+        engine.add_request(f"q{i}", prompt, greedy)
+    emitted = sum(len(new) for _, new, _ in _drain(engine))
+    engine.shutdown()
+    assert_gone(pids)
+    lines = [json.loads(t) for t in path.read_text().splitlines()]
+    for rank in (0, 1):
+        mine = [line for line in lines if line["dp_rank"] == rank]
+        assert [line["step"] for line in mine] == list(range(len(mine))) and len(mine) > 5
+        assert all(line["async"] is async_scheduling for line in mine)
+    assert sum(line["num_sampled"] for line in lines) == emitted == 4 * greedy.max_tokens
+    assert all(line["launch_ms"] > 0 and line["gpu_forward_ms"] is None for line in lines)
 
 
 def test_step_sends_every_replica_before_collecting_any(parallel_config, prompts, greedy,

@@ -52,12 +52,13 @@ def test_defaults_are_vllm_defaults(model_dir: Path) -> None:
     backend = "triton" if config.device.startswith("cuda") else "reference"
     assert (config.dtype, config.seed, config.attention.backend) == ("auto", 0, backend)
     assert config.speculative is None and config.num_speculative_tokens == 0
+    assert config.step_log is None
     assert config.attention.sparse_mla_force_mqa is False
     assert config.device in ("cpu", "cuda")
     assert config.parallel.world_size == 1
 
 
-def test_every_flag_reaches_the_config(model_dir: Path) -> None:
+def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
     args = parse_serve(
         str(model_dir), "--served-model-name", "glm", "--host", "0.0.0.0", "--port", "9001",
         "--api-key", "k", "--max-model-len", "1024", "--max-num-seqs", "8",
@@ -66,7 +67,8 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
         "--no-enable-prefix-caching", "--seed", "3", "--dtype", "bfloat16", "--attention-config",
         '{"sparse_mla_force_mqa": true}', "--attention-backend", "triton", "--device", "cuda:1",
         "-tp", "2", "-pcp", "4", "-dcp", "4", "-dp", "2", "--enable-expert-parallel",
-        "--dcp-comm-backend", "ag_rs", "--cp-kv-cache-interleave-size", "32")
+        "--dcp-comm-backend", "ag_rs", "--cp-kv-cache-interleave-size", "32",
+        "--step-log", str(tmp_path / "steps.jsonl"))
     model = serve_cli.model_from_args(args)
     server = serve_cli.server_config_from_args(args, model)
     assert (server.served_model_name, server.host, server.port, server.api_key) == (
@@ -79,6 +81,7 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
             c.cache.num_gpu_blocks, c.cache.enable_prefix_caching) == (
         32, "fp8_ds_mla", 0.5, 99, False)
     assert (c.seed, c.dtype, c.device) == (3, "bfloat16", "cuda:1")
+    assert c.step_log == str(tmp_path / "steps.jsonl")
     assert (c.attention.backend, c.attention.sparse_mla_force_mqa) == ("triton", True)
     p = c.parallel
     assert (p.tensor_parallel_size, p.prefill_context_parallel_size,
@@ -111,6 +114,9 @@ def test_every_flag_reaches_the_config(model_dir: Path) -> None:
     (["--attention-backend", "cuda"], "argument --attention-backend: invalid choice: 'cuda'"),
     (["--tool-call-parser", "hermes"], "argument --tool-call-parser: invalid choice: 'hermes'"),
     (["--reasoning-parser", "qwen3"], "argument --reasoning-parser: invalid choice: 'qwen3'"),
+    (["--step-log", "/no/such/dir/steps.jsonl"],
+     "argument --step-log: cannot write '/no/such/dir/steps.jsonl': no directory '/no/such/dir'"),
+    (["--step-log", "/"], "argument --step-log: '/' is a directory, expected a file"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--max-model", "10"], "unrecognized arguments: --max-model"),  # no abbreviations
 ])
@@ -185,6 +191,26 @@ def test_generate_reports_the_acceptance_length(model_dir: Path, capsys) -> None
     err = capsys.readouterr().err
     length = float(err.split("mean acceptance length ")[1].split()[0])
     assert 2.5 <= length <= 3.0 and "with 3 MTP drafts" in err
+
+
+def test_generate_writes_the_step_log(model_dir: Path, tmp_path: Path, capsys) -> None:
+    """`generate --step-log`: a line per step; 1 + accepted drafts tokens per verifying step,
+    their sum the tokens generated."""
+    spec = ('{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
+            '"synthetic", "synthetic_acceptance_length": 2.99}')
+    log = tmp_path / "steps.jsonl"
+    rc = top_cli.main(["generate", "--model", str(model_dir), "--prompt", "The ferry",
+                       "--max-tokens", "14", "--ignore-eos", "--device", "cpu", "--block-size",
+                       "16", "--num-gpu-blocks-override", "64", "--max-model-len", "256",
+                       "--speculative-config", spec, "--step-log", str(log)])
+    assert rc == 0
+    lines = [json.loads(t) for t in log.read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(len(lines)))
+    assert lines[0]["num_prefill_rows"] > 0 and lines[0]["num_drafts"] == 0
+    assert sum(line["num_sampled"] for line in lines) == 14
+    for line in lines[1:]:
+        assert line["num_reqs"] == line["num_sampling_reqs"] == 1
+        assert line["num_sampled"] == 1 + line["num_accepted"] <= 1 + line["num_drafts"]
 
 
 @pytest.mark.parametrize("device, flag, backend", [

@@ -17,3 +17,12 @@ def test_decode_benchmark_smoke(tmp_path, load_benchmark) -> None:
     assert 2.0 <= per_step[("1", "yes", "no")] <= 3.0  # 1 + accepted drafts (synthetic 2.99)
     assert per_step[("2", "no", "yes")] == 1.0  # async: one token per step, read a step later
     assert 2.0 <= per_step[("2", "yes", "yes")] <= 3.0  # async MTP3: drafts from the device
+    # the same steps from the engine's step log: every row, its steps, the same tokens per step
+    log = text[text.index("The engine's step log"):].splitlines()
+    log_rows = [line.split("|") for line in log if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(log_rows) == 8
+    for r in log_rows:
+        batch, mtp, async_, steps = r[1].strip(), r[2].strip(), r[4].strip(), int(r[5])
+        assert steps == 2 and r[7].strip() == "–"  # no GPU time on the CPU
+        assert float(r[9]) == per_step[(batch, mtp, async_)]
+        assert (float(r[9]) == 1.0) == (mtp == "no")

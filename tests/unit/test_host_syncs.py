@@ -73,11 +73,17 @@ def test_read_back_unpacks_every_part():
     assert host.top == {2: [row(0)], 0: [row(1), row(2), row(3)], 1: [row(5)]}
 
 
-@pytest.mark.parametrize("min_tokens", [0, 10])  # 10: stop ids masked on the device
-@pytest.mark.parametrize("logprobs", [None, 3])  # 3: the step's top-k is in the same copy
+# min_tokens 10: stop ids masked on the device; logprobs 3: the step's top-k in the same copy;
+# step_log: --step-log on (the step's stats and events, nothing read)
+@pytest.mark.parametrize(("min_tokens", "logprobs", "step_log"), [
+    (0, None, False), (10, None, False), (0, 3, False), (10, 3, False),
+    (0, None, True), (10, 3, True)])
 @pytest.mark.parametrize("k", [None, 3])
-def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprobs, min_tokens):
+def test_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, k, logprobs,
+                                           min_tokens, step_log):
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
+    if step_log:
+        cfg = dataclasses.replace(cfg, step_log=str(tmp_path / "steps.jsonl"))
     if k is not None:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
@@ -108,15 +114,20 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, k, logprob
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+    assert bool(step_log) == (tmp_path / "steps.jsonl").exists()
 
 
-@pytest.mark.parametrize("min_tokens", [0, 10])
+@pytest.mark.parametrize(("min_tokens", "step_log"), [(0, False), (10, False), (0, True)])
 @pytest.mark.parametrize("k", [None, 3])
-def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k, min_tokens):
+def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, k,
+                                                 min_tokens, step_log):
     """--async-scheduling: launching step k + 1 (its inputs gathered on the device from step k's
     samples; with MTP3 also its drafts, and its rows moved back by the drafts step k rejected)
-    reads nothing; reading step k's results is the one sync, after the launch."""
+    reads nothing; reading step k's results is the one sync, after the launch. The same with
+    --step-log (its lines written from host-known values)."""
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
+    if step_log:
+        cfg = dataclasses.replace(cfg, step_log=str(tmp_path / "steps.jsonl"))
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                  async_scheduling=True))
     if k is not None:
@@ -151,6 +162,7 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, k, m
     while engine.has_unfinished_requests():
         engine.step()
     engine.check_integrity()
+    assert bool(step_log) == (tmp_path / "steps.jsonl").exists()
 
 
 @pytest.mark.parametrize("mla_pages", [None, 12])
