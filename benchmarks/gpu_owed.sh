@@ -28,7 +28,8 @@
 #                                          #   concurrency at a fixed budget), P/D end to end
 #   bash benchmarks/gpu_owed.sh 11         # part 11: FP8 weights kept in FP8: the kernels'
 #                                          #   tests and timings, the engine's tests, decode
-#                                          #   with FP8 against bf16 weights (same call)
+#                                          #   with FP8 against bf16 weights (same call); the
+#                                          #   step log's GPU times
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -123,12 +124,13 @@ elif [ "$part" = 10 ]; then
         --out "$out/hisparse_1m.md"
 elif [ "$part" = 11 ]; then
     run 170 fp8_tests python -m pytest -q -m gpu -rf --tb=short -s \
-        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
-    run 100 fp8_linear python benchmarks/fp8_linear.py --out "$out/fp8_linear.md"
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py \
+        tests/gpu/test_cudagraph_gpu.py::test_step_log_times_the_gpu
     for w in bf16 fp8; do
         run 100 "decode_$w" python benchmarks/decode.py --contexts 8192 --batches 1,64 \
             --steps 10 --weights "$w" --out "$out/decode_$w.md"
     done
+    run 100 fp8_linear python benchmarks/fp8_linear.py --out "$out/fp8_linear.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
