@@ -204,7 +204,7 @@ def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
     return template
 
 
-def _text_content(message: dict[str, Any], index: int) -> str:
+def text_content(message: dict[str, Any], index: int) -> str:
     """The text of an OpenAI message: a string, or the text parts of a content-part list joined."""
     content = message.get("content")
     if content is None:
@@ -222,6 +222,14 @@ def _text_content(message: dict[str, Any], index: int) -> str:
             )
         texts.append(str(part.get("text", "")))
     return "".join(texts)
+
+
+def check_chat_template(template: str) -> None:
+    """Raises ChatTemplateError (with the line) when `template` is not valid Jinja."""
+    try:
+        _jinja_env().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"syntax error at line {e.lineno}: {e}") from e
 
 
 def _raise_exception(message: str) -> None:
@@ -358,7 +366,7 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ChatTemplateError(f"messages[{i}]: expected an object with a string 'role'")
-            normalized.append({**message, "content": _text_content(message, i)})
+            normalized.append({**message, "content": text_content(message, i)})
         return self._compiled[template].render(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,

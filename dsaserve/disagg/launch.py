@@ -122,17 +122,19 @@ def exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 def shared_flags(args: argparse.Namespace) -> list[str]:
-    """The top-level `serve` flags both servers take: the served name, and the tool-call and
+    """The top-level `serve` flags both servers take: the served name, the tool-call and
     reasoning parsers (both servers see each request: the prefill one would refuse its tools
-    without them)."""
+    without them), and the chat prompt's (both must render the same ids)."""
     flags = []
     if args.served_model_name:
         flags += ["--served-model-name", args.served_model_name]
     if getattr(args, "enable_auto_tool_choice", False):
         flags.append("--enable-auto-tool-choice")
-    for name in ("tool_call_parser", "reasoning_parser"):
+    for name in ("tool_call_parser", "reasoning_parser", "chat_template"):
         if (value := getattr(args, name, None)) is not None:
             flags += [f"--{name.replace('_', '-')}", value]
+    if getattr(args, "tokenizer_mode", "auto") != "auto":
+        flags += ["--tokenizer-mode", args.tokenizer_mode]
     return flags
 
 
@@ -141,6 +143,7 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
 
     from dsaserve.router.app import create_router_app
     from dsaserve.router.config import RouterConfig
+    from dsaserve.serve.prompt import load_chat_template
 
     spec = parse_pd_spec(args.pd)
     # uvicorn re-raises the SIGTERM it caught once it has stopped: exit through `finally`
@@ -159,7 +162,9 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
         for name, proc in zip(_SIDES, procs, strict=True):
             wait_healthy(urls[name], proc, args.pd_start_timeout)
         router = RouterConfig(prefill_backends=(urls["prefill"],),
-                              decode_backends=(urls["decode"],), host=args.host, port=args.port)
+                              decode_backends=(urls["decode"],), host=args.host, port=args.port,
+                              tokenizer_mode=args.tokenizer_mode,
+                              chat_template=load_chat_template(args.chat_template))
         print(f"dsaserve: P/D router on http://{args.host}:{args.port} (prefill "
               f"{urls['prefill']}, decode {urls['decode']})", file=sys.stderr)
         uvicorn.run(create_router_app(router), host=args.host, port=args.port,

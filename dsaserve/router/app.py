@@ -47,7 +47,13 @@ from dsaserve.router.events import KVEventSubscriber
 from dsaserve.router.metrics import RouterMetrics
 from dsaserve.router.policy import Decision, Picker
 from dsaserve.serve.api import error_body, error_response, unless_disconnected
-from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
+from dsaserve.serve.prompt import (
+    ChatFormat,
+    PromptError,
+    chat_format_for,
+    completion_prompt,
+    render_chat,
+)
 from dsaserve.serve.protocol import ChatTool, template_tools
 from dsaserve.tokenizer import Tokenizer
 
@@ -133,6 +139,7 @@ class Router:
         self.admission = _Admission(config.max_concurrent_requests, config.max_queued_requests,
                                     self.metrics)
         self.tokenizer: Tokenizer | None = None
+        self.chat_format = ChatFormat()  # resolved with the tokenizer
         self._tokenizer_failed = False
         self.subscriber: KVEventSubscriber | None = None
         limits = httpx.Limits(max_connections=config.max_concurrent_requests + 16,
@@ -169,7 +176,10 @@ class Router:
         if path is None:
             return None  # no backend answered yet: try again on the next request
         try:
-            self.tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, path)
+            tokenizer = await asyncio.to_thread(Tokenizer.from_pretrained, path)
+            self.chat_format = chat_format_for(path, tokenizer, self.config.tokenizer_mode,
+                                               self.config.chat_template)
+            self.tokenizer = tokenizer
         except (OSError, ValueError) as e:
             self._tokenizer_failed = True  # do not retry per request
             logger.warning("router: no tokenizer at %s (%s): routing by load only", path, e)
@@ -191,7 +201,8 @@ class Router:
                 tools = None if tools is None else template_tools(
                     TypeAdapter(list[ChatTool]).validate_python(tools))
                 ids = await asyncio.to_thread(render_chat, tokenizer, body.get("messages"),
-                                              body.get("chat_template_kwargs"), tools)
+                                              body.get("chat_template_kwargs"), tools,
+                                              self.chat_format)
             else:
                 # Ids outside the vocabulary are the backend's to reject: no bound here.
                 ids = await asyncio.to_thread(completion_prompt, tokenizer, body.get("prompt"),

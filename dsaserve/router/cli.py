@@ -27,7 +27,8 @@ _DEFAULTS = RouterConfig(backends=("http://127.0.0.1:8000",))
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from dsaserve.serve.cli import _port
+    from dsaserve.serve.cli import _port, chat_template_arg
+    from dsaserve.serve.prompt import TOKENIZER_MODES
 
     d = _DEFAULTS
     p.add_argument("--backend", action="append", default=[], metavar="URL",
@@ -48,6 +49,11 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "the backends' KV events (`serve --kv-events-config`) (default: %(default)s)")
     p.add_argument("--tokenizer", default=None,
                    help="model directory to tokenize with (default: the backends' model)")
+    p.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default="auto",
+                   help="the backends' --tokenizer-mode, to render chat prompts as they do "
+                   "(default: %(default)s)")
+    p.add_argument("--chat-template", type=chat_template_arg, default=None,
+                   metavar="PATH_OR_TEMPLATE", help="the backends' --chat-template")
     w = p.add_argument_group("scorer weights (llm-d's defaults)")
     w.add_argument("--prefix-weight", type=float, default=DEFAULT_PREFIX_WEIGHT)
     w.add_argument("--queue-weight", type=float, default=DEFAULT_QUEUE_WEIGHT)
@@ -86,11 +92,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def router_config_from_args(args: argparse.Namespace) -> RouterConfig:
     """Raises ConfigError naming the flag."""
+    from dsaserve.serve.prompt import load_chat_template
+
     return RouterConfig(
         backends=tuple(u.rstrip("/") for u in args.backend),
         prefill_backends=tuple(u.rstrip("/") for u in args.prefill),
         decode_backends=tuple(u.rstrip("/") for u in args.decode), policy=args.policy,
         prefix_index=args.prefix_index, tokenizer=args.tokenizer, host=args.host, port=args.port,
+        tokenizer_mode=args.tokenizer_mode,
+        chat_template=load_chat_template(args.chat_template),
         weights=ScoringWeights(prefix=args.prefix_weight, queue=args.queue_weight,
                                kv=args.kv_cache_weight, active=args.active_request_weight),
         prefix_index_capacity=args.prefix_index_capacity,

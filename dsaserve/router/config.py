@@ -25,6 +25,10 @@ class RouterConfig:
     prefix_index: PrefixIndexKind = "approximate"  # precise: replay the backends' KV events
     weights: ScoringWeights = field(default_factory=ScoringWeights)
     tokenizer: str | None = None  # model directory; default: the first backend's /v1/models root
+    # The backends' --tokenizer-mode and --chat-template (its text): the router renders chat
+    # prompts as they do (serve/prompt.py chat_format_for)
+    tokenizer_mode: str = "auto"
+    chat_template: str | None = None
     host: str = "127.0.0.1"
     port: int = 8080
     # An LRU bound per backend on the approximate index (32-byte hashes: ~100 B per entry).
@@ -55,6 +59,9 @@ class RouterConfig:
                 + [(u, "decode") for u in self.decode_backends])
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and self.tokenizer_mode == "deepseek_v32":
+            raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
+                              "(DeepSeek-V3.2's encoder writes the prompt)")
         if bool(self.prefill_backends) != bool(self.decode_backends):
             missing = "--decode" if self.prefill_backends else "--prefill"
             raise ConfigError(f"{missing}: P/D routing needs at least one --prefill and one "

@@ -42,7 +42,13 @@ from dsaserve.serve.limits import RequestLimitError, check_lengths, check_suppor
 from dsaserve.serve.logprobs import LogprobFormatter, LogprobSpans, PlacedLogprob, requested
 from dsaserve.serve.metrics import RequestTracker, ServerMetrics
 from dsaserve.serve.middleware import BodySizeLimitMiddleware
-from dsaserve.serve.prompt import PromptError, completion_prompt, render_chat
+from dsaserve.serve.prompt import (
+    ChatFormat,
+    PromptError,
+    chat_format_for,
+    completion_prompt,
+    render_chat,
+)
 from dsaserve.serve.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -99,6 +105,9 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # a serve.tools.TOOL_PARSERS name
     reasoning_parser: str | None = None  # a serve.tools.REASONING_PARSERS name
+    # Chat prompts (serve/prompt.py chat_format_for): --tokenizer-mode, --chat-template's text
+    tokenizer_mode: str = "auto"
+    chat_template: str | None = None
 
 
 class APIError(Exception):
@@ -316,9 +325,9 @@ class Generation:
 # ------------------------------------------------------------------------------------------------
 def _render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                  template_kwargs: dict[str, Any] | None,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+                 tools: list[dict[str, Any]] | None, chat_format: ChatFormat) -> list[int]:
     try:
-        return render_chat(tokenizer, messages, template_kwargs, tools)
+        return render_chat(tokenizer, messages, template_kwargs, tools, chat_format)
     except PromptError as e:
         raise APIError(400, str(e), param=e.param) from e
 
@@ -480,6 +489,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     if tokenizer is None:
         raise ConfigError(f"--model: {engine.config.model_path} has no tokenizer.json; "
                           "the server needs a tokenizer")
+    chat_format = chat_format_for(engine.config.model_path, tokenizer, config.tokenizer_mode,
+                                  config.chat_template)
     model_name = config.served_model_name
     max_model_len = engine.config.scheduler.max_model_len
     max_logprobs = engine.config.scheduler.max_logprobs
@@ -490,6 +501,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                    lambda: engine.num_stream_overflows)
     metrics.registry.register(guards)
     app = FastAPI(title="dsaserve", version="0.1.0")
+    app.state.chat_format = chat_format  # for the start-up line
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:  # added late: outer, so nothing runs for an unauthorized client
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
@@ -621,7 +633,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         tools = template_tools(body.tools)
         parser = _output_parser(body, tools, config)
         prompt_ids = await asyncio.to_thread(_render_chat, tokenizer, body.messages,
-                                             body.chat_template_kwargs, tools)
+                                             body.chat_template_kwargs, tools, chat_format)
         max_tokens = body.max_tokens if body.max_completion_tokens is None \
             else body.max_completion_tokens
         params = _sampling_params(body, max_tokens, len(prompt_ids), max_model_len,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dsaserve.config import ConfigError
 from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
 from dsaserve.model.presets import DEFAULT_MODEL
+from dsaserve.serve.prompt import TOKENIZER_MODES, load_chat_template
 from dsaserve.serve.tools.registry import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
@@ -40,6 +41,16 @@ def _seconds(text: str) -> float:
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}")
     return value
+
+
+def chat_template_arg(text: str) -> str:
+    """Checked at parse time (a missing file or bad template fails at once); the flag keeps its
+    text so that `--pd` can pass it on."""
+    try:
+        load_chat_template(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--chat-template: ")) from e
+    return text
 
 
 def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -68,6 +79,15 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
                    "\"endpoint\":\"tcp://127.0.0.1:5557\"}' (DP replica i binds port + i)")
+    c = p.add_argument_group("chat prompts (docs/serving.md)")
+    c.add_argument("--tokenizer-mode", choices=TOKENIZER_MODES, default="auto",
+                   help="deepseek_v32: write chat prompts with DeepSeek-V3.2's encoding; auto "
+                   "(default): that for a deepseek_v32 checkpoint without a chat template, else "
+                   "the chat template")
+    c.add_argument("--chat-template", type=chat_template_arg, default=None,
+                   metavar="PATH_OR_TEMPLATE",
+                   help="the Jinja chat template (a file's path, or the template's text) used "
+                   "instead of the tokenizer's")
     t = p.add_argument_group("tool calling and reasoning (docs/serving.md)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="parse the model's tool calls into tool_calls for requests with tools "
@@ -116,12 +136,18 @@ def server_config_from_args(args: argparse.Namespace, model: str,
                         max_request_body_bytes=args.max_request_body_bytes,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser,
+                        tokenizer_mode=getattr(args, "tokenizer_mode", "auto"),
+                        chat_template=load_chat_template(getattr(args, "chat_template", None)))
 
 
 def check_tool_flags(args: argparse.Namespace) -> None:
     """--enable-auto-tool-choice without a parser would accept tools it cannot read (vLLM refuses
-    it too)."""
+    it too); --chat-template would be ignored by DeepSeek-V3.2's encoder."""
+    if getattr(args, "chat_template", None) is not None \
+            and getattr(args, "tokenizer_mode", "auto") == "deepseek_v32":
+        raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
+                          "(DeepSeek-V3.2's encoder writes the prompt)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser "
                           f"({', '.join(sorted(TOOL_PARSERS))})")
@@ -166,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, server_config)
         print(f"dsaserve: serving {server_config.served_model_name} ({engine_config.model_path}) "
               f"on http://{server_config.host}:{server_config.port}", file=sys.stderr)
+        if app.state.chat_format.renderer == "deepseek_v32":
+            print(f"dsaserve: chat prompts are written in DeepSeek-V3.2's encoding "
+                  f"(--tokenizer-mode {args.tokenizer_mode})", file=sys.stderr)
         # The drain has let requests finish (or ended them); uvicorn's own wait is a backstop.
         config = uvicorn.Config(app, host=server_config.host, port=server_config.port,
                                 timeout_keep_alive=server_config.timeout_keep_alive_s,

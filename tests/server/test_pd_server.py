@@ -239,6 +239,19 @@ def test_both_pd_servers_take_the_served_name_and_the_parsers() -> None:
     assert shared_flags(parser.parse_args(["--pd", "prefill: ; decode:"])) == []
 
 
+def test_both_pd_servers_take_the_chat_prompt_flags() -> None:
+    """Both sides must render a chat request to the same ids (and the router, which gets the
+    template's text)."""
+    from dsaserve.serve import cli as serve_cli
+
+    parser = serve_cli._configure(argparse.ArgumentParser(allow_abbrev=False))
+    template = "{{ messages[0].content }}"
+    args = parser.parse_args(["--pd", "prefill: ; decode:", "--chat-template", template])
+    assert shared_flags(args) == ["--chat-template", template]
+    args = parser.parse_args(["--pd", "prefill: ; decode:", "--tokenizer-mode", "deepseek_v32"])
+    assert shared_flags(args) == ["--tokenizer-mode", "deepseek_v32"]
+
+
 def test_an_unreachable_prefill_host_stalls_only_its_request(make_async_engine) -> None:
     """The side channel is read off the engine core's thread: while one decode request waits on
     a prefill host that accepts but never answers, another request is served; the stuck one then
