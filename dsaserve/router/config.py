@@ -7,6 +7,7 @@ from typing import Literal
 
 from dsaserve.config import ConfigError
 from dsaserve.router.scoring import ScoringWeights
+from dsaserve.serve.prompt import check_chat_flags
 
 Policy = Literal["prefix", "load", "round-robin"]
 PrefixIndexKind = Literal["approximate", "precise"]
@@ -59,9 +60,7 @@ class RouterConfig:
                 + [(u, "decode") for u in self.decode_backends])
 
     def __post_init__(self) -> None:
-        if self.chat_template is not None and self.tokenizer_mode == "deepseek_v32":
-            raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
-                              "(DeepSeek-V3.2's encoder writes the prompt)")
+        check_chat_flags(self.tokenizer_mode, self.chat_template)
         if bool(self.prefill_backends) != bool(self.decode_backends):
             missing = "--decode" if self.prefill_backends else "--prefill"
             raise ConfigError(f"{missing}: P/D routing needs at least one --prefill and one "

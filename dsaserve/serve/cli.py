@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from dsaserve.config import ConfigError
 from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
 from dsaserve.model.presets import DEFAULT_MODEL
-from dsaserve.serve.prompt import TOKENIZER_MODES, load_chat_template
+from dsaserve.serve.prompt import TOKENIZER_MODES, check_chat_flags, load_chat_template
 from dsaserve.serve.tools.registry import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
@@ -144,10 +144,7 @@ def server_config_from_args(args: argparse.Namespace, model: str,
 def check_tool_flags(args: argparse.Namespace) -> None:
     """--enable-auto-tool-choice without a parser would accept tools it cannot read (vLLM refuses
     it too); --chat-template would be ignored by DeepSeek-V3.2's encoder."""
-    if getattr(args, "chat_template", None) is not None \
-            and getattr(args, "tokenizer_mode", "auto") == "deepseek_v32":
-        raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
-                          "(DeepSeek-V3.2's encoder writes the prompt)")
+    check_chat_flags(getattr(args, "tokenizer_mode", "auto"), getattr(args, "chat_template", None))
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ConfigError("--enable-auto-tool-choice: needs --tool-call-parser "
                           f"({', '.join(sorted(TOOL_PARSERS))})")

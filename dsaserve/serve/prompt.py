@@ -74,18 +74,24 @@ def load_chat_template(value: str | None) -> str | None:
     return text
 
 
+def check_chat_flags(tokenizer_mode: str, chat_template: str | None) -> None:
+    """--tokenizer-mode is one of TOKENIZER_MODES, and --chat-template is not given with
+    DeepSeek-V3.2's encoder, which would ignore it. Raises ConfigError naming the flag."""
+    if tokenizer_mode not in TOKENIZER_MODES:
+        raise ConfigError(f"--tokenizer-mode: {tokenizer_mode!r} is not one of "
+                          f"{', '.join(TOKENIZER_MODES)}")
+    if tokenizer_mode == "deepseek_v32" and chat_template is not None:
+        raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
+                          "(DeepSeek-V3.2's encoder writes the prompt)")
+
+
 def chat_format_for(model_dir: str | Path, tokenizer: Tokenizer, tokenizer_mode: str = "auto",
                     chat_template: str | None = None) -> ChatFormat:
     """--tokenizer-mode and --chat-template (its text) resolved for one model. `auto` picks
     DeepSeek-V3.2's encoder, as vLLM needs `--tokenizer-mode deepseek_v32` for, when the
     checkpoint is `deepseek_v32` and has no chat template of its own (nor --chat-template)."""
-    if tokenizer_mode not in TOKENIZER_MODES:
-        raise ConfigError(f"--tokenizer-mode: {tokenizer_mode!r} is not one of "
-                          f"{', '.join(TOKENIZER_MODES)}")
+    check_chat_flags(tokenizer_mode, chat_template)
     if tokenizer_mode == "deepseek_v32":
-        if chat_template is not None:
-            raise ConfigError("--chat-template: not used with --tokenizer-mode deepseek_v32 "
-                              "(DeepSeek-V3.2's encoder writes the prompt)")
         return ChatFormat("deepseek_v32")
     if chat_template is None and tokenizer.chat_template is None \
             and _model_type(model_dir) == "deepseek_v32":
