@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,7 +124,7 @@ class TagSplitter:
         return [Piece(text)] if text else []
 
 
-class BlockToolParser:
+class BlockToolParser(ABC):
     """A ToolParser whose calls sit in `start … end` blocks: `parse_block` turns a block's inside
     into calls; a block it cannot read (None) stays in the content, tags and all."""
 
@@ -134,8 +135,9 @@ class BlockToolParser:
         self.tools = tools or []
         self._splitter = TagSplitter(self.start, self.end)
 
+    @abstractmethod
     def parse_block(self, inner: str) -> list[ToolCall] | None:
-        raise NotImplementedError
+        """A block's inside → its calls; None: not a call (the block stays content)."""
 
     def push(self, delta: str) -> ChatDelta:
         return self._collect(self._splitter.push(delta))
