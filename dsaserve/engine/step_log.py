@@ -73,8 +73,8 @@ class StepLog:
         now = time.perf_counter()
         if schedule_ms is None:
             schedule_ms = self._schedule_ms.pop(id(so), None)
-        self.take_gpu_times(out.gpu_times)
         if so.is_empty:
+            self.take_gpu_times(out.gpu_times)
             return
         interval = None if self._last_read is None else 1e3 * (now - self._last_read)
         self._last_read = now
@@ -105,7 +105,9 @@ class StepLog:
         self._waiting.append(line)
         if timed:
             self._by_index[stats.index] = line
-        self._write_complete()
+        # after the line exists: a step the GPU finished before the runner polled brings its
+        # own time with its output (a small graphed step on a fast GPU)
+        self.take_gpu_times(out.gpu_times)
 
     def close(self, gpu_times: tuple[StepGpuTime, ...] = ()) -> None:
         """Shutdown: the last GPU times (the runner's drain), then every line left."""

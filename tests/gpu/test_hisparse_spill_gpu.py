@@ -24,13 +24,17 @@ from logprob_compare import check_outputs_close
 from dsaserve.config import HiSparseConfig
 from dsaserve.core import Completion, SamplingParams
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.kv.hisparse.admission import mla_pages_for
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
-PAGES = 4  # cdiv(256, 64): one max-length request; the four need 12-16 blocks together
+# One max-length request's window (cdiv(256, 64) pages) and a write-tail page for each of the
+# four, so the scheduler admits all four at once (`spilling_holds`); together they need 12-16
+# blocks, so pages spill.
+PAGES = mla_pages_for(4, 256, 64, tail_pages=1)
 # fp8_ds_mla: the largest gap (nats, in each run) between the two tokens where the runs part.
 # A judgement, not a measurement: the gaps found are printed.
 MARGIN = 0.1

@@ -244,7 +244,8 @@ def test_step_timer_reads_only_passed_events(monkeypatch):
 
 
 def test_lines_wait_for_their_gpu_time_in_order(tmp_path):
-    """On a GPU a step's time comes with a later step's output: its line (and every line
+    """On a GPU a step's time comes with a later step's output (or with its own, when the
+    GPU finished it before the runner polled: seen on an H100): its line (and every line
     after it) is written only then, in step order; at shutdown the drained times complete
     them, and a line whose time never came is written with nulls."""
     from dsaserve.core import ModelRunnerOutput, SchedulerOutput, StepGpuTime, StepStats
@@ -280,10 +281,12 @@ def test_lines_wait_for_their_gpu_time_in_order(tmp_path):
     assert lines[0]["schedule_ms"] == 0.05 and lines[1]["schedule_ms"] is None
     assert lines[0]["interval_ms"] is None and lines[0]["graph"] is True
     log.record(so, out(4))
+    log.record(so, out(5, StepGpuTime(5, 0.5, 0.75)))  # done before the runner polled
     log.close((StepGpuTime(3, 2.0, 2.5), StepGpuTime(9, 1.0, 1.0)))  # 9: a step with no line
     lines = written()
-    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4]
+    assert [line["step"] for line in lines] == [0, 1, 2, 3, 4, 5]
     assert lines[3]["gpu_forward_ms"] == 2.0 and lines[4]["gpu_forward_ms"] is None
+    assert lines[5]["gpu_forward_ms"] == 0.5
 
 
 class _LaggingEvent:
