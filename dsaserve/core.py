@@ -204,6 +204,10 @@ class Request:
     num_output_placeholders: int = 0
     # set when one of SamplingParams.stop_token_ids ended it (RequestOutput.stop_token_id)
     stop_token_id: int | None = None
+    # time.monotonic() of its first scheduling (None: not yet). A preempted request's later
+    # schedulings do not move it: as vLLM counts, the time it waits after a preemption is
+    # part of its prefill or decode, not of its queueing.
+    scheduled_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -405,6 +409,12 @@ class RequestOutput:
     # the SamplingParams.stop_token_ids entry that ended the request (its last token); None
     # for every other end, EOS included (vLLM's stop_reason)
     stop_token_id: int | None = None
+    # The engine core's timestamps (time.monotonic(): the scheduler runs in the server's
+    # process, a DP replica's too, so the server's clock): when the engine queued the request,
+    # first scheduled it (None: never), and made this output (its new tokens' time)
+    queued_time: float = 0.0
+    scheduled_time: float | None = None
+    output_time: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -413,6 +423,23 @@ class Completion:
 
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None  # one per token; None: logprobs not asked
+
+
+@dataclass(frozen=True)
+class CountHistogram:
+    """Observations of a count in Prometheus's buckets: counts[i] of them are at most bounds[i]
+    (and above bounds[i − 1]), counts[-1] above every bound; `total` is their sum."""
+
+    bounds: tuple[int, ...] = ()
+    counts: tuple[int, ...] = (0,)
+    total: int = 0
+
+    def __add__(self, other: CountHistogram) -> CountHistogram:
+        """Both histograms' observations (DP replicas: the same bounds)."""
+        if other.bounds != self.bounds:
+            raise ValueError(f"histogram bounds differ: {self.bounds} != {other.bounds}")
+        return CountHistogram(self.bounds, tuple(a + b for a, b in zip(
+            self.counts, other.counts, strict=True)), self.total + other.total)
 
 
 @dataclass(frozen=True)
@@ -445,6 +472,8 @@ class EngineStats:
     num_mla_pages: int = 0
     num_mla_pages_free: int = 0
     hisparse_mla_spills: int = 0
+    # tokens scheduled per step (steps that schedule none left out): vllm:iteration_tokens_total
+    iteration_tokens: CountHistogram = CountHistogram()
 
     @property
     def spec_decode_mean_acceptance_length(self) -> float:

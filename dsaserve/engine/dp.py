@@ -14,6 +14,8 @@ The public API is LLMEngine's, so the server and the CLI drive either without kn
 
 from __future__ import annotations
 
+import functools
+import operator
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +24,7 @@ from dataclasses import fields
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
     Completion,
+    CountHistogram,
     EngineDeadError,
     EngineStats,
     KVTransferParams,
@@ -35,11 +38,12 @@ from dsaserve.engine.executor import MultiprocExecutor
 from dsaserve.tokenizer import Tokenizer
 
 
-def _sum(values: list) -> int | tuple[int, ...]:
-    """Counts add up; per-position tuples (spec-decode acceptance) add up elementwise."""
+def _sum(values: list) -> int | tuple[int, ...] | CountHistogram:
+    """Counts add up; per-position tuples (spec-decode acceptance) add up elementwise;
+    histograms merge (each replica's steps are observations of one distribution)."""
     if values and isinstance(values[0], tuple):
         return tuple(sum(column) for column in zip(*values, strict=True))
-    return sum(values)
+    return functools.reduce(operator.add, values)
 
 
 def pick_replica(loads: Sequence[tuple[int, int]]) -> int:

@@ -41,6 +41,8 @@ freed first, before the admitted windows would not fit the pool (`hisparse_host`
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
@@ -49,6 +51,7 @@ from typing import TYPE_CHECKING
 from dsaserve.config import CacheConfig, ConfigError, SchedulerConfig
 from dsaserve.core import (
     CachedRequestData,
+    CountHistogram,
     EngineStats,
     KVRecv,
     KVTransferParams,
@@ -77,6 +80,22 @@ from dsaserve.kv.offload import OffloadManager
 
 if TYPE_CHECKING:
     from dsaserve.disagg.connector import ConnectorScheduler
+
+
+def iteration_token_buckets(max_num_batched_tokens: int, max_decode_tokens: int
+                            ) -> tuple[int, ...]:
+    """Bounds of the tokens-per-step histogram (vllm:iteration_tokens_total): vLLM's grid
+    1, 8, 16, 32, … (doubling) below the step budget, the largest decode batch
+    (max_num_seqs × (1 + drafts): the largest CUDA-graph size by default, past which a step runs
+    unpadded) and the budget, which ends the list.
+
+        budget 512, 32 decode rows:  1 8 16 32 64 128 256 512
+        budget 8192, 48 decode rows: 1 8 16 32 48 64 … 4096 8192
+    """
+    grid = [1, *(8 << i for i in range(max_num_batched_tokens.bit_length()))]
+    bounds = {n for n in grid if n < max_num_batched_tokens}
+    bounds |= {min(max_decode_tokens, max_num_batched_tokens), max_num_batched_tokens}
+    return tuple(sorted(bounds))
 
 
 class Scheduler:
@@ -154,6 +173,12 @@ class Scheduler:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_per_pos = [0] * num_speculative_tokens
+        # tokens scheduled per step, bucketed (cumulative; EngineStats.iteration_tokens)
+        self.iteration_token_bounds = iteration_token_buckets(
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.max_num_seqs * (1 + num_speculative_tokens))
+        self.iteration_token_counts = [0] * (len(self.iteration_token_bounds) + 1)
+        self.iteration_tokens_sum = 0
 
     # positions below num_computed_tokens a step may still write (engine/async_scheduler.py)
     _write_lag = 0
@@ -236,6 +261,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         num_preempted_before = self.num_preemptions
         self._added_this_step.clear()
+        now = time.monotonic()  # the first scheduling of a request (its queue time ends)
 
         # 1. running requests, oldest first; KV shortage preempts the newest
         cached: list[CachedRequestData] = []
@@ -257,6 +283,8 @@ class Scheduler:
             if self.mla is not None and not self._mla_pages_or_preempt(req, n):
                 break
             num_scheduled[req.request_id] = n
+            if req.scheduled_time is None:  # its prefix came from the host tier or a P/D read
+                req.scheduled_time = now
             if drafts:
                 spec[req.request_id] = drafts
             budget -= n
@@ -282,6 +310,8 @@ class Scheduler:
                 if n == 0:
                     break  # head of line blocks: FIFO order is kept
                 num_scheduled[req.request_id] = n
+                if req.scheduled_time is None:  # not a preempted request's resumption
+                    req.scheduled_time = now
                 budget -= n
                 new.append(self._new_request_data(req))
 
@@ -294,6 +324,10 @@ class Scheduler:
         for request_id in num_scheduled:
             self._last_scheduled[request_id] = self._step
         self._step += 1
+        if num_tokens := self.config.max_num_batched_tokens - budget:
+            self.iteration_token_counts[bisect.bisect_left(self.iteration_token_bounds,
+                                                           num_tokens)] += 1
+            self.iteration_tokens_sum += num_tokens
         finished, self._finished_ids = tuple(self._finished_ids), []
         self._recvs_to_cancel.clear()
         stores, loads = self.offload.take_transfers() if self.offload else ((), ())
@@ -801,6 +835,9 @@ class Scheduler:
             # a request that asked gets entries (none for no new token); others get None
             logprobs=(logprobs or ()) if req.sampling_params.logprobs is not None else None,
             stop_token_id=req.stop_token_id if finished else None,
+            queued_time=req.arrival_time,
+            scheduled_time=req.scheduled_time,
+            output_time=time.monotonic(),
         )
 
     # ---- introspection --------------------------------------------------------------------------
@@ -834,6 +871,9 @@ class Scheduler:
             spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
             spec_decode_num_accepted_tokens=sum(self.spec_num_accepted_per_pos),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_num_accepted_per_pos),
+            iteration_tokens=CountHistogram(self.iteration_token_bounds,
+                                            tuple(self.iteration_token_counts),
+                                            self.iteration_tokens_sum),
             **(self._offload_stats() if self.offload else {}),
             **(dict(num_mla_pages=self.mla.num_pages, num_mla_pages_free=self.mla.num_free_pages,
                     hisparse_mla_spills=self.mla.num_spills) if self.mla else {}),

@@ -262,7 +262,7 @@ class Generation:
             async for out in self.stream:
                 # The engine's work, as vLLM's generation_tokens counts it: every token of the
                 # output, those past a stop string included (usage counts the tokens returned).
-                self._tracker.on_tokens(len(out.new_token_ids))
+                self._tracker.on_output(out)
                 self.num_prompt_tokens = out.num_prompt_tokens
                 self.num_cached_tokens = max(out.num_cached_tokens, 0)  # -1: never scheduled
                 text, found = self._held, None
@@ -494,7 +494,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     model_name = config.served_model_name
     max_model_len = engine.config.scheduler.max_model_len
     max_logprobs = engine.config.scheduler.max_logprobs
-    metrics = ServerMetrics(model_name, engine.stats)
+    metrics = ServerMetrics(model_name, engine.stats, max_model_len)
     guards = GuardCollector(model_name)
     guards.counter("stream_buffer_overflows", "Requests aborted because their client stopped "
                    "reading (more than --max-stream-buffer outputs behind).",
@@ -580,7 +580,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
     async def start(request_id: str, prompt_ids: list[int], params: SamplingParams,
                     stops: tuple[str, ...], body: ChatCompletionRequest | CompletionRequest
                     ) -> Generation:
-        tracker = metrics.track()
+        tracker = metrics.track(max_tokens=params.max_tokens, n=body.n)
         try:
             kv_params = (None if body.kv_transfer_params is None
                          else KVTransferParams.from_json(body.kv_transfer_params))

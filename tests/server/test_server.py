@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -486,6 +487,82 @@ def test_metrics_have_vllm_names_and_count_requests(server, client) -> None:
     assert _sample(text, "vllm:inter_token_latency_seconds_count") - _sample(
         before, "vllm:inter_token_latency_seconds_count") == 4
     assert _sample(text, "vllm:num_requests_running") == 0
+
+
+PHASES = ("queue", "prefill", "decode", "inference")
+
+
+def _deltas(before: str, after: str, *names: str) -> dict[str, float]:
+    return {n: _sample(after, n) - _sample(before, n) for n in names}
+
+
+def test_request_phases_and_token_histograms(server, client, engine) -> None:
+    """One request through the real engine: each per-request histogram counts it once; its
+    phases (the engine's times) add up to its end-to-end latency (the server's, which also
+    holds the hand-offs between the event loop and the engine core) and inference is prefill +
+    decode; the tokens scheduled per step add up to the prompt and every output token but the
+    last (which is sampled, never fed)."""
+    wait_until_idle(engine)
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=MODEL_NAME, prompt=[9, 10, 11, 12], max_tokens=5,
+                              temperature=0.0, extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    counts = _deltas(before, text, *(f"vllm:request_{p}_time_seconds_count" for p in PHASES),
+                     "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                     "vllm:request_params_max_tokens_count", "vllm:request_params_n_count")
+    assert set(counts.values()) == {1}, counts
+    sums = _deltas(before, text, *(f"vllm:request_{p}_time_seconds_sum" for p in PHASES),
+                   "vllm:e2e_request_latency_seconds_sum", "vllm:request_prompt_tokens_sum",
+                   "vllm:request_generation_tokens_sum", "vllm:request_params_max_tokens_sum",
+                   "vllm:request_params_n_sum", "vllm:iteration_tokens_total_sum",
+                   "vllm:iteration_tokens_total_count")
+    queue, prefill, decode, inference = (sums[f"vllm:request_{p}_time_seconds_sum"]
+                                         for p in PHASES)
+    e2e = sums["vllm:e2e_request_latency_seconds_sum"]
+    assert min(queue, prefill, decode) >= 0 and prefill > 0 and decode > 0, sums
+    assert abs(inference - (prefill + decode)) < 1e-6, sums
+    assert 0 <= e2e - (queue + prefill + decode) < max(0.1, 0.25 * e2e), sums
+    assert (sums["vllm:request_prompt_tokens_sum"], sums["vllm:request_generation_tokens_sum"],
+            sums["vllm:request_params_max_tokens_sum"], sums["vllm:request_params_n_sum"]) == (
+        4, 5, 5, 1)
+    # one prefill step of the 4 prompt tokens, then 4 decode steps of one token each
+    assert sums["vllm:iteration_tokens_total_sum"] == 4 + 5 - 1, sums
+    assert sums["vllm:iteration_tokens_total_count"] == 5, sums
+    assert f'vllm:iteration_tokens_total_bucket{{le="1.0",model_name="{MODEL_NAME}"}}' in text
+
+
+def test_queue_time_of_a_request_behind_another(make_async_engine) -> None:
+    """With one sequence at a time, a request sent while another runs waits in the queue until
+    that one ends: its queue time is (nearly) the rest of the first one's run, measured here
+    from the client; an implementation that reads 0, or times the queue from the first token,
+    falls short of it."""
+    engine = make_async_engine("--max-num-seqs", "1")
+    with serve(engine) as server:
+        body = {"model": MODEL_NAME, "prompt": [5, 6, 7, 8], "max_tokens": 120,
+                "ignore_eos": True, "temperature": 0.0}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body | {"stream": True},
+                          timeout=60) as first:
+            lines = first.iter_lines()
+            next(line for line in lines if line.startswith("data: "))  # it is running
+            sent = time.monotonic()
+            with httpx.Client(timeout=60) as c:
+                pending = c.build_request("POST", f"{server.url}/v1/completions",
+                                          json=body | {"max_tokens": 2})
+                # the second request's own thread: this one keeps reading the first stream
+                result: list[httpx.Response] = []
+                worker = threading.Thread(target=lambda: result.append(c.send(pending)))
+                worker.start()
+                for _ in lines:
+                    pass  # the first request runs to its end
+                first_done = time.monotonic()
+                worker.join(60)
+        assert result and result[0].status_code == 200
+        text = httpx.get(f"{server.url}/metrics").text
+    assert _sample(text, "vllm:request_queue_time_seconds_count") == 2
+    waited = first_done - sent  # the second request's wait as the client saw it, a little more
+    assert waited > 0.2, "the first request ended too soon for the test to mean anything"
+    # the first request's queue time is nearly 0: the sum is the second's
+    assert 0.5 * waited < _sample(text, "vllm:request_queue_time_seconds_sum") < waited + 0.25
 
 
 def _sample(exposition: str, name: str, **labels: str) -> float:

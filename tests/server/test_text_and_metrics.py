@@ -13,10 +13,10 @@ import openai.types.chat
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dsaserve.core import EngineStats, RequestOutput
+from dsaserve.core import CountHistogram, EngineStats, RequestOutput
 from dsaserve.serve.api import Generation, find_stop, held_back
 from dsaserve.serve.async_engine import RequestStream
-from dsaserve.serve.metrics import ServerMetrics
+from dsaserve.serve.metrics import ServerMetrics, buckets_1_2_5
 from dsaserve.serve.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -145,6 +145,75 @@ def test_tracker_records_ttft_itl_e2e_and_counters() -> None:
     success = (("finished_reason", "length"), ("model_name", "tiny"))
     assert s[("vllm:request_success_total", success)] == 1
     assert ("vllm:request_success_total", (("finished_reason", "abort"), lab[0])) not in s
+
+
+def output(num_tokens: int, at: float, finished: bool = False,
+           scheduled: float | None = 10.5) -> RequestOutput:
+    """An engine output of `num_tokens` tokens made at engine time `at` (queued at 10.0)."""
+    return RequestOutput("r", (7,) * num_tokens, finished, "length" if finished else None,
+                         num_prompt_tokens=7, num_cached_tokens=0, num_output_tokens=0,
+                         queued_time=10.0, scheduled_time=scheduled, output_time=at)
+
+
+def test_tracker_records_phases_from_engine_times() -> None:
+    """vLLM's phases from the engine's times, not the server's: queue = first scheduled −
+    queued, prefill = first token − first scheduled, decode = last token − first token,
+    inference = prefill + decode; token counts and sampling parameters per finished request."""
+    m = ServerMetrics("tiny", lambda: stats(), max_model_len=512)
+    t = m.track(arrival_time=100.0, max_tokens=30, n=1)  # the server's clock differs
+    t.on_output(output(0, 10.7))  # a prefill chunk: no token
+    t.on_output(output(1, 11.0))  # first token
+    t.on_output(output(2, 11.25))
+    t.on_output(output(1, 12.0, finished=True))
+    t.on_finish("length", num_prompt_tokens=7, now=103.0)
+    s = samples(m)
+    lab = (("model_name", "tiny"),)
+    for name, want in (("queue", 0.5), ("prefill", 0.5), ("decode", 1.0), ("inference", 1.5)):
+        assert s[(f"vllm:request_{name}_time_seconds_count", lab)] == 1, name
+        assert abs(s[(f"vllm:request_{name}_time_seconds_sum", lab)] - want) < 1e-9, name
+    assert s[("vllm:request_prompt_tokens_sum", lab)] == 7
+    assert s[("vllm:request_generation_tokens_sum", lab)] == 4
+    assert s[("vllm:request_generation_tokens_bucket", (("le", "5.0"),) + lab)] == 1
+    assert s[("vllm:request_generation_tokens_bucket", (("le", "2.0"),) + lab)] == 0
+    assert s[("vllm:request_params_max_tokens_sum", lab)] == 30
+    assert s[("vllm:request_params_n_sum", lab)] == 1
+    assert s[("vllm:e2e_request_latency_seconds_sum", lab)] == 3.0  # the server's
+
+
+def test_request_aborted_while_queued_has_no_phases() -> None:
+    m = ServerMetrics("tiny", lambda: stats())
+    t = m.track(arrival_time=100.0, max_tokens=8)
+    t.on_output(output(0, 10.3, finished=True, scheduled=None))
+    t.on_finish("abort", num_prompt_tokens=7, now=100.5)
+    s = samples(m)
+    lab = (("model_name", "tiny"),)
+    assert s[("vllm:request_queue_time_seconds_count", lab)] == 0
+    assert s[("vllm:request_prefill_time_seconds_count", lab)] == 0
+    assert s[("vllm:request_prompt_tokens_count", lab)] == 1
+    assert s[("vllm:request_generation_tokens_sum", lab)] == 0
+
+
+def test_token_buckets_are_vllm_s_1_2_5() -> None:
+    assert buckets_1_2_5(512) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
+    assert buckets_1_2_5(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+    assert buckets_1_2_5(1) == (1,)
+
+
+def test_iteration_tokens_histogram_from_engine_stats() -> None:
+    """Bucket i of CountHistogram holds counts in (bounds[i-1], bounds[i]]; the exposition's
+    buckets are cumulative, with +Inf the number of steps."""
+    h = CountHistogram(bounds=(1, 8, 16), counts=(2, 0, 1, 1), total=1 + 1 + 12 + 40)
+    lab = (("model_name", "tiny"),)
+    s = samples(ServerMetrics("tiny", lambda: stats(iteration_tokens=h)))
+    got = {dict(k[1])["le"]: v for k, v in s.items()
+           if k[0] == "vllm:iteration_tokens_total_bucket"}
+    assert got == {"1.0": 2, "8.0": 2, "16.0": 3, "+Inf": 4}
+    assert s[("vllm:iteration_tokens_total_count", lab)] == 4
+    assert s[("vllm:iteration_tokens_total_sum", lab)] == 54
+    # DP replicas merge bucket by bucket
+    assert (h + h).counts == (4, 0, 2, 2) and (h + h).total == 108
+    with pytest.raises(ValueError):
+        h + CountHistogram(bounds=(1, 8), counts=(0, 0, 0))
 
 
 def test_engine_stats_are_read_at_scrape_time() -> None:

@@ -9,6 +9,8 @@ outputs must equal an unscheduled reference whatever the batching, chunking or p
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from dsaserve.core import (
     SamplingParams,
     SchedulerOutput,
 )
-from dsaserve.engine.scheduler import Scheduler
+from dsaserve.engine.scheduler import Scheduler, iteration_token_buckets
 from dsaserve.kv import layout
 
 NextToken = Callable[[list[int]], int]
@@ -335,6 +337,55 @@ def test_preemption_takes_the_newest_and_requeues_it_first() -> None:
     assert b.output_token_ids, "outputs survive preemption"
     sched.update_from_output(so, runner.execute(so))
     drive(sched, runner)
+
+
+def test_first_scheduling_time_survives_preemption_and_steps_are_bucketed() -> None:
+    """A request's scheduled_time is its first scheduling (vLLM's: a preemption does not restart
+    its queue time), carried on each of its outputs with its queue time's start; the tokens of
+    every step land in the histogram bucket (bounds[i-1], bounds[i]] that holds them."""
+    sched = make_sched(block_size=4, num_blocks=8, max_model_len=32, caching=False,
+                       max_num_seqs=2, max_num_batched_tokens=16)
+    runner = FakeRunner(sched, 4)
+    a, b = req("a", prompt(1, 14), max_tokens=18), req("b", prompt(2, 14), max_tokens=18)
+    c = req("c", prompt(3, 4), max_tokens=2)  # queued behind them (max_num_seqs = 2)
+    for r in (a, b, c):
+        r.arrival_time = time.monotonic()
+        sched.add_request(r)
+    totals: list[int] = []
+    so = sched.schedule()
+    totals.append(so.total_num_scheduled_tokens)
+    first_b = b.scheduled_time
+    assert a.scheduled_time is not None and first_b is not None and c.scheduled_time is None
+    outputs = sched.update_from_output(so, runner.execute(so))
+    while not b.num_preemptions:
+        so = sched.schedule()
+        totals.append(so.total_num_scheduled_tokens)
+        outputs += sched.update_from_output(so, runner.execute(so))
+    more = drive(sched, runner, lambda so: totals.append(so.total_num_scheduled_tokens))
+    outputs += [o for outs in more.values() for o in outs]
+    assert b.scheduled_time == first_b, "re-admission after a preemption is not a new scheduling"
+    assert c.scheduled_time is not None and c.scheduled_time > first_b
+    for r in (a, b, c):
+        outs = [o for o in outputs if o.request_id == r.request_id]
+        assert {(o.queued_time, o.scheduled_time) for o in outs} == {
+            (r.arrival_time, r.scheduled_time)}
+        times = [o.output_time for o in outs]
+        assert times == sorted(times) and times[0] > r.scheduled_time
+    h = sched.stats().iteration_tokens
+    assert h.bounds == (1, 2, 8, 16)  # the grid below the budget, 2 decode rows, the budget
+    steps = [t for t in totals if t]
+    edges = (0, *h.bounds, float("inf"))
+    assert h.counts == tuple(sum(lo < t <= hi for t in steps)
+                             for lo, hi in itertools.pairwise(edges))
+    assert h.total == sum(steps)
+
+
+def test_iteration_token_buckets() -> None:
+    assert iteration_token_buckets(512, 32) == (1, 8, 16, 32, 64, 128, 256, 512)
+    assert iteration_token_buckets(8192, 48) == (1, 8, 16, 32, 48, 64, 128, 256, 512, 1024,
+                                                 2048, 4096, 8192)
+    assert iteration_token_buckets(100, 400) == (1, 8, 16, 32, 64, 100)  # decode rows > budget
+    assert iteration_token_buckets(1, 1) == (1,)
 
 
 def test_tiny_pool_is_a_config_error() -> None:
