@@ -17,10 +17,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -205,12 +206,19 @@ def _read_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
 
 
 def text_content(message: dict[str, Any], index: int) -> str:
-    """The text of an OpenAI message: a string, or the text parts of a content-part list joined."""
+    """The text of an OpenAI message: a string, or the text parts of a content-part list joined
+    with newlines (vLLM's reading for templates and encoders that take string content)."""
+    return "\n".join(_text_parts(message, index))
+
+
+def _text_parts(message: dict[str, Any], index: int) -> list[str]:
+    """The texts of a message's content: one for a string, none for null, one per part of a list
+    (parts other than text are a ChatTemplateError: no model served here reads them)."""
     content = message.get("content")
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise ChatTemplateError(f"messages[{index}].content: expected a string or a list of parts")
     texts = []
@@ -221,7 +229,67 @@ def text_content(message: dict[str, Any], index: int) -> str:
                 f"messages[{index}].content[{j}]: unsupported part type {kind!r}"
             )
         texts.append(str(part.get("text", "")))
-    return "".join(texts)
+    return texts
+
+
+ContentFormat = Literal["string", "openai"]
+
+
+def template_content(message: dict[str, Any], index: int, content_format: ContentFormat) -> Any:
+    """A message's content as vLLM hands it to a chat template of `content_format`: "string", the
+    text (`text_content`); "openai", a list of `{"type": "text", "text": ...}` parts (a string is
+    one part, null none), except that a tool message's is its text, since most templates write
+    tool results as strings."""
+    if content_format == "string" or message.get("role") == "tool":
+        return text_content(message, index)
+    return [{"type": "text", "text": text} for text in _text_parts(message, index)]
+
+
+def detect_content_format(template: str) -> ContentFormat:
+    """vLLM's detection: "openai" when the template loops over a message's content
+    (`{% for part in message['content'] %}`, `message` a loop variable over `messages` or over a
+    variable set from it), else "string". A loop inside a macro that is passed the content (GLM's
+    `visible_text(m.content)`) is not one, so GLM-5's template reads strings, as in vLLM."""
+    try:
+        ast = _jinja_env().parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "string"
+    loops = list(ast.find_all(jinja2.nodes.For))
+    messages_vars = {"messages"}
+    grew = True
+    while grew:  # variables set from `messages` (`{% set msgs = messages[1:] %}`), transitively
+        grew = False
+        for assign in ast.find_all(jinja2.nodes.Assign):
+            target = assign.target
+            if (isinstance(target, jinja2.nodes.Name) and target.name not in messages_vars
+                    and any(_reads(assign.node, v) for v in messages_vars)):
+                messages_vars.add(target.name)
+                grew = True
+    message_vars = {loop.target.name for loop in loops
+                    if isinstance(loop.target, jinja2.nodes.Name)
+                    and any(_reads(loop.iter, v) for v in messages_vars)}
+    if any(_reads(loop.iter, v, "content") for loop in loops for v in message_vars):
+        return "openai"
+    return "string"
+
+
+def _reads(node: jinja2.nodes.Node, var: str, key: str | None = None) -> bool:
+    """`node` is `var` (or `var[key]` / `var.key`), possibly filtered, tested or sliced; the
+    variable under `[key]` is plain, as in vLLM (`(m | f).content` is not `m.content`)."""
+    if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test):
+        return node.node is not None and _reads(node.node, var, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads(node.node, var, key)
+    if key is None:
+        return _is_name(node, var)
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key
+                and _is_name(node.node, var))
+    return isinstance(node, jinja2.nodes.Getattr) and node.attr == key and _is_name(node.node, var)
+
+
+def _is_name(node: jinja2.nodes.Node, var: str) -> bool:
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == var
 
 
 def check_chat_template(template: str) -> None:
@@ -279,7 +347,8 @@ class Tokenizer:
         self.eos_token_id: int | None = self._id_of(eos_token, "eos_token")
         self.bos_token_id: int | None = self._id_of(bos_token, "bos_token")
         self._env = _jinja_env()
-        self._compiled: dict[str, jinja2.Template] = {}
+        # template text → (compiled, the content format it reads)
+        self._compiled: dict[str, tuple[jinja2.Template, ContentFormat]] = {}
 
     def _id_of(self, token: str | None, field: str) -> int | None:
         if token is None:
@@ -346,8 +415,8 @@ class Tokenizer:
         """Render OpenAI-style messages to prompt text (encode it with add_special_tokens=False).
 
         `chat_template` overrides the directory's template (the server passes DEFAULT_CHAT_TEMPLATE
-        for tokenizers without one). Content-part lists are flattened to their text parts before
-        rendering, so templates that only handle strings work too.
+        for tokenizers without one). Contents reach the template as vLLM passes them
+        (`template_content`), in the format the template reads (`detect_content_format`).
         """
         template = chat_template if chat_template is not None else self.chat_template
         if template is None:
@@ -357,17 +426,20 @@ class Tokenizer:
             )
         if template not in self._compiled:
             try:
-                self._compiled[template] = self._env.from_string(template)
+                compiled = self._env.from_string(template)
             except jinja2.TemplateSyntaxError as e:
                 raise ChatTemplateError(
                     f"chat_template: syntax error at line {e.lineno}: {e}"
                 ) from e
+            self._compiled[template] = (compiled, detect_content_format(template))
+        compiled, content_format = self._compiled[template]
         normalized = []
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or not isinstance(message.get("role"), str):
                 raise ChatTemplateError(f"messages[{i}]: expected an object with a string 'role'")
-            normalized.append({**message, "content": text_content(message, i)})
-        return self._compiled[template].render(
+            normalized.append({**message,
+                               "content": template_content(message, i, content_format)})
+        return compiled.render(
             messages=normalized,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",

@@ -124,6 +124,20 @@ def mask_stop_ids(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return rows.scatter_add(-1, ids.clamp(min=0), add).view(logits.shape)
 
 
+def masked_stop_ids(ids: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """ids [R, J] (request r's token j after its last; −1: padding) → [R, J] bool: the tokens
+    `mask_stop_ids` gives no mass, request r's stop ids at j < min_tokens_left[r]; None
+    without stop_ids."""
+    if batch.stop_ids is None:
+        return None
+    assert batch.min_tokens_left is not None
+    j = torch.arange(ids.shape[1], device=ids.device)  # [J]
+    below = j[None, :] < batch.min_tokens_left[:, None]  # [R, J]
+    stops = batch.stop_ids[:, None, :]  # [R, 1, S]
+    hit = ((ids[..., None] == stops) & (stops >= 0)).any(-1)  # [R, J]
+    return below & hit
+
+
 def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                 any_top_k: bool = True, any_top_p: bool = True) -> torch.Tensor:
     """logits [R, ..., V], top_k [R] (0: off), top_p [R] (1: off) → logits with everything

@@ -30,6 +30,7 @@ from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend, use_kernels
 from dsaserve.kv import layout
 from dsaserve.model import fp8, moe_compute
+from dsaserve.model.precision import held_in_fp32
 from dsaserve.model.rope import RotaryTable, apply_rope
 from dsaserve.parallel import cp_attention, ep
 from dsaserve.parallel.groups import Group, ParallelGroups
@@ -598,26 +599,20 @@ class DsaForCausalLM(nn.Module):
         device: torch.device | str,
         shard: Callable[[DsaForCausalLM], None] | None = None,
     ) -> DsaForCausalLM:
-        """Allocate on `device` in `dtype` (router, indexer weights_proj and k_norm stay fp32),
-        uninitialised: the loader fills every parameter. `shard` cuts the parameters to this
-        rank's part first, so only that part is ever allocated."""
+        """Allocate on `device` in `dtype`, except the parameters model/precision.py lists
+        (router, indexer weights_proj and k_norm: fp32), uninitialised: the loader fills every
+        parameter. `shard` cuts the parameters to this rank's part first, so only that part is
+        ever allocated."""
         with torch.device("meta"):
             model = DsaForCausalLM(cfg, with_mtp=with_mtp, backend=backend)
-        keep_fp32 = {
-            id(p)
-            for m in model.modules()
-            if isinstance(m, (Router, LayerNormFP32))
-            for p in m.parameters()
-        }
-        keep_fp32 |= {id(m.weights_proj.weight) for m in model.modules() if isinstance(m, Indexer)}
         # FP8 matrices and their fp32 block scales keep their dtypes (model/fp8.py)
-        keep_fp32 |= {id(p) for m in model.modules() if isinstance(m, fp8.Fp8Linear)
-                      for p in m.parameters()}
-        keep_fp32 |= {id(p) for m in model.modules() if isinstance(m, Experts) and m.fp8
-                      for p in (m.w13_scale_inv, m.w2_scale_inv)}
-        for p in model.parameters():
-            if id(p) not in keep_fp32 and p.dtype != torch.float8_e4m3fn:
-                p.data = p.data.to(dtype)
+        keep = {id(p) for m in model.modules() if isinstance(m, fp8.Fp8Linear)
+                for p in m.parameters()}
+        keep |= {id(p) for m in model.modules() if isinstance(m, Experts) and m.fp8
+                 for p in (m.w13_scale_inv, m.w2_scale_inv)}
+        for name, p in model.named_parameters():
+            if id(p) not in keep and p.dtype != torch.float8_e4m3fn:
+                p.data = p.data.to(torch.float32 if held_in_fp32(name) else dtype)
         if shard is not None:
             shard(model)
         return model.to_empty(device=device).eval()

@@ -35,7 +35,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
     ("memory", "Memory per GPU", (
         ("weights_total", "weights, whole model",
          "every checkpoint tensor counted from the config (MTP included): FP8 matrices 1 B + "
-         "fp32 block scales, norms/router/embedding/lm_head/weights_proj bf16"),
+         "fp32 block scales, norms/embedding/lm_head bf16, router/indexer weights_proj/k_norm "
+         "fp32"),
         ("weights_per_gpu", "weights per GPU",
          "replicated + TP-sharded / tp + routed experts / EP size (all GPUs with --ep, else tp)"),
         ("hbm_usable", "HBM x utilisation", "HBM capacity times --gpu-memory-utilization"),

@@ -15,8 +15,9 @@ Conventions (docs/plan.md derives each DESIGN.md §2 number from them):
   MLA heads but every TP rank runs the whole indexer (replicated), so only MLA divides by tp. DCP
   changes where KV lives, not FLOPs.
 * Weights: FP8 block-quantized matrices cost 1 B per value plus one fp32 scale per 128×128 block;
-  norms, router, embedding, lm_head, indexer `weights_proj`, MTP `eh_proj` and kv_b_proj (which
-  the engine dequantizes) stay bf16; the router's correction bias is fp32. One list of tensors
+  norms, embedding, lm_head, MTP `eh_proj` and kv_b_proj (which the engine dequantizes) stay bf16;
+  the router (weight and correction bias) and the indexer's `weights_proj` and `k_norm` are fp32,
+  as the engine holds them (model/precision.py, read by both). One list of tensors
   (`model_tensors`) says how each is held; the memory (`weight_bytes`) and a step's weight reads
   (`matrix_bytes`) are both sums over it. TP shards the attention up/out projections, dense and
   shared-expert MLPs, embedding and lm_head; EP shards routed experts over every GPU of the engine
@@ -38,6 +39,7 @@ from dsaserve.kv.hisparse.admission import (
     size_mla_pages,
     write_tail_pages,
 )
+from dsaserve.model.precision import FP32_PARAMS
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
 WeightDType = Literal["fp8", "fp8-weight-only", "bf16"]
@@ -243,6 +245,12 @@ class Tensor:
         return (FP32 if self.held == "fp32" else BF16) * self.values
 
 
+def _held(name: str, held: Held = "bf16") -> Held:
+    """How the engine holds the decoder-layer parameter `name`: fp32 where model/precision.py
+    says so, else `held`."""
+    return "fp32" if name in FP32_PARAMS else held
+
+
 def attention_tensors(model: ModelConfig) -> list[Tensor]:
     """MLA: down-projections and norms replicated, up/out projections split by heads over TP.
     kv_b_proj is held dequantized: attention reads it absorbed, per head (W_UK, W_UV)."""
@@ -264,8 +272,9 @@ def indexer_tensors(model: ModelConfig) -> list[Tensor]:
     return [
         Tensor("indexer", nh * d, model.q_lora_rank, "fp8"),  # wq_b
         Tensor("indexer", d, h, "fp8"),  # wk
-        Tensor("vector", 2 * d),  # k_norm weight and bias
-        Tensor("indexer", nh, h),  # weights_proj
+        Tensor("vector", d, held=_held("self_attn.indexer.k_norm.weight")),
+        Tensor("vector", d, held=_held("self_attn.indexer.k_norm.bias")),
+        Tensor("indexer", nh, h, held=_held("self_attn.indexer.weights_proj.weight")),
     ]
 
 
@@ -281,12 +290,12 @@ def routed_expert_tensors(model: ModelConfig) -> list[Tensor]:
 
 
 def moe_shared_tensors(model: ModelConfig) -> list[Tensor]:
-    """What every token of an MoE layer passes through: the router (weight bf16,
-    e_score_correction_bias fp32) and the shared experts (TP-split like dense MLPs)."""
+    """What every token of an MoE layer passes through: the router (weight and
+    e_score_correction_bias, fp32) and the shared experts (TP-split like dense MLPs)."""
     e, h = model.n_routed_experts, model.hidden_size
     return [
-        Tensor("moe_shared", e, h),  # router weight
-        Tensor("vector", e, held="fp32"),  # e_score_correction_bias
+        Tensor("moe_shared", e, h, held=_held("mlp.gate.weight")),
+        Tensor("vector", e, held=_held("mlp.gate.e_score_correction_bias")),
         Tensor("moe_shared", model.moe_intermediate_size, h, "fp8", "tp",
                count=3 * model.n_shared_experts),
     ]

@@ -13,7 +13,7 @@ which emits tokens distributed exactly as the target would have sampled them one
 greedy target is the special case p = onehot(argmax): accept iff x_i == argmax, emit the argmax.
 Synthetic mode (benchmarks) replaces the test by u_i < c_i (fixed conditional rates) and emits
 the target's own sample of p_j at the first rejection: the acceptance length is fixed, the text
-is not faithful.
+is not faithful. It keeps min_tokens' guarantee: a draft that is a masked stop id is rejected.
 
 The maths is in pure batched functions over [R, k(+1), V] tensors, with no loop over tokens or
 requests: per-request temperature / top-k / top-p are rows of a SamplingBatch
@@ -33,6 +33,7 @@ from dsaserve.engine.sampler import (
     SamplingBatch,
     filter_top_k_top_p,
     mask_stop_ids,
+    masked_stop_ids,
     sample_probs,
     sampling_probs,
 )
@@ -57,6 +58,7 @@ def num_accepted_drafts(
     num_drafts: torch.Tensor,  # [R] int64, d_r ≤ k
     uniforms: torch.Tensor,  # [R, k] U[0, 1)
     conditional_rates: torch.Tensor | None = None,  # [≥ k] synthetic: P(accept i | 0..i−1)
+    masked_drafts: torch.Tensor | None = None,  # [R, k] bool synthetic: stop ids below min_tokens
 ) -> torch.Tensor:
     """Leading drafts accepted per request [R] int64 (0..d_r)."""
     k = draft_ids.shape[1]
@@ -66,6 +68,8 @@ def num_accepted_drafts(
     else:
         # the target's verdict is ignored; a step may verify fewer than k drafts
         accept = uniforms < conditional_rates[None, :k]
+        if masked_drafts is not None:  # except min_tokens': the masked target gives them p = 0
+            accept &= ~masked_drafts
     positions = torch.arange(k, device=draft_ids.device)[None, :]  # [1, k]
     accept &= positions < num_drafts[:, None]
     return accept.long().cumprod(-1).sum(-1)  # length of the leading run of accepts
@@ -121,16 +125,19 @@ def rejection_sample_on_device(
     # draft chain runs inside the decode graph, where masking would need each request's
     # stop ids and output index in static buffers, and all it would win is the acceptance of
     # the drafts after a stop-id draft, in the few steps before min_tokens where the model
-    # wants to end. (Synthetic acceptance ignores the target: it may accept a stop-id draft,
-    # as its text is not faithful anyway.)
+    # wants to end. Synthetic acceptance ignores the target's verdict but keeps this one: a
+    # stop-id draft below min_tokens ends the accepted run, and the token after it is drawn
+    # from the masked target row, so a request never ends before min_tokens in either mode.
     probs = sampling_probs(mask_stop_ids(logits, batch), batch)  # [R, k+1, V]
+    masked_drafts = None if conditional_rates is None else masked_stop_ids(draft_ids, batch)
     # 1. one uniform per draft (greedy targets need none: u = 0 accepts exactly the argmax;
     #    synthetic mode draws for every request)
     if batch.any_sampled or conditional_rates is not None:
         uniforms = draft_uniforms(num_reqs, k, batch, logits.device)
     else:
         uniforms = torch.zeros(num_reqs, k, device=logits.device)
-    accepted = num_accepted_drafts(probs, draft_ids, num_drafts, uniforms, conditional_rates)
+    accepted = num_accepted_drafts(probs, draft_ids, num_drafts, uniforms, conditional_rates,
+                                   masked_drafts)
     # 2. the token after the accepted run: a sample of the residual or of the bonus row
     final = recovery_probs(probs, draft_ids, num_drafts, accepted,
                            residual=conditional_rates is None)  # [R, V]

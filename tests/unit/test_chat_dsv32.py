@@ -67,7 +67,8 @@ def test_system_and_user() -> None:
 def test_content_parts_are_their_text() -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Hel"},
                                              {"type": "text", "text": "lo"}]}]
-    assert render_dsv32(messages) == f"{BOS}<｜User｜>Hello<｜Assistant｜></think>"
+    # joined by newlines: vLLM reads V3.2's content in its "string" format
+    assert render_dsv32(messages) == f"{BOS}<｜User｜>Hel\nlo<｜Assistant｜></think>"
 
 
 MULTI_TURN = [

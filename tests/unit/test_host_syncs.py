@@ -1,7 +1,8 @@
 """Host syncs: the counter (engine/syncs.py) sees the reads that stall a GPU, and one decode step
-of the tiny engine (plain, and verifying + drafting with MTP3) reads the device once: the copy
-of its results (engine/step_results.py). The attention backend's own host code is left out (on
-the CPU the reference backend serves; the GPU backend's is checked with cuda_sync_debug)."""
+of the tiny engine (plain, and verifying + drafting with MTP3, standard or synthetic) reads the
+device once: the copy of its results (engine/step_results.py). The attention backend's own host
+code is left out (on the CPU the reference backend serves; the GPU backend's is checked with
+cuda_sync_debug)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from dsaserve.core import SamplingParams
 from dsaserve.engine import step_results
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.syncs import SyncCounter
+
+# MTP3 with synthetic acceptance (its stop-id drafts below min_tokens rejected on the device)
+SYNTHETIC = SpecConfig(num_speculative_tokens=3, rejection_sample_method="synthetic",
+                       synthetic_acceptance_rates=(0.9, 0.6, 0.3))
 
 
 def test_counter_sees_host_reads_and_nothing_else():
@@ -78,14 +83,18 @@ def test_read_back_unpacks_every_part():
 @pytest.mark.parametrize(("min_tokens", "logprobs", "step_log"), [
     (0, None, False), (10, None, False), (0, 3, False), (10, 3, False),
     (0, None, True), (10, 3, True)])
-@pytest.mark.parametrize("k", [None, 3])
+@pytest.mark.parametrize("k", [None, 3, "synthetic"])
 def test_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, k, logprobs,
                                            min_tokens, step_log):
+    if k == "synthetic" and logprobs and not min_tokens:
+        pytest.skip("r0, the request asking for logprobs, accepts drafts that end it on a stop "
+                    "id before the step checked")
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
     if step_log:
         cfg = dataclasses.replace(cfg, step_log=str(tmp_path / "steps.jsonl"))
     if k is not None:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+        cfg = dataclasses.replace(cfg, speculative=SYNTHETIC if k == "synthetic"
+                                  else SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
     params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                              logprobs=logprobs),
@@ -118,7 +127,7 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, 
 
 
 @pytest.mark.parametrize(("min_tokens", "step_log"), [(0, False), (10, False), (0, True)])
-@pytest.mark.parametrize("k", [None, 3])
+@pytest.mark.parametrize("k", [None, 3, "synthetic"])
 def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, k,
                                                  min_tokens, step_log):
     """--async-scheduling: launching step k + 1 (its inputs gathered on the device from step k's
@@ -131,7 +140,8 @@ def test_async_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_
     cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                  async_scheduling=True))
     if k is not None:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+        cfg = dataclasses.replace(cfg, speculative=SYNTHETIC if k == "synthetic"
+                                  else SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
     for i in range(3):
         engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)),

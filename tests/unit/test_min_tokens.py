@@ -182,3 +182,31 @@ def test_a_stop_set_past_the_table_bound_is_a_request_error(engine_config, model
     outs = _generate(engine, [[5, 6, 7]] * 3, [unmasked, at_bound, sampled])
     assert len(outs[0]) <= 2
     assert all(t >= MAX_STOP_IDS for out in outs[1:] for t in out) and len(outs[2]) == 12
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_synthetic_acceptance_keeps_min_tokens(case, async_scheduling):
+    """Synthetic acceptance ignores the target's verdict, not min_tokens': with every draft
+    accepted (rates 1, 1, 1) on the draftable checkpoint, whose drafts propose the stop id
+    early (a request without min_tokens ends on it), no request emits a masked stop id below
+    its min_tokens, and each ends at max_tokens or on a stop id past min_tokens (the token
+    after a rejected stop-id draft comes from the masked target row)."""
+    config, prompt, eos, stop, _, params, _, _ = case("draftable")
+    spec = SpecConfig(num_speculative_tokens=3, rejection_sample_method="synthetic",
+                      synthetic_acceptance_rates=(1.0, 1.0, 1.0))
+    config = dataclasses.replace(config, speculative=spec, scheduler=dataclasses.replace(
+        config.scheduler, async_scheduling=async_scheduling))
+    engine = LLMEngine.from_config(config)
+    engine.eos_token_ids = (eos,)
+    control = dataclasses.replace(GREEDY, stop_token_ids=(stop,))
+    outs = _generate(engine, [prompt] * (len(params) + 1), [*params, control])
+    # the control ends on the stop id at index 3: the prefill emits index 0, the first
+    # verifying step drafts 1..3, so the stop id was a draft, and it was accepted
+    assert len(outs[-1]) == 4 and outs[-1][-1] == stop
+    assert any(p.min_tokens > 3 and stop in p.stop_token_ids for p in params)  # masked there
+    for p, out in zip(params, outs, strict=False):
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else {eos})
+        assert not stops & set(out[: p.min_tokens]), (p, out)
+        assert len(out) == p.max_tokens or (out[-1] in stops and len(out) > p.min_tokens), out
+    stats = engine.stats()  # at rates 1, only the masked stop-id drafts were rejected
+    assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import subprocess
@@ -141,10 +142,11 @@ def test_crossover_depends_on_tp_only(glm: ModelConfig) -> None:
 # ---- weights ----------------------------------------------------------------------------------
 def _checkpoint_bytes_fp8(model: torch.nn.Module) -> int:
     """Bytes the engine holds for an FP8 checkpoint of an HF model, by MODEL_SPEC.md §1.3's
-    naming rule: norms, router, embedding, lm_head and weights_proj stay bf16; other matrices are
-    e4m3 + fp32 block scales, except kv_b_proj, which the engine dequantizes (model/fp8.py)."""
-    keep_bf16 = ("norm", "mlp.gate.weight", "embed_tokens", "lm_head", "weights_proj",
-                 "kv_b_proj")
+    naming rule: norms, embedding and lm_head stay bf16, the router and the indexer's
+    weights_proj and k_norm fp32 (the engine computes them in fp32); other matrices are e4m3 +
+    fp32 block scales, except kv_b_proj, which the engine dequantizes (model/fp8.py)."""
+    fp32 = ("mlp.gate.weight", "indexer.weights_proj", "indexer.k_norm")
+    keep_bf16 = ("norm", "embed_tokens", "lm_head", "kv_b_proj")
     total = 0
     for name, p in model.named_parameters():
         shapes = [tuple(p.shape)]
@@ -153,7 +155,9 @@ def _checkpoint_bytes_fp8(model: torch.nn.Module) -> int:
             n = 2 if name.endswith("gate_up_proj") else 1
             shapes = [(rows // n, cols)] * (e * n)
         for shape in shapes:
-            if len(shape) == 1 or any(k in name for k in keep_bf16):
+            if any(k in name for k in fp32):
+                total += 4 * math.prod(shape)
+            elif len(shape) == 1 or any(k in name for k in keep_bf16):
                 total += 2 * math.prod(shape)
             else:
                 rows, cols = shape
@@ -176,6 +180,55 @@ def test_weights_match_transformers(preset: str) -> None:
     ours = cm.weight_bytes(ModelConfig.from_hf(raw), "fp8")
     assert ours.num_params == sum(p.numel() for p in model.parameters()) + bias
     assert ours.total == _checkpoint_bytes_fp8(model) + 4 * bias
+
+
+def _part(name: str, shape: tuple[int, ...]) -> str:
+    """The plan's tensor group (costmodel.Part) of an engine parameter, by its name; an FP8
+    matrix's block scales go with it."""
+    if name.endswith("embed_tokens.weight"):
+        return "embedding"
+    if name == "lm_head.weight":
+        return "lm_head"
+    if len(shape) == 1:
+        return "vector"  # norms and biases
+    for key, part in (("indexer.", "indexer"), ("self_attn.", "attn"),
+                      ("shared_experts.", "moe_shared"), ("mlp.gate.", "moe_shared"),
+                      ("mlp.experts.", "expert"), ("eh_proj", "mtp_proj"), ("mlp.", "dense_mlp")):
+        if key in name:
+            return part
+    raise AssertionError(f"{name}: no group")
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_weight_bytes_are_the_built_models_per_group(preset: str, weights: str) -> None:
+    """The plan's bytes per tensor group are those of the parameters the engine builds (with
+    the MTP layer; fp8: an FP8 checkpoint whose matrices the engine keeps in FP8, as on CUDA),
+    fp32 router and indexer weights included: the dtypes are the built ones, not the plan's."""
+    import torch
+
+    from dsaserve.config import FP8WeightConfig
+    from dsaserve.kernels.registry import get_backend
+    from dsaserve.model.dsa import DsaForCausalLM
+
+    model = ModelConfig.from_hf(preset_config(preset))
+    if weights == "fp8":
+        model = dataclasses.replace(model, fp8_weights=FP8WeightConfig())
+    built = DsaForCausalLM.build(model, with_mtp=True, backend=get_backend("reference"),
+                                 dtype=torch.bfloat16, device="meta")
+    engine: dict[str, int] = {}
+    for name, p in built.named_parameters():
+        part = _part(name, tuple(p.shape))
+        engine[part] = engine.get(part, 0) + p.numel() * p.element_size()
+    plan: dict[str, int] = {}
+    fmt, block = cm.weight_format(weights), cm.fp8_block(model)
+    for t in cm.model_tensors(model):
+        plan[t.part] = plan.get(t.part, 0) + t.nbytes(fmt, block)
+    assert plan == engine
+    assert sum(engine.values()) == cm.weight_bytes(model, weights).total
+    fp32 = {_part(n, tuple(p.shape)) for n, p in built.named_parameters()
+            if p.dtype == torch.float32 and "scale_inv" not in n}
+    assert fp32 == {"vector", "indexer", "moe_shared"}  # router, weights_proj, k_norm, bias
 
 
 def test_param_count_matches_published_totals() -> None:
@@ -225,8 +278,12 @@ def test_weight_bytes_by_dtype_and_layout(glm: ModelConfig) -> None:
     fp8, bf16 = cm.weight_bytes(glm, "fp8"), cm.weight_bytes(glm, "bf16")
     assert fp8.num_params == bf16.num_params
     moe_layers = sum(glm.is_moe_layer(i) for i in range(79))
-    # bf16: 2 B per value, except the fp32 router bias (4 B)
-    assert bf16.total == 2 * bf16.num_params + 2 * moe_layers * glm.n_routed_experts
+    indexer_layers = sum(glm.has_indexer(i) for i in range(79))
+    # bf16: 2 B per value, except what the engine holds in fp32 (4 B): the router's weight and
+    # correction bias, the indexer's weights_proj and k_norm (weight and bias)
+    fp32 = (moe_layers * glm.n_routed_experts * (glm.hidden_size + 1)
+            + indexer_layers * (glm.index_n_heads * glm.hidden_size + 2 * glm.index_head_dim))
+    assert bf16.total == 2 * bf16.num_params + 2 * fp32
     # fp8 experts: 1 B per value + one fp32 scale per 128×128 block (2048×6144 → 16×48 blocks)
     assert fp8.routed_experts == moe_layers * 256 * 3 * (2048 * 6144 + 4 * 16 * 48)
     # weight-only FP8 holds the same bytes as fp8 (it differs in the matmul rate alone)
@@ -260,9 +317,9 @@ def test_matrix_reads_are_the_memory_count_per_gpu(glm: ModelConfig, weights: st
                    else held.dense_mlp) for i in layers)
     reads += glm.num_nextn_predict_layers * held.mtp_proj + held.lm_head
     h, moe_layers = glm.hidden_size, sum(glm.is_moe_layer(i) for i in layers)
-    vectors = 2 * (len(layers) * (glm.q_lora_rank + glm.kv_lora_rank + 2 * h) + 3 * h + h
-                   + 2 * glm.index_head_dim * sum(glm.has_indexer(i) for i in layers)) \
-        + 4 * moe_layers * glm.n_routed_experts  # the router's fp32 correction bias
+    vectors = 2 * (len(layers) * (glm.q_lora_rank + glm.kv_lora_rank + 2 * h) + 3 * h + h) \
+        + 4 * 2 * glm.index_head_dim * sum(glm.has_indexer(i) for i in layers) \
+        + 4 * moe_layers * glm.n_routed_experts  # fp32: the indexer's k_norm, the router's bias
     embedding = 2 * glm.vocab_size * h // tp
     memory = cm.weight_bytes_per_gpu(cm.weight_bytes(glm, weights), par)
     assert reads + vectors + embedding == memory

@@ -53,9 +53,9 @@ def test_step_time_grows_with_work_and_shrinks_with_parallelism():
 
 def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
     """weights=bf16 (the engine as it runs today): a prefill chunk's matrices at the bf16
-    matmul rate, a decode step's weight reads at two bytes a parameter (fp8's at the bytes
-    its matrices are held in); and the weights twice the HBM: GLM-5.3 in bf16 does not fit
-    eight H200s."""
+    matmul rate, a decode step's weight reads at two bytes a parameter except the four of the
+    fp32 router and indexer weights_proj (fp8's at the bytes its matrices are held in); and
+    the weights twice the HBM: GLM-5.3 in bf16 does not fit eight H200s."""
     _, model = load_model("glm-5.3")
     fp8, bf16 = (parse_deployment(f"tp8 weights={w}") for w in ("fp8", "bf16"))
     assert (fp8.weight_dtype, bf16.weight_dtype) == ("fp8", "bf16")
@@ -72,8 +72,10 @@ def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
     assert b16.step(prefill).moe == pytest.approx(f8.step(prefill).moe * ratio)
     decode = [(1, 8192)]  # weight reads bound a one-row step
     params = cm.matrix_params(model, fp8.parallel)
+    fp32 = {"indexer": model.index_n_heads * model.hidden_size,  # weights_proj
+            "moe_shared": model.n_routed_experts * model.hidden_size}  # the router
     for part in ("attn", "indexer", "dense_mlp", "moe_shared", "expert", "lm_head"):
-        assert getattr(bf16_bytes, part) == 2 * getattr(params, part)
+        assert getattr(bf16_bytes, part) == 2 * getattr(params, part) + 2 * fp32.get(part, 0)
     hbm = H200.hbm_tbps.value * 1e12
     for times, held in ((b16, bf16_bytes), (f8, fp8_bytes)):
         assert times.step(decode).gemm == pytest.approx(sum(
@@ -117,10 +119,10 @@ def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
 def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
     """One decode row of GLM-5.3 at TP8 reads each matrix it passes through once, as the engine
     holds it (docs/fp8_weights.md), counted here from the config alone: under fp8 a quantized
-    matrix is 1 B a value plus an fp32 scale per 128×128 block, while kv_b_proj (dequantized),
-    the router, indexer weights_proj and lm_head are bf16; under bf16 every value is 2 B, the
-    same as before the engine's dtypes were tracked; so fp8's step rises by what 1 B a value
-    left out: the second byte of the bf16 matrices and the scales."""
+    matrix is 1 B a value plus an fp32 scale per 128×128 block, while kv_b_proj (dequantized)
+    and lm_head are bf16 and the router and indexer weights_proj fp32; under bf16 every value
+    is 2 B but those fp32 ones; so fp8's step rises over 1 B a value by the second byte of the
+    bf16 matrices, the three more of the fp32 ones and the scales."""
     _, m = load_model("glm-5.3")
     par = parse_deployment("tp8").parallel
     tp, h, heads, hbm = 8, m.hidden_size, m.num_attention_heads, H200.hbm_tbps.value * 1e12
@@ -128,25 +130,28 @@ def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
     def scales(rows: int, cols: int) -> int:
         return 4 * -(-rows // 128) * -(-cols // 128)
 
-    # [rows, cols] per matrix, whether the engine holds it in FP8, whether TP splits it
-    attn = [(m.q_lora_rank, h, True, False), (m.kv_lora_rank + m.qk_rope_head_dim, h, True, False),
-            (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank, True, True),
-            (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False, True),  # kv_b
-            (h, heads * m.v_head_dim, True, True)]
-    indexer = [(m.index_n_heads * m.index_head_dim, m.q_lora_rank, True, False),
-               (m.index_head_dim, h, True, False), (m.index_n_heads, h, False, False)]
-    dense = [(m.intermediate_size, h, True, True)] * 3
-    shared = [(m.n_routed_experts, h, False, False)] + [
-        (m.moe_intermediate_size, h, True, True)] * (3 * m.n_shared_experts)
-    expert = [(m.moe_intermediate_size, h, True, True)] * 3
-    lm_head = [(m.vocab_size, h, False, True)]
+    # [rows, cols] per matrix, how the engine holds it (FP8 when the mode does, else bf16;
+    # bf16; fp32), whether TP splits it
+    attn = [(m.q_lora_rank, h, "fp8", False),
+            (m.kv_lora_rank + m.qk_rope_head_dim, h, "fp8", False),
+            (heads * (m.qk_nope_head_dim + m.qk_rope_head_dim), m.q_lora_rank, "fp8", True),
+            (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "bf16", True),  # kv_b
+            (h, heads * m.v_head_dim, "fp8", True)]
+    indexer = [(m.index_n_heads * m.index_head_dim, m.q_lora_rank, "fp8", False),
+               (m.index_head_dim, h, "fp8", False), (m.index_n_heads, h, "fp32", False)]
+    dense = [(m.intermediate_size, h, "fp8", True)] * 3
+    shared = [(m.n_routed_experts, h, "fp32", False)] + [
+        (m.moe_intermediate_size, h, "fp8", True)] * (3 * m.n_shared_experts)
+    expert = [(m.moe_intermediate_size, h, "fp8", True)] * 3
+    lm_head = [(m.vocab_size, h, "bf16", True)]
 
-    def reads(matrices: list[tuple[int, int, bool, bool]], weights: str) -> tuple[int, int]:
+    def reads(matrices: list[tuple[int, int, str, bool]], weights: str) -> tuple[int, int]:
         """(values, bytes) one GPU reads of `matrices` under `weights`."""
         values = nbytes = 0
-        for rows, cols, quantized, split in matrices:
+        for rows, cols, held, split in matrices:
             v = rows * cols
-            b = v + scales(rows, cols) if quantized and weights == "fp8" else 2 * v
+            b = (4 * v if held == "fp32" else v + scales(rows, cols)
+                 if held == "fp8" and weights == "fp8" else 2 * v)
             values, nbytes = values + v // (tp if split else 1), nbytes + b // (tp if split else 1)
         return values, nbytes
 
@@ -164,25 +169,29 @@ def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
         assert step.gemm == pytest.approx(gemm / hbm, rel=1e-12)
         assert step.moe == pytest.approx(moe / hbm, rel=1e-12)
         steps[weights] = step
-    # bf16: the old pricing, every value at 2 B (the same expression, so equal to the last bit)
+    # bf16: every value at 2 B, but the fp32 router and weights_proj at 4 B
     w = cm.matrix_params(m, par)
     assert w.attn == reads(attn, "bf16")[0] and w.expert == reads(expert, "bf16")[0]
-    old_gemm = ((78 * (w.attn * 2 / hbm) + 21 * (w.indexer * 2 / hbm))
-                + (3 * (w.dense_mlp * 2 / hbm) + 75 * (w.moe_shared * 2 / hbm))
+    router, weights_proj = e * h, m.index_n_heads * h
+    old_gemm = ((78 * (w.attn * 2 / hbm) + 21 * ((w.indexer + weights_proj) * 2 / hbm))
+                + (3 * (w.dense_mlp * 2 / hbm) + 75 * ((w.moe_shared + router) * 2 / hbm))
                 + w.lm_head * 2 / hbm)
-    assert (steps["bf16"].gemm, steps["bf16"].moe) == (
-        old_gemm, num_moe * max(2 * k * w.expert / (H200.matmul_bf16_tflops.value * 1e12),
-                                touched * w.expert * 2 / hbm))
-    # fp8 rises by the second byte of the bf16-held matrices plus the FP8 scales
+    assert steps["bf16"].gemm == pytest.approx(old_gemm, rel=1e-12)
+    assert steps["bf16"].moe == num_moe * max(
+        2 * k * w.expert / (H200.matmul_bf16_tflops.value * 1e12), touched * w.expert * 2 / hbm)
+    # fp8 rises over 1 B a value by the second byte of the bf16-held matrices, the three more
+    # bytes of the fp32-held ones, and the FP8 scales
     old = (sum(n * reads(mats, "fp8")[0] for n, mats in per_step)
            + num_moe * touched * reads(expert, "fp8")[0])
     bf16_held = (78 * (heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank // tp)
-                 + 21 * m.index_n_heads * h + 75 * e * h + m.vocab_size * h // tp)
-    fp8_scales = sum(n * sum(scales(r, c) // (tp if split else 1) for r, c, q, split in mats if q)
+                 + m.vocab_size * h // tp)
+    fp32_held = 21 * weights_proj + 75 * router
+    fp8_scales = sum(n * sum(scales(r, c) // (tp if split else 1)
+                             for r, c, held, split in mats if held == "fp8")
                      for n, mats in [*per_step, (num_moe * touched, expert)])
     rise = (steps["fp8"].gemm + steps["fp8"].moe) * hbm / old - 1
-    assert rise == pytest.approx((bf16_held + fp8_scales) / old, rel=1e-9)
-    assert 0.06 < rise < 0.07  # GLM-5.3 at TP8: mostly lm_head, kv_b_proj and the router
+    assert rise == pytest.approx((bf16_held + 3 * fp32_held + fp8_scales) / old, rel=1e-9)
+    assert 0.09 < rise < 0.10  # GLM-5.3 at TP8: mostly the router, lm_head and kv_b_proj
 
 
 def test_an_mtp_draft_reads_its_eh_proj_as_stored():

@@ -19,6 +19,7 @@ from dsaserve.tokenizer import (
     Tokenizer,
     TokenizerError,
     build_tiny_tokenizer,
+    detect_content_format,
 )
 
 MULTILINGUAL = (
@@ -83,7 +84,7 @@ def test_chat_template_renders(tok: Tokenizer) -> None:
     ]
     expected = (
         "<|system|>\nBe brief.<|user|>\nPlan a walk.<|assistant|>\nGo to the lake.<|endoftext|>"
-        "<|user|>\ntool: sunny<|user|>\nAnd back?"
+        "<|user|>\ntool: sunny<|user|>\nAnd \nback?"  # text parts joined by newlines, as in vLLM
     )
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == expected
     prompt = tok.apply_chat_template(messages)
@@ -91,6 +92,54 @@ def test_chat_template_renders(tok: Tokenizer) -> None:
     ids = tok.encode(prompt)
     assert ids[0] == 1 and ids[-2:] == [3, tok.encode("\n")[0]]
     assert ids.count(2) == 3 and ids.count(0) == 1  # user, tool (as user), user; one eos
+
+
+# GLM-5's template (zai-org/GLM-5 chat_template.jinja, trimmed to its content handling): the
+# loop over parts is inside a macro that is passed the content, so vLLM reads it as "string".
+GLM_CONTENT = (
+    "{%- macro visible_text(content) -%}{%- if content is string -%}{{- content }}"
+    "{%- elif content is iterable and content is not mapping -%}{%- for item in content -%}"
+    "{%- if item is mapping and item.type == 'text' -%}{{- item.text }}"
+    "{%- elif item is string -%}{{- item }}{%- endif -%}{%- endfor -%}"
+    "{%- else -%}{{- content }}{%- endif -%}{%- endmacro -%}"
+    "{% for m in messages %}<|{{ m.role }}|>{{ visible_text(m.content) }}{% endfor %}"
+)
+# A template that walks the parts itself (the shape of Qwen2-VL's and Llama-4's).
+PARTS = (
+    "{% set msgs = messages %}{% for message in msgs %}[{{ message['role'] }}]"
+    "{% if message['content'] is string %}S:{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}P:{{ part['text'] }};{% endfor %}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def test_content_format_is_detected_as_vllm_does() -> None:
+    assert detect_content_format(DEFAULT_CHAT_TEMPLATE) == "string"  # a filter, no loop
+    assert detect_content_format(GLM_CONTENT) == "string"
+    assert detect_content_format(PARTS) == "openai"
+    assert detect_content_format(
+        "{% for m in messages[1:] %}{% for p in m.content | list %}{{ p.text }}{% endfor %}"
+        "{% endfor %}") == "openai"  # a slice of messages, a filtered content
+    assert detect_content_format(  # a loop over something else's content
+        "{% for t in tools %}{% for p in t.content %}{{ p }}{% endfor %}{% endfor %}") == "string"
+    assert detect_content_format("{% for %}") == "string"  # unparsable: vLLM's default
+
+
+def test_content_parts_reach_the_template_as_vllm_passes_them(tok: Tokenizer) -> None:
+    two_parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    messages = [{"role": "system", "content": "S"},
+                {"role": "user", "content": two_parts},
+                {"role": "assistant", "content": None},
+                {"role": "tool", "content": two_parts}]
+    # "string": every content a string, parts joined by newlines, null empty.
+    assert tok.apply_chat_template(messages, add_generation_prompt=False,
+                                   chat_template=GLM_CONTENT) == \
+        "<|system|>S<|user|>a\nb<|assistant|><|tool|>a\nb"
+    # "openai": every content a list of text parts (a string is one, null none), except a tool
+    # message's, which is its text.
+    assert tok.apply_chat_template(messages, add_generation_prompt=False,
+                                   chat_template=PARTS) == \
+        "[system]P:S;[user]P:a;P:b;[assistant][tool]S:a\nb"
 
 
 def test_chat_template_errors(tok: Tokenizer) -> None:
