@@ -5,9 +5,10 @@
 
 Per projection (N × K from the glm-5.3 preset) and batch rows M, three ways to compute x · Wᵀ:
 
-  fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight)
-  bf16       F.linear on the weight dequantized at load (cuBLAS; 2 bytes per weight): today
-  deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear (prefill's alternative)
+  fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight; above
+             DEQUANTIZE_ABOVE_M rows it is itself the dequantized matmul: "deq + cuBLAS")
+  bf16       F.linear on the weight dequantized at load (cuBLAS; 2 bytes per weight)
+  deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear
 
 with the weight bytes each reads per call over its time (GB/s) against the HBM roofline (the
 device-to-device copy, read + write, measured here; --hbm-tbps to give one). Decode sizes
@@ -181,7 +182,7 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     bf16 = _time([partial(F.linear, x, w) for w in bf], graph)
     deq = _time([partial(deq_linear, wq, s) for wq, s in ws], graph)
     row = Row(p.name, p.n, p.k, m, fp8, bf16, deq, ws[0][0].numel() + ws[0][1].numel() * 4,
-              _label(cfg, split))
+              _label(cfg, split) if m <= fl.DEQUANTIZE_ABOVE_M else "deq + cuBLAS")
     if args.sweep:
         best = (fp8, row.config)
         for c in sweep_configs(m):

@@ -31,7 +31,8 @@
 #                                          #   with FP8 against bf16 weights (same call); the
 #                                          #   step log's GPU times
 #   bash benchmarks/gpu_owed.sh 12         # part 12: part 11's step log and part 9's HiSparse
-#                                          #   spill tests again (fixed), then HiSparse's
+#                                          #   spill tests again (fixed), the FP8 tests and
+#                                          #   GEMMs with prefill dequantized, then HiSparse's
 #                                          #   engine-level targets and, in the time left,
 #                                          #   its 1M-token request
 # each part under 10 minutes on one H200 (every step bounded).
@@ -136,13 +137,17 @@ elif [ "$part" = 11 ]; then
     done
     run 100 fp8_linear python benchmarks/fp8_linear.py --out "$out/fp8_linear.md"
 elif [ "$part" = 12 ]; then
-    run 130 retests python -m pytest -q -m gpu -rf --tb=short -s \
-        tests/gpu/test_hisparse_spill_gpu.py \
+    run 200 retests python -m pytest -q -m gpu -rf --tb=short -s \
+        tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fp8_model_gpu.py \
         tests/gpu/test_cudagraph_gpu.py::test_step_log_times_the_gpu
     grep "near-tie" "$out/retests.log"
+    # fp8_linear above DEQUANTIZE_ABOVE_M: dequantize + cuBLAS
+    run 60 fp8_linear python benchmarks/fp8_linear.py --m 64,256,4096 --no-grouped \
+        --out "$out/fp8_linear.md"
     run 300 hisparse_engine python benchmarks/hisparse_engine.py --sections step,concurrency \
         --out "$out/hisparse_engine.md"
-    left=$((585 - SECONDS))  # the 1M request in what is left of the call's 10 minutes
+    left=$((${PART_SECONDS:-585} - SECONDS))  # the 1M request in what is left of the call
     [ "$left" -gt 30 ] && run "$left" hisparse_1m python benchmarks/hisparse_engine.py \
         --sections long --out "$out/hisparse_1m.md"
 elif [ "$part" = 4 ]; then

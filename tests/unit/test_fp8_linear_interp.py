@@ -97,13 +97,24 @@ DTYPES = [torch.float32, torch.float16]
     (1, 200, 300, 0, 0),
     (5, 130, 260, 64, 0),  # a shard of rows from the middle of a block
     (64, 70, 150, 0, 37),  # of columns: k tiles straddle two scale blocks
-    (130, 40, 200, 5, 100),  # two m tiles of the prefill bucket
+    (130, 40, 200, 5, 100),  # above DEQUANTIZE_ABOVE_M: dequantized, then a matmul
 ])
 def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
     wq, scale = _shard(n, k, n_off, k_off)
     x = torch.randn(m, k, generator=_gen(m)).to(dtype)
     _assert_close(fl.fp8_linear(x, wq, scale, n_off, k_off),
                   fw.linear_reference(x, wq, scale, n_off, k_off))
+
+
+def test_kernel_above_the_dequantize_threshold(fl):
+    """Above DEQUANTIZE_ABOVE_M the default is the dequantized matmul; the kernel still runs
+    there with an explicit config (the benchmark's sweep), over several m tiles."""
+    m = fl.DEQUANTIZE_ABOVE_M + 66
+    wq, scale = _shard(40, 200, 5, 100)
+    x = torch.randn(m, 200, generator=_gen(m))
+    want = fw.linear_reference(x, wq, scale, 5, 100)
+    _assert_close(fl.fp8_linear(x, wq, scale, 5, 100, config=fl.choose_config(m, 40, 200)), want)
+    _assert_close(fl.fp8_linear(x, wq, scale, 5, 100), want)
 
 
 def test_weight_values_are_rounded_once(fl):

@@ -13,7 +13,9 @@ accumulates in fp32, so it differs from the dequantize-at-load model only in sum
 
 Decode (M ≤ 64) is bound by the weight bytes: one m tile, so every weight byte is read once;
 when the n tiles alone leave SMs idle the K range is split, each split writing fp32 partials
-that a second kernel sums in split order (deterministic, unlike atomics).
+that a second kernel sums in split order (deterministic, unlike atomics). Above 64 rows
+(prefill, large verify batches) the weight is dequantized into a transient copy and cuBLAS
+multiplies: measured faster there (DEQUANTIZE_ABOVE_M).
 
 `fp8_grouped` is the MoE form (the FP8 counterpart of moe_compute's torch._grouped_mm): rows
 sorted by expert, group ends on the device, never read on the host, so one launch with a grid
@@ -61,19 +63,24 @@ class Fp8LinearConfig:
             raise ValueError(f"Fp8LinearConfig.split_k: must be >= 1, got {self.split_k}")
 
 
+# Above this many rows `fp8_linear` dequantizes the weight into a transient copy in the
+# activation dtype and lets cuBLAS multiply. Measured on an H100 at GLM-5.3's projections
+# (docs/fp8_weights.md): at M = 256 that is faster for 10 of the 11 shapes and 1.54× in sum,
+# at M ≥ 4096 ~1.8× (cuBLAS's tensor-core pipeline against a kernel that dequantizes each
+# weight tile once per m tile); at M = 64 this kernel is 1.29× faster in sum (one byte per
+# weight, read once). The 64 < M ≤ 256 and M > 256 tile shapes the kernel had are deleted.
+DEQUANTIZE_ABOVE_M = 64
+
+
 def choose_config(m: int, n: int, k: int) -> Fp8LinearConfig:
-    """Tiles by M bucket. Decode buckets take one m tile (the weight streamed once) and narrow
-    n tiles (more programs); prefill ones take square tensor-core tiles, the k tile halved to
-    keep the dequantized weight tile in registers beside the accumulator."""
+    """Tiles by M bucket (M ≤ DEQUANTIZE_ABOVE_M): one m tile (the weight streamed once) and
+    narrow n tiles (more programs). Larger M reach the kernel only with an explicit config
+    (benchmarks/fp8_linear.py --sweep); they get the largest bucket's tiles here."""
     if m <= 16:
         return Fp8LinearConfig(16, 64)
     if m <= 32:
         return Fp8LinearConfig(32, 64)
-    if m <= 64:
-        return Fp8LinearConfig(64, 64)
-    if m <= 256:
-        return Fp8LinearConfig(64, 128)
-    return Fp8LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
+    return Fp8LinearConfig(64, 64)
 
 
 # A split of the K range: at least this many k tiles, and the fp32 partials (written and read
@@ -216,11 +223,15 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     """x [M, K] (bf16, fp16 or fp32; rows may be strided), wq [N, K] e4m3, scale [Nb, Kb] fp32
     (fp8_weights.dequantize's layout, offsets included) → x · Wᵀ [M, N] in x's dtype.
 
-    config: the launch shape (default: choose_config by M, split_k by the grid and SMs).
+    config: the launch shape (default: choose_config by M, split_k by the grid and SMs; above
+    DEQUANTIZE_ABOVE_M rows, the weight dequantized into a transient copy and cuBLAS).
     No host sync; allocates its output (and fp32 partials when the K range is split)."""
     _check_weight("fp8_linear", x, wq, scale, n_off, k_off)
     m, k = x.shape
     n = wq.shape[0]
+    if config is None and m > DEQUANTIZE_ABOVE_M:
+        # the same weight values (dtype(fp32(wq) · scale)), an fp32-accumulated product
+        return torch.nn.functional.linear(x, fp8_dequantize(wq, scale, x.dtype, n_off, k_off))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -245,7 +256,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
 
 
 # --------------------------------------------------------------------------------------------
-# Dequantization (a bf16 copy: prefill's "dequantize to scratch, then cuBLAS" alternative)
+# Dequantization (a copy in the activation dtype: fp8_linear above DEQUANTIZE_ABOVE_M rows)
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _dequantize_kernel(
