@@ -66,17 +66,30 @@ def with_engine_flag(spec: str, flag: str) -> str:
 
 
 def _curve(results: Sequence[SimResult], spec: str) -> list[tuple[float, float]]:
-    rows = [r.summary() for r in results if r.deployment.spec == spec]
-    return sorted((s["throughput_per_gpu"], s["p90_e2e_interactivity"]) for s in rows
-                  if s["requests"])  # type: ignore[misc]
+    """(throughput per GPU, P90 E2E interactivity) of `spec`, in order of concurrency."""
+    rows = sorted((r for r in results if r.deployment.spec == spec), key=lambda r: r.concurrency)
+    return [(s["throughput_per_gpu"], s["p90_e2e_interactivity"])  # type: ignore[misc]
+            for s in (r.summary() for r in rows) if s["requests"]]
 
 
 def _at(curve: list[tuple[float, float]], x: float) -> float | None:
-    """The curve's interactivity at throughput x (linear between points; None outside)."""
+    """The best interactivity the baseline offers at throughput x: the highest of its segments
+    (consecutive concurrencies, linear between them) that span x and of its points with at
+    least x throughput (running there gives x and more); None above its highest throughput.
+
+    A deployment past its knee can lose throughput as concurrency rises (c64 below c32), and
+    its curve then passes x twice: once on the way up, once collapsed. Sorting the points by
+    throughput would join the collapsed point to a low-concurrency one and read the baseline's
+    interactivity off that made-up segment."""
+    best = None
     for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
-        if x0 <= x <= x1:
-            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else max(y0, y1)
-    return None
+        if min(x0, x1) <= x <= max(x0, x1):
+            y = max(y0, y1) if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+            best = y if best is None else max(best, y)
+    for xi, yi in curve:
+        if xi >= x:
+            best = yi if best is None else max(best, yi)
+    return best
 
 
 def _one_m(spec: str) -> str:

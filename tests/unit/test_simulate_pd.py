@@ -167,3 +167,32 @@ def test_seed_table_script_smoke(monkeypatch, capsys):
     assert bench.main(["--sessions", "2", "--turns", "2", "--concurrency", "1",
                        "--async-scheduling"]) == 0
     assert "async-scheduling; decode=" in capsys.readouterr().out
+
+
+def test_seed_table_reads_the_baseline_at_its_best_segment(monkeypatch):
+    """A baseline that collapses past its knee (c64: less throughput than c32, 9 tok/s/user)
+    is read on its own segments in order of concurrency and at its points of more throughput,
+    the best of them: sorting its points by throughput would join c64 to c8 and make up a
+    segment that halves the baseline (docs/simulate.md's 2.49× against 2 × TP8 was read off
+    one)."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "seed_table.py"
+    spec = importlib.util.spec_from_file_location("seed_table", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "seed_table", bench)
+    spec.loader.exec_module(bench)
+    # (throughput per GPU, interactivity) at c8, c16, c32, c64
+    curve = [(3000.0, 40.0), (4000.0, 30.0), (5000.0, 20.0), (3500.0, 9.0)]
+    assert bench._at(curve, 3200.0) == pytest.approx(38.0)  # c8-c16, not c8-c64's 27.8
+    assert bench._at(curve, 4500.0) == pytest.approx(25.0)  # c16-c32, not c32-c64's 18.1
+    assert bench._at(curve, 3400.0) == pytest.approx(36.0)  # not c64's collapse beside it
+    # below every segment: its c8 point gives more throughput at 40 tok/s/user
+    assert bench._at(curve, 2000.0) == 40.0
+    assert bench._at(curve, 5500.0) is None  # more throughput than it ever gives
+    # the async run's 2 × TP8 (c8 3,528 at 111.2, c64 collapsed to 3,319 at 8.8): at 3,398
+    # tok/s/GPU it offers c8's 111.2, not 26.4 read off a c64-c8 segment
+    tp8 = [(3528.0, 111.2), (4977.0, 60.0), (5795.0, 30.0), (3319.0, 8.8)]
+    assert bench._at(tp8, 3398.0) == pytest.approx(111.2)
+    assert bench._at([(3000.0, 40.0), (3000.0, 30.0)], 3000.0) == 40.0
