@@ -143,7 +143,7 @@ def _label(cfg, split: int | None = None) -> str:
 
 def sweep_configs(m: int) -> list:
     """Candidate launch shapes for --sweep at batch rows m: the bucket's block_m with other n / k
-    tiles, warps and stages; split K as chosen, off, and forced to 2 and 4 (decode: the 64-row
+    tiles, warps and stages; split K as chosen, off, and forced to 2, 4 and 8 (decode: the 64-row
     bucket's rule chooses none, and its narrow n tiles are the other way to more programs).
     Shapes that do not fit the device fail to compile and are skipped."""
     from dsaserve.kernels.triton.fp8_linear import Fp8LinearConfig, choose_config
@@ -155,7 +155,7 @@ def sweep_configs(m: int) -> list:
             for warps, stages in ((4, 3), (4, 4), (4, 6), (8, 3), (8, 4)):
                 out.add(Fp8LinearConfig(base.block_m, bn, bk, warps, stages))
                 if m <= 64:
-                    for split in (1, 2, 4):
+                    for split in (1, 2, 4, 8):
                         out.add(Fp8LinearConfig(base.block_m, bn, bk, warps, stages,
                                                 split_k=split))
     return sorted(out, key=lambda c: (c.block_n, c.block_k, c.num_warps, c.num_stages,
