@@ -35,6 +35,8 @@
 #                                          #   GEMMs with prefill dequantized, then HiSparse's
 #                                          #   engine-level targets and, in the time left,
 #                                          #   its 1M-token request
+#   bash benchmarks/gpu_owed.sh 13         # part 13: decode at 16 layers (MTP3's speed-up),
+#                                          #   the FP8 64-row bucket's sweep, P/D end to end
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -151,6 +153,15 @@ elif [ "$part" = 12 ]; then
         --m 64,256,4096 --no-grouped --out "$out/fp8_linear.md"
     [ "$(left)" -gt 60 ] && run "$(left)" hisparse_1m python benchmarks/hisparse_engine.py \
         --sections long --out "$out/hisparse_1m.md"
+elif [ "$part" = 13 ]; then
+    # MTP3 against no MTP at depth (issue 28's targets cannot show at 2 layers), then the FP8
+    # 64-row bucket's sweep on two shapes, then P/D end to end (the prefill engine in its
+    # own process; NIXL from .whl)
+    run 200 decode_16l python benchmarks/decode.py --layers 16 --contexts 8192 \
+        --batches 1,64 --steps 10 --out "$out/decode_16l.md"
+    run 240 fp8_sweep python benchmarks/fp8_linear.py --m 64 --only q_a,o_proj \
+        --no-grouped --sweep --out "$out/fp8_sweep.md"
+    run 150 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
