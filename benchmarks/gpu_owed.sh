@@ -157,11 +157,11 @@ elif [ "$part" = 13 ]; then
     # MTP3 against no MTP at depth (issue 28's targets cannot show at 2 layers), then the FP8
     # 64-row bucket's sweep on two shapes, then P/D end to end (the prefill engine in its
     # own process; NIXL from .whl)
-    run 200 decode_16l python benchmarks/decode.py --layers 16 --contexts 8192 \
+    run 160 decode_16l python benchmarks/decode.py --layers 16 --contexts 8192 \
         --batches 1,64 --steps 10 --out "$out/decode_16l.md"
-    run 240 fp8_sweep python benchmarks/fp8_linear.py --m 64 --only q_a,o_proj \
+    run 200 fp8_sweep python benchmarks/fp8_linear.py --m 64 --only q_a,o_proj \
         --no-grouped --sweep --out "$out/fp8_sweep.md"
-    run 150 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    run 120 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
