@@ -706,11 +706,14 @@ class ConnectorWorker:
     def check_integrity(self) -> None:
         """Staging buffers, per pool: one in use per request receiving with staged pairs into
         it, none other; no request holds two of one pool."""
+        posted = [s for p in self._receiving.values() for s in p.staged]
+        assert all(s.pool is self.staging or s.pool is self.host_staging for s in posted)
         for pool in (self.staging, self.host_staging):
             if pool is None:
                 continue
             held = [sum(s.pool is pool for s in p.staged) for p in self._receiving.values()]
             assert max(held, default=0) <= 1, f"a request holds {max(held)} {pool.prefix} buffers"
+            assert {s.buffer.name for s in posted if s.pool is pool} == set(pool.in_use)
             pool.check_integrity(sum(held))
 
     def _peer(self, meta: dict) -> str:
