@@ -29,7 +29,8 @@ caches (zero-copy segments, `descriptors.plan_segments`) where pages line up, or
 segments would be per row (the prefill side's interleave below its page size), into a staging
 buffer of its own, one segment per source page, then scatters the rows (`staging.py`). A
 consumer that is a spilling HiSparse rank READs a long prompt's MLA rows below its write tail
-into its registered host pool (`hostplan.py`): no GPU MLA page is taken or written.
+into its registered host pool (`hostplan.py`): no GPU MLA page is taken or written; those of
+them that are staged go through a host-memory buffer, so they never touch the device.
 """
 
 from __future__ import annotations
@@ -50,14 +51,13 @@ from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, Reque
 from dsaserve.disagg import descriptors, kvio
 from dsaserve.disagg.claims import Release, ReleaseSender
 from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
-from dsaserve.disagg.receiving import PostedRead
+from dsaserve.disagg.receiving import PostedRead, StagedReads
 from dsaserve.disagg.relayout import CopyRuns, KVLayout, TransferPlan, plan_transfer
 from dsaserve.disagg.staging import (
     STAGE_SEGMENTS_PER_ROW,
     StagedPair,
     StagingPool,
     plan_staged,
-    scatter_staged,
     segments_per_row,
     worth_staging,
 )
@@ -470,6 +470,7 @@ class _Job:
     parts: tuple[str, ...]  # the cache tensors it moves ("kv", "index")
     local_name: Callable[[int, str], str]  # zero-copy: the local region of layer i's part
     targets: list[dict[str, list[torch.Tensor]]]  # staged: per layer, part → byte views
+    into_host: bool = False  # its rows go to the host pool (staged: through `host_staging`)
 
 
 class ConnectorWorker:
@@ -497,7 +498,8 @@ class ConnectorWorker:
         # consumer: (source rank, target) pairs READ each way so far (staging.py chooses)
         self.pairs_staged = 0
         self.pairs_zero_copy = 0
-        self.staging: StagingPool | None = None
+        self.staging: StagingPool | None = None  # staged pairs into the caches
+        self.host_staging: StagingPool | None = None  # staged pairs into the host pool
         self._caches: list[LayerCache] = []  # the registered caches (staged rows land here)
         self._host: list[torch.Tensor] = []  # a HiSparse host pool ([H, B, row] per layer)
 
@@ -525,6 +527,10 @@ class ConnectorWorker:
         the tensors to use from now on (moved into shared memory, or registered in place)."""
         self.has_host_pool = True
         self._host = descriptors.register_host_pool(self.transport, host)
+        # host memory (`allocate` on both transports), its own `staging_mb`: the staged rows
+        # of spilled blocks land there and are scattered into the pool by a CPU copy
+        self.host_staging = StagingPool(self.transport, torch.device("cpu"),
+                                        self.config.staging_mb << 20, prefix="SH")
         return self._host
 
     def metadata(self) -> bytes:
@@ -616,7 +622,8 @@ class ConnectorWorker:
             host = [{"kv": [kvio.kv_rows(h)]} for h in self._host]
             jobs = [_Job(hp.index, ("index",), _same_name, caches),
                     _Job(hp.gpu, ("kv",), _same_name, caches),
-                    _Job(hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i), host)]
+                    _Job(hp.host, ("kv",), lambda i, _: descriptors.host_region_name(i), host,
+                         into_host=True)]
             self.mla_rows_to_gpu += hp.gpu.num_rows
             self.mla_rows_to_host += hp.host.num_rows
         msg = {"req": remote.remote_request_id, "of": self.world_size}
@@ -636,16 +643,24 @@ class ConnectorWorker:
                     staged.append((job, pair, layers, sp))
                 else:
                     zero.append((job, pair, layers))
-        # 2. one staging buffer for the request's staged pairs; zero-copy if it does not fit
-        if staged:
-            assert self.staging is not None
-            posted.staging = self.staging.take(sum(sp.nbytes for *_, sp in staged))
-            if posted.staging is None:
-                logger.info("P/D: request %s's staged READs do not fit the staging buffers "
-                            "(staging_mb %d); READ zero-copy", recv.request_id,
-                            self.config.staging_mb)
-                zero += [(job, pair, layers) for job, pair, layers, _ in staged]
-                staged = []
+        # 2. per staging pool (the caches', the host pool's), one buffer for the request's
+        #    staged pairs into it; zero-copy where it does not fit
+        buffers: list[tuple[StagedReads, list[tuple[_Job, CopyRuns, StagedPair]]]] = []
+        for into_host, pool in ((False, self.staging), (True, self.host_staging)):
+            pairs = [(job, pair, sp) for job, pair, _, sp in staged if job.into_host == into_host]
+            if not pairs:
+                continue
+            assert pool is not None
+            buf = pool.take(sum(sp.nbytes for *_, sp in pairs))
+            if buf is None:
+                logger.info("P/D: request %s's staged READs into the %s do not fit the staging "
+                            "buffers (staging_mb %d); READ zero-copy", recv.request_id,
+                            "host pool" if into_host else "caches", self.config.staging_mb)
+                zero += [(job, pair, layers) for job, pair, layers, _ in staged
+                         if job.into_host == into_host]
+                continue
+            posted.staged.append(StagedReads(pool, buf))  # given back when the READs settle
+            buffers.append((posted.staged[-1], pairs))
         # 3. the READs
         for job, pair, layers in zero:
             self.pairs_zero_copy += 1
@@ -654,17 +669,17 @@ class ConnectorWorker:
                     name = f"L{i}.{part}"
                     self._read(posted, peers[pair.src_rank], job.local_name(i, name), name,
                                descriptors.for_read(segs))
-        base = 0
-        for job, pair, _, sp in staged:
-            assert posted.staging is not None
-            self.pairs_staged += 1
-            for i, layer in enumerate(sp.reads):
-                for part, segs in layer.items():
-                    segs = segs + torch.tensor([0, base, 0])  # the pair's share of the buffer
-                    self._read(posted, peers[pair.src_rank], posted.staging.name,
-                               f"L{i}.{part}", descriptors.for_read(segs))
-            posted.scatters.append((sp, base, job.targets))
-            base += sp.nbytes
+        for into, pairs in buffers:
+            base = 0
+            for job, pair, sp in pairs:
+                self.pairs_staged += 1
+                for i, layer in enumerate(sp.reads):
+                    for part, segs in layer.items():
+                        segs = segs + torch.tensor([0, base, 0])  # the pair's share
+                        self._read(posted, peers[pair.src_rank], into.buffer.name,
+                                   f"L{i}.{part}", descriptors.for_read(segs))
+                into.scatters.append((sp, base, job.targets))
+                base += sp.nbytes
 
     def _read(self, posted: PostedRead, peer: str, local: str, remote: str,
               segments: list[tuple[int, int, int]]) -> None:
@@ -680,23 +695,26 @@ class ConnectorWorker:
             out.append({"kv": views[:1], "index": views[1:]})
         return out
 
-    def _settle(self, posted: PostedRead, landed: bool) -> None:
+    @staticmethod
+    def _settle(posted: PostedRead, landed: bool) -> None:
         """None of its READs is in flight any more: staged rows scattered into their slots if
-        they all `landed`, then the staging buffer given back (failed or cancelled: unused)."""
-        if posted.staging is None:
-            return
-        assert self.staging is not None
-        if landed:
-            for sp, base, targets in posted.scatters:
-                scatter_staged(sp, posted.staging.tensor[base: base + sp.nbytes], targets)
-        self.staging.give(posted.staging)
-        posted.staging, posted.scatters = None, []
+        they all `landed`, then each staging buffer given back (failed or cancelled: unused)."""
+        for into in posted.staged:
+            into.settle(landed)
+        posted.staged = []
 
     def check_integrity(self) -> None:
-        """Staging buffers: one in use per request receiving with staged pairs, none other."""
-        if self.staging is not None:
-            self.staging.check_integrity(
-                sum(p.staging is not None for p in self._receiving.values()))
+        """Staging buffers, per pool: one in use per request receiving with staged pairs into
+        it, none other; no request holds two of one pool."""
+        posted = [s for p in self._receiving.values() for s in p.staged]
+        assert all(s.pool is self.staging or s.pool is self.host_staging for s in posted)
+        for pool in (self.staging, self.host_staging):
+            if pool is None:
+                continue
+            held = [sum(s.pool is pool for s in p.staged) for p in self._receiving.values()]
+            assert max(held, default=0) <= 1, f"a request holds {max(held)} {pool.prefix} buffers"
+            assert {s.buffer.name for s in posted if s.pool is pool} == set(pool.in_use)
+            pool.check_integrity(sum(held))
 
     def _peer(self, meta: dict) -> str:
         blob = base64.b64decode(meta["transport"])

@@ -24,8 +24,28 @@ from dataclasses import dataclass, field
 import torch
 
 from dsaserve.core import ModelRunnerOutput
-from dsaserve.disagg.staging import StagedPair, StagingBuffer
+from dsaserve.disagg.staging import StagedPair, StagingBuffer, StagingPool, scatter_staged
 from dsaserve.disagg.transport import KVTransport, Transfer, TransferError
+
+
+@dataclass
+class StagedReads:
+    """A request's staged pairs (disagg/staging.py) of one staging pool: the buffer their READs
+    land in, and per pair its plan, its offset in the buffer and the byte views its rows are
+    scattered into once all landed."""
+
+    pool: StagingPool
+    buffer: StagingBuffer
+    scatters: list[tuple[StagedPair, int, list[dict[str, list[torch.Tensor]]]]] = field(
+        default_factory=list)
+
+    def settle(self, landed: bool) -> None:
+        """None of the request's READs is in flight any more: the rows scattered into their
+        slots if they all `landed`, then the buffer given back (failed or cancelled: unused)."""
+        if landed:
+            for sp, base, targets in self.scatters:
+                scatter_staged(sp, self.buffer.tensor[base: base + sp.nbytes], targets)
+        self.pool.give(self.buffer)
 
 
 @dataclass
@@ -38,11 +58,8 @@ class PostedRead:
     error: str | None = None  # the first failure; the request fails once nothing is in flight
     producer: str = ""  # the prefill engine's rank 0, notified once every READ landed
     notify: bytes = b""
-    # staged pairs (disagg/staging.py): the buffer their READs land in, and per pair its plan,
-    # its offset in the buffer and the byte views its rows are scattered into once all landed
-    staging: StagingBuffer | None = None
-    scatters: list[tuple[StagedPair, int, list[dict[str, list[torch.Tensor]]]]] = field(
-        default_factory=list)
+    # staged pairs: one buffer per staging pool they use (the caches' pool, a host pool's)
+    staged: list[StagedReads] = field(default_factory=list)
 
     def fail(self, reason: str) -> None:
         if self.error is None:

@@ -23,7 +23,12 @@ protocol. Buffer, per pair, tensor-major (the order of `kvio.part_views`):
 Chosen per (source rank, target) pair from `segments / (rows × layers)` of both READs against
 `STAGE_SEGMENTS_PER_ROW` (`worth_staging`: zero-copy at or above it, staged below). Buffers come
 from a `StagingPool` of this rank's registered regions (at most `DisaggConfig.staging_mb`; a
-request whose staged pairs do not fit READs them zero-copy).
+request whose staged pairs do not fit READs them zero-copy). A rank with a HiSparse host pool
+keeps a second pool in host memory for the pairs whose rows go there, so that their buffer and
+their scatter stay on the host (the caches' pool is on their device):
+
+    pairs into the caches     ── READ ──► S{k}  (the caches' device) ──scatter──► L{i}.kv / index
+    pairs into the host pool  ── READ ──► SH{k} (host memory)        ──scatter──► H{i}.kv
 """
 
 from __future__ import annotations
@@ -172,6 +177,7 @@ class StagingPool:
     transport: KVTransport
     device: torch.device
     max_bytes: int
+    prefix: str = "S"  # of its regions' names (a rank's pools must not share one)
     free: list[StagingBuffer] = field(default_factory=list)
     in_use: dict[str, StagingBuffer] = field(default_factory=dict)  # region name → buffer
     allocated: int = 0  # bytes of every region made
@@ -190,7 +196,7 @@ class StagingPool:
                 size = nbytes  # no rounding where the rounding alone would not fit
                 if self.allocated + size > self.max_bytes:
                     return None
-            name = f"S{len(self.free) + len(self.in_use)}"
+            name = f"{self.prefix}{len(self.free) + len(self.in_use)}"
             if self.device.type == "cpu":
                 tensor = self.transport.allocate(name, size)
             else:  # NIXL registers device memory in place
@@ -206,7 +212,7 @@ class StagingPool:
         self.free.append(buf)
 
     def check_integrity(self, holders: int) -> None:
-        """`holders`: requests with a buffer posted; each holds exactly one."""
+        """`holders`: requests with a buffer of this pool posted; each holds exactly one."""
         assert len(self.in_use) == holders, (
             f"{len(self.in_use)} staging buffers in use for {holders} requests")
         assert not set(self.in_use) & {b.name for b in self.free}

@@ -10,12 +10,16 @@ claims back."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import threading
 import time
 
 import pytest
+import torch
 
-from dsaserve.config import DisaggConfig, SpecConfig
-from dsaserve.disagg import offline
+from dsaserve.config import DisaggConfig, HiSparseConfig, SpecConfig
+from dsaserve.core import RequestStatus, SamplingParams
+from dsaserve.disagg import descriptors, offline
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
 
@@ -299,6 +303,166 @@ def test_a_multi_rank_decode_engine_shut_down_gives_its_claims_back(parallel_con
                 s = r.stats()
                 assert s.num_free_blocks == s.num_total_blocks and not r.scheduler.requests
                 assert r.connector.num_claimed == 0
+        finally:
+            p.shutdown()
+            d.shutdown()
+
+
+def _spilling_consumer(engine_config, model_dir):
+    """(aggregated config, spilling HiSparse consumer config): pages of 4 tokens, 16 MLA pages
+    (one max-length window, fewer than the requests' blocks together), as in
+    tests/unit/test_pd_hisparse_spill.py."""
+    plain = engine_config(model_dir, block_size=4, num_blocks=100, max_model_len=64)
+    att = dataclasses.replace(plain.attention, hisparse_config_given=True,
+                              hisparse_device_buffer_size=plain.model.index_topk,
+                              hisparse_device_mla_pages=16)
+    consumer = dataclasses.replace(
+        plain, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20),
+        disagg=DisaggConfig(kv_role="kv_consumer", backend="shm", side_channel_port=0))
+    return plain, consumer
+
+
+def _prefill_rows(p, params, positions: list[int], regions: list[int]) -> list[list[bytes]]:
+    """Per position, the prefill engine's bytes of its rows in cache tensors `regions` (the
+    `read_blocks` order), read from the DCP rank that owns it."""
+    from dsaserve.kv import layout
+
+    b, n, i = params.remote_block_size, params.remote_dcp_size, params.remote_interleave
+    ids = list(params.remote_block_ids)
+    ranks = [json.loads(m)["dcp_rank"] for m in p.scheduler.connector.rank_metadata]
+    pages = p.executor.call("read_blocks", ids)  # per rank, per tensor [n, page_bytes]
+    pos = torch.tensor(positions)
+    table = torch.tensor([ids], dtype=torch.int32)
+    out: list[list[bytes]] = [[] for _ in positions]
+    for rank, dcp_rank in enumerate(ranks):
+        slots = layout.slot_mapping(pos, torch.zeros_like(pos), table, b, n, dcp_rank, i)
+        for k, slot in enumerate(slots.tolist()):
+            if slot < 0 or out[k]:
+                continue
+            block, row = ids.index(slot // b), slot % b
+            out[k] = [pages[rank][t][block].view(b, -1)[row].numpy().tobytes()
+                      for t in regions]
+    return out
+
+
+def test_pd_staged_into_a_spilling_hisparse_host_pool(parallel_config, engine_config, tiny_dir,
+                                                      hang_guard, monkeypatch):
+    """PCP2 × DCP2 at interleave 1 (every pair staged) into a spilling HiSparse decode engine:
+    the MLA rows of spilled blocks are READ into a host-memory staging buffer (regions SH*) and
+    scattered into the host pool there, the caches' staging buffer carries only the keys and
+    the tail's rows; the host pool's rows equal the prefill ranks' bytes; greedy output equals
+    the aggregated engine's; an abort while such READs are in flight gives both buffers back;
+    every invariant after every step, nothing leaks."""
+    from dsaserve.disagg.shmcopy import CopyThread
+
+    plain, consumer = _spilling_consumer(engine_config, tiny_dir)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(21)
+    # long prompts (spilled below their write tail) whose tails hold 3 received rows: 2 of one
+    # prefill rank, a pair the caches' staging buffer takes (one row each is zero-copy)
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (40, 44, 48, 40)]
+    ref = LLMEngine.from_config(plain)
+    want = ref.generate(prompts[:3], greedy)
+    ref.shutdown()
+    with hang_guard(300):
+        p = LLMEngine.from_config(_with(parallel_config(pcp=2, dcp=2, interleave=1),
+                                        "kv_producer", "auto"))
+        d = LLMEngine.from_config(consumer)
+        try:
+            worker, rt = d.runner.connector, d.runner.hisparse
+            reads: dict[tuple[str, str], int] = {}  # bytes READ per (local, remote) region
+            real_read = worker.transport.read
+
+            def read(peer, local, remote, segments):
+                reads[local, remote] = reads.get((local, remote), 0) + sum(
+                    n for _, _, n in segments)
+                return real_read(peer, local, remote, segments)
+
+            monkeypatch.setattr(worker.transport, "read", read)
+            names = list(descriptors.cache_regions(d.runner.caches))  # read_blocks' order
+            kv_regions = [k for k, name in enumerate(names) if name.endswith(".kv")]
+            ids = [f"r{k}" for k in range(3)]
+            params = {rid: offline.prefill(p, rid, q)
+                      for rid, q in zip(ids, prompts[:3], strict=True)}
+            for rid, q in zip(ids, prompts[:3], strict=True):
+                d.add_request(rid, q, greedy, kv_transfer_params=params[rid])
+            tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+            compared = 0
+            unchecked = set(ids)
+            for _ in range(500):
+                if not (d.has_unfinished_requests() or p.has_unfinished_requests()):
+                    break
+                for o in d.step():
+                    tokens[o.request_id] += o.new_token_ids
+                p.step()
+                d.check_integrity()
+                p.check_integrity()
+                # arrived (every READ landed and scattered): its spilled blocks' host rows
+                for rid in [r for r in unchecked
+                            if d.scheduler.requests[r].status == RequestStatus.RUNNING]:
+                    unchecked.discard(rid)
+                    req = d.scheduler.requests[rid]
+                    blocks = list(req.block_ids)
+                    spilled = [j for j, blk in enumerate(blocks)
+                               if blk not in d.scheduler.mla.page_of
+                               and j * 4 < len(req.prompt_token_ids) - 1]
+                    host = d.runner.hisparse_block_rows([blocks[j] for j in spilled])
+                    pos = [j * 4 + o for j in spilled for o in range(4)
+                           if j * 4 + o < len(req.prompt_token_ids) - 1]
+                    sent = _prefill_rows(p, params[rid], pos, kv_regions)
+                    for q, rows in zip(pos, sent, strict=True):
+                        got = [h[spilled.index(q // 4), q % 4].numpy().tobytes() for h in host]
+                        assert got == rows, f"{rid}: position {q}'s host rows"
+                        compared += 1
+            assert [tokens[rid] for rid in ids] == want
+            assert compared > 0 and not unchecked and int(rt.rows_from_host) > 0
+            # the MLA rows of spilled blocks READ into the host buffers (SH*) only, never into
+            # the caches' staging buffer (S<k>) nor zero-copy into the pool (H*); the tail's
+            # into the caches' buffer or, where a pair is a row or two, zero-copy (L*)
+            kv_bytes = sum(f.kv_bytes for f in worker.formats)
+            mla_into = dict.fromkeys(("SH", "S", "H", "L"), 0)
+            for (local, remote), n in reads.items():
+                if remote.endswith(".kv"):
+                    mla_into["SH" if local.startswith("SH") else local[0]] += n
+            assert mla_into["SH"] == worker.mla_rows_to_host * kv_bytes > 0
+            assert mla_into["H"] == 0
+            assert mla_into["S"] + mla_into["L"] == worker.mla_rows_to_gpu * kv_bytes
+            host_pool, dev_pool = worker.host_staging, worker.staging
+            assert host_pool is not None and dev_pool is not None
+            assert worker.pairs_staged > 0 and host_pool.allocated > 0 < dev_pool.allocated
+            d.step()  # the runner learns that the last requests ended
+            _check_no_leak(p, d)
+            assert not host_pool.in_use and not dev_pool.in_use
+
+            # an abort while staged READs into the host pool are in flight: both buffers back
+            release = threading.Event()
+            real_copy = CopyThread._copy
+
+            def held(thread, job) -> bool:
+                while not (release.wait(0.002) or job.cancelled):
+                    pass
+                return real_copy(thread, job)
+
+            monkeypatch.setattr(CopyThread, "_copy", held)
+            try:
+                d.add_request("x", prompts[3], greedy,
+                              kv_transfer_params=offline.prefill(p, "x", prompts[3]))
+                d.step()  # posted, held in flight
+                assert "x" in d.scheduler.receiving
+                assert (len(dev_pool.in_use), len(host_pool.in_use)) == (1, 1)
+                d.check_integrity()
+                d.abort_request("x")
+                d.step()  # the runner cancels
+                assert (len(dev_pool.in_use), len(host_pool.in_use)) == (0, 0)
+            finally:
+                release.set()
+            for _ in range(50):
+                if not p.scheduler.connector.held:
+                    break
+                p.step()
+                time.sleep(0.01)
+            d.step()
+            _check_no_leak(p, d)
         finally:
             p.shutdown()
             d.shutdown()

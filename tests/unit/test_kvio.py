@@ -433,35 +433,112 @@ def test_a_staged_read_that_ends_early_gives_its_buffer_back(end: str, monkeypat
         pd.close()
 
 
+def _spilling_dest(pd: _Pd) -> tuple[list[torch.Tensor], HostDest]:
+    """A host pool registered on the decode rank (zeroed) and a destination that spills every
+    block of the request but the last (its write tail, into a GPU page)."""
+    num_blocks = -(-pd.num_tokens // pd.dst.block_size)
+    host = pd.decode.register_host_pool([torch.zeros_like(c.kv) for c in pd.got[0]])
+    mla_pages = (SPILLED,) * (num_blocks - 1) + (pd.dst.block_ids[num_blocks - 1],)
+    return host, HostDest(tuple(reversed(range(num_blocks))), mla_pages)
+
+
+def _reads_by_region(worker: ConnectorWorker,
+                     monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], int]:
+    """Bytes READ per (local region, remote region), recorded as the worker posts them."""
+    out: dict[tuple[str, str], int] = {}
+    real = worker.transport.read
+
+    def read(peer: str, local: str, remote: str, segments):
+        key = (local, remote)
+        out[key] = out.get(key, 0) + sum(n for _, _, n in segments)
+        return real(peer, local, remote, segments)
+
+    monkeypatch.setattr(worker.transport, "read", read)
+    return out
+
+
 @pytest.mark.parametrize("staging_mb", [1024, 0], ids=["staged", "no-room"])
-def test_staged_into_a_hisparse_host_pool(staging_mb: int) -> None:
+def test_staged_into_a_hisparse_host_pool(staging_mb: int, monkeypatch) -> None:
     """Into a spilling HiSparse rank: the MLA rows of spilled blocks READ into the host pool
-    (staged: through the buffer, then scattered into the pool; no room: zero-copy, straight
-    into the pool), the tail's into GPU pages, every key into its indexer page."""
+    (staged: through a host-memory buffer of their own, then scattered into the pool; no room:
+    zero-copy, straight into the pool), the tail's into GPU pages, every key into its indexer
+    page. The caches' staging buffer carries only rows bound for the caches."""
     pd = _Pd("shm", True, (2, 1, 4, 1, 1, 8), staging_mb=staging_mb)
     try:
         b, blocks = pd.dst.block_size, pd.dst.block_ids
-        num_blocks = -(-pd.num_tokens // b)
-        host = [torch.zeros_like(c.kv) for c in pd.got[0]]  # [H, B, row] per layer
-        host = pd.decode.register_host_pool(host)
-        host_blocks = tuple(reversed(range(num_blocks)))
-        mla_pages = (SPILLED,) * (num_blocks - 1) + (blocks[num_blocks - 1],)
-        pd.decode.start_receives([pd.recv()], {"req": HostDest(host_blocks, mla_pages)})
+        host, dest = _spilling_dest(pd)
+        reads = _reads_by_region(pd.decode, monkeypatch)
+        pd.decode.start_receives([pd.recv()], {"req": dest})
+        pd.decode.check_integrity()
         assert pd.settle() == (("req",), {})
         # the keys, the host pool's rows and the tail's rows, from both prefill ranks
         paths = (pd.decode.pairs_staged, pd.decode.pairs_zero_copy)
         assert paths == ((6, 0) if staging_mb else (0, 6))
-        assert pd.decode.mla_rows_to_host and pd.decode.mla_rows_to_gpu
+        to_host, to_gpu = pd.decode.mla_rows_to_host, pd.decode.mla_rows_to_gpu
+        assert to_host and to_gpu
         for g, w, h in zip(pd.got[0], pd.want[0], host, strict=True):
             if w.index is not None:
                 assert torch.equal(g.index, w.index)
             g_kv, w_kv, h_kv = (kvio.kv_rows(t) for t in (g.kv, w.kv, h))
             for p in range(pd.cached, pd.num_tokens):
                 slot = blocks[p // b] * b + p % b
-                if p // b < num_blocks - 1:
-                    assert torch.equal(h_kv[host_blocks[p // b] * b + p % b], w_kv[slot])
+                if dest.mla_pages[p // b] == SPILLED:
+                    assert torch.equal(h_kv[dest.host_blocks[p // b] * b + p % b], w_kv[slot])
                 else:
                     assert torch.equal(g_kv[slot], w_kv[slot])
+        # where each MLA row was READ into: a host-memory staging buffer (SH*) or the pool
+        # itself (H*) for the spilled blocks, the caches' staging buffer (S<k>) or pages for
+        # the tail; the caches' buffer never carries a row bound for the host pool
+        kv_bytes = sum(f.kv_bytes for f in pd.decode.formats)
+
+        def mla_bytes_into(pool: staging.StagingPool | None, prefix: str = "") -> int:
+            names = {b.name for b in [*pool.free, *pool.in_use.values()]} if pool else set()
+            return sum(n for (local, remote), n in reads.items() if remote.endswith(".kv")
+                       and (local in names if pool else local[0] == prefix))
+
+        assert mla_bytes_into(pd.decode.staging) == (to_gpu * kv_bytes if staging_mb else 0)
+        pools = (pd.decode.staging, pd.decode.host_staging)
+        assert pools[0] is not None and pools[1] is not None
+        assert mla_bytes_into(pools[1]) == (to_host * kv_bytes if staging_mb else 0)
+        assert mla_bytes_into(None, "H") == (0 if staging_mb else to_host * kv_bytes)
+        assert mla_bytes_into(None, "L") == (0 if staging_mb else to_gpu * kv_bytes)
+        assert all(b.name.startswith("SH") for b in pools[1].free)
+        for pool in pools:
+            assert not pool.in_use and pool.allocated == (pool.MIN_BYTES if staging_mb else 0)
         pd.decode.check_integrity()
     finally:
+        pd.close()
+
+
+@pytest.mark.parametrize("end", ["cancel", "timeout", "close"])
+def test_staged_reads_into_a_host_pool_that_end_early_give_both_buffers_back(
+        end: str, monkeypatch) -> None:
+    """A request into a spilling HiSparse rank holds two staging buffers (the caches', the host
+    pool's) while its READs are in flight; cancelled (an abort), timed out or closed, it gives
+    both back, and neither the caches nor the host pool receive a byte."""
+    release = _held_copies(monkeypatch)
+    pd = _Pd("shm", True, (2, 1, 4, 1, 1, 8), transfer_timeout_s=0.2)
+    try:
+        host, dest = _spilling_dest(pd)
+        before = [t.clone() for t in [*_bytes(pd.got[0]), *host]]
+        pd.decode.start_receives([pd.recv()], {"req": dest})
+        pools = (pd.decode.staging, pd.decode.host_staging)
+        assert pools[0] is not None and pools[1] is not None
+        assert [len(pool.in_use) for pool in pools] == [1, 1]
+        pd.decode.check_integrity()
+        if end == "cancel":
+            pd.decode.cancel_receives(["req"])
+        elif end == "timeout":
+            done, failed = pd.settle()
+            assert not done and "transfer timeout" in failed["req"]
+        else:
+            pd.decode.close()
+        assert [len(pool.in_use) for pool in pools] == [0, 0]
+        assert [len(pool.free) for pool in pools] == [1, 1] and pd.decode.num_receiving == 0
+        pd.decode.check_integrity()
+        release.set()
+        after = [*_bytes(pd.got[0]), *host]
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    finally:
+        release.set()
         pd.close()
