@@ -55,18 +55,23 @@ STAGE_SEGMENTS_PER_ROW = 1.0
 
 
 def segments_per_row(layers: Sequence[dict[str, torch.Tensor]], num_rows: int) -> float:
-    """A zero-copy plan's segments (`descriptors.plan_segments`) per row and layer."""
+    """A zero-copy plan's segments (`descriptors.plan_segments`) per row and layer moved: a
+    layer with nothing to move (no indexer keys under IndexShare, for a plan of keys alone)
+    does not count, or it would dilute the layers that do."""
     num_segments = sum(int(seg.shape[0]) for layer in layers for seg in layer.values())
-    return num_segments / max(1, num_rows * len(layers))
+    return num_segments / max(1, num_rows * _num_moved(layers))
+
+
+def _num_moved(layers: Sequence[dict[str, torch.Tensor]]) -> int:
+    return sum(1 for layer in layers if layer)
 
 
 def worth_staging(zero_copy: Sequence[dict[str, torch.Tensor]], staged: StagedPair) -> bool:
     """Stage a pair where its zero-copy READ is per row and the staged one is not (a target
     that takes every other row of a source page, DCP on both sides at other interleaves, gains
     nothing from staging: its source slots are not contiguous either)."""
-    num_layers = max(1, len(staged.reads))
     return (segments_per_row(zero_copy, staged.num_rows) >= STAGE_SEGMENTS_PER_ROW
-            > staged.num_segments / max(1, staged.num_rows * num_layers))
+            > segments_per_row(staged.reads, staged.num_rows))
 
 
 @dataclass(frozen=True)

@@ -213,6 +213,24 @@ def test_staged_is_chosen_where_segments_are_per_row(fp8: bool) -> None:
     assert per_row[b] < staging.STAGE_SEGMENTS_PER_ROW
 
 
+def test_keys_alone_are_staged_where_only_some_layers_have_keys() -> None:
+    """A plan of indexer keys alone (a HiSparse destination moves keys and MLA rows apart) over
+    layers where IndexShare leaves most without keys: its segments per row count the layers
+    with keys only. Averaged over every layer, interleave 1's one segment per bf16 key row fell
+    to 1/3, under the threshold, and the pair went zero-copy at a segment per row."""
+    b = 16
+    fmt = [descriptors.LayerFormat(b, 656, 64, False),
+           descriptors.LayerFormat(b, 656, 0, False), descriptors.LayerFormat(b, 656, 0, False)]
+    plan = plan_transfer(KVLayout((3, 1, 6, 0), b, 2, 1), KVLayout(tuple(range(8)), b), 0,
+                         8 * b - 1)
+    pair = plan.pair(0, 0)
+    assert pair is not None
+    keys = descriptors.plan_segments(pair, fmt, fmt, ("index",))
+    assert [bool(layer) for layer in keys] == [True, False, False]
+    assert staging.segments_per_row(keys, pair.num_rows) == 1.0
+    assert staging.worth_staging(keys, staging.plan_staged(pair, fmt, fmt, ("index",)))
+
+
 @pytest.mark.parametrize("b", [4, 16])
 def test_whole_pages_are_one_segment_per_page(b: int) -> None:
     """I = B_s = B_t: every MLA and FP8 indexer segment is whole pages (a page's values and
