@@ -423,6 +423,17 @@ def test_staging_that_does_not_fit_reads_zero_copy() -> None:
         pd.close()
 
 
+def _end_early(pd, end: str) -> None:
+    """Stop request "req"'s READs in flight: cancelled, timed out, or the worker closed."""
+    if end == "cancel":
+        pd.decode.cancel_receives(["req"])
+    elif end == "timeout":
+        done, failed = pd.settle()
+        assert not done and "transfer timeout" in failed["req"]
+    else:
+        pd.decode.close()
+
+
 @pytest.mark.parametrize("end", ["cancel", "timeout", "close"])
 def test_a_staged_read_that_ends_early_gives_its_buffer_back(end: str, monkeypatch) -> None:
     """READs held in flight by the copy thread, then cancelled (an abort), timed out, or the
@@ -435,13 +446,7 @@ def test_a_staged_read_that_ends_early_gives_its_buffer_back(end: str, monkeypat
         pd.decode.start_receives([pd.recv()])
         assert pd.decode.staging is not None and len(pd.decode.staging.in_use) == 1
         pd.decode.check_integrity()
-        if end == "cancel":
-            pd.decode.cancel_receives(["req"])
-        elif end == "timeout":
-            done, failed = pd.settle()
-            assert not done and "transfer timeout" in failed["req"]
-        else:
-            pd.decode.close()
+        _end_early(pd, end)
         assert not pd.decode.staging.in_use and pd.decode.num_receiving == 0
         pd.decode.check_integrity()
         release.set()
@@ -544,13 +549,7 @@ def test_staged_reads_into_a_host_pool_that_end_early_give_both_buffers_back(
         assert pools[0] is not None and pools[1] is not None
         assert [len(pool.in_use) for pool in pools] == [1, 1]
         pd.decode.check_integrity()
-        if end == "cancel":
-            pd.decode.cancel_receives(["req"])
-        elif end == "timeout":
-            done, failed = pd.settle()
-            assert not done and "transfer timeout" in failed["req"]
-        else:
-            pd.decode.close()
+        _end_early(pd, end)
         assert [len(pool.in_use) for pool in pools] == [0, 0]
         assert [len(pool.free) for pool in pools] == [1, 1] and pd.decode.num_receiving == 0
         pd.decode.check_integrity()
