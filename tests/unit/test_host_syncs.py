@@ -86,9 +86,6 @@ def test_read_back_unpacks_every_part():
 @pytest.mark.parametrize("k", [None, 3, "synthetic"])
 def test_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, k, logprobs,
                                            min_tokens, step_log):
-    if k == "synthetic" and logprobs and not min_tokens:
-        pytest.skip("r0, the request asking for logprobs, accepts drafts that end it on a stop "
-                    "id before the step checked")
     cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=4)
     if step_log:
         cfg = dataclasses.replace(cfg, step_log=str(tmp_path / "steps.jsonl"))
@@ -100,13 +97,17 @@ def test_decode_step_reads_the_device_once(engine_config, model_dirs, tmp_path, 
                              logprobs=logprobs),
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=1.0, top_k=5, ignore_eos=True)]
-    params = [dataclasses.replace(p, min_tokens=min_tokens, stop_token_ids=(7, 8))
+    # stop ids are what min_tokens masks; without it they would only end requests early
+    # (synthetic acceptance takes drafts whatever they are: r0 could end before the step checked)
+    params = [dataclasses.replace(p, min_tokens=min_tokens,
+                                  stop_token_ids=(7, 8) if min_tokens else ())
               for p in params]
     for i, p in enumerate(params):
         engine.add_request(f"r{i}", list(range(5, 30 + 9 * i)), p)
     for _ in range(3):  # prefill, then decode steps (with MTP: drafts to verify)
         engine.step()
     so = engine.scheduler.schedule()
+    assert len(so.num_scheduled_tokens) == len(params), "a request ended before the step checked"
     assert all(n == 1 + len(so.scheduled_spec_token_ids.get(rid, ()))
                for rid, n in so.num_scheduled_tokens.items()), "not a decode step"
     if k is not None:
