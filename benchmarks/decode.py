@@ -204,6 +204,10 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
             profiled = 5 if async_ else 4
             kernels = sum(e.self_device_time_total for e in prof.events()
                           if e.device_type == DeviceType.CUDA) / profiled / 1e3
+            if args.kernel_profile:
+                print(f"kernels: context {context}, batch {batch}, MTP3 {mtp}, graph {graph}, "
+                      f"async {async_} (µs per step)", file=sys.stderr)
+                print(kernel_table(prof, profiled, args.kernel_profile), file=sys.stderr)
         times.sort()
         wall = 1e3 * times[len(times) // 2]
         per_step = sum(emitted) / len(emitted)
@@ -220,6 +224,19 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return Row(context, batch, mtp, graph, async_, wall, kernels, per_step, note)
+
+
+def kernel_table(prof: torch.profiler.profile, steps: int, top: int) -> str:
+    """The `top` kernel names with the most device time, per step (µs) and as a share of the
+    step's kernels: where an MTP step's time goes against a plain one's."""
+    by_name: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.self_device_time_total / steps
+    total = sum(by_name.values()) or 1.0
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return "\n".join(f"  {us:9.1f} µs {100 * us / total:5.1f} %  {name[:110]}"
+                     for name, us in ranked)
 
 
 def table(rows: list[Row], title: str) -> list[str]:
@@ -265,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                         "temporary directory)")
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="print each row's N Python functions with the most own time (cProfile)")
+    p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                   help="print each row's N GPU kernels with the most device time")
+    p.add_argument("--fastest-only", action="store_true",
+                   help="only the rows with graphs and --async-scheduling (with and without MTP3)")
     args = p.parse_args(argv)
     if args.smoke:
         args.contexts, args.batches, args.steps, args.warmup = [40], [1, 2], 2, 1
@@ -293,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                                         (True, True)):
                         if async_ and graph != graphs[-1]:
                             continue  # async rows: with graphs where they run
+                        if args.fastest_only and (graph, async_) != (graphs[-1], True):
+                            continue
                         row = measure(model_dir, context, batch, mtp, graph, args, async_,
                                       log)
                         print(row, file=sys.stderr)

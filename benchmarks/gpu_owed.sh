@@ -37,6 +37,10 @@
 #                                          #   its 1M-token request
 #   bash benchmarks/gpu_owed.sh 13         # part 13: decode at 16 layers (MTP3's speed-up),
 #                                          #   the FP8 64-row bucket's sweep, P/D end to end
+#   bash benchmarks/gpu_owed.sh 14         # part 14: the MoE combine kernel and the FP8 split
+#                                          #   rule (tests, timings), MTP rows' grid, P/D's READ
+#                                          #   step split, MTP3 at 16 layers again, HiSparse's
+#                                          #   step at 8K with its misses
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -162,6 +166,22 @@ elif [ "$part" = 13 ]; then
     run 200 fp8_sweep python benchmarks/fp8_linear.py --m 64 --only q_a,o_proj \
         --no-grouped --sweep --out "$out/fp8_sweep.md"
     run 120 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+elif [ "$part" = 14 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    # the MoE combine compiled (its own tests, then the MoE and engine tests through it), the
+    # FP8 split rule's kernels
+    run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
+    run 90 kernels python benchmarks/kernels.py --only moe_combine,decode_mtp
+    run 60 fp8_linear python benchmarks/fp8_linear.py --m 1,16,64 --no-grouped \
+        --out "$out/fp8_linear.md"
+    # where P/D's READ step goes (posting, in flight, the rest)
+    run 90 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    [ "$(left)" -gt 90 ] && run 100 decode_16l python benchmarks/decode.py --layers 16 \
+        --contexts 8192 --batches 1,64 --steps 10 --fastest-only --kernel-profile 12 \
+        --out "$out/decode_16l.md"
+    [ "$(left)" -gt 60 ] && run "$(left)" hisparse_step python benchmarks/hisparse_engine.py \
+        --sections step --contexts 8192 --out "$out/hisparse_step.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call

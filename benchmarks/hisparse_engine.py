@@ -277,8 +277,9 @@ def step_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> lis
                 del engine
         for b, a, h in zip(args.batches, got["all-GPU"], got["HiSparse"], strict=True):
             rows.append(StepRow(context, b, a, h))
-            print(f"step: C={human(context)} b={b}: {a.wall_ms:.2f} / {h.wall_ms:.2f} ms",
-                  file=sys.stderr)
+            print(f"step: C={human(context)} b={b}: all-GPU {a.wall_ms:.2f} / HiSparse "
+                  f"{h.wall_ms:.2f} ms, {h.missed_per_step:,.0f} rows missed per step, "
+                  f"{h.spills} blocks spilled", file=sys.stderr)
     return rows
 
 

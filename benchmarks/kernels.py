@@ -19,6 +19,11 @@ Measures on the current GPU, in one run:
                  (its grid, one CTA per row, against 128 CTAs of 32 rows) against the
                  backend's bf16 workspace path, and the workspace's dequantization
                  (--sweep: both paths over chunk lengths and contexts, the break-even)
+  decode_mtp     FP8 paged decode with MTP rows (b = 64 and 128, s_q = 4) whose rows of one
+                 request select mostly the same keys (0, 90 and 100 % shared), the default
+                 grid (whole rows per CTA) against one CTA per row
+  moe_combine    the grouped MoE's combine (k = 8 rows per token summed back, H = 6144) at
+                 decode and prefill sizes, against PyTorch's fp32 copy + index_add_
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
   indexer_decode the decode rows of `indexer` alone
@@ -421,6 +426,75 @@ def decode_case(batch: int, s_q: int, pool_pages: int, cache: torch.Tensor):
     return q, idx
 
 
+def shared_row_positions(batch: int, s_q: int, k: int, shared: float) -> torch.Tensor:
+    """[batch · s_q, k] positions < CONTEXT where the s_q rows of a request keep a fraction
+    `shared` of the first row's positions (the rest drawn afresh): the draft rows of one MTP
+    step select mostly the same keys, as consecutive positions of a real model do."""
+    limits = torch.full((batch,), CONTEXT, device=DEV)
+    first = topk_positions(limits, k)[:, None, :].expand(batch, s_q, k)
+    fresh = topk_positions(limits.repeat_interleave(s_q), k).view(batch, s_q, k)
+    keep = torch.rand(batch, s_q, k, device=DEV) < shared
+    keep[:, 0] = True
+    return torch.where(keep, first, fresh).reshape(batch * s_q, k)
+
+
+def bench_decode_mtp() -> None:
+    """The MTP verification step's rows: does the grid let a request's rows share L2?"""
+    print("sparse MLA FP8 decode, MTP rows (s_q = 4) sharing keys: default grid / one CTA "
+          "per row (CUDA graph, us)", flush=True)
+    pool_pages = 65536
+    cache = torch.empty(pool_pages, 64, 656, dtype=torch.uint8, device=DEV)
+    fill_mla_cache(cache)
+    s_q, pages_per_req = 4, CONTEXT // 64
+    for batch in (64, 128):
+        table = torch.randint(0, pool_pages, (batch, pages_per_req), device=DEV)
+        rows = torch.arange(batch, device=DEV).repeat_interleave(s_q)
+        q = torch.randn(batch * s_q, HEADS, L + R, device=DEV, dtype=torch.bfloat16)
+        for shared in (0.0, 0.9, 1.0):
+            pos = shared_row_positions(batch, s_q, TOPK, shared)
+            idx = (table[rows[:, None], pos // 64] * 64 + pos % 64).int()
+            default = SparseMlaConfig()
+            per_row = SparseMlaConfig(num_splits=1, num_ctas=batch * s_q)
+            check_config(q, cache, idx, per_row)
+            ms = [timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L, cfg),
+                        graph=True) for cfg in (default, per_row)]
+            print(f"    b={batch} s_q={s_q} shared {shared:.0%}: default {ms[0] * 1e3:.1f}, "
+                  f"one CTA per row {ms[1] * 1e3:.1f} ({ms[0] / ms[1]:.2f}x)", flush=True)
+
+
+def _index_add_combine(y: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
+                       n: int) -> torch.Tensor:
+    """The PyTorch combine moe_combine replaced: fp32 copies and atomic adds."""
+    out = torch.zeros(n, y.shape[1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, token_of, y.float() * w_sorted[:, None])
+
+
+def bench_moe_combine() -> None:
+    """kernels/triton/moe_combine.py against the PyTorch combine it replaced (an fp32 copy of
+    the pair rows, their product with the weights, atomic index_add_), GLM-5.3's k and H."""
+    from dsaserve.kernels.triton import moe_combine
+    from dsaserve.model import moe_compute
+
+    k, hidden, experts = 8, 6144, 256
+    print("MoE combine (k = 8, H = 6144): kernel / PyTorch index_add_ (us)", flush=True)
+    for n in (64, 256, 4096, 16384):
+        ids = torch.argsort(torch.rand(n, experts, device=DEV), dim=1)[:, :k]
+        weights = torch.rand(n, k, device=DEV)
+        order, _ = moe_compute._sort_pairs(ids, 0, experts, held_all=True)
+        y = torch.randn(n * k, hidden, device=DEV, dtype=torch.bfloat16)
+        pos = moe_compute.pair_positions(order, weights.shape)
+        token_of, w_sorted = order // k, weights.flatten()[order]
+
+        plain = partial(_index_add_combine, y, token_of, w_sorted, n)
+        got = moe_combine.moe_combine(y, pos, weights)
+        torch.testing.assert_close(got, plain(), rtol=1e-5, atol=1e-4)
+        ms = [timed(fn, graph=True) for fn in (partial(moe_combine.moe_combine, y, pos, weights),
+                                              plain)]
+        moved = y.numel() * 2 + n * hidden * 4  # y read once, out written once
+        add(f"moe_combine N={n}", ms[0], moved / ms[0] / 1e9, "TB/s",
+            f"PyTorch index_add_ {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
+
+
 def bench_decode(quick: bool, sweep: bool) -> None:
     print("sparse MLA FP8 decode (fp8_ds_mla pages of 64, 64 heads, top-2048)", flush=True)
     pool_pages = 65536  # 4M slots, 2.75 GB; requests map their 128K positions into it randomly
@@ -738,7 +812,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--only",
-                        default="ceilings,prefill,prefill_fp8,decode,indexer,topk,writers")
+                        default="ceilings,prefill,prefill_fp8,decode,decode_mtp,moe_combine,"
+                                "indexer,topk,writers")
     parser.add_argument("--heads", type=head_counts, default=(64, 32),
                         help="index head counts of the indexer prefill rows (default 64,32)")
     parser.add_argument("--indices", type=index_draws, default=("uniform", "recent"),
@@ -761,6 +836,10 @@ def main() -> None:
         bench_prefill_fp8(args.indices, args.sweep)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
+    if "decode_mtp" in parts:
+        bench_decode_mtp()
+    if "moe_combine" in parts:
+        bench_moe_combine()
     prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \
         {"indexer", "indexer_decode"} & set(parts)
     if prefill or decode:

@@ -14,10 +14,13 @@ are VRAM, so it is GPU → GPU). Per prompt length: the prefill process prefills
 blocks; then, timed here, the decode engine checks the params over the side channel, allocates,
 READs every prompt row it lacks (posted in the runner's step with the `KVRecv`, polled in
 the following ones until they land) and decodes its first token. Columns: that time to the
-first decoded token; the READs alone (until the request leaves `receiving`) and their GB/s over the
-bytes moved (a GLM-5.3-shaped model with few layers: the bytes are those layers'); the same
-request's whole-model KV (54,728 B per token) at that rate; and the cost model's transfer time for
-the 16-GPU deployment (a decode rank's 400 Gb/s InfiniBand link, 50 GB/s), next to it.
+first decoded token; the READs alone (until the request leaves `receiving`), split into the
+decode rank's host time posting them and the time they were in flight until a poll found them
+landed (with the number of polls; the rest is the side channel's check and the steps around),
+and their GB/s over the bytes moved (a GLM-5.3-shaped model with few layers: the bytes are
+those layers'); the same request's whole-model KV (54,728 B per token) at that rate; and the
+cost model's transfer time for the 16-GPU deployment (a decode rank's 400 Gb/s InfiniBand
+link, 50 GB/s), next to it.
 """
 
 from __future__ import annotations
@@ -84,9 +87,10 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
                         f"({model.num_hidden_layers} layers + MTP, {args.kv_cache_dtype}, "
                         f"{args.transport}, block {args.block_size})", "",
                         "| prompt | first decoded token after the prefill (ms) | READ step (ms) | "
+                        "of it: posting (ms) | of it: in flight (ms) | polls | "
                         "KV moved (MiB) | GB/s | whole-model KV at that rate (ms) | 16 GPUs, "
                         "IB 50 GB/s (ms) |",
-                        "|---:|---:|---:|---:|---:|---:|---:|"]
+                        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
                 g = torch.Generator().manual_seed(0)
                 for n in [min(args.tokens), *args.tokens]:  # the first: a warm-up, not reported
                     prompt = torch.randint(4, model.vocab_size, (n,), generator=g).tolist()
@@ -105,6 +109,7 @@ def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.d
     rid = f"p{n}-{time.monotonic_ns()}"
     params = p.prefill(rid, prompt)
     before = sum(d.executor.call("kv_bytes_received"))
+    times_before = d.executor.call("kv_read_times")
     _sync(device)
     t0 = time.perf_counter()
     d.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
@@ -121,10 +126,16 @@ def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.d
     p.drain()  # the producer freed the blocks read; its invariants
     d.check_integrity()
     moved = sum(d.executor.call("kv_bytes_received")) - before
+    # the slowest rank's posting and flight (one rank here); the rest of the READ step is the
+    # side channel's check and the steps around the READs
+    spans = [(a.post_s - b.post_s, a.in_flight_s - b.in_flight_s, a.polls - b.polls)
+             for a, b in zip(d.executor.call("kv_read_times"), times_before, strict=True)]
+    post_s, flight_s, polls = max(spans, key=lambda t: t[0] + t[1])
     assert read_s is not None and first_s is not None
     gbps = moved / read_s / 1e9
     whole = n * FULL_RECORD
-    return (f"| {n:,} | {first_s * 1e3:.1f} | {read_s * 1e3:.1f} | {moved / 2**20:.1f} | "
+    return (f"| {n:,} | {first_s * 1e3:.1f} | {read_s * 1e3:.1f} | {post_s * 1e3:.1f} | "
+            f"{flight_s * 1e3:.1f} | {polls} | {moved / 2**20:.1f} | "
             f"{gbps:.2f} | {whole / (gbps * 1e9) * 1e3:,.0f} | "
             f"{whole / (IB_GBPS * 1e9) * 1e3:.1f} |")
 

@@ -51,7 +51,7 @@ from dsaserve.core import KVRecv, KVTransferParams, Request, RequestError, Reque
 from dsaserve.disagg import descriptors, kvio
 from dsaserve.disagg.claims import Release, ReleaseSender
 from dsaserve.disagg.hostplan import HostDest, plan_into_hisparse
-from dsaserve.disagg.receiving import PostedRead, StagedReads
+from dsaserve.disagg.receiving import PostedRead, ReadTimes, StagedReads
 from dsaserve.disagg.relayout import CopyRuns, KVLayout, TransferPlan, plan_transfer
 from dsaserve.disagg.staging import (
     STAGE_SEGMENTS_PER_ROW,
@@ -490,6 +490,7 @@ class ConnectorWorker:
         self._counts: dict[str, int] = {}  # producer: notifications per held request
         self._receiving: dict[str, PostedRead] = {}  # consumer: READs posted, not reported
         self.bytes_received = 0  # consumer: bytes READ so far (all requests)
+        self.read_times = ReadTimes()  # consumer: where the landed requests' READs took time
         # consumer into a spilling HiSparse rank (hostplan.py): of those, the MLA rows READ
         # straight into the host pool, and those READ into GPU MLA pages
         self.mla_rows_to_host = 0
@@ -550,10 +551,13 @@ class ConnectorWorker:
         for recv in recvs:
             posted = PostedRead(recv.request_id, deadline)
             self._receiving[recv.request_id] = posted
+            started = time.perf_counter()
             try:
                 self._post(recv, (dests or {}).get(recv.request_id), posted)
             except (TransferError, ValueError, KeyError) as e:
                 posted.fail(str(e))  # the READs already posted are still polled
+            posted.posted_at = time.perf_counter()
+            posted.post_s = posted.posted_at - started
 
     def poll_receives(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """Poll every posted READ once, without blocking; the requests whose READs all landed
@@ -574,6 +578,11 @@ class ConnectorWorker:
                     posted.fail(str(e))
             if posted.error is None:
                 done.append(rid)
+                t = self.read_times
+                t.requests += 1
+                t.post_s += posted.post_s
+                t.in_flight_s += time.perf_counter() - posted.posted_at
+                t.polls += posted.polls
             else:
                 logger.warning("P/D: reading request %s's KV failed: %s", rid, posted.error)
                 failed[rid] = ("reading the prompt's KV from the prefill engine failed: "

@@ -49,6 +49,17 @@ class StagedReads:
 
 
 @dataclass
+class ReadTimes:
+    """A consumer rank's READs so far, on its host clock: where a request's wait for its KV
+    goes (posting the READs, then in flight until a poll finds them all landed)."""
+
+    requests: int = 0  # requests whose READs all landed
+    post_s: float = 0.0  # building and posting their READs (descriptors, NIXL requests)
+    in_flight_s: float = 0.0  # from the end of posting to the poll that found them landed
+    polls: int = 0  # polls of those requests (one per step while in flight)
+
+
+@dataclass
 class PostedRead:
     """One request's READs on one rank, from the step that posted them until they settle."""
 
@@ -60,6 +71,9 @@ class PostedRead:
     notify: bytes = b""
     # staged pairs: one buffer per staging pool they use (the caches' pool, a host pool's)
     staged: list[StagedReads] = field(default_factory=list)
+    post_s: float = 0.0  # host time posting the READs
+    posted_at: float = 0.0  # time.perf_counter() when posting ended
+    polls: int = 0
 
     def fail(self, reason: str) -> None:
         if self.error is None:
@@ -68,6 +82,7 @@ class PostedRead:
     def poll(self, transport: KVTransport, now: float) -> bool:
         """Poll each READ still in flight once (never blocks); True when none is left (done, or
         failed: `error`). Past the deadline the rest are cancelled and the request fails."""
+        self.polls += 1
         still = []
         for xfer in self.transfers:
             try:

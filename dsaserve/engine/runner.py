@@ -26,6 +26,7 @@ from dsaserve.core import (
 )
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.disagg.hostplan import HostDest
+from dsaserve.disagg.receiving import ReadTimes
 from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
@@ -501,6 +502,12 @@ class ModelRunner:
     def kv_bytes_received(self) -> int:
         """Bytes this rank READ from prefill engines so far (P/D; tests check the layouts')."""
         return self.connector.bytes_received if self.connector is not None else 0
+
+    def kv_read_times(self) -> ReadTimes:
+        """This rank's READ timings so far, a copy (P/D consumer; benchmarks/pd_e2e.py's
+        columns)."""
+        return replace(self.connector.read_times) if self.connector is not None \
+            else ReadTimes()
 
     def kv_read_paths(self) -> tuple[int, int]:
         """(source → this rank pairs READ staged, READ zero-copy) so far (P/D; tests and the

@@ -12,7 +12,9 @@ Three formulations of the same sum `out[t] = Σ_j w[t, j] · expert_{ids[t, j]}(
   received tokens; the per-expert counts are read on the host (one sync per layer, in prefill).
 
 Pairs routed to experts held on another rank (EP) are dropped (weight 0); each path adds the
-experts' contributions in ascending expert order, in fp32. Experts kept in FP8 (model/fp8.py) take
+experts' contributions in fp32 in an order fixed by the routing (dense and looped: ascending
+expert; grouped: per token, the router's choice order, without atomics), so a batch gives the
+same bits every run. Experts kept in FP8 (model/fp8.py) take
 the same three paths: grouped through the FP8 grouped kernel (kernels/triton/fp8_linear.py) where
 their blocks line up with the gate/up halves, else every expert dequantized first; dense and looped
 through each expert's dequantized matrices.
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from dsaserve.kernels.registry import use_kernels
 from dsaserve.model.fp8 import Fp8Experts
 
 # Either form of the stacked experts: (w13 [E, 2I, H], w2 [E, H, I]) or their FP8 form.
@@ -47,36 +50,75 @@ def grouped_mm_available(x: torch.Tensor, w: torch.Tensor) -> bool:
             and x.shape[-1] % 8 == 0 and w.shape[1] % 8 == 0)
 
 
+def _sort_pairs(ids: torch.Tensor, first: int, count: int, held_all: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, k] → (the pairs' order by local expert [P], group ends [count] int64)."""
+    local = ids.flatten() if held_all else (ids - first).flatten()  # [P]
+    if not held_all:
+        local = torch.where((local >= 0) & (local < count), local, count)
+    order = local.argsort(stable=True)  # [P]
+    ends = torch.searchsorted(local[order], torch.arange(count, device=ids.device), right=True)
+    return order, ends
+
+
 def sorted_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int,
                  held_all: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids/weights [N, k] → (token of each sorted pair [P], its weight [P] fp32, group ends
     [count] int32): pairs sorted by local expert, all on the device. Pairs of experts held
     elsewhere sort last, past ends[-1], in no group; held_all (first = 0 and this rank holds
     every expert: no EP) says there are none, and skips the ops that find them."""
-    local = ids.flatten() if held_all else (ids - first).flatten()  # [P]
-    if not held_all:
-        local = torch.where((local >= 0) & (local < count), local, count)
-    order = local.argsort(stable=True)  # [P]
-    ends = torch.searchsorted(local[order], torch.arange(count, device=ids.device), right=True)
+    order, ends = _sort_pairs(ids, first, count, held_all)
     w = weights.flatten()
     w = w if w.dtype == torch.float32 else w.float()
     return order // ids.shape[1], w[order], ends.to(torch.int32)
 
 
+def pair_positions(order: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The sorted pairs' order [P] → where each token's pairs sit in it, [N, k] (shape) int64:
+    the inverse permutation, what the combine reads."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv.view(shape)
+
+
+def combine_reference(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
+                      limit: torch.Tensor | None = None) -> torch.Tensor:
+    """y [P, H] (sorted pair rows), pos [N, k] (pair_positions), w [N, k] fp32, limit [1] or
+    None → [N, H] fp32: out[t] = Σ_j w[t, j] · y[pos[t, j]] over the j with pos[t, j] < limit
+    (rows past it belong to experts held elsewhere and were never written), added in fp32 in
+    ascending j (the router's choice order); kernels/triton/moe_combine.py runs the same on
+    the GPU."""
+    out = torch.zeros(pos.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for j in range(pos.shape[1]):
+        p = pos[:, j]
+        term = w[:, j, None] * y[p].float()
+        out += term if limit is None else torch.where((p < limit)[:, None], term, 0.0)
+    return out
+
+
+def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+            ends: torch.Tensor, held_all: bool) -> torch.Tensor:
+    """The grouped paths' output rows y [P, H] back to their tokens, weighted: [N, H] fp32 (the
+    Triton kernel on the GPU, its reference elsewhere). Deterministic: no atomics."""
+    pos = pair_positions(order, weights.shape)
+    w = weights if weights.dtype == torch.float32 else weights.float()
+    limit = None if held_all else ends[-1:]
+    if use_kernels(y):
+        from dsaserve.kernels.triton import moe_combine
+
+        return moe_combine.moe_combine(y, pos, w, limit)
+    return combine_reference(y, pos, w, limit)
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs."""
-    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, w13.shape[0], held_all)
-    xs = x[token_of]  # [P, H]
-    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=ends)  # [P, H]
-    if held_all:  # every row is in a group
-        y = y.float() * w_sorted[:, None]
-    else:  # rows past the last group (experts held elsewhere) are left unwritten: select
-        in_group = torch.arange(xs.shape[0], device=x.device) < ends[-1]
-        y = torch.where(in_group[:, None], y.float() * w_sorted[:, None], 0.0)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token_of, y)
+    order, ends = _sort_pairs(ids, first, w13.shape[0], held_all)
+    xs = x[order // ids.shape[1]]  # [P, H]
+    offs = ends.to(torch.int32)
+    gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
+    return combine(y, order, weights, ends, held_all)
 
 
 def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
@@ -89,13 +131,12 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
         return grouped_experts(x, w13, w2, ids, weights, first, held_all)
     from dsaserve.kernels.triton import fp8_linear
 
-    token_of, w_sorted, ends = sorted_pairs(ids, weights, first, experts.num_experts, held_all)
-    xs = x[token_of]  # [P, H]
-    gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, ends).chunk(2, dim=-1)
-    y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, ends)
-    # fp8_grouped writes 0 past the last group: the pairs of experts held elsewhere add nothing
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    return out.index_add_(0, token_of, y.float() * w_sorted[:, None])
+    order, ends = _sort_pairs(ids, first, experts.num_experts, held_all)
+    xs = x[order // ids.shape[1]]  # [P, H]
+    offs = ends.to(torch.int32)
+    gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
+    y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, offs)
+    return combine(y, order, weights, ends, held_all)
 
 
 def _per_expert(experts: ExpertWeights, dtype: torch.dtype

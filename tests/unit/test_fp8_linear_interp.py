@@ -137,7 +137,7 @@ def test_fp8_linear_split_k_and_strided_rows(fl):
     wq, scale = _weight(n, k)
     x = torch.randn(3, k + 9, generator=_gen())[:, 9:]
     cfg = fl.choose_config(3, n, k)
-    assert fl.choose_split_k(3, n, k, cfg, num_sms=8) == 2
+    assert fl.choose_split_k(3, n, k, cfg, num_sms=8) == 4
     want = fw.linear_reference(x.contiguous(), wq, scale)
     _assert_close(fl.fp8_linear(x, wq, scale), want)
     forced = fl.Fp8LinearConfig(16, 32, 64, split_k=3)
@@ -149,14 +149,19 @@ def test_split_k_choice(fl):
     # enough n tiles for two programs per SM: no split
     assert fl.choose_split_k(1, 2 * 132 * 64, 2048, cfg, num_sms=132) == 1
     assert fl.choose_split_k(1, 2 * 132 * 64 - 64, 2048, cfg, num_sms=132) == 2
-    # q_a-like (32 n tiles): more programs, ≥ 4 k tiles per split, partials ≤ 1/8 of weights
-    assert fl.choose_split_k(1, 2048, 6144, cfg, num_sms=132) == 6  # capped by the partials
+    # q_a-like (32 n tiles): ~2 programs per SM (9 splits → 8 without an empty one), ≥ 4 k
+    # tiles per split; 2 MiB of partials at M = 64 stay in L2
+    assert fl.choose_split_k(1, 2048, 6144, cfg, num_sms=132) == 8
+    assert fl.choose_split_k(64, 2048, 6144, fl.Fp8LinearConfig(64, 64), num_sms=132) == 8
     # the same for every M of the bucket (one compiled kernel)
-    assert {fl.choose_split_k(m, 2048, 6144, cfg, num_sms=132) for m in range(1, 17)} == {6}
+    assert {fl.choose_split_k(m, 2048, 6144, cfg, num_sms=132) for m in range(1, 17)} == {8}
     assert fl.choose_split_k(1, 576, 512, cfg, num_sms=132) == 1  # 4 k tiles: one split
-    # the partials capped at 1/8 of the weight bytes: M = 64 over K = 2048 does not split
-    assert fl.choose_split_k(64, 576, 2048, fl.Fp8LinearConfig(64, 64), num_sms=132) == 1
-    assert fl.choose_split_k(16, 576, 6144, cfg, num_sms=132) == 6
+    # partials beyond both caps: 1/8 of the weight bytes (a 64-row tile over K = 2048 allows
+    # none) and L2_PARTIAL_BYTES (8 MiB: one split of 64 rows × 32K columns)
+    wide = fl.L2_PARTIAL_BYTES // (4 * 64)  # columns
+    assert fl.choose_split_k(64, wide // 2, 2048, fl.Fp8LinearConfig(64, 64), num_sms=1024) == 2
+    assert fl.choose_split_k(64, wide, 2048, fl.Fp8LinearConfig(64, 64), num_sms=1024) == 1
+    assert fl.choose_split_k(16, 576, 6144, cfg, num_sms=132) == 12  # 4 k tiles each
     # prefill buckets never split (their m tiles vary with M)
     assert fl.choose_split_k(100, 576, 6144, fl.choose_config(100, 576, 6144), 132) == 1
     for m, n, k in [(1, 576, 6144), (16, 2048, 6144), (7, 100, 1000)]:

@@ -25,8 +25,9 @@ from dsaserve.engine.host_ops import OUTSIDE, OpCounter, gpu_branches
 # 132 ops and 13.5 launches, decode 123 and 12.5; after them 90 and 88. The top-k's sort into
 # key order (kernels/triton/indexer.py `_in_key_order`: a step that rounds the same from run to
 # run) adds five per full-indexer layer, none in the shared one (torch.topk's order, by score,
-# had added twelve).
-BUDGET = {"prefill": (93, 13.0), "decode": (91, 12.0)}
+# had added twelve). The grouped MoE's combine in one kernel (kernels/triton/moe_combine.py:
+# no fp32 copies, no atomics) turned 2.5 ops per layer into one launch.
+BUDGET = {"prefill": (91, 14.0), "decode": (89, 13.0)}
 
 
 def test_counter_sees_ops_layers_and_sites():

@@ -70,11 +70,16 @@ def test_pd_equals_aggregated(model_dirs, engine_config, mixed_prompts, backend,
 
         per_token = row_bytes(d.runner.caches).per_token
         assert per_token > 0
-        before = _received(d)
+        before, times = _received(d), d.runner.kv_read_times()
         d_hits = d.stats().prefix_cache_hits
         params = _prefill(p, "again", prompts[0])
         out = _decode(p, d, "again", prompts[0], params)
         assert out == reference[0]
+        # the READ timings (benchmarks/pd_e2e.py's columns): one more request, polled at
+        # least once, its posting and flight counted
+        after = d.runner.kv_read_times()
+        assert after.requests == times.requests + 1 and after.polls > times.polls
+        assert after.post_s > times.post_s and after.in_flight_s > times.in_flight_s
         cached = d.stats().prefix_cache_hits - d_hits  # whole blocks the decode side held
         assert cached > 0
         assert _received(d) - before == (len(prompts[0]) - 1 - cached) * per_token

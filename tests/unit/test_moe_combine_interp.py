@@ -1,0 +1,112 @@
+"""The grouped MoE's combine kernel (kernels/triton/moe_combine.py) run by Triton's CPU
+interpreter against its PyTorch reference (`moe_compute.combine_reference`): tokens' rows found
+where the sort put them, pairs of experts held elsewhere (rows past the limit, filled with NaN
+here as never-written memory may be) adding nothing, columns past a program's block, strided
+rows; and the grouped path through it equal to the per-pair reference. tests/gpu covers the
+compiled kernel (the MoE tests of test_fp8_linear_gpu.py and the engines').
+
+The interpreter runs the kernel's fp32 adds in the reference's order without fused
+multiply-adds, so the two agree bit for bit here; on the GPU an FMA may round differently by an
+ulp.
+
+Like tests/unit/test_fp8_linear_interp.py, triton is imported in a fixture with
+TRITON_INTERPRET=1, never at collection.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import pytest
+import torch
+
+from dsaserve.model import moe_compute
+
+
+def _reload(interpret: bool) -> ModuleType:
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    return importlib.reload(importlib.import_module("dsaserve.kernels.triton.moe_combine"))
+
+
+@pytest.fixture(scope="module")
+def mc():
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        pytest.importorskip("triton")
+        import triton.language.standard as std
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if not isinstance(std.zeros, InterpretedFunction):
+            why = "triton was imported before without TRITON_INTERPRET=1"
+            if torch.cuda.is_available():
+                pytest.skip(f"{why} (the GPU suites cover this kernel)")
+            pytest.fail(f"{why}: run this file with tests/unit/test_triton_interpret.py or on "
+                        "its own")
+        yield _reload(interpret=True)
+        _reload(interpret=False)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def _case(n: int, k: int, experts: int, held: int, hidden: int, dtype: torch.dtype, seed: int):
+    """Sorted pair rows y [P, hidden] as the grouped GEMMs leave them (rows of experts held
+    elsewhere NaN), and the positions, weights and limit the combine reads."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    order, ends = moe_compute._sort_pairs(ids, 0, held, held_all=held == experts)
+    y = torch.randn(n * k, hidden, generator=g).to(dtype)
+    y[int(ends[-1]):] = float("nan")
+    pos = moe_compute.pair_positions(order, weights.shape)
+    return y, pos, weights, (None if held == experts else ends[-1:])
+
+
+@pytest.mark.parametrize("n,k,experts,held,hidden", [
+    (1, 1, 4, 4, 8), (7, 3, 8, 8, 1030), (33, 8, 16, 16, 64),  # every expert here
+    (9, 3, 8, 3, 1030), (16, 8, 16, 5, 40),  # EP: rows of experts held elsewhere skipped
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_reference(mc, n, k, experts, held, hidden, dtype):
+    y, pos, w, limit = _case(n, k, experts, held, hidden, dtype, seed=n + k)
+    want = moe_compute.combine_reference(y, pos, w, limit)
+    assert torch.isfinite(want).all()
+    got = mc.moe_combine(y, pos, w, limit)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    # rows of a wider buffer (strided), and no tokens at all
+    wide = torch.cat((y, y), dim=1)[:, hidden:]
+    assert torch.equal(mc.moe_combine(wide, pos, w, limit), want)
+    assert mc.moe_combine(y, pos[:0], w[:0], limit).shape == (0, hidden)
+
+
+def test_positions_of_each_tokens_pairs():
+    ids = torch.tensor([[3, 1], [1, 7], [2, 3]])  # local experts 0..2 (first = 1, count 3)
+    order, ends = moe_compute._sort_pairs(ids, 1, 3, held_all=False)
+    # sorted pairs: (t0, e1) (t1, e1) (t2, e2) (t0, e3) (t2, e3) | (t1, e7) held elsewhere
+    assert moe_compute.pair_positions(order, ids.shape).tolist() == [[3, 0], [1, 5], [2, 4]]
+    assert ends.tolist() == [2, 3, 5]
+
+
+@pytest.mark.parametrize("held,first", [(8, 0), (3, 2)])
+def test_grouped_path_through_the_kernel(mc, held, first):
+    """grouped_experts with the kernel (use_kernels: TRITON_INTERPRET=1) gives the reference
+    combine's bits, and both the per-pair sum."""
+    g = torch.Generator().manual_seed(held)
+    n, k, hidden, inter = 11, 3, 32, 16
+    x = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(held, 2 * inter, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(held, hidden, inter, generator=g) / inter**0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(n)])
+    weights = torch.rand(n, k, generator=g)
+    got = moe_compute.grouped_experts(x, w13, w2, ids, weights, first)
+    os.environ["TRITON_INTERPRET"] = "0"  # the reference combine
+    try:
+        want = moe_compute.grouped_experts(x, w13, w2, ids, weights, first)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    assert torch.equal(got, want)
