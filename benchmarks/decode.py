@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
+from dsaserve.bench import profile as bench_profile
 from dsaserve.bench import steplog
 from dsaserve.bench import steps as bench_steps
 from dsaserve.bench.argtypes import positive_ints
@@ -227,16 +228,27 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
 
 
 def kernel_table(prof: torch.profiler.profile, steps: int, top: int) -> str:
-    """The `top` kernel names with the most device time, per step (µs) and as a share of the
-    step's kernels: where an MTP step's time goes against a plain one's."""
+    """The step's kernels by category (bench/profile.py's rules; µs and launches per step),
+    then the `top` kernel names with the most device time, per step (µs) and as a share of the
+    step's kernels: where an MTP step's time goes against a plain one's, and how much is the
+    small kernels between the GEMMs and attention."""
     by_name: dict[str, float] = {}
+    count: dict[str, int] = {}
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
             by_name[e.name] = by_name.get(e.name, 0.0) + e.self_device_time_total / steps
+            count[e.name] = count.get(e.name, 0) + 1
     total = sum(by_name.values()) or 1.0
+    cats: dict[str, list[float]] = {}
+    for name, us in by_name.items():
+        cat = cats.setdefault(bench_profile.classify(name), [0.0, 0.0])
+        cat[0] += us
+        cat[1] += count[name] / steps
+    lines = [f"  {cat:<18} {cats[cat][0]:9.1f} µs {100 * cats[cat][0] / total:5.1f} %  "
+             f"{cats[cat][1]:6.1f} launches" for cat in bench_profile.ORDER if cat in cats]
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
-    return "\n".join(f"  {us:9.1f} µs {100 * us / total:5.1f} %  {name[:110]}"
-                     for name, us in ranked)
+    lines += [f"  {us:9.1f} µs {100 * us / total:5.1f} %  {name[:110]}" for name, us in ranked]
+    return "\n".join(lines)
 
 
 def table(rows: list[Row], title: str) -> list[str]:

@@ -80,6 +80,17 @@ class Parts:
     # Fixed costs no run of ours has isolated yet.
     collective_latency_us: Measured = Measured(15.0, "us", "assumed (one NCCL collective on "
                                                            "8 NVLink GPUs)")
+    # The kernels of a layer the figures above do not price, per layer and step whatever the
+    # batch: norms, rotary, the indexer's top-k and slot maps, the MoE's routing, sort and
+    # combine, copies, and the latency floors of attention and the indexer at small batches.
+    # The slope of a decode step's kernel time over its layers, less what the parts above
+    # price for those layers at the H100's bandwidth: ~190-200 µs per layer at b = 1 and at
+    # b = 64, 8K (2 against 16 layers); on the H200 the 2-layer steps leave 0.48-0.60 ms per
+    # step beyond the parts, the same order. The H100's figure, until the H200 measures it by
+    # category (decode.py --kernel-profile).
+    layer_kernels_us: Measured = Measured(
+        200.0, "us", "H100 runs, benchmarks/decode.py at 2 and 16 layers (2026-12-06, "
+                     "docs/decode.md): kernels beyond the parts above, per layer")
     # A graph replay's launch gap per layer, charged for the layers beyond the 2 of the measured
     # decode steps (plan/hosttime.py: everything else outside the kernels is fitted there).
     kernel_overhead_us: Measured = Measured(

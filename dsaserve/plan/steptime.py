@@ -17,6 +17,9 @@ lock-step) layer by layer:
               the FP8 keys read at the measured decode rate (DCP: this rank's 1/N of them)
     mla       decode rows: the measured 64-head decode curve, scaled by the keys and heads of this
               GPU; prefill rows: FLOPs at the measured prefill rate
+    small     the kernels the parts above do not price (norms, rotary, top-k, routing,
+              copies, small-batch latency floors): a measured time per layer run, whatever the
+              batch (Parts.layer_kernels_us)
     comm      TP all-reduces, EP dispatch/combine, PCP gathers of new rows and cached contexts,
               DCP merges: bytes over NVLink plus one latency per collective
     cpu       the engine's host time not hidden by the kernels (plan/hosttime.py: fitted from the
@@ -46,7 +49,7 @@ BF16 = 2
 MLA_OUT_BYTES = 2 * 512 + 4  # one head's bf16 latent output and its fp32 LSE (DCP merge)
 
 
-GPU_PARTS = ("gemm", "moe", "indexer", "mla", "comm", "host")
+GPU_PARTS = ("gemm", "moe", "indexer", "mla", "small", "comm", "host")
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,7 @@ class StepTime:
     moe: float = 0.0
     indexer: float = 0.0
     mla: float = 0.0
+    small: float = 0.0
     comm: float = 0.0
     host: float = 0.0
     cpu: float = 0.0
@@ -174,6 +178,8 @@ class StepTimeModel:
                                  + self._gemm("lm_head", len(rows)))
             for _ in range(self.num_drafts):
                 t = t + one
+        forwards = m.num_hidden_layers + (self.num_drafts if drafting else 0)
+        t = t + StepTime(small=forwards * self.parts.layer_kernels_us.value * 1e-6)
         prefill = any(n > self.decode_rows for n, _ in batch)
         cpu = self.cpu.step([c for _, c in batch], prefill, bool(drafting) and self.num_drafts > 0)
         t = t + StepTime(host=self._hot_misses(batch), cpu=cpu)
