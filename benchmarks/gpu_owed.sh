@@ -37,8 +37,9 @@
 #                                          #   its 1M-token request
 #   bash benchmarks/gpu_owed.sh 13         # part 13: decode at 16 layers (MTP3's speed-up),
 #                                          #   the FP8 64-row bucket's sweep, P/D end to end
-#   bash benchmarks/gpu_owed.sh 14         # part 14: the MoE combine kernel and the FP8 split
-#                                          #   rule (tests, timings), MTP rows' grid, P/D's READ
+#   bash benchmarks/gpu_owed.sh 14         # part 14: the MoE combine and routing kernels,
+#                                          #   the FP8 split rule (tests, timings), the MTP
+#                                          #   rows' grid, P/D's READ
 #                                          #   step split, MTP3 at 16 layers again, HiSparse's
 #                                          #   step at 8K with its misses
 # each part under 10 minutes on one H200 (every step bounded).
@@ -171,8 +172,9 @@ elif [ "$part" = 14 ]; then
     # the MoE combine compiled (its own tests, then the MoE and engine tests through it), the
     # FP8 split rule's kernels
     run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py \
-        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
-    run 90 kernels python benchmarks/kernels.py --only moe_combine,decode_mtp
+        tests/gpu/test_routing_gpu.py tests/gpu/test_fp8_linear_gpu.py \
+        tests/gpu/test_fp8_model_gpu.py
+    run 90 kernels python benchmarks/kernels.py --only moe_combine,routing,decode_mtp
     run 60 fp8_linear python benchmarks/fp8_linear.py --m 1,16,64 --no-grouped \
         --out "$out/fp8_linear.md"
     # where P/D's READ step goes (posting, in flight, the rest)

@@ -22,6 +22,8 @@ Measures on the current GPU, in one run:
   decode_mtp     FP8 paged decode with MTP rows (b = 64 and 128, s_q = 4) whose rows of one
                  request select mostly the same keys (0, 90 and 100 % shared), the default
                  grid (whole rows per CTA) against one CTA per row
+  routing        the MoE router's noaux_tc routing after its GEMM (GLM-5.3: 256 experts, 8 per
+                 token; DeepSeek-V3.2: 8 groups, 4 kept) in one kernel, against PyTorch's chain
   moe_combine    the grouped MoE's combine (k = 8 rows per token summed back, H = 6144) at
                  decode and prefill sizes, against PyTorch's fp32 copy + index_add_
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
@@ -462,6 +464,31 @@ def bench_decode_mtp() -> None:
                   f"one CTA per row {ms[1] * 1e3:.1f} ({ms[0] / ms[1]:.2f}x)", flush=True)
 
 
+def bench_routing() -> None:
+    """kernels/triton/routing.py against model/dsa.py's `route_reference` (PyTorch's chain of
+    small kernels), CUDA graphs, decode and prefill batch sizes."""
+    from dsaserve.config import ModelConfig
+    from dsaserve.kernels.triton import routing
+    from dsaserve.model.dsa import route_reference
+    from dsaserve.model.presets import preset_config
+
+    print("MoE routing after the router GEMM: kernel / PyTorch (us)", flush=True)
+    for preset in ("glm-5.3", "deepseek-v3.2"):
+        cfg = ModelConfig.from_hf(preset_config(preset))
+        grouped = cfg.n_group > 1
+        for n in (1, 64, 4096):
+            logits = torch.randn(n, cfg.n_routed_experts, device=DEV)
+            bias = torch.randn(cfg.n_routed_experts, device=DEV) * 0.1
+            kernel = partial(routing.route, logits, bias, cfg.num_experts_per_tok,
+                             cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
+                             cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            plain = partial(route_reference, logits, bias, cfg)
+            assert torch.equal(kernel()[0], plain()[0])
+            ms = [timed(fn, graph=True) for fn in (kernel, plain)]
+            add(f"routing {preset} N={n}", ms[0], n / ms[0] / 1e3, "Mtok/s",
+                f"PyTorch {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
+
+
 def _index_add_combine(y: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
                        n: int) -> torch.Tensor:
     """The PyTorch combine moe_combine replaced: fp32 copies and atomic adds."""
@@ -813,7 +840,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--only",
                         default="ceilings,prefill,prefill_fp8,decode,decode_mtp,moe_combine,"
-                                "indexer,topk,writers")
+                                "routing,indexer,topk,writers")
     parser.add_argument("--heads", type=head_counts, default=(64, 32),
                         help="index head counts of the indexer prefill rows (default 64,32)")
     parser.add_argument("--indices", type=index_draws, default=("uniform", "recent"),
@@ -840,6 +867,8 @@ def main() -> None:
         bench_decode_mtp()
     if "moe_combine" in parts:
         bench_moe_combine()
+    if "routing" in parts:
+        bench_routing()
     prefill, decode = {"indexer", "indexer_prefill"} & set(parts), \
         {"indexer", "indexer_decode"} & set(parts)
     if prefill or decode:

@@ -356,6 +356,27 @@ class MLP(nn.Module):
         return self.reduce.all_reduce(out) if self.reduce is not None else out
 
 
+def route_reference(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router GEMM's logits [N, E] fp32 → (expert ids [N, k] int64, weights [N, k] fp32):
+    noaux_tc routing in PyTorch (kernels/triton/routing.py does the same in one launch)."""
+    scores = logits.sigmoid()
+    choice = scores + bias  # the bias steers selection only
+    if cfg.n_group > 1:
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(
+            ~mask.repeat_interleave(grouped.shape[-1], 1), float("-inf")
+        )
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [N, k]
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.routed_scaling_factor
+
+
 class Router(nn.Module):
     """Sigmoid noaux_tc routing (MODEL_SPEC.md §2.6), in fp32."""
 
@@ -368,21 +389,15 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [N, hidden] → (expert ids [N, k] int64, weights [N, k] fp32)."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight).sigmoid()  # [N, E]
-        choice = scores + self.e_score_correction_bias  # the bias steers selection only
-        if cfg.n_group > 1:
-            grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
-            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
-            keep = group_scores.topk(cfg.topk_group, dim=-1).indices
-            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = choice.masked_fill(
-                ~mask.repeat_interleave(grouped.shape[-1], 1), float("-inf")
-            )
-        ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [N, k]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * cfg.routed_scaling_factor
+        logits = F.linear(x.float(), self.weight)  # [N, E]
+        if use_kernels(logits):  # the same routing in one launch (kernels/triton/routing.py)
+            from dsaserve.kernels.triton import routing
+
+            grouped = cfg.n_group > 1
+            return routing.route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
+                                 cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
+                                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        return route_reference(logits, self.e_score_correction_bias, cfg)
 
 
 class Experts(nn.Module):
