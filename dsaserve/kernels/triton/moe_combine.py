@@ -63,10 +63,10 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
         return out
     if y.stride(1) != 1:
         y = y.contiguous()
+    pos, w = (t if t.is_contiguous() else t.contiguous() for t in (pos, w))
     grid = (n, triton.cdiv(h, BLOCK_H))
     _moe_combine_kernel[grid](
         y, pos, w, pos if limit is None else limit, out,
         n, h, y.stride(0), K=k, BLOCK=BLOCK_H, LIMITED=limit is not None, num_warps=4,
     )
     return out
-

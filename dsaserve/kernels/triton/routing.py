@@ -82,7 +82,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_gr
     n, e = logits.shape
     if e % groups or not 0 < topk_groups <= groups or not 0 < k <= e:
         raise ValueError(f"route: {e} experts, {groups} groups, {topk_groups} kept, k = {k}")
-    logits = logits.contiguous()
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
     ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     if n:
