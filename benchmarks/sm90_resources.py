@@ -3,7 +3,7 @@
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
       (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
-       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch)
+       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch, moe)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -42,7 +42,9 @@ from dsaserve.kernels.triton import (
     indexer,
     indexer_gluon,
     l2_hint,
+    moe_combine,
     residency,
+    routing,
     row_gather,
     row_topk,
     sparse_mla,
@@ -363,12 +365,41 @@ def fetch_builds() -> list[Build]:
     return builds
 
 
+def moe_builds() -> list[Build]:
+    """The MoE's routing (kernels/triton/routing.py: GLM-5.3's 256 experts and 8 per token,
+    DeepSeek-V3.2's 8 groups of which 4 kept, the tiny presets' 8 and 2) and its combine
+    (kernels/triton/moe_combine.py: bf16 and fp32 pair rows, with and without experts held
+    elsewhere), as launched."""
+    route = _sig({"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+                  "weights_ptr": "*fp32"}, ["num_tokens"], [])
+    route = route | {"scale": "fp32"} | {c: "constexpr" for c in (
+        "E", "BLOCK_E", "K", "BLOCK_K", "GROUPS", "TOPK_GROUPS", "NORM")}
+    assert list(route) == routing._route_kernel.arg_names  # positional
+    builds = []
+    for e, k, groups, kept in ((256, 8, 1, 1), (256, 8, 8, 4), (8, 2, 1, 1)):
+        consts = {"E": e, "BLOCK_E": triton.next_power_of_2(e), "K": k,
+                  "BLOCK_K": triton.next_power_of_2(k), "GROUPS": groups,
+                  "TOPK_GROUPS": kept, "NORM": True}
+        builds.append(Build(f"MoE routing, {e} experts, {k} per token, {groups} groups",
+                            routing._route_kernel, route, consts, 4 if e > 128 else 1))
+    for dtype, limited in (("bf16", False), ("bf16", True), ("fp32", True)):
+        combine = _sig({"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32",
+                        "limit_ptr": "*i64", "out_ptr": "*fp32"},
+                       ["num_tokens", "H", "stride_y"], ["K", "BLOCK", "LIMITED"])
+        assert list(combine) == moe_combine._moe_combine_kernel.arg_names
+        builds.append(Build(f"MoE combine, {dtype} rows, k = 8"
+                            + (", experts held elsewhere" if limited else ""),
+                            moe_combine._moe_combine_kernel, combine,
+                            {"K": 8, "BLOCK": moe_combine.BLOCK_H, "LIMITED": limited}, 4))
+    return builds
+
+
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds, "residency": residency_builds,
-         "residency_mtp": residency_mtp_builds, "fetch": fetch_builds}
+         "residency_mtp": residency_mtp_builds, "fetch": fetch_builds, "moe": moe_builds}
 
 
 def main() -> None:
