@@ -25,7 +25,8 @@ Measures on the current GPU, in one run:
   routing        the MoE router's noaux_tc routing after its GEMM (GLM-5.3: 256 experts, 8 per
                  token; DeepSeek-V3.2: 8 groups, 4 kept) in one kernel, against PyTorch's chain
   moe_combine    the grouped MoE's combine (k = 8 rows per token summed back, H = 6144) at
-                 decode and prefill sizes, against PyTorch's fp32 copy + index_add_
+                 decode and prefill sizes, against PyTorch's fp32 copy + index_add_; its pair
+                 layout by expert (decode sizes) against PyTorch's sort
   indexer        FP8 paged logits (T = 4096 queries at the end of a 128K context; decode
                  b = 64 over 64K keys) with and without the top-k
   indexer_decode the decode rows of `indexer` alone
@@ -489,6 +490,14 @@ def bench_routing() -> None:
                 f"PyTorch {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
 
 
+def _sorted_layout(ids: torch.Tensor, experts: int):
+    """The PyTorch layout moe_pairs replaces: the stable sort, group ends, tokens, places."""
+    from dsaserve.model import moe_compute
+
+    order, ends = moe_compute._sort_pairs(ids, 0, experts, held_all=True)
+    return order // ids.shape[1], moe_compute.pair_positions(order, ids.shape), ends.int()
+
+
 def _index_add_combine(y: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
                        n: int) -> torch.Tensor:
     """The PyTorch combine moe_combine replaced: fp32 copies and atomic adds."""
@@ -499,7 +508,7 @@ def _index_add_combine(y: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.
 def bench_moe_combine() -> None:
     """kernels/triton/moe_combine.py against the PyTorch combine it replaced (an fp32 copy of
     the pair rows, their product with the weights, atomic index_add_), GLM-5.3's k and H."""
-    from dsaserve.kernels.triton import moe_combine
+    from dsaserve.kernels.triton import moe_combine, moe_pairs
     from dsaserve.model import moe_compute
 
     k, hidden, experts = 8, 6144, 256
@@ -520,6 +529,11 @@ def bench_moe_combine() -> None:
         moved = y.numel() * 2 + n * hidden * 4  # y read once, out written once
         add(f"moe_combine N={n}", ms[0], moved / ms[0] / 1e9, "TB/s",
             f"PyTorch index_add_ {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
+        if n * k <= moe_pairs.MAX_PAIRS:  # the pairs' layout by expert, against the sort
+            ms = [timed(partial(moe_pairs.moe_pairs, ids, 0, experts), graph=True),
+                  timed(partial(_sorted_layout, ids, experts), graph=True)]
+            add(f"moe_pairs N={n}", ms[0], n / ms[0] / 1e3, "Mtok/s",
+                f"PyTorch sort {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
 
 
 def bench_decode(quick: bool, sweep: bool) -> None:

@@ -43,6 +43,7 @@ from dsaserve.kernels.triton import (
     indexer_gluon,
     l2_hint,
     moe_combine,
+    moe_pairs,
     residency,
     routing,
     row_gather,
@@ -367,9 +368,10 @@ def fetch_builds() -> list[Build]:
 
 def moe_builds() -> list[Build]:
     """The MoE's routing (kernels/triton/routing.py: GLM-5.3's 256 experts and 8 per token,
-    DeepSeek-V3.2's 8 groups of which 4 kept, the tiny presets' 8 and 2) and its combine
-    (kernels/triton/moe_combine.py: bf16 and fp32 pair rows, with and without experts held
-    elsewhere), as launched."""
+    DeepSeek-V3.2's 8 groups of which 4 kept, the tiny presets' 8 and 2), its pair layout
+    (kernels/triton/moe_pairs.py: up to MAX_PAIRS pairs, every expert here or an EP8 rank's
+    32) and its combine (kernels/triton/moe_combine.py: bf16 and fp32 pair rows, with and
+    without experts held elsewhere), as launched."""
     route = _sig({"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
                   "weights_ptr": "*fp32"}, ["num_tokens"], [])
     route = route | {"scale": "fp32"} | {c: "constexpr" for c in (
@@ -382,6 +384,15 @@ def moe_builds() -> list[Build]:
                   "TOPK_GROUPS": kept, "NORM": True}
         builds.append(Build(f"MoE routing, {e} experts, {k} per token, {groups} groups",
                             routing._route_kernel, route, consts, 4 if e > 128 else 1))
+    pairs = _sig({"ids_ptr": "*i64", "token_ptr": "*i64", "pos_ptr": "*i64",
+                  "ends_ptr": "*i32"}, ["num_pairs", "first", "count"], ["K", "BLOCK", "BINS"])
+    assert list(pairs) == moe_pairs._moe_pairs_kernel.arg_names
+    for block, count in ((16, 256), (512, 256), (moe_pairs.MAX_PAIRS, 256),
+                         (moe_pairs.MAX_PAIRS, 32)):
+        builds.append(Build(f"MoE pair layout, {block} pairs, {count} experts here",
+                            moe_pairs._moe_pairs_kernel, pairs,
+                            {"K": 8, "BLOCK": block, "BINS": triton.next_power_of_2(count + 2)},
+                            max(1, min(8, block // 256))))
     for dtype, limited in (("bf16", False), ("bf16", True), ("fp32", True)):
         combine = _sig({"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32",
                         "limit_ptr": "*i64", "out_ptr": "*fp32"},

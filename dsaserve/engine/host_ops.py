@@ -13,8 +13,9 @@ On a CPU the triton backend's kernels cannot run, but its host code can: `gpu_br
 the branches a GPU takes on CPU tensors (kernels/triton's host code and the model's fused
 norm and rotary, which `use_kernels` opens under TRITON_INTERPRET=1; the MoE's grouped GEMM,
 torch._grouped_mm running on the CPU), and `OpCounter(stub_launches=True)` replaces every
-Triton launch by its count. A step then runs its GPU path's host code end to end: the outputs
-are garbage, the counts are real. What it cannot take: kernels chosen only on a GPU (the Gluon
+Triton launch by its count (and zeroes its integer tensors, so that indices it would write are
+valid ones). A step then runs its GPU path's host code end to end: the outputs are garbage,
+the counts are real. What it cannot take: kernels chosen only on a GPU (the Gluon
 and CUDA-extension kernels in place of Triton ones, one launch each either way; the CUDA top-k
 is one launch where the Triton row_topk is three) and the runner's CUDA-only steps (pinned
 staging, CUDA graphs).
@@ -30,10 +31,20 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 Site = str  # "model/dsa.py:154 forward"
 OUTSIDE = -1  # the layer key of ops outside every decoder layer (the step's own)
+
+
+def _zero_indices(args: Sequence[object]) -> None:
+    """A stubbed launch's integer tensors zeroed, uncounted: a kernel's integer outputs (a
+    sort's order, a layout's tokens) may index a later torch op, which on a CPU checks its
+    indices; zeros are valid ones. Float outputs stay garbage."""
+    with _disable_current_modes():
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dtype in (torch.int32, torch.int64):
+                a.zero_()
 
 
 def _site() -> Site:
@@ -106,7 +117,10 @@ class OpCounter(TorchDispatchMode):
                 fn = getattr(kernel, "fn", kernel)
                 name = getattr(fn, "__name__", type(kernel).__name__)
                 counter.launches[(counter._layer, _site(), name)] += 1
-                return None if run is None else run(*args, **kwargs)
+                if run is None:
+                    _zero_indices(args)
+                    return None
+                return run(*args, **kwargs)
             return launch
 
         KernelInterface.__getitem__ = getitem

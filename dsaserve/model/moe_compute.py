@@ -96,11 +96,25 @@ def combine_reference(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
     return out
 
 
-def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
-            ends: torch.Tensor, held_all: bool) -> torch.Tensor:
+def pair_layout(ids: torch.Tensor, first: int, count: int, held_all: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [N, k] → what the grouped paths read: the token of each pair in expert order [P],
+    each pair's place in that order [N, k] (pair_positions), the group ends [count] int32 (the
+    grouped GEMMs' offsets). Decode batches on the GPU: one launch
+    (kernels/triton/moe_pairs.py); otherwise PyTorch's sort."""
+    if use_kernels(ids):
+        from dsaserve.kernels.triton import moe_pairs
+
+        if ids.numel() <= moe_pairs.MAX_PAIRS:
+            return moe_pairs.moe_pairs(ids, first, count)
+    order, ends = _sort_pairs(ids, first, count, held_all)
+    return order // ids.shape[1], pair_positions(order, ids.shape), ends.to(torch.int32)
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
+            held_all: bool) -> torch.Tensor:
     """The grouped paths' output rows y [P, H] back to their tokens, weighted: [N, H] fp32 (the
     Triton kernel on the GPU, its reference elsewhere). Deterministic: no atomics."""
-    pos = pair_positions(order, weights.shape)
     w = weights if weights.dtype == torch.float32 else weights.float()
     limit = None if held_all else ends[-1:]
     if use_kernels(y):
@@ -113,12 +127,11 @@ def combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs."""
-    order, ends = _sort_pairs(ids, first, w13.shape[0], held_all)
-    xs = x[order // ids.shape[1]]  # [P, H]
-    offs = ends.to(torch.int32)
+    token_of, pos, offs = pair_layout(ids, first, w13.shape[0], held_all)
+    xs = x[token_of]  # [P, H]
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
-    return combine(y, order, weights, ends, held_all)
+    return combine(y, pos, weights, offs, held_all)
 
 
 def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
@@ -131,12 +144,11 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
         return grouped_experts(x, w13, w2, ids, weights, first, held_all)
     from dsaserve.kernels.triton import fp8_linear
 
-    order, ends = _sort_pairs(ids, first, experts.num_experts, held_all)
-    xs = x[order // ids.shape[1]]  # [P, H]
-    offs = ends.to(torch.int32)
+    token_of, pos, offs = pair_layout(ids, first, experts.num_experts, held_all)
+    xs = x[token_of]  # [P, H]
     gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
     y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, offs)
-    return combine(y, order, weights, ends, held_all)
+    return combine(y, pos, weights, offs, held_all)
 
 
 def _per_expert(experts: ExpertWeights, dtype: torch.dtype

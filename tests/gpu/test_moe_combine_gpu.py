@@ -1,8 +1,10 @@
-"""The grouped MoE's combine kernel (kernels/triton/moe_combine.py) compiled on the GPU, at
-GLM-5.3's k = 8 and H = 6144: against its PyTorch reference (`moe_compute.combine_reference`,
-the same fp32 sum in the same order; the kernel may fuse a multiply-add, an ulp apart), with
-experts held elsewhere (EP: rows past the limit never read, NaN here), the same bits run to
-run (no atomics), and captured in a CUDA graph then replayed with another routing.
+"""The grouped MoE's pair layout and combine kernels (kernels/triton/moe_pairs.py,
+moe_combine.py) compiled on the GPU, at GLM-5.3's k = 8 and H = 6144: the layout equal to
+PyTorch's stable sort (tokens, places, group ends), every expert here or an EP8 rank's; the
+combine against its PyTorch reference (`moe_compute.combine_reference`, the same fp32 sum in
+the same order; the kernel may fuse a multiply-add, an ulp apart), with experts held elsewhere
+(EP: rows past the limit never read, NaN here), the same bits run to run (no atomics), and
+captured in a CUDA graph then replayed with another routing.
 
 Run on the device machine: `pytest -m gpu tests/gpu/test_moe_combine_gpu.py`.
 """
@@ -20,7 +22,7 @@ if not torch.cuda.is_available():
     # first to import it.
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from dsaserve.kernels.triton import moe_combine  # noqa: E402
+from dsaserve.kernels.triton import moe_combine, moe_pairs  # noqa: E402
 
 DEV = "cuda"
 K, H, EXPERTS = 8, 6144, 256
@@ -45,6 +47,18 @@ def test_kernel_matches_reference(n, held, first):
     got = moe_combine.moe_combine(y, pos, weights, limit)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(moe_combine.moe_combine(y, pos, weights, limit), got)  # run to run
+
+
+@pytest.mark.parametrize("n", [1, 64, 512])
+@pytest.mark.parametrize("held,first", [(EXPERTS, 0), (32, 224)], ids=["all", "ep8"])
+def test_pair_layout_equals_the_sort(n, held, first):
+    g = torch.Generator(device=DEV).manual_seed(n)
+    ids = torch.argsort(torch.rand(n, EXPERTS, generator=g, device=DEV), dim=1)[:, :K]
+    token, pos, ends = moe_pairs.moe_pairs(ids, first, held)
+    order, want_ends = moe_compute._sort_pairs(ids, first, held, held_all=held == EXPERTS)
+    assert torch.equal(token, order // K)
+    assert torch.equal(pos, moe_compute.pair_positions(order, ids.shape))
+    assert torch.equal(ends, want_ends.to(torch.int32))
 
 
 def test_replays_in_a_cuda_graph():

@@ -26,9 +26,10 @@ from dsaserve.engine.host_ops import OUTSIDE, OpCounter, gpu_branches
 # key order (kernels/triton/indexer.py `_in_key_order`: a step that rounds the same from run to
 # run) adds five per full-indexer layer, none in the shared one (torch.topk's order, by score,
 # had added twelve). The grouped MoE's combine in one kernel (kernels/triton/moe_combine.py:
-# no fp32 copies, no atomics) turned 2 ops per layer into one launch, and the router's
-# routing in one kernel (kernels/triton/routing.py) 6 more.
-BUDGET = {"prefill": (85, 15.0), "decode": (83, 14.0)}
+# no fp32 copies, no atomics) turned 2 ops per layer into one launch, the router's routing
+# in one kernel (kernels/triton/routing.py) 6 more, and the pairs' layout by expert
+# (kernels/triton/moe_pairs.py) 8 more.
+BUDGET = {"prefill": (77, 16.0), "decode": (75, 15.0)}
 
 
 def test_counter_sees_ops_layers_and_sites():

@@ -1,9 +1,10 @@
-"""The grouped MoE's combine kernel (kernels/triton/moe_combine.py) run by Triton's CPU
-interpreter against its PyTorch reference (`moe_compute.combine_reference`): tokens' rows found
-where the sort put them, pairs of experts held elsewhere (rows past the limit, filled with NaN
-here as never-written memory may be) adding nothing, columns past a program's block, strided
-rows; and the grouped path through it equal to the per-pair reference. tests/gpu covers the
-compiled kernel (the MoE tests of test_fp8_linear_gpu.py and the engines').
+"""The grouped MoE's pair layout and combine kernels (kernels/triton/moe_pairs.py,
+moe_combine.py) run by Triton's CPU interpreter against their PyTorch paths: the pairs sorted by
+expert (stable) with their tokens, places and group ends exactly as PyTorch's sort gives them,
+with experts held elsewhere (EP) and without; tokens' rows found where the sort put them, pairs
+of experts held elsewhere (rows past the limit, filled with NaN here as never-written memory may
+be) adding nothing, columns past a program's block, strided rows; and the grouped path through
+both equal to the PyTorch path. tests/gpu covers the compiled kernels.
 
 The interpreter runs the kernel's fp32 adds in the reference's order without fused
 multiply-adds, so the two agree bit for bit here; on the GPU an FMA may round differently by an
@@ -27,6 +28,7 @@ from dsaserve.model import moe_compute
 
 def _reload(interpret: bool) -> ModuleType:
     os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    importlib.reload(importlib.import_module("dsaserve.kernels.triton.moe_pairs"))
     return importlib.reload(importlib.import_module("dsaserve.kernels.triton.moe_combine"))
 
 
@@ -82,6 +84,35 @@ def test_kernel_equals_reference(mc, n, k, experts, held, hidden, dtype):
     wide = torch.cat((y, y), dim=1)[:, hidden:]
     assert torch.equal(mc.moe_combine(wide, pos, w, limit), want)
     assert mc.moe_combine(y, pos[:0], w[:0], limit).shape == (0, hidden)
+
+
+@pytest.mark.parametrize("n,k,experts,held,first", [
+    (1, 1, 4, 4, 0), (1, 8, 256, 256, 0), (64, 8, 256, 256, 0), (512, 8, 256, 256, 0),
+    (37, 2, 8, 8, 0), (9, 3, 8, 3, 2), (64, 8, 256, 32, 224),  # EP: the last rank's experts
+    (5, 6, 16, 4, 0), (0, 8, 256, 256, 0),
+])
+def test_pair_layout_kernel_equals_the_sort(mc, n, k, experts, held, first):
+    from dsaserve.kernels.triton import moe_pairs
+
+    g = torch.Generator().manual_seed(n + k + held)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]) \
+        if n else torch.zeros(0, k, dtype=torch.int64)
+    token, pos, ends = moe_pairs.moe_pairs(ids, first, held)
+    order, want_ends = moe_compute._sort_pairs(ids, first, held, held_all=held == experts)
+    assert torch.equal(token, order // k)
+    assert torch.equal(pos, moe_compute.pair_positions(order, ids.shape))
+    assert ends.dtype == torch.int32 and torch.equal(ends, want_ends.to(torch.int32))
+
+
+def test_pair_layout_refuses_a_prefill_batch(mc):
+    from dsaserve.kernels.triton import moe_pairs
+
+    ids = torch.zeros(moe_pairs.MAX_PAIRS // 8 + 1, 8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="pairs"):
+        moe_pairs.moe_pairs(ids, 0, 256)
+    # moe_compute sorts it in PyTorch instead
+    token, pos, ends = moe_compute.pair_layout(ids, 0, 256, held_all=True)
+    assert token.shape == (ids.numel(),) and int(ends[-1]) == ids.numel()
 
 
 def test_positions_of_each_tokens_pairs():
