@@ -29,7 +29,10 @@ under --step-log DIR). Its GPU column is the target forward alone, not the step'
 
 --host-profile N prints, per row, the N Python functions with the most own time over as many
 more steps (cProfile, not in the timed ones: it slows the host several-fold): where a
-host-bound step's time goes.
+host-bound step's time goes. --kernel-profile N prints, per row, the profiled step's kernels by
+category (bench/profile.py's rules: time and launches per step) and its N kernels with the most
+device time: where a kernel-bound step's time goes (MTP3 against plain, the small kernels of a
+layer). --fastest-only keeps the graph + async rows.
 """
 
 from __future__ import annotations
@@ -295,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-profile", type=int, default=0, metavar="N",
                    help="print each row's N Python functions with the most own time (cProfile)")
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
-                   help="print each row's N GPU kernels with the most device time")
+                   help="print each row's kernels by category (time and launches) and its N "
+                        "GPU kernels with the most device time")
     p.add_argument("--fastest-only", action="store_true",
                    help="only the rows with graphs and --async-scheduling (with and without MTP3)")
     args = p.parse_args(argv)
