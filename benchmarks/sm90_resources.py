@@ -394,14 +394,18 @@ def moe_builds() -> list[Build]:
                             {"K": 8, "BLOCK": block, "BINS": triton.next_power_of_2(count + 2)},
                             max(1, min(8, block // 256))))
     for dtype, limited in (("bf16", False), ("bf16", True), ("fp32", True)):
+        shared = dtype == "bf16" and limited  # the MoE's output: plus the shared experts'
         combine = _sig({"y_ptr": f"*{dtype}", "pos_ptr": "*i64", "w_ptr": "*fp32",
-                        "limit_ptr": "*i64", "out_ptr": "*fp32"},
-                       ["num_tokens", "H", "stride_y"], ["K", "BLOCK", "LIMITED"])
+                        "limit_ptr": "*i64", "shared_ptr": "*bf16",
+                        "out_ptr": "*bf16" if shared else "*fp32"},
+                       ["num_tokens", "H", "stride_y"], ["K", "BLOCK", "LIMITED", "SHARED"])
         assert list(combine) == moe_combine._moe_combine_kernel.arg_names
         builds.append(Build(f"MoE combine, {dtype} rows, k = 8"
-                            + (", experts held elsewhere" if limited else ""),
+                            + (", experts held elsewhere" if limited else "")
+                            + (", plus the shared experts' bf16 output" if shared else ""),
                             moe_combine._moe_combine_kernel, combine,
-                            {"K": 8, "BLOCK": moe_combine.BLOCK_H, "LIMITED": limited}, 4))
+                            {"K": 8, "BLOCK": moe_combine.BLOCK_H, "LIMITED": limited,
+                             "SHARED": shared}, 4))
     return builds
 
 

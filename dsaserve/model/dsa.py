@@ -430,11 +430,13 @@ class Experts(nn.Module):
         return fp8.Fp8Experts(self.w13, self.w2, self.w13_scale_inv, self.w2_scale_inv,
                               self.inter_range)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, hidden], ids/weights [N, k] → Σ over the experts held here of w·expert(x), fp32;
+        with `shared` [N, hidden], plus it, in its dtype."""
         # without reading the routing on the host where the batch allows (model/moe_compute.py)
         return moe_compute.routed_experts(x, self.weights(), ids, weights, self.first,
-                                          self.num_experts)
+                                          self.num_experts, shared)
 
 
 class MoE(nn.Module):
@@ -453,6 +455,11 @@ class MoE(nn.Module):
         self.ep: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ep is None and self.reduce is None and self.shared_experts is not None:
+            # the shared experts' output added in the routed experts' combine, and the sum cast
+            # to x's dtype there (one pass on the GPU; the same fp32 sum and cast as below)
+            ids, weights = self.gate(x)
+            return self.experts(x, ids, weights, shared=self.shared_experts(x))
         if self.ep is not None:
             y = ep.dispatch_combine(x, self.gate, self.experts, self.ep)
         else:

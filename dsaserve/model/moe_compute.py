@@ -82,18 +82,24 @@ def pair_positions(order: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def combine_reference(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
-                      limit: torch.Tensor | None = None) -> torch.Tensor:
+                      limit: torch.Tensor | None = None,
+                      shared: torch.Tensor | None = None) -> torch.Tensor:
     """y [P, H] (sorted pair rows), pos [N, k] (pair_positions), w [N, k] fp32, limit [1] or
     None → [N, H] fp32: out[t] = Σ_j w[t, j] · y[pos[t, j]] over the j with pos[t, j] < limit
     (rows past it belong to experts held elsewhere and were never written), added in fp32 in
-    ascending j (the router's choice order); kernels/triton/moe_combine.py runs the same on
-    the GPU."""
+    ascending j (the router's choice order); with `shared` (the shared experts' output [N, H]),
+    plus it, cast to its dtype. kernels/triton/moe_combine.py runs the same on the GPU."""
     out = torch.zeros(pos.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
     for j in range(pos.shape[1]):
         p = pos[:, j]
         term = w[:, j, None] * y[p].float()
         out += term if limit is None else torch.where((p < limit)[:, None], term, 0.0)
-    return out
+    return _plus(out, shared)
+
+
+def _plus(out: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """The routed experts' fp32 sum, or with the shared experts' output added, in its dtype."""
+    return out if shared is None else (out + shared.float()).to(shared.dtype)
 
 
 def pair_layout(ids: torch.Tensor, first: int, count: int, held_all: bool
@@ -112,43 +118,47 @@ def pair_layout(ids: torch.Tensor, first: int, count: int, held_all: bool
 
 
 def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor,
-            held_all: bool) -> torch.Tensor:
-    """The grouped paths' output rows y [P, H] back to their tokens, weighted: [N, H] fp32 (the
-    Triton kernel on the GPU, its reference elsewhere). Deterministic: no atomics."""
+            held_all: bool, shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The grouped paths' output rows y [P, H] back to their tokens, weighted: [N, H] fp32, or
+    plus `shared` in its dtype (the Triton kernel on the GPU, its reference elsewhere).
+    Deterministic: no atomics."""
     w = weights if weights.dtype == torch.float32 else weights.float()
     limit = None if held_all else ends[-1:]
     if use_kernels(y):
         from dsaserve.kernels.triton import moe_combine
 
-        return moe_combine.moe_combine(y, pos, w, limit)
-    return combine_reference(y, pos, w, limit)
+        return moe_combine.moe_combine(y, pos, w, limit, shared)
+    return combine_reference(y, pos, w, limit, shared)
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                    weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
-    """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs."""
+                    weights: torch.Tensor, first: int, held_all: bool = False,
+                    shared: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs (plus
+    `shared`, in its dtype, when given)."""
     token_of, pos, offs = pair_layout(ids, first, w13.shape[0], held_all)
     xs = x[token_of]  # [P, H]
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
-    return combine(y, pos, weights, offs, held_all)
+    return combine(y, pos, weights, offs, held_all, shared)
 
 
 def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
-                        weights: torch.Tensor, first: int, held_all: bool = False) -> torch.Tensor:
+                        weights: torch.Tensor, first: int, held_all: bool = False,
+                        shared: torch.Tensor | None = None) -> torch.Tensor:
     """grouped_experts on FP8 experts: the FP8 grouped kernel reads one byte per weight. Experts
     whose gate/up halves do not start on a block (I not a multiple of 128, or a TP shard
     starting inside one: tiny models) are dequantized first and take the bf16 path."""
     if not experts.aligned:
         w13, w2 = experts.dequantized(x.dtype)
-        return grouped_experts(x, w13, w2, ids, weights, first, held_all)
+        return grouped_experts(x, w13, w2, ids, weights, first, held_all, shared)
     from dsaserve.kernels.triton import fp8_linear
 
     token_of, pos, offs = pair_layout(ids, first, experts.num_experts, held_all)
     xs = x[token_of]  # [P, H]
     gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
     y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, offs)
-    return combine(y, pos, weights, offs, held_all)
+    return combine(y, pos, weights, offs, held_all, shared)
 
 
 def _per_expert(experts: ExpertWeights, dtype: torch.dtype
@@ -196,18 +206,20 @@ def looped_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
 
 
 def routed_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
-                   weights: torch.Tensor, first: int, num_experts: int | None = None
-                   ) -> torch.Tensor:
-    """The formulation for this batch (chosen from host-known shapes, never from routing).
-    num_experts: the model's routed experts, when known (this rank holding all of them skips
-    the grouped path's masking of experts held elsewhere)."""
+                   weights: torch.Tensor, first: int, num_experts: int | None = None,
+                   shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The formulation for this batch (chosen from host-known shapes, never from routing):
+    [N, H] fp32, or plus `shared` (the shared experts' output [N, H]) in its dtype: the
+    grouped path adds it in its combine's one pass. num_experts: the model's routed experts,
+    when known (this rank holding all of them skips the grouped path's masking of experts held
+    elsewhere)."""
     fp8 = isinstance(experts, Fp8Experts)
     w13 = experts.w13 if fp8 else experts[0]
     if grouped_mm_available(x, w13):
         held_all = first == 0 and w13.shape[0] == num_experts
         if fp8:
-            return grouped_fp8_experts(x, experts, ids, weights, first, held_all)
-        return grouped_experts(x, *experts, ids, weights, first, held_all)
+            return grouped_fp8_experts(x, experts, ids, weights, first, held_all, shared)
+        return grouped_experts(x, *experts, ids, weights, first, held_all, shared)
     if x.shape[0] * w13.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
-        return dense_experts(x, experts, ids, weights, first)
-    return looped_experts(x, experts, ids, weights, first)
+        return _plus(dense_experts(x, experts, ids, weights, first), shared)
+    return _plus(looped_experts(x, experts, ids, weights, first), shared)

@@ -47,6 +47,14 @@ def test_kernel_matches_reference(n, held, first):
     got = moe_combine.moe_combine(y, pos, weights, limit)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(moe_combine.moe_combine(y, pos, weights, limit), got)  # run to run
+    # the MoE's output in one pass: plus the shared experts', rounded to bf16 (to nearest, as
+    # torch's cast: equal but where an FMA's ulp crosses a rounding boundary)
+    shared = torch.randn(n, H, generator=g, device=DEV).bfloat16()
+    plus = moe_combine.moe_combine(y, pos, weights, limit, shared)
+    want = moe_compute.combine_reference(y, pos, weights, limit, shared)
+    assert plus.dtype == torch.bfloat16
+    assert (plus != want).float().mean() < 1e-3
+    torch.testing.assert_close(plus.float(), want.float(), rtol=2.0**-7, atol=1e-30)
 
 
 @pytest.mark.parametrize("n", [1, 64, 512])

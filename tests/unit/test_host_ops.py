@@ -27,9 +27,10 @@ from dsaserve.engine.host_ops import OUTSIDE, OpCounter, gpu_branches
 # run) adds five per full-indexer layer, none in the shared one (torch.topk's order, by score,
 # had added twelve). The grouped MoE's combine in one kernel (kernels/triton/moe_combine.py:
 # no fp32 copies, no atomics) turned 2 ops per layer into one launch, the router's routing
-# in one kernel (kernels/triton/routing.py) 6 more, and the pairs' layout by expert
-# (kernels/triton/moe_pairs.py) 8 more.
-BUDGET = {"prefill": (77, 16.0), "decode": (75, 15.0)}
+# in one kernel (kernels/triton/routing.py) 6 more, the pairs' layout by expert
+# (kernels/triton/moe_pairs.py) 8 more, and the shared experts' output added in the combine
+# 3 more: prefill 92.5 → 73.5 ops and 13 → 16 launches, decode 90.5 → 71.5 and 12 → 15.
+BUDGET = {"prefill": (74, 16.0), "decode": (72, 15.0)}
 
 
 def test_counter_sees_ops_layers_and_sites():

@@ -7,8 +7,10 @@ be) adding nothing, columns past a program's block, strided rows; and the groupe
 both equal to the PyTorch path. tests/gpu covers the compiled kernels.
 
 The interpreter runs the kernel's fp32 adds in the reference's order without fused
-multiply-adds, so the two agree bit for bit here; on the GPU an FMA may round differently by an
-ulp.
+multiply-adds, so the two agree bit for bit here in fp32; on the GPU an FMA may round
+differently by an ulp. A bf16 output (the MoE's, with the shared experts added) is within one
+bf16 step: Triton 3.6's interpreter truncates an fp32 → bf16 cast where the GPU and torch round
+to nearest.
 
 Like tests/unit/test_fp8_linear_interp.py, triton is imported in a fixture with
 TRITON_INTERPRET=1, never at collection.
@@ -115,6 +117,22 @@ def test_pair_layout_refuses_a_prefill_batch(mc):
     assert token.shape == (ids.numel(),) and int(ends[-1]) == ids.numel()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("held", [16, 5])
+def test_kernel_adds_the_shared_output_and_casts(mc, dtype, held):
+    """The MoE's output in one pass: the routed sum plus the shared experts' output, in fp32,
+    cast to the shared output's dtype — the reference's bits (MoE.forward's order)."""
+    y, pos, w, limit = _case(13, 8, 16, held, 1030, torch.bfloat16, seed=held)
+    shared = torch.randn(13, 1030, generator=torch.Generator().manual_seed(2)).to(dtype)
+    want = moe_compute.combine_reference(y, pos, w, limit, shared)
+    assert want.dtype == dtype
+    assert torch.equal(want, (moe_compute.combine_reference(y, pos, w, limit)
+                              + shared.float()).to(dtype))
+    got = mc.moe_combine(y, pos, w, limit, shared)
+    assert got.dtype == dtype
+    _assert_within_a_step(got, want)
+
+
 def test_positions_of_each_tokens_pairs():
     ids = torch.tensor([[3, 1], [1, 7], [2, 3]])  # local experts 0..2 (first = 1, count 3)
     order, ends = moe_compute._sort_pairs(ids, 1, 3, held_all=False)
@@ -134,10 +152,21 @@ def test_grouped_path_through_the_kernel(mc, held, first):
     w2 = (torch.randn(held, hidden, inter, generator=g) / inter**0.5).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(n)])
     weights = torch.rand(n, k, generator=g)
+    shared = torch.randn(n, hidden, generator=g).to(torch.bfloat16)
     got = moe_compute.grouped_experts(x, w13, w2, ids, weights, first)
+    got_plus = moe_compute.grouped_experts(x, w13, w2, ids, weights, first, shared=shared)
     os.environ["TRITON_INTERPRET"] = "0"  # the reference combine
     try:
         want = moe_compute.grouped_experts(x, w13, w2, ids, weights, first)
     finally:
         os.environ["TRITON_INTERPRET"] = "1"
     assert torch.equal(got, want)
+    _assert_within_a_step(got_plus, (want + shared.float()).to(torch.bfloat16))
+
+
+def _assert_within_a_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal in fp32; in bf16 within one step (the interpreter truncates its casts)."""
+    if got.dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-7, atol=1e-30)
