@@ -169,19 +169,21 @@ elif [ "$part" = 13 ]; then
     run 120 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 14 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    # the MoE combine compiled (its own tests, then the MoE and engine tests through it), the
-    # FP8 split rule's kernels
-    run 150 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py \
+    # the MoE's routing, pair layout and combine compiled (their own tests, then the MoE and
+    # engine tests through them: FP8, graphs against eager), the FP8 split rule's kernels
+    run 240 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py \
         tests/gpu/test_routing_gpu.py tests/gpu/test_fp8_linear_gpu.py \
-        tests/gpu/test_fp8_model_gpu.py
+        tests/gpu/test_fp8_model_gpu.py tests/gpu/test_cudagraph_gpu.py
     run 90 kernels python benchmarks/kernels.py --only moe_combine,routing,decode_mtp
     run 60 fp8_linear python benchmarks/fp8_linear.py --m 1,16,64 --no-grouped \
         --out "$out/fp8_linear.md"
-    # where P/D's READ step goes (posting, in flight, the rest)
-    run 90 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
+    # MTP3 with the MoE kernels; the small kernels by category (Parts.layer_kernels_us)
     [ "$(left)" -gt 90 ] && run 100 decode_16l python benchmarks/decode.py --layers 16 \
         --contexts 8192 --batches 1,64 --steps 10 --fastest-only --kernel-profile 12 \
         --out "$out/decode_16l.md"
+    # where P/D's READ step goes (posting, in flight, the rest)
+    [ "$(left)" -gt 120 ] && run 90 pd python benchmarks/pd_e2e.py --tokens 32768 \
+        --out "$out/pd.md"
     [ "$(left)" -gt 60 ] && run "$(left)" hisparse_step python benchmarks/hisparse_engine.py \
         --sections step --contexts 8192 --out "$out/hisparse_step.md"
 elif [ "$part" = 4 ]; then
