@@ -19,13 +19,9 @@ TRITON_INTERPRET=1, so that its own helpers are interpreted), never at collectio
 
 from __future__ import annotations
 
-import importlib
-import os
-from types import ModuleType
-
 import pytest
 import torch
-from triton_interp import patch_interpreter_index
+from triton_interp import interpreted
 
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.make_model import quantize_fp8_blocks
@@ -33,37 +29,9 @@ from dsaserve.model.make_model import quantize_fp8_blocks
 B = fw.FP8_BLOCK
 
 
-def _reload(interpret: bool) -> ModuleType:
-    """fp8_linear imported again: triton.jit picks interpreted or compiled at import time."""
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    return importlib.reload(importlib.import_module("dsaserve.kernels.triton.fp8_linear"))
-
-
 @pytest.fixture(scope="module")
 def fl():
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        import triton.language.standard as std
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(std.zeros, InterpretedFunction):
-            why = "triton was imported before without TRITON_INTERPRET=1"
-            if torch.cuda.is_available():
-                pytest.skip(f"{why} (the GPU suites; tests/gpu covers these kernels)")
-            # On the CPU these tests are the kernels' only check: never a silent skip. In the
-            # whole suite test_triton_interpret.py imports triton interpreted at collection.
-            pytest.fail(f"{why}: a module run earlier imported it; run this file with "
-                        "tests/unit/test_triton_interpret.py or on its own")
-        patch_interpreter_index()
-        yield _reload(interpret=True)
-        _reload(interpret=False)  # compiled kernels for anything imported later
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    yield from interpreted("dsaserve.kernels.triton.fp8_linear")
 
 
 def _gen(seed: int = 0) -> torch.Generator:

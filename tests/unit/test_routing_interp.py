@@ -12,45 +12,20 @@ TRITON_INTERPRET=1, never at collection.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import os
-from types import ModuleType
 
 import pytest
 import torch
+from triton_interp import interpreted
 
 from dsaserve.config import ModelConfig
 from dsaserve.model.dsa import Router
 from dsaserve.model.presets import preset_config
 
 
-def _reload(interpret: bool) -> ModuleType:
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    return importlib.reload(importlib.import_module("dsaserve.kernels.triton.routing"))
-
-
 @pytest.fixture(scope="module")
 def rt():
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        pytest.importorskip("triton")
-        import triton.language.standard as std
-        from triton.runtime.interpreter import InterpretedFunction
-
-        if not isinstance(std.zeros, InterpretedFunction):
-            why = "triton was imported before without TRITON_INTERPRET=1"
-            if torch.cuda.is_available():
-                pytest.skip(f"{why} (the GPU suites cover this kernel)")
-            pytest.fail(f"{why}: run this file with tests/unit/test_triton_interpret.py or on "
-                        "its own")
-        yield _reload(interpret=True)
-        _reload(interpret=False)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    yield from interpreted("dsaserve.kernels.triton.routing")
 
 
 def _router(preset: str, **changes) -> Router:
