@@ -169,11 +169,13 @@ elif [ "$part" = 13 ]; then
     run 120 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 14 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    # the MoE's routing, pair layout and combine compiled (their own tests, then the MoE and
-    # engine tests through them: FP8, graphs against eager), the FP8 split rule's kernels
+    # the MoE's routing, pair layout and combine and the top-k's key order compiled (their own
+    # tests, then the MoE and engine tests through them: FP8, graphs against eager), the FP8
+    # split rule's kernels
     run 240 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py \
         tests/gpu/test_routing_gpu.py tests/gpu/test_fp8_linear_gpu.py \
-        tests/gpu/test_fp8_model_gpu.py tests/gpu/test_cudagraph_gpu.py
+        tests/gpu/test_fp8_model_gpu.py tests/gpu/test_cudagraph_gpu.py \
+        tests/gpu/test_topk_order_gpu.py
     run 90 kernels python benchmarks/kernels.py --only moe_combine,routing,decode_mtp
     run 60 fp8_linear python benchmarks/fp8_linear.py --m 1,16,64 --no-grouped \
         --out "$out/fp8_linear.md"

@@ -301,6 +301,11 @@ def row_topk_builds() -> list[Build]:
                     "list_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i64"},
                    ["stride_l", "stride_c", "stride_o"], ["K", "C", "BLOCK"]),
               {"K": k, "C": 2 * k, "BLOCK": 1024}, 8),
+        *[Build(f"row_topk key order, {dtype} keys", row_topk._key_order_kernel,
+                _sig({"values_ptr": "*fp32", "local_ptr": f"*{dtype}", "out_values_ptr": "*fp32",
+                      "out_local_ptr": f"*{dtype}"}, ["num_rows", "K", "stride_v", "stride_l"],
+                     ["BLOCK"]),
+                {"BLOCK": k}, 8) for dtype in ("i64", "i32")],
     ]
 
 

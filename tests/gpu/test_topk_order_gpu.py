@@ -62,10 +62,11 @@ def _ms(fn) -> float:
 
 
 def test_what_the_order_costs():
-    """The sort's time beside the CUDA top-k's, at b = 64 decode rows and a 16K-row prefill
-    chunk (printed, not asserted)."""
+    """The key order's kernel equal to PyTorch's sort on the CUDA top-k's output; its time
+    beside the top-k's and the sort's, at b = 64 decode rows and a 16K-row prefill chunk
+    (printed, not asserted)."""
     from dsaserve.kernels.cuda import topk as cuda_topk
-    from dsaserve.kernels.triton import indexer
+    from dsaserve.kernels.triton import indexer, row_topk
     for rows, keys in ((64, 1 << 17), (16384, 1 << 15)):
         logits, gm, limits = _scored(rows, keys, 7)
 
@@ -74,11 +75,17 @@ def test_what_the_order_costs():
 
         values, local = topk()
         raw_again = topk()[1]
+        got, want = indexer._in_key_order(values, local), row_topk.in_key_order_reference(
+            values, local)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         t_topk = _ms(topk)
         t_order = _ms(lambda values=values, local=local: indexer._in_key_order(values, local))
+        t_sort = _ms(lambda values=values, local=local: row_topk.in_key_order_reference(
+            values, local))
         t_score = _ms(lambda values=values, local=local: _in_score_order(values, local))
         print(f"rows {rows} keys {keys}: top-k {t_topk:.3f} ms, key order {t_order:.3f} ms "
-              f"(score order {t_score:.3f} ms); raw order equal in two runs: "
+              f"(PyTorch's sort {t_sort:.3f} ms, score order {t_score:.3f} ms); raw order "
+              f"equal in two runs: "
               f"{torch.equal(local, raw_again)}")
 
 

@@ -341,6 +341,27 @@ def _check_topk_rows(k, logits: torch.Tensor, limits: torch.Tensor, topk: int, *
         assert torch.equal(logits[t, idx[t, :n]], values[t, :n])
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("topk", [8, 48, 2048])
+def test_in_key_order_equals_the_sort(k, topk, index_dtype):
+    """The top-k's keys in ascending key order, padding (−1) last, each score with its key:
+    the one-launch kernel gives the PyTorch sort's result (scores bit for bit, −inf and
+    negative scores included), on rows of a wider buffer."""
+    g = _gen(topk)
+    rows = 5
+    local = torch.stack([torch.randperm(4 * topk, generator=g)[:topk] for _ in range(rows)])
+    local[1, topk // 2:] = -1  # a short row: padding in the list's order
+    local[3] = -1  # nothing visible
+    values = torch.randn(rows, topk, generator=g) * 100
+    values[local < 0] = float("-inf")
+    wide_v = torch.cat((values, values), dim=1)[:, :topk]
+    wide_l = torch.cat((local, local), dim=1)[:, :topk].to(index_dtype)
+    got = k.row_topk.in_key_order(wide_v, wide_l)
+    want = k.row_topk.in_key_order_reference(values, local.to(index_dtype))
+    assert got[1].dtype == index_dtype
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("topk", [8, 64])
 @pytest.mark.parametrize("per_key", [False, True], ids=["prefix_sum", "slot_per_key"])
 @pytest.mark.parametrize("overflow", [False, True], ids=["list", "list_of_k"])

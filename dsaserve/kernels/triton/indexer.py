@@ -552,9 +552,7 @@ def _in_key_order(values: torch.Tensor, local: torch.Tensor
     changed between runs, docs/hisparse.md). The key order is one sort of the 32-bit indices;
     torch.topk's order (by score) cost 5x the top-k itself at b = 64 and 2.4x on a 16K-row
     chunk (H100, tests/gpu/test_topk_order_gpu.py)."""
-    pad = torch.iinfo(local.dtype).max
-    order = torch.where(local >= 0, local, pad).sort(dim=1).indices  # [T, k]
-    return values.gather(1, order), local.gather(1, order)
+    return row_topk.in_key_order(values, local)  # one launch
 
 
 def _order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -279,3 +279,55 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
         num_warps=finish_warps or (4 if num_rows >= 1024 else 8),
     )
     return values, indices
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _key_order_kernel(
+    values_ptr,  # [T, K] fp32, rows stride_v apart
+    local_ptr,  # [T, K] int32 or int64 (−1: none), rows stride_l apart
+    out_values_ptr,  # [T, K] fp32 contiguous
+    out_local_ptr,  # [T, K] local's dtype, contiguous
+    num_rows, K, stride_v, stride_l,
+    BLOCK: tl.constexpr,  # ≥ K, a power of two
+):
+    """A row's chosen keys in ascending key order, padding last, each score with its key: the
+    key in the high 32 bits of an int64 and the score's bits in the low ones, one sort."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    live = j < K
+    local = tl.load(local_ptr + r * stride_l + j, mask=live, other=-1).to(tl.int64)
+    bits = tl.load(values_ptr + r * stride_v + j, mask=live, other=0.0).to(tl.int32,
+                                                                            bitcast=True)
+    high = tl.where(local >= 0, local, 2**31 - 1)  # padding after every key
+    key = (high << 32) | (bits.to(tl.int64) & 0xFFFFFFFF)
+    key = tl.sort(tl.where(live, key, 2**63 - 1))  # past K: after the padding too
+    high = key >> 32
+    value = (key & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    tl.store(out_values_ptr + r * K + j, value, mask=live)
+    tl.store(out_local_ptr + r * K + j,
+             tl.where(high == 2**31 - 1, -1, high).to(out_local_ptr.dtype.element_ty), mask=live)
+
+
+def in_key_order(values: torch.Tensor, local: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k's (scores [T, K] fp32, local key indices [T, K], −1: none) with each row's keys
+    in ascending key order, padding (−1, its score) last, in one launch (PyTorch: a select, a
+    sort and two gathers). Keys of a row are distinct, so the order is unique."""
+    rows, k = local.shape
+    out_values = torch.empty(rows, k, dtype=torch.float32, device=values.device)
+    out_local = torch.empty(rows, k, dtype=local.dtype, device=local.device)
+    if rows and k:
+        block = triton.next_power_of_2(k)
+        _key_order_kernel[(rows,)](
+            values, local, out_values, out_local, rows, k, values.stride(0), local.stride(0),
+            BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        )
+    return out_values, out_local
+
+
+def in_key_order_reference(values: torch.Tensor, local: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """in_key_order in PyTorch (what the indexer ran before the kernel)."""
+    pad = torch.iinfo(local.dtype).max
+    order = torch.where(local >= 0, local, pad).sort(dim=1).indices  # [T, K]
+    return values.gather(1, order), local.gather(1, order)
