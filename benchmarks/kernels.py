@@ -476,26 +476,16 @@ def bench_routing() -> None:
     print("MoE routing after the router GEMM: kernel / PyTorch (us)", flush=True)
     for preset in ("glm-5.3", "deepseek-v3.2"):
         cfg = ModelConfig.from_hf(preset_config(preset))
-        grouped = cfg.n_group > 1
         for n in (1, 64, 4096):
             logits = torch.randn(n, cfg.n_routed_experts, device=DEV)
             bias = torch.randn(cfg.n_routed_experts, device=DEV) * 0.1
-            kernel = partial(routing.route, logits, bias, cfg.num_experts_per_tok,
-                             cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
-                             cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            kernel = partial(routing.route, logits, bias, cfg.num_experts_per_tok, cfg.n_group,
+                             cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
             plain = partial(route_reference, logits, bias, cfg)
             assert torch.equal(kernel()[0], plain()[0])
             ms = [timed(fn, graph=True) for fn in (kernel, plain)]
             add(f"routing {preset} N={n}", ms[0], n / ms[0] / 1e3, "Mtok/s",
                 f"PyTorch {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
-
-
-def _sorted_layout(ids: torch.Tensor, experts: int):
-    """The PyTorch layout moe_pairs replaces: the stable sort, group ends, tokens, places."""
-    from dsaserve.model import moe_compute
-
-    order, ends = moe_compute._sort_pairs(ids, 0, experts, held_all=True)
-    return order // ids.shape[1], moe_compute.pair_positions(order, ids.shape), ends.int()
 
 
 def _index_add_combine(y: torch.Tensor, token_of: torch.Tensor, w_sorted: torch.Tensor,
@@ -531,7 +521,8 @@ def bench_moe_combine() -> None:
             f"PyTorch index_add_ {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
         if n * k <= moe_pairs.MAX_PAIRS:  # the pairs' layout by expert, against the sort
             ms = [timed(partial(moe_pairs.moe_pairs, ids, 0, experts), graph=True),
-                  timed(partial(_sorted_layout, ids, experts), graph=True)]
+                  timed(partial(moe_compute.pair_layout_reference, ids, 0, experts, True),
+                        graph=True)]
             add(f"moe_pairs N={n}", ms[0], n / ms[0] / 1e3, "Mtok/s",
                 f"PyTorch sort {ms[1] * 1e3:.1f} us: {ms[1] / ms[0]:.2f}x")
 

@@ -393,10 +393,9 @@ class Router(nn.Module):
         if use_kernels(logits):  # the same routing in one launch (kernels/triton/routing.py)
             from dsaserve.kernels.triton import routing
 
-            grouped = cfg.n_group > 1
             return routing.route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok,
-                                 cfg.n_group if grouped else 1, cfg.topk_group if grouped else 1,
-                                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
+                                 cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                 cfg.routed_scaling_factor)
         return route_reference(logits, self.e_score_correction_bias, cfg)
 
 

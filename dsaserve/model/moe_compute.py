@@ -113,6 +113,12 @@ def pair_layout(ids: torch.Tensor, first: int, count: int, held_all: bool
 
         if ids.numel() <= moe_pairs.MAX_PAIRS:
             return moe_pairs.moe_pairs(ids, first, count)
+    return pair_layout_reference(ids, first, count, held_all)
+
+
+def pair_layout_reference(ids: torch.Tensor, first: int, count: int, held_all: bool
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pair_layout through PyTorch's stable sort (prefill batches; moe_pairs's contract)."""
     order, ends = _sort_pairs(ids, first, count, held_all)
     return order // ids.shape[1], pair_positions(order, ids.shape), ends.to(torch.int32)
 

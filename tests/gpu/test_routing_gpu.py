@@ -26,10 +26,8 @@ from dsaserve.kernels.triton import routing  # noqa: E402
 
 
 def _route(logits: torch.Tensor, bias: torch.Tensor, cfg: ModelConfig):
-    grouped = cfg.n_group > 1
-    return routing.route(logits, bias, cfg.num_experts_per_tok, cfg.n_group if grouped else 1,
-                         cfg.topk_group if grouped else 1, cfg.norm_topk_prob,
-                         cfg.routed_scaling_factor)
+    return routing.route(logits, bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                         cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 @pytest.mark.parametrize("preset", ["glm-5.3", "deepseek-v3.2"])

@@ -75,10 +75,10 @@ def test_pair_layout_kernel_equals_the_sort(mc, n, k, experts, held, first):
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]) \
         if n else torch.zeros(0, k, dtype=torch.int64)
     token, pos, ends = moe_pairs.moe_pairs(ids, first, held)
-    order, want_ends = moe_compute._sort_pairs(ids, first, held, held_all=held == experts)
-    assert torch.equal(token, order // k)
-    assert torch.equal(pos, moe_compute.pair_positions(order, ids.shape))
-    assert ends.dtype == torch.int32 and torch.equal(ends, want_ends.to(torch.int32))
+    want = moe_compute.pair_layout_reference(ids, first, held, held_all=held == experts)
+    assert torch.equal(token, want[0])
+    assert torch.equal(pos, want[1])
+    assert ends.dtype == torch.int32 and torch.equal(ends, want[2])
 
 
 def test_pair_layout_refuses_a_prefill_batch(mc):

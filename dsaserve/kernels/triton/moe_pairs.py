@@ -52,7 +52,7 @@ def moe_pairs(ids: torch.Tensor, first: int, count: int
     """ids [N, k] (the router's) → (token of each sorted pair [P] int64, each pair's place in
     the sorted order [N, k] int64, group ends [count] int32) for the `count` experts from
     `first` held here; pairs of experts held elsewhere sort last, past ends[-1]. The contract of
-    `moe_compute.pair_layout`'s PyTorch path; N · k ≤ MAX_PAIRS. No host sync."""
+    `moe_compute.pair_layout_reference`; N · k ≤ MAX_PAIRS. No host sync."""
     n, k = ids.shape
     pairs = n * k
     if pairs > MAX_PAIRS:

@@ -77,9 +77,12 @@ def _route_kernel(
 def route(logits: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_groups: int,
           norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [N, E] fp32 (the router GEMM's output), bias [E] fp32 → (ids [N, k] int64,
-    weights [N, k] fp32): model/dsa.py `Router`'s routing, one program per token. No host
+    weights [N, k] fp32): model/dsa.py `Router`'s routing, one program per token; `groups`
+    ≤ 1 routes without groups (topk_groups unused), as the model's config says. No host
     sync."""
     n, e = logits.shape
+    if groups <= 1:
+        groups = topk_groups = 1
     if e % groups or not 0 < topk_groups <= groups or not 0 < k <= e:
         raise ValueError(f"route: {e} experts, {groups} groups, {topk_groups} kept, k = {k}")
     if not logits.is_contiguous():
