@@ -177,6 +177,8 @@ def _end(engine: LLMEngine, ids: list[str], check: bool) -> None:
         engine.check_integrity()
 
 
+TIES_TOP = 5  # --ties: the most likely tokens kept per step, to find where engines part
+
 # ---- 1. step time -----------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Steps:
@@ -184,21 +186,42 @@ class Steps:
     missed_per_step: float  # HiSparse rows missed per step, every layer (0: all-GPU)
     spills: int  # MLA blocks spilled while this batch ran (HiSparse with pages)
     tokens: list[list[int]]  # greedy tokens per request
+    # per request, per token: the TIES_TOP most likely (token, log-probability) (--ties), else []
+    top: list[list[tuple[tuple[int, float], ...]]] = dataclasses.field(default_factory=list)
+    # per step, the batch's (request index, tokens computed), in batch order (--ties): two
+    # engines give equal tokens for sure only from equal batches (a GEMM's rounding follows
+    # its shape)
+    batches: list[tuple[tuple[int, int], ...]] = dataclasses.field(default_factory=list)
 
 
 def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Namespace,
                  max_tokens: int, tag: str) -> Steps:
     """Prefill `batch` (decoders emit tokens meanwhile), then time decode-only steps."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=TIES_TOP if args.ties else None)
     ids = [f"{tag}-{i}" for i in range(len(batch))]
     out: dict[str, list[int]] = {rid: [] for rid in ids}
+    top: dict[str, list[tuple[tuple[int, float], ...]]] = {rid: [] for rid in ids}
     spills = _spills(engine)
     for rid, p in zip(ids, batch, strict=True):
         engine.add_request(rid, p, params)
+    index = {rid: i for i, rid in enumerate(ids)}
+    batches: list[tuple[tuple[int, int], ...]] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        so = schedule()
+        batches.append(tuple((index[r], n) for r, n in so.num_scheduled_tokens.items()
+                             if r in index))
+        return so
+
+    if args.ties:
+        engine.scheduler.schedule = recorded  # this engine's own, for its life here
 
     def step() -> None:
         for o in engine.step():
             out[o.request_id] += o.new_token_ids
+            top[o.request_id] += [e.top[:TIES_TOP] for e in o.logprobs or ()]
         if args.smoke:
             engine.check_integrity()
 
@@ -221,7 +244,10 @@ def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Names
     if _decoding(engine, set(ids)) < len(ids):
         raise RuntimeError(f"{tag}: a request stopped decoding while timed (max_tokens)")
     _end(engine, ids, args.smoke)
-    return Steps(1e3 * statistics.median(times), missed, spills, [out[r] for r in ids])
+    if args.ties:
+        del engine.scheduler.schedule
+    return Steps(1e3 * statistics.median(times), missed, spills, [out[r] for r in ids],
+                 [top[r] for r in ids] if args.ties else [], [b for b in batches if b])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,6 +266,35 @@ class StepRow:
         """Greedy tokens equal over what both emitted (they may run a step or two apart)."""
         return all(a[:len(b)] == b[:len(a)] and min(len(a), len(b)) > 0
                    for a, b in zip(self.all_gpu.tokens, self.hisparse.tokens, strict=True))
+
+    def parting_gaps(self) -> list[float]:
+        """--ties: for each request whose greedy tokens part, the all-GPU engine's log-
+        probability gap (nats) between its token and HiSparse's at the first parting (inf
+        where HiSparse's is not among its TIES_TOP most likely): a near-tie, or a real
+        difference."""
+        gaps = []
+        for a, b, top in zip(self.all_gpu.tokens, self.hisparse.tokens, self.all_gpu.top,
+                             strict=True):
+            i = next((i for i, (x, y) in enumerate(zip(a, b, strict=False))
+                      if x != y), None)
+            if i is None:
+                continue
+            lp = dict(top[i])
+            gaps.append(lp[a[i]] - lp[b[i]] if b[i] in lp else math.inf)
+        return gaps
+
+    def equal_note(self) -> str:
+        """The table's exactness cell (with --ties: where the requests part, and whether
+        the two engines ran the same batches)."""
+        if not self.all_gpu.top:
+            return "yes" if self.tokens_equal else "NO"
+        same = self.all_gpu.batches == self.hisparse.batches
+        batches = f"batches {'equal' if same else 'differ'}"
+        if self.tokens_equal:
+            return f"yes; {batches}"
+        gaps = self.parting_gaps()
+        return (f"{len(gaps)} of {self.batch} part, widest all-GPU gap at the parting "
+                f"{max(gaps):.3g} nats; {batches}")
 
 
 def step_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> list[StepRow]:
@@ -451,7 +506,7 @@ def report(args: argparse.Namespace, shape: str, steps: list[StepRow],
             lines.append(f"| {human(r.context)} | {r.batch} | {r.all_gpu.wall_ms:.3f} | "
                          f"{r.hisparse.wall_ms:.3f} | {r.ratio:.2f} | "
                          f"{r.hisparse.missed_per_step:,.0f} | {r.hisparse.spills:,} | "
-                         f"{'yes' if r.tokens_equal else 'NO'} |")
+                         f"{r.equal_note()} |")
     if conc is not None:
         c = conc
         ratio = c.hisparse / c.all_gpu if c.all_gpu else math.inf
@@ -498,6 +553,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", type=_list("--contexts"), default=[8192, 131072])
     p.add_argument("--steps", type=int, default=10, help="decode steps timed per row")
     p.add_argument("--warmup", type=int, default=3, help="decode steps before the timed ones")
+    p.add_argument("--ties", action="store_true",
+                   help="step rows: log-probabilities too, to say whether requests whose greedy "
+                        "tokens part do so at near-ties (the steps then carry their host work)")
     p.add_argument("--buffer", type=int, default=None,
                    help="hisparse_config.device_buffer_size (default: the engine's, "
                         "(query rows + 1) × top-k)")

@@ -26,7 +26,10 @@ link, 50 GB/s), next to it.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
+import io
+import pstats
 import sys
 import tempfile
 import time
@@ -75,9 +78,10 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
                                                              side_channel_port=0))
 
     threads = torch.get_num_threads()
-    if device.type == "cpu":  # the cores are shared with the prefill process, which takes as
-        # many: oversubscribed, torch's spin-waiting threads made the first token ~20x slower
-        torch.set_num_threads(cpu_threads_per_worker(2))
+    # the cores are shared with the prefill process, which takes as many: oversubscribed,
+    # torch's spin-waiting threads made the first token ~20x slower on a CPU, and the READs'
+    # posting 50x slower on a GPU's host (367 of 417 ms)
+    torch.set_num_threads(cpu_threads_per_worker(2))
     try:
         with PrefillProcess(role("kv_producer")) as p:
             d = LLMEngine.from_config(role("kv_consumer"))
@@ -92,9 +96,15 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
                         "IB 50 GB/s (ms) |",
                         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
                 g = torch.Generator().manual_seed(0)
-                for n in [min(args.tokens), *args.tokens]:  # the first: a warm-up, not reported
+                for i, n in enumerate([min(args.tokens), *args.tokens]):
+                    # the first: a warm-up, not reported
                     prompt = torch.randint(4, model.vocab_size, (n,), generator=g).tolist()
-                    rows.append(_measure(p, d, prompt, device))
+                    profiler = cProfile.Profile() if args.profile and i == len(args.tokens) \
+                        else None
+                    rows.append(_measure(p, d, prompt, device, profiler))
+                    if profiler is not None:
+                        rows += ["", f"The decode engine's host time at {n:,} tokens "
+                                     "(cProfile):", "```", _top(profiler), "```"]
                 del rows[4]  # the warm-up row
             finally:
                 d.shutdown()
@@ -103,8 +113,18 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
     return rows
 
 
-def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.device) -> str:
-    """One prompt prefilled there, then timed here until the first decoded token: its row."""
+def _top(profiler: cProfile.Profile, lines: int = 30) -> str:
+    """The profile's functions by cumulative time, then by their own time, `lines` each."""
+    buf = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=buf).sort_stats(key).print_stats(lines)
+    return "\n".join(x for x in buf.getvalue().splitlines() if x.strip())
+
+
+def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.device,
+             profiler: cProfile.Profile | None = None) -> str:
+    """One prompt prefilled there, then timed here until the first decoded token (under
+    `profiler` if given): its row."""
     n = len(prompt)
     rid = f"p{n}-{time.monotonic_ns()}"
     params = p.prefill(rid, prompt)
@@ -116,7 +136,11 @@ def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.d
                   kv_transfer_params=params)
     read_s = first_s = None
     while d.has_unfinished_requests():
+        if profiler is not None:
+            profiler.enable()
         outs = d.step()
+        if profiler is not None:
+            profiler.disable()
         _sync(device)
         if read_s is None and rid not in d.scheduler.receiving:
             # check + the READs (posted in one step, polled until they land)
@@ -153,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="triton", choices=("reference", "triton"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the decode engine's steps of the last prompt (cProfile)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.tokens, args.block_size, args.chunk = [48, 96], 16, 64

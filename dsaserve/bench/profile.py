@@ -20,7 +20,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("workspace dequant", r"dequantize_pages"),
     ("top-k", r"topk|threshold_kernel|compact_kernel|finish_kernel|merge_best|radix|sort"),
     ("indexer logits", r"indexer_logits|indexer_gluon|_logits_kernel"),
-    ("sparse MLA", r"sparse_mla|mla_work|pingpong|position_slots|merge_splits"),
+    # (not "pingpong": PyTorch's grouped GEMM is a CUTLASS Pingpong kernel)
+    ("sparse MLA", r"sparse_mla|mla_work|position_slots|merge_splits"),
     ("norms + rotary", r"norm|rotary|rope|rms|silu|softmax"),
     ("copies", r"memcpy|memset|copy|cat|index_select|gather|scatter|index_put|fill|"
                r"write_mla|write_index|index_cache|mla_cache"),

@@ -206,8 +206,9 @@ def _stop(proc: BaseProcess, conn: Connection, agents: list[str]) -> None:
 def _serve(config: EngineConfig, conn: Connection) -> None:
     die_with_parent()
     signal.signal(signal.SIGTERM, exit_on_sigterm)  # exit through `finally`: engine shut down
-    if torch.device(config.device).type == "cpu":
-        torch.set_num_threads(cpu_threads_per_worker(2))  # the decode engine's process beside it
+    # the decode engine's process beside it: half the cores each, on a GPU too (its step's
+    # host work slowed 50× with both processes' threads spinning over every core)
+    torch.set_num_threads(cpu_threads_per_worker(2))
     engine = None
     try:
         engine = LLMEngine.from_config(config)

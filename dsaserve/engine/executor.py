@@ -185,8 +185,10 @@ class MultiprocExecutor:
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns,
                                            self._rendezvous_dir)
         num_replicas = config.parallel.data_parallel_size
-        threads = (cpu_threads_per_worker(self.world_size * num_replicas)
-                   if torch.device(config.device).type == "cpu" else None)
+        # on a GPU too: the host work of a step (plans, tables, transfer descriptors) ran 50×
+        # slower with every worker's torch threads spinning over all the cores (P/D's READ
+        # descriptors: 367 ms instead of 7 ms, docs/disagg.md)
+        threads = cpu_threads_per_worker(self.world_size * num_replicas)
         ctx = mp.get_context("spawn")
         try:
             for rank in range(self.world_size):

@@ -54,7 +54,12 @@ def test_kernel_matches_reference(n, held, first):
     want = moe_compute.combine_reference(y, pos, weights, limit, shared)
     assert plus.dtype == torch.bfloat16
     assert (plus != want).float().mean() < 1e-3
-    torch.testing.assert_close(plus.float(), want.float(), rtol=2.0**-7, atol=1e-30)
+    # one bf16 ulp of the value, plus the fp32 sum's own rounding (an ulp or two of the terms'
+    # magnitudes, kept where the terms cancel to near zero: 3 of 25M elements at 4096 tokens
+    # were 1e-7 apart, 0.8 of their value)
+    mag = moe_compute.combine_reference(y.abs(), pos, weights.abs(), limit, shared.abs())
+    gap = (plus.float() - want.float()).abs()
+    assert (gap <= 2.0**-7 * want.float().abs() + 1e-6 * mag.float()).all()
 
 
 @pytest.mark.parametrize("n", [1, 64, 512])

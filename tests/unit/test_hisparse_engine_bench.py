@@ -58,3 +58,21 @@ def test_flags(bench):
     for bad in (["--sections", "steps"], ["--batches", "0"], ["--long", "1G"], ["--steps", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_parting_gaps(bench):
+    """--ties: the all-GPU engine's gap at the first token where the two engines part; inf
+    where HiSparse's token is not among its five most likely."""
+    def steps(tokens, top=()):
+        return bench.Steps(1.0, 0.0, 0, tokens, list(top))
+
+    top = [((5, -0.5), (7, -0.52)), ((1, -0.1), (2, -3.0))]
+    a = steps([[5, 1], [5, 1], [5, 1]], [top, top, top])
+    row = bench.StepRow(8192, 3, a, steps([[5, 1], [7, 4], [5, 9]]))
+    assert not row.tokens_equal
+    gaps = row.parting_gaps()
+    assert gaps[0] == pytest.approx(0.02) and gaps[1] == float("inf") and len(gaps) == 2
+    assert row.equal_note() == ("2 of 3 part, widest all-GPU gap at the parting inf nats; "
+                              "batches equal")
+    assert bench.StepRow(8192, 3, steps(a.tokens), steps([[5, 1], [7, 4], [5, 1]])
+                         ).equal_note() == "NO"

@@ -48,6 +48,11 @@ def test_lengths_and_categories(bench):
         "_write_mla_fp8_kernel": "copies",
         "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT": "MoE + GEMMs",
         "sm90_xmma_gemm_bf16bf16_bf16f32": "MoE + GEMMs", "aten::mm": "MoE + GEMMs",
+        "_sparse_mla_pingpong_kernel": "sparse MLA",
+        # PyTorch's grouped GEMM (the routed experts): a CUTLASS Pingpong kernel
+        "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel"
+        "13GemmUniversalINS_5tupleIJiiiEEENS_4gemm10collective13CollectiveMmaINS_10"
+        "KernelTmaWarpSpecializedPingpong": "MoE + GEMMs",
         "void at::native::vectorized_elementwise_kernel<4>": "other",
     }
     assert {n: profile.classify(n) for n in names} == names
