@@ -6,6 +6,7 @@ share of it.
     python benchmarks/pd_e2e.py --out docs/pd_h200.md
     python benchmarks/pd_e2e.py --smoke                # CPU, tiny sizes, shm (the script runs)
     python benchmarks/pd_e2e.py --smoke --transport nixl
+    python benchmarks/pd_e2e.py --profile              # + the decode engine's host profile
 
 The prefill engine runs in a spawned process (`disagg/prefill_process.py`: built from the same
 config, stepping while it holds blocks, as a prefill server does), the decode engine in this one,

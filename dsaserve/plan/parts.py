@@ -86,8 +86,10 @@ class Parts:
     # The slope of a decode step's kernel time over its layers, less what the parts above
     # price for those layers at the H100's bandwidth: ~190-200 µs per layer at b = 1 and at
     # b = 64, 8K (2 against 16 layers); on the H200 the 2-layer steps leave 0.48-0.60 ms per
-    # step beyond the parts, the same order. The H100's figure, until the H200 measures it by
-    # category (decode.py --kernel-profile).
+    # step beyond the parts, the same order. By category (decode.py --kernel-profile, 16
+    # layers, an H100): the small kernels themselves are 58 µs per layer at b = 1 and 64 at
+    # b = 64; the rest is GEMMs below the bandwidth the parts price them at. The H100's
+    # figure, until the H200 measures it.
     layer_kernels_us: Measured = Measured(
         200.0, "us", "H100 runs, benchmarks/decode.py at 2 and 16 layers (2026-12-06, "
                      "docs/decode.md): kernels beyond the parts above, per layer")
