@@ -203,8 +203,6 @@ def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Names
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     top: dict[str, list[tuple[tuple[int, float], ...]]] = {rid: [] for rid in ids}
     spills = _spills(engine)
-    for rid, p in zip(ids, batch, strict=True):
-        engine.add_request(rid, p, params)
     index = {rid: i for i, rid in enumerate(ids)}
     batches: list[tuple[tuple[int, int], ...]] = []
     schedule = engine.scheduler.schedule
@@ -225,11 +223,18 @@ def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Names
         if args.smoke:
             engine.check_integrity()
 
-    while engine.scheduler.waiting or _decoding(engine, set(ids)) < len(ids):
-        if not engine.has_unfinished_requests():
-            raise RuntimeError(f"{tag}: the {len(ids)} requests never decoded together "
-                               "(admitted fewer at once?)")
-        step()
+    # One prompt at a time, each added once the one before has prefilled: no step holds two
+    # prompts' chunks, so both engines run the same batches. (Added at once, a spilling
+    # engine admitted a prompt a step later than the all-GPU one where the step's leftover
+    # budget would start it: other GEMM shapes from then on, other roundings, and greedy
+    # tokens that part for no fault of either engine.)
+    for i, (rid, p) in enumerate(zip(ids, batch, strict=True)):
+        engine.add_request(rid, p, params)
+        while _decoding(engine, set(ids[:i + 1])) < i + 1:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"{tag}: request {i} of {len(ids)} never decoded beside "
+                                   "the others (admitted fewer at once?)")
+            step()
     for _ in range(args.warmup):
         step()
     missed, times = _rows_missed(engine), []

@@ -1,7 +1,7 @@
 """benchmarks/hisparse_engine.py runs end to end on the CPU at tiny size (so the H200 command
-cannot rot): HiSparse's greedy tokens equal the all-GPU engine's in every step-time row, the
-concurrency each engine reaches is what `dsaserve plan`'s functions predict, and the long
-request's table is filled."""
+cannot rot): HiSparse's greedy tokens equal the all-GPU engine's in every step-time row, from
+the same batches, the concurrency each engine reaches is what `dsaserve plan`'s functions
+predict, and the long request's table is filled."""
 
 from __future__ import annotations
 
@@ -33,11 +33,12 @@ def _cells(text: str, first: str) -> list[list[str]]:
 
 def test_smoke_on_cpu(bench, tmp_path):
     out = tmp_path / "table.md"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0  # asserts tokens and plan inside
+    # asserts tokens and plan inside; --ties: the two engines' batches compared as well
+    assert bench.main(["--smoke", "--ties", "--out", str(out)]) == 0
     text = out.read_text()
     steps = _cells(text, "48 |") + _cells(text, "160 |")
     assert [(r[0], r[1]) for r in steps] == [("48", "1"), ("48", "3"), ("160", "1"), ("160", "3")]
-    assert all(r[-1] == "yes" for r in steps)
+    assert all(r[-1] == "yes; batches equal" for r in steps)
     # every request of these contexts reads through a hot buffer of one top-k (16 rows): misses
     assert all(float(r[5].replace(",", "")) > 0 for r in steps)
     # three long decoders over one window of MLA pages and their tails: pages spilled
