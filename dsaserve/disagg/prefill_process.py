@@ -42,7 +42,7 @@ from dsaserve.core import KVTransferParams
 from dsaserve.disagg import offline
 from dsaserve.disagg.launch import die_with_parent, exit_on_sigterm
 from dsaserve.disagg.transport import remove_shm_files
-from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.engine import POLL_INTERVAL_S, LLMEngine
 from dsaserve.engine.executor import cpu_threads_per_worker, reap
 
 T = TypeVar("T")
@@ -216,7 +216,8 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
         conn.send(Ready(os.getpid(), _agents(engine)))
         while True:
             busy = engine.has_unfinished_requests()
-            if busy and not conn.poll():
+            # holding blocks for readers only: a short wait between polling steps
+            if busy and not conn.poll(POLL_INTERVAL_S if engine.only_polling else 0):
                 engine.step()  # as a server's core loop: read notifications free held blocks
                 continue
             message = conn.recv()  # EOFError: the parent is gone

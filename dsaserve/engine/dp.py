@@ -165,6 +165,12 @@ class DataParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
+    @property
+    def only_polling(self) -> bool:
+        """LLMEngine.only_polling over every replica."""
+        return (all(r.scheduler.last_step_empty for r in self.replicas)
+                and self.has_unfinished_requests())
+
     def stats(self) -> EngineStats:
         """The sum over replicas (kv_cache_usage is then the pooled usage)."""
         parts = [r.stats() for r in self.replicas]

@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long a core loop waits for new requests between steps that compute nothing while
+# transfers are polled (`LLMEngine.only_polling`): a READ's landing is seen within it.
+POLL_INTERVAL_S = 0.001
+
 
 def run_to_completion(engine: LLMEngine | DataParallelEngine, prompts: Sequence[Sequence[int]],
                       params: SamplingParams | Sequence[SamplingParams],
@@ -269,6 +273,14 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def only_polling(self) -> bool:
+        """Work remains but the last step computed nothing: only transfers in flight (P/D
+        READs, held blocks' readers, host-tier copies) that each step polls. A core loop then
+        waits up to POLL_INTERVAL_S for new requests before the next step rather than spinning
+        a core (a P/D prefill process doing so slowed its neighbour's host work 25×)."""
+        return self.scheduler.last_step_empty and self.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
         return self.scheduler.stats()

@@ -158,6 +158,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; preemption takes from the tail
         self.num_preemptions = 0
+        # the last schedule() computed no token (while work remains: transfers being polled)
+        self.last_step_empty = False
         # What the runner holds per request: how many tokens and blocks it was sent.
         self._runner_num_tokens: dict[str, int] = {}
         self._runner_num_blocks: dict[str, int] = {}
@@ -332,6 +334,7 @@ class Scheduler:
         self._recvs_to_cancel.clear()
         stores, loads = self.offload.take_transfers() if self.offload else ((), ())
         recvs, self._kv_recvs = tuple(self._kv_recvs), []
+        self.last_step_empty = not num_scheduled
         return SchedulerOutput(
             new_requests=tuple(new),
             cached_requests=tuple(cached),

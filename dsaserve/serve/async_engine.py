@@ -283,10 +283,14 @@ class AsyncEngine:
 
     # ---- the core thread -----------------------------------------------------------------------
     def _core_loop(self) -> None:
+        from dsaserve.engine.engine import POLL_INTERVAL_S  # (the engine's module is loaded)
+
         try:
             while True:
                 idle = not self._engine.has_unfinished_requests()
-                for message in self._receive(block=idle):
+                # only transfers in flight: a short wait, not a spinning core
+                wait = POLL_INTERVAL_S if not idle and self._engine.only_polling else None
+                for message in self._receive(block=idle, timeout=wait):
                     if isinstance(message, Shutdown):
                         self._die("the engine was shut down")
                         self._engine.shutdown()  # no worker process outlives the server
@@ -304,9 +308,15 @@ class AsyncEngine:
             self._die(f"engine core failed: {type(e).__name__}: {e}")
             self._engine.shutdown()
 
-    def _receive(self, block: bool) -> list[EngineCoreMessage]:
-        """All queued messages; waits for the first one when `block` (the engine is idle)."""
-        messages = [self._inbox.get()] if block else []
+    def _receive(self, block: bool, timeout: float | None = None) -> list[EngineCoreMessage]:
+        """All queued messages; waits for the first one when `block` (the engine is idle), or
+        up to `timeout` seconds for it."""
+        messages = []
+        if block or timeout is not None:
+            try:
+                messages.append(self._inbox.get(timeout=None if block else timeout))
+            except queue.Empty:
+                return messages
         while True:
             try:
                 messages.append(self._inbox.get_nowait())
