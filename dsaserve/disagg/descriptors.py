@@ -61,7 +61,8 @@ def coalesce(segs: torch.Tensor) -> torch.Tensor:
     a segment that starts where the previous one ended on both sides joins it."""
     if segs.shape[0] == 0:
         return segs
-    segs = segs[torch.argsort(segs[:, 0], stable=True)]
+    if bool((segs[1:, 0] < segs[:-1, 0]).any()):  # a staged READ's come sorted: no sort
+        segs = segs[torch.argsort(segs[:, 0], stable=True)]
     src, dst, n = segs.unbind(1)
     breaks = torch.ones_like(src, dtype=torch.bool)  # [K] a segment starts here
     breaks[1:] = (src[1:] != src[:-1] + n[:-1]) | (dst[1:] != dst[:-1] + n[:-1])
@@ -74,18 +75,41 @@ def _row_segments(pair: CopyRuns, width: int) -> torch.Tensor:  # [R, 3]
     return torch.stack((pair.src_start * width, pair.dst_start * width, pair.length * width), 1)
 
 
+def _split_at_pages(first: torch.Tensor, other: torch.Tensor, length: torch.Tensor,
+                    block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Runs (`first` slot on the side split, `other` side's first slot, length), each [R], cut
+    where the `first` side crosses a page of `block` slots: pieces [P] in run order, none of
+    which crosses a page on that side. Piece i of a run starting h slots into its page:
+
+        block 4, run of 7 from slot 6 (h = 2):   slots  6 7 | 8 9 10 11 | 12
+        piece i covers run rows [max(0, 4i − h), min(7, 4(i+1) − h)):   [0, 2) [2, 6) [6, 7)
+    """
+    head = first % block  # [R] slots before the run's first in its page
+    count = (head + length - 1) // block + 1  # [R] pages the run touches
+    if bool((count == 1).all()):  # nothing to cut: rows alone, or runs within a page
+        return first, other, length
+    ends = torch.cumsum(count, 0)  # [R] one past each run's last piece
+    pieces = torch.arange(int(ends[-1]), dtype=torch.int64)  # [P]
+    run = torch.searchsorted(ends, pieces, right=True)  # [P] run of each piece
+    i = pieces - (ends - count)[run]  # [P] piece's index in its run
+    lo = (i * block - head[run]).clamp_(min=0)  # [P] first run row of the piece
+    hi = torch.minimum((i + 1) * block - head[run], length[run])  # [P] one past its last
+    return first[run] + lo, other[run] + lo, hi - lo
+
+
 def _page_segments(pair: CopyRuns, head_dim: int, src_block: int,
                    dst_block: int) -> torch.Tensor:  # [K, 3]
-    """Per row: its D value bytes and its scale, at their places in each side's page."""
-    s, t = pair.src_slots(), pair.dst_slots()  # [n], [n]
+    """Per piece of a run within one page on both sides: its n·D value bytes and its n scales,
+    each contiguous at their places in each side's page (coalesce then joins what touches)."""
+    s, t, n = _split_at_pages(pair.src_start, pair.dst_start, pair.length, src_block)
+    t, s, n = _split_at_pages(t, s, n, dst_block)  # [P] each
     src_page, dst_page = src_block * (head_dim + _SCALE), dst_block * (head_dim + _SCALE)
     src_base, dst_base = (s // src_block) * src_page, (t // dst_block) * dst_page
     values = torch.stack((src_base + (s % src_block) * head_dim,
-                          dst_base + (t % dst_block) * head_dim,
-                          torch.full_like(s, head_dim)), 1)
+                          dst_base + (t % dst_block) * head_dim, n * head_dim), 1)
     scales = torch.stack((src_base + src_block * head_dim + (s % src_block) * _SCALE,
                           dst_base + dst_block * head_dim + (t % dst_block) * _SCALE,
-                          torch.full_like(s, _SCALE)), 1)
+                          n * _SCALE), 1)
     return coalesce(torch.cat((values, scales)))
 
 

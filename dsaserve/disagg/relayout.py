@@ -89,7 +89,7 @@ class CopyRuns:
 
     @functools.cached_property
     def _slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expanded once: the zero-copy and the staged plans of a pair both need them."""
+        """Expanded once: the staged plan and the row copies (`kvio`) of a pair need them."""
         return expand_runs(self.src_start, self.length), expand_runs(self.dst_start, self.length)
 
 
@@ -168,18 +168,18 @@ def owned_slots(positions: torch.Tensor, kv: KVLayout) -> tuple[torch.Tensor, to
             f"block table: {len(kv.block_ids)} blocks of {kv.tokens_per_block} tokens cannot "
             f"hold position {int(positions.max())}"
         )
-    table = torch.tensor([kv.block_ids], dtype=torch.int64)  # [1, num_blocks]
-    rows = torch.zeros_like(positions)  # every position is in request row 0 of `table`
-    owner = layout.dcp_owner(positions, kv.dcp_size, kv.interleave)  # [T]
-    slot = torch.full_like(positions, layout.PAD_SLOT_ID)  # [T]
-    for rank in range(kv.dcp_size):
-        on_rank = layout.slot_mapping(positions, rows, table, kv.block_size, kv.dcp_size, rank,
-                                      kv.interleave)  # [T], −1 where not owned by `rank`
-        slot = torch.where(owner == rank, on_rank, slot)
-    if bool((slot < 0).any()):
-        bad = int(positions[slot < 0][0])
+    if kv.dcp_size == 1:  # one rank: its local sequence is the positions
+        owner, local = torch.zeros_like(positions), positions
+    else:
+        owner = layout.dcp_owner(positions, kv.dcp_size, kv.interleave)  # [T]
+        local = layout.dcp_local_index(positions, kv.dcp_size, kv.interleave)  # [T]
+    # every rank's local sequence is paged by the one table (`layout`), so one lookup serves all
+    # owners, where `layout.slot_mapping` would map every position once per rank
+    block = torch.tensor(kv.block_ids, dtype=torch.int64)[local // kv.block_size]  # [T]
+    if bool((block < 0).any()):
+        bad = int(positions[block < 0][0])
         raise ValueError(f"block table: position {bad} falls in an unallocated (−1) block")
-    return owner, slot
+    return owner, block * kv.block_size + local % kv.block_size
 
 
 def plan_transfer(src: KVLayout, dst: KVLayout, num_cached_on_dst: int,
@@ -209,8 +209,9 @@ def plan_positions(src: KVLayout, dst: KVLayout, pos: torch.Tensor, start: int,
     s_rank, s_slot = owned_slots(pos, src)  # [T], [T]
     d_rank, d_slot = owned_slots(pos, dst)  # [T], [T]
     pair = s_rank * dst.dcp_size + d_rank  # [T] pair id
-    order = torch.sort(pair, stable=True).indices  # group by pair, position order inside
-    pair, s_slot, d_slot = pair[order], s_slot[order], d_slot[order]
+    if src.dcp_size * dst.dcp_size > 1:  # one pair: already grouped
+        order = torch.sort(pair, stable=True).indices  # group by pair, position order inside
+        pair, s_slot, d_slot = pair[order], s_slot[order], d_slot[order]
     breaks = torch.ones_like(pair, dtype=torch.bool)  # [T] a run starts here
     breaks[1:] = ((pair[1:] != pair[:-1]) | (s_slot[1:] != s_slot[:-1] + 1)
                   | (d_slot[1:] != d_slot[:-1] + 1))

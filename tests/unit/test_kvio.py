@@ -15,7 +15,7 @@ from dsaserve.core import KVRecv, KVTransferParams
 from dsaserve.disagg import descriptors, kvio, staging, transport
 from dsaserve.disagg.connector import ConnectorWorker
 from dsaserve.disagg.hostplan import HostDest
-from dsaserve.disagg.relayout import KVLayout, plan_transfer
+from dsaserve.disagg.relayout import CopyRuns, KVLayout, plan_transfer
 from dsaserve.disagg.shmcopy import CopyThread
 from dsaserve.kernels import formats
 from dsaserve.kv import layout
@@ -251,6 +251,91 @@ def test_whole_pages_are_one_segment_per_page(b: int) -> None:
                                         [9 * b * 656, [11, 12][pair.src_rank] * b * 656, b * 656]]
         assert layer["index"].tolist() == [[5 * page, [1, 7][pair.src_rank] * page, 2 * page],
                                            [9 * page, [11, 12][pair.src_rank] * page, page]]
+
+
+def _rowwise_page_segments(pair: CopyRuns, head_dim: int, bs: int, bt: int) -> torch.Tensor:
+    """The reference: per row, its D value bytes and its 4 scale bytes at their places in each
+    side's page (MODEL_SPEC's FP8 indexer page), then coalesced."""
+    rows = [(s, t) for s0, t0, n in zip(pair.src_start.tolist(), pair.dst_start.tolist(),
+                                        pair.length.tolist(), strict=True)
+            for s, t in zip(range(s0, s0 + n), range(t0, t0 + n), strict=True)]
+    segs = []
+    for s, t in rows:
+        src_page, dst_page = (s // bs) * bs * (head_dim + 4), (t // bt) * bt * (head_dim + 4)
+        segs.append((src_page + s % bs * head_dim, dst_page + t % bt * head_dim, head_dim))
+        segs.append((src_page + bs * head_dim + s % bs * 4, dst_page + bt * head_dim + t % bt * 4,
+                     4))
+    return descriptors.coalesce(torch.tensor(segs, dtype=torch.int64).reshape(-1, 3))
+
+
+def _runny_table(rng: random.Random, num_blocks: int) -> tuple[int, ...]:
+    """Block ids in stretches of consecutive ids (runs then span pages), stretches shuffled."""
+    first = rng.randint(0, 5)
+    ids = list(range(first, first + num_blocks))
+    cuts = sorted(rng.sample(range(1, num_blocks), min(num_blocks - 1, rng.randint(0, 3))))
+    parts = [ids[a:b] for a, b in zip([0, *cuts], [*cuts, num_blocks], strict=True)]
+    rng.shuffle(parts)
+    return tuple(i for part in parts for i in part)
+
+
+@pytest.mark.parametrize("ns", [1, 2, 4])
+@pytest.mark.parametrize("bs,bt", [(16, 16), (64, 64), (16, 64), (64, 16)])
+def test_fp8_page_segments_equal_the_row_wise_reference(ns: int, bs: int, bt: int) -> None:
+    """Segments built from the runs (cut at either side's page boundaries) are the very tensor
+    the row-wise construction gives, over tables with and without consecutive ids, interleave 1
+    and = B on either side, DCP on either side, and ranges that start and end mid-page."""
+    rng = random.Random(ns * 1000 + bs * 10 + bt)
+    for _ in range(20):
+        i_s, i_t = rng.choice([1, bs]), rng.choice([1, bt])
+        nt = rng.choice([1, 2, ns])  # = ns: whole pages of one source rank land on one target
+        num_tokens = rng.randint(1, 5 * max(ns * bs, nt * bt))
+        tables = []
+        for b, n in ((bs, ns), (bt, nt)):
+            blocks = -(-num_tokens // (b * n))
+            tables.append(_runny_table(rng, blocks) if rng.random() < 0.7
+                          else tuple(rng.sample(range(3 * blocks + 2), blocks)))
+        plan = plan_transfer(KVLayout(tables[0], bs, ns, i_s), KVLayout(tables[1], bt, nt, i_t),
+                             rng.randint(0, num_tokens), num_tokens)
+        for pair in plan.pairs:
+            head_dim = rng.choice([8, 128])
+            fmt_s = [descriptors.LayerFormat(bs, 656, head_dim + 4, True)]
+            fmt_t = [descriptors.LayerFormat(bt, 656, head_dim + 4, True)]
+            (layer,) = descriptors.plan_segments(pair, fmt_s, fmt_t, ("index",))
+            assert torch.equal(layer["index"], _rowwise_page_segments(pair, head_dim, bs, bt))
+
+
+def test_fp8_page_segments_of_hand_made_runs() -> None:
+    """Runs laid out apart from any plan: long runs that cross several pages of each side at
+    different offsets, runs of one row, and a pair with no runs."""
+    rng = random.Random(7)
+    for bs, bt in [(16, 16), (64, 64), (16, 64), (64, 16), (4, 6)]:
+        for _ in range(20):
+            lengths = [rng.choice([1, 1, rng.randint(1, 3 * max(bs, bt))])
+                       for _ in range(rng.randint(0, 8))]
+            starts = []
+            for order in (range(len(lengths)), rng.sample(range(len(lengths)), len(lengths))):
+                at, side = rng.randint(0, 40), {}
+                for k in order:  # each side's slots apart, the target's in another order
+                    side[k] = at
+                    at += lengths[k] + rng.choice([0, 0, rng.randint(1, 70)])
+                starts.append([side[k] for k in range(len(lengths))])
+            pair = CopyRuns(0, 0, *(torch.tensor(v, dtype=torch.int64).reshape(-1)
+                                    for v in (*starts, lengths)))
+            got = descriptors._page_segments(pair, 128, bs, bt)
+            assert torch.equal(got, _rowwise_page_segments(pair, 128, bs, bt))
+            assert int(got[:, 2].sum()) == 132 * sum(lengths)
+    none = torch.zeros(0, dtype=torch.int64)
+    assert descriptors._page_segments(CopyRuns(0, 0, none, none, none), 128, 16, 64).shape == (0, 3)
+
+
+def test_coalesce_sorted_or_not() -> None:
+    """Sorted by source, segments that continue on both sides join; the input's order does not
+    matter (sorted input skips the sort)."""
+    segs = torch.tensor([[0, 100, 4], [4, 104, 4], [8, 50, 4], [12, 54, 2], [20, 56, 4]])
+    want = [[0, 100, 8], [8, 50, 6], [20, 56, 4]]
+    assert descriptors.coalesce(segs).tolist() == want
+    assert descriptors.coalesce(segs[torch.tensor([3, 0, 4, 2, 1])]).tolist() == want
+    assert descriptors.coalesce(segs[:0]).shape == (0, 3)
 
 
 BACKENDS = [
