@@ -279,7 +279,8 @@ class LLMEngine:
         """Work remains but the last step computed nothing: only transfers in flight (P/D
         READs, held blocks' readers, host-tier copies) that each step polls. A core loop then
         waits up to POLL_INTERVAL_S for new requests before the next step rather than spinning
-        a core (a P/D prefill process doing so slowed its neighbour's host work 25×)."""
+        a core that the processes beside it need (docs/disagg.md: a P/D prefill process's
+        spinning loop and both processes' torch threads slowed the decode side's host work)."""
         return self.scheduler.last_step_empty and self.has_unfinished_requests()
 
     def stats(self) -> EngineStats:
