@@ -163,15 +163,18 @@ def _sync(device: str) -> None:
 
 def prefill(engine: LLMEngine, ids: list[int], device: str
             ) -> tuple[int, list[tuple[int, int, float]]]:
-    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per step).
+    """One request with max_tokens=1 → (its token, (first position, tokens, seconds) per
+    chunk).
 
-    Every step is synchronised before and after, so a step's time is its own; under
+    Every step is synchronised before and after, so a step's time is its own chunk's. Under
     --async-scheduling only the first and the last are (the point is that step k + 1's host
-    work runs while step k's kernels do), so a step's time is from one return to the next and
-    the step that only reads the last chunk's token counts with that chunk."""
+    work runs while step k's kernels do): a step's time is from one return to the next, and
+    the call that launches chunk k reads chunk k − 1's results, waiting for its kernels, so
+    that time is chunk k − 1's (the first call's, which only launches, is chunk 0's too; the
+    call that reads the last chunk's token is the last chunk's)."""
     engine.add_request(f"p{time.monotonic_ns()}", ids,
                        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    chunk, done, token, steps = engine.config.scheduler.max_num_batched_tokens, 0, -1, []
+    chunk, token, calls = engine.config.scheduler.max_num_batched_tokens, -1, []
     pipelined = engine.async_scheduling
     _sync(device)
     t0 = time.perf_counter()
@@ -183,18 +186,17 @@ def prefill(engine: LLMEngine, ids: list[int], device: str
         if not pipelined or not engine.has_unfinished_requests():
             _sync(device)
         now = time.perf_counter()
-        n = min(chunk, len(ids) - done)
-        if n > 0:
-            steps.append((done, n, now - t0))
-        else:  # async: the step that reads the last chunk's token
-            first, last_n, s = steps[-1]
-            steps[-1] = (first, last_n, s + now - t0)
+        calls.append(now - t0)
         t0 = now
-        done += max(n, 0)
         for out in outs:
             token = out.new_token_ids[-1] if out.new_token_ids else token
     engine.check_integrity()
-    return token, steps
+    starts = range(0, len(ids), chunk)
+    seconds, shift = [0.0] * len(starts), 1 if pipelined else 0
+    for k, s in enumerate(calls):  # a call past the last chunk's reads its token
+        seconds[min(max(k - shift, 0), len(starts) - 1)] += s
+    return token, [(first, min(chunk, len(ids) - first), t)
+                   for first, t in zip(starts, seconds, strict=True)]
 
 
 def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> Result:
