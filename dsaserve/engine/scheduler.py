@@ -141,15 +141,18 @@ class Scheduler:
         self._last_scheduled: dict[str, int] = {}  # request id → the last step that ran it
         # (the requests and hits it was counted for, their shared blocks): `_mla_pages_hold`
         self._shared_memo: tuple[tuple, SharedBlocks] | None = None
+        # P/D (disagg/connector.py): finished prefills' blocks held for their consumers, and
+        # decode requests whose prompt KV the runner is reading from a prefill engine
+        self.connector = connector
+        # The longest prompt this engine may prefill itself: None (any within max_model_len)
+        # but on a P/D decode engine with fewer MLA pages than one window (_mla_page_map)
+        self.local_prefill_tokens: int | None = None
         if num_mla_pages:
             self.mla = self._mla_page_map(num_mla_pages, num_blocks)
         # The host KV tier (kv/offload.py), when the engine has one: it needs the block keys.
         self.offload: OffloadManager | None = None
         if num_host_blocks:
             self.offload = OffloadManager(self.kv, num_host_blocks, host_block_bytes)
-        # P/D (disagg/connector.py): finished prefills' blocks held for their consumers, and
-        # decode requests whose prompt KV the runner is reading from a prefill engine
-        self.connector = connector
         self.receiving: dict[str, Request] = {}
         self._kv_recvs: list[KVRecv] = []
         # aborted while receiving, until a step tells the runner to cancel their READs
@@ -187,12 +190,28 @@ class Scheduler:
 
     def _mla_page_map(self, num_pages: int, num_blocks: int) -> MlaPageMap:
         """The page map of HiSparse spilling, its size checked against the pool and against
-        one request's window."""
+        one request's window (a prefill reads its GPU pages). A P/D decode engine may have
+        fewer: what it receives long arrives spilled (its rows in the host pool, only the
+        write tail on pages), so only the prompts it prefills itself (short arrivals read
+        their pages too) are bounded by its pages, at `local_prefill_tokens`."""
         flag = "--attention-config: hisparse_config.device_mla_pages"
         if num_pages > num_blocks:
             raise ConfigError(f"{flag} {num_pages} exceeds the {num_blocks} KV blocks")
         needed = min_mla_pages(self.config.max_model_len + self.num_lookahead, self.block_size)
-        if num_pages < needed:
+        consumer = (self.connector is not None and self.connector.config.is_consumer
+                    and not self.connector.config.is_producer)
+        if num_pages < needed and consumer:
+            # a short arrival (up to the hot buffer's rows) reads its pages, beside one tail
+            least = (min_mla_pages(self.hisparse_buffer_rows + self.num_lookahead,
+                                   self.block_size)
+                     + write_tail_pages(self.num_spec, self.block_size))
+            if num_pages < least:
+                raise ConfigError(
+                    f"{flag} {num_pages} is too few for a P/D decode engine: a prompt of the "
+                    f"hot buffer's {self.hisparse_buffer_rows} rows reads its pages beside a "
+                    f"decoder's write tail (needs {least} pages of {self.block_size} tokens)")
+            self.local_prefill_tokens = num_pages * self.block_size - self.num_lookahead
+        elif num_pages < needed:
             # A prefill reads its GPU pages: a lone request of max_model_len must fit.
             raise ConfigError(
                 f"{flag} {num_pages} cannot hold one request of --max-model-len "
@@ -213,6 +232,14 @@ class Scheduler:
             raise RequestError(
                 f"prompt has {request.num_prompt_tokens} tokens; max_model_len is {max_len}"
             )
+        limit = self.local_prefill_tokens
+        if limit is not None and not _remote(request) and request.num_prompt_tokens > limit:
+            raise RequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; this P/D decode engine "
+                f"prefills at most {limit} itself (--attention-config: hisparse_config."
+                f"device_mla_pages {self.mla.num_pages if self.mla else 0} of {self.block_size} "
+                "tokens): send it through the prefill engine (kv_transfer_params "
+                "do_remote_prefill)")
         if request.request_id in self.requests or (
                 self.connector is not None and request.request_id in self.connector.held):
             raise RequestError(f"request id {request.request_id!r} is already in use")
@@ -301,6 +328,8 @@ class Scheduler:
         if self.num_preemptions == num_preempted_before:
             while self.waiting and budget > 0 and self._num_active() < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if self._fail_unprefillable(req):
+                    continue
                 load = self._start_recv(req)
                 if load is None:
                     load = self._start_load(req)
@@ -574,6 +603,13 @@ class Scheduler:
         if self.connector is None or params is None or not params.do_remote_prefill:
             return None
         hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        if self.local_prefill_tokens is not None and receives_spilled(
+                req.num_tokens, self.hisparse_buffer_rows):
+            # below one window, a long arrival's spilled hits could need more pages to restore
+            # than there are: its prefix up to the first one is kept, the rest READ again
+            assert self.mla is not None
+            kept = self.mla.num_resident_prefix(hits)
+            hits, num_hit_tokens = hits[:kept], kept * self.block_size
         if self.mla is not None and not self._mla_pages_hold(req, hits):
             return False  # it would be preempted once the active ones grow, as a local one
         if self.mla is not None and not self.mla.can_provide(
@@ -591,6 +627,25 @@ class Scheduler:
             req.num_cached_tokens = num_hit_tokens
         self.receiving[req.request_id] = req
         self._kv_recvs.append(self.connector.recv(req, num_hit_tokens))
+        return True
+
+    def _fail_unprefillable(self, req: Request) -> bool:
+        """A P/D decode engine below one window: waiting `req`, which would prefill here (a
+        received request preempted since recomputes its prompt and outputs), ends with an
+        error if that is longer than its pages let it prefill, rather than wait at the head
+        of the queue for pages that never come; True then. Admission by whole windows
+        (`spilling_holds`) should leave no preemption to get here."""
+        limit = self.local_prefill_tokens
+        if limit is None or _remote(req) or req.num_tokens <= limit:
+            return False
+        self.waiting.popleft()
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._release(req)
+        self._aborted_outputs.append(replace(
+            self._make_output(req, ()),
+            error=f"preempted with {req.num_tokens} tokens, more than this P/D decode engine "
+                  f"can recompute itself ({limit}: --attention-config hisparse_config."
+                  "device_mla_pages)"))
         return True
 
     def _recv_pages_needed(self, req: Request, num_hit_tokens: int, hits: list[int]) -> int:
@@ -711,6 +766,12 @@ class Scheduler:
         # a local request or a recomputation beside the arrivals
         prefills = [i for i in [*range(len(self.running)), len(requests) - 1]
                     if self._prefilling(requests[i])]
+        if self.local_prefill_tokens is not None and _remote(req) and receives_spilled(
+                req.num_tokens, self.hisparse_buffer_rows):
+            # a P/D decode engine below one window: a long arrival is no prefill and leaves no
+            # window's room (a local prompt is bounded by the pages and waits for them; a
+            # received one longer than they are is never recomputed here, `_fail_unprefillable`)
+            prefills = prefills[:-1] if prefills and prefills[-1] == len(requests) - 1 else prefills
         longest = max(prefills, key=lambda i: requests[i].num_tokens, default=None)
         tables = [*(r.block_ids for r in requests[:-1]), hits]
         # the shared blocks change only with the requests (and the waiting one's hits): kept,
@@ -986,3 +1047,9 @@ def token_logprobs(req: Request, new_tokens: tuple[int, ...],
                            f"{len(new_tokens)}")
     return tuple(TokenLogprob(t, lps[i], top[i][:n] if n else ())
                  for i, t in enumerate(new_tokens))
+
+
+def _remote(request: Request) -> bool:
+    """A P/D decode request: its prompt's KV comes from a prefill engine."""
+    params = request.kv_transfer_params
+    return params is not None and bool(params.do_remote_prefill)

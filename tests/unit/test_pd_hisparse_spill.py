@@ -289,3 +289,89 @@ def test_spilling_with_a_producer_role_is_refused(model_dirs, engine_config):
                                               "kv_role 'kv_consumer'"):
             replace(cfg, disagg=_disagg(role))
     replace(cfg, disagg=_disagg("kv_consumer"))  # accepted
+
+
+def _below_window_pages(topk: int) -> int:
+    """The fewest MLA pages a P/D decode engine takes (no drafts): a prompt of the hot buffer's
+    rows reads its pages beside one write tail; less than one max-model-len window (16)."""
+    from dsaserve.kv.hisparse.admission import min_mla_pages, write_tail_pages
+
+    return min_mla_pages(topk, B) + write_tail_pages(0, B)
+
+
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto"), ("tiny-dsv32", "fp8_ds_mla")])
+def test_pd_decode_engine_below_one_window(model_dirs, engine_config, preset, kv):
+    """A P/D decode engine with fewer MLA pages than one request's window (the 1M case: what
+    it receives long lands spilled, only write tails on pages): each long arrival's KV alone
+    outgrows every page, and greedy output equals the aggregated engine's, several decoding
+    at once, nothing preempted or leaked. What it would prefill itself is bounded by its
+    pages: a longer local prompt is refused (a 400), a short one served; a received request
+    preempted since (it would recompute here, past its pages) ends with an error."""
+    from dsaserve.core import RequestError
+
+    model_dir = model_dirs[preset]
+    plain = _config(engine_config, model_dir, kv)
+    ref = LLMEngine.from_config(plain)
+    topk = ref.config.model.index_topk
+    pages = _below_window_pages(topk)
+    assert pages < 16  # max_model_len 64 in blocks of 4
+    prompts = _prompts(41, [37, 42, 45, 10])  # three long arrivals and a short one
+    want = ref.generate(prompts, GREEDY)
+    p = LLMEngine.from_config(replace(plain, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(_config(engine_config, model_dir, kv, buffer=topk,
+                                              pages=pages), disagg=_disagg("kv_consumer")))
+    try:
+        assert d.runner.caches[0].kv.shape[0] == pages
+        limit = d.scheduler.local_prefill_tokens
+        assert limit == pages * B
+        assert _pd_at_once(p, d, prompts, "a") == want
+        assert -(-(len(prompts[2]) + GREEDY.max_tokens) // B) > pages  # one request's KV
+        assert d.runner.connector.mla_rows_to_host > 0
+        assert d.stats().num_preemptions == 0
+
+        # local prompts: up to the pages' worth prefilled here, longer ones refused
+        local = _prompts(42, [limit, limit + 1])
+        with pytest.raises(RequestError, match="device_mla_pages .* prefill engine"):
+            d.add_request("too long", local[1], GREEDY)
+        assert d.generate([local[0]], GREEDY) == ref.generate([local[0]], GREEDY)
+
+        # a received long request preempted (white box: admission by whole windows leaves
+        # none to preempt) cannot recompute here: it ends with an error, nothing held
+        params = offline.prefill(p, "pre", prompts[1])
+        d.add_request("pre", prompts[1], GREEDY, kv_transfer_params=params)
+        outs = []
+        while not any(r.request_id == "pre" for r in d.scheduler.running):
+            outs += d.step()
+            p.step()
+        req = next(r for r in d.scheduler.running if r.request_id == "pre")
+        d.scheduler.running.remove(req)
+        d.scheduler._preempt(req)
+        outs += d.step()
+        (out,) = [o for o in outs if o.request_id == "pre" and o.finished]
+        assert out.finish_reason == "abort" and "recompute" in out.error
+        d.step()  # the runner learns that "pre" ended
+        d.check_integrity()
+        for _ in range(50):
+            if not p.has_unfinished_requests():
+                break
+            p.step()
+        for e in (p, d):
+            assert not e.has_unfinished_requests()
+            assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_pd_decode_engine_pages_too_few(model_dirs, engine_config):
+    """Below one window only a P/D decode engine runs, and it needs a hot buffer's prompt
+    beside a write tail; an aggregated engine still needs the whole window."""
+    model_dir = model_dirs["tiny-glm5"]
+    pages = _below_window_pages(16)
+    cfg = _config(engine_config, model_dir, "auto", buffer=16, pages=pages - 1)
+    with pytest.raises(ConfigError, match=f"device_mla_pages {pages - 1} is too few for a P/D "
+                                          "decode engine"):
+        LLMEngine.from_config(replace(cfg, disagg=_disagg("kv_consumer")))
+    cfg = _config(engine_config, model_dir, "auto", buffer=16, pages=pages)
+    with pytest.raises(ConfigError, match=f"device_mla_pages {pages} cannot hold one request"):
+        LLMEngine.from_config(cfg)
