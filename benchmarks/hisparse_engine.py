@@ -3,6 +3,7 @@ all-GPU engine, concurrency at a fixed HBM budget, and one long request.
 
     python benchmarks/hisparse_engine.py --out docs/hisparse_engine_h200.md   # one H200
     python benchmarks/hisparse_engine.py --sections long --long 1M            # one table
+    python benchmarks/hisparse_engine.py --sections long,long_pd              # 1M, and via P/D
     python benchmarks/hisparse_engine.py --smoke                              # CPU, tiny (CI)
 
 A GLM-5.3-shaped checkpoint (64 heads, 576/512 latent, 32 × 128 indexer, top-2048; 2 layers,
@@ -27,7 +28,14 @@ selections and the misses between consecutive steps are the model's own. Three t
      and the sizing's concurrency, which is `hisparse_admission` bounded by the budget): the
      two must be equal. Target: HiSparse ≥ 4× all-GPU;
   3. one request of `--long` tokens (1M on CUDA) with HiSparse: prefill time, decode step
-     time, peak GPU memory, the host pool it reserves and the GPU KV pool beside its KV.
+     time, peak GPU memory, the host pool it reserves and the GPU KV pool beside its KV;
+  4. (`long_pd`) the same request through P/D, as the reference deployment serves it: an
+     all-GPU prefill engine (`kv_producer`) prefills it, a HiSparse decode engine
+     (`kv_consumer`, NIXL on CUDA, shared memory on the CPU) with the fewest MLA pages it
+     takes (a hot buffer's prompt beside one write tail: far below the request's window)
+     READs its rows into the host pool and decodes it: the READ up to the first decoded
+     token, the decode step, the decode engine's GPU KV pool against the request's KV, and
+     whether its greedy tokens equal section 3's (when both ran).
 """
 
 from __future__ import annotations
@@ -49,12 +57,14 @@ from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
+    DisaggConfig,
     EngineConfig,
     HiSparseConfig,
     ModelConfig,
     SchedulerConfig,
 )
 from dsaserve.core import SamplingParams
+from dsaserve.disagg import offline
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.engine.runner import cache_page_bytes, resolve_dtype
 from dsaserve.kv.hisparse.admission import (
@@ -66,7 +76,7 @@ from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan import costmodel as cm
 
-SECTIONS = ("step", "concurrency", "long")
+SECTIONS = ("step", "concurrency", "long", "long_pd")
 
 
 def parse_tokens(text: str, flag: str) -> int:
@@ -488,13 +498,103 @@ def long_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> Lon
     return row
 
 
+# ---- 4. the long request through P/D, into a decode engine below one window -----------------
+@dataclasses.dataclass(frozen=True)
+class LongPdRow:
+    tokens: int
+    prefill_s: float  # the prefill engine's prefill, to its one token
+    read_s: float  # the decode engine: its READs (check, post, land) to its first token
+    step_ms: float  # median decode step
+    missed_per_step: float
+    mla_pages: int  # the decode engine's MLA pages
+    window_pages: int  # what one window of the request takes
+    gpu_kv: int  # the decode engine's GPU KV pool: MLA pages and indexer pages
+    kv: int  # the request's KV at full length: MLA rows and indexer keys
+    tokens_out: list[int]
+
+
+def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> LongPdRow:
+    model = ModelConfig.from_file(model_dir)
+    n = min(args.long, model.max_position_embeddings - args.steps - args.warmup - 4)
+    max_len = n + args.warmup + args.steps + 4
+    window = min_mla_pages(max_len, args.block_size)
+    backend = "nixl" if args.device == "cuda" else "shm"
+
+    def role(cfg: EngineConfig, kv_role: str) -> EngineConfig:
+        return dataclasses.replace(cfg, disagg=DisaggConfig(kv_role=kv_role, backend=backend,
+                                                            side_channel_port=0))
+
+    # the fewest MLA pages a decode engine takes: a prompt of the hot buffer's rows beside one
+    # write tail (Scheduler._mla_page_map)
+    least = (min_mla_pages(args.buffer_rows, args.block_size)
+             + write_tail_pages(0, args.block_size))
+    producer = LLMEngine.from_config(role(engine_config(
+        args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1), "kv_producer"))
+    consumer = None
+    try:
+        prompt = prompts(model.vocab_size, 1, n, seed=11)[0]  # section 3's
+        _sync(args.device)
+        t0 = time.perf_counter()
+        params = offline.prefill(producer, "long", prompt)
+        _sync(args.device)
+        prefill = time.perf_counter() - t0
+        consumer = LLMEngine.from_config(role(engine_config(
+            args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1,
+            host_pool=pages.host_pool_for(1, max_len), mla_pages=least), "kv_consumer"))
+        assert consumer.scheduler.local_prefill_tokens is not None  # below one window
+        out: list[int] = []
+
+        def step() -> None:
+            for o in consumer.step():
+                if o.error is not None:
+                    raise RuntimeError(f"long_pd: {o.error}")
+                out.extend(o.new_token_ids)
+            if producer.has_unfinished_requests():
+                producer.step()  # it learns that its blocks were read
+            if args.smoke:
+                consumer.check_integrity()
+
+        consumer.add_request("long", prompt, SamplingParams(
+            max_tokens=args.warmup + args.steps + 2, temperature=0.0, ignore_eos=True),
+            kv_transfer_params=params)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        while not out:
+            step()
+        _sync(args.device)
+        read = time.perf_counter() - t0
+        for _ in range(args.warmup):
+            step()
+        missed, times = _rows_missed(consumer), []
+        for _ in range(args.steps):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            step()
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+        missed = (_rows_missed(consumer) - missed) / args.steps
+        gpu_kv = (consumer.runner.num_mla_pages * pages.mla
+                  + consumer.runner.num_blocks * pages.index)
+        _end(consumer, ["long"], args.smoke)
+    finally:
+        for engine in (consumer, producer):
+            if engine is not None:
+                _release(engine, args.device)
+    row = LongPdRow(n, prefill, read, 1e3 * statistics.median(times), missed, least, window,
+                    gpu_kv, n * (pages.mla + pages.index) // args.block_size, out)
+    print(f"long_pd: {human(n)}: prefill {prefill:.2f} s, READ to first token {read:.2f} s, "
+          f"step {row.step_ms:.2f} ms", file=sys.stderr)
+    return row
+
+
 # ---- report -----------------------------------------------------------------------------------
 def _bytes(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def report(args: argparse.Namespace, shape: str, steps: list[StepRow],
-           conc: ConcurrencyRow | None, long: LongRow | None) -> str:
+           conc: ConcurrencyRow | None, long: LongRow | None,
+           long_pd: LongPdRow | None = None) -> str:
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     graphs = "eager" if args.enforce_eager or args.device != "cuda" else "CUDA graphs"
     lines = [f"{shape}, {args.kv_cache_dtype} KV, {args.dtype}, {args.attention_backend} "
@@ -536,7 +636,26 @@ def report(args: argparse.Namespace, shape: str, steps: list[StepRow],
                   f"| {human(lo.tokens)} | {lo.prefill_s:.2f} | {lo.step_ms:.3f} | "
                   f"{lo.missed_per_step:,.0f} | {peak} | {_bytes(lo.host_reserved)} | "
                   f"{_bytes(lo.gpu_kv)} | {_bytes(lo.kv)} |"]
+    if long_pd is not None:
+        pd = long_pd
+        equal = "—" if long is None else ("yes" if _same_tokens(long.tokens_out,
+                                                                 pd.tokens_out) else "NO")
+        lines += ["", f"The same request through P/D: an all-GPU prefill engine, a HiSparse "
+                  f"decode engine with {pd.mla_pages:,} MLA pages (one window of the request: "
+                  f"{pd.window_pages:,})", "",
+                  "| prompt | prefill (s) | READ to first token (s) | decode step (ms) | "
+                  "rows missed / step | decode GPU KV pool | its KV | greedy tokens = "
+                  "aggregated |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---|",
+                  f"| {human(pd.tokens)} | {pd.prefill_s:.2f} | {pd.read_s:.2f} | "
+                  f"{pd.step_ms:.3f} | {pd.missed_per_step:,.0f} | {_bytes(pd.gpu_kv)} | "
+                  f"{_bytes(pd.kv)} | {equal} |"]
     return "\n".join(lines)
+
+
+def _same_tokens(a: list[int], b: list[int]) -> bool:
+    """Equal over what both emitted."""
+    return min(len(a), len(b)) > 0 and a[:len(b)] == b[:len(a)]
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -658,9 +777,10 @@ def main(argv: list[str] | None = None) -> int:
             steps = run("step", step_section, [])
             conc = run("concurrency", concurrency_section, None)
             long = run("long", long_section, None)
+            long_pd = run("long_pd", long_pd_section, None)
         finally:
             torch.set_num_threads(threads)
-    text = report(args, shape, steps, conc, long)
+    text = report(args, shape, steps, conc, long, long_pd)
     if failed:
         text += "\n\n" + "\n".join(failed)
     print(text)
@@ -672,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                  conc.hisparse_plan), conc
         # HiSparse admits only what its pages and blocks hold: nothing admitted is preempted
         assert conc is None or conc.preemptions[1] == 0, conc
+        # P/D into a decode engine below one window decodes what the aggregated engine does
+        assert long is None or long_pd is None or _same_tokens(long.tokens_out,
+                                                                long_pd.tokens_out)
     return 1 if failed else 0
 
 

@@ -1,7 +1,8 @@
 """benchmarks/hisparse_engine.py runs end to end on the CPU at tiny size (so the H200 command
 cannot rot): HiSparse's greedy tokens equal the all-GPU engine's in every step-time row, from
 the same batches, the concurrency each engine reaches is what `dsaserve plan`'s functions
-predict, and the long request's table is filled."""
+predict, the long request's table is filled, and the same request through P/D into a decode
+engine below one window of MLA pages gives the same tokens."""
 
 from __future__ import annotations
 
@@ -46,8 +47,14 @@ def test_smoke_on_cpu(bench, tmp_path):
     (full,), (hs,) = _cells(text, "all-GPU |"), _cells(text, "HiSparse |")
     assert full[1:4] == ["2", "2", "yes"] and hs[3] == "yes"
     assert int(hs[1]) == int(hs[2].split()[0]) > 2 * int(full[1])
-    (long,) = _cells(text, "384 |")
+    long, pd = _cells(text, "384 |")
     assert float(long[1]) > 0 and float(long[2]) > 0 and long[4] == "—"
+    # through P/D into a decode engine far below the request's window: the same tokens, its
+    # GPU KV pool smaller than the request's KV
+    assert "HiSparse decode engine with 2 MLA pages (one window of the request: 25)" in text
+    assert float(pd[2]) > 0 and pd[-1] == "yes"
+    mib = [float(c.split()[0]) for c in pd[5:7]]
+    assert mib[0] < mib[1]
 
 
 def test_flags(bench):
