@@ -375,3 +375,35 @@ def test_pd_decode_engine_pages_too_few(model_dirs, engine_config):
     cfg = _config(engine_config, model_dir, "auto", buffer=16, pages=pages)
     with pytest.raises(ConfigError, match=f"device_mla_pages {pages} cannot hold one request"):
         LLMEngine.from_config(cfg)
+
+
+def test_pd_decode_engine_below_one_window_with_mtp3(draftable_dirs, engine_config):
+    """The same with MTP3 on both engines (a hot buffer of 4 query rows' top-k; the drafts'
+    lookahead in the bounds; the drafts prove the MTP layer's rows arrived): greedy output
+    equals the aggregated engine's without MTP, each long arrival's KV past every page, the
+    local limit the pages less the lookahead."""
+    from dsaserve.config import SpecConfig
+    from dsaserve.kv.hisparse.admission import min_mla_pages, write_tail_pages
+
+    model_dir = draftable_dirs["tiny-glm5"]
+    plain = engine_config(model_dir, block_size=B, num_blocks=100, max_model_len=128)
+    prompts = _prompts(43, [90, 100, 20])  # two long arrivals (past the buffer) and a short
+    want = LLMEngine.from_config(plain).generate(prompts, GREEDY)
+    mtp = SpecConfig(num_speculative_tokens=3)
+    buffer = 4 * plain.model.index_topk  # the top-k union of a verify step's 4 rows
+    pages = min_mla_pages(buffer + 2, B) + write_tail_pages(3, B)  # lookahead 2
+    assert pages < min_mla_pages(128 + 2, B)
+    att = replace(plain.attention, hisparse_device_buffer_size=buffer,
+                  hisparse_device_mla_pages=pages, hisparse_config_given=True)
+    spilling = replace(plain, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20))
+    p = LLMEngine.from_config(replace(plain, speculative=mtp, disagg=_disagg("kv_producer")))
+    d = LLMEngine.from_config(replace(spilling, speculative=mtp, disagg=_disagg("kv_consumer")))
+    try:
+        assert d.scheduler.local_prefill_tokens == pages * B - 2
+        assert _pd_at_once(p, d, prompts, "m") == want
+        assert d.stats().num_preemptions == 0 and d.runner.connector.mla_rows_to_host > 0
+        assert -(-(100 + GREEDY.max_tokens) // B) > pages
+        assert d.stats().spec_decode_num_draft_tokens > 0
+    finally:
+        p.shutdown()
+        d.shutdown()
