@@ -763,15 +763,15 @@ class Scheduler:
         # in; one arrived over P/D decodes from its first step. Waiting `req` counts as the
         # prefill it may be: a short P/D arrival reads its GPU pages as a prefill does, and a
         # long one leaves that room too (the plan's one prefill window beside the tails), for
-        # a local request or a recomputation beside the arrivals
-        prefills = [i for i in [*range(len(self.running)), len(requests) - 1]
-                    if self._prefilling(requests[i])]
-        if self.local_prefill_tokens is not None and _remote(req) and receives_spilled(
-                req.num_tokens, self.hisparse_buffer_rows):
-            # a P/D decode engine below one window: a long arrival is no prefill and leaves no
-            # window's room (a local prompt is bounded by the pages and waits for them; a
-            # received one longer than they are is never recomputed here, `_fail_unprefillable`)
-            prefills = prefills[:-1] if prefills and prefills[-1] == len(requests) - 1 else prefills
+        # a local request or a recomputation beside the arrivals. On a P/D decode engine
+        # below one window a long arrival is no prefill and leaves no window's room: a local
+        # prompt is bounded by the pages and waits for them, and a received one longer than
+        # they are is never recomputed here (`_fail_unprefillable`)
+        below_window_arrival = (self.local_prefill_tokens is not None and _remote(req)
+                                and receives_spilled(req.num_tokens, self.hisparse_buffer_rows))
+        prefills = [i for i, r in enumerate(self.running) if self._prefilling(r)]
+        if self._prefilling(req) and not below_window_arrival:
+            prefills.append(len(requests) - 1)
         longest = max(prefills, key=lambda i: requests[i].num_tokens, default=None)
         tables = [*(r.block_ids for r in requests[:-1]), hits]
         # the shared blocks change only with the requests (and the waiting one's hits): kept,

@@ -324,10 +324,25 @@ def test_pd_decode_engine_below_one_window(model_dirs, engine_config, preset, kv
         assert d.runner.caches[0].kv.shape[0] == pages
         limit = d.scheduler.local_prefill_tokens
         assert limit == pages * B
-        assert _pd_at_once(p, d, prompts, "a") == want
+        got = _pd_at_once(p, d, prompts, "a")
+        assert got == want
         assert -(-(len(prompts[2]) + GREEDY.max_tokens) // B) > pages  # one request's KV
-        assert d.runner.connector.mla_rows_to_host > 0
+        worker = d.runner.connector
+        assert worker.mla_rows_to_host > 0
         assert d.stats().num_preemptions == 0
+
+        # a later turn of a long one: its cached prefix is mostly spilled, so it is kept only
+        # up to its first spilled block (restoring the rest could take more pages than there
+        # are) and the rest READ again
+        turn2 = prompts[0] + got[0] + _prompts(43, [6])[0]
+        moved, hits = worker.bytes_received, d.stats().prefix_cache_hits
+        assert _pd_at_once(p, d, [turn2], "b") == ref.generate([turn2], GREEDY)
+        found = d.stats().prefix_cache_hits - hits
+        assert found > pages * B  # more of it cached than the pages hold ...
+        per_token = d.executor.call("kv_row_bytes")[0]
+        read = worker.bytes_received - moved  # ... yet all but the resident prefix was READ
+        assert read >= (len(turn2) - 1 - pages * B) * per_token > (len(turn2) - 1 - found) \
+            * per_token
 
         # local prompts: up to the pages' worth prefilled here, longer ones refused
         local = _prompts(42, [limit, limit + 1])
