@@ -602,14 +602,14 @@ class Scheduler:
         params = req.kv_transfer_params
         if self.connector is None or params is None or not params.do_remote_prefill:
             return None
-        hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+        usable = None
         if self.local_prefill_tokens is not None and receives_spilled(
                 req.num_tokens, self.hisparse_buffer_rows):
             # below one window, a long arrival's spilled hits could need more pages to restore
             # than there are: its prefix up to the first one is kept, the rest READ again
             assert self.mla is not None
-            kept = self.mla.num_resident_prefix(hits)
-            hits, num_hit_tokens = hits[:kept], kept * self.block_size
+            usable = self.mla.page_of.__contains__
+        hits, num_hit_tokens = self.kv.get_computed_blocks(req, usable)
         if self.mla is not None and not self._mla_pages_hold(req, hits):
             return False  # it would be preempted once the active ones grow, as a local one
         if self.mla is not None and not self.mla.can_provide(

@@ -60,8 +60,12 @@ class KVCacheManager:
         return self.pool.usage
 
     # ---- the request's life: lookup → allocate (repeatedly) → cache → free ----------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest cached prefix of `request`'s full blocks: (block ids, tokens they hold).
+    def get_computed_blocks(self, request: Request,
+                            usable: Callable[[int], bool] | None = None
+                            ) -> tuple[list[int], int]:
+        """The longest cached prefix of `request`'s full blocks: (block ids, tokens they hold);
+        with `usable`, up to the first cached block it refuses (HiSparse: a spilled one the
+        caller will not restore).
 
         Never the whole token list: at least one token must be computed so that the last
         position's logits exist, so a block ending at the last token is not a hit. The blocks are
@@ -76,7 +80,7 @@ class KVCacheManager:
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block_id = self.pool.lookup(block_hash)
-            if block_id is None:
+            if block_id is None or (usable is not None and not usable(block_id)):
                 break
             hits.append(block_id)
         if self.drop_last_hit and hits:

@@ -127,11 +127,6 @@ class MlaPageMap:
     def num_missing(self, block_ids: Iterable[int]) -> int:
         return sum(1 for b in block_ids if b not in self.page_of)
 
-    def num_resident_prefix(self, block_ids: Sequence[int]) -> int:
-        """How many of `block_ids`, from the first, have pages (up to the first spilled)."""
-        return next((i for i, b in enumerate(block_ids) if b not in self.page_of),
-                    len(block_ids))
-
     def can_provide(self, num: int, victims: Iterable[int], keep: Sequence[int] = ()) -> bool:
         """Whether `num` more pages can be found: free, idle or spilled from `victims`, those of
         `keep` excepted (the caller's request is about to hold them)."""
