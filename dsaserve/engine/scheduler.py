@@ -599,8 +599,7 @@ class Scheduler:
         the read: it waits (WAITING_FOR_REMOTE_KVS) until the rows landed; True then. False when
         the pool has no room yet, or (HiSparse spilling) while `_mla_pages_hold` does not hold
         it, the rule of a local admission; None when it reads nothing remote."""
-        params = req.kv_transfer_params
-        if self.connector is None or params is None or not params.do_remote_prefill:
+        if self.connector is None or not _remote(req):
             return None
         usable = None
         if self.local_prefill_tokens is not None and receives_spilled(
