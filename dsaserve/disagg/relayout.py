@@ -33,6 +33,7 @@ the source side any one of them can send; on the target side each needs the rows
 
 from __future__ import annotations
 
+import array
 import functools
 from dataclasses import dataclass, field
 
@@ -59,6 +60,14 @@ class KVLayout:
     @property
     def tokens_per_block(self) -> int:
         return self.block_size * self.dcp_size
+
+    @functools.cached_property
+    def table(self) -> torch.Tensor:  # [num_blocks] int64, block_ids as a tensor
+        """Built once per layout, through an int64 buffer: torch.tensor(tuple) takes ~1 ms per
+        16K ids, more than a 1M-token plan's own work."""
+        if not self.block_ids:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.frombuffer(array.array("q", self.block_ids), dtype=torch.int64)
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,7 @@ def owned_slots(positions: torch.Tensor, kv: KVLayout) -> tuple[torch.Tensor, to
         local = layout.dcp_local_index(positions, kv.dcp_size, kv.interleave)  # [T]
     # every rank's local sequence is paged by the one table (`layout`), so one lookup serves all
     # owners, where `layout.slot_mapping` would map every position once per rank
-    block = torch.tensor(kv.block_ids, dtype=torch.int64)[local // kv.block_size]  # [T]
+    block = kv.table[local // kv.block_size]  # [T]
     if bool((block < 0).any()):
         bad = int(positions[block < 0][0])
         raise ValueError(f"block table: position {bad} falls in an unallocated (−1) block")
@@ -188,42 +197,101 @@ def plan_transfer(src: KVLayout, dst: KVLayout, num_cached_on_dst: int,
 
     Run k of a pair extends while the next token of the same (source, target) pair sits at the
     next source slot and the next target slot; runs are therefore maximal in position order.
-    Vectorised over tokens: O(T log T) for the grouping sort, T = num_tokens − num_cached_on_dst.
+    Computed from the pieces between the layouts' cuts (`_cut_step`), O(T / step) of them; where
+    they would average ~4 tokens or fewer (an interleave of 1, 2 or 4), per token: O(T log T)
+    for the grouping sort, T = num_tokens − num_cached_on_dst.
     """
     if not 0 <= num_cached_on_dst <= num_tokens:
         raise ValueError(
             f"num_cached_on_dst: {num_cached_on_dst} must be in [0, num_tokens = {num_tokens}]"
         )
-    pos = torch.arange(num_cached_on_dst, num_tokens, dtype=torch.int64)  # [T]
-    return plan_positions(src, dst, pos, num_cached_on_dst, num_tokens)
+    start, end = num_cached_on_dst, num_tokens
+    num_cuts = sum((end - 1) // g - start // g for g in (_cut_step(src), _cut_step(dst)))
+    if 4 * (num_cuts + 1) > end - start:  # pieces of ~4 tokens or fewer: per token costs as much
+        pos = torch.arange(start, end, dtype=torch.int64)  # [T]
+        return plan_positions(src, dst, pos, start, end)
+    return plan_pieces(src, dst, start, end)
+
+
+def _cut_step(kv: KVLayout) -> int:
+    """Positions where a token's owner or slot may stop following its predecessor's are
+    multiples of this step: I (a new interleave chunk; a page boundary of the local sequence,
+    local % B == 0, falls on one too, since I divides B) or, on one rank, B (a page boundary).
+
+        N = 2, I = 2, B = 4:  t      0 1 2 3 4 5 6 7 8 9 ...
+                              owner  0 0 1 1 0 0 1 1 0 0        cuts at t = 0, 2, 4, 6, 8 ...
+                              local  0 1 0 1 2 3 2 3 4 5        (page breaks at 0, 2, 8, 10 ...)
+    """
+    return kv.interleave if kv.dcp_size > 1 else kv.block_size
+
+
+def plan_pieces(src: KVLayout, dst: KVLayout, start: int, end: int) -> TransferPlan:
+    """`plan_transfer` of the range [start, end) from its pieces: the range cut at every multiple
+    of either side's `_cut_step`. Inside a piece the owners stay and both slots advance by one,
+    so a piece is one copy, found from its first position; pieces then coalesce as tokens do.
+
+        src N = 2, I = 2; dst N = 1, B = 4; [3, 10):
+        cuts    3 | 4 5 | 6 7 | 8 9          (src steps at 4, 6, 8; dst at 4, 8)
+        pieces  [3, 4) [4, 6) [6, 8) [8, 10) → owners and slots at 3, 4, 6, 8; lengths 1 2 2 2
+    """
+    plan = TransferPlan(start, end, src.dcp_size, dst.dcp_size)
+    if end <= start:
+        return plan
+    cuts = [torch.tensor([start], dtype=torch.int64)]
+    for g in {_cut_step(src), _cut_step(dst)}:
+        after = (start // g + 1) * g  # the first multiple of g past start
+        cuts.append(torch.arange(after, max(after, end), g, dtype=torch.int64))
+    first = torch.unique(torch.cat(cuts))  # [P] sorted first position of each piece
+    length = torch.diff(first, append=torch.tensor([end]))  # [P]
+    # the last position too, so that a table too short names it as the per-token plan does
+    points = torch.cat([first, torch.tensor([end - 1])])  # [P + 1]
+    s_rank, s_slot = (x[:-1] for x in owned_slots(points, src))  # [P], [P]
+    d_rank, d_slot = (x[:-1] for x in owned_slots(points, dst))  # [P], [P]
+    return _coalesce(src, dst, s_rank, s_slot, d_rank, d_slot, length, start, end)
 
 
 def plan_positions(src: KVLayout, dst: KVLayout, pos: torch.Tensor, start: int,
                    end: int) -> TransferPlan:
     """The copies that move the positions `pos` ([T] int64, increasing, within [start, end)) from
     `src` to `dst`: `plan_transfer` over any subset of a range (e.g. only the positions whose
-    target block has a page). Only blocks holding one of `pos` need a valid id in `dst`."""
-    plan = TransferPlan(start, end, src.dcp_size, dst.dcp_size)
+    target block has a page), per token. Only blocks holding one of `pos` need a valid id in
+    `dst`."""
     if pos.numel() == 0:
-        return plan
+        return TransferPlan(start, end, src.dcp_size, dst.dcp_size)
     s_rank, s_slot = owned_slots(pos, src)  # [T], [T]
     d_rank, d_slot = owned_slots(pos, dst)  # [T], [T]
-    pair = s_rank * dst.dcp_size + d_rank  # [T] pair id
+    return _coalesce(src, dst, s_rank, s_slot, d_rank, d_slot, None, start, end)
+
+
+def _coalesce(src: KVLayout, dst: KVLayout, s_rank: torch.Tensor, s_slot: torch.Tensor,
+              d_rank: torch.Tensor, d_slot: torch.Tensor, length: torch.Tensor | None,
+              start: int, end: int) -> TransferPlan:
+    """Copies in position order ([P] each: ranks, first slots, `length` rows — None: one row
+    each —, each copy's slots advancing by one on both sides) → the plan: grouped by (source,
+    target) pair, position order inside, a run extended while the next copy of its pair
+    continues both slots."""
+    pair = s_rank * dst.dcp_size + d_rank  # [P] pair id
     if src.dcp_size * dst.dcp_size > 1:  # one pair: already grouped
         order = torch.sort(pair, stable=True).indices  # group by pair, position order inside
         pair, s_slot, d_slot = pair[order], s_slot[order], d_slot[order]
-    breaks = torch.ones_like(pair, dtype=torch.bool)  # [T] a run starts here
-    breaks[1:] = ((pair[1:] != pair[:-1]) | (s_slot[1:] != s_slot[:-1] + 1)
-                  | (d_slot[1:] != d_slot[:-1] + 1))
-    first = torch.nonzero(breaks).squeeze(1)  # [R] index of each run's first token
-    length = torch.diff(first, append=torch.tensor([pair.numel()]))  # [R]
+        length = None if length is None else length[order]
+    step = 1 if length is None else length[:-1]  # [P − 1] rows of each copy but the last
+    breaks = torch.ones_like(pair, dtype=torch.bool)  # [P] a run starts here
+    breaks[1:] = ((pair[1:] != pair[:-1]) | (s_slot[1:] != s_slot[:-1] + step)
+                  | (d_slot[1:] != d_slot[:-1] + step))
+    first = torch.nonzero(breaks).squeeze(1)  # [R] index of each run's first copy
+    if length is None:  # one row per copy: a run's rows are its copies
+        run_len = torch.diff(first, append=torch.tensor([pair.numel()]))  # [R]
+    else:
+        ends = torch.cumsum(length, 0)  # [P] rows up to and including each copy
+        run_end = torch.cat([ends[first[1:] - 1], ends[-1:]])  # [R] rows up to each run's end
+        run_len = torch.diff(run_end, prepend=torch.zeros(1, dtype=torch.int64))  # [R]
     run_pair = pair[first]  # [R]
     pairs = []
     for p in torch.unique_consecutive(run_pair).tolist():
         sel = run_pair == p
         pairs.append(CopyRuns(
             src_rank=p // dst.dcp_size, dst_rank=p % dst.dcp_size,
-            src_start=s_slot[first[sel]], dst_start=d_slot[first[sel]], length=length[sel],
+            src_start=s_slot[first[sel]], dst_start=d_slot[first[sel]], length=run_len[sel],
         ))
     return TransferPlan(start, end, src.dcp_size, dst.dcp_size, tuple(pairs))
-

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from dsaserve.disagg.relayout import (
+    CopyRuns,
     KVLayout,
     RowBytes,
+    TransferPlan,
     expand_runs,
     owned_slots,
+    plan_pieces,
     plan_transfer,
 )
 from dsaserve.kv import layout
@@ -183,3 +186,112 @@ def test_owned_slots_agree_with_layout_slot_mapping() -> None:
         ref = layout.slot_mapping(pos, torch.zeros_like(pos), torch.tensor([kv.block_ids]), 4, 3,
                                   rank, 2)
         assert torch.equal(torch.where(owner == rank, slot, -1), ref)
+
+
+def _plan_per_token(src: KVLayout, dst: KVLayout, start: int, end: int) -> TransferPlan:
+    """The per-token plan as it was first written (every position's owners and slots, then run
+    breaks): the reference the pieces must reproduce run for run."""
+    plan = TransferPlan(start, end, src.dcp_size, dst.dcp_size)
+    pos = torch.arange(start, end, dtype=torch.int64)
+    if pos.numel() == 0:
+        return plan
+    s_rank, s_slot = owned_slots(pos, src)
+    d_rank, d_slot = owned_slots(pos, dst)
+    pair = s_rank * dst.dcp_size + d_rank
+    if src.dcp_size * dst.dcp_size > 1:
+        order = torch.sort(pair, stable=True).indices
+        pair, s_slot, d_slot = pair[order], s_slot[order], d_slot[order]
+    breaks = torch.ones_like(pair, dtype=torch.bool)
+    breaks[1:] = ((pair[1:] != pair[:-1]) | (s_slot[1:] != s_slot[:-1] + 1)
+                  | (d_slot[1:] != d_slot[:-1] + 1))
+    first = torch.nonzero(breaks).squeeze(1)
+    length = torch.diff(first, append=torch.tensor([pair.numel()]))
+    run_pair = pair[first]
+    pairs = []
+    for p in torch.unique_consecutive(run_pair).tolist():
+        sel = run_pair == p
+        pairs.append(CopyRuns(p // dst.dcp_size, p % dst.dcp_size, s_slot[first[sel]],
+                              d_slot[first[sel]], length[sel]))
+    return TransferPlan(start, end, src.dcp_size, dst.dcp_size, tuple(pairs))
+
+
+def _assert_same_plan(got: TransferPlan, want: TransferPlan) -> None:
+    assert (got.start, got.end, got.src_dcp_size, got.dst_dcp_size) == (
+        want.start, want.end, want.src_dcp_size, want.dst_dcp_size)
+    assert [(p.src_rank, p.dst_rank) for p in got.pairs] == [
+        (p.src_rank, p.dst_rank) for p in want.pairs]
+    for g, w in zip(got.pairs, want.pairs, strict=True):
+        for name in ("src_start", "dst_start", "length"):
+            a, b = getattr(g, name), getattr(w, name)
+            assert a.dtype == b.dtype == torch.int64 and torch.equal(a, b), name
+
+
+def _table(rng: random.Random, num_blocks: int) -> tuple[int, ...]:
+    """Block ids: all consecutive, all scattered, or consecutive stretches in random places."""
+    kind = rng.choice(("consecutive", "scattered", "stretches"))
+    if kind == "consecutive":
+        first = rng.randint(0, 50)
+        return tuple(range(first, first + num_blocks))
+    if kind == "scattered":
+        return tuple(rng.sample(range(3 * num_blocks + 4), num_blocks))
+    ids: list[int] = []
+    base = 0
+    while len(ids) < num_blocks:
+        n = rng.randint(1, 4)
+        base += rng.randint(1, 3) * 5
+        ids += range(base, base + n)
+        base += n
+    ids = ids[:num_blocks]
+    rng.shuffle(chunks := [ids[k:k + 3] for k in range(0, num_blocks, 3)])
+    return tuple(b for c in chunks for b in c)
+
+
+def _random_side(rng: random.Random, num_tokens: int, n: int) -> KVLayout:
+    b = rng.choice((16, 64))
+    i = rng.choice((1, 2, b // 4, b // 2, b))
+    blocks = -(-num_tokens // (b * n)) + rng.randint(0, 1)
+    return KVLayout(_table(rng, blocks), b, n, i)
+
+
+DCP = (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("ns,nt", list(itertools.product(DCP, DCP)))
+def test_pieces_equal_the_per_token_plan(ns: int, nt: int) -> None:
+    """plan_pieces (and plan_transfer, whichever path it takes) give the per-token plan's pairs
+    and runs exactly, over random layouts: interleave 1, 2, B/4, B/2, B; B 16 or 64 per side;
+    a decode-side cached prefix of 0, mid-page or mid-chunk; consecutive or scattered ids."""
+    rng = random.Random(ns * 10 + nt)
+    for _ in range(30):
+        num_tokens = rng.randint(1, 3 * 64 * max(ns, nt) + 100)
+        src, dst = _random_side(rng, num_tokens, ns), _random_side(rng, num_tokens, nt)
+        side = rng.choice((src, dst))
+        start = rng.choice((
+            0,
+            rng.randint(0, num_tokens),
+            min(num_tokens, rng.randint(0, num_tokens // side.tokens_per_block) * side.block_size
+                * side.dcp_size + rng.randint(1, side.block_size - 1)),  # mid-page
+            min(num_tokens, rng.randint(0, num_tokens // side.interleave) * side.interleave
+                + rng.randint(0, side.interleave - 1)),  # mid-chunk
+        ))
+        want = _plan_per_token(src, dst, start, num_tokens)
+        _assert_same_plan(plan_pieces(src, dst, start, num_tokens), want)
+        _assert_same_plan(plan_transfer(src, dst, start, num_tokens), want)
+
+
+def test_pieces_take_long_ranges_and_fail_as_per_token() -> None:
+    """A long range with whole-page interleaves goes through the pieces (few runs, same plan);
+    a table too short or with a −1 block fails with the per-token plan's message."""
+    src = KVLayout(tuple(range(40)), 64, 8, 64)
+    dst = KVLayout(tuple(range(100, 420)), 64)
+    plan = plan_transfer(src, dst, 1000, 20000)
+    _assert_same_plan(plan, _plan_per_token(src, dst, 1000, 20000))
+    assert [p.num_runs for p in plan.pairs] == [
+        len({t // 512 for t in range(1000, 20000) if (t // 64) % 8 == r}) for r in range(8)]
+    short = KVLayout(tuple(range(300)), 64)
+    for bad in (short, KVLayout((*range(100, 150), -1, *range(150, 400)), 64)):
+        with pytest.raises(ValueError) as per_token:
+            _plan_per_token(src, bad, 1000, 20000)
+        with pytest.raises(ValueError) as pieces:
+            plan_pieces(src, bad, 1000, 20000)
+        assert str(pieces.value) == str(per_token.value)
