@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -179,6 +180,22 @@ def _spills(engine: LLMEngine) -> int:
     return 0 if mla is None else mla.num_spills
 
 
+def _timed_steps(engine: LLMEngine, step: Callable[[], object], args: argparse.Namespace
+                 ) -> tuple[list[float], float]:
+    """`args.warmup` steps, then `args.steps` timed ones, each synchronised → (seconds per timed
+    step, HiSparse rows missed per timed step)."""
+    for _ in range(args.warmup):
+        step()
+    missed, times = _rows_missed(engine), []
+    for _ in range(args.steps):
+        _sync(args.device)
+        t0 = time.perf_counter()
+        step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t0)
+    return times, (_rows_missed(engine) - missed) / args.steps
+
+
 def _end(engine: LLMEngine, ids: list[str], check: bool) -> None:
     for rid in ids:
         engine.abort_request(rid)
@@ -245,16 +262,7 @@ def decode_steps(engine: LLMEngine, batch: list[list[int]], args: argparse.Names
                 raise RuntimeError(f"{tag}: request {i} of {len(ids)} never decoded beside "
                                    "the others (admitted fewer at once?)")
             step()
-    for _ in range(args.warmup):
-        step()
-    missed, times = _rows_missed(engine), []
-    for _ in range(args.steps):
-        _sync(args.device)
-        t0 = time.perf_counter()
-        step()
-        _sync(args.device)
-        times.append(time.perf_counter() - t0)
-    missed = (_rows_missed(engine) - missed) / args.steps
+    times, missed = _timed_steps(engine, step, args)
     spills = _spills(engine) - spills
     if _decoding(engine, set(ids)) < len(ids):
         raise RuntimeError(f"{tag}: a request stopped decoding while timed (max_tokens)")
@@ -450,12 +458,19 @@ class LongRow:
     tokens_out: list[int]
 
 
-def long_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> LongRow:
+def _long_request(args: argparse.Namespace, model_dir: Path
+                  ) -> tuple[ModelConfig, int, int, int]:
+    """(the model, the long request's prompt tokens (`--long` within the model's positions
+    and the tokens it decodes), its max_model_len, one window of its MLA pages)."""
     model = ModelConfig.from_file(model_dir)
     n = min(args.long, model.max_position_embeddings - args.steps - args.warmup - 4)
     max_len = n + args.warmup + args.steps + 4
+    return model, n, max_len, min_mla_pages(max_len, args.block_size)
+
+
+def long_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> LongRow:
     # one window of MLA pages (a prefill reads its GPU pages) and of indexer pages
-    window = min_mla_pages(max_len, args.block_size)
+    model, n, max_len, window = _long_request(args, model_dir)
     cfg = engine_config(args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1,
                         host_pool=pages.host_pool_for(1, max_len), mla_pages=window)
     engine = LLMEngine.from_config(cfg)
@@ -474,16 +489,8 @@ def long_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> Lon
         prefill = time.perf_counter() - t0
         rt = engine.runner.hisparse
         reserved = (rt.num_host_blocks - rt.num_free_host_blocks) * pages.mla
-        for _ in range(args.warmup):
-            out += [t for o in engine.step() for t in o.new_token_ids]
-        missed, times = _rows_missed(engine), []
-        for _ in range(args.steps):
-            _sync(args.device)
-            t0 = time.perf_counter()
-            out += [t for o in engine.step() for t in o.new_token_ids]
-            _sync(args.device)
-            times.append(time.perf_counter() - t0)
-        missed = (_rows_missed(engine) - missed) / args.steps
+        times, missed = _timed_steps(
+            engine, lambda: out.extend(t for o in engine.step() for t in o.new_token_ids), args)
         if args.smoke:
             engine.check_integrity()
         peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
@@ -514,10 +521,7 @@ class LongPdRow:
 
 
 def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> LongPdRow:
-    model = ModelConfig.from_file(model_dir)
-    n = min(args.long, model.max_position_embeddings - args.steps - args.warmup - 4)
-    max_len = n + args.warmup + args.steps + 4
-    window = min_mla_pages(max_len, args.block_size)
+    model, n, max_len, window = _long_request(args, model_dir)
     backend = "nixl" if args.device == "cuda" else "shm"
 
     def role(cfg: EngineConfig, kv_role: str) -> EngineConfig:
@@ -563,16 +567,7 @@ def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> 
             step()
         _sync(args.device)
         read = time.perf_counter() - t0
-        for _ in range(args.warmup):
-            step()
-        missed, times = _rows_missed(consumer), []
-        for _ in range(args.steps):
-            _sync(args.device)
-            t0 = time.perf_counter()
-            step()
-            _sync(args.device)
-            times.append(time.perf_counter() - t0)
-        missed = (_rows_missed(consumer) - missed) / args.steps
+        times, missed = _timed_steps(consumer, step, args)
         gpu_kv = (consumer.runner.num_mla_pages * pages.mla
                   + consumer.runner.num_blocks * pages.index)
         _end(consumer, ["long"], args.smoke)

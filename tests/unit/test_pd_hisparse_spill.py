@@ -60,6 +60,13 @@ def _pd_at_once(p: LLMEngine, d: LLMEngine, prompts: list[list[int]], tag: str,
     return out
 
 
+def _nothing_held(*engines: LLMEngine) -> None:
+    """No request left, every block free (cached at most)."""
+    for e in engines:
+        assert not e.has_unfinished_requests()
+        assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+
+
 def _expected_rows(prompt_len: int, cached: int, buffer: int) -> tuple[int, int]:
     """(MLA rows into the host pool, into GPU pages) for one received prompt: positions
     [cached, prompt − 1) move; a long one's below its write tail block go to the host pool."""
@@ -175,9 +182,7 @@ def test_pd_burst_admits_the_plans_concurrency(model_dirs, engine_config, schedu
         rt, mla = d.runner.hisparse, d.scheduler.mla
         assert not rt.entries and set(rt.kept) == set(mla.host_kept())
         assert len(rt._free_blocks) + len(rt.kept) == rt.num_host_blocks
-        for e in (p, d):
-            assert not e.has_unfinished_requests()
-            assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+        _nothing_held(p, d)
     finally:
         p.shutdown()
         d.shutdown()
@@ -371,9 +376,7 @@ def test_pd_decode_engine_below_one_window(model_dirs, engine_config, preset, kv
             if not p.has_unfinished_requests():
                 break
             p.step()
-        for e in (p, d):
-            assert not e.has_unfinished_requests()
-            assert e.scheduler.kv.num_free_blocks == e.scheduler.kv.num_blocks
+        _nothing_held(p, d)
     finally:
         p.shutdown()
         d.shutdown()
