@@ -48,6 +48,9 @@
 #                                          #   prefill synchronised against async
 #   bash benchmarks/gpu_owed.sh 17         # part 17: HiSparse's parting tokens at near-ties?,
 #                                          #   the 4K prefill's host time, MTP3 with FP8
+#   bash benchmarks/gpu_owed.sh 18         # part 18: HiSparse = all-GPU on equal batches, P/D
+#                                          #   into the host pool, P/D's posting at 32K/128K,
+#                                          #   1M through P/D below one window, the step rows
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -221,6 +224,20 @@ elif [ "$part" = 17 ]; then
         --out "$out/prefill_4k.md"
     run 150 decode_fp8 python benchmarks/decode.py --layers 16 --contexts 8192 --batches 64 \
         --steps 10 --fastest-only --weights fp8 --out "$out/decode_fp8.md"
+elif [ "$part" = 18 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    # HiSparse on equal batches, token for token (fp8 too); P/D into the host pool over NIXL
+    run 150 tests python -m pytest -q -m gpu -rf --tb=short -s \
+        tests/gpu/test_hisparse_spill_gpu.py -k same_batches \
+        tests/gpu/test_pd_hisparse_spill_gpu.py
+    # the posting after the plans from runs and pieces, 32K and 128K
+    run 100 pd python benchmarks/pd_e2e.py --tokens 32768 131072 --out "$out/pd.md"
+    # the 1M request aggregated, then through P/D into a decode engine below one window
+    [ "$(left)" -gt 240 ] && run 200 hisparse_long python benchmarks/hisparse_engine.py \
+        --sections long,long_pd --out "$out/hisparse_long.md"
+    # the step rows on equal batches: do the tokens part?
+    [ "$(left)" -gt 60 ] && run "$(left)" hisparse_ties python benchmarks/hisparse_engine.py \
+        --sections step --contexts 8192 --batches 16,64 --ties --out "$out/hisparse_ties.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
