@@ -228,7 +228,7 @@ elif [ "$part" = 18 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     # HiSparse on equal batches, token for token (fp8 too); P/D into the host pool over NIXL
     run 150 tests python -m pytest -q -m gpu -rf --tb=short -s \
-        tests/gpu/test_hisparse_spill_gpu.py -k same_batches \
+        tests/gpu/test_hisparse_spill_gpu.py::test_same_batches_equal_tokens \
         tests/gpu/test_pd_hisparse_spill_gpu.py
     # the posting after the plans from runs and pieces, 32K and 128K
     run 100 pd python benchmarks/pd_e2e.py --tokens 32768 131072 --out "$out/pd.md"
