@@ -19,13 +19,15 @@ tail, and nothing else for a long request) into the host pool on arrival, as for
     index keys →  |  (not moved)  |  indexer pages b2 .. b7 (all received positions)     |
 
 The host pool is one more destination `KVLayout` (one rank, the engine's page size, the
-request's host window as its table), so `relayout.plan_positions` computes every run; the
-decode rank of a HiSparse engine has no DCP (refused at start-up), so its target rank is 0.
+request's host window as its table), so `relayout` computes every run (from the pieces where
+a destination's positions are one range, as a long request's are: host below its tail, GPU
+pages from it); the decode rank of a HiSparse engine has no DCP (refused at start-up), so its
+target rank is 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -70,8 +72,19 @@ def plan_into_hisparse(src: KVLayout, dst: KVLayout, dest: HostDest, num_cached_
     pos = torch.arange(num_cached_on_dst, num_tokens, dtype=torch.int64)  # [T]
     pages = torch.tensor(dest.mla_pages, dtype=torch.int64)  # [num_blocks]
     resident = pages[pos // b] != SPILLED if pos.numel() else pos.bool()  # [T]
-    gpu = plan_positions(src, KVLayout(dest.mla_pages, b), pos[resident], num_cached_on_dst,
-                         num_tokens)
-    host = plan_positions(src, KVLayout(dest.host_blocks, b), pos[~resident],
-                          num_cached_on_dst, num_tokens)
+    gpu = _plan_subset(src, KVLayout(dest.mla_pages, b), pos[resident], num_cached_on_dst,
+                       num_tokens)
+    host = _plan_subset(src, KVLayout(dest.host_blocks, b), pos[~resident], num_cached_on_dst,
+                        num_tokens)
     return HiSparsePlan(index, gpu, host)
+
+
+def _plan_subset(src: KVLayout, dst: KVLayout, pos: torch.Tensor, start: int,
+                 end: int) -> TransferPlan:
+    """`relayout.plan_positions` of `pos` [P] (sorted, within [start, end)); where they are one
+    range, `plan_transfer`'s of that range (the same runs, from its pieces: a 1M-token
+    arrival's host rows are one range)."""
+    if pos.numel() and int(pos[-1]) - int(pos[0]) + 1 == pos.numel():
+        return replace(plan_transfer(src, dst, int(pos[0]), int(pos[-1]) + 1),
+                       start=start, end=end)
+    return plan_positions(src, dst, pos, start, end)
