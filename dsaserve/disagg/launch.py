@@ -29,6 +29,18 @@ _SIDES = ("prefill", "decode")
 _OWN_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
 
 
+def server_env(env: dict[str, str] | os._Environ) -> dict[str, str]:
+    """A server's environment: `env`, with half this machine's cores as its OMP_NUM_THREADS
+    unless set (torch's threads, and its workers' share, engine/executor.py): two servers
+    each spinning threads over every core slowed P/D's host work 25-50× (docs/disagg.md)."""
+    out = dict(env)
+    if "OMP_NUM_THREADS" not in out:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+        out["OMP_NUM_THREADS"] = str(max(1, cores // len(_SIDES)))
+    return out
+
+
 def parse_pd_spec(spec: str) -> dict[str, list[str]]:
     """'prefill: FLAGS ; decode: FLAGS' → {"prefill": [...], "decode": [...]}."""
     out: dict[str, list[str]] = {}
@@ -156,7 +168,7 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
     try:
         for name in _SIDES:
             print(f"dsaserve: {name}: {shlex.join(commands[name])}", file=sys.stderr)
-            procs.append(subprocess.Popen(commands[name], env=dict(os.environ),
+            procs.append(subprocess.Popen(commands[name], env=server_env(os.environ),
                                           preexec_fn=die_with_parent))
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
         for name, proc in zip(_SIDES, procs, strict=True):

@@ -150,9 +150,14 @@ def worker_device(device: str, rank: int, device_offset: int = 0) -> str:
 
 
 def cpu_threads_per_worker(num_workers: int) -> int:
-    """Torch threads per CPU worker so that the workers of every replica share the cores without
-    oversubscription (spin-waiting threads fighting for cores slow everything down)."""
+    """Torch threads per worker so that the workers of every replica share the cores without
+    oversubscription (spin-waiting threads fighting for cores slow everything down): this
+    process's cores, or its OMP_NUM_THREADS where that is fewer (`serve --pd` gives each of
+    its two servers half), split between them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    if budget.isdigit() and int(budget) > 0:
+        cores = min(cores or 1, int(budget))
     return max(1, (cores or 1) // num_workers)
 
 

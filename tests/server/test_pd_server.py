@@ -227,6 +227,23 @@ def test_pd_spec_parsing() -> None:
             parse_pd_spec(bad)
 
 
+def test_each_pd_server_takes_half_the_cores(monkeypatch) -> None:
+    """Two servers on one machine: each gets half the cores as OMP_NUM_THREADS (unless set),
+    and an executor's workers split that budget, not the machine's."""
+    from dsaserve.disagg.launch import server_env
+    from dsaserve.engine.executor import cpu_threads_per_worker
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert server_env({"A": "1"}) == {"A": "1", "OMP_NUM_THREADS": "8"}
+    assert server_env({"OMP_NUM_THREADS": "3"}) == {"OMP_NUM_THREADS": "3"}
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpu_threads_per_worker(2) == 8
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert cpu_threads_per_worker(2) == 4 and cpu_threads_per_worker(16) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "64")  # more than the cores: the cores
+    assert cpu_threads_per_worker(2) == 8
+
+
 def test_both_pd_servers_take_the_served_name_and_the_parsers() -> None:
     from dsaserve.serve import cli as serve_cli
 
