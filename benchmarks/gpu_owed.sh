@@ -51,6 +51,11 @@
 #   bash benchmarks/gpu_owed.sh 18         # part 18: HiSparse = all-GPU on equal batches, P/D
 #                                          #   into the host pool, P/D's posting at 32K/128K,
 #                                          #   1M through P/D below one window, the step rows
+#   bash benchmarks/gpu_owed.sh 19         # part 19: the step rows on equal batches again
+#                                          #   (hot rows read in the page path's own calls),
+#                                          #   the 1M request through P/D (its claim by digest)
+#   bash benchmarks/gpu_owed.sh 20         # part 20: the 1M request's READ into the host
+#                                          #   pool, profiled (15.5 s in part 19)
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -69,7 +74,7 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
     shift 2
     timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
     echo "== $name: exit $?"
-    grep -v "loading shards\|NIXL INFO" "$out/$name.log" | tail -15
+    grep -v "loading shards\|NIXL INFO" "$out/$name.log" | tail -${TAIL_LINES:-15}
 }
 part=${1:-1}
 run 100 build python -c \
@@ -238,6 +243,17 @@ elif [ "$part" = 18 ]; then
     # the step rows on equal batches: do the tokens part?
     [ "$(left)" -gt 60 ] && run "$(left)" hisparse_ties python benchmarks/hisparse_engine.py \
         --sections step --contexts 8192 --batches 16,64 --ties --out "$out/hisparse_ties.md"
+elif [ "$part" = 19 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    # the step rows on equal batches, now that hot rows round as the page path's would
+    run 300 hisparse_ties python benchmarks/hisparse_engine.py --sections step --contexts 8192 \
+        --batches 16,64 --ties --out "$out/hisparse_ties.md"
+    # the 1M request through P/D below one window (its claim names the blocks by digest)
+    [ "$(left)" -gt 60 ] && run "$(left)" hisparse_long_pd python benchmarks/hisparse_engine.py \
+        --sections long_pd --out "$out/hisparse_long_pd.md"
+elif [ "$part" = 20 ]; then
+    run 400 hisparse_long_pd python benchmarks/hisparse_engine.py --sections long_pd \
+        --profile --out "$out/hisparse_long_pd.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
-import io
-import pstats
 import sys
 import tempfile
 import time
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.bench.profile import cprofile_top
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -105,21 +104,13 @@ def run(args: argparse.Namespace, model_dir: Path, device: torch.device) -> list
                     rows.append(_measure(p, d, prompt, device, profiler))
                     if profiler is not None:
                         rows += ["", f"The decode engine's host time at {n:,} tokens "
-                                     "(cProfile):", "```", _top(profiler), "```"]
+                                     "(cProfile):", "```", cprofile_top(profiler), "```"]
                 del rows[4]  # the warm-up row
             finally:
                 d.shutdown()
     finally:
         torch.set_num_threads(threads)
     return rows
-
-
-def _top(profiler: cProfile.Profile, lines: int = 30) -> str:
-    """The profile's functions by cumulative time, then by their own time, `lines` each."""
-    buf = io.StringIO()
-    for key in ("cumulative", "tottime"):
-        pstats.Stats(profiler, stream=buf).sort_stats(key).print_stats(lines)
-    return "\n".join(x for x in buf.getvalue().splitlines() if x.strip())
 
 
 def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.device,

@@ -9,6 +9,9 @@ same rules.
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -84,3 +87,15 @@ def summarize(events, wall: float, on_device: bool) -> Profile:
             by_cat[classify(e.name)] += end - start
             spans.append((start, end))
     return Profile(by_cat, union_length(spans), max(wall - sync, 0.0), len(spans), host)
+
+
+def cprofile_top(profiler: cProfile.Profile, lines: int = 30) -> str:
+    """A cProfile run's functions by cumulative time, then by their own time, `lines` each,
+    then who called its waits and sleeps (a wait says little without its caller); the
+    benchmarks' `--profile` of host work (pd_e2e.py, hisparse_engine.py)."""
+    buf = io.StringIO()
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profiler, stream=buf).sort_stats(key).print_stats(lines)
+    pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_callers(
+        r"\(wait\)|\(_wait\)|sleep|acquire")
+    return "\n".join(x for x in buf.getvalue().splitlines() if x.strip())

@@ -36,6 +36,7 @@ them that are staged go through a host-memory buffer, so they never touch the de
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import threading
@@ -187,19 +188,22 @@ class ConnectorScheduler:
         whether the held request it names is now that consumer's. The first decode request to
         check a held request's params claims it; the same one checking again still holds it;
         any other is refused (`claim.granted` false), so a replay racing the first READ never
-        READs. Only an exact match (engine id, request, block ids) claims anything. A question
-        with "release" instead is a claimant giving its claim back (`_release_claim`)."""
+        READs. Only an exact match (engine id, request, the block ids by their digest) claims
+        anything. A question with "release" instead is a claimant giving its claim back
+        (`_release_claim`)."""
         try:
             q = json.loads(question)
             if isinstance(q, dict) and "release" in q:
                 return self._release_claim(q)
             rid, by = str(q["claim"]), str(q["by"])
-            engine, blocks = q.get("engine"), q.get("blocks")
+            engine, digest = q.get("engine"), q.get("blocks_sha256")
         except (ValueError, KeyError, TypeError):
             return self._snapshot
         with self._claims_lock:
             snap = json.loads(self._snapshot)
-            granted = (engine == snap["engine_id"] and snap["held"].get(rid) == blocks
+            held = snap["held"].get(rid)
+            granted = (engine == snap["engine_id"] and held is not None
+                       and blocks_digest(held) == digest
                        and self._claims.setdefault(rid, by) == by)
         return json.dumps(dict(snap, claim={"request": rid, "granted": granted})).encode()
 
@@ -429,6 +433,12 @@ def _granted(raw: dict, params: KVTransferParams) -> bool:
             and claim.get("request") == params.remote_request_id)
 
 
+def blocks_digest(block_ids: Sequence[int]) -> str:
+    """What a claim names the held blocks by: a 1M-token request holds 16K+ block ids, more
+    than a side-channel question may carry (`SideChannel.MAX_QUESTION`)."""
+    return hashlib.sha256(",".join(map(str, block_ids)).encode()).hexdigest()
+
+
 def fetch_remote(params: KVTransferParams, timeout_s: float, request_id: str) -> dict:
     """The side channel's answer for decode request `request_id`'s params, which claims the
     held request for it (`ConnectorScheduler.claim`; network I/O: callers off the engine core's
@@ -438,7 +448,7 @@ def fetch_remote(params: KVTransferParams, timeout_s: float, request_id: str) ->
         raise RequestError("kv_transfer_params: missing remote_host / remote_port")
     question = json.dumps({"claim": params.remote_request_id, "by": request_id,
                            "engine": params.remote_engine_id,
-                           "blocks": list(params.remote_block_ids)}).encode()
+                           "blocks_sha256": blocks_digest(params.remote_block_ids)}).encode()
     try:
         raw = json.loads(fetch_metadata(params.remote_port, params.remote_host, timeout_s,
                                         question))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,6 +23,25 @@ def use_kernels(t: torch.Tensor) -> bool:
     """Whether work on t runs the GPU kernels (kernels/triton): on CUDA tensors, and on CPU
     tensors under TRITON_INTERPRET=1 (tests, and engine/host_ops.gpu_branches)."""
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass(frozen=True)
+class HotRows:
+    """Rows of a step that read another paged cache than the layer's (HiSparse's hot buffer,
+    kv/hisparse/): row t with rows[t] reads kv at slots[t] instead of the layer's cache at its
+    positions. A backend reads them in the very calls it makes for the step's other rows (same
+    rows per call, same shapes): a kernel's grid and splits follow a call's row count, so a
+    row's rounding must not depend on which of the step's rows read the hot buffer."""
+
+    kv: torch.Tensor  # [P, B, row] a paged cache in the layer cache's format
+    slots: torch.Tensor  # [T, K] flat rows of kv (−1 skip)
+    rows: torch.Tensor  # [T] bool: the row reads kv at its slots
+
+
+def with_hot(o: torch.Tensor, lse: torch.Tensor, hot_o: torch.Tensor, hot_lse: torch.Tensor,
+             rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o [T, H, L], lse [T, H]) with the rows marked in rows [T] taken from the hot call's."""
+    return torch.where(rows[:, None, None], hot_o, o), torch.where(rows[:, None], hot_lse, lse)
 
 
 class AttentionBackend(Protocol):
@@ -48,12 +68,14 @@ class AttentionBackend(Protocol):
 
     def sparse_mla_positions(self, q: torch.Tensor, kv_cache: torch.Tensor,
                              positions: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             kv_lora_rank: int, hot: HotRows | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """sparse_mla over the rows of meta's step, selected as request-local token positions
         [T, K] (−1 skip; what indexer_topk returns), this rank's own slots found through
         meta's block table. Same result as sparse_mla on layout.logical_to_slots of them; a
         backend may read the rows another way (the triton backend: long prefill chunks from a
-        bf16 copy of their requests' pages)."""
+        bf16 copy of their requests' pages). `hot`: rows that read another cache instead
+        (decode rows only: one row or a few per request)."""
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +120,14 @@ class ReferenceBackend:
         )
         return o.to(q.dtype), lse
 
-    def sparse_mla_positions(self, q, kv_cache, positions, meta, scale, kv_lora_rank):
-        return self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
-                               kv_lora_rank)
+    def sparse_mla_positions(self, q, kv_cache, positions, meta, scale, kv_lora_rank,
+                             hot=None):
+        o, lse = self.sparse_mla(q, kv_cache, position_slots(positions, meta), scale,
+                                 kv_lora_rank)
+        if hot is None:
+            return o, lse
+        return with_hot(o, lse, *self.sparse_mla(q, hot.kv, hot.slots, scale, kv_lora_rank),
+                        hot.rows)
 
     def indexer_topk(self, q, weights, index_cache, meta, topk):
         scores = torch.full((q.shape[0], topk), float("-inf"), device=q.device)

@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_pd_async_read import SlowReads, _decode_side_clean
@@ -22,7 +23,7 @@ from dsaserve.config import DisaggConfig
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
 from dsaserve.disagg import offline
 from dsaserve.disagg.claims import Release, ReleaseSender
-from dsaserve.disagg.connector import fetch_remote
+from dsaserve.disagg.connector import ConnectorScheduler, EngineLayout, fetch_remote
 from dsaserve.disagg.transport import SideChannel, fetch_metadata, nixl_available
 from dsaserve.engine.engine import LLMEngine
 
@@ -56,6 +57,30 @@ def _all_free(*engines: LLMEngine) -> None:
 
 def _claims(p: LLMEngine) -> dict[str, str]:
     return dict(p.scheduler.connector._claims)
+
+
+def test_a_claim_names_a_million_token_request_s_blocks():
+    """A 1M-token request holds 16K+ block ids: more than a side-channel question may carry,
+    so the claim names them by digest. The exact ids claim it; one id off does not."""
+    producer = ConnectorScheduler(_disagg("kv_producer", "shm"), "e0",
+                                  EngineLayout(block_size=64, dcp_size=1, interleave=1,
+                                               tp_size=1), [b"{}"])
+    try:
+        ids = tuple(range(7, 7 + (1 << 20) // 64 + 1))
+        producer.held["long"] = SimpleNamespace(
+            request=SimpleNamespace(block_ids=list(ids)), deadline=time.monotonic() + 60)
+        producer._publish()
+        params = KVTransferParams(do_remote_prefill=True, remote_engine_id="e0",
+                                  remote_request_id="long", remote_block_ids=ids,
+                                  remote_host=producer.side_channel.host,
+                                  remote_port=producer.side_channel.port)
+        off_by_one = dataclasses.replace(params, remote_block_ids=ids[:-1] + (ids[-1] + 1,))
+        assert not fetch_remote(off_by_one, 5.0, "d0")["claim"]["granted"]
+        answer = fetch_remote(params, 5.0, "d1")
+        assert answer["claim"] == {"request": "long", "granted": True}
+        assert answer["held"]["long"] == list(ids) and producer._claims == {"long": "d1"}
+    finally:
+        producer.side_channel.close()
 
 
 def _step_until_freed(p: LLMEngine, rid: str, within_s: float) -> float:

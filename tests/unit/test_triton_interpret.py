@@ -36,7 +36,7 @@ if not _FRESH and _saved_env != "1":
 
 from dsaserve.kernels import formats, reference  # noqa: E402
 from dsaserve.kernels.metadata import AttentionMetadata, scattered_block_table  # noqa: E402
-from dsaserve.kernels.registry import ReferenceBackend  # noqa: E402
+from dsaserve.kernels.registry import HotRows, ReferenceBackend, position_slots  # noqa: E402
 from dsaserve.kv import layout  # noqa: E402
 
 # Reload order: dependencies first.
@@ -615,6 +615,53 @@ def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size
                                                                  L)
         assert torch.allclose(o, ref_o, rtol=1e-5, atol=1e-5)
         assert torch.allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_hot_rows_round_as_in_the_cache(k, monkeypatch):
+    """HiSparse's hot rows (decode rows reading another paged cache) give bit for bit what the
+    same rows give reading the layer's cache, in a mixed fp8 step: a decode row, a chunk read
+    through the workspace, a decode row (three calls). Each hot row is read in its segment's
+    own call shape: a decode row alone splits its 8 blocks in two on the interpreter's 4 "SMs",
+    a call over all 8 rows does not split, and a split rounds otherwise."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = _gen(3)
+    topk, heads, block_size = 128, 3, 16
+    seq_lens, new = [200, 300, 150, 180], [1, 6, 0, 1]
+    table = scattered_block_table([-(-n // block_size) for n in seq_lens], generator=g)
+    meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
+    num_blocks = int(table.max()) + 1
+    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
+                        dtype=torch.uint8)
+    slots = torch.arange(num_blocks * block_size)
+    formats.write_mla_cache(cache, slots, torch.randn(len(slots), L, generator=g),
+                            torch.randn(len(slots), R, generator=g))
+    positions = torch.stack([torch.randperm(int(n) + 1, generator=g)[:topk]
+                             for n in meta.positions])
+    q = torch.randn(meta.num_tokens, heads, L + R, generator=g)
+    cfg = k.sparse_mla.SparseMlaConfig(block_n=16, workspace_min_reads=1.0)
+    segments = k.mla_workspace.plan_segments(meta.query_start_loc, meta.seq_lens, seq_lens,
+                                             block_size, topk, 1.0, cfg.workspace_max_rows)
+    assert [s.workspace for s in segments] == [False, True, False]
+    backend = k.backend.TritonBackend(cfg)
+    want_o, want_lse = backend.sparse_mla_positions(q, cache, positions, meta, 0.1, L)
+    # the decode rows' selected rows, shuffled into a hot cache of their own
+    rows = torch.zeros(meta.num_tokens, dtype=torch.bool)
+    rows[[0, meta.num_tokens - 1]] = True
+    found = position_slots(positions, meta)[rows]  # [2, K]
+    hot_flat = torch.randperm(found.numel(), generator=g).view_as(found)
+    hot_kv = torch.zeros(formats.mla_cache_shape(found.numel() // block_size, block_size,
+                                                 True, L, R), dtype=torch.uint8)
+    hot_kv.flatten(0, 1)[hot_flat.flatten()] = cache.flatten(0, 1)[found.flatten()]
+    hot_slots = torch.full_like(positions, -1)
+    hot_slots[rows] = hot_flat.to(hot_slots.dtype)
+    cache.flatten(0, 1)[found.flatten()] = 0  # the hot rows must not read the layer's cache
+    o, lse = backend.sparse_mla_positions(q, cache, positions, meta, 0.1, L,
+                                          HotRows(hot_kv, hot_slots, rows))
+    assert torch.equal(o[rows], want_o[rows]) and torch.equal(lse[rows], want_lse[rows])
+    ref_o, ref_lse = ReferenceBackend().sparse_mla_positions(q, cache, positions, meta, 0.1, L,
+                                                             HotRows(hot_kv, hot_slots, rows))
+    assert torch.allclose(ref_o, want_o, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(ref_lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 
 from dsaserve.kernels.cuda import build as cuda_build
 from dsaserve.kernels.metadata import AttentionMetadata
-from dsaserve.kernels.registry import ReferenceBackend, use_kernels
+from dsaserve.kernels.registry import HotRows, ReferenceBackend, use_kernels, with_hot
 from dsaserve.kernels.triton import indexer, mla_cache, mla_workspace, slots, sparse_mla
 from dsaserve.kernels.triton.index_cache import write_index_cache
 from dsaserve.kv import layout
@@ -78,22 +78,25 @@ class TritonBackend:
 
     def sparse_mla_positions(self, q: torch.Tensor, kv_cache: torch.Tensor,
                              positions: torch.Tensor, meta: AttentionMetadata, scale: float,
-                             kv_lora_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             kv_lora_rank: int, hot: HotRows | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T, K] request-local (−1 skip) of meta's rows → o [T, H, L], lse [T, H].
         Over an fp8_ds_mla cache, requests whose rows read their context many times over
         (long prefill chunks; mla_workspace.plan_segments) read a bf16 copy of their pages,
-        the others the cache through their slots."""
+        the others the cache through their slots. `hot` rows (decode rows: never a workspace
+        segment's, which reads its context many times over) are read from their cache in the
+        call over their segment's rows."""
         cfg = self.mla_config or sparse_mla.SparseMlaConfig()
         if not use_kernels(q):
             return self._reference.sparse_mla_positions(q, kv_cache, positions, meta, scale,
-                                                        kv_lora_rank)
+                                                        kv_lora_rank, hot)
         dcp = (meta.dcp_size, meta.dcp_rank, meta.interleave)
         # Bounded seq_lens (a captured decode step) say nothing about which pages hold rows:
         # no workspace, whose pages would be read up to them.
         if (kv_cache.dtype != torch.uint8 or meta.pcp is not None or meta.bounded_seq_lens
                 or not 0 < meta.num_tokens == q.shape[0]):
             found = _step_slots(positions, meta, None, meta.block_table, dcp)
-            return self.sparse_mla(q, kv_cache, found, scale, kv_lora_rank)
+            return self._cache_rows(q, kv_cache, found, scale, kv_lora_rank, hot, None)
         outs = []
         for seg, ws_pages, ws_table in _workspace_plan(meta, positions.shape[1], cfg):
             first, end = seg.rows
@@ -107,11 +110,25 @@ class TritonBackend:
                 outs.append(sparse_mla.sparse_mla_fwd(q_seg, ws, idx, scale, kv_lora_rank,
                                                       cfg))
             else:
-                outs.append(self.sparse_mla(q_seg, kv_cache, idx, scale, kv_lora_rank))
+                outs.append(self._cache_rows(q_seg, kv_cache, idx, scale, kv_lora_rank, hot,
+                                             None if whole else seg.rows))
         if len(outs) == 1:
             return outs[0]
         # The segments cover the rows in order (rows are flattened request by request).
         return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
+
+    def _cache_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, idx: torch.Tensor,
+                    scale: float, kv_lora_rank: int, hot: HotRows | None,
+                    rows: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """sparse_mla of q [n, H, L+R] over the cache at idx [n, K]; with `hot`, its rows
+        [first, end) of the step (None: all) that read the hot cache, from a second call over
+        the same n rows."""
+        o, lse = self.sparse_mla(q, kv_cache, idx, scale, kv_lora_rank)
+        if hot is None:
+            return o, lse
+        first, end = rows or (0, q.shape[0])
+        hot_o, hot_lse = self.sparse_mla(q, hot.kv, hot.slots[first:end], scale, kv_lora_rank)
+        return with_hot(o, lse, hot_o, hot_lse, hot.rows[first:end])
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
                      meta: AttentionMetadata, topk: int) -> tuple[torch.Tensor, torch.Tensor]:

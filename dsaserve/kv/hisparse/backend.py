@@ -5,9 +5,7 @@ hot path never asks whether HiSparse is on."""
 
 from __future__ import annotations
 
-import torch
-
-from dsaserve.kernels.registry import AttentionBackend
+from dsaserve.kernels.registry import AttentionBackend, HotRows
 from dsaserve.kv.hisparse.runtime import HiSparseRuntime
 
 
@@ -43,8 +41,10 @@ class HiSparseBackend:
     def indexer_topk(self, q, weights, index_cache, meta, topk):
         return self.inner.indexer_topk(q, weights, index_cache, meta, topk)
 
-    def sparse_mla_positions(self, q, kv_cache, positions, meta, scale, kv_lora_rank):
+    def sparse_mla_positions(self, q, kv_cache, positions, meta, scale, kv_lora_rank,
+                             hot=None):
         step, rt = meta.hisparse, self.runtime
+        assert hot is None, "HiSparse routes its own rows"
         if step is None or rt is None:
             return self.inner.sparse_mla_positions(q, kv_cache, positions, meta, scale,
                                                    kv_lora_rank)
@@ -56,12 +56,14 @@ class HiSparseBackend:
                                                    kv_lora_rank)
         # 2. residency: hits, misses fetched, each selected row's hot slot
         rows = rt.resolve(layer, positions, meta, step)  # [T, K] flat hot rows
-        # 3. sparse MLA over the hot buffer (the same kernel: it is laid out as a paged cache)
-        o, lse = self.inner.sparse_mla(q, rt.hot[layer], rows, scale, kv_lora_rank)
+        # 3. sparse MLA over the hot buffer (the same kernel: it is laid out as a paged cache).
+        #    Every row decodes: the call over all rows is the one the wrapped backend makes
+        #    for a batch of decode rows (one call, no workspace), so the rows round as they
+        #    would in the all-GPU engine.
         if step.num_hot == step.num_reqs and not step.padded:
-            return o, lse
-        # 4. a mixed batch (a padded step's always): the other requests read their GPU pages
-        o_p, lse_p = self.inner.sparse_mla_positions(q, kv_cache, positions, meta, scale,
-                                                     kv_lora_rank)
-        hot = step.row_hot
-        return torch.where(hot[:, None, None], o, o_p), torch.where(hot[:, None], lse, lse_p)
+            return self.inner.sparse_mla(q, rt.hot[layer], rows, scale, kv_lora_rank)
+        # 4. a mixed batch (a padded step's always): the other requests read their GPU pages,
+        #    and the hot rows are read in the wrapped backend's calls over the same rows
+        return self.inner.sparse_mla_positions(q, kv_cache, positions, meta, scale,
+                                               kv_lora_rank, HotRows(rt.hot[layer], rows,
+                                                                     step.row_hot))
