@@ -56,6 +56,8 @@
 #                                          #   the 1M request through P/D (its claim by digest)
 #   bash benchmarks/gpu_owed.sh 20         # part 20: the 1M request's READ into the host
 #                                          #   pool, profiled (15.5 s in part 19)
+#   bash benchmarks/gpu_owed.sh 21         # part 21: the 1M request aggregated and through
+#                                          #   P/D, warm: the same tokens?
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -254,6 +256,9 @@ elif [ "$part" = 19 ]; then
 elif [ "$part" = 20 ]; then
     run 400 hisparse_long_pd python benchmarks/hisparse_engine.py --sections long_pd \
         --profile --out "$out/hisparse_long_pd.md"
+elif [ "$part" = 21 ]; then
+    run 500 hisparse_long python benchmarks/hisparse_engine.py --sections long,long_pd \
+        --out "$out/hisparse_long.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
