@@ -560,6 +560,18 @@ def test_dequantize_pages_matches_formats(k, block_size):
         k.mla_workspace.dequantize_pages(cache, pages, 2 * L)
 
 
+def _random_fp8_cache(table: torch.Tensor, block_size: int, g: torch.Generator
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8_ds_mla cache with a random row in every slot of table's pages → (cache, slots)."""
+    num_blocks = int(table.max()) + 1
+    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
+                        dtype=torch.uint8)
+    slots = torch.arange(num_blocks * block_size)
+    formats.write_mla_cache(cache, slots, torch.randn(len(slots), L, generator=g),
+                            torch.randn(len(slots), R, generator=g))
+    return cache, slots
+
+
 @pytest.mark.parametrize("min_reads", [1.0, float("inf")], ids=["workspace", "cache_only"])
 @pytest.mark.parametrize("block_size,dcp", [
     (16, (1, 0, 1)), (1, (1, 0, 1)),  # 1: PCP's full copy of a context
@@ -578,12 +590,7 @@ def test_backend_positions_match_reference(k, monkeypatch, min_reads, block_size
     table = scattered_block_table([-(-n // block_size) for n in local], generator=g)
     meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size, dcp_size=dcp[0],
                                           dcp_rank=dcp[1], interleave=dcp[2])
-    num_blocks = int(table.max()) + 1
-    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
-                        dtype=torch.uint8)
-    slots = torch.arange(num_blocks * block_size)
-    formats.write_mla_cache(cache, slots, torch.randn(len(slots), L, generator=g),
-                            torch.randn(len(slots), R, generator=g))
+    cache, slots = _random_fp8_cache(table, block_size, g)
     limits = meta.positions + 1  # causal: position p sees 0 … p
     positions = torch.stack([torch.randperm(int(n), generator=g)[:topk] for n in limits])
     positions = torch.cat((positions, torch.full((len(limits), topk - positions.shape[1]), -1)),
@@ -629,12 +636,7 @@ def test_hot_rows_round_as_in_the_cache(k, monkeypatch):
     seq_lens, new = [200, 300, 150, 180], [1, 6, 0, 1]
     table = scattered_block_table([-(-n // block_size) for n in seq_lens], generator=g)
     meta = AttentionMetadata.for_requests(seq_lens, new, table, block_size)
-    num_blocks = int(table.max()) + 1
-    cache = torch.zeros(formats.mla_cache_shape(num_blocks, block_size, True, L, R),
-                        dtype=torch.uint8)
-    slots = torch.arange(num_blocks * block_size)
-    formats.write_mla_cache(cache, slots, torch.randn(len(slots), L, generator=g),
-                            torch.randn(len(slots), R, generator=g))
+    cache, slots = _random_fp8_cache(table, block_size, g)
     positions = torch.stack([torch.randperm(int(n) + 1, generator=g)[:topk]
                              for n in meta.positions])
     q = torch.randn(meta.num_tokens, heads, L + R, generator=g)
