@@ -43,6 +43,7 @@ from dsaserve.kv.hisparse.admission import (
     check_admits_one,
     hisparse_admission,
     hot_region_rows,
+    pd_decode_prefill_tokens,
     size_mla_pages,
     write_tail_pages,
 )
@@ -272,7 +273,12 @@ class ModelRunner:
                                                 self.block_size, cfg.cache.fp8, self.dtype)
         per_token = mla_page // self.block_size  # MLA rows of every cache layer
         k = cfg.num_speculative_tokens
-        window = cfg.scheduler.max_model_len + max(k - 1, 0)
+        lookahead = max(k - 1, 0)
+        window = cfg.scheduler.max_model_len + lookahead
+        # a P/D decode engine prefills only short prompts itself (Scheduler._mla_page_map)
+        d = cfg.disagg
+        prefill = (pd_decode_prefill_tokens(cfg.hisparse_buffer_rows, lookahead)
+                   if d is not None and d.is_consumer and not d.is_producer else None)
         adm = hisparse_admission(cfg.hisparse.host_pool_bytes, per_token, window,
                                  self.block_size)
         check_admits_one(adm, per_token, self.block_size)
@@ -291,7 +297,8 @@ class ModelRunner:
             tail_pages=write_tail_pages(k, self.block_size), mla_page_bytes=mla_page,
             index_page_bytes=index_page,
             hot_bytes_per_request=hot_region_rows(cfg.hisparse_buffer_rows, self.block_size)
-            * per_token, kv_bytes=kv_bytes, num_blocks=cfg.cache.num_gpu_blocks)
+            * per_token, kv_bytes=kv_bytes, num_blocks=cfg.cache.num_gpu_blocks,
+            prefill_tokens=prefill)
         logger.info("HiSparse: device_mla_pages auto: %d MLA pages beside %d KV blocks, for %d "
                     "requests decoding at once", sizing.num_mla_pages, sizing.num_blocks,
                     sizing.concurrency)

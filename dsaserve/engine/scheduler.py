@@ -69,6 +69,8 @@ from dsaserve.kv.hisparse.admission import (
     SharedBlocks,
     host_blocks_to_evict,
     min_mla_pages,
+    mla_pages_for,
+    pd_decode_prefill_tokens,
     shared_blocks,
     shared_windows,
     spilling_holds,
@@ -202,9 +204,9 @@ class Scheduler:
                     and not self.connector.config.is_producer)
         if num_pages < needed and consumer:
             # a short arrival (up to the hot buffer's rows) reads its pages, beside one tail
-            least = (min_mla_pages(self.hisparse_buffer_rows + self.num_lookahead,
-                                   self.block_size)
-                     + write_tail_pages(self.num_spec, self.block_size))
+            least = mla_pages_for(
+                1, pd_decode_prefill_tokens(self.hisparse_buffer_rows, self.num_lookahead),
+                self.block_size, write_tail_pages(self.num_spec, self.block_size))
             if num_pages < least:
                 raise ConfigError(
                     f"{flag} {num_pages} is too few for a P/D decode engine: a prompt of the "

@@ -100,7 +100,8 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
         ("concurrency", "HiSparse concurrency", "the smaller of the two bounds"),
         ("mla_pages", "GPU MLA pages (spilling)",
          "what hisparse_config.device_mla_pages \"auto\" chooses: a write tail (2 pages) per "
-         "request + one --context prefill; 0: no spilling"),
+         "request + one --context prefill (--pd-decode: one prompt of the hot rows); 0: no "
+         "spilling"),
     )),
 )
 _LABELS = {(s, k): label for s, _, lines in LINES for k, label, _ in lines}
@@ -192,7 +193,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     sections["prefill"] = _prefill_lines(model, par, gpu, prefill, context, matmul_tflops)
     sections["dcp"] = _dcp_lines(cm.dcp_gather_cost(kv, context, dcp, gpu.link_gbps))
     host_pool = int(args.host_pool_gib * GIB)
-    hs = cm.hisparse_concurrency(kv, context, budget.kv_room, host_pool, hot_rows)
+    hs = cm.hisparse_concurrency(kv, context, budget.kv_room, host_pool, hot_rows,
+                                 pd_decode=args.pd_decode)
     sections["hisparse"] = _hisparse_lines(hs)
 
     ep = f", EP{cm.num_gpus(par)}" if par.enable_expert_parallel else ""
@@ -211,6 +213,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         "weights": args.weights, "gpu_memory_utilization": args.gpu_memory_utilization,
         "activation_reserve_gib": args.activation_reserve_gib,
         "host_pool_gib": args.host_pool_gib, "hot_rows": hot_rows,
+        "pd_decode": args.pd_decode,
     }
     return Plan(header, sections, inputs, prefill)
 
@@ -452,6 +455,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--hot-rows", type=_positive_int, default=None, metavar="ROWS",
                    help="HiSparse hot-buffer rows per request and layer (default: "
                         "(spec tokens + 2) x top-k)")
+    m.add_argument("--pd-decode", action="store_true",
+                   help="size HiSparse's GPU MLA pages for a P/D decode engine (kv_role "
+                        "kv_consumer): long prompts arrive spilled, so the pages hold one "
+                        "local prompt of the hot rows instead of one of --context")
     h = p.add_argument_group("hardware overrides (replace the preset's datasheet figure)")
     overrides = (
         ("--hbm-gib", "GIB", "HBM capacity, GiB"),

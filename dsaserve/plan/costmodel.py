@@ -36,6 +36,7 @@ from dsaserve.kv.hisparse.admission import (
     MlaPageSizing,
     hisparse_admission,
     hot_region_rows,
+    pd_decode_prefill_tokens,
     size_mla_pages,
     write_tail_pages,
 )
@@ -669,6 +670,7 @@ class HiSparseConcurrency:
     num_speculative_tokens: int = 0  # MTP drafts per step (their rows are in the write tail)
     mla_bytes_per_token: int = 0  # MLA rows of every layer (the MTP layer's included)
     index_bytes_per_token: int = 0  # indexer keys of every indexer layer
+    pd_decode: bool = False  # a P/D decode engine: its pages hold short local prompts only
 
     @property
     def by_host(self) -> int:
@@ -704,7 +706,9 @@ class HiSparseConcurrency:
                 mla_page_bytes=b * self.mla_bytes_per_token,
                 index_page_bytes=b * self.index_bytes_per_token,
                 hot_bytes_per_request=hot_region_rows(self.hot_rows, b) * self.mla_bytes_per_token,
-                kv_bytes=max(self.kv_room, 0))
+                kv_bytes=max(self.kv_room, 0),
+                prefill_tokens=(pd_decode_prefill_tokens(self.hot_rows, self.lookahead)
+                                if self.pd_decode else None))
         except ConfigError:
             return None
 
@@ -718,7 +722,7 @@ class HiSparseConcurrency:
 
 def hisparse_concurrency(
     kv: KVBytesPerToken, context: int, kv_room: int, host_pool_bytes: int, hot_rows: int,
-    block_size: int = PAGE_TOKENS,
+    block_size: int = PAGE_TOKENS, pd_decode: bool = False,
 ) -> HiSparseConcurrency:
     mla_layers = kv.num_layers + kv.num_mtp_layers
     gpu_rows_per_layer = min(context, hot_rows + HISPARSE_TAIL_PAGES * PAGE_TOKENS)
@@ -736,4 +740,5 @@ def hisparse_concurrency(
         num_speculative_tokens=MTP3_LOOKAHEAD + 1 if kv.num_mtp_layers else 0,
         mla_bytes_per_token=kv.mla_all_layers,
         index_bytes_per_token=kv.indexer_all_layers,
+        pd_decode=pd_decode,
     )

@@ -308,11 +308,16 @@ def test_auto_mla_pages_from_the_given_blocks(model_dirs, engine_config):
     assert most_blocks > engine.runner.num_mla_pages
 
 
+@pytest.mark.parametrize("pd_decode", [False, True], ids=["aggregated", "pd_decode"])
 @pytest.mark.parametrize("kv", ["auto", "fp8_ds_mla"])
-def test_auto_mla_pages_equal_the_plan(draftable_dirs, engine_config, monkeypatch, kv):
+def test_auto_mla_pages_equal_the_plan(draftable_dirs, engine_config, monkeypatch, kv,
+                                       pd_decode):
     """From a KV budget, "auto" gives the pages and blocks `dsaserve plan` suggests for the same
     budget, host pool and hot buffer (one function), with MTP3 (the test above decodes with
-    "auto")."""
+    "auto"). A P/D decode engine (kv_consumer; `dsaserve plan --pd-decode`) sizes its pages
+    for one prompt of the hot buffer's rows, not one window: fewer pages, more blocks, and
+    below one window its scheduler bounds what it prefills itself."""
+    from dsaserve.config import DisaggConfig
     from dsaserve.engine import runner
     from dsaserve.plan import costmodel as cm
 
@@ -321,19 +326,37 @@ def test_auto_mla_pages_equal_the_plan(draftable_dirs, engine_config, monkeypatc
     cfg = _config(engine_config, model_dir, kv=kv, spec=3, buffer=64, mla_pages="auto",
                   num_blocks=None, max_model_len=ctx)
     cfg = replace(cfg, dtype="bfloat16")
+    if pd_decode:
+        cfg = replace(cfg, disagg=DisaggConfig(kv_role="kv_consumer", backend="shm",
+                                               side_channel_port=0))
     plan_kv = cm.kv_bytes_per_token(cfg.model, "bf16" if kv == "auto" else kv)
     # one window (ctx + 2 lookahead slots: 65 blocks) of every cache on the GPU, per request
     window_bytes = (ctx + B) * (plan_kv.mla_all_layers + plan_kv.indexer_all_layers)
     budget = 3 * window_bytes  # one MLA page per block: 3 requests of the 16 the host admits
     monkeypatch.setattr(runner, "_CPU_KV_BUDGET_BYTES", budget)
-    plan = cm.hisparse_concurrency(plan_kv, ctx, kv_room=budget,
-                                   host_pool_bytes=cfg.hisparse.host_pool_bytes,
-                                   hot_rows=cfg.hisparse_buffer_rows, block_size=B)
+
+    def plan_for(pd: bool) -> cm.HiSparseConcurrency:
+        return cm.hisparse_concurrency(plan_kv, ctx, kv_room=budget,
+                                       host_pool_bytes=cfg.hisparse.host_pool_bytes,
+                                       hot_rows=cfg.hisparse_buffer_rows, block_size=B,
+                                       pd_decode=pd)
+
+    plan = plan_for(pd_decode)
     sizing = plan.mla_sizing
     assert sizing is not None and sizing.concurrency > 3 and plan.mla_pages > 0
     engine = LLMEngine.from_config(cfg)
     assert engine.runner.num_mla_pages == plan.mla_pages
     assert engine.runner.num_blocks == sizing.num_blocks
+    if pd_decode:
+        window = min_mla_pages(ctx + 2, B)
+        aggregated = plan_for(False).mla_sizing
+        tail = write_tail_pages(3, B)
+        assert plan.mla_pages == min_mla_pages(64 + 2, B) + sizing.concurrency * tail < window
+        assert plan.mla_pages < aggregated.num_mla_pages
+        assert sizing.num_blocks > aggregated.num_blocks
+        assert engine.scheduler.local_prefill_tokens == plan.mla_pages * B - 2
+    else:
+        assert engine.scheduler.local_prefill_tokens is None
     # the budget holds the pages, the blocks and each request's hot buffer
     mla_page, index_page = runner.cache_page_bytes(
         cfg.model, engine.runner.model.num_cache_layers, B, cfg.cache.fp8, torch.bfloat16)
@@ -358,6 +381,12 @@ def test_auto_mla_pages_size_alone():
     assert tight == MlaPageSizing(num_mla_pages=22, concurrency=6,
                                   num_blocks=(3520 - 22 * 100 - 6 * 50) // 10)
     assert tight.num_blocks >= 6 * 16
+    # a P/D decode engine: one prompt of 8 tokens (2 pages) beside the tails, not a window:
+    # (3,520 − 2 · 100) // 310 = 10 fit, the host's 8 decode; 2 + 8 pages
+    pd = size_mla_pages(max_requests=8, kv_bytes=2 * 16 * 110, prefill_tokens=8, **kw)
+    assert pd == MlaPageSizing(num_mla_pages=10, concurrency=8,
+                               num_blocks=(3520 - 10 * 100 - 8 * 50) // 10)
+    assert pd.num_blocks >= 8 * 16
     given = size_mla_pages(max_requests=8, num_blocks=40, **kw)
     assert given == MlaPageSizing(num_mla_pages=18, num_blocks=40, concurrency=2)
     assert size_mla_pages(max_requests=8, num_blocks=17, **kw).num_mla_pages == 0  # 17 ≥ blocks

@@ -430,6 +430,21 @@ def test_cli_hardware_overrides(capsys: pytest.CaptureFixture[str]) -> None:
     assert mla["seconds"] == pytest.approx(mla["flops"] / 5e14)
 
 
+def test_cli_pd_decode_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    """--pd-decode: a P/D decode engine's "auto" MLA pages hold one prompt of the hot rows
+    (10,240 + 2 lookahead) beside the tails, not a --context window; same concurrency."""
+    from dsaserve.kv.hisparse.admission import min_mla_pages
+
+    args = ["--model", "glm-5.3", "--gpu", "h200", "--dp", "8", "--ep", "--context", "131072"]
+    agg = _json(args, capsys)["hisparse"]
+    pd = _json([*args, "--pd-decode"], capsys)
+    assert pd["inputs"]["pd_decode"] is True
+    h = pd["hisparse"]
+    assert h["concurrency"] == agg["concurrency"] == 7
+    assert agg["mla_pages"] == min_mla_pages(131_072 + 2, 64) + 7 * cm.HISPARSE_TAIL_PAGES
+    assert h["mla_pages"] == min_mla_pages(10_240 + 2, 64) + 7 * cm.HISPARSE_TAIL_PAGES == 175
+
+
 def test_cli_weight_modes(capsys: pytest.CaptureFixture[str]) -> None:
     """--weights fp8-weight-only: fp8's memory, the prompt's matrices at the BF16 peak (bf16's
     time); fp8 at the FP8 peak."""

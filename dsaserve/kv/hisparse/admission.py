@@ -53,9 +53,19 @@ def min_mla_pages(window_tokens: int, block_size: int) -> int:
 def mla_pages_for(concurrency: int, window_tokens: int, block_size: int,
                   tail_pages: int) -> int:
     """GPU MLA pages for `concurrency` long decoders, each keeping its write tail of
-    `tail_pages` resident, beside one prefill of a whole window: what `dsaserve plan` suggests
-    for `device_mla_pages` (the rest of every decoder's MLA rows spill)."""
+    `tail_pages` resident, beside one prefill of `window_tokens` (a whole window; a P/D
+    decode engine's `pd_decode_prefill_tokens`): what `dsaserve plan` suggests for
+    `device_mla_pages` (the rest of every decoder's MLA rows spill)."""
     return min_mla_pages(window_tokens, block_size) + concurrency * tail_pages
+
+
+def pd_decode_prefill_tokens(buffer_rows: int, lookahead: int) -> int:
+    """The longest prompt whose pages a P/D decode engine (kv_role kv_consumer) must hold:
+    what it receives long arrives spilled (rows in the host pool, the write tail on pages),
+    so only prompts it prefills itself and short arrivals read their pages; it takes prompts
+    of the hot buffer's rows, and refuses longer local ones (they belong to the prefill
+    engine). With one write tail beside it, the fewest pages such an engine runs with."""
+    return buffer_rows + lookahead
 
 
 def spilling_holds(num_requests: int, prefill_tokens: int, window_blocks: int, *,
@@ -157,16 +167,18 @@ class MlaPageSizing:
 
 def size_mla_pages(*, max_requests: int, window_tokens: int, block_size: int, tail_pages: int,
                    mla_page_bytes: int, index_page_bytes: int, hot_bytes_per_request: int,
-                   kv_bytes: int | None = None, num_blocks: int | None = None) -> MlaPageSizing:
+                   kv_bytes: int | None = None, num_blocks: int | None = None,
+                   prefill_tokens: int | None = None) -> MlaPageSizing:
     """`hisparse_config.device_mla_pages: "auto"`: the engine's choice and `dsaserve plan`'s
     suggestion (one function, so they agree). The pages are `mla_pages_for` the requests
     decoding at once: the host pool's admitted requests (`max_requests`), fewer where the GPU
     cannot hold each one's window of KV blocks (indexer pages), its write tail's MLA pages and
-    its hot buffer beside one prefill's window of MLA pages. The GPU is `kv_bytes` of KV
-    budget, split here between MLA pages and blocks:
+    its hot buffer beside one prefill's MLA pages: a whole window, or for a P/D decode engine
+    `prefill_tokens` (`pd_decode_prefill_tokens`: a 1M window of MLA pages would not fit a GPU
+    at all). The GPU is `kv_bytes` of KV budget, split here between MLA pages and blocks:
 
         kv_bytes ≥ pages · mla_page + c · hot + blocks · index_page,
-        pages = min_mla_pages + c · tail_pages,   blocks ≥ c · window blocks
+        pages = min_mla_pages(prefill) + c · tail_pages,   blocks ≥ c · window blocks
 
     or a fixed `num_blocks` (--num-gpu-blocks-override; the hot buffers then come apart, as
     without spilling), where spilling saves the MLA pages beyond `pages`. From a budget,
@@ -175,7 +187,8 @@ def size_mla_pages(*, max_requests: int, window_tokens: int, block_size: int, ta
     naming the flag when not one request fits."""
     flag = '--attention-config: hisparse_config.device_mla_pages "auto"'
     window_blocks = -(-window_tokens // block_size)
-    least = min_mla_pages(window_tokens, block_size)
+    prefill = window_tokens if prefill_tokens is None else min(prefill_tokens, window_tokens)
+    least = min_mla_pages(prefill, block_size)
     all_gpu = 0  # requests one MLA page per block holds, from the budget
     if num_blocks is not None:
         fits = num_blocks // window_blocks
@@ -192,7 +205,7 @@ def size_mla_pages(*, max_requests: int, window_tokens: int, block_size: int, ta
         raise ConfigError(
             f"{flag}: {room} cannot hold one request of --max-model-len: {least} MLA pages and "
             f"{window_blocks} KV blocks of {block_size} tokens")
-    pages = mla_pages_for(concurrency, window_tokens, block_size, tail_pages)
+    pages = mla_pages_for(concurrency, prefill, block_size, tail_pages)
     if num_blocks is not None:  # the blocks are given: spilling saves their MLA pages' HBM
         return MlaPageSizing(num_mla_pages=pages if pages < num_blocks else 0,
                              num_blocks=num_blocks, concurrency=concurrency)
