@@ -30,7 +30,8 @@ selections and the misses between consecutive steps are the model's own. Three t
   3. one request of `--long` tokens (1M on CUDA) with HiSparse: prefill time, decode step
      time, peak GPU memory, the host pool it reserves and the GPU KV pool beside its KV;
   4. (`long_pd`) the same request through P/D, as the reference deployment serves it: an
-     all-GPU prefill engine (`kv_producer`) prefills it, a HiSparse decode engine
+     all-GPU prefill engine (`kv_producer`, in a process of its own) prefills it, a HiSparse
+     decode engine
      (`kv_consumer`, NIXL on CUDA, shared memory on the CPU) with the fewest MLA pages it
      takes (a hot buffer's prompt beside one write tail: far below the request's window)
      READs its rows into the host pool and decodes it: the READ up to the first decoded
@@ -67,8 +68,9 @@ from dsaserve.config import (
     SchedulerConfig,
 )
 from dsaserve.core import SamplingParams
-from dsaserve.disagg import offline
+from dsaserve.disagg.prefill_process import PrefillProcess
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.executor import cpu_threads_per_worker
 from dsaserve.engine.runner import cache_page_bytes, resolve_dtype
 from dsaserve.kv.hisparse.admission import (
     min_mla_pages,
@@ -534,70 +536,74 @@ def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> 
     # write tail (Scheduler._mla_page_map)
     least = (min_mla_pages(args.buffer_rows, args.block_size)
              + write_tail_pages(0, args.block_size))
-    producer = LLMEngine.from_config(role(engine_config(
-        args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1), "kv_producer"))
+    # The prefill engine in a process of its own, as deployed: within one process UCX has no
+    # cuda_ipc between the two agents and emulates a GET in software (~0.6 GB/s, measured),
+    # while two processes READ at 13-24 GB/s (pd_e2e.py). The cores are shared: each process
+    # takes half (torch's spin-waiting threads, docs/disagg.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker(2))
     consumer = None
     try:
-        consumer = LLMEngine.from_config(role(engine_config(
-            args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1,
-            host_pool=pages.host_pool_for(1, max_len), mla_pages=least), "kv_consumer"))
-        assert consumer.scheduler.local_prefill_tokens is not None  # below one window
-        out: list[int] = []
+        with PrefillProcess(role(engine_config(args, model_dir, max_len=max_len, max_seqs=1,
+                                               num_blocks=window + 1), "kv_producer")) as producer:
+            consumer = LLMEngine.from_config(role(engine_config(
+                args, model_dir, max_len=max_len, max_seqs=1, num_blocks=window + 1,
+                host_pool=pages.host_pool_for(1, max_len), mla_pages=least), "kv_consumer"))
+            assert consumer.scheduler.local_prefill_tokens is not None  # below one window
+            out: list[int] = []
 
-        def step() -> None:
-            for o in consumer.step():
-                if o.error is not None:
-                    raise RuntimeError(f"long_pd: {o.error}")
-                out.extend(o.new_token_ids)
-            if producer.has_unfinished_requests():
-                producer.step()  # it learns that its blocks were read
-            if args.smoke:
-                consumer.check_integrity()
+            def step() -> None:
+                for o in consumer.step():
+                    if o.error is not None:
+                        raise RuntimeError(f"long_pd: {o.error}")
+                    out.extend(o.new_token_ids)
+                if args.smoke:
+                    consumer.check_integrity()
 
-        def send(rid: str, prompt: list[int], max_tokens: int) -> float:
-            """Prefill `prompt` on the producer, hand it to the consumer: the prefill's
-            seconds."""
+            def send(rid: str, prompt: list[int], max_tokens: int) -> float:
+                """Prefill `prompt` in the prefill process, hand it to the consumer: the
+                prefill's seconds (the prompt's trip through the pipe included)."""
+                t0 = time.perf_counter()
+                params = producer.prefill(rid, prompt)
+                seconds = time.perf_counter() - t0
+                consumer.add_request(rid, prompt, SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                    kv_transfer_params=params)
+                return seconds
+
+            # Warm-up: a prompt just past the hot buffer takes the same path (READ into the
+            # host pool, decode through the hot buffer), so both engines' kernels are compiled
+            # and the rows below time a warm deployment's.
+            send("warm", prompts(model.vocab_size, 1, args.buffer_rows + 2 * args.block_size,
+                                 seed=12)[0], args.warmup)
+            while consumer.has_unfinished_requests():
+                step()
+            producer.drain()
+            out.clear()
+            prompt = prompts(model.vocab_size, 1, n, seed=11)[0]  # section 3's
+            prefill = send("long", prompt, args.warmup + args.steps + 2)
             _sync(args.device)
+            profiler = cProfile.Profile() if args.profile else None
             t0 = time.perf_counter()
-            params = offline.prefill(producer, rid, prompt)
+            if profiler is not None:
+                profiler.enable()
+            while not out:
+                step()
             _sync(args.device)
-            seconds = time.perf_counter() - t0
-            consumer.add_request(rid, prompt, SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                kv_transfer_params=params)
-            return seconds
-
-        # Warm-up: a prompt just past the hot buffer takes the same path (READ into the host
-        # pool, decode through the hot buffer), so both engines' kernels are compiled and the
-        # rows below time a warm deployment's.
-        send("warm", prompts(model.vocab_size, 1, args.buffer_rows + 2 * args.block_size,
-                             seed=12)[0], args.warmup)
-        while consumer.has_unfinished_requests() or producer.has_unfinished_requests():
-            step()
-        out.clear()
-        prompt = prompts(model.vocab_size, 1, n, seed=11)[0]  # section 3's
-        prefill = send("long", prompt, args.warmup + args.steps + 2)
-        _sync(args.device)
-        profiler = cProfile.Profile() if args.profile else None
-        t0 = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
-        while not out:
-            step()
-        _sync(args.device)
-        read = time.perf_counter() - t0
-        if profiler is not None:
-            profiler.disable()
-            print("long_pd: the READ to the first token's host work (cProfile):\n"
-                  + cprofile_top(profiler, 40), file=sys.stderr)
-        times, missed = _timed_steps(consumer, step, args)
-        gpu_kv = (consumer.runner.num_mla_pages * pages.mla
-                  + consumer.runner.num_blocks * pages.index)
-        _end(consumer, ["long"], args.smoke)
+            read = time.perf_counter() - t0
+            if profiler is not None:
+                profiler.disable()
+                print("long_pd: the READ to the first token's host work (cProfile):\n"
+                      + cprofile_top(profiler, 40), file=sys.stderr)
+            times, missed = _timed_steps(consumer, step, args)
+            gpu_kv = (consumer.runner.num_mla_pages * pages.mla
+                      + consumer.runner.num_blocks * pages.index)
+            _end(consumer, ["long"], args.smoke)
+            producer.drain()  # its blocks were read and freed; its invariants
     finally:
-        for engine in (consumer, producer):
-            if engine is not None:
-                _release(engine, args.device)
+        torch.set_num_threads(threads)
+        if consumer is not None:
+            _release(consumer, args.device)
     row = LongPdRow(n, prefill, read, 1e3 * statistics.median(times), missed, least, window,
                     gpu_kv, n * (pages.mla + pages.index) // args.block_size, out)
     print(f"long_pd: {human(n)}: prefill {prefill:.2f} s, READ to first token {read:.2f} s, "
@@ -658,9 +664,9 @@ def report(args: argparse.Namespace, shape: str, steps: list[StepRow],
         pd = long_pd
         equal = "—" if long is None else ("yes" if _same_tokens(long.tokens_out,
                                                                  pd.tokens_out) else "NO")
-        lines += ["", f"The same request through P/D: an all-GPU prefill engine, a HiSparse "
-                  f"decode engine with {pd.mla_pages:,} MLA pages (one window of the request: "
-                  f"{pd.window_pages:,})", "",
+        lines += ["", f"The same request through P/D: an all-GPU prefill engine in its own "
+                  f"process, a HiSparse decode engine with {pd.mla_pages:,} MLA pages (one "
+                  f"window of the request: {pd.window_pages:,})", "",
                   "| prompt | prefill (s) | READ to first token (s) | decode step (ms) | "
                   "rows missed / step | decode GPU KV pool | its KV | greedy tokens = "
                   "aggregated |",
