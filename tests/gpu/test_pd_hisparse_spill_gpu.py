@@ -5,7 +5,13 @@ host pool (registered with NIXL as DRAM), the tail's into its GPU MLA pages; gre
 the aggregated engine's, every invariant checked after every step. Run on the device machine with
 `pytest -m gpu tests/gpu/test_pd_hisparse_spill_gpu.py` (with the nixl wheel).
 
-float32, as in test_hisparse_spill_gpu.py: the batches differ from the aggregated engine's."""
+Float32 KV (tiny-glm5) is compared with the four prompts decoding together, as in
+test_hisparse_spill_gpu.py: the P/D engines' batches differ from the aggregated engine's (the
+arrivals join as their READs land), which float32 KV does not feel. fp8_ds_mla KV (tiny-dsv32)
+is compared one prompt at a time, where both sides run the same shapes: in other batches a
+GEMM rounds otherwise, an e4m3 step can turn that into another cached value and the tiny
+model's near-tied indexer scores into another token (docs/hisparse.md); batched, prompt 0
+parted at its third token on an H100 (2026-12-06)."""
 
 from __future__ import annotations
 
@@ -33,7 +39,10 @@ def test_pd_into_spilling_hisparse_on_cuda(model_dirs, engine_config, preset, kv
     g = torch.Generator().manual_seed(21)
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (130, 150, 170, 190)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    want = LLMEngine.from_config(cfg).generate(prompts, params)
+    ref = LLMEngine.from_config(cfg)
+    alone = kv == "fp8_ds_mla"  # one prompt at a time: the aggregated engine's shapes
+    want = ([ref.generate([x], params)[0] for x in prompts] if alone
+            else ref.generate(prompts, params))
     # 6 MLA pages: the four write tails and room to move on; the prompts' 12 blocks arrive
     # with only their tails on the GPU
     att = replace(cfg.attention, hisparse_device_buffer_size=cfg.model.index_topk,
@@ -50,7 +59,13 @@ def test_pd_into_spilling_hisparse_on_cuda(model_dirs, engine_config, preset, kv
             d.check_integrity()
             p.check_integrity()
 
-        assert offline.generate_together(p, d, prompts, params, after_step=check) == want
+        if alone:
+            got = [offline.generate_together(p, d, [x], params, tag=f"pd{i}",
+                                             after_step=check)[0]
+                   for i, x in enumerate(prompts)]
+        else:
+            got = offline.generate_together(p, d, prompts, params, after_step=check)
+        assert got == want
         worker = d.runner.connector
         assert worker.mla_rows_to_host == sum((len(x) - 1) // 64 * 64 for x in prompts)
         assert worker.mla_rows_to_gpu == sum((len(x) - 1) % 64 for x in prompts)
