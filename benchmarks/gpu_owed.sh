@@ -58,9 +58,9 @@
 #                                          #   pool, profiled (15.5 s in part 19)
 #   bash benchmarks/gpu_owed.sh 21         # part 21: the 1M request aggregated and through
 #                                          #   P/D, warm: the same tokens?
-#   bash benchmarks/gpu_owed.sh 22         # part 22: P/D into spilling HiSparse, fp8 one
-#                                          #   prompt at a time; the 1M request through P/D
-#                                          #   with the prefill engine in its own process
+#   bash benchmarks/gpu_owed.sh 22         # part 22: the fp8 spilling tests on equal batches
+#                                          #   (P/D: one prompt at a time); the 1M request
+#                                          #   through P/D, the prefill engine in its own process
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -264,8 +264,8 @@ elif [ "$part" = 21 ]; then
         --out "$out/hisparse_long.md"
 elif [ "$part" = 22 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    run 150 tests python -m pytest -q -m gpu -rf --tb=short -s \
-        tests/gpu/test_pd_hisparse_spill_gpu.py
+    run 240 tests python -m pytest -q -m gpu -rf --tb=short -s \
+        tests/gpu/test_pd_hisparse_spill_gpu.py tests/gpu/test_hisparse_spill_gpu.py
     [ "$(left)" -gt 200 ] && run "$(left)" hisparse_long python benchmarks/hisparse_engine.py \
         --sections long,long_pd --out "$out/hisparse_long.md"
 elif [ "$part" = 4 ]; then
