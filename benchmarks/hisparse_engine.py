@@ -75,6 +75,7 @@ from dsaserve.engine.runner import cache_page_bytes, resolve_dtype
 from dsaserve.kv.hisparse.admission import (
     min_mla_pages,
     mla_pages_for,
+    pd_decode_prefill_tokens,
     write_tail_pages,
 )
 from dsaserve.model.make_model import make_model
@@ -534,8 +535,8 @@ def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> 
 
     # the fewest MLA pages a decode engine takes: a prompt of the hot buffer's rows beside one
     # write tail (Scheduler._mla_page_map)
-    least = (min_mla_pages(args.buffer_rows, args.block_size)
-             + write_tail_pages(0, args.block_size))
+    least = mla_pages_for(1, pd_decode_prefill_tokens(args.buffer_rows, 0), args.block_size,
+                          write_tail_pages(0, args.block_size))
     # The prefill engine in a process of its own, as deployed: within one process UCX has no
     # cuda_ipc between the two agents and emulates a GET in software (~0.6 GB/s, measured),
     # while two processes READ at 13-24 GB/s (pd_e2e.py). The cores are shared: each process

@@ -985,6 +985,12 @@ class DisaggConfig:
     def is_consumer(self) -> bool:
         return self.kv_role in ("kv_both", "kv_consumer")
 
+    @property
+    def is_decode_engine(self) -> bool:
+        """A P/D decode engine alone (kv_consumer): its long prompts arrive from the prefill
+        engine, so HiSparse's MLA pages need hold only the short ones it prefills itself."""
+        return self.kv_role == "kv_consumer"
+
     @staticmethod
     def from_json(text: str | None, env: dict[str, str] | None = None) -> DisaggConfig | None:
         """From `--kv-transfer-config` (None when it names no NixlConnector). The timeout, side

@@ -276,9 +276,8 @@ class ModelRunner:
         lookahead = max(k - 1, 0)
         window = cfg.scheduler.max_model_len + lookahead
         # a P/D decode engine prefills only short prompts itself (Scheduler._mla_page_map)
-        d = cfg.disagg
         prefill = (pd_decode_prefill_tokens(cfg.hisparse_buffer_rows, lookahead)
-                   if d is not None and d.is_consumer and not d.is_producer else None)
+                   if cfg.disagg is not None and cfg.disagg.is_decode_engine else None)
         adm = hisparse_admission(cfg.hisparse.host_pool_bytes, per_token, window,
                                  self.block_size)
         check_admits_one(adm, per_token, self.block_size)

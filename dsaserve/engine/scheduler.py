@@ -200,8 +200,7 @@ class Scheduler:
         if num_pages > num_blocks:
             raise ConfigError(f"{flag} {num_pages} exceeds the {num_blocks} KV blocks")
         needed = min_mla_pages(self.config.max_model_len + self.num_lookahead, self.block_size)
-        consumer = (self.connector is not None and self.connector.config.is_consumer
-                    and not self.connector.config.is_producer)
+        consumer = self.connector is not None and self.connector.config.is_decode_engine
         if num_pages < needed and consumer:
             # a short arrival (up to the hot buffer's rows) reads its pages, beside one tail
             least = mla_pages_for(

@@ -119,14 +119,14 @@ class TritonBackend:
 
     def _cache_rows(self, q: torch.Tensor, kv_cache: torch.Tensor, idx: torch.Tensor,
                     scale: float, kv_lora_rank: int, hot: HotRows | None,
-                    rows: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """sparse_mla of q [n, H, L+R] over the cache at idx [n, K]; with `hot`, its rows
-        [first, end) of the step (None: all) that read the hot cache, from a second call over
-        the same n rows."""
+                    span: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """sparse_mla of q [n, H, L+R] over the cache at idx [n, K], q being the step's rows
+        `span` = [first, end) (None: all); with `hot`, those of them that read the hot cache
+        from a second call over the same n rows."""
         o, lse = self.sparse_mla(q, kv_cache, idx, scale, kv_lora_rank)
         if hot is None:
             return o, lse
-        first, end = rows or (0, q.shape[0])
+        first, end = span or (0, q.shape[0])
         hot_o, hot_lse = self.sparse_mla(q, hot.kv, hot.slots[first:end], scale, kv_lora_rank)
         return with_hot(o, lse, hot_o, hot_lse, hot.rows[first:end])
 
