@@ -5,18 +5,22 @@ flight, against the same step with no READ (what the asynchronous READs are for)
     python benchmarks/pd_overlap.py --out docs/pd_overlap_h200.md
     python benchmarks/pd_overlap.py --smoke            # CPU, tiny sizes, shared memory (CI)
 
-A prefill engine and a decode engine (NixlConnector) live in this process, one transport agent
-each. B requests decode on the decode engine (prompts of `--context` tokens, prefilled there).
-Per row:
+The prefill engine runs in a spawned process (`disagg/prefill_process.py`), the decode engine in
+this one, one transport agent each, as deployed: within one process UCX has no cuda_ipc between
+two agents and emulates a GPU READ in software (~0.6 GB/s), which would be measured instead of
+the READ. The two processes take half the cores each. B requests decode on the decode engine
+(prompts of `--context` tokens, prefilled there). Per row:
 
   1. idle: `--steps` decode steps of the B requests, no READ anywhere (host clock around
      `LLMEngine.step`, the device synchronized);
   2. in flight: the prefill engine prefills `--inflight` prompts of N tokens and holds their
-     blocks (the decode engine does not step meanwhile); then they are added to the decode
-     engine at once and it steps: the first step posts their READs (timed apart: "post"), every
-     following step that starts with a READ still in flight is an in-flight step, until the
-     last request leaves `receiving` (every READ landed). The B requests must decode one token
-     in every one of those steps (checked), the received ones are then dropped.
+     blocks (the decode engine does not step meanwhile; the prefill engine keeps stepping while
+     it holds them, as a prefill server does, polling for the READs' notifications); then they
+     are added to the decode engine at once and it steps: the first step posts their READs
+     (timed apart: "post"), every following step that starts with a READ still in flight is an
+     in-flight step, until the last request leaves `receiving` (every READ landed). The B
+     requests must decode one token in every one of those steps (checked), the received ones
+     are then dropped.
 
 Columns: the idle and in-flight step times (median, P90), their ratio (1.00 = a READ in flight
 costs the running requests nothing), how many steps the READs spanned, the posting step, and
@@ -53,9 +57,10 @@ from dsaserve.config import (
     SchedulerConfig,
 )
 from dsaserve.core import SamplingParams
-from dsaserve.disagg import offline
+from dsaserve.disagg.prefill_process import PrefillProcess
 from dsaserve.disagg.transport import nixl_available
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.engine.executor import cpu_threads_per_worker
 from dsaserve.engine.runner import resolve_dtype
 from dsaserve.kernels import formats
 from dsaserve.model.make_model import make_model
@@ -149,9 +154,10 @@ def configs(args: argparse.Namespace, model_dir: Path, device: torch.device, tra
 
 # ---- measurement -------------------------------------------------------------------------------
 class Overlap:
-    """A producer and a consumer with B requests decoding on the consumer."""
+    """A producer (in its own process) and a consumer (here) with B requests decoding on the
+    consumer."""
 
-    def __init__(self, p: LLMEngine, d: LLMEngine, device: torch.device, seed: int) -> None:
+    def __init__(self, p: PrefillProcess, d: LLMEngine, device: torch.device, seed: int) -> None:
         self.p, self.d, self.device = p, d, device
         self.g = torch.Generator().manual_seed(seed)
         self.vocab = d.config.model.vocab_size
@@ -203,7 +209,7 @@ class Overlap:
             idle.append(ms)
         reads = [self._id(f"read{tokens}-") for _ in range(inflight)]
         prompts = {rid: self._prompt(tokens) for rid in reads}
-        params = {rid: offline.prefill(self.p, rid, prompts[rid]) for rid in reads}
+        params = {rid: self.p.prefill(rid, prompts[rid]) for rid in reads}
         before = sum(self.d.executor.call("kv_bytes_received"))
         once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         for rid in reads:  # checked over the side channel here, before the clock starts
@@ -220,9 +226,7 @@ class Overlap:
         nbytes = sum(self.d.executor.call("kv_bytes_received")) - before
         while any(rid in self.d.scheduler.requests for rid in reads):  # their first token
             self.step()
-        while self.p.has_unfinished_requests():  # the producer learns they were read
-            self.p.step()
-        self.p.check_integrity()
+        self.p.drain()  # the producer learnt they were read and freed them; its invariants
         self.d.check_integrity()
         return Row(transport, into, len(self.decoders), tokens, inflight, idle, busy, post_ms,
                    read_ms, nbytes)
@@ -231,32 +235,41 @@ class Overlap:
 def run_pair(args: argparse.Namespace, model_dir: Path, device: torch.device, transport: str,
              into: str) -> list[Row]:
     pc, dc = configs(args, model_dir, device, transport, into)
-    p, d = LLMEngine.from_config(pc), LLMEngine.from_config(dc)
-    assert isinstance(p, LLMEngine) and isinstance(d, LLMEngine)
-    rows = []
+    threads = torch.get_num_threads()
+    # the prefill process takes as many threads: oversubscribed, torch's spin-waiting threads
+    # slow both engines' host work many times over (docs/disagg.md)
+    torch.set_num_threads(cpu_threads_per_worker(2))
     try:
-        bench = Overlap(p, d, device, seed=0)
-        for batch in args.batch:
-            bench.start_decoders(batch, args.context, args.decode_budget)
-            # warm-up (not reported): the first READ connects the agents and builds handles
-            bench.measure(transport, into, 4 * args.block_size, 1, args.warmup)
-            for tokens in args.tokens:
-                for inflight in args.inflight:
-                    row = bench.measure(transport, into, tokens, inflight, args.steps)
-                    print(row_line(row), file=sys.stderr)
-                    rows.append(row)
-        for rid in bench.decoders:
-            d.abort_request(rid)
-        d.step()  # tells the runner which requests ended
-        d.check_integrity()
-        for e in (p, d):
-            s = e.stats()
-            if s.num_free_blocks != s.num_total_blocks:
-                raise RuntimeError(f"a block leaked: {s.num_free_blocks} of "
-                                   f"{s.num_total_blocks} free")
+        with PrefillProcess(pc) as p:
+            d = LLMEngine.from_config(dc)
+            assert isinstance(d, LLMEngine)
+            try:
+                return _measure_all(args, p, d, device, transport, into)
+            finally:
+                d.shutdown()
     finally:
-        p.shutdown()
-        d.shutdown()
+        torch.set_num_threads(threads)
+
+
+def _measure_all(args: argparse.Namespace, p: PrefillProcess, d: LLMEngine,
+                 device: torch.device, transport: str, into: str) -> list[Row]:
+    """Every row of one (transport, into) pair; then nothing left held on either side."""
+    rows: list[Row] = []
+    bench = Overlap(p, d, device, seed=0)
+    for batch in args.batch:
+        bench.start_decoders(batch, args.context, args.decode_budget)
+        # warm-up (not reported): the first READ connects the agents and builds handles
+        bench.measure(transport, into, 4 * args.block_size, 1, args.warmup)
+        for tokens in args.tokens:
+            for inflight in args.inflight:
+                row = bench.measure(transport, into, tokens, inflight, args.steps)
+                print(row_line(row), file=sys.stderr)
+                rows.append(row)
+    for rid in bench.decoders:
+        d.abort_request(rid)
+    d.step()  # tells the runner which requests ended
+    d.check_integrity()  # with no request live: every block free
+    p.drain()  # the same there
     return rows
 
 
