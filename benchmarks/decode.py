@@ -3,6 +3,7 @@ graph, and tokens/s per user with MTP3 (synthetic acceptance 2.99) against no MT
 
     python benchmarks/decode.py --out docs/decode_h200.md      # GLM-5.3-shaped, 2 layers + MTP
     python benchmarks/decode.py --smoke                        # tiny model on the CPU (CI)
+    python benchmarks/decode.py --rows-json decode.json        # + the rows for plan/hosttime.py
 
 Each row is a batch of B requests at a context of C tokens, decoding in steady state: the runner
 is given the requests with C tokens already computed (the KV pages hold zeros; the step's cost
@@ -33,6 +34,12 @@ host-bound step's time goes. --kernel-profile N prints, per row, the profiled st
 category (bench/profile.py's rules: time and launches per step) and its N kernels with the most
 device time: where a kernel-bound step's time goes (MTP3 against plain, the small kernels of a
 layer). --fastest-only keeps the graph + async rows.
+
+--rows-json FILE writes the rows the host time model fits (plan/hosttime.py, `HostFits.load`):
+those without --async-scheduling that measured both times, as DecodeRow objects (wall: the
+step wall time; kernels: the sum of its GPU kernels), under a source naming this GPU, the date
+and the command. The fits need graph and eager rows with and without MTP3 at >= 2 batches and
+>= 2 contexts each (the defaults) of the model they project from (2 layers).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import dataclasses
+import json
 import math
 import pstats
 import sys
@@ -68,6 +76,7 @@ from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.step_log import StepLog
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
+from dsaserve.plan.hosttime import MEASURED_DRAFTS, MEASURED_LAYERS, DecodeRow, decode_rows_json
 
 BLOCK = 64
 
@@ -275,6 +284,22 @@ def table(rows: list[Row], title: str) -> list[str]:
     return lines
 
 
+def host_rows(rows: list[Row]) -> list[DecodeRow]:
+    """The rows the host time fits take: not --async-scheduling (its wall hides the host),
+    both times measured (not on the CPU, not failed)."""
+    return [DecodeRow(r.context, r.batch, MEASURED_DRAFTS if r.mtp else 0, r.graph, r.wall_ms,
+                      r.kernels_ms)
+            for r in rows if not r.async_ and not r.note
+            and math.isfinite(r.wall_ms) and math.isfinite(r.kernels_ms)]
+
+
+def write_rows_json(path: Path, rows: list[Row], source: str) -> None:
+    kept = host_rows(rows)
+    path.write_text(json.dumps(decode_rows_json(kept, source), indent=1) + "\n")
+    print(f"--rows-json {path}: {len(kept)} of {len(rows)} rows (not async, both times "
+          f"measured)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=2)
@@ -302,7 +327,12 @@ def main(argv: list[str] | None = None) -> int:
                         "GPU kernels with the most device time")
     p.add_argument("--fastest-only", action="store_true",
                    help="only the rows with graphs and --async-scheduling (with and without MTP3)")
+    p.add_argument("--rows-json", type=Path, default=None, metavar="FILE",
+                   help="also write the rows the host time fits take (plan/hosttime.py)")
     args = p.parse_args(argv)
+    if args.rows_json and not args.smoke and (args.layers != MEASURED_LAYERS or args.model):
+        p.error(f"--rows-json: the host time fits project from {MEASURED_LAYERS} layers of the "
+                f"built GLM-5.3-shaped model (no --model, --layers {MEASURED_LAYERS})")
     if args.smoke:
         args.contexts, args.batches, args.steps, args.warmup = [40], [1, 2], 2, 1
         if args.device == "cpu":
@@ -345,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
+    if args.rows_json:
+        when = time.strftime("%Y-%m-%d", time.gmtime())
+        command = " ".join(["python", "benchmarks/decode.py",
+                            *(sys.argv[1:] if argv is None else argv)])
+        write_rows_json(args.rows_json, rows, f"{device} run, benchmarks/decode.py, {when} "
+                                              f"({shape}): {command}")
     return 0 if all(not r.note for r in rows) else 1
 
 

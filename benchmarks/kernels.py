@@ -1,7 +1,8 @@
 """Kernel benchmark: ceilings, the plain-PyTorch path and the Triton kernels, one table.
 
     python benchmarks/kernels.py [--quick] [--sweep] [--only PARTS] [--heads H,..]
-                                 [--indices uniform,recent] [--json FILE] [--profile]
+                                 [--indices uniform,recent] [--json FILE] [--parts FILE]
+                                 [--profile]
 
 (--profile launches each kernel once without timing, for `ncu ... python benchmarks/kernels.py`;
 e.g. `ncu -k regex:indexer_logits --section WarpStateStats python benchmarks/kernels.py --only
@@ -34,6 +35,24 @@ Measures on the current GPU, in one run:
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed before each run).
 Inputs are random (never zeros); each Triton configuration is checked against the reference on
 a slice of rows before it is timed.
+
+--parts FILE writes the figures of the simulator's parts (dsaserve/plan/parts.py) that the
+sections run measured, for `Parts.load` (`dsaserve simulate --parts`,
+`benchmarks/simulate_calibration.py --parts`); each names this GPU, the date and the command.
+The rows that measure them (`Row.part`; MEASURED_PARTS):
+  hbm_tbps, matmul_bf16_tflops, matmul_fp8_tflops   ceilings: the copy and the two matmuls
+  mla_prefill_tflops        prefill, uniform indices: the mean over the T it ran (4096, 16384)
+  mla_decode_us             decode, CUDA graph: µs at 32 / 128 / 512 query rows (b 32; b 128
+                            s_q 1; b 128 s_q 4)
+  indexer_prefill_tflops    indexer, logits + the engine's top-k, 32 heads, T 4096 × 128K keys
+  indexer_decode_tbps       indexer, logits + the engine's top-k, b 64 × 64K keys, s_q 1, CUDA
+                            graph
+(the engine's top-k: CUDA where it builds, else Triton), and the GPU's memory as torch sees
+it. The smallest run that measures all of them (--quick would drop the decode curve's 512-row
+point and T = 16384; the indexer's decode rows at s_q 2 and 4 still run, unused):
+
+    python benchmarks/kernels.py --only ceilings,prefill,decode,indexer --heads 32 \
+        --indices uniform --parts parts.json
 """
 
 from __future__ import annotations
@@ -42,6 +61,8 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -69,6 +90,7 @@ from dsaserve.kernels.triton import (
 from dsaserve.kernels.triton.backend import TritonBackend
 from dsaserve.kernels.triton.sparse_mla import SparseMlaConfig
 from dsaserve.kv import layout
+from dsaserve.plan.parts import Curve, Measured, parts_json
 
 DEV = "cuda"
 L, R, TOPK, HEADS = 512, 64, 2048, 64
@@ -81,6 +103,12 @@ ANCHOR_PREFILL_TFLOPS = 510.0
 ANCHOR_DECODE_US = {(128, 1): 121.7, (128, 4): 450.0, (32, 1): 52.9}
 TARGET_INDEXER_PREFILL_TFLOPS = 900.0
 TARGET_INDEXER_DECODE_TBS = 3.4
+INDEXER_HEADS = 32  # GLM-5.3's index_n_heads: the heads of the indexer_prefill_tflops part
+
+# The figures of plan/parts.py's Parts that rows measure (Row.part: the name, "@x" for a point
+# of a curve): --parts writes them.
+MEASURED_PARTS = ("hbm_tbps", "matmul_bf16_tflops", "matmul_fp8_tflops", "mla_prefill_tflops",
+                  "mla_decode_us", "indexer_prefill_tflops", "indexer_decode_tbps")
 
 
 @dataclass
@@ -90,6 +118,7 @@ class Row:
     value: float  # TFLOP/s or TB/s
     unit: str
     note: str = ""
+    part: str = ""  # the Parts figure it measures (MEASURED_PARTS; "name@x": a curve's point)
 
 
 ROWS: list[Row] = []
@@ -111,8 +140,9 @@ def timed(fn: Callable[[], object], rep_ms: int = 200, graph: bool = False) -> f
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
 
-def add(name: str, ms: float, value: float, unit: str, note: str = "") -> None:
-    ROWS.append(Row(name, ms, value, unit, note))
+def add(name: str, ms: float, value: float, unit: str, note: str = "", part: str = "") -> None:
+    assert not part or part.partition("@")[0] in MEASURED_PARTS, part
+    ROWS.append(Row(name, ms, value, unit, note, part))
     print(f"  {name:<52} {ms * 1e3:>10.1f} us {value:>8.1f} {unit:<7} {note}", flush=True)
 
 
@@ -154,18 +184,18 @@ def ceilings() -> dict[str, float]:
     dst = torch.empty_like(src)
     ms = timed(partial(dst.copy_, src))
     copy_tbs = 2 * src.numel() * 2 / ms / 1e9
-    add("copy d2d (read + write)", ms, copy_tbs, "TB/s")
+    add("copy d2d (read + write)", ms, copy_tbs, "TB/s", part="hbm_tbps")
     n = 8192
     a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
     ms = timed(partial(torch.matmul, a, b))
     bf16 = 2 * n**3 / ms / 1e9
-    add("matmul bf16 8192^3", ms, bf16, "TFLOP/s")
+    add("matmul bf16 8192^3", ms, bf16, "TFLOP/s", part="matmul_bf16_tflops")
     a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn)
     one = torch.ones((), device=DEV)
     ms = timed(partial(torch._scaled_mm, a8, b8.t(), one, one, out_dtype=torch.bfloat16))
     fp8 = 2 * n**3 / ms / 1e9
-    add("matmul fp8 8192^3", ms, fp8, "TFLOP/s")
+    add("matmul fp8 8192^3", ms, fp8, "TFLOP/s", part="matmul_fp8_tflops")
     page_read_ceiling("in order")
     pages_tbs = page_read_ceiling("in random order")
     return {"copy_tbs": copy_tbs, "bf16_tflops": bf16, "fp8_tflops": fp8,
@@ -329,7 +359,8 @@ def bench_prefill(quick: bool, sweep: bool, draws: tuple[str, ...]) -> None:
                 cfg, ms = best_config(gluon_modes, q, cache, idx, flops, label)
             tflops = flops / ms / 1e9
             add(f"prefill {_mla_label(cfg, False)} {label}", ms, tflops,
-                "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor")
+                "TFLOP/s", f"{tflops / ANCHOR_PREFILL_TFLOPS:.2f}x FlashMLA anchor",
+                part="mla_prefill_tflops" if draw == "uniform" else "")
             if first and num_tokens == 4096:
                 torch_ms = timed(partial(torch_sparse_mla, q, partial(gather_rows, flat), idx,
                                          256), rep_ms=500)
@@ -519,7 +550,8 @@ def bench_decode(quick: bool, sweep: bool) -> None:
         anchor = ANCHOR_DECODE_US[(batch, s_q)]
         add(f"decode {_mla_label(best)} b={batch} s_q={s_q}, CUDA graph", ms,
             flops / ms / 1e9, "TFLOP/s",
-            f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us")
+            f"anchor {anchor} us: {anchor / (ms * 1e3):.2f}x; eager {eager_ms * 1e3:.1f} us",
+            part=f"mla_decode_us@{batch * s_q}")
         if best.gluon:  # the default grid against one CTA per row (the schedule before it)
             per_row = dataclasses.replace(best, num_splits=1, num_ctas=batch * s_q)
             per_row_ms = timed(partial(sparse_mla.sparse_mla_fwd, q, cache, idx, SCALE, L,
@@ -714,11 +746,12 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
         ms, cfg = _best(logits, configs, f"prefill logits H={heads}", abs_logits)
         add(f"indexer prefill logits H={heads} T=4096 S=128K {_label(cfg)}", ms,
             flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
-        for topk_kernel in _topk_kernels():
+        for i, topk_kernel in enumerate(_topk_kernels()):  # the engine's first
             run = dataclasses.replace(cfg, topk_kernel=topk_kernel)
             ms = timed(partial(indexer.indexer_topk, q, w, cache, meta, TOPK, run), rep_ms=500)
             add(f"indexer prefill logits+topk H={heads}, {topk_kernel} top-k", ms,
-                flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}")
+                flops / ms / 1e9, "TFLOP/s", f"target {TARGET_INDEXER_PREFILL_TFLOPS:.0f}",
+                part="indexer_prefill_tflops" if heads == INDEXER_HEADS and i == 0 else "")
     batch, keys = 64, 65536
     for s_q in ((1,) if quick else (1, 2, 4)) if decode else ():
         meta, cache = index_meta([keys] * batch, [s_q] * batch)
@@ -734,7 +767,7 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
         ms, cfg = _best(logits, configs + pairs, f"decode logits s_q={s_q}", abs_logits)
         add(f"indexer decode logits b=64 s_q={s_q} 64K keys {_label(cfg)}", ms, nbytes / ms / 1e9,
             "TB/s", f"target {TARGET_INDEXER_DECODE_TBS}")
-        for topk_kernel in _topk_kernels():
+        for i, topk_kernel in enumerate(_topk_kernels()):  # the engine's first
             run = dataclasses.replace(cfg, topk_kernel=topk_kernel)
             both = partial(indexer.indexer_topk, q, w, cache, meta, TOPK, run)
             label = f"indexer decode logits+topk b=64 s_q={s_q}, {topk_kernel} top-k"
@@ -742,13 +775,15 @@ def bench_indexer(quick: bool, sweep: bool, prefill: bool = True, decode: bool =
             add(label, ms, nbytes / ms / 1e9, "TB/s", "eager: includes the host's launch gaps")
             ms = timed(both, graph=True)
             add(f"{label}, CUDA graph", ms, nbytes / ms / 1e9, "TB/s",
-                f"target {TARGET_INDEXER_DECODE_TBS}")
+                f"target {TARGET_INDEXER_DECODE_TBS}",
+                part="indexer_decode_tbps" if s_q == 1 and i == 0 else "")
             if s_q == 1:
                 kernel_times(both, f"decode logits+topk s_q=1, {topk_kernel} top-k")
 
 
 def _topk_kernels() -> list[str]:
-    """The top-k kernels to time: the CUDA one where it builds, and the Triton one."""
+    """The top-k kernels to time: the CUDA one where it builds, and the Triton one (the first:
+    the one the engine takes, IndexerConfig.topk_kernel)."""
     if cuda_topk.available():
         return ["cuda", "triton"]
     print(f"    CUDA topk: {cuda_topk.unavailable_reason()}", flush=True)
@@ -787,6 +822,42 @@ def bench_writers() -> None:
     add("indexer key writer N=65536", ms, n * (256 + 132 + 8) / ms / 1e9, "TB/s")
 
 
+def parts_figures(rows: list[Row], source: str) -> dict[str, Measured | Curve]:
+    """The Parts figures that `rows` measured (Row.part): a scalar figure is the mean of its
+    rows' rates, a curve's points are its rows' µs by x; each figure's source is `source` and
+    the rows it came from. A curve measured at fewer than 2 points is left out."""
+    scalars: dict[str, list[Row]] = {}
+    points: dict[str, dict[float, Row]] = {}
+    for r in rows:
+        name, _, x = r.part.partition("@")
+        if x:
+            points.setdefault(name, {})[float(x)] = r
+        elif name:
+            scalars.setdefault(name, []).append(r)
+    out: dict[str, Measured | Curve] = {}
+    for name, rs in scalars.items():
+        if len({r.unit for r in rs}) != 1:
+            raise ValueError(f"{name}: rows in several units: {[r.unit for r in rs]}")
+        out[name] = Measured(statistics.mean(r.value for r in rs), rs[0].unit,
+                             f"{source}; mean of: {' / '.join(r.name for r in rs)}"
+                             if len(rs) > 1 else f"{source}; {rs[0].name}")
+    for name, by_x in points.items():
+        if len(by_x) < 2:
+            print(f"--parts: {name} measured at {len(by_x)} point(s), not written", flush=True)
+            continue
+        xs = tuple(sorted(by_x))
+        out[name] = Curve(xs, tuple(by_x[x].ms * 1e3 for x in xs), "us",
+                          f"{source}; {' / '.join(by_x[x].name for x in xs)}")
+    return out
+
+
+def parts_file(rows: list[Row], gpu: str, date: str, command: str,
+               hbm_bytes: int | None = None) -> dict:
+    """What --parts writes: the figures of `rows` as the file Parts.load reads."""
+    source = f"{gpu} run, benchmarks/kernels.py, {date}"
+    return parts_json(parts_figures(rows, source), gpu, date, command, hbm_bytes)
+
+
 def head_counts(text: str) -> tuple[int, ...]:
     """--heads: comma-separated positive head counts."""
     try:
@@ -812,6 +883,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument("--sweep", action="store_true", help="time several tile configurations")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--parts", default=None, metavar="FILE",
+                        help="also write the simulator's parts the rows measured to this file "
+                             "(dsaserve/plan/parts.py's Parts.load)")
     parser.add_argument("--only",
                         default="ceilings,prefill,prefill_fp8,decode,moe_combine,"
                                 "routing,indexer,topk,writers")
@@ -824,6 +898,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="launch each timed kernel once, no timing (run under ncu)")
     args = parser.parse_args()
+    if args.parts and args.profile:
+        parser.error("--parts needs timings; --profile takes none")
     global PROFILE, SWEEP
     PROFILE, SWEEP = args.profile, args.sweep
     torch.manual_seed(int(time.time()))
@@ -865,6 +941,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceil, "rows": [asdict(r) for r in ROWS]}, f, indent=1)
+    if args.parts:
+        data = parts_file(ROWS, torch.cuda.get_device_name(),
+                          time.strftime("%Y-%m-%d", time.gmtime()),
+                          " ".join(["python", *sys.argv]),
+                          torch.cuda.get_device_properties(0).total_memory)
+        with open(args.parts, "w") as f:
+            json.dump(data, f, indent=1)
+        missing = [p for p in MEASURED_PARTS if p not in data["figures"]]
+        print(f"\n--parts {args.parts}: {', '.join(data['figures']) or 'no figures'} "
+              f"(not measured: {', '.join(missing) or 'none'})")
 
 
 if __name__ == "__main__":

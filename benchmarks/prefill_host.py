@@ -3,6 +3,8 @@ and launches per layer) or not (per-step work: batch and metadata, sampling, fir
 
     python benchmarks/prefill_host.py --json docs/prefill_host_h200.json   # one GPU
     python benchmarks/prefill_host.py --smoke                              # CPU, tiny (CI)
+    python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 --json prefill_host.json
+                                   # the rows plan/hosttime.py fits (HostFits.load: 4K prompts)
 
 A GLM-5.3-shaped checkpoint (benchmarks/long_prefill.py's: real attention and indexer
 dimensions, 8 experts; `presets.glm53_shaped`) is built at each of --layers (2, 4, 8); its
@@ -331,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.write_text(text + "\n")
     if args.json:
         args.json.write_text(json.dumps({
+            # the GPU (or CPU) measured: plan/hosttime.py's load_prefill_rows names it
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "CPU",
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "rows": [asdict(r) | {"host_ms": r.host_ms} for r in rows],
             "fits": {length: dict(zip(("a_ms", "b_ms_per_layer"), fit_line(

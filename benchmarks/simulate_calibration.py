@@ -8,11 +8,18 @@ model (plan/steptime.py); per request, predicted against measured TTFT and inter
     python benchmarks/simulate_calibration.py --mtp 3            # MTP3, synthetic acceptance 2.99
     python benchmarks/simulate_calibration.py --weights fp8      # an FP8 checkpoint, kept in FP8
     python benchmarks/simulate_calibration.py --smoke            # CPU, tiny model (CI)
+    python benchmarks/simulate_calibration.py --parts parts.json --decode-rows decode.json \
+        --prefill-rows prefill_host.json                         # this machine's own parts
 
 Both runs share the simulator's event loop (arrivals, think times, routing, the scheduler), so
 what differs is only how long each step takes. The measured run also prices each of its own
 steps, which separates the step model's error from the different interleavings the two clocks
-lead to. The model is built from the H200's measured parts, so only an H200 run means anything.
+lead to. The model is built from the H200's measured parts and host fits unless the run is
+given this machine's own (Vidur's way: profile the hardware the calibration runs on): --parts
+from `benchmarks/kernels.py --parts`, --decode-rows from `benchmarks/decode.py --rows-json`,
+--prefill-rows from `benchmarks/prefill_host.py --json` (docs/simulate.md: the commands). A
+run on another GPU with the H200's figures compares that GPU with an H200, not the model with
+the engine.
 The simulated deployment is given the settings the real runner runs with (`deployment_spec`):
 its KV dtype, its weights (`--weights fp8`: the runner keeps the FP8 matrices on CUDA and
 multiplies them with bf16 activations, `weights=fp8-weight-only`; a bf16 checkpoint, or FP8
@@ -35,6 +42,7 @@ from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
     CompilationConfig,
+    ConfigError,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -46,7 +54,8 @@ from dsaserve.model.dsa import keeps_fp8
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.deployment import parse_deployment
-from dsaserve.plan.parts import H200
+from dsaserve.plan.hosttime import HostFits
+from dsaserve.plan.parts import H200, Parts
 from dsaserve.plan.simtrace import TraceSession, TraceTurn
 from dsaserve.plan.simulate import SimResult, Simulator
 
@@ -134,11 +143,42 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "scales as the released checkpoints (kept in FP8 on CUDA; default: "
                          "%(default)s)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
+    ap.add_argument("--parts", default=None, metavar="FILE",
+                    help="this GPU's kernel rates (benchmarks/kernels.py --parts); default: the "
+                         "H200's")
+    ap.add_argument("--decode-rows", default=None, metavar="FILE",
+                    help="this machine's decode rows (benchmarks/decode.py --rows-json) for the "
+                         "host time fits; default: the H200's")
+    ap.add_argument("--prefill-rows", default=None, metavar="FILE",
+                    help="this machine's prefill host rows (benchmarks/prefill_host.py --json); "
+                         "default: the H100 run's")
     return ap.parse_args(argv)
+
+
+def load_parts(args: argparse.Namespace) -> tuple[Parts, HostFits]:
+    """The parts and host fits the model prices steps with; says on stderr which came from the
+    files."""
+    parts = H200 if args.parts is None else Parts.load(args.parts)
+    fits = HostFits.load(args.decode_rows, args.prefill_rows)
+    if args.parts is not None:
+        kept = parts.kept(H200)
+        print(f"parts from {args.parts} ({parts.name}): "
+              f"{', '.join(k for k in parts.figures() if k not in kept)}; the H200's: "
+              f"{', '.join(kept) or 'none'}", file=sys.stderr)
+    for flag, path, what in (("--decode-rows", args.decode_rows, "decode host fits"),
+                             ("--prefill-rows", args.prefill_rows, "prefill host fit")):
+        print(f"{what}: {'from ' + path if path else 'the defaults (no ' + flag + ')'}",
+              file=sys.stderr)
+    return parts, fits
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        parts, fits = load_parts(args)
+    except ConfigError as e:
+        print(f"simulate_calibration: error: {e}", file=sys.stderr)
+        return 2
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     contexts = [int(c) for c in args.contexts.split(",")]
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -179,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             work = sessions(args.sessions, args.turns, context, args.output_tokens)
             # Warm-up: every kernel compiled at these shapes before anything is timed.
-            Simulator(model, spec, H200, work[:1], 1, num_blocks=blocks,
-                      measure=measure_with(runner)).run()
+            Simulator(model, spec, parts, work[:1], 1, num_blocks=blocks,
+                      measure=measure_with(runner), host_fits=fits).run()
             for c in concurrency:
-                measured_sim = Simulator(model, spec, H200, work, c, num_blocks=blocks,
-                                         measure=measure_with(runner))
+                measured_sim = Simulator(model, spec, parts, work, c, num_blocks=blocks,
+                                         measure=measure_with(runner), host_fits=fits)
                 measured = measured_sim.run()
-                modelled = Simulator(model, spec, H200, work, c, num_blocks=blocks).run()
+                modelled = Simulator(model, spec, parts, work, c, num_blocks=blocks,
+                                     host_fits=fits).run()
                 e = errors(measured, modelled)
                 step = statistics.median(abs(p - m) / m for m, p in measured_sim.step_times)
                 print(f"| {context:,} | {c} | {len(measured.records)} | {e['ttft']:.1%} | "

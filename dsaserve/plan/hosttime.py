@@ -59,15 +59,25 @@ Fitting: decode, per kind, least squares on relative error of the step's wall ti
 host), coefficients held ≥ 0 (a feature whose coefficient would be negative is dropped);
 prefill, least squares on the host time, a and b ≥ 0. `tests/unit/test_hosttime.py` checks
 every measured row's residual.
+
+Measured on the machine at hand instead (`HostFits.load`): `benchmarks/decode.py --rows-json
+FILE` writes its rows as DecodeRow objects under the run's name (`decode_rows_json`), and
+`benchmarks/prefill_host.py --json FILE` its prefill rows; either file replaces the rows above.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+
+from dsaserve.config import ConfigError
 
 # The graphed rows replay the engine's own decode graphs, MTP drafts included (the table in
 # docs/decode_h200.md).
@@ -251,13 +261,40 @@ class HostFits:
 
     @staticmethod
     def fit(decode: Sequence[DecodeRow] = DECODE_H200,
-            prefill: Sequence[PrefillHostRow] = PREFILL_HOST_H100) -> HostFits:
+            prefill: Sequence[PrefillHostRow] = PREFILL_HOST_H100,
+            decode_source: str = DECODE_RUN, prefill_source: str = PREFILL_RUN) -> HostFits:
+        """ValueError naming the kind when the rows cannot fit one: each of graphed and eager at
+        0 and MEASURED_DRAFTS drafts needs rows at >= 2 batches and >= 2 contexts (its three
+        coefficients), the prefill rows >= 2 layer counts."""
         def kind(graph: bool, drafts: int) -> HostFit:
-            return fit_decode([r for r in decode if r.graph == graph and r.drafts == drafts])
+            rows = [r for r in decode if r.graph == graph and r.drafts == drafts]
+            if len({r.batch for r in rows}) < 2 or len({r.context for r in rows}) < 2:
+                raise ValueError(
+                    f"decode rows ({decode_source}): {'graphed' if graph else 'eager'} steps at "
+                    f"{drafts} drafts need rows at >= 2 batches and >= 2 contexts, got "
+                    f"{sorted({(r.context, r.batch) for r in rows})}")
+            return fit_decode(rows, decode_source)
 
+        if len({r.layers for r in prefill}) < 2:
+            raise ValueError(f"prefill rows ({prefill_source}): need >= 2 layer counts, got "
+                             f"{sorted({r.layers for r in prefill})}")
         return HostFits(graphed={k: kind(True, k) for k in (0, MEASURED_DRAFTS)},
                         eager={k: kind(False, k) for k in (0, MEASURED_DRAFTS)},
-                        prefill=fit_prefill(prefill))
+                        prefill=fit_prefill(prefill, prefill_source))
+
+    @staticmethod
+    def load(decode_rows: str | Path | None = None,
+             prefill_rows: str | Path | None = None) -> HostFits:
+        """Fits from a `benchmarks/decode.py --rows-json` file and a `benchmarks/prefill_host.py
+        --json` file; None keeps that half's default rows. ConfigError naming the file."""
+        decode, decode_source = (DECODE_H200, DECODE_RUN) if decode_rows is None else \
+            load_decode_rows(decode_rows)
+        prefill, prefill_source = (PREFILL_HOST_H100, PREFILL_RUN) if prefill_rows is None \
+            else load_prefill_rows(prefill_rows)
+        try:
+            return HostFits.fit(decode, prefill, decode_source, prefill_source)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def figures(self) -> dict[str, dict[str, float | str]]:
         """Every fitted coefficient by name (for `simulate --json`)."""
@@ -274,6 +311,68 @@ class HostFits:
 
 
 H200_HOST = HostFits.fit()
+
+
+def decode_rows_json(rows: Sequence[DecodeRow], source: str) -> dict[str, Any]:
+    """The file `load_decode_rows` reads: the run's name and its rows."""
+    return {"source": source, "rows": [dataclasses.asdict(r) for r in rows]}
+
+
+def _read_json(path: str | Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{what} {path}: cannot read it ({e})") from None
+
+
+def _row(cls: type, entry: Any, where: str) -> Any:
+    """One row object of `cls` from a JSON object holding (at least) its fields, each of the
+    field's type (ints and floats finite and >= 0, bools)."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected an object, got {entry!r}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        v = entry.get(f.name)
+        number = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = {"bool": isinstance(v, bool), "int": number and isinstance(v, int) and v >= 0,
+              "float": number and v >= 0}[f.type]
+        if not ok:
+            raise ConfigError(f"{where}: {f.name}: expected {f.type}, got {v!r}")
+        values[f.name] = float(v) if f.type == "float" else v
+    return cls(**values)
+
+
+def load_decode_rows(path: str | Path) -> tuple[tuple[DecodeRow, ...], str]:
+    """The rows and source of a `decode_rows_json` file."""
+    where = f"decode rows {path}"
+    data = _read_json(path, "decode rows")
+    if not isinstance(data, dict) or not isinstance(data.get("source"), str) \
+            or not isinstance(data.get("rows"), list):
+        raise ConfigError(f"{where}: expected an object with 'source' and a 'rows' list")
+    rows = tuple(_row(DecodeRow, r, f"{where}: rows[{i}]") for i, r in enumerate(data["rows"]))
+    bad = [r.drafts for r in rows if r.drafts not in (0, MEASURED_DRAFTS)]
+    if bad:
+        raise ConfigError(f"{where}: drafts {bad[0]}: the fits take 0 or {MEASURED_DRAFTS}")
+    return rows, data["source"]
+
+
+def load_prefill_rows(path: str | Path) -> tuple[tuple[PrefillHostRow, ...], str]:
+    """The PREFILL_PROMPT-token rows of a `benchmarks/prefill_host.py --json` file, and a source
+    naming its GPU (its 'gpu' key) and the file."""
+    where = f"prefill rows {path}"
+    data = _read_json(path, "prefill rows")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+        raise ConfigError(f"{where}: expected benchmarks/prefill_host.py --json output (a "
+                          f"'rows' list)")
+    rows = []
+    for i, entry in enumerate(data["rows"]):
+        if isinstance(entry, dict) and entry.get("prompt") == PREFILL_PROMPT:
+            rows.append(_row(PrefillHostRow, entry, f"{where}: rows[{i}]"))
+    if not rows:
+        raise ConfigError(f"{where}: no rows of a {PREFILL_PROMPT}-token prompt (the fit's; run "
+                          f"prefill_host.py with its default --lengths)")
+    gpu = data.get("gpu") or "a GPU the file does not name"
+    return tuple(rows), f"{gpu}, benchmarks/prefill_host.py --json ({Path(path).name})"
 
 
 class HostTimeModel:

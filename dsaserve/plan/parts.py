@@ -5,12 +5,29 @@ H200 (docs/kernels.md, ../ANCHORS side-by-side runs; `benchmarks/kernels.py`, CU
 fp8_ds_mla pages of 64, 64 heads, top-2048); "datasheet" figures are the vendor's; "assumed"
 figures are estimates that no run of ours has measured yet, listed so a calibration run can
 replace them (docs/simulate.md names each one).
+
+`Parts.load(FILE)` takes the figures a run of `benchmarks/kernels.py --parts FILE` measured on
+the machine at hand (a calibration profiles the GPU it runs on) and keeps the defaults for the
+others. The file (`parts_json` writes it):
+
+    {"gpu": "NVIDIA H100 80GB HBM3", "date": "2026-12-07", "command": "...",
+     "hbm_bytes": 85045526528,                                  (optional)
+     "figures": {"mla_decode_us": {"xs": [32, 128, 512], "ys": [...], "unit": "us",
+                                   "source": "..."},
+                 "hbm_tbps": {"value": 3.1, "unit": "TB/s", "source": "..."}, ...}}
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsaserve.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,90 @@ class Parts:
     def figures(self) -> dict[str, Measured | Curve]:
         """Every figure by name (for `simulate --json` and docs/simulate.md)."""
         return {k: v for k, v in vars(self).items() if isinstance(v, (Measured, Curve))}
+
+    def kept(self, base: Parts) -> list[str]:
+        """The figures of `base` this one still has (a loaded file did not replace them)."""
+        theirs = base.figures()
+        return [k for k, v in self.figures().items() if v == theirs[k]]
+
+    @staticmethod
+    def load(path: str | Path, base: Parts | None = None) -> Parts:
+        """`base` (default: the H200's) with the figures of a `parts_json` file in place of its
+        own; ConfigError naming the file and the field for anything it cannot take."""
+        base = base or H200
+        where = f"parts file {path}"
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{where}: cannot read a parts file ({e})") from None
+        if not isinstance(data, dict) or not isinstance(data.get("figures"), dict):
+            raise ConfigError(f"{where}: expected a JSON object with a 'figures' object")
+        unknown = set(data) - {"gpu", "date", "command", "hbm_bytes", "figures"}
+        if unknown:
+            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+        known = base.figures()
+        changes: dict[str, Any] = {}
+        for name, entry in data["figures"].items():
+            if name not in known:
+                raise ConfigError(f"{where}: figures.{name}: not a figure of Parts (known: "
+                                  f"{', '.join(known)})")
+            changes[name] = _figure(entry, known[name], f"{where}: figures.{name}")
+        if "gpu" in data:
+            if not isinstance(data["gpu"], str) or not data["gpu"]:
+                raise ConfigError(f"{where}: gpu: expected a name, got {data['gpu']!r}")
+            changes["name"] = data["gpu"]
+        if "hbm_bytes" in data:
+            hbm = data["hbm_bytes"]
+            if not isinstance(hbm, int) or isinstance(hbm, bool) or hbm <= 0:
+                raise ConfigError(f"{where}: hbm_bytes: expected a positive integer, got {hbm!r}")
+            changes["hbm_bytes"] = hbm
+        return dataclasses.replace(base, **changes)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _figure(entry: Any, default: Measured | Curve, where: str) -> Measured | Curve:
+    """One figure of a parts file, of the kind and unit of the default it replaces."""
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected an object, got {entry!r}")
+    keys = {"xs", "ys", "unit", "source"} if isinstance(default, Curve) else \
+        {"value", "unit", "source"}
+    if set(entry) != keys:
+        raise ConfigError(f"{where}: expected the keys {sorted(keys)}, got {sorted(entry)}")
+    if entry["unit"] != default.unit:
+        raise ConfigError(f"{where}: unit {entry['unit']!r}, expected {default.unit!r}")
+    if not isinstance(entry["source"], str) or not entry["source"]:
+        raise ConfigError(f"{where}: source: expected the run it came from")
+    if isinstance(default, Measured):
+        if not _number(entry["value"]):
+            raise ConfigError(f"{where}: value: expected a positive number, got "
+                              f"{entry['value']!r}")
+        return Measured(float(entry["value"]), entry["unit"], entry["source"])
+    xs, ys = entry["xs"], entry["ys"]
+    if not (isinstance(xs, list) and isinstance(ys, list) and all(map(_number, xs + ys))):
+        raise ConfigError(f"{where}: xs, ys: expected lists of positive numbers")
+    try:
+        return Curve(tuple(map(float, xs)), tuple(map(float, ys)), entry["unit"], entry["source"])
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def parts_json(figures: dict[str, Measured | Curve], gpu: str, date: str, command: str,
+               hbm_bytes: int | None = None) -> dict[str, Any]:
+    """The file `Parts.load` reads: `figures` by Parts field name (benchmarks/kernels.py
+    --parts writes what its sections measured)."""
+    out: dict[str, Any] = {"gpu": gpu, "date": date, "command": command}
+    if hbm_bytes is not None:
+        out["hbm_bytes"] = hbm_bytes
+    out["figures"] = {}
+    for name, fig in figures.items():
+        entry = dataclasses.asdict(fig)
+        if isinstance(fig, Curve):
+            entry["xs"], entry["ys"] = list(fig.xs), list(fig.ys)
+        out["figures"][name] = entry
+    return out
 
 
 H200 = Parts()

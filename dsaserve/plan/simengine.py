@@ -28,6 +28,7 @@ from dsaserve.kv.hisparse.admission import hisparse_admission
 from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.plan import costmodel as cm
 from dsaserve.plan.deployment import Deployment
+from dsaserve.plan.hosttime import H200_HOST, HostFits
 from dsaserve.plan.parts import Parts
 from dsaserve.plan.steptime import HiSparseReads, StepTime, StepTimeModel
 from dsaserve.router.scoring import Candidate, ScoringWeights, longest_prefix_match, pick
@@ -184,8 +185,10 @@ class SimEngine:
                  on_output: Callable[[SimEngine, Replica, RequestOutput, float], None], *,
                  num_blocks: int | None = None,
                  connector: Callable[[str], ConnectorScheduler] | None = None,
-                 record_steps: bool = False, measure: MeasureStep | None = None) -> None:
-        """`connector(engine_id)`: each replica's P/D connector (None: not a P/D engine)."""
+                 record_steps: bool = False, measure: MeasureStep | None = None,
+                 host_fits: HostFits = H200_HOST) -> None:
+        """`connector(engine_id)`: each replica's P/D connector (None: not a P/D engine);
+        `host_fits`: the host time per step (plan/hosttime.py)."""
         self.name, self.model, self.deployment, self.parts = name, model, d, parts
         self.push, self.on_output = push, on_output
         par = d.parallel
@@ -196,7 +199,7 @@ class SimEngine:
                                                  * model.index_topk, d.overlap)
                                    if d.hisparse else None, graphs=not d.enforce_eager,
                                    async_scheduling=d.async_scheduling, block_size=d.block_size,
-                                   weight_dtype=d.weight_dtype)
+                                   weight_dtype=d.weight_dtype, host_fits=host_fits)
         # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
         self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
         self._uniforms = torch.Generator().manual_seed(0)

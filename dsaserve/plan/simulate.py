@@ -33,6 +33,7 @@ from dsaserve.config import ConfigError, ModelConfig
 from dsaserve.core import KVTransferParams, Request, RequestError, RequestOutput, SamplingParams
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.plan.deployment import Deployment, PDDeployment
+from dsaserve.plan.hosttime import H200_HOST, HostFits
 from dsaserve.plan.parts import Parts
 from dsaserve.plan.simengine import MeasureStep, Replica, SimEngine, engine_capacity
 from dsaserve.plan.simpd import KVLink, make_connector, side_channel_payload
@@ -168,14 +169,15 @@ class Simulator:
     def __init__(self, model: ModelConfig, deployment: Deployment | PDDeployment, parts: Parts,
                  sessions: Sequence[TraceSession], concurrency: int,
                  duration: float | None = None, *, num_blocks: int | None = None,
-                 record_steps: bool = False, measure: MeasureStep | None = None) -> None:
+                 record_steps: bool = False, measure: MeasureStep | None = None,
+                 host_fits: HostFits = H200_HOST) -> None:
         """`num_blocks` overrides the KV blocks per replica that memory allows (as vLLM's
         --num-gpu-blocks-override; P/D: on both engines); `record_steps` keeps `step_log`: per
         step and replica, the tokens scheduled per request and the free KV blocks after
         scheduling. `measure` runs each step on real model runners instead (calibration, one
         engine only): it executes replica i's SchedulerOutput and returns (wall seconds, the
         runner's output); the model's prediction for every such step is kept in `step_times`
-        as (measured, predicted)."""
+        as (measured, predicted). `host_fits`: the host time per step (plan/hosttime.py)."""
         if concurrency < 1:
             raise ConfigError(f"--concurrency: must be >= 1, got {concurrency}")
         self.model, self.deployment, self.parts = model, deployment, parts
@@ -184,7 +186,7 @@ class Simulator:
         self.duration = duration
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
-        kw = dict(num_blocks=num_blocks, record_steps=record_steps)
+        kw = dict(num_blocks=num_blocks, record_steps=record_steps, host_fits=host_fits)
         self.link: KVLink | None = None
         if isinstance(deployment, PDDeployment):
             if measure is not None:

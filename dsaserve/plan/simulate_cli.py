@@ -2,12 +2,14 @@
 
     dsaserve simulate --workload TRACE_DIR --deployment 'dp8xep router=prefix' \
         --deployment 'tp8' --concurrency 8,16,32 [--model glm-5.3] [--gpu h200] \
-        [--duration S] [--json] [--plot FILE]
+        [--parts FILE] [--duration S] [--json] [--plot FILE]
 
 One row per (deployment, concurrency): AgentX's headline numbers (throughput per GPU, P90
 interactivity, P90 E2E-normalised interactivity, TTFT), the prefix-cache hit rate, the part of
 the step that bounds it, and the longest context a replica can hold. docs/simulate.md says what
-is measured and what is assumed.
+is measured and what is assumed. --parts FILE takes the kernel rates measured on another GPU
+(`benchmarks/kernels.py --parts FILE` on it) in place of --gpu's; the figures the file lacks
+stay --gpu's (stderr names them).
 """
 
 from __future__ import annotations
@@ -67,6 +69,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default="glm-5.3",
                    help="a preset (glm-5.3, deepseek-v3.2, tiny-glm5, tiny-dsv32) or a config.json")
     p.add_argument("--gpu", default="h200", choices=sorted(PARTS))
+    p.add_argument("--parts", default=None, metavar="FILE",
+                   help="kernel rates measured on your GPU (benchmarks/kernels.py --parts FILE) "
+                        "in place of --gpu's")
     p.add_argument("--hbm-gib", type=_positive_float, default=None,
                    help="GPU memory to plan with (default: the GPU's)")
     p.add_argument("--concurrency", type=_concurrencies, default=(8,),
@@ -84,6 +89,10 @@ def simulate_all(args: argparse.Namespace) -> tuple[list[SimResult], Parts]:
 
     _, model = load_model(args.model)
     parts = PARTS[args.gpu]
+    if args.parts is not None:
+        base, parts = parts, Parts.load(args.parts, parts)
+        print(f"parts from {args.parts} ({parts.name}); {base.name}'s: "
+              f"{', '.join(parts.kept(base)) or 'none'}", file=sys.stderr)
     if args.hbm_gib is not None:
         parts = dataclasses.replace(parts, hbm_bytes=int(args.hbm_gib * GIB))
     deployments = [parse_deployment(spec) for spec in args.deployment]
