@@ -61,6 +61,14 @@
 #   bash benchmarks/gpu_owed.sh 22         # part 22: the fp8 spilling tests on equal batches
 #                                          #   (P/D: one prompt at a time); the 1M request
 #                                          #   through P/D, the prefill engine in its own process
+#   bash benchmarks/gpu_owed.sh 23         # part 23: the simulator's parts and decode host rows
+#                                          #   measured on this GPU (kernels.py --parts,
+#                                          #   decode.py --rows-json), for part 24
+#   bash benchmarks/gpu_owed.sh 24         # part 24: the calibration with part 23's files
+#                                          #   (docs/parts_*.json, docs/decode_rows_*.json)
+#   bash benchmarks/gpu_owed.sh 25         # part 25: P/D READs in flight beside running
+#                                          #   requests (pd_overlap.py, the prefill engine in
+#                                          #   its own process), into pages and the host pool
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -268,6 +276,26 @@ elif [ "$part" = 22 ]; then
         tests/gpu/test_pd_hisparse_spill_gpu.py tests/gpu/test_hisparse_spill_gpu.py
     [ "$(left)" -gt 200 ] && run "$(left)" hisparse_long python benchmarks/hisparse_engine.py \
         --sections long,long_pd --out "$out/hisparse_long.md"
+elif [ "$part" = 23 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    run 280 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
+        --heads 32 --indices uniform --parts "$out/parts.json"
+    [ "$(left)" -gt 60 ] && run "$(left)" decode_rows python benchmarks/decode.py \
+        --contexts 8192,32768 --batches 1,8,64 --steps 20 --rows-json "$out/decode_rows.json" \
+        --out "$out/decode_rows.md"
+elif [ "$part" = 24 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
+    files="$files --prefill-rows docs/prefill_host_h100.json"
+    run 330 calibration python benchmarks/simulate_calibration.py $files
+    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
+        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192
+elif [ "$part" = 25 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    run 280 pd_overlap python benchmarks/pd_overlap.py --into pages --out "$out/pd_overlap.md"
+    [ "$(left)" -gt 60 ] && run "$(left)" pd_overlap_host python benchmarks/pd_overlap.py \
+        --into host-pool --batch 16 --out "$out/pd_overlap_host.md"
 elif [ "$part" = 4 ]; then
     # chunked prefill with --async-scheduling (chunk k + 1's host work under chunk k's kernels)
     # against synchronised steps, same card, same call
