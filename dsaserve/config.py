@@ -535,6 +535,20 @@ class ParallelConfig:
         """Ranks of ONE engine replica (pcp × tp); the deployment has data_parallel_size of them."""
         return self.prefill_context_parallel_size * self.tensor_parallel_size
 
+    @property
+    def ep_spans_replicas(self) -> bool:
+        """DP + EP (vLLM's `--data-parallel-size N --enable-expert-parallel`): the routed experts
+        are sharded over every rank of every replica, so the replicas step in lock-step
+        (engine/dp.py); otherwise replicas share nothing."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the routed experts are sharded over (1 without EP)."""
+        if not self.enable_expert_parallel:
+            return 1
+        return self.world_size * (self.data_parallel_size if self.ep_spans_replicas else 1)
+
 
 RejectionSampleMethod = Literal["standard", "synthetic"]
 

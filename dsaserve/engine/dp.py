@@ -6,17 +6,28 @@
         ├─ replica 1: LLMEngine = Scheduler + MultiprocExecutor (workers on devices W .. 2W−1)
         └─ ...
 
-Replicas share nothing (no KV, no prefix cache, no collectives): each request is pinned to one
-replica for its whole life, and aborts follow it there. A step schedules every replica, sends every
-step, then collects them all, so the replicas compute concurrently while this process waits.
-The public API is LLMEngine's, so the server and the CLI drive either without knowing which.
+Replicas share no KV and no prefix cache: each request is pinned to one replica for its whole
+life, and aborts follow it there. A step schedules every replica, sends every step, then collects
+them all, so the replicas compute concurrently while this process waits. The public API is
+LLMEngine's, so the server and the CLI drive either without knowing which.
+
+With `--enable-expert-parallel` the routed experts are sharded over every rank of every replica
+(vLLM's DP + EP; `ParallelConfig.ep_spans_replicas`): the replicas' workers join one process
+group (one rendezvous store, made here) and every MoE layer dispatches over all of them. The
+replicas then step in lock-step: whenever one has work, every replica runs the step, an idle one
+with an empty step whose experts serve the others' rows (parallel/lockstep.py); one replica's
+worker dying fails every replica (their collectives would wait for it).
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import os
+import shutil
+import tempfile
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -58,10 +69,14 @@ class DataParallelEngine:
     Not thread-safe: one owner thread calls every method."""
 
     def __init__(self, config: EngineConfig, replicas: Sequence[LLMEngine],
-                 tokenizer: Tokenizer | None) -> None:
+                 tokenizer: Tokenizer | None, *, rendezvous_dir: str | None = None) -> None:
+        """`rendezvous_dir`: DP + EP's shared store (NCCL sets communicators up through it at
+        their first collective), removed at shutdown or when this engine is collected."""
         self.config = config
         self.replicas = list(replicas)
         self.tokenizer = tokenizer
+        self._finalizer = (None if rendezvous_dir is None else
+                           weakref.finalize(self, shutil.rmtree, rendezvous_dir, True))
         # request id → replica index, for every request added and not yet finished or aborted
         self._owner: dict[str, int] = {}
 
@@ -70,16 +85,28 @@ class DataParallelEngine:
         """Start every replica at once (worker start-up dominates); replica i's workers use the
         devices from offset i·world."""
         world, num = config.parallel.world_size, config.parallel.data_parallel_size
+        shared = config.parallel.ep_spans_replicas
+        store_dir = tempfile.mkdtemp(prefix="dsaserve-rendezvous-") if shared else None
+        store = None if store_dir is None else os.path.join(store_dir, "store")
+        # every replica at once: with DP + EP their workers join one process group, which
+        # waits for all of them
         with ThreadPoolExecutor(num, thread_name_prefix="dp-start") as pool:
-            futures = [pool.submit(MultiprocExecutor, config, device_offset=i * world)
+            futures = [pool.submit(MultiprocExecutor, config, device_offset=i * world,
+                                   replica=i, rendezvous_file=store)
                        for i in range(num)]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
+            if store_dir is not None:
+                shutil.rmtree(store_dir, ignore_errors=True)
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
             raise errors[0]
         executors = [f.result() for f in futures]
+        if shared:
+            for i, executor in enumerate(executors):
+                executor.watch_peers([p for j, e in enumerate(executors) if j != i
+                                      for p in e.procs])
         try:
             tokenizer: Tokenizer | None = Tokenizer.from_pretrained(config.model_path)
         except (OSError, ValueError):
@@ -90,8 +117,10 @@ class DataParallelEngine:
         except BaseException:
             for executor in executors:
                 executor.shutdown()
+            if store_dir is not None:
+                shutil.rmtree(store_dir, ignore_errors=True)
             raise
-        return cls(config, replicas, tokenizer)
+        return cls(config, replicas, tokenizer, rendezvous_dir=store_dir)
 
     # ---- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -131,9 +160,14 @@ class DataParallelEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         """--async-scheduling: every replica launches step k + 1 before any reads step k's
-        results (a replica with nothing to run sends nothing to its workers)."""
-        for replica in self.replicas:
-            replica.launch_next_step()
+        results (a replica with nothing to run sends nothing to its workers, unless DP + EP
+        and another replica runs a step)."""
+        scheduled = [replica.schedule_next_step() for replica in self.replicas]
+        if self.config.parallel.ep_spans_replicas and any(
+                poll or not so.is_idle for so, poll in scheduled):
+            scheduled = [(so, True) for so, _ in scheduled]
+        for replica, (so, poll) in zip(self.replicas, scheduled, strict=True):
+            replica.submit_step(so, poll)
         return [out for replica in self.replicas for out in replica.finish_oldest_step()]
 
     def _step_sync(self) -> list[RequestOutput]:
@@ -149,6 +183,8 @@ class DataParallelEngine:
                 or bool(r.scheduler.receiving)  # P/D READs in flight: polled each step
                 or (r.scheduler.connector is not None and r.scheduler.connector.num_held > 0)
                 for r, so in zip(self.replicas, scheduled, strict=True)]
+        if self.config.parallel.ep_spans_replicas and any(busy):
+            busy = [True] * len(busy)  # DP + EP: every replica in every step (lock-step)
         for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
             if b:
                 replica.executor.execute_async(so)
@@ -193,6 +229,8 @@ class DataParallelEngine:
         """Stop every replica's workers (idempotent)."""
         for replica in self.replicas:
             replica.shutdown()
+        if self._finalizer is not None:
+            self._finalizer()
 
     # ---- offline convenience --------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]],

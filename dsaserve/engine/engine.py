@@ -248,6 +248,11 @@ class LLMEngine:
     def launch_next_step(self) -> None:
         """Schedule and launch step k + 1 (its inputs that continue from step k are taken on
         the device from step k's samples)."""
+        self.submit_step(*self.schedule_next_step())
+
+    def schedule_next_step(self) -> tuple[SchedulerOutput, bool]:
+        """--async-scheduling, the first half of `launch_next_step`: step k + 1 scheduled →
+        (it, whether it must reach the ranks even if idle)."""
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if self.step_log is not None:
@@ -257,6 +262,10 @@ class LLMEngine:
         offload, connector = self.scheduler.offload, self.connector
         poll = (bool(self.scheduler.receiving) or (offload is not None and offload.busy)
                 or (connector is not None and connector.num_held > 0))
+        return scheduler_output, poll
+
+    def submit_step(self, scheduler_output: SchedulerOutput, poll: bool) -> None:
+        """The second half: the step sent to the ranks (an idle one only if `poll`)."""
         self._in_flight.append((scheduler_output, self.executor.submit(scheduler_output,
                                                                        poll=poll)))
 

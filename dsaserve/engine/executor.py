@@ -170,9 +170,15 @@ class MultiprocExecutor:
     exit, and when the engine core's process dies (each worker watches its parent).
     """
 
-    def __init__(self, config: EngineConfig, *, device_offset: int = 0,
-                 poll_interval_s: float = 0.5) -> None:
+    def __init__(self, config: EngineConfig, *, device_offset: int = 0, replica: int = 0,
+                 rendezvous_file: str | None = None, poll_interval_s: float = 0.5) -> None:
+        """`replica`, `rendezvous_file`: where EP spans the DP replicas their workers join one
+        process group through this shared store (engine/dp.py owns it); otherwise each engine
+        makes its own."""
         self.world_size = config.parallel.world_size
+        # DP + EP: the other replicas' workers; one of them dying leaves ours blocked in a
+        # collective with it, so their sentinels end a wait as our own do (watch_peers)
+        self._peers: list[BaseProcess] = []
         self._poll_interval_s = poll_interval_s
         self._dead_reason: str | None = None
         self._in_flight = False  # a step was sent and not yet collected
@@ -184,7 +190,10 @@ class MultiprocExecutor:
         self._recvs = RecvTally(self.world_size)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
-        self._rendezvous_dir = tempfile.mkdtemp(prefix="dsaserve-rendezvous-")
+        # a directory only when the store is ours to remove
+        self._rendezvous_dir = ("" if rendezvous_file is not None
+                                else tempfile.mkdtemp(prefix="dsaserve-rendezvous-"))
+        store = rendezvous_file or os.path.join(self._rendezvous_dir, "store")
         # Registered before anything starts, holding no reference to self: runs exactly once, on
         # shutdown(), on garbage collection or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self._procs, self._conns,
@@ -199,8 +208,9 @@ class MultiprocExecutor:
             for rank in range(self.world_size):
                 spec = WorkerSpec(
                     config=config, rank=rank, world_size=self.world_size,
-                    rendezvous_file=os.path.join(self._rendezvous_dir, "store"),
+                    rendezvous_file=store,
                     device=worker_device(config.device, rank, device_offset), num_threads=threads,
+                    replica=replica,
                 )
                 ours, theirs = ctx.Pipe()
                 # daemon: multiprocessing's own exit handler terminates them as a last resort.
@@ -215,6 +225,14 @@ class MultiprocExecutor:
             self._kill_all()
             raise
         self.num_blocks = min(r.num_blocks for r in ready)
+
+    def watch_peers(self, procs: Sequence[BaseProcess]) -> None:
+        """DP + EP: the workers of the other replicas, whose death fails this engine too."""
+        self._peers = list(procs)
+
+    @property
+    def procs(self) -> tuple[BaseProcess, ...]:
+        return tuple(self._procs)
 
     @property
     def pids(self) -> tuple[int, ...]:
@@ -312,8 +330,14 @@ class MultiprocExecutor:
         sentinels together, so a dead worker ends the wait as surely as an answer does."""
         replies: list[Reply | None] = [None] * self.world_size
         while missing := [r for r, reply in enumerate(replies) if reply is None]:
-            wait([self._conns[r] for r in missing] + [self._procs[r].sentinel for r in missing],
-                 timeout=self._poll_interval_s)
+            wait([self._conns[r] for r in missing] + [self._procs[r].sentinel for r in missing]
+                 + [p.sentinel for p in self._peers], timeout=self._poll_interval_s)
+            if dead := [p for p in self._peers if not p.is_alive()]:
+                self._kill_all()
+                self._dead_reason = (f"worker {dead[0].name} of another data-parallel replica "
+                                     f"exited with code {dead[0].exitcode} (the replicas share "
+                                     "their experts and step together)")
+                raise EngineDeadError(self._dead_reason)
             for rank in missing:
                 conn = self._conns[rank]
                 if conn.poll():  # a message, or EOF
@@ -436,4 +460,5 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection], rendezvous_
     reap(procs, _TERMINATE_TIMEOUT_S)
     for conn in conns:
         conn.close()
-    shutil.rmtree(rendezvous_dir, ignore_errors=True)
+    if rendezvous_dir:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)

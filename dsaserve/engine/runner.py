@@ -55,10 +55,11 @@ from dsaserve.kv.host_pool import (
     cache_regions,
     num_host_blocks,
 )
-from dsaserve.model.dsa import DsaForCausalLM, LayerCache
+from dsaserve.model.dsa import DsaForCausalLM, LayerCache, MoE
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
+from dsaserve.parallel.lockstep import lockstep_for
 from dsaserve.parallel.tp import checkpoint_narrower, first_expert, shard_model
 from dsaserve.spec.mtp import DraftInputs, MtpDrafter
 from dsaserve.spec.rejection import emitted_tokens, rejection_sample_on_device
@@ -185,7 +186,7 @@ class ModelRunner:
         path = Path(config.model_path)
         with_mtp = checkpoint_has_mtp(path, self.model_cfg)
         # Cut to this rank's part before anything is allocated or read (parallel/tp.py).
-        sharded = self.groups.world_size > 1
+        sharded = self.groups.world_size > 1 or self.groups.ep.size > 1  # DP + EP: experts
         backend = get_backend(config.attention.backend)
         if config.hisparse is not None:  # decode through hot buffers (kv/hisparse/)
             backend = HiSparseBackend(backend)
@@ -244,6 +245,9 @@ class ModelRunner:
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
         self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
+        # DP + EP: each step's EP dispatches completed to the protocol's (parallel/lockstep.py)
+        self.lockstep = lockstep_for(self.model, config.parallel.ep_spans_replicas,
+                                     config.num_speculative_tokens)
         # what the last step left on the device for a next step that continues from it
         self._last = _LastStep.empty(self.device)
         # [D] the first position each drafting request's rows wrote this step (_draft_inputs)
@@ -463,15 +467,16 @@ class ModelRunner:
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
         unless --enforce-eager or a step's rows are not whole on this rank (PCP, DCP).
-        Graphs are captured on CUDA with a capturable backend, and only on a single rank: the
-        EP dispatch reads the largest batch of the group on the host."""
+        Graphs are captured on CUDA with a capturable backend, and only on a single rank whose
+        experts are its own: the EP dispatch reads the largest batch of the group on the
+        host."""
         cfg = self.config
         k = cfg.num_speculative_tokens
         sizes = cudagraph.decode_sizes(cfg.compilation, cfg.scheduler.max_num_seqs, k)
         if not sizes or self.groups.pcp.size > 1 or self.dcp_size > 1:
             return None
         capture = (self.device.type == "cuda" and backend.capturable
-                   and self.groups.world_size == 1)
+                   and self.groups.world_size == 1 and not cfg.parallel.ep_spans_replicas)
         return DecodeGraphs(self.model, self.caches, sizes, k, cfg.scheduler.max_model_len,
                             self.block_size, self.device, capture, hisparse=self.hisparse,
                             mla_pages=self.mla_page_of is not None)
@@ -498,6 +503,13 @@ class ModelRunner:
         and NIXL registrations (idempotent)."""
         if self.connector is not None:
             self.connector.close()
+
+    def experts_held(self) -> int:
+        """Routed experts this rank holds per MoE layer (EP: its share; tests check it)."""
+        held = {layer.mlp.experts.w13.shape[0] for layer in self.model.model.layers
+                if isinstance(layer.mlp, MoE)}
+        assert len(held) == 1, f"MoE layers hold {sorted(held)} experts"
+        return held.pop()
 
     def kv_row_bytes(self) -> int:
         """Bytes of one token over every cache layer of this rank (what P/D moves per row)."""
@@ -614,6 +626,8 @@ class ModelRunner:
         launched_at = time.perf_counter()
         self._apply_diff(so)
         if so.is_empty:
+            if self.lockstep is not None:  # DP + EP: the experts serve the other replicas
+                self.lockstep.finish_step()
             return step_results.PendingOutput([], [], None)
 
         # 2. the flattened batch and its attention metadata
@@ -648,6 +662,9 @@ class ModelRunner:
             last = _LastStep(inputs.tokens, drafts,
                              torch.cat((last.rejected, samples.rejected)),
                              {rid: i for i, rid in enumerate(drafting)})
+
+        if self.lockstep is not None:  # DP + EP: the MTP forwards this step did not run
+            self.lockstep.finish_step()
 
         # 5. HiSparse: the rows this step wrote join the durable host copy
         self._mirror(req_ids, batch)

@@ -43,7 +43,7 @@ from dsaserve.config import EngineConfig
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
 from dsaserve.engine.runner import ModelRunner
 from dsaserve.engine.step_results import PendingStep
-from dsaserve.parallel.groups import ParallelGroups
+from dsaserve.parallel.groups import ParallelGroups, global_rank, process_group_size
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,11 +136,14 @@ class WorkerSpec:
     """What a spawned worker needs (pickled into the child by multiprocessing)."""
 
     config: EngineConfig
-    rank: int
-    world_size: int
-    rendezvous_file: str  # the file:// store of this engine's world; fresh per engine
+    rank: int  # within the replica
+    world_size: int  # the replica's ranks
+    # the file:// store of the process group: fresh per engine, shared by the replicas where EP
+    # spans them (groups.process_group_size)
+    rendezvous_file: str
     device: str  # "cpu" or "cuda:N" (the executor resolves the device offset)
     num_threads: int | None  # torch CPU threads; None keeps torch's default
+    replica: int = 0  # the DP replica this rank belongs to
 
 
 def run_worker(spec: WorkerSpec, conn: Connection) -> None:
@@ -185,9 +188,11 @@ def _start(spec: WorkerSpec) -> ModelRunner:
         backend = "gloo"
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
+    par = spec.config.parallel
     dist.init_process_group(backend, init_method=f"file://{spec.rendezvous_file}",
-                            rank=spec.rank, world_size=spec.world_size)
-    groups = ParallelGroups.build(spec.config.parallel, spec.rank)
+                            rank=global_rank(par, spec.rank, spec.replica),
+                            world_size=process_group_size(par))
+    groups = ParallelGroups.build(par, spec.rank, spec.replica)
     return ModelRunner(spec.config, groups=groups, device=device)
 
 

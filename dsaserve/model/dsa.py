@@ -452,6 +452,17 @@ class MoE(nn.Module):
         # dispatch tokens to the experts' ranks over EP.
         self.reduce: Group | None = None
         self.ep: Group | None = None
+        # dispatches over `ep` since the last `parallel/lockstep.py` check (DP + EP: every rank
+        # of every replica must make the same calls in a step)
+        self.ep_calls = 0
+
+    def serve_peers(self, dtype: torch.dtype, device: torch.device) -> None:
+        """An EP dispatch with no rows of this rank's own: the experts held here still serve
+        the other ranks' rows (DP + EP lock-step, parallel/lockstep.py)."""
+        assert self.ep is not None, "serve_peers: no EP group"
+        self.ep_calls += 1
+        ep.dispatch_combine(torch.empty((0, self.gate.weight.shape[1]), dtype=dtype,
+                                        device=device), self.gate, self.experts, self.ep)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ep is None and self.reduce is None and self.shared_experts is not None:
@@ -460,6 +471,7 @@ class MoE(nn.Module):
             ids, weights = self.gate(x)
             return self.experts(x, ids, weights, shared=self.shared_experts(x))
         if self.ep is not None:
+            self.ep_calls += 1
             y = ep.dispatch_combine(x, self.gate, self.experts, self.ep)
         else:
             y = self.experts(x, *self.gate(x))

@@ -22,6 +22,8 @@ def dispatch_combine(x: torch.Tensor, gate, experts, group: Group) -> torch.Tens
     n = x.shape[0]
     sizes = group.all_gather(torch.tensor([n], device=x.device))  # [W, 1]
     padded = int(sizes.max())
+    if padded == 0:  # no rank has rows (DP + EP lock-step: every replica idle in this call)
+        return x.new_zeros((0, x.shape[1]), dtype=torch.float32)
     rows = x.new_zeros((padded, x.shape[1]))
     rows[:n] = x
     everyone = group.all_gather(rows).flatten(0, 1)  # [W·P, hidden]

@@ -10,6 +10,11 @@ Rank layout of an engine with world = PCP × TP (DP replicas are separate engine
 
 DCP is a view, never extra ranks: the PCP group when PCP > 1 (dcp = pcp), else the TP group (tp =
 dcp). Layers receive a `ParallelGroups` and never read environment variables or globals.
+
+DP + EP (`ParallelConfig.ep_spans_replicas`): the replicas' ranks form one process group of
+DP × world ranks, replica i's ranks numbered i·world + rank; TP, PCP and DCP groups stay within a
+replica and EP spans them all (the experts of every replica's ranks, vLLM's DP + EP layout).
+`ParallelGroups.rank` and `world_size` stay the replica's own.
 """
 
 from __future__ import annotations
@@ -108,28 +113,47 @@ class ParallelGroups:
         return ParallelGroups(0, 1, one, one, one, one, one)
 
     @staticmethod
-    def build(p: ParallelConfig, rank: int) -> ParallelGroups:
-        """Call on every rank after dist.init_process_group(world = pcp × tp)."""
+    def build(p: ParallelConfig, rank: int, replica: int = 0) -> ParallelGroups:
+        """Call on every rank after dist.init_process_group(world = pcp × tp, or dp × pcp × tp
+        where EP spans the replicas: `global_rank`); `rank` is the rank within `replica`."""
         pcp, tp = p.prefill_context_parallel_size, p.tensor_parallel_size
         world = pcp * tp
+        replicas = p.data_parallel_size if p.ep_spans_replicas else 1
+        me = global_rank(p, rank, replica)
         mine: dict[str, Group] = {}
+
+        def within(base: int) -> dict[str, list[tuple[int, ...]]]:
+            return {"tp": [tuple(base + a * tp + b for b in range(tp)) for a in range(pcp)],
+                    "pcp": [tuple(base + a * tp + b for a in range(pcp)) for b in range(tp)]}
+
         # new_group must be called by every rank for every group, in the same order.
-        layouts = {
-            "tp": [tuple(a * tp + b for b in range(tp)) for a in range(pcp)],
-            "pcp": [tuple(a * tp + b for a in range(pcp)) for b in range(tp)],
-            "ep": [tuple(range(world))],
-        }
+        layouts: dict[str, list[tuple[int, ...]]] = {"tp": [], "pcp": []}
+        for i in range(replicas):
+            for name, groups in within(i * world).items():
+                layouts[name] += groups
+        layouts["ep"] = [tuple(range(replicas * world))]
         for name, groups in layouts.items():
             for ranks in groups:
                 pg = dist.new_group(list(ranks)) if len(ranks) > 1 else None
-                if rank in ranks:
-                    mine[name] = Group(name, ranks, ranks.index(rank), pg)
-        single = Group("dcp", (rank,), 0, None)
+                if me in ranks:
+                    mine[name] = Group(name, ranks, ranks.index(me), pg)
+        single = Group("dcp", (me,), 0, None)
         dcp, prefetch = single, single
         if p.decode_context_parallel_size > 1:
             dcp = mine["pcp"] if pcp > 1 else mine["tp"]
             for ranks in layouts["pcp" if pcp > 1 else "tp"]:
                 pg = dist.new_group(list(ranks))
-                if rank in ranks:
-                    prefetch = Group("dcp_prefetch", ranks, ranks.index(rank), pg)
+                if me in ranks:
+                    prefetch = Group("dcp_prefetch", ranks, ranks.index(me), pg)
         return ParallelGroups(rank, world, mine["pcp"], mine["tp"], dcp, mine["ep"], prefetch)
+
+
+def global_rank(p: ParallelConfig, rank: int, replica: int) -> int:
+    """Rank `rank` of replica `replica` in the process group its workers join: its own rank
+    unless EP spans the replicas (one group of DP × world ranks, replica-major)."""
+    return replica * p.world_size + rank if p.ep_spans_replicas else rank
+
+
+def process_group_size(p: ParallelConfig) -> int:
+    """Ranks in the process group a replica's workers join (dist.init_process_group's world)."""
+    return p.world_size * (p.data_parallel_size if p.ep_spans_replicas else 1)

@@ -4,7 +4,8 @@ TP shards attention heads (q_b_proj and kv_b_proj rows, o_proj columns) and the 
 dense MLPs, shared experts and — without EP — every routed expert; partial outputs are all-reduced
 over the TP group. The latent KV projection and the indexer stay replicated: every TP rank stores
 the whole latent cache and scores every query, which is why TP scales badly for this model.
-EP gives each rank n_routed_experts / world experts.
+EP gives each rank n_routed_experts / EP size experts (the engine's ranks, or with DP + EP
+every replica's: ParallelConfig.expert_parallel_size).
 
 Sharding happens before any weight is read: the model is built on the meta device, `shard_model`
 cuts every parameter to this rank's shape, the model is materialised, and the loader narrows each
@@ -38,14 +39,14 @@ def _chunk(size: int, rank: int, parts: int) -> tuple[int, int]:
 
 
 def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
-    tp, world = p.tensor_parallel_size, p.world_size
+    tp, ep = p.tensor_parallel_size, p.expert_parallel_size
     if tp > 1:
         for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
             if getattr(cfg, name) % tp:
                 raise ConfigError(f"--tensor-parallel-size: {tp} does not divide {name} "
                                   f"({getattr(cfg, name)})")
-    if p.enable_expert_parallel and cfg.n_routed_experts % world:
-        raise ConfigError(f"--enable-expert-parallel: {world} ranks do not divide "
+    if p.enable_expert_parallel and cfg.n_routed_experts % ep:
+        raise ConfigError(f"--enable-expert-parallel: {ep} ranks do not divide "
                           f"n_routed_experts ({cfg.n_routed_experts})")
 
 
