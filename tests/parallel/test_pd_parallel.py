@@ -1,7 +1,7 @@
 """P/D between multi-rank engines on gloo processes (shared memory transport): greedy output
 through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1, READ staged, and
-= block size, READ zero-copy; TP2 × DCP2) and a decode engine (1 rank, DP2) equals the
-single-rank engine's, bf16 and fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the
+= block size, READ zero-copy; TP2 × DCP2) and a decode engine (1 rank, DP2, DP2 + EP) equals
+the single-rank engine's, bf16 and fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the
 MTP rows that came over), and with --async-scheduling on both sides (the prefill engine's
 params equal its sync ones); the bytes each request moved are what the layouts require; nothing
 leaks on either side. A decode engine of two ranks or two replicas shut down mid-READ gives its
@@ -71,18 +71,21 @@ def _read_paths(decode) -> tuple[int, int]:
     return sum(s for s, _ in paths), sum(z for _, z in paths)
 
 
-@pytest.mark.parametrize("prefill_layout,decode_dp,dtype,path", [
-    (dict(pcp=2, dcp=2, interleave=1), 1, "auto", "staged"),
-    (dict(pcp=2, dcp=2, interleave=1), 1, "fp8_ds_mla", "staged"),
-    (dict(pcp=2, dcp=2, interleave=16), 2, "fp8_ds_mla", "zero-copy"),
-    (dict(pcp=2, dcp=2, interleave=16), 1, "auto", "zero-copy"),
-    (dict(tp=2, dcp=2), 1, "fp8_ds_mla", "staged"),
+@pytest.mark.parametrize("prefill_layout,decode_layout,dtype,path", [
+    (dict(pcp=2, dcp=2, interleave=1), {}, "auto", "staged"),
+    (dict(pcp=2, dcp=2, interleave=1), {}, "fp8_ds_mla", "staged"),
+    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2), "fp8_ds_mla", "zero-copy"),
+    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2, ep=True), "auto", "zero-copy"),
+    (dict(pcp=2, dcp=2, interleave=16), {}, "auto", "zero-copy"),
+    (dict(tp=2, dcp=2), {}, "fp8_ds_mla", "staged"),
 ], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i1-to-1rank-fp8", "pcp2dcp2-i16-to-dp2-fp8",
-        "pcp2dcp2-i16-to-1rank-bf16", "tp2dcp2-to-1rank-fp8"])
+        "pcp2dcp2-i16-to-dp2ep-bf16", "pcp2dcp2-i16-to-1rank-bf16", "tp2dcp2-to-1rank-fp8"])
 def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, greedy,
-                               prefill_layout, decode_dp, dtype, path, hang_guard):
+                               prefill_layout, decode_layout, dtype, path, hang_guard):
     """Interleave 1 (one zero-copy segment per row) READs staged, interleave = block size
-    zero-copy: every (prefill DCP rank → decode rank) pair of every request went that way."""
+    zero-copy: every (prefill DCP rank → decode rank) pair of every request went that way.
+    DP + EP on the decode side: the reference deployment's decode layout (the replicas step
+    together while one READs)."""
     prompts, reference = prompts[:2], reference_outputs[:2]
     if dtype != "auto":
         ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype))
@@ -90,7 +93,7 @@ def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, gree
         ref_engine.shutdown()
     with hang_guard(300):
         p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype))
-        d = LLMEngine.from_config(_with(parallel_config(dp=decode_dp), "kv_consumer", dtype))
+        d = LLMEngine.from_config(_with(parallel_config(**decode_layout), "kv_consumer", dtype))
         try:
             hits = _hits(d)
             assert offline.generate(p, d, prompts, greedy) == reference
