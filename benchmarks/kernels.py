@@ -906,13 +906,30 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {triton.__version__}", flush=True)
     parts = args.only.split(",")
+
+    def write_parts() -> None:
+        """--parts after each section: a run cut short keeps what it measured."""
+        if args.parts:
+            data = parts_file(ROWS, torch.cuda.get_device_name(),
+                              time.strftime("%Y-%m-%d", time.gmtime()),
+                              " ".join(["python", *sys.argv]),
+                              torch.cuda.get_device_properties(0).total_memory)
+            with open(args.parts, "w") as f:
+                json.dump(data, f, indent=1)
+            missing = [p for p in MEASURED_PARTS if p not in data["figures"]]
+            print(f"\n--parts {args.parts}: {', '.join(data['figures']) or 'no figures'} "
+                  f"(not measured: {', '.join(missing) or 'none'})", flush=True)
+
     ceil = ceilings() if "ceilings" in parts else {}
+    write_parts()
     if "prefill" in parts:
         bench_prefill(args.quick, args.sweep, args.indices)
+        write_parts()
     if "prefill_fp8" in parts:
         bench_prefill_fp8(args.indices, args.sweep)
     if "decode" in parts:
         bench_decode(args.quick, args.sweep)
+        write_parts()
     if "moe_combine" in parts:
         bench_moe_combine()
     if "routing" in parts:
@@ -922,6 +939,7 @@ def main() -> None:
     if prefill or decode:
         bench_indexer(args.quick, args.sweep, prefill=bool(prefill), decode=bool(decode),
                       heads_list=args.heads)
+        write_parts()
     if "topk" in parts:
         bench_topk()
     if "writers" in parts:
@@ -941,16 +959,6 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ceilings": ceil, "rows": [asdict(r) for r in ROWS]}, f, indent=1)
-    if args.parts:
-        data = parts_file(ROWS, torch.cuda.get_device_name(),
-                          time.strftime("%Y-%m-%d", time.gmtime()),
-                          " ".join(["python", *sys.argv]),
-                          torch.cuda.get_device_properties(0).total_memory)
-        with open(args.parts, "w") as f:
-            json.dump(data, f, indent=1)
-        missing = [p for p in MEASURED_PARTS if p not in data["figures"]]
-        print(f"\n--parts {args.parts}: {', '.join(data['figures']) or 'no figures'} "
-              f"(not measured: {', '.join(missing) or 'none'})")
 
 
 if __name__ == "__main__":
