@@ -660,6 +660,22 @@ class SpecConfig:
                           rejection_sample_method=method, synthetic_acceptance_rates=rates)
 
 
+def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
+    """The layout cuts the model into equal parts: TP its heads and intermediates, EP its
+    routed experts (over every replica's ranks with DP + EP)."""
+    tp, ep = p.tensor_parallel_size, p.expert_parallel_size
+    if tp > 1:
+        for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
+            if getattr(cfg, name) % tp:
+                raise ConfigError(f"--tensor-parallel-size: {tp} does not divide {name} "
+                                  f"({getattr(cfg, name)})")
+    if p.enable_expert_parallel and cfg.n_routed_experts % ep:
+        ranks = (f"{ep} ranks ({p.data_parallel_size} replicas × {p.world_size})"
+                 if p.ep_spans_replicas else f"{ep} ranks")
+        raise ConfigError(f"--enable-expert-parallel: {ranks} do not divide "
+                          f"n_routed_experts ({cfg.n_routed_experts})")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; built once by the CLI or the tests."""
@@ -706,6 +722,7 @@ class EngineConfig:
                 f"max_position_embeddings {self.model.max_position_embeddings}"
             )
         self._validate_hisparse()
+        check_divisible(self.model, self.parallel)
         if self.speculative is not None and not self.model.has_mtp:
             raise ConfigError(
                 "--speculative-config: method 'mtp' needs a model with an MTP layer "

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+from dsaserve.config import ModelConfig, ParallelConfig, check_divisible
 from dsaserve.model import fp8
 from dsaserve.model.dsa import MLP, DsaForCausalLM, Experts, MLAAttention, MoE
 from dsaserve.parallel.groups import ParallelGroups
@@ -36,18 +36,6 @@ def _chunk(size: int, rank: int, parts: int) -> tuple[int, int]:
     """Rank's [start, stop) of `size` cut in `parts` equal chunks."""
     n = size // parts
     return rank * n, (rank + 1) * n
-
-
-def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
-    tp, ep = p.tensor_parallel_size, p.expert_parallel_size
-    if tp > 1:
-        for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
-            if getattr(cfg, name) % tp:
-                raise ConfigError(f"--tensor-parallel-size: {tp} does not divide {name} "
-                                  f"({getattr(cfg, name)})")
-    if p.enable_expert_parallel and cfg.n_routed_experts % ep:
-        raise ConfigError(f"--enable-expert-parallel: {ep} ranks do not divide "
-                          f"n_routed_experts ({cfg.n_routed_experts})")
 
 
 def _shard_mlp(mlp: MLP, rank: int, size: int) -> None:

@@ -10,6 +10,7 @@ from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
     ConfigError,
+    EngineConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -102,3 +103,20 @@ def test_engine_side_configs_name_their_flag():
     with pytest.raises(ConfigError, match="unknown keys"):
         AttentionConfig.from_json('{"foo": true}')
     assert AttentionConfig.from_json('{"sparse_mla_force_mqa": true}').sparse_mla_force_mqa
+
+
+def test_expert_parallel_sizes_and_divisibility():
+    """EP shards the routed experts over the engine's ranks, and with DP over every replica's
+    (vLLM's DP + EP); a layout that cannot cut them evenly is a ConfigError naming the flag,
+    raised when the engine's config is built (not in its workers)."""
+    p = ParallelConfig(tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True)
+    assert p.ep_spans_replicas and p.expert_parallel_size == 8
+    assert ParallelConfig(data_parallel_size=4).expert_parallel_size == 1
+    assert not ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).ep_spans_replicas
+    model = ModelConfig.from_hf(preset_config("glm-5.3"))  # 256 experts
+    EngineConfig("unused", model, parallel=p)
+    with pytest.raises(ConfigError, match=r"--enable-expert-parallel: 6 ranks \(3 replicas × 2\)"):
+        EngineConfig("unused", model, parallel=ParallelConfig(
+            tensor_parallel_size=2, data_parallel_size=3, enable_expert_parallel=True))
+    with pytest.raises(ConfigError, match="--tensor-parallel-size: 3 does not divide"):
+        EngineConfig("unused", model, parallel=ParallelConfig(tensor_parallel_size=3))
