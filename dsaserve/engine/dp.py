@@ -26,10 +26,12 @@ import operator
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import fields
 
 from dsaserve.config import EngineConfig
@@ -89,12 +91,19 @@ class DataParallelEngine:
         store_dir = tempfile.mkdtemp(prefix="dsaserve-rendezvous-") if shared else None
         store = None if store_dir is None else os.path.join(store_dir, "store")
         # every replica at once: with DP + EP their workers join one process group, which
-        # waits for all of them
+        # waits for all of them, so the first replica to fail abandons the others' start-up
+        abort = threading.Event() if shared else None
         with ThreadPoolExecutor(num, thread_name_prefix="dp-start") as pool:
             futures = [pool.submit(MultiprocExecutor, config, device_offset=i * world,
-                                   replica=i, rendezvous_file=store)
+                                   replica=i, rendezvous_file=store, abort=abort)
                        for i in range(num)]
-        errors = [f.exception() for f in futures if f.exception() is not None]
+            if abort is not None:
+                done, _ = wait_for(futures, return_when=FIRST_EXCEPTION)
+                if any(f.exception() is not None for f in done):
+                    abort.set()
+        # the root cause first: the replicas that gave up because of it say so in their own
+        errors = sorted((f.exception() for f in futures if f.exception() is not None),
+                        key=lambda e: isinstance(e, EngineDeadError) and "abandoned" in str(e))
         if errors:
             if store_dir is not None:
                 shutil.rmtree(store_dir, ignore_errors=True)

@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from collections import deque
@@ -171,11 +172,14 @@ class MultiprocExecutor:
     """
 
     def __init__(self, config: EngineConfig, *, device_offset: int = 0, replica: int = 0,
-                 rendezvous_file: str | None = None, poll_interval_s: float = 0.5) -> None:
+                 rendezvous_file: str | None = None, abort: threading.Event | None = None,
+                 poll_interval_s: float = 0.5) -> None:
         """`replica`, `rendezvous_file`: where EP spans the DP replicas their workers join one
         process group through this shared store (engine/dp.py owns it); otherwise each engine
-        makes its own."""
+        makes its own. `abort`: set when another replica failed to start, whose workers ours
+        would wait for in the process group's rendezvous: the start-up then fails too."""
         self.world_size = config.parallel.world_size
+        self._abort = abort
         # DP + EP: the other replicas' workers; one of them dying leaves ours blocked in a
         # collective with it, so their sentinels end a wait as our own do (watch_peers)
         self._peers: list[BaseProcess] = []
@@ -224,6 +228,7 @@ class MultiprocExecutor:
         except BaseException:
             self._kill_all()
             raise
+        self._abort = None  # started: only a start-up is abandoned
         self.num_blocks = min(r.num_blocks for r in ready)
 
     def watch_peers(self, procs: Sequence[BaseProcess]) -> None:
@@ -332,6 +337,10 @@ class MultiprocExecutor:
         while missing := [r for r, reply in enumerate(replies) if reply is None]:
             wait([self._conns[r] for r in missing] + [self._procs[r].sentinel for r in missing]
                  + [p.sentinel for p in self._peers], timeout=self._poll_interval_s)
+            if self._abort is not None and self._abort.is_set():
+                self._kill_all()
+                self._dead_reason = "start-up abandoned: another data-parallel replica failed"
+                raise EngineDeadError(self._dead_reason)
             if dead := [p for p in self._peers if not p.is_alive()]:
                 self._kill_all()
                 self._dead_reason = (f"worker {dead[0].name} of another data-parallel replica "

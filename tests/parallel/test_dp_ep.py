@@ -16,7 +16,7 @@ import pytest
 from dsaserve.config import SpecConfig
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
-from dsaserve.engine.executor import EngineDeadError
+from dsaserve.engine.executor import EngineDeadError, MultiprocExecutor
 
 pytestmark = pytest.mark.parallel
 
@@ -111,3 +111,24 @@ def test_a_dead_worker_fails_every_replica(parallel_config, prompts, greedy, ass
                 engine.step()
         engine.shutdown()
         assert_gone(pids)
+
+
+def test_a_replica_failing_to_start_ends_the_others_start(parallel_config, monkeypatch,
+                                                          assert_gone, hang_guard) -> None:
+    """Replica 1 fails before its workers exist; replica 0's workers would wait for them in the
+    process group's rendezvous forever: its start-up is abandoned, its workers stopped, and the
+    root cause is what the caller sees."""
+    real = MultiprocExecutor.__init__
+    started: list[MultiprocExecutor] = []
+
+    def init(self, config, **kw):
+        if kw.get("replica") == 1:
+            raise RuntimeError("replica 1 cannot start")
+        started.append(self)
+        real(self, config, **kw)
+
+    monkeypatch.setattr(MultiprocExecutor, "__init__", init)
+    with hang_guard(120), pytest.raises(RuntimeError, match="replica 1 cannot start"):
+        LLMEngine.from_config(_dp_ep(parallel_config))
+    assert len(started) == 1
+    assert_gone(started[0].pids)
