@@ -126,6 +126,27 @@ def errors(measured: SimResult, modelled: SimResult) -> dict[str, float]:
             "itl": statistics.median(itl) if itl else float("nan")}
 
 
+KINDS = ("decode", "mixed", "prefill")
+
+
+def by_kind(context: int, c: int, sim: Simulator) -> list[str]:
+    """Rows of the per-kind table: the measured steps of each kind (decode rows only, prefill
+    rows only, both), their median measured and predicted times, the predicted total over the
+    measured (the bias: > 1 over-priced) and the median absolute error."""
+    lines = []
+    for kind in KINDS:
+        pairs = [t for t, k in zip(sim.step_times, sim.step_kinds, strict=True) if k == kind]
+        if not pairs:
+            continue
+        m = statistics.median(x for x, _ in pairs)
+        p = statistics.median(y for _, y in pairs)
+        bias = sum(y for _, y in pairs) / sum(x for x, _ in pairs)
+        err = statistics.median(abs(y - x) / x for x, y in pairs)
+        lines.append(f"| {context:,} | {c} | {kind} | {len(pairs)} | {1e3 * m:.2f} | "
+                     f"{1e3 * p:.2f} | {bias:.3f} | {err:.1%} |")
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -196,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         print("| context | c | requests | TTFT error (median) | ITL error (median) | "
               "step error (median) | steps |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
+        kinds: list[str] = []
         for context in contexts:
             max_len = 2 * context + 1024
             blocks = args.sessions * (max_len // 64 + 1)
@@ -232,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {context:,} | {c} | {len(measured.records)} | {e['ttft']:.1%} | "
                       f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} |")
                 sys.stdout.flush()
+                kinds += by_kind(context, c, measured_sim)
             del runner
+        print("\nThe measured run's steps by kind, each also priced by the model:\n")
+        print("| context | c | kind | steps | measured (ms, median) | predicted (ms, median) | "
+              "predicted / measured (total) | error (median) |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|")
+        print("\n".join(kinds))
     return 0
 
 

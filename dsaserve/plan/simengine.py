@@ -241,6 +241,7 @@ class SimEngine:
         self.step_log: list[tuple[int, dict[str, int], int]] | None = [] if record_steps else None
         self.measure = measure
         self.step_times: list[tuple[float, float]] = []
+        self.step_kinds: list[str] = []  # beside step_times: "decode", "mixed" or "prefill"
 
     # ---- steps ----------------------------------------------------------------------------------
     def kick(self, replica: Replica, now: float) -> None:
@@ -278,10 +279,17 @@ class SimEngine:
             ran = [out for _, out in results]
             measured = max(seconds for seconds, _ in results)
             self.step_times.append((measured, duration))
+            self.step_kinds.append(self._kind(outputs))
             duration = measured
         self.num_steps += 1
         self._busy[g] = True
         self.push(now + duration, "step", (self, g, outputs, ran))
+
+    def _kind(self, outputs: list[SchedulerOutput]) -> str:
+        """A step's kind for calibration: decode rows only, prefill rows only, or both."""
+        rows = [n for so in outputs for n in so.num_scheduled_tokens.values()]
+        decode = [n <= self.times.decode_rows for n in rows]
+        return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
 
     def finish_step(self, g: int, outputs: list[SchedulerOutput],
                     ran: list[ModelRunnerOutput | None], now: float) -> None:

@@ -226,6 +226,11 @@ class Simulator:
     def step_times(self) -> list[tuple[float, float]]:
         return self.entry.step_times
 
+    @property
+    def step_kinds(self) -> list[str]:
+        """Beside `step_times`: each measured step's kind (decode, mixed, prefill)."""
+        return self.entry.step_kinds
+
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
         for slot in range(self.concurrency):

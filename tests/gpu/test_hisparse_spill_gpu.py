@@ -216,12 +216,16 @@ def test_all_gpu_engine_alone_equals_batched(model_dirs, engine_config, preset, 
     assert alone == batched
 
 
-@pytest.mark.parametrize(("preset", "kv"), [("tiny-dsv32", "fp8_ds_mla"), ("tiny-glm5", "auto")])
+@pytest.mark.parametrize(("preset", "kv"), [("tiny-glm5", "auto")])
 def test_engines_on_cuda_equal_the_cpu_reference(model_dirs, engine_config, preset, kv):
     """The all-GPU and the spilling engine on CUDA (triton) against the same engine on the CPU
-    (reference backend), float32. On an H100 (2026-12-05) the spilling engine's tokens for
-    tiny-dsv32 fp8_ds_mla were the CPU reference's and the all-GPU engine's were not: this
-    says which of the two GPU paths departs from the reference, and from which token."""
+    (reference backend), float32 KV; prints from which token each GPU path departs. Not with
+    fp8_ds_mla: there an fp32 summation order moves a value across an e4m3 boundary and the
+    random model's near-tied indexer scores turn it into another key, so the GPU's tokens are
+    not the CPU's (docs/hisparse.md: the Triton RMSNorm alone, swapped in on the CPU, changes
+    tiny-dsv32's tokens the same way; an H100 run of 2026-12-06 departed at tokens 2, 0, 4, 7
+    all-GPU and —, 3, 4, 7 spilling, the two engines running other batches). fp8 spilling
+    against all-GPU on equal batches: test_same_batches_equal_tokens."""
     cfg, spilling = _configs(model_dirs, engine_config, preset, kv)
     prompts = _prompts()
     cpu = replace(cfg, device="cpu", attention=replace(cfg.attention, backend="reference"))

@@ -66,7 +66,8 @@ def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
         "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "99",
         "--no-enable-prefix-caching", "--seed", "3", "--dtype", "bfloat16", "--attention-config",
         '{"sparse_mla_force_mqa": true}', "--attention-backend", "triton", "--device", "cuda:1",
-        "-tp", "2", "-pcp", "4", "-dcp", "4", "-dp", "2", "--enable-expert-parallel",
+        # 2 x 2 ranks per replica x 2 replicas = 8 EP ranks: the tiny model's 8 experts
+        "-tp", "2", "-pcp", "2", "-dcp", "2", "-dp", "2", "--enable-expert-parallel",
         "--dcp-comm-backend", "ag_rs", "--cp-kv-cache-interleave-size", "32",
         "--step-log", str(tmp_path / "steps.jsonl"))
     model = serve_cli.model_from_args(args)
@@ -86,7 +87,8 @@ def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
     p = c.parallel
     assert (p.tensor_parallel_size, p.prefill_context_parallel_size,
             p.decode_context_parallel_size, p.data_parallel_size, p.enable_expert_parallel,
-            p.dcp_comm_backend, p.cp_kv_cache_interleave_size) == (2, 4, 4, 2, True, "ag_rs", 32)
+            p.dcp_comm_backend, p.cp_kv_cache_interleave_size) == (2, 2, 2, 2, True, "ag_rs", 32)
+    assert p.expert_parallel_size == 8
 
 
 @pytest.mark.parametrize("argv, message", [
