@@ -240,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"context {context:,}: simulated as --deployment '{spec.spec}'",
                   file=sys.stderr)
             work = sessions(args.sessions, args.turns, context, args.output_tokens)
-            # Warm-up: every kernel compiled at these shapes before anything is timed.
-            Simulator(model, spec, parts, work[:1], 1, num_blocks=blocks,
-                      measure=measure_with(runner), host_fits=fits).run()
             for c in concurrency:
+                # an untimed pass first: it captures the CUDA graphs of this concurrency's
+                # batch sizes and compiles the kernels' new specialisations, which the timed
+                # pass would otherwise count as step time (a deployment pays them once)
+                Simulator(model, spec, parts, work, c, num_blocks=blocks,
+                          measure=measure_with(runner), host_fits=fits).run()
                 measured_sim = Simulator(model, spec, parts, work, c, num_blocks=blocks,
                                          measure=measure_with(runner), host_fits=fits)
                 measured = measured_sim.run()

@@ -275,7 +275,8 @@ def test_calibration_smoke_with_this_machines_files(tmp_path, load_benchmark, mo
     assert bench.main(["--smoke", "--parts", parts, "--decode-rows", rows,
                        "--prefill-rows", prefill]) == 0
     out = capsys.readouterr()
-    assert len([line for line in out.out.splitlines() if line.startswith("| 256 ")]) == 1
+    rows_256 = [line for line in out.out.splitlines() if line.startswith("| 256 | 2 | ")]
+    assert len([line for line in rows_256 if line.startswith("| 256 | 2 | 4 |")]) == 1
     want_parts = Parts.load(parts)
     want_fits = HostFits.load(rows, prefill)
     assert len(given) == 3 and all(p == want_parts and f == want_fits for p, f in given)
