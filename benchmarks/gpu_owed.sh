@@ -288,9 +288,11 @@ elif [ "$part" = 24 ]; then
     gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
     files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
     files="$files --prefill-rows docs/prefill_host_h100.json"
-    run 330 calibration python benchmarks/simulate_calibration.py $files
+    run 330 calibration python benchmarks/simulate_calibration.py $files \
+        --steps-json "$out/calibration_steps.json"
     [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
-        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192
+        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
+        --steps-json "$out/calibration_steps_mtp3.json"
 elif [ "$part" = 25 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 280 pd_overlap python benchmarks/pd_overlap.py --into pages --out "$out/pd_overlap.md"

@@ -30,6 +30,7 @@ its MTP drafts.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -58,6 +59,7 @@ from dsaserve.plan.hosttime import HostFits
 from dsaserve.plan.parts import H200, Parts
 from dsaserve.plan.simtrace import TraceSession, TraceTurn
 from dsaserve.plan.simulate import SimResult, Simulator
+from dsaserve.plan.steptime import GPU_PARTS
 
 
 def sessions(num: int, turns: int, context: int, out: int, block: int = 64) -> list[TraceSession]:
@@ -147,6 +149,21 @@ def by_kind(context: int, c: int, sim: Simulator) -> list[str]:
     return lines
 
 
+def step_records(context: int, c: int, sim: Simulator) -> list[dict]:
+    """--steps-json: every measured step with its kind, measured and predicted ms, its batch
+    ((new tokens, context after the step) per request, the first replica's) and the model's
+    parts for it in ms (what a refit of the step model needs)."""
+    out = []
+    for (m, p), kind, (batches, times) in zip(sim.step_times, sim.step_kinds,
+                                              sim.step_batches, strict=True):
+        t = max(times, key=lambda x: x.total)
+        out.append({"context": context, "c": c, "kind": kind, "measured_ms": 1e3 * m,
+                    "predicted_ms": 1e3 * p, "batch": batches[0],
+                    "parts_ms": {**{k: 1e3 * getattr(t, k) for k in GPU_PARTS},
+                                 "cpu": 1e3 * t.cpu}})
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=2)
@@ -163,6 +180,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block "
                          "scales as the released checkpoints (kept in FP8 on CUDA; default: "
                          "%(default)s)")
+    ap.add_argument("--steps-json", type=Path, default=None, metavar="FILE",
+                    help="also write every measured step (kind, measured and predicted ms, "
+                         "its batch, the model's parts) to this file")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
     ap.add_argument("--parts", default=None, metavar="FILE",
                     help="this GPU's kernel rates (benchmarks/kernels.py --parts); default: the "
@@ -218,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               "step error (median) | steps |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         kinds: list[str] = []
+        records: list[dict] = []
         for context in contexts:
             max_len = 2 * context + 1024
             blocks = args.sessions * (max_len // 64 + 1)
@@ -257,12 +278,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} |")
                 sys.stdout.flush()
                 kinds += by_kind(context, c, measured_sim)
+                records += step_records(context, c, measured_sim)
             del runner
         print("\nThe measured run's steps by kind, each also priced by the model:\n")
         print("| context | c | kind | steps | measured (ms, median) | predicted (ms, median) | "
               "predicted / measured (total) | error (median) |")
         print("|---:|---:|---|---:|---:|---:|---:|---:|")
         print("\n".join(kinds))
+    if args.steps_json is not None:
+        args.steps_json.write_text(json.dumps(records, indent=0))
     return 0
 
 

@@ -242,6 +242,10 @@ class SimEngine:
         self.measure = measure
         self.step_times: list[tuple[float, float]] = []
         self.step_kinds: list[str] = []  # beside step_times: "decode", "mixed" or "prefill"
+        # beside step_times: each measured step's batch per replica ((new tokens, context) per
+        # request) and the model's parts for it (StepTime), for a calibration's records
+        self.step_batches: list[tuple[list[list[tuple[int, int]]], list[StepTime]]] = []
+        self._priced: tuple[list[list[tuple[int, int]]], list[StepTime]] = ([], [])
 
     # ---- steps ----------------------------------------------------------------------------------
     def kick(self, replica: Replica, now: float) -> None:
@@ -280,6 +284,7 @@ class SimEngine:
             measured = max(seconds for seconds, _ in results)
             self.step_times.append((measured, duration))
             self.step_kinds.append(self._kind(outputs))
+            self.step_batches.append(self._priced)
             duration = measured
         self.num_steps += 1
         self._busy[g] = True
@@ -330,6 +335,7 @@ class SimEngine:
                  for b, d in zip(batches, drafting, strict=True)]
         for t in times:
             self.busy = self.busy + t
+        self._priced = (batches, times)
         return max(t.total for t in times)
 
     def _apply(self, group: list[Replica], outputs: list[SchedulerOutput],

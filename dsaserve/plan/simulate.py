@@ -231,6 +231,12 @@ class Simulator:
         """Beside `step_times`: each measured step's kind (decode, mixed, prefill)."""
         return self.entry.step_kinds
 
+    @property
+    def step_batches(self) -> list[tuple[list[list[tuple[int, int]]], list[StepTime]]]:
+        """Beside `step_times`: each measured step's batch per replica ((new tokens, context
+        after the step) per request) and the model's parts for each replica."""
+        return self.entry.step_batches
+
     # ---- the event loop -------------------------------------------------------------------------
     def run(self) -> SimResult:
         for slot in range(self.concurrency):

@@ -367,11 +367,19 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "simulate_calibration", bench)
     spec.loader.exec_module(bench)
-    assert bench.main(["--smoke"]) == 0
+    steps = tmp_path / "steps.json"
+    assert bench.main(["--smoke", "--steps-json", str(steps)]) == 0
     out = capsys.readouterr()
     lines = out.out.splitlines()
     rows = [line for line in lines if line.startswith("| 256 | 2 | 4 |")]
     assert len(rows) == 1  # 2 sessions × 2 turns, all compared
+    # every measured step recorded, with the model's parts adding up to its prediction
+    records = json.loads(steps.read_text())
+    assert len(records) == int(rows[0].rstrip(" |").rsplit("| ", 1)[1])
+    for r in records:
+        assert r["kind"] in ("decode", "mixed", "prefill") and r["batch"]
+        gpu = sum(v for k, v in r["parts_ms"].items() if k != "cpu")
+        assert r["predicted_ms"] == pytest.approx(gpu + r["parts_ms"]["cpu"])
     # the same run's steps by kind, measured against priced (mixed steps depend on timing)
     kinds = {line.split(" | ")[2] for line in lines if line.startswith("| 256 | 2 | ")} - {"4"}
     assert {"decode", "prefill"} <= kinds <= {"decode", "mixed", "prefill"}, kinds
