@@ -1,9 +1,10 @@
 """DP + EP (`--data-parallel-size 2 --enable-expert-parallel`): the routed experts sharded over
 both replicas' ranks, the replicas stepping in lock-step (engine/dp.py, parallel/lockstep.py).
 Greedy output equals the single engine's with both replicas busy, with one idle (its empty
-steps still serve the other's rows), with MTP3 drafts (the MTP layer's dispatches completed on
-steps that draft less), and with async scheduling; each rank holds half the experts; a worker
-of one replica dying fails the whole engine; nothing leaks."""
+steps still serve the other's rows), with TP2 replicas, with MTP3 drafts (the MTP layer's
+dispatches completed on steps that draft less), and with async scheduling; each rank holds its
+share of the experts; a worker of one replica dying fails the whole engine, and a replica that
+cannot start ends the other's start-up; nothing leaks."""
 
 from __future__ import annotations
 
@@ -57,6 +58,22 @@ def test_greedy_matches_single_engine(parallel_config, prompts, greedy, referenc
             _assert_no_leak(engine)
             # one request: replica 1 has nothing to run, and steps empty beside replica 0
             assert engine.generate(prompts[:1], greedy) == reference_outputs[:1]
+            _assert_no_leak(engine)
+        finally:
+            _close(engine, assert_gone)
+
+
+def test_tp2_replicas_match_single_engine(parallel_config, prompts, greedy, reference_outputs,
+                                          assert_gone, hang_guard) -> None:
+    """Two replicas of TP2: their TP groups within each replica (global ranks 0-1 and 2-3),
+    the experts over all four ranks."""
+    with hang_guard(300):
+        engine = LLMEngine.from_config(_dp_ep(parallel_config, tp=2))
+        try:
+            n = engine.config.model.n_routed_experts
+            for replica in engine.replicas:
+                assert replica.executor.call("experts_held") == [n // 4] * 2
+            assert engine.generate(prompts, greedy) == reference_outputs
             _assert_no_leak(engine)
         finally:
             _close(engine, assert_gone)
