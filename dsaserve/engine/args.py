@@ -200,8 +200,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("-pcp", "--prefill-context-parallel-size", type=pos, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=pos, default=1,
                    help="shards the KV cache over the PCP (or TP) ranks; not extra ranks")
-    p.add_argument("-dp", "--data-parallel-size", type=pos, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("-dp", "--data-parallel-size", type=pos, default=1,
+                   help="engine replicas behind one API, each request on one of them "
+                        "(default: 1)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="shard the routed experts over every rank, with --data-parallel-size "
+                        "over every replica's ranks (the replicas then step together)")
     p.add_argument("--dcp-comm-backend", choices=("ag_rs", "a2a"), default="ag_rs")
     p.add_argument("--cp-kv-cache-interleave-size", type=pos, default=1,
                    help="tokens per round-robin unit of KV ownership under DCP (default: 1)")
