@@ -2,9 +2,10 @@
 the all-GPU single-rank engine's, with contexts longer than the hot buffer (misses served from
 the host pool) and, with few MLA pages, long decoders' pages spilled. Each TP rank keeps the
 whole pool and resolves the same rows (its latent rows are the same); each DP replica has its
-own pool and page map. Every invariant is checked after every step, a second round hits the
-first one's cached blocks (spilled ones restored from the host pool), and nothing leaks; the
-same with --async-scheduling."""
+own pool and page map, with or without its experts shared over the replicas (DP + EP). Every
+invariant is checked after every step, a second round hits the first one's cached blocks
+(spilled ones restored from the host pool), and nothing leaks; the same with
+--async-scheduling."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ B = 4  # small blocks: many pages per request, so spills are fine-grained
 MAX_LEN = 64
 PAGES = 16  # cdiv(MAX_LEN, B): one window, the least the engine accepts
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict(data_parallel_size=2)}
+LAYOUTS = {"tp2": dict(tensor_parallel_size=2), "dp2": dict(data_parallel_size=2),
+           # the reference decode engine's layout: the replicas share their experts (DP + EP)
+           "dp2ep": dict(data_parallel_size=2, enable_expert_parallel=True)}
 
 
 def _prompts() -> list[list[int]]:
