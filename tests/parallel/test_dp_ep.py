@@ -79,11 +79,15 @@ def test_tp2_replicas_match_single_engine(parallel_config, prompts, greedy, refe
             _close(engine, assert_gone)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_mtp3_greedy_matches_single_engine(parallel_config, draftable, prompts, greedy,
-                                           draftable_reference, assert_gone,
-                                           hang_guard) -> None:
-    config = dataclasses.replace(_dp_ep(parallel_config), model_path=str(draftable),
-                                 speculative=SpecConfig(num_speculative_tokens=3))
+                                           draftable_reference, assert_gone, hang_guard,
+                                           async_scheduling) -> None:
+    base = _dp_ep(parallel_config)
+    config = dataclasses.replace(base, model_path=str(draftable),
+                                 speculative=SpecConfig(num_speculative_tokens=3),
+                                 scheduler=dataclasses.replace(
+                                     base.scheduler, async_scheduling=async_scheduling))
     with hang_guard(300):
         engine = LLMEngine.from_config(config)
         try:
