@@ -34,7 +34,8 @@ from pathlib import Path
 
 import openai
 
-from dsaserve.bench.agentx import free_port, percentile
+from dsaserve.bench.agentx import percentile
+from dsaserve.serve.ports import free_port
 
 # The server `--start-server` runs: small KV pool and context so that the CPU keeps up.
 DEFAULT_SERVER_ARGS = ("--block-size 16 --num-gpu-blocks-override 1024 --max-model-len 1024 "

@@ -28,7 +28,6 @@ import math
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from dsaserve.bench.traces import HARNESS_BLOCK_SIZE, WEKA_DIR, Session, Workload, load_workload
+from dsaserve.serve.ports import free_port
 
 PROFILE_EXPORT = "profile_export.jsonl"
 
@@ -247,13 +247,6 @@ def served_model(base_url: str) -> tuple[str, str | None]:
         raise RuntimeError(f"GET {base_url}/v1/models: HTTP {status}: {body[:200]!r}")
     card = json.loads(body)["data"][0]
     return card["id"], card.get("root")
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now (another process may take it before the server binds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

@@ -16,13 +16,13 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 from dsaserve.config import ConfigError
+from dsaserve.serve.ports import free_ports
 
 FLAG = "--pd"
 _SIDES = ("prefill", "decode")
@@ -64,12 +64,6 @@ def parse_pd_spec(spec: str) -> dict[str, list[str]]:
     for name in _SIDES:
         out.setdefault(name, [])
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_commands(model: str, spec: dict[str, list[str]], ports: dict[str, int],
@@ -162,8 +156,9 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     for flags in spec.values():
         flags += shared_flags(args)
-    ports = {name: free_port() for name in _SIDES}
-    commands = server_commands(model, spec, ports, free_port(), args.pd_kv_backend)
+    *http, side_channel = free_ports(len(_SIDES) + 1)  # distinct: held until all are bound
+    ports = dict(zip(_SIDES, http, strict=True))
+    commands = server_commands(model, spec, ports, side_channel, args.pd_kv_backend)
     procs: list[subprocess.Popen] = []
     try:
         for name in _SIDES:

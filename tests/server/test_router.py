@@ -25,13 +25,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from server_harness import TEST_FLAGS, LiveServer
 
-from dsaserve.bench.agentx import free_port, parse_prefix_cache
 from dsaserve.bench.agentx import main as agentx_main
+from dsaserve.bench.agentx import parse_prefix_cache
 from dsaserve.bench.traces import Workload, WorkloadSpec, generate, write_workload
 from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.router.app import BACKEND_HEADER, create_router_app
 from dsaserve.router.config import RouterConfig
 from dsaserve.router.scoring import longest_prefix_match
+from dsaserve.serve.ports import free_port
 from dsaserve.serve.prompt import render_chat
 from dsaserve.tokenizer import Tokenizer
 

@@ -175,7 +175,7 @@ def test_kv_events_config_from_vllm_json() -> None:
 def test_a_taken_kv_events_port_is_a_flag_error() -> None:
     import zmq
 
-    from dsaserve.bench.agentx import free_port
+    from dsaserve.serve.ports import free_port
 
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     ctx = zmq.Context()
