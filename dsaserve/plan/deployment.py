@@ -86,9 +86,10 @@ class Deployment:
 
     @property
     def lockstep(self) -> bool:
-        """Replicas whose experts are sharded over each other step together (as vLLM's DP+EP
-        does, idle ranks running a dummy batch): a step lasts as long as the slowest rank."""
-        return self.parallel.enable_expert_parallel and self.replicas > 1
+        """Replicas whose experts are sharded over each other step together (the engine's DP +
+        EP, parallel/lockstep.py: idle replicas make row-less dispatches): a step lasts as long
+        as the slowest rank."""
+        return self.parallel.ep_spans_replicas
 
 
 @dataclass(frozen=True)
