@@ -47,7 +47,7 @@ from dsaserve.core import (
     SamplingParams,
 )
 from dsaserve.engine.engine import LLMEngine, run_completions, run_to_completion
-from dsaserve.engine.executor import MultiprocExecutor
+from dsaserve.engine.executor import MultiprocExecutor, StartAbandoned
 from dsaserve.tokenizer import Tokenizer
 
 
@@ -103,7 +103,7 @@ class DataParallelEngine:
                     abort.set()
         # the root cause first: the replicas that gave up because of it say so in their own
         errors = sorted((f.exception() for f in futures if f.exception() is not None),
-                        key=lambda e: isinstance(e, EngineDeadError) and "abandoned" in str(e))
+                        key=lambda e: isinstance(e, StartAbandoned))
         if errors:
             if store_dir is not None:
                 shutil.rmtree(store_dir, ignore_errors=True)

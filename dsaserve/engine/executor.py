@@ -162,6 +162,10 @@ def cpu_threads_per_worker(num_workers: int) -> int:
     return max(1, (cores or 1) // num_workers)
 
 
+class StartAbandoned(EngineDeadError):
+    """DP + EP: this replica gave up its start-up because another replica's failed."""
+
+
 class MultiprocExecutor:
     """Spawns `pcp × tp` workers, waits until each has built its runner, then drives them in
     lock-step. Not thread-safe: one owner thread calls every method.
@@ -340,7 +344,7 @@ class MultiprocExecutor:
             if self._abort is not None and self._abort.is_set():
                 self._kill_all()
                 self._dead_reason = "start-up abandoned: another data-parallel replica failed"
-                raise EngineDeadError(self._dead_reason)
+                raise StartAbandoned(self._dead_reason)
             if dead := [p for p in self._peers if not p.is_alive()]:
                 self._kill_all()
                 self._dead_reason = (f"worker {dead[0].name} of another data-parallel replica "

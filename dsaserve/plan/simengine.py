@@ -241,7 +241,6 @@ class SimEngine:
         self.step_log: list[tuple[int, dict[str, int], int]] | None = [] if record_steps else None
         self.measure = measure
         self.step_times: list[tuple[float, float]] = []
-        self.step_kinds: list[str] = []  # beside step_times: "decode", "mixed" or "prefill"
         # beside step_times: each measured step's batch per replica ((new tokens, context) per
         # request) and the model's parts for it (StepTime), for a calibration's records
         self.step_batches: list[tuple[list[list[tuple[int, int]]], list[StepTime]]] = []
@@ -283,17 +282,16 @@ class SimEngine:
             ran = [out for _, out in results]
             measured = max(seconds for seconds, _ in results)
             self.step_times.append((measured, duration))
-            self.step_kinds.append(self._kind(outputs))
             self.step_batches.append(self._priced)
             duration = measured
         self.num_steps += 1
         self._busy[g] = True
         self.push(now + duration, "step", (self, g, outputs, ran))
 
-    def _kind(self, outputs: list[SchedulerOutput]) -> str:
-        """A step's kind for calibration: decode rows only, prefill rows only, or both."""
-        rows = [n for so in outputs for n in so.num_scheduled_tokens.values()]
-        decode = [n <= self.times.decode_rows for n in rows]
+    def step_kind(self, batches: list[list[tuple[int, int]]]) -> str:
+        """A recorded step's kind (`step_batches`): decode rows only, prefill rows only, or
+        both."""
+        decode = [n <= self.times.decode_rows for batch in batches for n, _ in batch]
         return "decode" if all(decode) else "prefill" if not any(decode) else "mixed"
 
     def finish_step(self, g: int, outputs: list[SchedulerOutput],

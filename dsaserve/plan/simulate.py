@@ -229,7 +229,7 @@ class Simulator:
     @property
     def step_kinds(self) -> list[str]:
         """Beside `step_times`: each measured step's kind (decode, mixed, prefill)."""
-        return self.entry.step_kinds
+        return [self.entry.step_kind(batches) for batches, _ in self.entry.step_batches]
 
     @property
     def step_batches(self) -> list[tuple[list[list[tuple[int, int]]], list[StepTime]]]:

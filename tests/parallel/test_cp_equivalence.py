@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
                 "mtp_logits": mtp_result,
                 "rows_written_layer0": written,
                 "indexer_rows": runner.model.backend.indexer_rows_scored,
-                "experts_held": runner.model.model.layers[1].mlp.experts.w13.shape[0],
+                "experts_held": runner.experts_held(),
                 "q_rows_held": runner.model.model.layers[0].self_attn.q_b_proj.weight.shape[0],
             },
             f"{out_path}.{rank}",
