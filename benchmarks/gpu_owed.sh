@@ -69,6 +69,9 @@
 #   bash benchmarks/gpu_owed.sh 25         # part 25: P/D READs in flight beside running
 #                                          #   requests (pd_overlap.py, the prefill engine in
 #                                          #   its own process), into pages and the host pool
+#   bash benchmarks/gpu_owed.sh 26         # part 26: the calibration on one machine's own host
+#                                          #   fits (decode rows at the calibration's batches
+#                                          #   and prefill host rows measured first, same call)
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -289,6 +292,22 @@ elif [ "$part" = 24 ]; then
     files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
     files="$files --prefill-rows docs/prefill_host_h100.json"
     run 330 calibration python benchmarks/simulate_calibration.py $files \
+        --steps-json "$out/calibration_steps.json"
+    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
+        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
+        --steps-json "$out/calibration_steps_mtp3.json"
+elif [ "$part" = 26 ]; then
+    # the host time varies by machine (the same H100 rows measured 1.84-2.36 ms a step on two
+    # machines): fit it on this one before calibrating
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    run 150 decode_rows python benchmarks/decode.py --contexts 8192,32768 --batches 1,2,8 \
+        --steps 20 --rows-json "$out/decode_rows.json" --out "$out/decode_rows.md"
+    run 150 prefill_host python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 \
+        --repeats 5 --no-ops --json "$out/prefill_host.json" --out "$out/prefill_host.md"
+    files="--parts docs/parts_$gpu.json --decode-rows $out/decode_rows.json"
+    files="$files --prefill-rows $out/prefill_host.json"
+    run 200 calibration python benchmarks/simulate_calibration.py $files \
         --steps-json "$out/calibration_steps.json"
     [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
         benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \

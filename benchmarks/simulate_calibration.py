@@ -100,17 +100,56 @@ def deployment_spec(runner: ModelRunner) -> str:
     return " ".join(words)
 
 
-def measure_with(runner: ModelRunner):
-    def measure(_: int, so: SchedulerOutput) -> tuple[float, ModelRunnerOutput]:
+class FirstUse:
+    """What each measured step paid for the first time: Triton kernels compiled for a new
+    specialisation (Triton's post-compile hook) and the runner's decode CUDA graphs captured
+    inside it. A deployment pays these once, a calibration step that carries one is not the
+    step the model prices; `steps` holds, per measured step, what it compiled or captured."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.steps: list[list[str]] = []
+        self._compiled: list[str] = []
+        try:
+            import triton.knobs
+        except ImportError:  # the CPU's reference backend compiles nothing
+            return
+        triton.knobs.runtime.jit_post_compile_hook = self._on_compile
+
+    def _on_compile(self, *, fn, compile: dict, **_) -> None:  # noqa: A002 (Triton's keyword)
+        # what was new about this call: the arguments' types, their attributes (divisibility
+        # by 16) and the integers specialised as constants (values of 1)
+        consts = {k: v for k, v in compile["constants"].items() if not isinstance(v, str)}
+        self._compiled.append(f"{fn.name} {compile['signature']} attrs {compile['configs'][0]} "
+                              f"constants {consts}"[:900])
+
+    def _graphs(self) -> int:
+        graphs = self.runner.decode_graphs
+        return 0 if graphs is None else len(graphs._graphs) + len(graphs._draft_graphs)
+
+    def measure(self, _: int, so: SchedulerOutput) -> tuple[float, ModelRunnerOutput]:
+        """The simulator's MeasureStep: one step on the real runner, synchronised, timed."""
+        runner = self.runner
+        before, self._compiled = self._graphs(), []
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
         t0 = time.perf_counter()
         out = runner.execute(so)
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
-        return time.perf_counter() - t0, out
+        seconds = time.perf_counter() - t0
+        captured = self._graphs() - before
+        self.steps.append(self._compiled + ([f"{captured} CUDA graph(s) captured"]
+                                            if captured else []))
+        return seconds, out
 
-    return measure
+    def summary(self) -> str:
+        """One line: how many measured steps compiled or captured, and what."""
+        paid = [s for s in self.steps if s]
+        if not paid:
+            return "no step compiled a kernel or captured a graph"
+        names = sorted({n for s in paid for n in s})
+        return f"{len(paid)} of {len(self.steps)} steps compiled or captured: {'; '.join(names)}"
 
 
 def errors(measured: SimResult, modelled: SimResult) -> dict[str, float]:
@@ -149,18 +188,21 @@ def by_kind(context: int, c: int, sim: Simulator) -> list[str]:
     return lines
 
 
-def step_records(context: int, c: int, sim: Simulator) -> list[dict]:
+def step_records(context: int, c: int, sim: Simulator, first_use: FirstUse) -> list[dict]:
     """--steps-json: every measured step with its kind, measured and predicted ms, its batch
-    ((new tokens, context after the step) per request, the first replica's) and the model's
-    parts for it in ms (what a refit of the step model needs)."""
+    ((new tokens, context after the step) per request, the first replica's), the model's
+    parts for it in ms (what a refit of the step model needs) and what it compiled or
+    captured."""
     out = []
-    for (m, p), kind, (batches, times) in zip(sim.step_times, sim.step_kinds,
-                                              sim.step_batches, strict=True):
+    for (m, p), kind, (batches, times), paid in zip(sim.step_times, sim.step_kinds,
+                                                    sim.step_batches, first_use.steps,
+                                                    strict=True):
         t = max(times, key=lambda x: x.total)
         out.append({"context": context, "c": c, "kind": kind, "measured_ms": 1e3 * m,
                     "predicted_ms": 1e3 * p, "batch": batches[0],
                     "parts_ms": {**{k: 1e3 * getattr(t, k) for k in GPU_PARTS},
-                                 "cpu": 1e3 * t.cpu}})
+                                 "cpu": 1e3 * t.cpu},
+                    "first_use": paid})
     return out
 
 
@@ -266,10 +308,13 @@ def main(argv: list[str] | None = None) -> int:
                 # batch sizes and compiles the kernels' new specialisations, which the timed
                 # pass would otherwise count as step time (a deployment pays them once)
                 Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                          measure=measure_with(runner), host_fits=fits).run()
+                          measure=FirstUse(runner).measure, host_fits=fits).run()
+                first_use = FirstUse(runner)
                 measured_sim = Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                         measure=measure_with(runner), host_fits=fits)
+                                         measure=first_use.measure, host_fits=fits)
                 measured = measured_sim.run()
+                print(f"context {context:,}, c = {c}, timed pass: {first_use.summary()}",
+                      file=sys.stderr)
                 modelled = Simulator(model, spec, parts, work, c, num_blocks=blocks,
                                      host_fits=fits).run()
                 e = errors(measured, modelled)
@@ -278,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} |")
                 sys.stdout.flush()
                 kinds += by_kind(context, c, measured_sim)
-                records += step_records(context, c, measured_sim)
+                records += step_records(context, c, measured_sim, first_use)
             del runner
         print("\nThe measured run's steps by kind, each also priced by the model:\n")
         print("| context | c | kind | steps | measured (ms, median) | predicted (ms, median) | "
