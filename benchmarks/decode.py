@@ -13,8 +13,8 @@ does not depend on their values) and the same decode step is run again and again
   included) and the sum of the GPU kernels of one step (torch.profiler, device time): their
   ratio is how host-bound the step is (1.0 = the GPU never waits for the host);
 * "graph": the same with the runner's own decode path (engine/decode_graph.py): the target's
-  forward replayed from the CUDA graph the runner captured for this batch size at its first
-  step (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
+  forward replayed from the CUDA graph the runner captured for this batch size at start-up
+  (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
 * "async": --async-scheduling (graphs on, without and with MTP3): step k + 1 is launched
   before step k's results are read, its input tokens gathered on the device from step k's
   samples (MTP3: its last token and drafts, its rows moved back by the drafts step k
@@ -168,7 +168,7 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
         if async_:  # every step continues from the previous one's outputs (device gathers):
             for st in runner.requests.values():  # its token is not known on the host
                 del st.token_ids[st.num_computed_tokens :]
-        for _ in range(args.warmup):  # the graph is captured at the first of them
+        for _ in range(args.warmup):  # the graphs were captured when the runner was built
             runner.execute(again)
         times, outs = [], []
         if async_:

@@ -38,15 +38,24 @@ With HiSparse (kv/hisparse/padded.py) the metadata of a size carries a `HiSparse
 static buffers too (every slot tracked, padding and page-reading slots in the trash region),
 filled from the step's own, and under spilling the MLA pages' table and write slots, gathered
 as the block table and the slots are.
+
+Every size's graphs are captured at start-up (`warm_up`, largest first: the shared pool is
+sized by the largest), as vLLM does, over an all-padding batch: no request, every row a
+padding row at position 0 reading block 0 (a real block, as a padding row reads its live
+row's) and writing nowhere, every HiSparse slot in the trash region. A step then never
+captures; a size it finds without its graph (none should) is captured inside that step.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from dsaserve.engine import cudagraph
 from dsaserve.kernels import staging
@@ -106,10 +115,10 @@ class _PaddedStep:
 class DecodeGraphs:
     """The runner's padded decode path over one set of static buffers (the largest size; each
     size uses their first rows). `capture`: record each size's forward (and with MTP its
-    drafts) in a CUDA graph at its first step and replay it afterwards; otherwise run them
-    eager over the buffers. `num_drafts`: MTP's k (0: no drafting). `hisparse`: the rank's
-    HiSparse runtime (None: off); `mla_pages`: HiSparse spilling (MLA pages apart from the
-    block ids)."""
+    drafts) in a CUDA graph (at start-up through `warm_up`, else at the size's first step) and
+    replay it afterwards; otherwise run them eager over the buffers. `num_drafts`: MTP's k
+    (0: no drafting). `hisparse`: the rank's HiSparse runtime (None: off); `mla_pages`:
+    HiSparse spilling (MLA pages apart from the block ids)."""
 
     def __init__(self, model: DsaForCausalLM, caches: list[LayerCache], sizes: Sequence[int],
                  num_drafts: int, max_model_len: int, block_size: int,
@@ -199,12 +208,9 @@ class DecodeGraphs:
             mla_table[:, width:] = -1
         if self.hisparse is not None:
             self.hisparse.fill(meta.hisparse, size // self.q)
-        # 2. the forward over them: replayed, captured at the size's first step, or eager
+        # 2. the forward over them: replayed (captured at start-up), or eager
         self.num_steps += 1
-        meta = self._metadata(size)
-        ids = self.input_ids[:size]
-        hidden, replayed = self._run(self._graphs, size, "decode forward",
-                                     lambda: self.model(ids, meta, self.caches))
+        hidden, replayed = self._run(self._graphs, size, "decode forward", self._target(size))
         self.num_replays += replayed
         self._last = _PaddedStep(size, len(counts), src_rows, out_rows, hidden)
         return hidden[out_rows]
@@ -241,14 +247,69 @@ class DecodeGraphs:
                 written = kv_layout.slot_mapping(pos, self.slot_indices[:num_slots],
                                                  self.mla_table[:num_slots], self.block_size)
                 self.draft_mla_slots[j - 1, :num_slots].copy_(torch.where(live, written, -1))
-        # 4. the chain over them: replayed, captured at the size's first step, or eager
+        # 4. the chain over them: replayed (captured at start-up), or eager
         self.num_draft_steps += 1
-        meta, hidden = self._metadata(size), step.hidden
-        drafts, replayed = self._run(self._draft_graphs, size, "MTP drafts", lambda: draft_chain(
-            self.model, self.caches, self.k, self.draft_ids[:size], hidden, meta, rows,
-            lambda j: self._draft_metadata(num_slots, j)))
+        drafts, replayed = self._run(self._draft_graphs, size, "MTP drafts",
+                                     self._drafts(size, step.hidden))
         self.num_draft_replays += replayed
         return drafts[slot_of]  # [D, k]
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Run every size's forward, and with MTP its drafts, over an all-padding batch
+        (largest first), captured where `capture` is on: no step captures afterwards. Writes
+        no KV; `_last` and the step counters are as they were (they count steps only)."""
+        start = time.perf_counter()
+        capturing = self.capture
+        sizes = sorted(self.sizes, reverse=True)  # the shared pool is sized by the largest
+        for size in tqdm(sizes, desc="capturing CUDA graphs", unit="size", file=sys.stderr,
+                         disable=not capturing):
+            if capturing and not self.capture:  # a capture failed: steps run eager
+                break
+            self._fill_padding(size)
+            hidden = self._warm(self._graphs, size, "decode forward", self._target(size))
+            if self.k:
+                self._warm(self._draft_graphs, size, "MTP drafts", self._drafts(size, hidden))
+        if capturing:
+            logger.info("captured %d decode graphs (%d sizes%s) in %.1f s",
+                        len(self._graphs) + len(self._draft_graphs), len(self._graphs),
+                        ", with MTP drafts" if self.k else "", time.perf_counter() - start)
+
+    def _fill_padding(self, size: int) -> None:
+        """The static buffers of `size` for a batch of padding only: token 0 at position 0,
+        reading block 0 (and MLA page 0: reads change nothing), written nowhere; the drafts'
+        slots continue from their first rows, writing nowhere; HiSparse slots all trash."""
+        num_slots = size // self.q
+        self.input_ids[:size].zero_()
+        self.positions[:size].zero_()
+        self.slots[:size].fill_(-1)
+        self.block_table[:num_slots].zero_()
+        if self.mla_table is not None:
+            self.mla_slots[:size].fill_(-1)
+            self.mla_table[:num_slots].zero_()
+        if self.hisparse is not None:
+            self.hisparse.fill(None, num_slots)
+        self.draft_ids[:size].zero_()
+        self.draft_rows[:num_slots].copy_(self.slot_indices[:num_slots] * self.q)
+        for j in range(1, self.k):
+            self.draft_positions[j - 1, :num_slots].fill_(j)
+            self.draft_slots[j - 1, :num_slots].fill_(-1)
+            if self.draft_mla_slots is not None:
+                self.draft_mla_slots[j - 1, :num_slots].fill_(-1)
+
+    def _target(self, size: int) -> Callable[[], torch.Tensor]:
+        """The target forward over the static buffers of `size` → hidden [size, hidden]."""
+        meta, ids = self._metadata(size), self.input_ids[:size]
+        return lambda: self.model(ids, meta, self.caches)
+
+    def _drafts(self, size: int, hidden: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The MTP draft chain over the static buffers of `size`, from the target's padded
+        output `hidden` [size, hidden] (a graph's static output where captured) → drafts
+        [size / q, k]."""
+        num_slots = size // self.q
+        meta, ids, rows = self._metadata(size), self.draft_ids[:size], self.draft_rows[:num_slots]
+        return lambda: draft_chain(self.model, self.caches, self.k, ids, hidden, meta, rows,
+                                   lambda j: self._draft_metadata(num_slots, j))
 
     def _run(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int,
              what: str, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, bool]:
@@ -257,21 +318,37 @@ class DecodeGraphs:
         drafts)."""
         if not self.capture:
             return fn(), False
-        if size not in graphs:
-            logger.info("capturing the %s of %d tokens in a CUDA graph", what, size)
-            try:
-                graph, out = cudagraph.capture(fn, self._pool)
-            except RuntimeError as e:  # a kernel that cannot be captured: serve eager
-                logger.warning("capturing the %s of %d tokens failed (%s); decode steps run "
-                               "eager from now on (--enforce-eager says so at start-up)",
-                               what, size, e)
-                self.capture = False
+        if size not in graphs:  # not warmed up: captured inside this step
+            logger.info("capturing the %s of %d tokens in a CUDA graph at a step", what, size)
+            if not self._capture(graphs, size, what, fn):
                 return fn(), False
-            self._pool = graph.pool()
-            graphs[size] = (graph, out)
         graph, out = graphs[size]
         graph.replay()
         return out, True
+
+    def _warm(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], size: int,
+              what: str, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """fn() of the all-padding batch, captured into graphs[size] where `capture` is on →
+        its output (the graph's static output when captured: what the drafts' graph reads)."""
+        if self.capture and self._capture(graphs, size, what, fn):
+            return graphs[size][1]
+        return fn()
+
+    def _capture(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]],
+                 size: int, what: str, fn: Callable[[], torch.Tensor]) -> bool:
+        """Record fn into graphs[size], in the pool every graph shares; False: it cannot be
+        captured, and decode steps run eager from now on (`capture` off)."""
+        try:
+            graph, out = cudagraph.capture(fn, self._pool)
+        except RuntimeError as e:  # a kernel that cannot be captured: serve eager
+            logger.warning("capturing the %s of %d tokens failed (%s); decode steps run "
+                           "eager from now on (--enforce-eager says so at start-up)",
+                           what, size, e)
+            self.capture = False
+            return False
+        self._pool = graph.pool()
+        graphs[size] = (graph, out)
+        return True
 
     def _metadata(self, size: int) -> AttentionMetadata:
         """The size's metadata over the static buffers: one object for every step, so that

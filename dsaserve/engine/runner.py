@@ -245,6 +245,8 @@ class ModelRunner:
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
         self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
+        if self.decode_graphs is not None and self.decode_graphs.capture:
+            self.decode_graphs.warm_up()  # every size captured now, none inside a step
         # DP + EP: each step's EP dispatches completed to the protocol's (parallel/lockstep.py)
         self.lockstep = lockstep_for(self.model, config.parallel.ep_spans_replicas,
                                      config.num_speculative_tokens)

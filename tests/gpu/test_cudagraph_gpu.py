@@ -10,6 +10,8 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
 * the engine with graphs on (the runner's own padded decode path, engine/decode_graph.py) gives
   the greedy tokens of --enforce-eager, replaying captured graphs, with and without MTP3 (with
   MTP3 the drafts of every padded step replayed from their own graph too);
+* every size's graph (and with MTP3 its drafts') is captured at start-up, largest first;
+  decode steps at every batch size then replay and capture nothing;
 * with --async-scheduling (graphs on), without and with MTP3: the same greedy tokens, the graphs
   replayed, and the launch of a decode step reads nothing on the host (its inputs, and with
   MTP3 its drafts and positions, gathered on the device)."""
@@ -175,6 +177,38 @@ def test_engine_graphs_give_eager_tokens(k):
 
 
 @pytest.mark.parametrize("k", [0, 3])
+def test_every_graph_is_captured_at_start_up(k, monkeypatch):
+    """The runner captures every size (with MTP3 the drafts too) when it is built, largest
+    first, in one pool; the decode steps of 1 to 5 requests then replay and capture none."""
+    captures: list[int] = []
+    capture = cudagraph.capture
+
+    def counted(fn, pool=None, warmup=2):
+        captures.append(1)
+        return capture(fn, pool, warmup)
+
+    monkeypatch.setattr(cudagraph, "capture", counted)
+    at_start_up: list[tuple[list[int], list[int], int]] = []
+    build = LLMEngine.from_config
+
+    def built(config):
+        engine = build(config)
+        graphs = engine.runner.decode_graphs
+        at_start_up.append((list(graphs._graphs), list(graphs._draft_graphs), len(captures)))
+        return engine
+
+    monkeypatch.setattr(LLMEngine, "from_config", built)
+    _, engine = _generate(CompilationConfig(), k)
+    graphs = engine.runner.decode_graphs
+    largest_first = sorted(graphs.sizes, reverse=True)
+    assert graphs.capture and len(largest_first) > 2
+    assert at_start_up == [(largest_first, largest_first if k else [], len(captures))]
+    assert list(graphs._graphs) == largest_first  # no step added a size
+    assert graphs.num_steps > 0 and graphs.num_replays == graphs.num_steps
+    assert graphs.num_draft_replays == (graphs.num_steps if k else 0)
+
+
+@pytest.mark.parametrize("k", [0, 3])
 def test_async_scheduling_gives_sync_tokens_with_graphs(k):
     """With MTP3 the step after a verifying one takes its token and drafts on the device and
     moves its rows back by the drafts rejected: the same greedy tokens, graphs replayed
@@ -233,7 +267,7 @@ def test_step_log_times_the_gpu(tmp_path, k, async_scheduling):
     assert [line["step"] for line in lines] == list(range(len(lines)))
     for line in lines:
         assert 0 < line["gpu_forward_ms"] <= line["gpu_step_ms"], line
-    # every padded step replays its graph (a size's first step captures it, then replays)
+    # every padded step replays its graph (captured at start-up)
     padded = [line for line in lines if line["padded_size"] is not None]
     assert padded and all(line["graph"] for line in padded)
     assert all(line["draft_graph"] == bool(k) for line in padded)

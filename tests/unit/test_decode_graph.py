@@ -10,6 +10,7 @@ Replays of captured graphs are checked on a GPU (tests/gpu/test_cudagraph_gpu.py
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -265,3 +266,121 @@ def test_captured_drafts_read_the_target_graph_output(model_dirs, engine_config,
     else:
         assert len(captured) == 2 * len(graphs._graphs) == 2 * len(graphs._draft_graphs)
         assert graphs.num_replays == graphs.num_draft_replays == graphs.num_steps
+
+
+def warm_up_checked(engine: LLMEngine) -> None:
+    """The engine's `DecodeGraphs.warm_up()`, asserting that it wrote no KV (no cache tensor
+    changed; with HiSparse no hot buffer, no request region's residency tables, no miss
+    counter) and left the step counters and the last step as they were."""
+    runner = engine.runner
+    graphs, rt = runner.decode_graphs, runner.hisparse
+
+    def state() -> list[torch.Tensor]:
+        tensors = [t for c in runner.caches for t in (c.kv, c.index) if t is not None]
+        if rt is not None:  # the trash region is no request's: padding slots resolve there
+            live = slice(0, rt.trash_region)
+            tensors += [*rt.hot, *(t[live] for t in rt.slot_token + rt.slot_stamp), rt._counts]
+        return [t.clone() for t in tensors]
+
+    def counters() -> tuple[int, int, int, int]:
+        return (graphs.num_steps, graphs.num_replays, graphs.num_draft_steps,
+                graphs.num_draft_replays)
+
+    before, counted, last = state(), counters(), graphs._last
+    graphs.warm_up()
+    assert all(torch.equal(a, b) for a, b in zip(before, state(), strict=True)), (
+        "warm-up wrote into a cache")
+    assert counters() == counted and graphs._last is last
+
+
+def warm_up_at(engine: LLMEngine, steps: tuple[int, ...]) -> list[int]:
+    """Make engine.step() warm the decode graphs up (checked) before its calls number `steps`
+    (0: before the first) → the sizes warmed, in order, filled as the engine runs."""
+    graphs, step = engine.runner.decode_graphs, engine.step
+    sizes: list[int] = []
+    fill = graphs._fill_padding
+
+    def recorded(size: int) -> None:
+        sizes.append(size)
+        fill(size)
+
+    graphs._fill_padding = recorded
+    calls = itertools.count()
+
+    def stepping():
+        if next(calls) in steps:
+            warm_up_checked(engine)
+        return step()
+
+    engine.step = stepping
+    return sizes
+
+
+@pytest.mark.parametrize("k,kv", [(0, "auto"), (3, "auto"), (3, "fp8_ds_mla")],
+                         ids=["fp32", "fp32-mtp3", "fp8_ds_mla-mtp3"])
+def test_warm_up_writes_nothing_a_step_reads(model_dirs, engine_config, mixed_prompts, k, kv):
+    """Every size's forward (and with MTP3 its drafts) over an all-padding batch, largest first,
+    at start-up and again between steps of running requests (their KV, the last step and the
+    counters live): no cache changes, no step is counted, and the greedy output is that of
+    the engine not warmed up, step for step."""
+    base = engine_config(model_dirs["tiny-glm5"], kv_cache_dtype=kv, dtype="float32",
+                         max_num_seqs=8, num_blocks=96)
+    if k:
+        base = dataclasses.replace(base, speculative=_ACCEPTING)
+    sizes = (4, 8, 16, 32) if k else (1, 2, 4, 8)
+    cfg = dataclasses.replace(base, compilation=CompilationConfig(cudagraph_capture_sizes=sizes))
+    prompts = mixed_prompts(len(_ARRIVALS), seed=8)
+    cold_out, cold = _run(cfg, prompts)
+    warmed: list[list[int]] = []
+
+    def warm(engine):
+        warmed.append(warm_up_at(engine, (0, 4)))  # step 4: decoding, with joins to come
+
+    warm_out, engine = _run(cfg, prompts, prepare=warm)
+    assert warm_out == cold_out
+    assert warmed == [[*reversed(sizes)] * 2]  # every size, largest first, at both steps
+    assert engine.padded_steps == cold.padded_steps
+    graphs, cold_graphs = engine.runner.decode_graphs, cold.runner.decode_graphs
+    assert graphs.num_steps == cold_graphs.num_steps == len(engine.padded_steps)
+    assert graphs.num_draft_steps == cold_graphs.num_draft_steps
+
+
+def test_warm_up_captures_every_size_and_no_step_captures(model_dirs, engine_config,
+                                                          mixed_prompts, monkeypatch):
+    """With graphs 'captured' (_Rerun) and warmed up after start-up, as the runner does on a
+    GPU: every size's forward and drafts are captured, largest first; the steps then replay
+    them and capture nothing, and the output is eager's."""
+    from dsaserve.engine import cudagraph
+
+    cfg = dataclasses.replace(
+        engine_config(model_dirs["tiny-glm5"], dtype="float32", max_num_seqs=8, num_blocks=96),
+        speculative=_ACCEPTING)
+    prompts = mixed_prompts(len(_ARRIVALS), seed=9)
+    eager_out, _ = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(enforce_eager=True)), prompts)
+    captured: list[int] = []
+
+    def capture(fn, pool=None, warmup=2):
+        captured.append(1)
+        graph = _Rerun(fn)
+        return graph, graph.out
+
+    monkeypatch.setattr(cudagraph, "capture", capture)
+    at_start_up: list[int] = []
+
+    def warm(engine):
+        graphs = engine.runner.decode_graphs
+        graphs.capture = True  # as on a GPU with a capturable backend
+        warm_up_checked(engine)
+        at_start_up.append(len(captured))
+
+    sizes = (4, 8, 16, 32)
+    out, engine = _run(dataclasses.replace(
+        cfg, compilation=CompilationConfig(cudagraph_capture_sizes=sizes)), prompts,
+        prepare=warm)
+    assert out == eager_out
+    graphs = engine.runner.decode_graphs
+    assert list(graphs._graphs) == list(graphs._draft_graphs) == [*reversed(sizes)]
+    assert at_start_up == [len(captured)] == [2 * len(sizes)]  # none captured at a step
+    assert graphs.capture and graphs.num_steps > 3
+    assert graphs.num_replays == graphs.num_draft_replays == graphs.num_steps

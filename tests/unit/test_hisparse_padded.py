@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from test_decode_graph import warm_up_at
 
 from dsaserve.config import CompilationConfig, HiSparseConfig, SpecConfig
 from dsaserve.core import SamplingParams
@@ -188,3 +189,26 @@ def test_fill_maps_slots_to_their_regions_and_the_rest_to_the_trash():
     s = padded.step(2)
     assert s.tracked_regions.tolist() == s.hot_regions.tolist() == [7, 7]
     assert not s.row_hot.any() and (s.row_region < 0).all()
+
+
+@pytest.mark.parametrize("name", ["fp8-misses", "spill-mtp3", "fp8-spill-mtp3"])
+def test_warm_up_with_hisparse_writes_nothing_a_step_reads(run, model_dirs, draftable_dirs,
+                                                           engine_config, name):
+    """HiSparse on (spilling too): the all-padding warm-up of every size, at start-up and
+    between steps of requests reading hot buffers with misses, writes no cache, hot buffer,
+    request region's residency tables or miss counter; the output is --enforce-eager's."""
+    case = _CASES[name]
+    model_dir = (draftable_dirs if case.spec else model_dirs)[case.preset]
+    params = SamplingParams(max_tokens=16 if case.spec else 12, temperature=0.0,
+                            ignore_eos=True)
+    prompts = _prompts(case, engine_config(model_dir).model.index_topk)
+    eager, _ = run(LLMEngine.from_config(_config(engine_config, model_dir, case, hisparse=True,
+                                                 eager=True)), prompts, params)
+    engine = LLMEngine.from_config(_config(engine_config, model_dir, case, hisparse=True,
+                                           eager=False))
+    warmed = warm_up_at(engine, (0, 3))  # step 3: decoding through the hot buffers
+    got, steps = run(engine, prompts, params)
+    assert got == eager
+    sizes = engine.runner.decode_graphs.sizes
+    assert warmed == [*reversed(sizes)] * 2 and len(steps) > 3
+    assert engine.runner.decode_graphs.num_steps == len(steps)
