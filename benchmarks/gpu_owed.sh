@@ -72,6 +72,9 @@
 #   bash benchmarks/gpu_owed.sh 26         # part 26: the calibration on one machine's own host
 #                                          #   fits (decode rows at the calibration's batches
 #                                          #   and prefill host rows measured first, same call)
+#   bash benchmarks/gpu_owed.sh 27         # part 27: decode graphs captured at start-up (the
+#                                          #   graph tests), then the calibration with its
+#                                          #   in-process probe (plain and MTP3)
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -308,6 +311,23 @@ elif [ "$part" = 26 ]; then
     files="--parts docs/parts_$gpu.json --decode-rows $out/decode_rows.json"
     files="$files --prefill-rows $out/prefill_host.json"
     run 200 calibration python benchmarks/simulate_calibration.py $files \
+        --steps-json "$out/calibration_steps.json"
+    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
+        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
+        --steps-json "$out/calibration_steps_mtp3.json"
+elif [ "$part" = 27 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    run 170 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_cudagraph_gpu.py \
+        tests/gpu/test_hisparse_graph_gpu.py
+    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
+    if [ ! -f "docs/parts_$gpu.json" ]; then  # a GPU not measured yet: its parts first
+        run 200 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
+            --heads 32 --indices uniform --parts "$out/parts.json"
+        files="--parts $out/parts.json"
+    fi
+    files="$files --prefill-rows docs/prefill_host_h100.json"
+    run 220 calibration python benchmarks/simulate_calibration.py $files \
         --steps-json "$out/calibration_steps.json"
     [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
         benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \

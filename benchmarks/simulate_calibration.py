@@ -30,6 +30,7 @@ its MTP drafts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -55,7 +56,7 @@ from dsaserve.model.dsa import keeps_fp8
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.deployment import parse_deployment
-from dsaserve.plan.hosttime import HostFits
+from dsaserve.plan.hosttime import MEASURED_DRAFTS, DecodeRow, HostFits, fit_decode
 from dsaserve.plan.parts import H200, Parts
 from dsaserve.plan.simtrace import TraceSession, TraceTurn
 from dsaserve.plan.simulate import SimResult, Simulator
@@ -82,6 +83,64 @@ def sessions(num: int, turns: int, context: int, out: int, block: int = 64) -> l
 
 
 ACCEPTANCE = 2.99  # MTP's synthetic mean acceptance length (benchmarks/decode.py's)
+PROBE_BATCHES = (1, 2, 8)  # the probe's batch sizes (the calibration's concurrencies and 1)
+
+
+def probe_sessions(batch: int, context: int, out: int, block: int = 64) -> list[TraceSession]:
+    """The probe's workload: `batch` one-turn requests of `context` tokens (each its own
+    blocks: no prefix shared), decoding `out` tokens side by side."""
+    n = context // block
+    return [TraceSession(id=f"probe{batch}-{context}-{s}", block_size=block, scope="local",
+                         turns=(TraceTurn(input_tokens=n * block, output_tokens=out,
+                                          hash_ids=tuple(range(s * n, (s + 1) * n)),
+                                          think_time_s=0.0),))
+            for s in range(batch)]
+
+
+def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
+               context: int, num_blocks: int, batches: tuple[int, ...] = PROBE_BATCHES,
+               steps: int = 16) -> HostFits:
+    """The host fit of the runner's decode steps measured in this process, on a workload apart
+    from the calibration's (Vidur's way, taken to the process: the same machine's decode rows
+    vary 10-25 % from process to process, docs/simulate.md). Steady decode batches of
+    `batches` at half and the whole `context` run on the real runner (about `steps` decode
+    steps each); each full batch's decode steps give a row whose kernels are the model's GPU
+    time for it, so the fit is what the model's GPU parts leave of the measured step. Replaces
+    the fit of the runner's own kind (graphed or eager, its drafts); the other kinds keep
+    `fits`."""
+    drafts = runner.config.num_speculative_tokens
+    graph = runner.decode_graphs is not None and runner.decode_graphs.capture
+    if drafts not in (0, MEASURED_DRAFTS):  # the host model fits only these two (hosttime.py)
+        print(f"probe: skipped at {drafts} drafts (fits at 0 and {MEASURED_DRAFTS})",
+              file=sys.stderr)
+        return fits
+    rows = []
+    for ctx in (context // 2, context):
+        for b in batches:
+            work = probe_sessions(b, ctx, steps * (1 + drafts))
+            for _ in range(2):  # the first untimed, as the calibration's own passes
+                first_use = FirstUse(runner)
+                sim = Simulator(model, spec, parts, work, b, num_blocks=num_blocks,
+                                measure=first_use.measure, host_fits=fits)
+                sim.run()
+            decode = [(m, max(times, key=lambda t: t.total).gpu)
+                      for (m, _), kind, (replicas, times), paid in zip(
+                          sim.step_times, sim.step_kinds, sim.step_batches, first_use.steps,
+                          strict=True)
+                      if kind == "decode" and len(replicas[0]) == b and not paid]
+            if decode:
+                rows.append(DecodeRow(ctx, b, drafts, graph,
+                                      1e3 * statistics.median(m for m, _ in decode),
+                                      1e3 * statistics.median(g for _, g in decode)))
+    fit = fit_decode(rows, f"this process's probe ({len(rows)} rows)")
+    print(f"probe: {'graphed' if graph else 'eager'} decode at {drafts} drafts, host = "
+          f"{1e3 * fit.fixed:.3f} ms + {1e3 * fit.per_request:.4f} ms per request + "
+          f"{1e6 * fit.per_entry:.3f} µs per block-table entry; rows (context, batch, wall, "
+          f"model GPU ms): " + ", ".join(f"({r.context}, {r.batch}, {r.wall_ms:.2f}, "
+                                        f"{r.kernels_ms:.2f})" for r in rows),
+          file=sys.stderr)
+    kind = "graphed" if graph else "eager"
+    return dataclasses.replace(fits, **{kind: {**getattr(fits, kind), drafts: fit}})
 
 
 def deployment_spec(runner: ModelRunner) -> str:
@@ -226,6 +285,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also write every measured step (kind, measured and predicted ms, "
                          "its batch, the model's parts) to this file")
     ap.add_argument("--smoke", action="store_true", help="tiny model on the CPU, tiny contexts")
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="price decode steps with the files' host fits alone, not refitted "
+                         "from this process's probe (probe_fits; the last two columns are "
+                         "those fits' errors either way)")
     ap.add_argument("--parts", default=None, metavar="FILE",
                     help="this GPU's kernel rates (benchmarks/kernels.py --parts); default: the "
                          "H200's")
@@ -277,8 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                        overrides=glm53_shaped(args.layers, mtp=args.mtp > 0))
         model = ModelConfig.from_file(model_dir)
         print("| context | c | requests | TTFT error (median) | ITL error (median) | "
-              "step error (median) | steps |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
+              "step error (median) | steps | TTFT error, files' fits | ITL error, files' fits |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         kinds: list[str] = []
         records: list[dict] = []
         for context in contexts:
@@ -303,24 +366,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"context {context:,}: simulated as --deployment '{spec.spec}'",
                   file=sys.stderr)
             work = sessions(args.sessions, args.turns, context, args.output_tokens)
+            own = probe_fits(model, spec, parts, fits, runner, context, blocks,
+                             *(((1, 2), 3) if args.smoke else ())) if args.probe else fits
             for c in concurrency:
                 # an untimed pass first: it captures the CUDA graphs of this concurrency's
                 # batch sizes and compiles the kernels' new specialisations, which the timed
                 # pass would otherwise count as step time (a deployment pays them once)
                 Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                          measure=FirstUse(runner).measure, host_fits=fits).run()
+                          measure=FirstUse(runner).measure, host_fits=own).run()
                 first_use = FirstUse(runner)
                 measured_sim = Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                         measure=first_use.measure, host_fits=fits)
+                                         measure=first_use.measure, host_fits=own)
                 measured = measured_sim.run()
                 print(f"context {context:,}, c = {c}, timed pass: {first_use.summary()}",
                       file=sys.stderr)
-                modelled = Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                     host_fits=fits).run()
-                e = errors(measured, modelled)
+                e = errors(measured, Simulator(model, spec, parts, work, c, num_blocks=blocks,
+                                               host_fits=own).run())
+                files = errors(measured, Simulator(model, spec, parts, work, c,
+                                                   num_blocks=blocks, host_fits=fits).run())
                 step = statistics.median(abs(p - m) / m for m, p in measured_sim.step_times)
                 print(f"| {context:,} | {c} | {len(measured.records)} | {e['ttft']:.1%} | "
-                      f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} |")
+                      f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} | "
+                      f"{files['ttft']:.1%} | {files['itl']:.1%} |")
                 sys.stdout.flush()
                 kinds += by_kind(context, c, measured_sim)
                 records += step_records(context, c, measured_sim, first_use)

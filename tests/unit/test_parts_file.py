@@ -6,6 +6,7 @@ same host time as the rows themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -272,14 +273,28 @@ def test_calibration_smoke_with_this_machines_files(tmp_path, load_benchmark, mo
             given.append((self.parts, self.entry.times.cpu.fits))
 
     monkeypatch.setattr(bench, "Simulator", Recording)
-    assert bench.main(["--smoke", "--parts", parts, "--decode-rows", rows,
+    assert bench.main(["--smoke", "--no-probe", "--parts", parts, "--decode-rows", rows,
                        "--prefill-rows", prefill]) == 0
     out = capsys.readouterr()
     rows_256 = [line for line in out.out.splitlines() if line.startswith("| 256 | 2 | ")]
     assert len([line for line in rows_256 if line.startswith("| 256 | 2 | 4 |")]) == 1
     want_parts = Parts.load(parts)
     want_fits = HostFits.load(rows, prefill)
-    assert len(given) == 3 and all(p == want_parts and f == want_fits for p, f in given)
+    # warm-up, measured, modelled and the files' modelled run
+    assert len(given) == 4 and all(p == want_parts and f == want_fits for p, f in given)
+    # With the probe (the default), its runs price with the files' fits, and the calibration's
+    # with the files' fits but for the runner's own kind (eager, no drafts on the CPU), which
+    # the probe refits; the last modelled run keeps the files' fits for the last two columns.
+    given.clear()
+    assert bench.main(["--smoke", "--parts", parts, "--decode-rows", rows,
+                       "--prefill-rows", prefill]) == 0
+    probe, calibration = given[:8], given[8:]
+    assert len(probe) == 8 and all(f == want_fits for _, f in probe)
+    assert [f == want_fits for _, f in calibration] == [False, False, False, True]
+    own = calibration[0][1]
+    assert own.eager[0] != want_fits.eager[0] and "probe" in own.eager[0].source
+    assert own == dataclasses.replace(want_fits, eager={**want_fits.eager, 0: own.eager[0]})
+    capsys.readouterr()
     kept = ", ".join(want_parts.kept(H200))
     assert f"parts from {parts} ({GPU}): mla_decode_us, mla_prefill_tflops, " in out.err
     assert f"hbm_tbps; the H200's: {kept}\n" in out.err and kept.startswith("nvlink_gbps")

@@ -375,9 +375,10 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert len(rows) == 1  # 2 sessions × 2 turns, all compared
     # every measured step recorded, with the model's parts adding up to its prediction
     records = json.loads(steps.read_text())
-    assert len(records) == int(rows[0].rstrip(" |").rsplit("| ", 1)[1])
+    assert len(records) == int(rows[0].split(" | ")[6])
     for r in records:
         assert r["kind"] in ("decode", "mixed", "prefill") and r["batch"]
+        assert r["first_use"] == []  # the reference backend compiles nothing
         gpu = sum(v for k, v in r["parts_ms"].items() if k != "cpu")
         assert r["predicted_ms"] == pytest.approx(gpu + r["parts_ms"]["cpu"])
     # the same run's steps by kind, measured against priced (mixed steps depend on timing)
@@ -385,8 +386,10 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert {"decode", "prefill"} <= kinds <= {"decode", "mixed", "prefill"}, kinds
     # The simulator is given the runner's own settings: on the CPU its decode steps are eager.
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
+    # the decode host fit refitted from this process's probe (4 rows: 2 contexts × 2 batches)
+    assert "probe: eager decode at 0 drafts, host = " in out.err and "(256, 2, " in out.err
     # An FP8 checkpoint: the CPU runner dequantizes it at load, so its matrices are bf16 too.
-    assert bench.main(["--smoke", "--weights", "fp8"]) == 0
+    assert bench.main(["--smoke", "--weights", "fp8", "--no-probe"]) == 0
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in \
         capsys.readouterr().err
 
