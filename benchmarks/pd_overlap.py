@@ -12,7 +12,7 @@ the READ. The two processes take half the cores each. B requests decode on the d
 (prompts of `--context` tokens, prefilled there). Per row:
 
   1. idle: `--steps` decode steps of the B requests, no READ anywhere (host clock around
-     `LLMEngine.step`, the device synchronized);
+     `LLMEngine.step`, the engine's stream synchronized, not the device: `_sync`);
   2. in flight: the prefill engine prefills `--inflight` prompts of N tokens and holds their
      blocks (the decode engine does not step meanwhile; the prefill engine keeps stepping while
      it holds them, as a prefill server does, polling for the READs' notifications); then they
@@ -99,8 +99,12 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def _sync(device: torch.device) -> None:
+    """The engine's own stream, not the device: a device-wide synchronise also waits for the
+    READs' copies, which UCX's cuda_ipc issues on its own streams in this process, so it would
+    hold every step in flight until they land (as a serving engine, which never synchronises
+    the device, is not held)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- engines -----------------------------------------------------------------------------------
