@@ -1187,9 +1187,10 @@ class ModelRunner:
         rows_t = torch.from_numpy(rows)
         dev = self.device
         tok_t = _host_ints(tokens, "q", torch.int64)
-        slots = layout.slot_mapping(pos_t, rows_t[req_t], torch.from_numpy(table.host),
-                                    self.block_size, self.dcp_size, self.dcp_rank,
-                                    self.interleave)
+        # [N] the rows' write slots, per block of the mirror (not per token)
+        slots = torch.from_numpy(layout.run_slots(starts, counts, rows, table.host,
+                                                  self.block_size, self.dcp_size,
+                                                  self.dcp_rank, self.interleave))
         # [2, n] each: (flat index, value) changed since last step
         diffs = [table.pending(), self.sampling.pending()]
         mla_slots: list[torch.Tensor] = []

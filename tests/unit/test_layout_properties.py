@@ -10,6 +10,7 @@ table and batch of query lengths.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,6 +69,29 @@ def test_slot_mapping_writes_each_position_once_in_its_block(layout_, seq_len, s
             slots_seen.add((rank, slot))
             assert layout.dcp_owner(t, n, interleave) == rank
     assert bool((written == 1).all())
+
+
+@SETTINGS
+@given(layout_=dcp_layouts(), runs=st.lists(st.tuples(st.integers(0, 150), st.integers(0, 70)),
+                                             max_size=6), seed=st.integers(0, 2**16))
+def test_run_slots_are_slot_mapping(layout_, runs, seed) -> None:
+    """The host's per-block slots of a step's runs of positions (layout.run_slots) are
+    slot_mapping's at every rank, unallocated (−1) blocks, empty runs and shared rows
+    included."""
+    n, block, interleave = layout_
+    g = torch.Generator().manual_seed(seed)
+    width = -(-220 // (block * n))
+    table = torch.randint(-1, 50, (len(runs) + 2, width), generator=g, dtype=torch.int32)
+    rows = torch.randint(0, len(runs) + 2, (len(runs),), generator=g)
+    starts, counts = [s for s, _ in runs], [c for _, c in runs]
+    positions = torch.tensor([s + i for s, c in runs for i in range(c)], dtype=torch.int64)
+    reqs = torch.tensor([r for r, (_, c) in enumerate(runs) for _ in range(c)],
+                        dtype=torch.int64)
+    for rank in range(n):
+        want = layout.slot_mapping(positions, rows[reqs], table, block, n, rank, interleave)
+        got = layout.run_slots(starts, counts, rows.numpy(), table.numpy(), block, n, rank,
+                               interleave)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
 
 
 @SETTINGS

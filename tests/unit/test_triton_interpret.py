@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import random
 import sys
 from types import SimpleNamespace
 
@@ -731,14 +732,37 @@ def test_workspace_indices(k):
 
 
 def test_tiles_and_splits(k):
-    assert k.indexer._tiles((0, 3, 4, 6), 2) == ([0, 0, 1, 2], [0, 2, 3, 4], [2, 1, 1, 2])
-    assert k.indexer._tiles((0, 0, 5), 4) == ([1, 1], [0, 4], [4, 1])
+    assert k.indexer._tiles((0, 3, 4, 6), 2).tolist() == [[0, 0, 1, 2], [0, 2, 3, 4],
+                                                          [2, 1, 1, 2]]
+    assert k.indexer._tiles((0, 0, 5), 4).tolist() == [[1, 1], [0, 4], [4, 1]]
+    assert k.indexer._tiles((0,), 4).shape == (3, 0)
+    # against the definition, token by token: every request's tokens cut from its first, in
+    # order, into tiles of block_t but the last
+    rng = random.Random(0)
+    for _ in range(200):
+        qsl = [0]
+        for _ in range(rng.randint(0, 6)):
+            qsl.append(qsl[-1] + rng.choice([0, 1, 2, 3, 5, 8, 17, 64]))
+        block_t = rng.choice([1, 2, 4, 8, 16])
+        want = [(r, t, min(block_t, qsl[r + 1] - t)) for r in range(len(qsl) - 1)
+                for t in range(qsl[r], qsl[r + 1], block_t)]
+        assert [tuple(t) for t in k.indexer._tiles(tuple(qsl), block_t).T.tolist()] == want
     # Row passes: whole tiles, in order, at most max_rows rows unless one tile is longer.
     passes = k.indexer._row_passes
     assert passes([0, 4, 8, 9], [4, 4, 1, 3], 8) == [(0, 8, 0, 2), (8, 12, 2, 4)]
     assert passes([0, 4, 8, 9], [4, 4, 1, 3], 3) == [(0, 4, 0, 1), (4, 8, 1, 2), (8, 9, 2, 3),
                                                       (9, 12, 3, 4)]
     assert passes([0, 4], [4, 4], 100) == [(0, 8, 0, 2)] and passes([], [], 8) == []
+    for _ in range(200):  # against the greedy definition, tile by tile
+        lens = [rng.randint(1, 9) for _ in range(rng.randint(0, 30))]
+        toks = [sum(lens[:i]) for i in range(len(lens))]
+        max_rows = rng.randint(1, 40)
+        want, first = [], 0
+        for i in range(1, len(toks) + 1):
+            if i == len(toks) or toks[i] + lens[i] - toks[first] > max_rows:
+                want.append((toks[first], toks[i - 1] + lens[i - 1], first, i))
+                first = i
+        assert passes(toks, lens, max_rows) == want
     choose = k.sparse_mla.choose_num_splits
     assert choose(4096, 64, 132) == 1 and choose(128, 64, 132) == 1  # a wave already
     assert choose(32, 64, 132) == 4 and choose(28, 64, 132) == 4

@@ -31,13 +31,15 @@ local top-k of (score, global position). The key writer is index_cache.py.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels import formats
+from dsaserve.kernels import formats, staging
 from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata
@@ -161,19 +163,21 @@ def _indexer_logits_kernel(
                  mask=tok_ok[None, :] & (g[:, None] < num_groups))
 
 
-def _tiles(query_start_loc: tuple[int, ...],
-           block_t: int) -> tuple[list[int], list[int], list[int]]:
-    """Cut each request's tokens into tiles of ≤ block_t consecutive tokens:
+def _tiles(query_start_loc: tuple[int, ...], block_t: int) -> np.ndarray:
+    """Cut each request's tokens into tiles of ≤ block_t consecutive tokens → [3, num_tiles]
+    int64 rows (request, first token, length):
 
-        qsl 0 3 4 6, block_t 2  →  (req, first token, length) = (0,0,2) (0,2,1) (1,3,1) (2,4,2)
-    """
-    reqs, toks, lens = [], [], []
-    for r in range(len(query_start_loc) - 1):
-        for start in range(query_start_loc[r], query_start_loc[r + 1], block_t):
-            reqs.append(r)
-            toks.append(start)
-            lens.append(min(block_t, query_start_loc[r + 1] - start))
-    return reqs, toks, lens
+        qsl 0 3 4 6, block_t 2  →  (0,0,2) (0,2,1) (1,3,1) (2,4,2)
+
+    In numpy: a 16K-token prompt has thousands of tiles at GLM-5.3's 8 tokens per tile, and a
+    loop over them cost ~2 ms of host time per step (benchmarks/prefill_prep.py)."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)  # [R + 1]
+    num = np.diff(qsl)  # [R] tokens of each request
+    per = -(-num // block_t)  # [R] tiles of each request
+    reqs = np.repeat(np.arange(len(num), dtype=np.int64), per)  # [n]
+    first_tile = np.cumsum(per) - per  # [R] each request's first tile
+    toks = qsl[reqs] + (np.arange(len(reqs), dtype=np.int64) - first_tile[reqs]) * block_t
+    return np.stack((reqs, toks, np.minimum(block_t, qsl[reqs + 1] - toks)))
 
 
 @dataclass(frozen=True)
@@ -203,21 +207,25 @@ class _RowPass:
     tiles: torch.Tensor  # [3, n] int32: the pass's tiles, first token counted from `first`
 
 
-def _row_passes(toks: list[int], lens: list[int], max_rows: int
+def _row_passes(toks: Sequence[int], lens: Sequence[int], max_rows: int
                 ) -> list[tuple[int, int, int, int]]:
     """Group consecutive tiles (first token, length; they cover the rows in order) into passes
     of at most max_rows rows (at least one tile each) → (first row, end row, first tile, end
     tile) per pass:
 
         toks 0 4 8 9, lens 4 4 1 3, max_rows 8  →  (0, 8, 0, 2) (8, 12, 2, 4)
-    """
+
+    A pass from tile i takes the tiles whose rows end within toks[i] + max_rows (the ends
+    ascend): one search per pass, not a step per tile."""
+    toks = np.asarray(toks, dtype=np.int64)
+    ends = toks + np.asarray(lens, dtype=np.int64)  # [n] ascending
     passes: list[tuple[int, int, int, int]] = []
     first_tile = 0
-    for i in range(len(toks) + 1):
-        if i == len(toks) or (i > first_tile and toks[i] + lens[i] - toks[first_tile] > max_rows):
-            if i > first_tile:
-                passes.append((toks[first_tile], toks[i - 1] + lens[i - 1], first_tile, i))
-            first_tile = i
+    while first_tile < len(toks):
+        end_tile = max(first_tile + 1, int(np.searchsorted(
+            ends, toks[first_tile] + max_rows, side="right")))
+        passes.append((int(toks[first_tile]), int(ends[end_tile - 1]), first_tile, end_tile))
+        first_tile = end_tile
     return passes
 
 
@@ -240,24 +248,31 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     max_len = _max_query_len(meta)
     # Tiles of up to rows_per_tile (tokens × heads): one page read serves all of them.
     block_t = min(triton.next_power_of_2(max(1, max_len)), max(1, rows_per_tile // num_heads))
-    reqs, toks, tile_lens = _tiles(meta.query_start_loc, block_t)
+    tiles = _tiles(meta.query_start_loc, block_t)  # [3, num_tiles]
     s_out = max(local_lens, default=0)
     # Full-width rows per pass within the logits budget (logits_split="keys": key windows,
     # indexer_topk).
     max_rows = config.max_logits_bytes // (4 * max(s_out, 1))
     passes = [] if config.logits_split == "keys" or max_rows >= meta.num_tokens else \
-        _row_passes(toks, tile_lens, max_rows)
-    # Every pass's tiles [3, n], rebased to its first row, back to back: one host → device
-    # copy, and each pass's tiles a contiguous view of it.
-    flat: list[int] = []
-    for first, _, a, b in passes:
-        flat += reqs[a:b] + [t - first for t in toks[a:b]] + tile_lens[a:b]
-    flat_t = torch.tensor(flat, dtype=torch.int32).to(device) if passes else None
-    row_passes = [_RowPass(first, end, flat_t[3 * a : 3 * b].view(3, b - a))
+        _row_passes(tiles[1], tiles[2], max_rows)
+    # Every pass's tiles [3, n], rebased to its first row, back to back, each a contiguous
+    # view of one tensor; with the lengths and the step's tiles, one host → device copy that
+    # does not wait for the device (kernels/staging.py; a plan is never built under a CUDA
+    # graph's capture: its warm-up runs build it first).
+    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+        "indexer: a step plan built under capture"
+    rebased = [(tiles[:, a:b] - np.array([[0], [first], [0]])).reshape(-1)
+               for first, _, a, b in passes]
+    local_lens_d, tiles_d, *flat_d = staging.upload(
+        [torch.tensor([0] + local_lens, dtype=torch.int64),
+         torch.from_numpy(tiles.astype(np.int32)),
+         *([torch.from_numpy(np.concatenate(rebased).astype(np.int32))] if passes else [])],
+        device)
+    row_passes = [_RowPass(first, end, flat_d[0][3 * a : 3 * b].view(3, b - a))
                   for first, end, a, b in passes]
     plan = _StepPlan(
-        local_lens=torch.tensor([0] + local_lens, dtype=torch.int64, device=device),
-        tiles=torch.tensor([reqs, toks, tile_lens], dtype=torch.int32, device=device),
+        local_lens=local_lens_d,
+        tiles=tiles_d,
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
         s_out=s_out, block_t=block_t, cuda_shape=cuda_shape,
         num_sms=torch.cuda.get_device_properties(device).multi_processor_count

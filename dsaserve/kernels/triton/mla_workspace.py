@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from dsaserve.kernels import formats
+from dsaserve.kernels import formats, staging
 
 
 @dataclass(frozen=True)
@@ -134,17 +135,23 @@ def workspace_pages(block_table: torch.Tensor, segment: Segment, local_lens: Seq
     """The segment's requests' cache pages in request then (local) position order [P], and the
     workspace's own block table [R, max pages] int32: request r's pages renumbered as the
     consecutive workspace pages they become, −1 elsewhere. Page counts come from the host's
-    local_lens, so nothing waits for the device."""
-    counts = [-(-local_lens[r] // block_size) for r in segment.requests]
-    table = torch.full((block_table.shape[0], max(counts)), -1, dtype=torch.int32,
-                       device=block_table.device)
-    start = 0
-    for r, n in zip(segment.requests, counts, strict=True):
-        table[r, :n] = torch.arange(start, start + n, dtype=torch.int32,
-                                    device=block_table.device)
-        start += n
-    pages = torch.cat([block_table[r, :n] for r, n in zip(segment.requests, counts, strict=True)])
-    return pages, table
+    local_lens, so nothing waits for the device: the table and the (request, column) of each
+    page are built on the host and go up in one copy, the pages are one gather."""
+    device = block_table.device
+    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
+        "mla_workspace: pages planned under capture (the step's plan is made before)"
+    reqs = np.asarray(segment.requests, dtype=np.int64)  # [S]
+    counts = -(-np.asarray([local_lens[r] for r in segment.requests], dtype=np.int64)
+               // block_size)  # [S] pages of each
+    page_req = np.repeat(reqs, counts)  # [P] the request of each workspace page
+    page_col = np.arange(len(page_req), dtype=np.int64) - np.repeat(
+        np.cumsum(counts) - counts, counts)  # [P] its column in the request's row
+    table = np.full((block_table.shape[0], int(counts.max())), -1, dtype=np.int32)
+    table[page_req, page_col] = np.arange(len(page_req), dtype=np.int32)
+    table_d, req_d, col_d = staging.upload(
+        [torch.from_numpy(table), torch.from_numpy(page_req), torch.from_numpy(page_col)],
+        device)
+    return block_table[req_d, col_d], table_d
 
 
 def build_workspace(cache: torch.Tensor, block_table: torch.Tensor, segment: Segment,
