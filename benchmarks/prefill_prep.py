@@ -11,8 +11,9 @@ tiny-glm5 (2 layers, its positions widened to the longest prompt), fp8_ds_mla KV
 the reference backend, one thread. Each step prefills fresh requests whole (--cases:
 tokens × requests per step) after ending the previous step's, so the same blocks serve again.
 The model itself does not run: the runner's `_forward` is replaced by one that records when
-it starts and ends and returns a zero hidden state of the step's shape (nothing timed here
-reads the KV caches it would have written). Per case, the minimum and median over --repeats:
+it starts and ends and returns a zero hidden state of the step's shape, one element expanded
+(no host memory touched, as a GPU's forward touches none; nothing timed here reads the KV
+caches it would have written). Per case, the minimum and median over --repeats:
 
   - before: `execute`'s call to the forward's start (`_apply_diff`, `_prepare`);
   - after: the forward's end to `execute`'s return (`_sample`, the read-back);
@@ -88,10 +89,14 @@ class PhaseClock:
         self.forward_at = (0.0, 0.0)
         hidden = runner.model_cfg.hidden_size
 
+        zero = torch.zeros((), dtype=runner.dtype)
+
         def forward(batch, size):  # the runner's _forward(batch, padded size)
             start = time.perf_counter()
             self.meta = batch.meta
-            out = torch.zeros(batch.query_start_loc[-1], hidden, dtype=runner.dtype)
+            # [N, hidden] of one element: no memory touched, as a GPU's forward touches none
+            # of the host's
+            out = zero.expand(batch.query_start_loc[-1], hidden)
             self.forward_at = (start, time.perf_counter())
             return out
 
@@ -127,7 +132,8 @@ def plans_time(meta: AttentionMetadata, runner: ModelRunner,
     layer does; they are kept on the metadata for the other layers)."""
     if prof is not None:
         prof.disable()
-    q = torch.empty(meta.num_tokens, INDEX_HEADS, INDEX_DIM, dtype=torch.bfloat16)
+    # the plan reads only q's shape, dtype and device: a view of one element
+    q = torch.empty((), dtype=torch.bfloat16).expand(meta.num_tokens, INDEX_HEADS, INDEX_DIM)
     index_cache = next(c.index for c in runner.caches if c.index is not None)
     meta.derived.clear()
     if prof is not None:
