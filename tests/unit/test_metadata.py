@@ -39,7 +39,7 @@ def test_for_requests_rejects_more_new_tokens_than_context():
 def test_runner_host_tensors_match_the_python_loops():
     """The runner's positions / request index / int lists, built without Python loops over
     tokens, equal the loops they replaced (zero-token requests and empty lists included)."""
-    from dsaserve.engine.runner import _host_ints, _positions
+    from dsaserve.engine.runner import _flat_ids, _positions
 
     starts, counts = [5, 0, 1_000_000, 7], [3, 0, 4, 1]
     pos, req = _positions(starts, counts)
@@ -47,7 +47,10 @@ def test_runner_host_tensors_match_the_python_loops():
     want_req = [r for r, n in enumerate(counts) for _ in range(n)]
     assert pos.tolist() == want_pos and req.tolist() == want_req
     assert pos.dtype == req.dtype == torch.int64
-    ids = [3, -1, 2**31 - 1, 0]
-    assert _host_ints(ids, "i", torch.int32).tolist() == ids
-    assert _host_ints([2**40], "q", torch.int64).tolist() == [2**40]
-    assert _host_ints([], "q", torch.int64).shape == (0,)
+    # the first counts[r] ids of each request's row tokens (known, drafts, the next known)
+    seqs, counts = [[3, -1, 7], [], [2**40, 2**31 - 1, 0, 9], [5]], [2, 0, 3, 1]
+    ids = _flat_ids(seqs, counts)
+    assert ids.dtype == torch.int64 and ids.tolist() == [3, -1, 2**40, 2**31 - 1, 0, 5]
+    assert _flat_ids([], []).shape == (0,)
+    with pytest.raises(ValueError):  # a row with fewer tokens than it computes
+        _flat_ids([[1, 2]], [3])
