@@ -259,8 +259,9 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     # view of one tensor; with the lengths and the step's tiles, one host → device copy that
     # does not wait for the device (kernels/staging.py; a plan is never built under a CUDA
     # graph's capture: its warm-up runs build it first).
-    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-        "indexer: a step plan built under capture"
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # what a blocking copy raised here before: the capture fails, decode runs eager
+        raise RuntimeError("indexer: a step plan built under a CUDA graph's capture")
     rebased = [(tiles[:, a:b] - np.array([[0], [first], [0]])).reshape(-1)
                for first, _, a, b in passes]
     local_lens_d, tiles_d, *flat_d = staging.upload(

@@ -138,8 +138,9 @@ def workspace_pages(block_table: torch.Tensor, segment: Segment, local_lens: Seq
     local_lens, so nothing waits for the device: the table and the (request, column) of each
     page are built on the host and go up in one copy, the pages are one gather."""
     device = block_table.device
-    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-        "mla_workspace: pages planned under capture (the step's plan is made before)"
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # the upload's pinned buffer would be read at every replay: the capture fails instead
+        raise RuntimeError("mla_workspace: pages planned under a CUDA graph's capture")
     reqs = np.asarray(segment.requests, dtype=np.int64)  # [S]
     counts = -(-np.asarray([local_lens[r] for r in segment.requests], dtype=np.int64)
                // block_size)  # [S] pages of each
