@@ -75,6 +75,10 @@
 #   bash benchmarks/gpu_owed.sh 27         # part 27: decode graphs captured at start-up (the
 #                                          #   graph tests), then the calibration with its
 #                                          #   in-process probe (plain and MTP3)
+#   bash benchmarks/gpu_owed.sh 28         # part 28: a READ into pages with the engine's
+#                                          #   stream synchronised, twice in the same
+#                                          #   processes; the calibration with its probe at
+#                                          #   8K and 32K, plain and MTP3
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -328,6 +332,18 @@ elif [ "$part" = 27 ]; then
     fi
     files="$files --prefill-rows docs/prefill_host_h100.json"
     run 220 calibration python benchmarks/simulate_calibration.py $files \
+        --steps-json "$out/calibration_steps.json"
+    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
+        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
+        --steps-json "$out/calibration_steps_mtp3.json"
+elif [ "$part" = 28 ]; then
+    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    run 120 pd_overlap python benchmarks/pd_overlap.py --into pages --transports nixl \
+        --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md"
+    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
+    files="$files --prefill-rows docs/prefill_host_h100.json"
+    run 250 calibration python benchmarks/simulate_calibration.py $files \
         --steps-json "$out/calibration_steps.json"
     [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
         benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
