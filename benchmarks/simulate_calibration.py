@@ -56,7 +56,14 @@ from dsaserve.model.dsa import keeps_fp8
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.deployment import parse_deployment
-from dsaserve.plan.hosttime import MEASURED_DRAFTS, DecodeRow, HostFits, fit_decode
+from dsaserve.plan.hosttime import (
+    MEASURED_DRAFTS,
+    PREFILL_PROMPT,
+    DecodeRow,
+    HostFits,
+    PrefillFit,
+    fit_decode,
+)
 from dsaserve.plan.parts import H200, Parts
 from dsaserve.plan.simtrace import TraceSession, TraceTurn
 from dsaserve.plan.simulate import SimResult, Simulator
@@ -106,8 +113,8 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
     `batches` at half and the whole `context` run on the real runner (about `steps` decode
     steps each); each full batch's decode steps give a row whose kernels are the model's GPU
     time for it, so the fit is what the model's GPU parts leave of the measured step. Replaces
-    the fit of the runner's own kind (graphed or eager, its drafts); the other kinds keep
-    `fits`."""
+    the fit of the runner's own kind (graphed or eager, its drafts) and moves the prefill
+    fit's per-step part (`probe_prefill`); the other kinds keep `fits`."""
     drafts = runner.config.num_speculative_tokens
     graph = runner.decode_graphs is not None and runner.decode_graphs.capture
     if drafts not in (0, MEASURED_DRAFTS):  # the host model fits only these two (hosttime.py)
@@ -140,7 +147,37 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
                                         f"{r.kernels_ms:.2f})" for r in rows),
           file=sys.stderr)
     kind = "graphed" if graph else "eager"
-    return dataclasses.replace(fits, **{kind: {**getattr(fits, kind), drafts: fit}})
+    return dataclasses.replace(fits, **{kind: {**getattr(fits, kind), drafts: fit}},
+                               prefill=probe_prefill(model, spec, parts, fits, runner, context,
+                                                     num_blocks))
+
+
+def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
+                  context: int, num_blocks: int) -> PrefillFit:
+    """The prefill host fit moved to this process: one fresh prompt of PREFILL_PROMPT tokens
+    (the fit's own; the context where shorter) prefilled whole, once untimed, then three times
+    timed; the fit's per-step part shifted by the median of measured − priced, its per-layer
+    part kept (one process measures one layer count)."""
+    work = probe_sessions(1, min(PREFILL_PROMPT, context), 1)
+    residuals = []
+    for timed in (False, True, True, True):
+        first_use = FirstUse(runner)
+        sim = Simulator(model, spec, parts, work, 1, num_blocks=num_blocks,
+                        measure=first_use.measure, host_fits=fits)
+        sim.run()
+        residuals += [m - p for (m, p), kind, paid in zip(
+            sim.step_times, sim.step_kinds, first_use.steps, strict=True)
+            if timed and kind == "prefill" and not paid]
+    if not residuals:
+        return fits.prefill
+    shift = statistics.median(residuals)
+    fit = dataclasses.replace(fits.prefill, per_step=max(fits.prefill.per_step + shift, 0.0),
+                              source=f"this process's probe ({len(residuals)} prefill steps) "
+                                     f"on {fits.prefill.source}")
+    print(f"probe: prefill host per step {1e3 * fits.prefill.per_step:.3f} → "
+          f"{1e3 * fit.per_step:.3f} ms (+ {1e3 * fit.per_layer:.3f} ms per layer, kept)",
+          file=sys.stderr)
+    return fit
 
 
 def deployment_spec(runner: ModelRunner) -> str:

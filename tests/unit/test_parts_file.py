@@ -288,12 +288,18 @@ def test_calibration_smoke_with_this_machines_files(tmp_path, load_benchmark, mo
     given.clear()
     assert bench.main(["--smoke", "--parts", parts, "--decode-rows", rows,
                        "--prefill-rows", prefill]) == 0
-    probe, calibration = given[:8], given[8:]
-    assert len(probe) == 8 and all(f == want_fits for _, f in probe)
+    # 2 contexts × 2 batches × 2 passes of decode, 4 passes of one prefill, then the 4 runs
+    probe, calibration = given[:12], given[12:]
+    assert len(probe) == 12 and all(f == want_fits for _, f in probe)
     assert [f == want_fits for _, f in calibration] == [False, False, False, True]
     own = calibration[0][1]
     assert own.eager[0] != want_fits.eager[0] and "probe" in own.eager[0].source
-    assert own == dataclasses.replace(want_fits, eager={**want_fits.eager, 0: own.eager[0]})
+    # the prefill fit's per-step part moved, its per-layer part kept
+    assert own.prefill.per_layer == want_fits.prefill.per_layer
+    assert own.prefill.per_step != want_fits.prefill.per_step and own.prefill.per_step >= 0
+    assert "probe" in own.prefill.source
+    assert own == dataclasses.replace(want_fits, eager={**want_fits.eager, 0: own.eager[0]},
+                                      prefill=own.prefill)
     capsys.readouterr()
     kept = ", ".join(want_parts.kept(H200))
     assert f"parts from {parts} ({GPU}): mla_decode_us, mla_prefill_tflops, " in out.err

@@ -388,6 +388,7 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
     # the decode host fit refitted from this process's probe (4 rows: 2 contexts × 2 batches)
     assert "probe: eager decode at 0 drafts, host = " in out.err and "(256, 2, " in out.err
+    assert "probe: prefill host per step " in out.err
     # An FP8 checkpoint: the CPU runner dequantizes it at load, so its matrices are bf16 too.
     assert bench.main(["--smoke", "--weights", "fp8", "--no-probe"]) == 0
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in \
