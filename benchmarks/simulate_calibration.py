@@ -7,6 +7,7 @@ model (plan/steptime.py); per request, predicted against measured TTFT and inter
     python benchmarks/simulate_calibration.py --enforce-eager    # decode eager, as the flag
     python benchmarks/simulate_calibration.py --mtp 3            # MTP3, synthetic acceptance 2.99
     python benchmarks/simulate_calibration.py --weights fp8      # an FP8 checkpoint, kept in FP8
+    python benchmarks/simulate_calibration.py --hisparse         # HiSparse, GPU pages spilled
     python benchmarks/simulate_calibration.py --smoke            # CPU, tiny model (CI)
     python benchmarks/simulate_calibration.py --parts parts.json --decode-rows decode.json \
         --prefill-rows prefill_host.json                         # this machine's own parts
@@ -25,6 +26,15 @@ its KV dtype, its weights (`--weights fp8`: the runner keeps the FP8 matrices on
 multiplies them with bf16 activations, `weights=fp8-weight-only`; a bf16 checkpoint, or FP8
 dequantized at load as on the CPU, `weights=bf16`), whether its decode steps replay CUDA graphs,
 its MTP drafts.
+
+`--hisparse` runs the runner as a HiSparse decode engine (docs/hisparse.md): a host pool of the
+sessions' windows (`--host-pool-gib`), hot buffers of the engine's default rows
+(`--device-buffer-size`) and GPU MLA pages for one prefill's window beside each decoder's write
+tail (`--device-mla-pages`), so long decoders' older pages spill and every decode beyond the
+hot buffer fetches its misses, from the host pool where spilled. Both passes' schedulers hand
+out the MLA pages as the engine's (`MlaSpilling`); the model is given the same pool, hot rows,
+window and admitted requests, and an assumed overlap of consecutive steps' selections
+(`--overlap`), printed beside the one the runner's miss counters give.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsaserve.config import (
@@ -46,16 +57,18 @@ from dsaserve.config import (
     CompilationConfig,
     ConfigError,
     EngineConfig,
+    HiSparseConfig,
     ModelConfig,
     SchedulerConfig,
     SpecConfig,
 )
 from dsaserve.core import ModelRunnerOutput, SchedulerOutput
-from dsaserve.engine.runner import ModelRunner
+from dsaserve.engine.runner import ModelRunner, cache_page_bytes, resolve_dtype
+from dsaserve.kv.hisparse.admission import mla_pages_for, write_tail_pages
 from dsaserve.model.dsa import keeps_fp8
 from dsaserve.model.make_model import make_model
 from dsaserve.model.presets import glm53_shaped
-from dsaserve.plan.deployment import parse_deployment
+from dsaserve.plan.deployment import DEFAULT_OVERLAP, parse_deployment
 from dsaserve.plan.hosttime import (
     MEASURED_DRAFTS,
     PREFILL_PROMPT,
@@ -65,6 +78,7 @@ from dsaserve.plan.hosttime import (
     fit_decode,
 )
 from dsaserve.plan.parts import H200, Parts
+from dsaserve.plan.simengine import MlaSpilling
 from dsaserve.plan.simtrace import TraceSession, TraceTurn
 from dsaserve.plan.simulate import SimResult, Simulator
 from dsaserve.plan.steptime import GPU_PARTS
@@ -106,7 +120,7 @@ def probe_sessions(batch: int, context: int, out: int, block: int = 64) -> list[
 
 def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
                context: int, num_blocks: int, batches: tuple[int, ...] = PROBE_BATCHES,
-               steps: int = 16) -> HostFits:
+               steps: int = 16, spilling: MlaSpilling | None = None) -> HostFits:
     """The host fit of the runner's decode steps measured in this process, on a workload apart
     from the calibration's (Vidur's way, taken to the process: the same machine's decode rows
     vary 10-25 % from process to process, docs/simulate.md). Steady decode batches of
@@ -114,7 +128,8 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
     steps each); each full batch's decode steps give a row whose kernels are the model's GPU
     time for it, so the fit is what the model's GPU parts leave of the measured step. Replaces
     the fit of the runner's own kind (graphed or eager, its drafts) and moves the prefill
-    fit's per-step part (`probe_prefill`); the other kinds keep `fits`."""
+    fit's per-step part (`probe_prefill`); the other kinds keep `fits`. `spilling`: the
+    runner's HiSparse MLA pages, handed out by the simulator's scheduler."""
     drafts = runner.config.num_speculative_tokens
     graph = runner.decode_graphs is not None and runner.decode_graphs.capture
     if drafts not in (0, MEASURED_DRAFTS):  # the host model fits only these two (hosttime.py)
@@ -128,7 +143,7 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
             for _ in range(2):  # the first untimed, as the calibration's own passes
                 first_use = FirstUse(runner)
                 sim = Simulator(model, spec, parts, work, b, num_blocks=num_blocks,
-                                measure=first_use.measure, host_fits=fits)
+                                measure=first_use.measure, host_fits=fits, spilling=spilling)
                 sim.run()
             decode = [(m, max(times, key=lambda t: t.total).gpu)
                       for (m, _), kind, (replicas, times), paid in zip(
@@ -149,11 +164,12 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
     kind = "graphed" if graph else "eager"
     return dataclasses.replace(fits, **{kind: {**getattr(fits, kind), drafts: fit}},
                                prefill=probe_prefill(model, spec, parts, fits, runner, context,
-                                                     num_blocks))
+                                                     num_blocks, spilling))
 
 
 def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
-                  context: int, num_blocks: int) -> PrefillFit:
+                  context: int, num_blocks: int, spilling: MlaSpilling | None = None
+                  ) -> PrefillFit:
     """The prefill host fit moved to this process: one fresh prompt of PREFILL_PROMPT tokens
     (the fit's own; the context where shorter) prefilled whole, once untimed, then three times
     timed; the fit's per-step part shifted by the median of measured − priced, its per-layer
@@ -163,7 +179,7 @@ def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner
     for timed in (False, True, True, True):
         first_use = FirstUse(runner)
         sim = Simulator(model, spec, parts, work, 1, num_blocks=num_blocks,
-                        measure=first_use.measure, host_fits=fits)
+                        measure=first_use.measure, host_fits=fits, spilling=spilling)
         sim.run()
         residuals += [m - p for (m, p), kind, paid in zip(
             sim.step_times, sim.step_kinds, first_use.steps, strict=True)
@@ -180,8 +196,9 @@ def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner
     return fit
 
 
-def deployment_spec(runner: ModelRunner) -> str:
-    """The one-GPU deployment the simulator is given: the real runner's own settings."""
+def deployment_spec(runner: ModelRunner, overlap: float = DEFAULT_OVERLAP) -> str:
+    """The one-GPU deployment the simulator is given: the real runner's own settings (HiSparse:
+    `hisparse_words`, at the assumed `overlap`)."""
     cfg = runner.config
     # The model as built: FP8 layers only where the runner keeps the checkpoint's FP8 (CUDA);
     # either way the activations, and so the products, are bf16 (or fp32)
@@ -193,7 +210,122 @@ def deployment_spec(runner: ModelRunner) -> str:
         words.append("enforce-eager")
     if cfg.speculative is not None:
         words.append(f"mtp={cfg.speculative.num_speculative_tokens} acceptance={ACCEPTANCE}")
+    if cfg.hisparse is not None:
+        words += hisparse_words(runner, overlap)
     return " ".join(words)
+
+
+# ---- HiSparse (--hisparse) ----------------------------------------------------------------------
+def hisparse_window(args: argparse.Namespace, context: int, block: int = 64) -> int:
+    """--max-model-len of a HiSparse calibration: the context and room for what the sessions
+    and the probe decode (whole blocks). Each request reserves this window in the host pool,
+    and the GPU MLA pages hold one such prefill; a larger window would hold the sessions'
+    pages whole and nothing would spill."""
+    decoded = args.output_tokens + args.sessions + 16 * (1 + args.mtp) + args.mtp
+    return context + -(-decoded // block) * block
+
+
+def with_hisparse(cfg: EngineConfig, args: argparse.Namespace, context: int,
+                  most: int) -> EngineConfig:
+    """`cfg` as a HiSparse decode engine for requests of up to `context` tokens, `most` of them
+    at once: the window of `hisparse_window`; a host pool of max(sessions, most) windows (every
+    cache layer's MLA rows) unless --host-pool-gib; the engine's hot buffer unless
+    --device-buffer-size; GPU MLA pages for one prefill's window beside `most` write tails
+    (`mla_pages_for`, what `dsaserve plan` suggests) unless --device-mla-pages, so the older
+    pages of every decoder spill once two or more run."""
+    model, block = cfg.model, cfg.cache.block_size
+    window = hisparse_window(args, context, block)
+    reserved = window + max(args.mtp - 1, 0)  # what admission reserves: the MTP lookahead too
+    if args.host_pool_gib is not None:
+        pool = int(args.host_pool_gib * 2**30)
+    else:
+        layers = model.num_hidden_layers + model.num_nextn_predict_layers  # the MTP layer's too
+        mla_page, _ = cache_page_bytes(model, layers, block, cfg.cache.fp8,
+                                       resolve_dtype(cfg.dtype, model))
+        pool = max(args.sessions, most) * -(-reserved // block) * mla_page
+    pages = args.device_mla_pages or mla_pages_for(most, reserved, block,
+                                                   write_tail_pages(args.mtp, block))
+    attention = dataclasses.replace(cfg.attention, hisparse_device_buffer_size=args.buffer_size,
+                                    hisparse_device_mla_pages=min(pages, cfg.cache.num_gpu_blocks),
+                                    hisparse_config_given=True)
+    return dataclasses.replace(cfg, attention=attention,
+                               scheduler=dataclasses.replace(cfg.scheduler, max_model_len=window),
+                               hisparse=HiSparseConfig(host_pool_bytes=pool))
+
+
+def hisparse_words(runner: ModelRunner, overlap: float) -> list[str]:
+    """The deployment words of the runner's HiSparse: its pool (the exact bytes: a float's repr
+    of GiB round-trips), hot rows, window, and the requests its pool admits (the engine caps
+    --max-num-seqs with them), with the overlap of consecutive steps' selections the model
+    assumes."""
+    cfg = runner.config
+    assert cfg.hisparse is not None
+    seqs = min(cfg.scheduler.max_num_seqs, runner.hisparse_spec())
+    return ["hisparse", f"host={cfg.hisparse.host_pool_bytes / 2**30!r}GiB",
+            f"hot-rows={cfg.hisparse_buffer_rows}", f"overlap={overlap}",
+            f"max-model-len={cfg.scheduler.max_model_len}", f"max-num-seqs={seqs}"]
+
+
+def spilling_of(runner: ModelRunner) -> MlaSpilling | None:
+    """What the simulator's schedulers need to drive the runner's spilling (None: it does not
+    spill)."""
+    pages = runner.hisparse_mla_pages() if runner.config.hisparse is not None else 0
+    if not pages:
+        return None
+    host = runner.hisparse_host_spec()
+    assert host is not None
+    return MlaSpilling(pages, runner.config.hisparse_buffer_rows, host)
+
+
+def drop_last_pass(runner: ModelRunner) -> None:
+    """A HiSparse runner starts a pass (a fresh scheduler) holding nothing of the last one: the
+    requests its last step finished (no later step of that pass told the runner, as the
+    engine's next step would), their host windows, the host blocks kept for cached spilled
+    blocks and the MLA page map are given back, so the pool admits what the new scheduler
+    does. Untimed, outside every pass."""
+    rt = runner.hisparse
+    if rt is None:
+        return
+    pages = runner.mla_page_of
+    mapped = () if pages is None else tuple((int(b), -1) for b in
+                                            np.flatnonzero(pages.host >= 0))
+    runner.execute(SchedulerOutput(new_requests=(), cached_requests=(), num_scheduled_tokens={},
+                                   finished_request_ids=tuple(runner.requests),
+                                   mla_pages=mapped, host_drop=tuple(rt.kept)))
+    assert not rt.entries and not rt.kept, "HiSparse: the last pass's windows were not freed"
+
+
+def hisparse_counters(runner: ModelRunner) -> tuple[int, int]:
+    """(rows missed, of those read from the host pool) so far, every layer (the runtime's
+    device counters: read between passes, never inside a timed step)."""
+    missed, from_host, _, _ = runner.hisparse_counters()
+    return missed, from_host
+
+
+def hisparse_misses(context: int, c: int, sim: Simulator, runner: ModelRunner, overlap: float,
+                    before: tuple[int, int]) -> str:
+    """One line on the measured pass's misses: the rows its decode rows selected through hot
+    buffers (the model's rule, plan/steptime.py: a decode row beyond the buffer selects
+    min(context, top-k) rows per MLA layer, the MTP layer's when it drafts), the rows the
+    runner missed, so the overlap at which the model's misses would equal the runner's
+    (cold buffers at a request's first decode steps included), beside the assumed one; how
+    many were read from the host pool (the model: all; the runtime reads every miss there
+    but the rows its step wrote, kv/hisparse/fetch.py) and how many MLA blocks spilled."""
+    model, cfg = runner.model_cfg, runner.config
+    topk, hot, rows = model.index_topk, cfg.hisparse_buffer_rows, 1 + cfg.num_speculative_tokens
+    layers = model.num_hidden_layers + (model.num_nextn_predict_layers if rows > 1 else 0)
+    selected = layers * sum(min(ctx, topk) for batches, _ in sim.step_batches
+                            for n, ctx in batches[0] if n <= rows and ctx > hot)
+    missed, from_host = (a - b for a, b in zip(hisparse_counters(runner), before, strict=True))
+    mla = sim.replicas[0].scheduler.mla
+    spilled = f"{mla.num_spills:,} MLA blocks spilled" if mla is not None else "no spilling"
+    if not selected:
+        return (f"context {context:,}, c = {c}, HiSparse: no decode row beyond the hot buffer "
+                f"({hot} rows); {missed:,} rows missed; {spilled}")
+    return (f"context {context:,}, c = {c}, HiSparse: {missed:,} of {selected:,} rows selected "
+            f"through hot buffers missed: measured overlap {1 - missed / selected:.3f}, assumed "
+            f"{overlap}; {from_host / max(missed, 1):.1%} of the misses read from the host pool "
+            f"(the model: all; the rest were written this step); {spilled}")
 
 
 class FirstUse:
@@ -204,6 +336,7 @@ class FirstUse:
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
+        drop_last_pass(runner)
         self.steps: list[list[str]] = []
         self._compiled: list[str] = []
         try:
@@ -318,6 +451,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block "
                          "scales as the released checkpoints (kept in FP8 on CUDA; default: "
                          "%(default)s)")
+    ap.add_argument("--hisparse", action="store_true",
+                    help="run the runner as a HiSparse decode engine with spilling GPU MLA pages "
+                         "and simulate it with the same pool, hot rows and window")
+    ap.add_argument("--host-pool-gib", type=float, default=None,
+                    help="--hisparse: the HiSparse host pool (kv_connector_extra_config."
+                         "host_pool_gib; default: the sessions' windows)")
+    ap.add_argument("--device-buffer-size", dest="buffer_size", type=int, default=None,
+                    help="--hisparse: hot-buffer rows per request (hisparse_config."
+                         "device_buffer_size; default: the engine's, (query rows + 1) × top-k)")
+    ap.add_argument("--device-mla-pages", type=int, default=None,
+                    help="--hisparse: GPU MLA pages (hisparse_config.device_mla_pages; default: "
+                         "one prefill's window beside each decoder's write tail)")
+    ap.add_argument("--overlap", type=float, default=DEFAULT_OVERLAP,
+                    help="--hisparse: the share of a step's selected rows the previous step "
+                         "selected, as the model assumes it (default: %(default)s)")
     ap.add_argument("--steps-json", type=Path, default=None, metavar="FILE",
                     help="also write every measured step (kind, measured and predicted ms, "
                          "its batch, the model's parts) to this file")
@@ -335,7 +483,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-rows", default=None, metavar="FILE",
                     help="this machine's prefill host rows (benchmarks/prefill_host.py --json); "
                          "default: the H100 run's")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    given = [flag for flag, value in (("--host-pool-gib", args.host_pool_gib),
+                                      ("--device-buffer-size", args.buffer_size),
+                                      ("--device-mla-pages", args.device_mla_pages),
+                                      ("--overlap", args.overlap != DEFAULT_OVERLAP or None))
+             if value is not None]
+    if given and not args.hisparse:
+        ap.error(f"{given[0]}: needs --hisparse")
+    if not 0.0 < args.overlap <= 1.0:
+        ap.error(f"--overlap: must lie in (0, 1], got {args.overlap}")
+    return args
 
 
 def load_parts(args: argparse.Namespace) -> tuple[Parts, HostFits]:
@@ -381,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         kinds: list[str] = []
         records: list[dict] = []
+        probe_batches, probe_steps = ((1, 2), 3) if args.smoke else (PROBE_BATCHES, 16)
         for context in contexts:
             max_len = 2 * context + 1024
             blocks = args.sessions * (max_len // 64 + 1)
@@ -398,29 +557,39 @@ def main(argv: list[str] | None = None) -> int:
                     num_speculative_tokens=args.mtp, rejection_sample_method="synthetic",
                     synthetic_acceptance_rates=SpecConfig.acceptance_length_to_rates(
                         ACCEPTANCE, args.mtp)) if args.mtp else None)
+            if args.hisparse:
+                cfg = with_hisparse(cfg, args, context, max(*concurrency, *probe_batches))
             runner = ModelRunner(cfg)
-            spec = parse_deployment(deployment_spec(runner))
+            spec = parse_deployment(deployment_spec(runner, args.overlap))
+            spilling = spilling_of(runner)
             print(f"context {context:,}: simulated as --deployment '{spec.spec}'",
                   file=sys.stderr)
             work = sessions(args.sessions, args.turns, context, args.output_tokens)
             own = probe_fits(model, spec, parts, fits, runner, context, blocks,
-                             *(((1, 2), 3) if args.smoke else ())) if args.probe else fits
+                             probe_batches, probe_steps, spilling) if args.probe else fits
             for c in concurrency:
                 # an untimed pass first: it captures the CUDA graphs of this concurrency's
                 # batch sizes and compiles the kernels' new specialisations, which the timed
                 # pass would otherwise count as step time (a deployment pays them once)
                 Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                          measure=FirstUse(runner).measure, host_fits=own).run()
+                          measure=FirstUse(runner).measure, host_fits=own,
+                          spilling=spilling).run()
                 first_use = FirstUse(runner)
                 measured_sim = Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                         measure=first_use.measure, host_fits=own)
+                                         measure=first_use.measure, host_fits=own,
+                                         spilling=spilling)
+                counted = hisparse_counters(runner) if args.hisparse else (0, 0)
                 measured = measured_sim.run()
                 print(f"context {context:,}, c = {c}, timed pass: {first_use.summary()}",
                       file=sys.stderr)
+                if args.hisparse:
+                    print(hisparse_misses(context, c, measured_sim, runner, args.overlap,
+                                          counted), file=sys.stderr)
                 e = errors(measured, Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                               host_fits=own).run())
+                                               host_fits=own, spilling=spilling).run())
                 files = errors(measured, Simulator(model, spec, parts, work, c,
-                                                   num_blocks=blocks, host_fits=fits).run())
+                                                   num_blocks=blocks, host_fits=fits,
+                                                   spilling=spilling).run())
                 step = statistics.median(abs(p - m) / m for m, p in measured_sim.step_times)
                 print(f"| {context:,} | {c} | {len(measured.records)} | {e['ttft']:.1%} | "
                       f"{e['itl']:.1%} | {step:.1%} | {len(measured_sim.step_times)} | "

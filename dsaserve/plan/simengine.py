@@ -24,7 +24,7 @@ import torch
 from dsaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
 from dsaserve.core import ModelRunnerOutput, Request, RequestOutput, SchedulerOutput
 from dsaserve.engine.scheduler import Scheduler
-from dsaserve.kv.hisparse.admission import hisparse_admission
+from dsaserve.kv.hisparse.admission import HiSparseAdmission, hisparse_admission
 from dsaserve.kv.prefix_cache import request_block_hashes
 from dsaserve.plan import costmodel as cm
 from dsaserve.plan.deployment import Deployment
@@ -52,6 +52,18 @@ class EngineCapacity:
     max_context: int  # the longest context one request can have (memory, max-model-len=)
     max_model_len: int  # the scheduler's limit: max_context, the model's and the spec's
     max_num_seqs: int  # requests at once (HiSparse: what the host pool admits, as the engine)
+
+
+@dataclass(frozen=True)
+class MlaSpilling:
+    """HiSparse spilling as an engine runs it (`hisparse_config.device_mla_pages`): fewer GPU
+    MLA pages than blocks, which each replica's scheduler hands out (kv/hisparse/mla_pages.py)
+    as the engine's does. A calibration's real runner spills only through such a scheduler; the
+    model itself assumes every page spilled (engine_capacity)."""
+
+    num_mla_pages: int
+    buffer_rows: int  # hot-buffer rows per request and layer (the runner's)
+    host: HiSparseAdmission  # the runner's host pool: its blocks and one request's window
 
 
 def engine_capacity(model: ModelConfig, d: Deployment, parts: Parts,
@@ -186,9 +198,10 @@ class SimEngine:
                  num_blocks: int | None = None,
                  connector: Callable[[str], ConnectorScheduler] | None = None,
                  record_steps: bool = False, measure: MeasureStep | None = None,
-                 host_fits: HostFits = H200_HOST) -> None:
+                 host_fits: HostFits = H200_HOST, spilling: MlaSpilling | None = None) -> None:
         """`connector(engine_id)`: each replica's P/D connector (None: not a P/D engine);
-        `host_fits`: the host time per step (plan/hosttime.py)."""
+        `host_fits`: the host time per step (plan/hosttime.py); `spilling`: each replica's
+        scheduler hands out MLA pages as the engine's (HiSparse only)."""
         self.name, self.model, self.deployment, self.parts = name, model, d, parts
         self.push, self.on_output = push, on_output
         par = d.parallel
@@ -220,6 +233,8 @@ class SimEngine:
             raise ConfigError(f"--deployment {d.spec!r}: offload holds "
                               f"{num_host_blocks * block_tokens} tokens, less than one request "
                               f"of {self.max_model_len}")
+        if spilling is not None and not d.hisparse:
+            raise ConfigError(f"--deployment {d.spec!r}: MLA pages spill only with hisparse")
         self.replicas = []
         for i in range(d.replicas):
             conn = connector(f"{name}-{i}") if connector is not None else None
@@ -227,7 +242,10 @@ class SimEngine:
                                   dcp_size=par.decode_context_parallel_size,
                                   num_speculative_tokens=self.num_drafts,
                                   num_host_blocks=num_host_blocks,
-                                  host_block_bytes=rank_block * par.world_size, connector=conn)
+                                  host_block_bytes=rank_block * par.world_size, connector=conn,
+                                  num_mla_pages=spilling.num_mla_pages if spilling else 0,
+                                  hisparse_buffer_rows=spilling.buffer_rows if spilling else 0,
+                                  hisparse_host=spilling.host if spilling else None)
             self.replicas.append(Replica(name, i, scheduler,
                                          rank_block / (parts.host_gbps.value * 1e9)))
         # Lock-step replicas form one group; otherwise each replica steps on its own.

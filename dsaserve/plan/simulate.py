@@ -35,7 +35,13 @@ from dsaserve.engine.scheduler import Scheduler
 from dsaserve.plan.deployment import Deployment, PDDeployment
 from dsaserve.plan.hosttime import H200_HOST, HostFits
 from dsaserve.plan.parts import Parts
-from dsaserve.plan.simengine import MeasureStep, Replica, SimEngine, engine_capacity
+from dsaserve.plan.simengine import (
+    MeasureStep,
+    MlaSpilling,
+    Replica,
+    SimEngine,
+    engine_capacity,
+)
 from dsaserve.plan.simpd import KVLink, make_connector, side_channel_payload
 from dsaserve.plan.simtrace import TraceSession
 from dsaserve.plan.steptime import StepTime
@@ -170,14 +176,17 @@ class Simulator:
                  sessions: Sequence[TraceSession], concurrency: int,
                  duration: float | None = None, *, num_blocks: int | None = None,
                  record_steps: bool = False, measure: MeasureStep | None = None,
-                 host_fits: HostFits = H200_HOST) -> None:
+                 host_fits: HostFits = H200_HOST, spilling: MlaSpilling | None = None) -> None:
         """`num_blocks` overrides the KV blocks per replica that memory allows (as vLLM's
         --num-gpu-blocks-override; P/D: on both engines); `record_steps` keeps `step_log`: per
         step and replica, the tokens scheduled per request and the free KV blocks after
         scheduling. `measure` runs each step on real model runners instead (calibration, one
         engine only): it executes replica i's SchedulerOutput and returns (wall seconds, the
         runner's output); the model's prediction for every such step is kept in `step_times`
-        as (measured, predicted). `host_fits`: the host time per step (plan/hosttime.py)."""
+        as (measured, predicted). `host_fits`: the host time per step (plan/hosttime.py).
+        `spilling`: the schedulers hand out HiSparse MLA pages as the engine's (one engine; what
+        a measured runner that spills needs; the model prices every page as spilled either
+        way)."""
         if concurrency < 1:
             raise ConfigError(f"--concurrency: must be >= 1, got {concurrency}")
         self.model, self.deployment, self.parts = model, deployment, parts
@@ -189,7 +198,7 @@ class Simulator:
         kw = dict(num_blocks=num_blocks, record_steps=record_steps, host_fits=host_fits)
         self.link: KVLink | None = None
         if isinstance(deployment, PDDeployment):
-            if measure is not None:
+            if measure is not None or spilling is not None:
                 raise ConfigError("calibration runs one engine, not P/D")
             pre, dec = deployment.prefill, deployment.decode
             self.engines = {
@@ -205,7 +214,7 @@ class Simulator:
         else:
             self.engines = {"engine": SimEngine("engine", model, deployment, parts, self._push,
                                                 self._on_output, measure=measure,
-                                                **kw)}  # type: ignore[arg-type]
+                                                spilling=spilling, **kw)}  # type: ignore[arg-type]
         self.entry = next(iter(self.engines.values()))  # where a turn arrives
         self._records: dict[str, RequestRecord] = {}
         self._turn_of: dict[str, tuple[int, int]] = {}  # request id → (slot, turn)

@@ -413,6 +413,36 @@ def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engi
     assert bench.deployment_spec(dequantized) == "tp1 kv=bf16 weights=bf16 enforce-eager"
 
 
+def test_calibration_script_hisparse_smoke(load_benchmark, capsys):
+    """--hisparse: the runner runs as a HiSparse engine whose GPU MLA pages spill, driven by the
+    simulator's own scheduler; the simulator is given the runner's pool, hot rows, window and
+    admitted requests, and the measured misses are printed beside the assumed overlap."""
+    bench = load_benchmark("simulate_calibration")
+    assert bench.main(["--smoke", "--hisparse", "--no-probe"]) == 0
+    out = capsys.readouterr()
+    assert any(line.startswith("| 256 | 2 | 4 |") for line in out.out.splitlines())
+    spec = out.err.split("simulated as --deployment '")[1].split("'")[0]
+    assert spec.startswith("tp1 kv=bf16 weights=bf16 enforce-eager hisparse host=")
+    d = parse_deployment(spec)
+    _, model = load_model("tiny-glm5")
+    # The smoke's window: the 256-token context and one block for what is decoded; a pool of
+    # two such windows of every cache layer's float32 MLA rows; the engine's hot buffer of
+    # (query rows + 1) × top-k; the pool admits exactly the two
+    layers = model.num_hidden_layers + model.num_nextn_predict_layers
+    assert d.max_model_len == 256 + 64
+    assert d.hisparse_host_bytes == 2 * 5 * 64 * layers * model.kv_cache_width * 4
+    assert (d.hot_rows, d.overlap, d.max_num_seqs) == (2 * model.index_topk, 0.9, 2)
+    # decode rows beyond the hot buffer missed, and the page map spilled
+    line = next(x for x in out.err.splitlines() if "HiSparse:" in x and "missed" in x)
+    missed, selected = (int(x.replace(",", "")) for x in
+                        line.split("HiSparse: ")[1].split(" rows")[0].split(" of "))
+    assert 0 < missed <= selected and "assumed 0.9" in line
+    assert int(line.split("; ")[-1].split(" MLA blocks spilled")[0].replace(",", "")) > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--host-pool-gib", "1"])
+    assert "--host-pool-gib: needs --hisparse" in capsys.readouterr().err
+
+
 def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
     """MTP3 at acceptance 2.99 through the engine's own spec-decode scheduling: every turn still
     emits exactly its output length, the scheduler's counters give 2.99 tokens per verify step,
