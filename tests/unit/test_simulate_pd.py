@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from dsaserve.config import ConfigError
+from dsaserve.kv.hisparse.admission import hisparse_admission, mla_pages_for, write_tail_pages
+from dsaserve.plan import costmodel as cm
 from dsaserve.plan.cli import load_model
 from dsaserve.plan.deployment import PDDeployment, parse_deployment
 from dsaserve.plan.parts import H200, Measured
-from dsaserve.plan.simengine import engine_capacity
+from dsaserve.plan.simengine import MlaSpilling, engine_capacity
 from dsaserve.plan.simtrace import load_traces
 from dsaserve.plan.simulate import Simulator
 
@@ -126,6 +128,31 @@ def test_hisparse_admits_more_concurrent_decodes_at_the_same_hbm(tmp_path, weka_
     _, model = load_model("tiny-glm5")
     small = engine_capacity(model, parse_deployment(spec + " hisparse host=0.02GiB"), parts)
     assert small.max_num_seqs == 0.02 * 2**30 // (1024 * 3280)
+
+
+def test_spilling_schedulers_hand_out_mla_pages_as_the_engine(tmp_path, weka_traces):
+    """`spilling` (what a calibrated runner's MLA pages need): each replica's scheduler spills
+    long decoders' older pages as the engine's does, with fewer pages than the sessions' blocks;
+    every turn still ends at its output length, as without the page map, and every page,
+    block and kept host block comes back."""
+    traces = weka_traces(tmp_path, sessions=4, turns=3, out=20)  # prompts of 96, 144, 192
+    spec = "tp1 block-size=16 hisparse host=0.1GiB hot-rows=32 max-model-len=256"
+    _, model = load_model("tiny-glm5")
+    host = hisparse_admission(int(0.1 * 2**30),
+                              cm.kv_bytes_per_token(model, "fp8_ds_mla").mla_all_layers, 256, 16)
+    pages = mla_pages_for(4, 256, 16, write_tail_pages(0, 16))  # one window and 4 tails: 20
+    spilling = MlaSpilling(pages, 32, host)
+    sim, spilled = _run(traces, spec, concurrency=4, num_blocks=64, spilling=spilling)
+    _, plain = _run(traces, spec, concurrency=4, num_blocks=64)
+    assert ({r.request_id: r.output_tokens for r in spilled.records}
+            == {r.request_id: r.output_tokens for r in plain.records})
+    assert len(spilled.records) == 12 and all(r.finish is not None for r in spilled.records)
+    sched = sim.replicas[0].scheduler
+    assert sched.mla is not None and sched.mla.num_pages == pages and sched.mla.num_spills > 0
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    with pytest.raises(ConfigError, match="only with hisparse"):
+        _run(traces, "tp1 block-size=16", concurrency=1, num_blocks=64, spilling=spilling)
 
 
 def test_hisparse_misses_cost_host_link_time():
