@@ -79,6 +79,9 @@
 #                                          #   stream synchronised, twice in the same
 #                                          #   processes; the calibration with its probe at
 #                                          #   8K and 32K, plain and MTP3
+#   bash benchmarks/gpu_owed.sh 29         # part 29: the calibration of a HiSparse engine
+#                                          #   (its pages spilled, misses read from the host
+#                                          #   pool), 8K and 32K
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -348,6 +351,12 @@ elif [ "$part" = 28 ]; then
     [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
         benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
         --steps-json "$out/calibration_steps_mtp3.json"
+elif [ "$part" = 29 ]; then
+    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
+    files="$files --prefill-rows docs/prefill_host_h100.json"
+    run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
+        --steps-json "$out/calibration_steps_hisparse.json"
 elif [ "$part" = 25 ]; then
     left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 280 pd_overlap python benchmarks/pd_overlap.py --into pages --out "$out/pd_overlap.md"
