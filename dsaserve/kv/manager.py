@@ -113,7 +113,10 @@ class KVCacheManager:
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             return None
         self.pool.touch(hits)
-        new_blocks = self.pool.allocate(num_new_blocks)
+        # ascending: the free queue hands a freed request's blocks back in reverse table order,
+        # and a table in descending ids has no two adjacent pages, so a P/D READ into it would
+        # post a descriptor per block and tensor (thousands at 128K) where it posts a few
+        new_blocks = sorted(self.pool.allocate(num_new_blocks))
         request.block_ids.extend(hits)
         request.block_ids.extend(new_blocks)
         if hits:

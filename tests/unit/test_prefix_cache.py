@@ -84,3 +84,37 @@ def test_hash_is_stable_across_processes() -> None:
             "print(r(list(range(8)), 4, 'x')[-1].hex())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == request_block_hashes(list(range(8)), 4, "x")[-1].hex()
+
+
+def _reference_hash(parent: bytes | None, ids: list[int], salt: str | None) -> bytes:
+    """The documented encoding written out, each block's ids packed alone by struct."""
+    out = b"dsaserve.block.v1"
+    out += b"n" if parent is None else b"b" + struct.pack(">Q", len(parent)) + parent
+    out += b"k" + struct.pack(f">Q{len(ids)}q", len(ids), *ids)
+    if salt is None:
+        out += b"t" + struct.pack(">Q", 0)
+    else:
+        tag, value = b"cache_salt", salt.encode()
+        out += (b"t" + struct.pack(">Q", 1) + b"t" + struct.pack(">Q", 2)
+                + b"s" + struct.pack(">Q", len(tag)) + tag
+                + b"s" + struct.pack(">Q", len(value)) + value)
+    return hashlib.sha256(out).digest()
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_extended_hashes_match_the_encoding_block_by_block(salt) -> None:
+    """Extending in uneven steps gives each block the hash of the encoding over its own ids
+    and its parent (the blocks past the first are framed once per call), ids up to the int64
+    range included; beyond it nothing is hashed."""
+    ids = [(i * 7919) % 150000 for i in range(16 * 9 + 5)]
+    ids[17], ids[40] = 2**63 - 1, 2**40
+    hashes: list[bytes] = []
+    for end in (3, 16, 17, 70, len(ids)):
+        extend_block_hashes(hashes, ids[:end], 16, salt)
+    assert len(hashes) == 9
+    parent = None
+    for i, h in enumerate(hashes):
+        assert h == _reference_hash(parent, ids[16 * i: 16 * (i + 1)], salt if i == 0 else None)
+        parent = h
+    with pytest.raises(struct.error):
+        extend_block_hashes(hashes, ids + [2**63] + [0] * 15, 16, salt)
