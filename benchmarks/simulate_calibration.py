@@ -568,9 +568,10 @@ def main(argv: list[str] | None = None) -> int:
             own = probe_fits(model, spec, parts, fits, runner, context, blocks,
                              probe_batches, probe_steps, spilling) if args.probe else fits
             for c in concurrency:
-                # an untimed pass first: it captures the CUDA graphs of this concurrency's
-                # batch sizes and compiles the kernels' new specialisations, which the timed
-                # pass would otherwise count as step time (a deployment pays them once)
+                # an untimed pass first: it compiles the eager (prefill and mixed) steps' new
+                # kernel specialisations, which the timed pass would otherwise count as step
+                # time (a deployment pays them once; the decode graphs are captured when the
+                # runner is built); FirstUse lists what the timed pass still compiles
                 Simulator(model, spec, parts, work, c, num_blocks=blocks,
                           measure=FirstUse(runner).measure, host_fits=own,
                           spilling=spilling).run()
