@@ -13,8 +13,9 @@ does not depend on their values) and the same decode step is run again and again
   included) and the sum of the GPU kernels of one step (torch.profiler, device time): their
   ratio is how host-bound the step is (1.0 = the GPU never waits for the host);
 * "graph": the same with the runner's own decode path (engine/decode_graph.py): the target's
-  forward replayed from the CUDA graph the runner captured for this batch size at start-up
-  (sampling, rejection and MTP drafting stay eager); the other rows run --enforce-eager;
+  forward, and with MTP3 its drafts' chain, replayed from the CUDA graphs the runner captured
+  for this batch size at start-up (sampling and rejection stay eager); the other rows run
+  --enforce-eager;
 * "async": --async-scheduling (graphs on, without and with MTP3): step k + 1 is launched
   before step k's results are read, its input tokens gathered on the device from step k's
   samples (MTP3: its last token and drafts, its rows moved back by the drafts step k

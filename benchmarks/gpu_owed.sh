@@ -102,6 +102,22 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
     echo "== $name: exit $?"
     grep -v "loading shards\|NIXL INFO" "$out/$name.log" | tail -${TAIL_LINES:-15}
 }
+left() { echo $((${PART_SECONDS:-585} - SECONDS)); }  # seconds left of this part
+gpu_name() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())"; }
+PREFILL_ROWS=docs/prefill_host_h100.json  # the one prefill host table measured
+gpu_files() {  # the simulator's files of this GPU (docs/parts_*.json, docs/decode_rows_*.json)
+    echo "--parts docs/parts_$(gpu_name).json --decode-rows docs/decode_rows_$(gpu_name).json" \
+        "--prefill-rows $PREFILL_ROWS"
+}
+calibrate() {  # calibrate SECONDS FILES...: plain at 8K and 32K, then MTP3 at 8K in the rest
+    local limit=$1
+    shift
+    run "$limit" calibration python benchmarks/simulate_calibration.py "$@" \
+        --steps-json "$out/calibration_steps.json"
+    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
+        benchmarks/simulate_calibration.py "$@" --mtp 3 --contexts 8192 \
+        --steps-json "$out/calibration_steps_mtp3.json"
+}
 part=${1:-1}
 run 100 build python -c \
     "from dsaserve.kernels.cuda import build; print('CUDA kernels:', build.build() or 'built')"
@@ -185,7 +201,6 @@ elif [ "$part" = 11 ]; then
     run 100 fp8_linear python benchmarks/fp8_linear.py --out "$out/fp8_linear.md"
 elif [ "$part" = 12 ]; then
     # every step after the tests bounded by what is left of PART_SECONDS (the call's limit)
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 150 retests python -m pytest -q -m gpu -rf --tb=short -s \
         tests/gpu/test_hisparse_spill_gpu.py tests/gpu/test_fp8_linear_gpu.py \
         tests/gpu/test_fp8_model_gpu.py \
@@ -208,7 +223,6 @@ elif [ "$part" = 13 ]; then
         --no-grouped --sweep --out "$out/fp8_sweep.md"
     run 120 pd python benchmarks/pd_e2e.py --tokens 32768 --out "$out/pd.md"
 elif [ "$part" = 14 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     # the MoE's routing, pair layout and combine and the top-k's key order compiled (their own
     # tests, then the MoE and engine tests through them: FP8, graphs against eager), the FP8
     # split rule's kernels
@@ -229,7 +243,6 @@ elif [ "$part" = 14 ]; then
     [ "$(left)" -gt 60 ] && run "$(left)" hisparse_step python benchmarks/hisparse_engine.py \
         --sections step --contexts 8192 --out "$out/hisparse_step.md"
 elif [ "$part" = 15 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     # part 14's two failures fixed (the combine's bound where terms cancel; the routing
     # benchmark's near-ties counted), where P/D's 406 ms of posting go, HiSparse's 1M request
     run 60 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_moe_combine_gpu.py
@@ -256,7 +269,6 @@ elif [ "$part" = 17 ]; then
     run 150 decode_fp8 python benchmarks/decode.py --layers 16 --contexts 8192 --batches 64 \
         --steps 10 --fastest-only --weights fp8 --out "$out/decode_fp8.md"
 elif [ "$part" = 18 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     # HiSparse on equal batches, token for token (fp8 too); P/D into the host pool over NIXL
     run 150 tests python -m pytest -q -m gpu -rf --tb=short -s \
         tests/gpu/test_hisparse_spill_gpu.py::test_same_batches_equal_tokens \
@@ -270,7 +282,6 @@ elif [ "$part" = 18 ]; then
     [ "$(left)" -gt 60 ] && run "$(left)" hisparse_ties python benchmarks/hisparse_engine.py \
         --sections step --contexts 8192 --batches 16,64 --ties --out "$out/hisparse_ties.md"
 elif [ "$part" = 19 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     # the step rows on equal batches, now that hot rows round as the page path's would
     run 300 hisparse_ties python benchmarks/hisparse_engine.py --sections step --contexts 8192 \
         --batches 16,64 --ties --out "$out/hisparse_ties.md"
@@ -284,81 +295,51 @@ elif [ "$part" = 21 ]; then
     run 500 hisparse_long python benchmarks/hisparse_engine.py --sections long,long_pd \
         --out "$out/hisparse_long.md"
 elif [ "$part" = 22 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 240 tests python -m pytest -q -m gpu -rf --tb=short -s \
         tests/gpu/test_pd_hisparse_spill_gpu.py tests/gpu/test_hisparse_spill_gpu.py
     [ "$(left)" -gt 200 ] && run "$(left)" hisparse_long python benchmarks/hisparse_engine.py \
         --sections long,long_pd --out "$out/hisparse_long.md"
 elif [ "$part" = 23 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 280 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
         --heads 32 --indices uniform --parts "$out/parts.json"
     [ "$(left)" -gt 60 ] && run "$(left)" decode_rows python benchmarks/decode.py \
         --contexts 8192,32768 --batches 1,8,64 --steps 20 --rows-json "$out/decode_rows.json" \
         --out "$out/decode_rows.md"
 elif [ "$part" = 24 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
-    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
-    files="$files --prefill-rows docs/prefill_host_h100.json"
-    run 330 calibration python benchmarks/simulate_calibration.py $files \
-        --steps-json "$out/calibration_steps.json"
-    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
-        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
-        --steps-json "$out/calibration_steps_mtp3.json"
+    files=$(gpu_files)
+    calibrate 330 $files
 elif [ "$part" = 26 ]; then
     # the host time varies by machine (the same H100 rows measured 1.84-2.36 ms a step on two
     # machines): fit it on this one before calibrating
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    gpu=$(gpu_name)
     run 150 decode_rows python benchmarks/decode.py --contexts 8192,32768 --batches 1,2,8 \
         --steps 20 --rows-json "$out/decode_rows.json" --out "$out/decode_rows.md"
     run 150 prefill_host python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 \
         --repeats 5 --no-ops --json "$out/prefill_host.json" --out "$out/prefill_host.md"
     files="--parts docs/parts_$gpu.json --decode-rows $out/decode_rows.json"
     files="$files --prefill-rows $out/prefill_host.json"
-    run 200 calibration python benchmarks/simulate_calibration.py $files \
-        --steps-json "$out/calibration_steps.json"
-    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
-        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
-        --steps-json "$out/calibration_steps_mtp3.json"
+    calibrate 200 $files
 elif [ "$part" = 27 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
+    gpu=$(gpu_name)
     run 170 tests python -m pytest -q -m gpu -rf --tb=short tests/gpu/test_cudagraph_gpu.py \
         tests/gpu/test_hisparse_graph_gpu.py
-    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
+    files=$(gpu_files)
     if [ ! -f "docs/parts_$gpu.json" ]; then  # a GPU not measured yet: its parts first
         run 200 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
             --heads 32 --indices uniform --parts "$out/parts.json"
-        files="--parts $out/parts.json"
+        files="--parts $out/parts.json --prefill-rows $PREFILL_ROWS"
     fi
-    files="$files --prefill-rows docs/prefill_host_h100.json"
-    run 220 calibration python benchmarks/simulate_calibration.py $files \
-        --steps-json "$out/calibration_steps.json"
-    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
-        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
-        --steps-json "$out/calibration_steps_mtp3.json"
+    calibrate 220 $files
 elif [ "$part" = 28 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
-    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
     run 120 pd_overlap python benchmarks/pd_overlap.py --into pages --transports nixl \
         --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md"
-    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
-    files="$files --prefill-rows docs/prefill_host_h100.json"
-    run 250 calibration python benchmarks/simulate_calibration.py $files \
-        --steps-json "$out/calibration_steps.json"
-    [ "$(left)" -gt 60 ] && run "$(left)" calibration_mtp3 python \
-        benchmarks/simulate_calibration.py $files --mtp 3 --contexts 8192 \
-        --steps-json "$out/calibration_steps_mtp3.json"
+    files=$(gpu_files)
+    calibrate 250 $files
 elif [ "$part" = 29 ]; then
-    gpu=$(python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")
-    files="--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json"
-    files="$files --prefill-rows docs/prefill_host_h100.json"
+    files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
         --steps-json "$out/calibration_steps_hisparse.json"
 elif [ "$part" = 25 ]; then
-    left() { echo $((${PART_SECONDS:-585} - SECONDS)); }
     run 280 pd_overlap python benchmarks/pd_overlap.py --into pages --out "$out/pd_overlap.md"
     [ "$(left)" -gt 60 ] && run "$(left)" pd_overlap_host python benchmarks/pd_overlap.py \
         --into host-pool --batch 16 --out "$out/pd_overlap_host.md"
