@@ -71,7 +71,6 @@ from dsaserve.model.presets import glm53_shaped
 from dsaserve.plan.deployment import DEFAULT_OVERLAP, parse_deployment
 from dsaserve.plan.hosttime import (
     MEASURED_DRAFTS,
-    PREFILL_PROMPT,
     DecodeRow,
     HostFits,
     PrefillFit,
@@ -167,32 +166,50 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
                                                      num_blocks, spilling))
 
 
+def probe_sizes(chunk: int, context: int) -> list[int]:
+    """The probe's fresh prompt sizes: powers of two from 1,024 (or the context) up to a whole
+    chunk, each no longer than the context, and the chunk or context itself."""
+    top = min(chunk, context)
+    sizes = {top}
+    n = 1024
+    while n < top:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes)
+
+
 def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
                   context: int, num_blocks: int, spilling: MlaSpilling | None = None
                   ) -> PrefillFit:
-    """The prefill host fit moved to this process: one fresh prompt of PREFILL_PROMPT tokens
-    (the fit's own; the context where shorter) prefilled whole, once untimed, then three times
-    timed; the fit's per-step part shifted by the median of measured − priced, its per-layer
-    part kept (one process measures one layer count)."""
-    work = probe_sessions(1, min(PREFILL_PROMPT, context), 1)
-    residuals = []
-    for timed in (False, True, True, True):
-        first_use = FirstUse(runner)
-        sim = Simulator(model, spec, parts, work, 1, num_blocks=num_blocks,
-                        measure=first_use.measure, host_fits=fits, spilling=spilling)
-        sim.run()
-        residuals += [m - p for (m, p), kind, paid in zip(
-            sim.step_times, sim.step_kinds, first_use.steps, strict=True)
-            if timed and kind == "prefill" and not paid]
-    if not residuals:
+    """The prefill fit moved to this process: fresh prompts of `probe_sizes` (up to a whole
+    chunk, the scheduler's --max-num-batched-tokens) prefilled whole, each once untimed, then
+    three times timed. The median of measured − priced at each size becomes the fit's
+    residual there (PrefillFit.by_tokens, interpolated between sizes, as Vidur interpolates
+    its profiled token counts); the per-step and per-layer parts are kept (one process
+    measures one layer count)."""
+    medians = {}
+    for tokens in probe_sizes(runner.config.scheduler.max_num_batched_tokens, context):
+        work = probe_sessions(1, tokens, 1)
+        residuals = []
+        for timed in (False, True, True, True):
+            first_use = FirstUse(runner)
+            sim = Simulator(model, spec, parts, work, 1, num_blocks=num_blocks,
+                            measure=first_use.measure, host_fits=fits, spilling=spilling)
+            sim.run()
+            residuals += [m - p for (m, p), kind, paid in zip(
+                sim.step_times, sim.step_kinds, first_use.steps, strict=True)
+                if timed and kind == "prefill" and not paid]
+        if residuals:
+            medians[tokens] = statistics.median(residuals)
+    if not medians:
         return fits.prefill
-    shift = statistics.median(residuals)
-    fit = dataclasses.replace(fits.prefill, per_step=max(fits.prefill.per_step + shift, 0.0),
-                              source=f"this process's probe ({len(residuals)} prefill steps) "
-                                     f"on {fits.prefill.source}")
-    print(f"probe: prefill host per step {1e3 * fits.prefill.per_step:.3f} → "
-          f"{1e3 * fit.per_step:.3f} ms (+ {1e3 * fit.per_layer:.3f} ms per layer, kept)",
-          file=sys.stderr)
+    fit = dataclasses.replace(
+        fits.prefill,
+        by_tokens=tuple((n, fits.prefill.residual(n) + r) for n, r in medians.items()),
+        source=f"this process's probe ({', '.join(f'{n:,}' for n in medians)}-token prompts) "
+               f"on {fits.prefill.source}")
+    print("probe: prefill measured − priced " + ", ".join(
+        f"{1e3 * r:+.2f} ms at {n:,} tokens" for n, r in medians.items()), file=sys.stderr)
     return fit
 
 

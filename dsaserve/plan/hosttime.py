@@ -37,20 +37,26 @@ layer part), and the sampling and result copy after the last kernel. An eager de
 kernels are short (~1 ms), so its fit is nearly all of its host work. A prefill or mixed step
 of B requests with E block-table entries therefore costs
 
-    prefill(L)                                  the measured step: its fixed work, one 4K
+    exposed = prefill(L)                        the measured step: its fixed work, one 4K
                                                 request, and the exposed per-layer part
-  + max(eager₀(B, E) − eager₀(1, 64), 0)        the per-request and per-entry parts of the
-                                                eager decode fit beyond that one request
-  + eager_k(B, E) − eager₀(B, E)                if its requests draft: the k one-layer MTP
-                                                forwards after the target forward
+            + max(eager₀(B, E) − eager₀(1, 64), 0)   the per-request and per-entry parts of
+                                                the eager decode fit beyond that one request
+    host    = exposed + max(issue − exposed − long, 0)
+    issue   = eager_k(B, E) at L layers         the whole host work of the same requests'
+                                                eager decode step, drafts included when they
+                                                draft (k one-layer MTP forwards)
+    long    = the step's kernels − the kernels of its requests as decode rows
 
-with every eager fit at the measured 2 layers, not scaled by L: the per-request and per-entry
-work (inputs and block tables before the forward, sampling after it) does not repeat per
-layer, and whatever the eager decode fit's per-layer excess is, in a step with a prefill chunk
-it is issued under that chunk's long kernels, which is what the small per-layer term of the
-prefill fit says. The drafts run after the target forward as decode rows of one layer, short
-kernels, so their host time shows; it does not depend on L. Not measured: prompts other than
-4K and mixed steps. The earlier long-prefill run (H200, 2 layers, 16K chunks, each prompt
+so a step with a long chunk pays its exposed part alone (the prefill fit's rows: the drafts,
+issued while the MTP layer's pass over the chunk still runs, hide too), and a step of a few new
+tokens pays what an eager decode step of its requests pays (a 2-token chunk measured 5.5 ms on
+an H100 against that step's 5.5 ms, where the exposed part alone priced 3.3 ms: docs/simulate.md).
+The exposed part's eager fits are at the measured 2 layers, not scaled by L: the per-request
+and per-entry work (inputs and block tables before the forward, sampling after it) does not
+repeat per layer, and the per-layer part of the eager fit is issue work, which the long
+kernels hide; the small per-layer term of the prefill fit says so. Not measured: prompts other
+than 4K (the calibration's probe measures this process's chunk: benchmarks/
+simulate_calibration.py). The earlier long-prefill run (H200, 2 layers, 16K chunks, each prompt
 prefilled once, no warm-up) exposed 10–14 ms of host per step on its 128K–1M prompts against
 this fit's 2.8 ms at 2 layers; how much of that was first use and how much grows with the
 chunk or its depth in the prompt is not known, so a deep 16K chunk may cost more than this.
@@ -164,14 +170,31 @@ PREFILL_HOST_H100 = tuple(PrefillHostRow(int(n), float(w), float(b)) for n, w, b
 @dataclass(frozen=True)
 class PrefillFit:
     """Exposed host seconds of a prefill step of one PREFILL_PROMPT-token prompt at L layers:
-    per_step + per_layer · L."""
+    per_step + per_layer · L; plus, where a calibration's probe measured fresh prompts of a few
+    sizes in its own process, what its steps took beyond that and the priced kernels, GPU or
+    host alike (`by_tokens`, interpolated over the step's prefill tokens: `residual`;
+    benchmarks/simulate_calibration.py). The rows' fits have none."""
 
     per_step: float
     per_layer: float
     source: str
+    by_tokens: tuple[tuple[int, float], ...] = ()  # (prefill tokens, seconds), increasing
 
     def __call__(self, num_layers: int) -> float:
         return self.per_step + self.per_layer * num_layers
+
+    def residual(self, tokens: float) -> float:
+        """`by_tokens` piecewise linear between its sizes, the nearest end's value beyond them
+        (no trend is extrapolated from a few noisy points); 0 without a probe."""
+        pts = self.by_tokens
+        if not pts:
+            return 0.0
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if tokens <= x1:
+                return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return pts[-1][1]
 
 
 def _least_squares(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -306,6 +329,8 @@ class HostFits:
                     "per_block_entry_ns": f.per_entry * 1e9, "source": f.source}
         out["prefill"] = {"per_step_ms": self.prefill.per_step * 1e3,
                           "per_layer_ms": self.prefill.per_layer * 1e3,
+                          "probe_residual_ms": {str(n): r * 1e3
+                                                for n, r in self.prefill.by_tokens},
                           "source": self.prefill.source}
         return out
 
@@ -403,28 +428,35 @@ class HostTimeModel:
         f = self.num_drafts / MEASURED_DRAFTS
         return (1 - f) * at_k(0) + f * at_k(MEASURED_DRAFTS)
 
-    def prefill_step(self, b: int, entries: int, drafting: bool) -> float:
-        """A prefill or mixed step of `b` requests, `entries` block-table entries (module
-        docstring): the measured prefill host at this model's layers, plus the eager decode
-        fit's per-request and per-entry parts beyond the measured step's one 4K request, plus
-        the drafts' host when its requests draft. The decode fits are taken at the measured
-        layers, unprojected."""
+    def prefill_step(self, b: int, entries: int, drafting: bool, long_kernels: float,
+                     tokens: float) -> float:
+        """A prefill or mixed step of `b` requests, `entries` block-table entries, whose kernels
+        exceed those of the same requests as decode rows by `long_kernels` seconds (module
+        docstring): the exposed part (the measured prefill host at this model's layers, plus
+        the eager decode fit's per-request and per-entry parts beyond the measured step's one
+        4K request, those fits unprojected), plus whatever of the eager decode step's host
+        work (drafts included when its requests draft) neither that part nor the longer
+        kernels cover."""
         eager = self.fits.eager
-        more = max(eager[0](b, entries) - self.prefill_request, 0.0)
-        drafts = (self._at_drafts(lambda k: eager[k](b, entries)) - eager[0](b, entries)
-                  if drafting else 0.0)
-        return self.prefill + more + drafts
+        exposed = (self.prefill + self.fits.prefill.residual(tokens)
+                   + max(eager[0](b, entries) - self.prefill_request, 0.0))
+        issue = (self._at_drafts(lambda k: self._eager(k, b, entries)) if drafting
+                 else self._eager(0, b, entries))
+        return exposed + max(issue - exposed - long_kernels, 0.0)
 
-    def step(self, contexts: Sequence[int], prefill: bool, drafting: bool) -> float:
+    def step(self, contexts: Sequence[int], prefill: bool, drafting: bool,
+             long_kernels: float = 0.0, tokens: float = 0.0) -> float:
         """`contexts`: each scheduled request's context after the step; `prefill`: some
         request computes more than a decode row (the step runs eager); `drafting`: the step's
-        sampling requests then run their MTP drafts."""
+        sampling requests then run their MTP drafts; `long_kernels`: a prefill step's kernel
+        seconds beyond those of its requests as decode rows (`prefill_step`); `tokens`: its
+        prefill rows on this GPU (the fit's probe residual, `PrefillFit.residual`)."""
         if not contexts:
             return 0.0
         b = len(contexts)
         entries = sum(-(-c // self.block_tokens) for c in contexts)
         if prefill:
-            return self.prefill_step(b, entries, drafting)
+            return self.prefill_step(b, entries, drafting, long_kernels, tokens)
         if self.graphs:
             return self._at_drafts(lambda k: self.fits.graphed[k](b, entries)) + self.gap
         return self._at_drafts(lambda k: self._eager(k, b, entries))

@@ -32,7 +32,8 @@ lock-step) layer by layer:
 
 Rows: under PCP a prefill chunk's rows are split over the group, decode rows are replicated
 (DESIGN §5). A row is a decode row when its request computes at most 1 + k tokens (k MTP drafts
-verified); with MTP, each request that samples then runs the MTP layer k times on one row.
+verified); with MTP, the MTP layer then runs over every row of the step, and each request that
+samples runs it k − 1 more times on one row (spec/mtp.py).
 """
 
 from __future__ import annotations
@@ -161,29 +162,53 @@ class StepTimeModel:
         `engine_tokens`: tokens of every replica that shares this one's experts over EP in the
         same step (lock-step DP); defaults to this replica's. `num_sampled`: rows that reach the
         lm_head (default: one per request). `drafting`: the context of each request whose MTP
-        layer then drafts `num_drafts` tokens (one row per draft step, and its lm_head)."""
+        layer then drafts `num_drafts` tokens (`_kernels`). A prefill or mixed step runs eager:
+        its host work beyond the exposed part hides under the kernels that a step of the same
+        requests as decode rows would not have (plan/hosttime.py)."""
         if not batch:
             return StepTime()
+        t = self._kernels(batch, engine_tokens, num_sampled, drafting)
+        prefill = any(n > self.decode_rows for n, _ in batch)
+        long_kernels = 0.0
+        if prefill:  # what the same requests' kernels take as decode rows: the rest hides issue
+            short = self._kernels([(min(n, self.decode_rows), c) for n, c in batch], None,
+                                  None, drafting)
+            long_kernels = max(t.gpu - short.gpu, 0.0)
+        tokens = sum(n for n, _ in batch if n > self.decode_rows) / self.pcp
+        cpu = self.cpu.step([c for _, c in batch], prefill, bool(drafting) and self.num_drafts > 0,
+                            long_kernels, tokens)
+        t = t + StepTime(host=self._hot_misses(batch), cpu=cpu)
+        return replace(t, cpu_overlaps=self.async_scheduling)
+
+    def _kernels(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None,
+                 num_sampled: int | None, drafting: Sequence[int]) -> StepTime:
+        """The step's GPU kernels: the target forward and its lm_head, then with MTP the MTP
+        layer over every row of the step (its step 0, which fills its cache: prefill chunks
+        included) and, for each drafting request, k − 1 more one-row MTP forwards and k lm_heads
+        (spec/mtp.py)."""
         m = self.model
         sampled = len(batch) if num_sampled is None else num_sampled
         main = _Layers(m.num_hidden_layers, self.num_moe, self.num_dense, self.num_indexer)
         t = self._forward(batch, engine_tokens, main) + StepTime(gemm=self._gemm("lm_head",
                                                                                  sampled))
-        if drafting and self.num_drafts:
-            rows = [(1, c) for c in drafting]
-            ep_rows = None if engine_tokens is None else engine_tokens * len(rows) // len(batch)
-            one = self._forward(rows, ep_rows, _Layers(1, 1, 0, 1))
-            # eh_proj on [embedding | hidden], then the layer, then the shared lm_head
-            one = one + StepTime(gemm=self._gemm("mtp_proj", len(rows))
-                                 + self._gemm("lm_head", len(rows)))
-            for _ in range(self.num_drafts):
-                t = t + one
-        forwards = m.num_hidden_layers + (self.num_drafts if drafting else 0)
-        t = t + StepTime(small=forwards * self.parts.layer_kernels_us.value * 1e-6)
-        prefill = any(n > self.decode_rows for n, _ in batch)
-        cpu = self.cpu.step([c for _, c in batch], prefill, bool(drafting) and self.num_drafts > 0)
-        t = t + StepTime(host=self._hot_misses(batch), cpu=cpu)
-        return replace(t, cpu_overlaps=self.async_scheduling)
+        forwards = m.num_hidden_layers
+        if self.num_drafts:
+            mtp = _Layers(1, 1, 0, 1)
+            rows = sum(n if n <= self.decode_rows else n / self.pcp for n, _ in batch)
+            # eh_proj on [embedding | hidden] of every row, then the layer
+            t = t + self._forward(batch, engine_tokens, mtp) + StepTime(
+                gemm=self._gemm("mtp_proj", rows))
+            forwards += 1
+            if drafting:
+                d = len(drafting)
+                ep_rows = None if engine_tokens is None else engine_tokens * d // len(batch)
+                one = self._forward([(1, c) for c in drafting], ep_rows, mtp) + StepTime(
+                    gemm=self._gemm("mtp_proj", d))
+                for _ in range(self.num_drafts - 1):
+                    t = t + one
+                t = t + StepTime(gemm=self.num_drafts * self._gemm("lm_head", d))
+                forwards += self.num_drafts - 1
+        return t + StepTime(small=forwards * self.parts.layer_kernels_us.value * 1e-6)
 
     def _hot_misses(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of host-link reads for the step's hot-buffer misses: per hot decode request

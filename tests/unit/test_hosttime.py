@@ -4,6 +4,8 @@ and moves simulated latency the way the engine's host time does."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dsaserve.config import ConfigError
@@ -23,6 +25,7 @@ from dsaserve.plan.simtrace import load_traces
 from dsaserve.plan.simulate import Simulator
 from dsaserve.plan.steptime import StepTimeModel
 
+LONG = 1.0  # s of kernels: a prefill chunk whose kernels hide all issue work
 GAP = H200.kernel_overhead_us.value * 1e-6
 # Residual bounds of the step's wall time (kernels + fitted host). Graphed rows fit within 2 %.
 # The eager rows cannot all be within 10 %: at batch 1 the 131,072-token step measured faster
@@ -74,8 +77,8 @@ def test_fit_coefficients_are_non_negative_and_ordered():
 @pytest.mark.parametrize("row", PREFILL_HOST_H100, ids=lambda r: f"layers{r.layers}")
 def test_prefill_fit_reproduces_each_measured_prefill_row(row):
     """The measured step (one 4K prompt, alone, no drafts) at the measured layer count."""
-    host = HostTimeModel(row.layers, 0, True, 64, GAP).step([PREFILL_PROMPT], prefill=True,
-                                                              drafting=False)
+    host = HostTimeModel(row.layers, 0, True, 64, GAP).step(
+        [PREFILL_PROMPT], prefill=True, drafting=False, long_kernels=row.busy_ms * 1e-3)
     assert host == pytest.approx(H200_HOST.prefill(row.layers))  # nothing added for one 4K request
     assert host == pytest.approx(row.host_ms * 1e-3, abs=PREFILL_HOST_TOLERANCE_S)
     assert row.busy_ms * 1e-3 + host == pytest.approx(row.wall_ms * 1e-3,
@@ -89,7 +92,7 @@ def test_prefill_fit_coefficients_and_projection_to_78_layers():
     assert fit.per_step == pytest.approx(2.30e-3, abs=0.01e-3)
     assert fit.per_layer == pytest.approx(0.252e-3, abs=0.001e-3)
     assert fit(78) == pytest.approx(22.0e-3, abs=0.05e-3)
-    assert HostTimeModel(78, 0, True, 64, GAP).step([PREFILL_PROMPT], True, False) == \
+    assert HostTimeModel(78, 0, True, 64, GAP).step([PREFILL_PROMPT], True, False, LONG) == \
         pytest.approx(fit(78))
     # residuals of a least-squares line sum to zero over its rows
     assert sum(fit(r.layers) - r.host_ms * 1e-3 for r in PREFILL_HOST_H100) == \
@@ -97,26 +100,58 @@ def test_prefill_fit_coefficients_and_projection_to_78_layers():
 
 
 def test_mixed_step_adds_the_eager_decode_parts_of_its_other_requests():
-    """A prefill or mixed step: the prefill fit at L layers, plus the eager decode fit (at the
-    measured layers, unscaled) beyond the measured step's one 4K request, plus the drafts'."""
+    """A prefill or mixed step with long kernels: the prefill fit at L layers, plus the eager
+    decode fit (at the measured layers, unscaled) beyond the measured step's one 4K request;
+    its drafts' host work hides under the kernels."""
     eager = H200_HOST.eager
     ctx = [65536] * 32
     entries = 32 * 1024
     for layers in (2, 78):
-        plain = HostTimeModel(layers, 0, True, 64, GAP).step(ctx, True, False)
+        plain = HostTimeModel(layers, 0, True, 64, GAP).step(ctx, True, False, LONG)
         more = eager[0](32, entries) - eager[0](1, PREFILL_PROMPT // 64)
         assert plain == pytest.approx(H200_HOST.prefill(layers) + more)
-        mtp = HostTimeModel(layers, 3, True, 64, GAP).step(ctx, True, True)
-        assert mtp == pytest.approx(plain + eager[3](32, entries) - eager[0](32, entries))
-        # a step whose requests do not draft pays no draft host time, and graphs do not apply
-        assert HostTimeModel(layers, 3, False, 64, GAP).step(ctx, True, False) == \
+        assert HostTimeModel(layers, 3, True, 64, GAP).step(ctx, True, True, LONG) == \
+            pytest.approx(plain)
+        assert HostTimeModel(layers, 3, False, 64, GAP).step(ctx, True, False, LONG) == \
             pytest.approx(plain)
     # what grows with layers is the prefill fit's per-layer part alone
-    many, two = (HostTimeModel(n, 0, True, 64, GAP).step(ctx, True, False) for n in (78, 2))
+    many, two = (HostTimeModel(n, 0, True, 64, GAP).step(ctx, True, False, LONG) for n in (78, 2))
     assert many - two == pytest.approx(76 * H200_HOST.prefill.per_layer)
     # a shorter request than the measured one costs no less than the measured step
-    assert HostTimeModel(78, 0, True, 64, GAP).step([512], True, False) == \
+    assert HostTimeModel(78, 0, True, 64, GAP).step([512], True, False, LONG) == \
         pytest.approx(H200_HOST.prefill(78))
+
+
+@pytest.mark.parametrize("layers", [2, 78])
+@pytest.mark.parametrize("drafts", [0, 3])
+def test_short_prefill_step_pays_the_eager_decode_host_of_its_requests(layers, drafts):
+    """A step of a few new tokens has no long kernels to hide its issue work under: its host
+    time is the eager decode step's of the same requests (drafts included), at least the
+    exposed part; the longer the kernels, the more of the issue work hides, down to the
+    exposed part."""
+    ctx = [16384, 8192]
+    eager = HostTimeModel(layers, drafts, False, 64, GAP).step(ctx, False, drafts > 0)
+    model = HostTimeModel(layers, drafts, True, 64, GAP)
+    exposed = model.step(ctx, True, drafts > 0, LONG)
+    assert eager > exposed
+    assert model.step(ctx, True, drafts > 0, 0.0) == pytest.approx(eager)
+    half = (eager - exposed) / 2
+    assert model.step(ctx, True, drafts > 0, half) == pytest.approx(eager - half)
+    assert model.step(ctx, True, drafts > 0, 2 * (eager - exposed)) == pytest.approx(exposed)
+
+
+def test_probe_residual_is_interpolated_over_prefill_tokens():
+    """A probe's residuals (PrefillFit.by_tokens): linear between its sizes, the nearest end's
+    beyond them, added to the exposed part of a prefill step of that many tokens."""
+    fit = dataclasses.replace(H200_HOST.prefill, by_tokens=((1024, 1e-3), (4096, -2e-3)))
+    assert H200_HOST.prefill.residual(5000) == 0.0
+    assert [fit.residual(n) for n in (1, 1024, 2048, 4096, 10**6)] == \
+        pytest.approx([1e-3, 1e-3, 0.0, -2e-3, -2e-3])
+    probed = HostTimeModel(2, 0, True, 64, GAP, dataclasses.replace(H200_HOST, prefill=fit))
+    plain = HostTimeModel(2, 0, True, 64, GAP)
+    for tokens in (512, 2048, 8192):
+        assert probed.step([8192], True, False, LONG, tokens) - \
+            plain.step([8192], True, False, LONG, tokens) == pytest.approx(fit.residual(tokens))
 
 
 def test_projection_to_more_layers():

@@ -294,9 +294,11 @@ def test_calibration_smoke_with_this_machines_files(tmp_path, load_benchmark, mo
     assert [f == want_fits for _, f in calibration] == [False, False, False, True]
     own = calibration[0][1]
     assert own.eager[0] != want_fits.eager[0] and "probe" in own.eager[0].source
-    # the prefill fit's per-step part moved, its per-layer part kept
-    assert own.prefill.per_layer == want_fits.prefill.per_layer
-    assert own.prefill.per_step != want_fits.prefill.per_step and own.prefill.per_step >= 0
+    # the prefill fit's residual measured at the probe's one size (the 256-token context), its
+    # per-step and per-layer parts kept
+    assert (own.prefill.per_step, own.prefill.per_layer) == \
+        (want_fits.prefill.per_step, want_fits.prefill.per_layer)
+    assert [n for n, _ in own.prefill.by_tokens] == [256] and not want_fits.prefill.by_tokens
     assert "probe" in own.prefill.source
     assert own == dataclasses.replace(want_fits, eager={**want_fits.eager, 0: own.eager[0]},
                                       prefill=own.prefill)

@@ -195,8 +195,9 @@ def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
 
 
 def test_an_mtp_draft_reads_its_eh_proj_as_stored():
-    """Each MTP draft forward runs eh_proj (held unquantized: [hidden, 2·hidden] bf16,
-    replicated) before the layer, and the shared lm_head after it, in every weight mode."""
+    """The MTP layer runs over every row of a step (its step 0, eh_proj held unquantized:
+    [hidden, 2·hidden] bf16, replicated, then the layer); a drafting request adds k − 1
+    one-row forwards and k reads of the shared lm_head, in every weight mode."""
     _, m = load_model("glm-5.3")
     par = parse_deployment("tp8").parallel
     hbm = H200.hbm_tbps.value * 1e12
@@ -204,10 +205,13 @@ def test_an_mtp_draft_reads_its_eh_proj_as_stored():
         held = cm.matrix_bytes(m, par, weights)
         assert held.mtp_proj == 2 * m.hidden_size * 2 * m.hidden_size
         times = StepTimeModel(m, par, H200, num_drafts=3, weight_dtype=weights)
+        plain = StepTimeModel(m, par, H200, weight_dtype=weights)
         batch = [(4, 8192)]
+        forward = held.attn + held.indexer + held.moe_shared + held.mtp_proj
+        step0 = times.step(batch).gemm - plain.step(batch).gemm
+        assert step0 == pytest.approx(forward / hbm, rel=1e-9)
         drafted = times.step(batch, drafting=[8192]).gemm - times.step(batch).gemm
-        per_draft = held.attn + held.indexer + held.moe_shared + held.mtp_proj + held.lm_head
-        assert drafted == pytest.approx(3 * per_draft / hbm, rel=1e-9)
+        assert drafted == pytest.approx((2 * forward + 3 * held.lm_head) / hbm, rel=1e-9)
 
 
 def test_curve_interpolates_and_extrapolates():
@@ -388,11 +392,21 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
     # the decode host fit refitted from this process's probe (4 rows: 2 contexts × 2 batches)
     assert "probe: eager decode at 0 drafts, host = " in out.err and "(256, 2, " in out.err
-    assert "probe: prefill host per step " in out.err
+    assert "probe: prefill measured − priced " in out.err and " at 256 tokens" in out.err
     # An FP8 checkpoint: the CPU runner dequantizes it at load, so its matrices are bf16 too.
     assert bench.main(["--smoke", "--weights", "fp8", "--no-probe"]) == 0
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in \
         capsys.readouterr().err
+
+
+def test_calibration_probe_sizes(load_benchmark):
+    """The prefill probe's prompts: powers of two from 1,024 up to a whole chunk, none longer
+    than the context."""
+    sizes = load_benchmark("simulate_calibration").probe_sizes
+    assert sizes(8192, 32768) == [1024, 2048, 4096, 8192]
+    assert sizes(8192, 8192) == [1024, 2048, 4096, 8192]
+    assert sizes(8192, 6000) == [1024, 2048, 4096, 6000]
+    assert sizes(8192, 256) == [256]
 
 
 def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engine_config,
