@@ -82,9 +82,11 @@
 #   bash benchmarks/gpu_owed.sh 29         # part 29: the calibration of a HiSparse engine
 #                                          #   (its pages spilled, misses read from the host
 #                                          #   pool), 8K and 32K
-#   bash benchmarks/gpu_owed.sh 30         # part 30: the calibration with the MTP layer over
-#                                          #   every row, eager issue hidden under long kernels
-#                                          #   and the prefill probe at 1K–8K; then part 29
+#   bash benchmarks/gpu_owed.sh 30         # part 30: part 28's READs into pages with their
+#                                          #   posting steps profiled; the calibration with the
+#                                          #   MTP layer over every row, eager issue hidden under
+#                                          #   long kernels and the prefill probe at 1K–8K; then
+#                                          #   part 29
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -339,6 +341,9 @@ elif [ "$part" = 28 ]; then
     files=$(gpu_files)
     calibrate 250 $files
 elif [ "$part" = 30 ]; then
+    run 120 pd_overlap python benchmarks/pd_overlap.py --into pages --transports nixl \
+        --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md" \
+        --profile-post "$out/post_traces"
     calibrate 250 $(gpu_files)
     [ "$(left)" -gt 90 ] && run "$(left)" calibration_hisparse python \
         benchmarks/simulate_calibration.py $(gpu_files) --hisparse \

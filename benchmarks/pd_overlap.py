@@ -32,11 +32,17 @@ GPU: VRAM → VRAM; host memory on the CPU); "host-pool", a spilling HiSparse de
 (docs/hisparse.md): a long prompt's MLA rows below its write tail go straight into the pinned
 host pool (VRAM → DRAM over NIXL on a GPU), its indexer keys and tail into GPU pages.
 Shared memory moves only host memory: on a GPU only NIXL runs (`--transports nixl`).
+
+`--profile-post DIR` profiles each row's posting step (what holds a READ inside it): its host
+functions (cProfile, printed) and a torch-profiler trace of its CPU and GPU activity, the READ's
+copies included (DIR/post_B<b>_<tokens>x<inflight>.json, for chrome://tracing or Perfetto). The
+profilers' overhead is in that row's "post step ms".
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import math
 import sys
@@ -47,6 +53,7 @@ from pathlib import Path
 import torch
 
 from dsaserve.bench.argtypes import positive_ints
+from dsaserve.bench.profile import cprofile_top
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -161,8 +168,10 @@ class Overlap:
     """A producer (in its own process) and a consumer (here) with B requests decoding on the
     consumer."""
 
-    def __init__(self, p: PrefillProcess, d: LLMEngine, device: torch.device, seed: int) -> None:
+    def __init__(self, p: PrefillProcess, d: LLMEngine, device: torch.device, seed: int,
+                 profile_post: Path | None = None) -> None:
         self.p, self.d, self.device = p, d, device
+        self.profile_post = profile_post  # the posting steps' traces go here (None: no profile)
         self.g = torch.Generator().manual_seed(seed)
         self.vocab = d.config.model.vocab_size
         self.decoders: list[str] = []
@@ -199,6 +208,26 @@ class Overlap:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
         return ms, [o.request_id for o in outs if o.new_token_ids]
 
+    def _posting_step(self, name: str) -> tuple[float, list[str]]:
+        """The step that posts every READ, under both profilers with --profile-post."""
+        if self.profile_post is None:
+            return self.step()
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        host = cProfile.Profile()
+        with torch.profiler.profile(activities=activities) as trace:
+            host.enable()
+            out = self.step()
+            host.disable()
+            if self.device.type == "cuda":  # the READ's copies too: they are on UCX's streams
+                torch.cuda.synchronize()
+        self.profile_post.mkdir(parents=True, exist_ok=True)
+        trace.export_chrome_trace(str(self.profile_post / f"post_{name}.json"))
+        print(f"posting step {name}: {out[0]:.2f} ms under the profilers; its host functions:\n"
+              + cprofile_top(host, 25), file=sys.stderr)
+        return out
+
     def _decoded_all(self, got: list[str], what: str) -> None:
         missing = set(self.decoders) - set(got)
         if missing:
@@ -219,7 +248,7 @@ class Overlap:
         for rid in reads:  # checked over the side channel here, before the clock starts
             self.d.add_request(rid, prompts[rid], once, kv_transfer_params=params[rid])
         receiving = self.d.scheduler.receiving
-        post_ms, got = self.step()  # posts every READ
+        post_ms, got = self._posting_step(f"B{len(self.decoders)}_{tokens}x{inflight}")
         self._decoded_all(got, "posting step")
         read_ms, busy = post_ms, []
         while any(rid in receiving for rid in reads):
@@ -259,7 +288,7 @@ def _measure_all(args: argparse.Namespace, p: PrefillProcess, d: LLMEngine,
                  device: torch.device, transport: str, into: str) -> list[Row]:
     """Every row of one (transport, into) pair; then nothing left held on either side."""
     rows: list[Row] = []
-    bench = Overlap(p, d, device, seed=0)
+    bench = Overlap(p, d, device, seed=0, profile_post=args.profile_post)
     for batch in args.batch:
         bench.start_decoders(batch, args.context, args.decode_budget)
         # warm-up (not reported): the first READ connects the agents and builds handles
@@ -338,6 +367,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="attention backend (default: triton on a GPU, reference on the CPU)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
+    ap.add_argument("--profile-post", type=Path, default=None, metavar="DIR",
+                    help="profile each row's posting step (host functions printed, traces "
+                         "written to DIR)")
     if ap.parse_args(argv).smoke:  # the smoke's sizes as defaults: flags given still win
         ap.set_defaults(device="cpu", batch=[2], context=24, tokens=[2048], inflight=[2],
                         steps=3, warmup=1, decode_budget=64, block_size=16, chunk=256,

@@ -61,6 +61,19 @@ def test_steps_with_a_read_in_flight(load_benchmark, model_dirs, monkeypatch) ->
         assert "landed in the post step" not in line and f"| {len(r.busy_ms)} |" in line
 
 
+def test_posting_step_profiled(load_benchmark, model_dirs, tmp_path: Path, capsys) -> None:
+    """--profile-post: each row's posting step under cProfile (its host functions printed) and
+    the torch profiler (a trace per row, the connector's post among its host functions)."""
+    bench = load_benchmark("pd_overlap")
+    args = bench.parse_args(["--smoke", "--tokens", "512", "--inflight", "1",
+                             "--profile-post", str(tmp_path / "traces")])
+    rows = bench.run_pair(args, model_dirs["tiny-glm5"], torch.device("cpu"), "shm", "pages")
+    assert [(r.tokens, r.inflight) for r in rows] == [(512, 1)]
+    assert (tmp_path / "traces" / "post_B2_512x1.json").stat().st_size > 0
+    err = capsys.readouterr().err
+    assert "posting step B2_512x1: " in err and "connector.py" in err
+
+
 def test_bad_flags(load_benchmark) -> None:
     bench = load_benchmark("pd_overlap")
     with pytest.raises(SystemExit):
