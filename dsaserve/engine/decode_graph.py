@@ -190,6 +190,7 @@ class DecodeGraphs:
         self.num_draft_steps = 0  # steps whose drafts ran through the static buffers
         self.num_draft_replays = 0  # of them, replayed from a graph
         self.num_padding_steps = 0  # all-padding steps of a replica with no rows (DP + EP)
+        self.num_padding_replays = 0  # of them, replayed from a graph
 
     def size_for(self, counts: Sequence[int]) -> int | None:
         """The size a decode-only step whose requests have counts[r] rows runs at; None: it
@@ -277,7 +278,8 @@ class DecodeGraphs:
         serve their rows). Writes no KV; the outputs are dropped."""
         self.num_padding_steps += 1
         self._fill_padding(size)
-        hidden, _ = self._run(self._graphs, size, "decode forward", self._target(size))
+        hidden, replayed = self._run(self._graphs, size, "decode forward", self._target(size))
+        self.num_padding_replays += replayed
         if self.k:
             self._run(self._draft_graphs, size, "MTP drafts", self._drafts(size, hidden))
 

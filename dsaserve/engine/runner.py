@@ -771,14 +771,19 @@ class ModelRunner:
                 self.decode_graphs.run_padding(size)
         self.lockstep.finish_step(replayed=size is not None and self.decode_graphs.capture)
 
-    def dp_ep_counts(self) -> tuple[int, int, int]:
+    def dp_ep_counts(self) -> tuple[int, int, int, int]:
         """(steps padded to a size so far, of them all-padding steps of no rows, EP dispatches
-        that exchanged row counts so far), for tests through `executor.call`."""
+        that exchanged row counts so far, padded steps replayed from CUDA graphs so far), for
+        tests through `executor.call`."""
         graphs = self.decode_graphs
-        padding = 0 if graphs is None else graphs.num_padding_steps
-        steps = padding + (0 if graphs is None else graphs.num_steps)
+        if graphs is None:
+            padding = steps = replays = 0
+        else:
+            padding = graphs.num_padding_steps
+            steps = padding + graphs.num_steps
+            replays = graphs.num_padding_replays + graphs.num_replays
         layers = [] if self.lockstep is None else self.lockstep.layers
-        return steps, padding, sum(m.size_exchanges for m in layers)
+        return steps, padding, sum(m.size_exchanges for m in layers), replays
 
     def _forward(self, batch: _Batch, size: int | None) -> torch.Tensor:
         """The target forward → hidden [N, hidden], at `size` through the padded path."""

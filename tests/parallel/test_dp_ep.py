@@ -40,15 +40,15 @@ def _close(engine: DataParallelEngine, assert_gone) -> None:
     assert_gone(pids)
 
 
-def _padded(engine: DataParallelEngine) -> list[tuple[int, int, int]]:
+def _padded(engine: DataParallelEngine) -> list[tuple[int, int, int, int]]:
     """Per replica (its rank 0): (steps padded to a common size, of them all-padding steps of
-    no rows, EP dispatches that exchanged row counts), so far."""
+    no rows, EP dispatches that exchanged row counts, graph replays: none on the CPU), so
+    far."""
     return [r.executor.call("dp_ep_counts")[0] for r in engine.replicas]
 
 
-def _assert_padded_together(before: list[tuple[int, int, int]],
-                            after: list[tuple[int, int, int]], *, idle: int | None = None
-                            ) -> None:
+def _assert_padded_together(before: list[tuple[int, ...]], after: list[tuple[int, ...]], *,
+                            idle: int | None = None) -> None:
     """Between the two counts, both replicas padded the same steps (lock-step), some; with
     `idle` (a replica with no request), that one only through all-padding batches."""
     steps = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
