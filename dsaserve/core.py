@@ -308,6 +308,9 @@ class SchedulerOutput:
     host_keep: tuple[int, ...] = ()
     host_restore: tuple[int, ...] = ()
     host_drop: tuple[int, ...] = ()
+    # DP + EP (engine/dp_padding.py): the size every replica pads this decode step to (one
+    # with no rows runs an all-padding batch of it); None: every replica runs it as it is
+    dp_padded_size: int | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

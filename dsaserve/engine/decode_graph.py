@@ -44,6 +44,17 @@ sized by the largest), as vLLM does, over an all-padding batch: no request, ever
 padding row at position 0 reading block 0 (a real block, as a padding row reads its live
 row's) and writing nowhere, every HiSparse slot in the trash region. A step then never
 captures; a size it finds without its graph (none should) is captured inside that step.
+
+Under DP + EP (the routed experts shared by every replica's ranks, parallel/lockstep.py) a
+decode step is padded only to the size engine/dp.py picks for every replica at once (the
+smallest capture size ≥ the largest replica's rows), and a replica with no rows in that step
+runs the all-padding batch of that size (`run_padding`, the drafts included), so that every
+rank makes the same dispatches with the same row count: no row counts are exchanged
+(parallel/ep.py), and the dispatches are captured with the rest. Every rank warms up the same
+sizes in the same order (one config), and a capture that fails raises (`must_capture`): one
+rank turning its graphs off alone would leave the others waiting in the warm-up's collectives.
+Graphs are captured under DP + EP only with replicas of one rank (runner.py `_decode_graphs`),
+and their replays are unverified on GPUs (a 2-GPU machine is needed).
 """
 
 from __future__ import annotations
@@ -118,12 +129,14 @@ class DecodeGraphs:
     drafts) in a CUDA graph (at start-up through `warm_up`, else at the size's first step) and
     replay it afterwards; otherwise run them eager over the buffers. `num_drafts`: MTP's k
     (0: no drafting). `hisparse`: the rank's HiSparse runtime (None: off); `mla_pages`:
-    HiSparse spilling (MLA pages apart from the block ids)."""
+    HiSparse spilling (MLA pages apart from the block ids). `must_capture`: a capture that
+    fails raises instead of turning `capture` off (DP + EP: every rank must capture alike)."""
 
     def __init__(self, model: DsaForCausalLM, caches: list[LayerCache], sizes: Sequence[int],
                  num_drafts: int, max_model_len: int, block_size: int,
                  device: torch.device, capture: bool, *,
-                 hisparse: HiSparseRuntime | None = None, mla_pages: bool = False) -> None:
+                 hisparse: HiSparseRuntime | None = None, mla_pages: bool = False,
+                 must_capture: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.k = num_drafts
@@ -136,6 +149,7 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.block_size = block_size
         self.capture = capture
+        self.must_capture = must_capture
         max_size = max(self.sizes, default=0)
         # blocks of the longest request, with the draft steps' k − 1 lookahead positions
         width = -(-(max_model_len + max(self.k - 1, 0)) // block_size)
@@ -175,6 +189,8 @@ class DecodeGraphs:
         self.num_replays = 0  # of them, replayed from a graph
         self.num_draft_steps = 0  # steps whose drafts ran through the static buffers
         self.num_draft_replays = 0  # of them, replayed from a graph
+        self.num_padding_steps = 0  # all-padding steps of a replica with no rows (DP + EP)
+        self.num_padding_replays = 0  # of them, replayed from a graph
 
     def size_for(self, counts: Sequence[int]) -> int | None:
         """The size a decode-only step whose requests have counts[r] rows runs at; None: it
@@ -253,6 +269,19 @@ class DecodeGraphs:
                                      self._drafts(size, step.hidden))
         self.num_draft_replays += replayed
         return drafts[slot_of]  # [D, k]
+
+    @torch.inference_mode()
+    def run_padding(self, size: int) -> None:
+        """A step of this replica with no rows while the others pad theirs to `size` (DP +
+        EP): the forward and, with MTP, the drafts of the all-padding batch of `size`,
+        replayed where captured; their dispatches are the others' (the experts held here
+        serve their rows). Writes no KV; the outputs are dropped."""
+        self.num_padding_steps += 1
+        self._fill_padding(size)
+        hidden, replayed = self._run(self._graphs, size, "decode forward", self._target(size))
+        self.num_padding_replays += replayed
+        if self.k:
+            self._run(self._draft_graphs, size, "MTP drafts", self._drafts(size, hidden))
 
     @torch.inference_mode()
     def warm_up(self) -> None:
@@ -341,6 +370,10 @@ class DecodeGraphs:
         try:
             graph, out = cudagraph.capture(fn, self._pool)
         except RuntimeError as e:  # a kernel that cannot be captured: serve eager
+            if self.must_capture:
+                raise RuntimeError(f"capturing the {what} of {size} tokens in a CUDA graph "
+                                   f"failed ({e}); under DP + EP every rank must capture alike: "
+                                   "run with --enforce-eager") from e
             logger.warning("capturing the %s of %d tokens failed (%s); decode steps run "
                            "eager from now on (--enforce-eager says so at start-up)",
                            what, size, e)

@@ -16,7 +16,10 @@ With `--enable-expert-parallel` the routed experts are sharded over every rank o
 group (one rendezvous store, made here) and every MoE layer dispatches over all of them. The
 replicas then step in lock-step: whenever one has work, every replica runs the step, an idle one
 with an empty step whose experts serve the others' rows (parallel/lockstep.py); one replica's
-worker dying fails every replica (their collectives would wait for it).
+worker dying fails every replica (their collectives would wait for it). A step that is
+decode-only on every replica is padded to one size on all of them, chosen here from every
+replica's scheduler output (engine/dp_padding.py), so that its dispatches need no exchange of
+row counts and can replay CUDA graphs.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from dsaserve.config import EngineConfig
 from dsaserve.core import (
@@ -45,7 +48,9 @@ from dsaserve.core import (
     RequestError,
     RequestOutput,
     SamplingParams,
+    SchedulerOutput,
 )
+from dsaserve.engine import dp_padding
 from dsaserve.engine.engine import LLMEngine, run_completions, run_to_completion
 from dsaserve.engine.executor import MultiprocExecutor, StartAbandoned
 from dsaserve.tokenizer import Tokenizer
@@ -174,7 +179,7 @@ class DataParallelEngine:
         scheduled = [replica.schedule_next_step() for replica in self.replicas]
         if self.config.parallel.ep_spans_replicas and any(
                 poll or not so.is_idle for so, poll in scheduled):
-            scheduled = [(so, True) for so, _ in scheduled]
+            scheduled = [(so, True) for so in self._pad_together([so for so, _ in scheduled])]
         for replica, (so, poll) in zip(self.replicas, scheduled, strict=True):
             replica.submit_step(so, poll)
         return [out for replica in self.replicas for out in replica.finish_oldest_step()]
@@ -194,6 +199,7 @@ class DataParallelEngine:
                 for r, so in zip(self.replicas, scheduled, strict=True)]
         if self.config.parallel.ep_spans_replicas and any(busy):
             busy = [True] * len(busy)  # DP + EP: every replica in every step (lock-step)
+            scheduled = self._pad_together(scheduled)
         for replica, so, b in zip(self.replicas, scheduled, busy, strict=True):
             if b:
                 replica.executor.execute_async(so)
@@ -206,6 +212,16 @@ class DataParallelEngine:
                 replica.step_log.record(so, runner_output, ms)
             outputs += replica.scheduler.update_from_output(so, runner_output)
         return outputs
+
+    def _pad_together(self, scheduled: list[SchedulerOutput]) -> list[SchedulerOutput]:
+        """DP + EP, every replica's step just scheduled → the same steps, with the size every
+        replica pads it to where it is decode-only (or empty) on all of them."""
+        size = dp_padding.common_size(self.config, [
+            r.scheduler.decode_context_lens(so)
+            for r, so in zip(self.replicas, scheduled, strict=True)])
+        if size is None:
+            return scheduled
+        return [replace(so, dp_padded_size=size) for so in scheduled]
 
     def has_unfinished_requests(self) -> bool:
         return any(r.has_unfinished_requests() for r in self.replicas)

@@ -3,6 +3,7 @@ state, applies the scheduler's typed diff, runs the model on the flattened batch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -34,7 +35,7 @@ from dsaserve.engine.sampler import sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
 from dsaserve.engine.step_timer import StepTimer
 from dsaserve.kernels import formats, staging
-from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata
+from dsaserve.kernels.metadata import AttentionMetadata, PcpMetadata, dense_allowed
 from dsaserve.kernels.registry import get_backend
 from dsaserve.kv import layout
 from dsaserve.kv.copier import KVCopier
@@ -246,12 +247,18 @@ class ModelRunner:
             self.model, self.caches, spec.num_speculative_tokens, self._draft_metadata)
         self._synthetic_rates = None if spec is None or not spec.synthetic else torch.tensor(
             spec.conditional_rates, dtype=torch.float32, device=self.device)
-        self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
-        if self.decode_graphs is not None and self.decode_graphs.capture:
-            self.decode_graphs.warm_up()  # every size captured now, none inside a step
         # DP + EP: each step's EP dispatches completed to the protocol's (parallel/lockstep.py)
         self.lockstep = lockstep_for(self.model, config.parallel.ep_spans_replicas,
                                      config.num_speculative_tokens)
+        self.decode_graphs = self._decode_graphs(backend)  # None: every step runs as it is
+        if self.decode_graphs is not None and self.decode_graphs.capture:
+            # every size captured now, none inside a step; under DP + EP every rank captures
+            # the same sizes in the same order (one config), each dispatching as many rows as
+            # every other rank: the same collectives everywhere, no row counts exchanged
+            with self._dispatch_rows(True):
+                self.decode_graphs.warm_up()
+            if self.lockstep is not None:
+                self.lockstep.reset()
         # what the last step left on the device for a next step that continues from it
         self._last = _LastStep.empty(self.device)
         # [D] the first position each drafting request's rows wrote this step (_draft_inputs)
@@ -471,19 +478,22 @@ class ModelRunner:
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),
         unless --enforce-eager or a step's rows are not whole on this rank (PCP, DCP).
-        Graphs are captured on CUDA with a capturable backend, and only on a single rank whose
-        experts are its own: the EP dispatch reads the largest batch of the group on the
-        host."""
+        Graphs are captured on CUDA with a capturable backend, and only on a replica of one
+        rank: alone, or under DP + EP, whose decode steps pad to one size on every replica
+        (engine/dp_padding.py) so that the EP dispatches exchange no row counts (unverified on
+        GPUs: a 2-GPU machine is needed). TP > 1 stays eager (TP all-reduces inside a graph
+        are untested); an EP group within one replica of TP ranks is TP > 1 too."""
         cfg = self.config
         k = cfg.num_speculative_tokens
         sizes = cudagraph.decode_sizes(cfg.compilation, cfg.scheduler.max_num_seqs, k)
         if not sizes or self.groups.pcp.size > 1 or self.dcp_size > 1:
             return None
         capture = (self.device.type == "cuda" and backend.capturable
-                   and self.groups.world_size == 1 and not cfg.parallel.ep_spans_replicas)
+                   and self.groups.world_size == 1)
         return DecodeGraphs(self.model, self.caches, sizes, k, cfg.scheduler.max_model_len,
                             self.block_size, self.device, capture, hisparse=self.hisparse,
-                            mla_pages=self.mla_page_of is not None)
+                            mla_pages=self.mla_page_of is not None,
+                            must_capture=self.lockstep is not None)
 
     def _kv_connector(self) -> ConnectorWorker | None:
         """P/D: this rank's transport, with the caches moved into (or registered as) memory
@@ -631,7 +641,7 @@ class ModelRunner:
         self._apply_diff(so)
         if so.is_empty:
             if self.lockstep is not None:  # DP + EP: the experts serve the other replicas
-                self.lockstep.finish_step()
+                self._serve_peers(so.dp_padded_size)
             return step_results.PendingOutput([], [], None)
 
         # 2. the flattened batch and its attention metadata
@@ -639,14 +649,16 @@ class ModelRunner:
         batch = self._prepare(req_ids, so.num_scheduled_tokens, so.scheduled_spec_token_ids)
 
         # 3. forward (a decode-only step: padded, through static buffers, replayed from a CUDA
-        #    graph where graphs are on); then sample (or verify drafts) for requests whose
-        #    known tokens are done, the results left on the device
-        padded = self._padded_size(batch)  # None: the step runs as it is
+        #    graph where graphs are on; under DP + EP to the size of every replica, its EP
+        #    dispatches exchanging no row counts); then sample (or verify drafts) for requests
+        #    whose known tokens are done, the results left on the device
+        padded = self._padded_size(batch, so.dp_padded_size)  # None: the step runs as it is
         replays = (0, 0)  # --step-log: graph replays before this step's
         if self.step_timer is not None:
             replays = self._graph_replays()
             self.step_timer.record_start()
-        hidden = self._forward(batch, padded)  # [N, hidden]
+        with self._dispatch_rows(padded is not None):
+            hidden = self._forward(batch, padded)  # [N, hidden]
         if self.step_timer is not None:
             self.step_timer.record_forward_end()
         samples = self._sample(req_ids, batch, hidden)
@@ -661,14 +673,15 @@ class ModelRunner:
             if padded is None:
                 drafts = self.drafter.propose(hidden, batch.meta, inputs)
             else:
-                drafts = self.decode_graphs.propose(inputs)
+                with self._dispatch_rows(True):
+                    drafts = self.decode_graphs.propose(inputs)
             drafting = inputs.request_ids
             last = _LastStep(inputs.tokens, drafts,
                              torch.cat((last.rejected, samples.rejected)),
                              {rid: i for i, rid in enumerate(drafting)})
 
         if self.lockstep is not None:  # DP + EP: the MTP forwards this step did not run
-            self.lockstep.finish_step()
+            self.lockstep.finish_step(replayed=padded is not None and self.decode_graphs.capture)
 
         # 5. HiSparse: the rows this step wrote join the durable host copy
         self._mirror(req_ids, batch)
@@ -716,16 +729,61 @@ class ModelRunner:
         """--step-log at shutdown: the GPU times not reported yet (waits for the device)."""
         return () if self.step_timer is None else self.step_timer.drain()
 
-    def _padded_size(self, batch: _Batch) -> int | None:
+    def _padded_size(self, batch: _Batch, common: int | None) -> int | None:
         """The size a decode-only step (each request: its last known token and its drafts)
-        runs at through the padded path; None: the step runs as it is."""
+        runs at through the padded path; None: the step runs as it is. Under DP + EP the size
+        is `common`, the one engine/dp.py chose for every replica (None: no replica pads)."""
         qsl = batch.query_start_loc
         counts = [qsl[r + 1] - qsl[r] for r in range(len(batch.samples))]
         decode_only = all(batch.samples) and all(
             n == 1 + d for n, d in zip(counts, batch.num_drafts, strict=True))
-        if self.decode_graphs is None or not decode_only or batch.meta.use_dense:
-            return None
-        return self.decode_graphs.size_for(counts)
+        own = None
+        if self.decode_graphs is not None and decode_only and not batch.meta.use_dense:
+            own = self.decode_graphs.size_for(counts)
+        if self.lockstep is None:
+            return own
+        if common is not None and (own is None or own > common
+                                   or common not in self.decode_graphs.sizes):
+            # engine/dp_padding.py and this runner disagree on the step: a bug, and padding to
+            # another size than the other replicas would desynchronise the dispatches
+            raise RuntimeError(f"DP + EP: the step was padded to {common} for every replica, "
+                               f"but this replica's ({counts} rows per request, decode-only "
+                               f"{decode_only}, dense {batch.meta.use_dense}) pads to {own}")
+        return common
+
+    def _dispatch_rows(self, same: bool) -> contextlib.AbstractContextManager[None]:
+        """DP + EP, `same`: a padded step's (or the start-up capture's) forwards, whose every
+        EP dispatch has as many rows on every rank (parallel/lockstep.py)."""
+        if self.lockstep is None or not same:
+            return contextlib.nullcontext()
+        return self.lockstep.same_rows()
+
+    def _serve_peers(self, size: int | None) -> None:
+        """DP + EP, a step with no rows on this replica: its experts serve the other replicas'
+        rows, through the all-padding batch of `size` where they pad their decode steps to it
+        (the same dispatches as theirs, the drafts' included; replayed where graphs are on),
+        else through row-less dispatches (parallel/lockstep.py)."""
+        if size is not None:
+            if self.decode_graphs is None or size not in self.decode_graphs.sizes:
+                raise RuntimeError(f"DP + EP: the step was padded to {size} for every replica, "
+                                   "which this replica's padded path cannot run")
+            with self._dispatch_rows(True):
+                self.decode_graphs.run_padding(size)
+        self.lockstep.finish_step(replayed=size is not None and self.decode_graphs.capture)
+
+    def dp_ep_counts(self) -> tuple[int, int, int, int]:
+        """(steps padded to a size so far, of them all-padding steps of no rows, EP dispatches
+        that exchanged row counts so far, padded steps replayed from CUDA graphs so far), for
+        tests through `executor.call`."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            padding = steps = replays = 0
+        else:
+            padding = graphs.num_padding_steps
+            steps = padding + graphs.num_steps
+            replays = graphs.num_padding_replays + graphs.num_replays
+        layers = [] if self.lockstep is None else self.lockstep.layers
+        return steps, padding, sum(m.size_exchanges for m in layers), replays
 
     def _forward(self, batch: _Batch, size: int | None) -> torch.Tensor:
         """The target forward → hidden [N, hidden], at `size` through the padded path."""
@@ -1201,12 +1259,8 @@ class ModelRunner:
             # [N] the same rows in the MLA pages (−1: spilled)
             mla_slots = [layout.page_slots(slots, torch.from_numpy(self.mla_page_of.host),
                                            self.block_size)]
-        # The dense path reads a request's whole context from the local cache: only without DCP.
-        use_dense = (
-            not self.config.attention.sparse_mla_force_mqa
-            and self.dcp_size == 1
-            and max(seq_lens) <= self.model_cfg.index_topk
-        )
+        use_dense = dense_allowed(max(seq_lens), self.model_cfg.index_topk, self.dcp_size,
+                                  self.config.attention.sparse_mla_force_mqa)
         pcp_host: list[torch.Tensor] = []
         if self.groups.pcp.size > 1:
             # This rank computes only its share of the rows (replicated requests: all of them).

@@ -449,6 +449,25 @@ class Scheduler:
                                                  token_logprobs(req, new_tokens, runner_output)))
         return outputs
 
+    def decode_context_lens(self, so: SchedulerOutput) -> list[int] | None:
+        """Of the step `so` just scheduled, called before its update: each request's context
+        length after it, if every request computes only its last known token and the drafts
+        it verifies, as the runner sees it (runner.py `_padded_size`: the tokens sent to it;
+        under --async-scheduling a request continuing from a step in flight qualifies); []
+        for a step with no tokens; None if some request computes other rows (a prompt chunk).
+        What engine/dp.py pads DP + EP decode steps by (engine/dp_padding.py)."""
+        starts = {d.request_id: d.num_computed_tokens
+                  for d in (*so.new_requests, *so.cached_requests)}
+        lens: list[int] = []
+        for request_id, n in so.num_scheduled_tokens.items():
+            start = starts[request_id]
+            drafts = len(so.scheduled_spec_token_ids.get(request_id, ()))
+            # the runner samples it: its rows reach its last known token, or start past them
+            if n != 1 + drafts or start + 1 < self._runner_num_tokens[request_id]:
+                return None
+            lens.append(start + n)
+        return lens
+
     # ---- helpers of the step --------------------------------------------------------------------
     def _drafts_to_verify(self, req: Request) -> tuple[int, ...]:
         """The request's drafts that could still become output: a step emits at most

@@ -152,6 +152,14 @@ class AttentionMetadata:
         return self.query_start_loc[r], self.query_start_loc[r + 1]
 
 
+def dense_allowed(max_seq_len: int, index_topk: int, dcp_size: int, force_mqa: bool) -> bool:
+    """A step whose longest context is `max_seq_len` takes the dense path (`use_dense`): every
+    query then sees ≤ index_topk keys, all of them in the local cache (no DCP), unless
+    --attention-config forces the sparse MQA path. The runner's rule, and engine/dp.py's for
+    the steps it pads (a dense step runs as it is)."""
+    return not force_mqa and dcp_size == 1 and max_seq_len <= index_topk
+
+
 def scattered_block_table(pages: Sequence[int], generator: torch.Generator | None = None,
                           device: torch.device | str | None = None) -> torch.Tensor:
     """[R, max(pages)] int32: request r owns pages[r] distinct blocks taken from a shuffled pool

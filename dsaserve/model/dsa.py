@@ -455,12 +455,17 @@ class MoE(nn.Module):
         # dispatches over `ep` since the last `parallel/lockstep.py` check (DP + EP: every rank
         # of every replica must make the same calls in a step)
         self.ep_calls = 0
+        # set by parallel/lockstep.py while every EP rank dispatches as many rows as this one
+        # (a DP + EP step padded to one size): no row counts exchanged, nothing read on the host
+        self.same_rows = False
+        self.size_exchanges = 0  # dispatches that exchanged row counts (tests count them)
 
     def serve_peers(self, dtype: torch.dtype, device: torch.device) -> None:
         """An EP dispatch with no rows of this rank's own: the experts held here still serve
         the other ranks' rows (DP + EP lock-step, parallel/lockstep.py)."""
         assert self.ep is not None, "serve_peers: no EP group"
         self.ep_calls += 1
+        self.size_exchanges += 1
         ep.dispatch_combine(torch.empty((0, self.gate.weight.shape[1]), dtype=dtype,
                                         device=device), self.gate, self.experts, self.ep)
 
@@ -472,7 +477,9 @@ class MoE(nn.Module):
             return self.experts(x, ids, weights, shared=self.shared_experts(x))
         if self.ep is not None:
             self.ep_calls += 1
-            y = ep.dispatch_combine(x, self.gate, self.experts, self.ep)
+            self.size_exchanges += not self.same_rows
+            y = ep.dispatch_combine(x, self.gate, self.experts, self.ep,
+                                    x.shape[0] if self.same_rows else None)
         else:
             y = self.experts(x, *self.gate(x))
         if self.shared_experts is not None:

@@ -12,9 +12,18 @@ the whole sequence with no rows of its own; its experts serve the other replicas
 that ran fewer MTP forwards (a prefill chunk that samples nothing runs the MTP layer once, to
 fill its cache; drafting runs it k times) makes the rest the same way. vLLM's DP + EP runs a
 dummy batch on idle ranks for the same reason.
+
+A decode step padded to one size on every replica (engine/dp.py picks it from all their
+steps) makes the same sequence with the same row count on every rank, an idle replica's an
+all-padding batch of that size: its dispatches are made `same_rows` (no row counts
+exchanged, no host read), so they can be captured in CUDA graphs; a replayed step's
+dispatches are inside its graphs, where no counter sees them.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 from dsaserve.model.dsa import DsaForCausalLM, MoE
 
@@ -31,11 +40,33 @@ class ExpertLockstep:
         self.mtp_forwards = num_speculative_tokens if self.mtp is not None else 0
         embed = model.model.embed_tokens.weight
         self.dtype, self.device = embed.dtype, embed.device
-        if any(m.ep is None for m in self.target + ([self.mtp] if self.mtp else [])):
+        if any(m.ep is None for m in self.layers):
             raise RuntimeError("DP + EP lock-step: a MoE layer has no EP group")
 
-    def finish_step(self) -> None:
-        """After a step's forwards: the dispatches it did not make, made without rows."""
+    @property
+    def layers(self) -> list[MoE]:
+        return self.target + ([self.mtp] if self.mtp is not None else [])
+
+    @contextlib.contextmanager
+    def same_rows(self) -> Iterator[None]:
+        """Within: every EP rank dispatches as many rows as this one (a step padded to one
+        size on every replica, or the start-up capture of every size in the same order), so
+        no dispatch exchanges row counts."""
+        for m in self.layers:
+            m.same_rows = True
+        try:
+            yield
+        finally:
+            for m in self.layers:
+                m.same_rows = False
+
+    def finish_step(self, *, replayed: bool = False) -> None:
+        """After a step's forwards: the dispatches it did not make, made without rows.
+        `replayed`: its forwards (a padded step's, the drafts' included) were replayed from
+        CUDA graphs, which hold the whole sequence."""
+        if replayed:
+            self.reset()
+            return
         calls = {m.ep_calls for m in self.target}
         if len(calls) > 1 or calls - {0, 1}:
             raise RuntimeError(f"DP + EP lock-step: the target's MoE layers dispatched "
@@ -51,7 +82,11 @@ class ExpertLockstep:
                                    f"step, more than the {self.mtp_forwards} of the protocol")
             for _ in range(missing):
                 self.mtp.serve_peers(self.dtype, self.device)
-        for m in self.target + ([self.mtp] if self.mtp is not None else []):
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step begins: no dispatch counted (after the start-up capture, too)."""
+        for m in self.layers:
             m.ep_calls = 0
 
 
