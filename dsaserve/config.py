@@ -742,7 +742,7 @@ class EngineConfig:
         given = self.attention.hisparse_device_buffer_size
         if given is not None:
             return given
-        return (1 + self.num_speculative_tokens + 1) * self.model.index_topk
+        return default_hot_rows(self.num_speculative_tokens, self.model.index_topk)
 
     def _check_host_memory(self) -> None:
         """Every host-memory tier of every data-parallel engine together (the host KV tier and
@@ -812,6 +812,13 @@ OFFLOAD_SIZE_FLAG = "--kv-offloading-size"
 OFFLOAD_CONNECTOR = "OffloadingConnector"
 HISPARSE_CONNECTOR = "HiSparseConnector"
 MULTI_CONNECTOR = "MultiConnector"
+
+
+def default_hot_rows(num_speculative_tokens: int, index_topk: int) -> int:
+    """HiSparse hot-buffer rows per request and layer by default: (query rows + 1) × top-k, as
+    vLLM (the union of every verify row's top-k plus one top-k of LRU slack); the engine's and
+    the simulator's default alike."""
+    return (1 + num_speculative_tokens + 1) * index_topk
 
 
 def physical_memory_bytes() -> int | None:

@@ -13,7 +13,7 @@ import sys
 import textwrap
 from typing import Any
 
-from dsaserve.config import ConfigError, ModelConfig, ParallelConfig
+from dsaserve.config import ConfigError, ModelConfig, ParallelConfig, default_hot_rows
 from dsaserve.model.presets import REAL_PRESETS, TINY_PRESETS, preset_config
 from dsaserve.plan import costmodel as cm
 from dsaserve.plan.hardware import GIB, GPU_PRESETS, MIB, GPUSpec, gpu_spec
@@ -172,7 +172,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
     )
     cm.check_layout(model, par)
     context = args.context or model.max_position_embeddings
-    hot_rows = args.hot_rows or (args.spec_tokens + 2) * model.index_topk
+    hot_rows = args.hot_rows or default_hot_rows(args.spec_tokens, model.index_topk)
     kv_dtype: cm.KVDType = args.kv_cache_dtype
     dcp, tp = par.decode_context_parallel_size, par.tensor_parallel_size
 

@@ -23,8 +23,8 @@ max-num-batched-tokens, gpu-memory-utilization, offload=SIZE (GiB of host KV tie
 --kv-offloading-size), and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
 synthetic rates for a mean acceptance length L), max-model-len, and hisparse with host=SIZE
 (GiB of host pool per replica; each rank keeps the whole pool, as the engine's host_pool_gib),
-hot-rows=N (hot-buffer rows per request and layer; default (1 + k) × top-k) and overlap=F (the
-share of a step's selected rows that the previous step selected too; default 0.9),
+hot-rows=N (hot-buffer rows per request and layer; default (k + 2) × top-k, the engine's) and
+overlap=F (the share of a step's selected rows that the previous step selected too; default 0.9),
 enforce-eager (decode steps run eager, as the engine's --enforce-eager; default: replayed from
 CUDA graphs, as the engine) and async-scheduling (the engine's host work overlaps the kernels:
 a step lasts max(kernels, host) instead of their sum; the engine does this with DP, TP, DCP,
@@ -63,7 +63,8 @@ class Deployment:
     offload_bytes: int = 0  # host KV tier of each replica, over its ranks (0: none)
     max_model_len: int | None = None  # None: the longest context the memory allows
     # Hybrid HiSparse: the host pool of each replica (0: off), hot rows per request and layer
-    # (0: vLLM's default (1 + k) × top-k), the index-set overlap of consecutive decode steps
+    # (0: the engine's default (k + 2) × top-k, config.default_hot_rows), the index-set overlap
+    # of consecutive decode steps
     hisparse_host_bytes: int = 0
     hot_rows: int = 0
     overlap: float = DEFAULT_OVERLAP

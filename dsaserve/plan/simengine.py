@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsaserve.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig
+from dsaserve.config import (
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    SchedulerConfig,
+    default_hot_rows,
+)
 from dsaserve.core import ModelRunnerOutput, Request, RequestOutput, SchedulerOutput
 from dsaserve.engine.scheduler import Scheduler
 from dsaserve.kv.hisparse.admission import HiSparseAdmission, hisparse_admission
@@ -95,7 +101,7 @@ def engine_capacity(model: ModelConfig, d: Deployment, parts: Parts,
         return EngineCapacity(blocks, min(max_context, d.max_model_len or max_context),
                               min(blocks * block_tokens - lookahead, limit), d.max_num_seqs)
     topk = model.index_topk
-    hot_rows = d.hot_rows or (1 + _num_drafts(d)) * topk
+    hot_rows = d.hot_rows or default_hot_rows(_num_drafts(d), topk)
     hot_bytes = ((hot_rows + cm.HISPARSE_TAIL_PAGES * cm.PAGE_TOKENS)
                  * (kv.num_layers + kv.num_mtp_layers) * kv.mla_row)
     host_tokens = d.hisparse_host_bytes // (d.block_size * kv.mla_all_layers) * d.block_size
@@ -208,8 +214,8 @@ class SimEngine:
         spec = d.speculative
         self.num_drafts = _num_drafts(d)
         self.times = StepTimeModel(model, par, parts, d.kv_dtype, self.num_drafts,
-                                   HiSparseReads(d.hot_rows or (1 + self.num_drafts)
-                                                 * model.index_topk, d.overlap)
+                                   HiSparseReads(d.hot_rows or default_hot_rows(
+                                       self.num_drafts, model.index_topk), d.overlap)
                                    if d.hisparse else None, graphs=not d.enforce_eager,
                                    async_scheduling=d.async_scheduling, block_size=d.block_size,
                                    weight_dtype=d.weight_dtype, host_fits=host_fits)
