@@ -89,6 +89,8 @@
 #                                          #   part 29
 #   bash benchmarks/gpu_owed.sh 31         # part 31: the 4K prefill step's host share before
 #                                          #   and after the host-prep cuts, same call
+#   bash benchmarks/gpu_owed.sh 32         # part 32: the calibration with its prefill probe
+#                                          #   fresh and at depth, then part 31
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -350,16 +352,19 @@ elif [ "$part" = 30 ]; then
     [ "$(left)" -gt 90 ] && run "$(left)" calibration_hisparse python \
         benchmarks/simulate_calibration.py $(gpu_files) --hisparse \
         --steps-json "$out/calibration_steps_hisparse.json"
-elif [ "$part" = 31 ]; then
-    # the 4K prefill step's host share before the host-prep cuts and after, alternating, one
-    # machine, one call; the tree before them in old-prep/ (`mkdir old-prep && git archive
-    # d7864eb^ | tar -x -C old-prep`, carried untracked, deleted after)
+elif [ "$part" = 31 ] || [ "$part" = 32 ]; then
+    # 32: the calibration with the prefill probe at two depths first (plain, 8K and 32K), then
+    # 31: the 4K prefill step's host share before the host-prep cuts and after, alternating,
+    # one machine, one call; the tree before them in old-prep/ (`mkdir old-prep && git archive
+    # d7864eb^ | tar -x -C old-prep`, carried, deleted after)
+    [ "$part" = 32 ] && run 230 calibration python benchmarks/simulate_calibration.py \
+        $(gpu_files) --steps-json "$out/calibration_steps.json"
     for i in 1 2; do
-        run 100 "prefill_4k_before_$i" env PYTHONPATH="$PWD/old-prep" python \
-            old-prep/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+        [ "$(left)" -gt 60 ] && run 80 "prefill_4k_before_$i" env PYTHONPATH="$PWD/old-prep" \
+            python old-prep/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
             --out "$out/prefill_4k_before_$i.md"
-        run 100 "prefill_4k_after_$i" python benchmarks/long_prefill.py --lengths 4K \
-            --async-scheduling --out "$out/prefill_4k_after_$i.md"
+        [ "$(left)" -gt 60 ] && run 80 "prefill_4k_after_$i" python benchmarks/long_prefill.py \
+            --lengths 4K --async-scheduling --out "$out/prefill_4k_after_$i.md"
     done
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)

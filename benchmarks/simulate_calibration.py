@@ -167,7 +167,7 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
 
 
 def probe_sizes(chunk: int, context: int) -> list[int]:
-    """The probe's fresh prompt sizes: powers of two from 1,024 (or the context) up to a whole
+    """The probe's prefill sizes: powers of two from 1,024 (or the context) up to a whole
     chunk, each no longer than the context, and the chunk or context itself."""
     top = min(chunk, context)
     sizes = {top}
@@ -178,38 +178,56 @@ def probe_sizes(chunk: int, context: int) -> list[int]:
     return sorted(sizes)
 
 
+def probe_turns(depth: int, tokens: int, block: int = 64) -> list[TraceSession]:
+    """One session whose last turn prefills `tokens` new tokens over `depth` cached ones (a
+    first turn of `depth` tokens before it; none at depth 0)."""
+    lengths = ([depth] if depth else []) + [depth + tokens]
+    return [TraceSession(id=f"probe-{depth}-{tokens}", block_size=block, scope="local",
+                         turns=tuple(TraceTurn(input_tokens=n // block * block, output_tokens=1,
+                                               hash_ids=tuple(range(n // block)),
+                                               think_time_s=0.0) for n in lengths))]
+
+
 def probe_prefill(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
                   context: int, num_blocks: int, spilling: MlaSpilling | None = None
                   ) -> PrefillFit:
-    """The prefill fit moved to this process: fresh prompts of `probe_sizes` (up to a whole
-    chunk, the scheduler's --max-num-batched-tokens) prefilled whole, each once untimed, then
-    three times timed. The median of measured − priced at each size becomes the fit's
-    residual there (PrefillFit.by_tokens, interpolated between sizes, as Vidur interpolates
-    its profiled token counts); the per-step and per-layer parts are kept (one process
-    measures one layer count)."""
+    """The prefill fit moved to this process: prefill steps of `probe_sizes` tokens (up to a
+    whole chunk, the scheduler's --max-num-batched-tokens), fresh and over half the context
+    cached (a turn appended to an earlier one, as the sessions do), each once untimed, then
+    three times timed. The median of measured − priced at each (depth, size) becomes the fit's
+    residual there (PrefillFit.by_shape, interpolated between them, as Vidur interpolates its
+    profiled shapes); the per-step and per-layer parts are kept (one process measures one
+    layer count)."""
+    block = runner.config.cache.block_size
     medians = {}
-    for tokens in probe_sizes(runner.config.scheduler.max_num_batched_tokens, context):
-        work = probe_sessions(1, tokens, 1)
-        residuals = []
-        for timed in (False, True, True, True):
-            first_use = FirstUse(runner)
-            sim = Simulator(model, spec, parts, work, 1, num_blocks=num_blocks,
-                            measure=first_use.measure, host_fits=fits, spilling=spilling)
-            sim.run()
-            residuals += [m - p for (m, p), kind, paid in zip(
-                sim.step_times, sim.step_kinds, first_use.steps, strict=True)
-                if timed and kind == "prefill" and not paid]
-        if residuals:
-            medians[tokens] = statistics.median(residuals)
+    for depth in (0, context // 2 // block * block):
+        for tokens in probe_sizes(runner.config.scheduler.max_num_batched_tokens,
+                                  context - depth):
+            residuals = []
+            for timed in (False, True, True, True):
+                first_use = FirstUse(runner)
+                sim = Simulator(model, spec, parts, probe_turns(depth, tokens, block), 1,
+                                num_blocks=num_blocks, measure=first_use.measure,
+                                host_fits=fits, spilling=spilling)
+                sim.run()
+                residuals += [m - p for (m, p), kind, (batches, _), paid in zip(
+                    sim.step_times, sim.step_kinds, sim.step_batches, first_use.steps,
+                    strict=True)
+                    if timed and kind == "prefill" and not paid
+                    and all(c > depth for _, c in batches[0])]  # the last turn's
+            if residuals:
+                medians[depth, tokens] = statistics.median(residuals)
     if not medians:
         return fits.prefill
     fit = dataclasses.replace(
         fits.prefill,
-        by_tokens=tuple((n, fits.prefill.residual(n) + r) for n, r in medians.items()),
-        source=f"this process's probe ({', '.join(f'{n:,}' for n in medians)}-token prompts) "
-               f"on {fits.prefill.source}")
+        by_shape=tuple((d, n, fits.prefill.residual(n, d) + r)
+                       for (d, n), r in sorted(medians.items())),
+        source=f"this process's probe ({len(medians)} prefill shapes) on "
+               f"{fits.prefill.source}")
     print("probe: prefill measured − priced " + ", ".join(
-        f"{1e3 * r:+.2f} ms at {n:,} tokens" for n, r in medians.items()), file=sys.stderr)
+        f"{1e3 * r:+.2f} ms at {n:,} over {d:,}" for (d, n), r in sorted(medians.items())),
+        file=sys.stderr)
     return fit
 
 

@@ -170,31 +170,40 @@ PREFILL_HOST_H100 = tuple(PrefillHostRow(int(n), float(w), float(b)) for n, w, b
 @dataclass(frozen=True)
 class PrefillFit:
     """Exposed host seconds of a prefill step of one PREFILL_PROMPT-token prompt at L layers:
-    per_step + per_layer · L; plus, where a calibration's probe measured fresh prompts of a few
-    sizes in its own process, what its steps took beyond that and the priced kernels, GPU or
-    host alike (`by_tokens`, interpolated over the step's prefill tokens: `residual`;
+    per_step + per_layer · L; plus, where a calibration's probe measured prefill steps of a few
+    sizes at a few depths in its own process, what they took beyond that and the priced
+    kernels, GPU or host alike (`by_shape`, interpolated: `residual`;
     benchmarks/simulate_calibration.py). The rows' fits have none."""
 
     per_step: float
     per_layer: float
     source: str
-    by_tokens: tuple[tuple[int, float], ...] = ()  # (prefill tokens, seconds), increasing
+    # (cached tokens before the step, prefill tokens of the step, seconds): a grid, sorted
+    by_shape: tuple[tuple[int, int, float], ...] = ()
 
     def __call__(self, num_layers: int) -> float:
         return self.per_step + self.per_layer * num_layers
 
-    def residual(self, tokens: float) -> float:
-        """`by_tokens` piecewise linear between its sizes, the nearest end's value beyond them
-        (no trend is extrapolated from a few noisy points); 0 without a probe."""
-        pts = self.by_tokens
-        if not pts:
+    def residual(self, tokens: float, cached: float = 0.0) -> float:
+        """`by_shape` at a step of `tokens` prefill tokens over `cached` ones: piecewise linear
+        over tokens at each probed depth, then over depth, the nearest end's value beyond the
+        probed points (no trend is extrapolated from a few noisy points); 0 without a probe."""
+        depths = sorted({d for d, _, _ in self.by_shape})
+        if not depths:
             return 0.0
-        if tokens <= pts[0][0]:
-            return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-            if tokens <= x1:
-                return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
-        return pts[-1][1]
+        at = [(d, _interpolate([(n, r) for dd, n, r in self.by_shape if dd == d], tokens))
+              for d in depths]
+        return _interpolate(at, cached)
+
+
+def _interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+    """Piecewise linear through `points` (sorted by x), constant beyond the first and last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1]
 
 
 def _least_squares(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -329,8 +338,8 @@ class HostFits:
                     "per_block_entry_ns": f.per_entry * 1e9, "source": f.source}
         out["prefill"] = {"per_step_ms": self.prefill.per_step * 1e3,
                           "per_layer_ms": self.prefill.per_layer * 1e3,
-                          "probe_residual_ms": {str(n): r * 1e3
-                                                for n, r in self.prefill.by_tokens},
+                          "probe_residual_ms": {f"{n} over {d}": r * 1e3
+                                                for d, n, r in self.prefill.by_shape},
                           "source": self.prefill.source}
         return out
 
@@ -429,7 +438,7 @@ class HostTimeModel:
         return (1 - f) * at_k(0) + f * at_k(MEASURED_DRAFTS)
 
     def prefill_step(self, b: int, entries: int, drafting: bool, long_kernels: float,
-                     tokens: float) -> float:
+                     tokens: float, cached: float) -> float:
         """A prefill or mixed step of `b` requests, `entries` block-table entries, whose kernels
         exceed those of the same requests as decode rows by `long_kernels` seconds (module
         docstring): the exposed part (the measured prefill host at this model's layers, plus
@@ -438,25 +447,26 @@ class HostTimeModel:
         work (drafts included when its requests draft) neither that part nor the longer
         kernels cover."""
         eager = self.fits.eager
-        exposed = (self.prefill + self.fits.prefill.residual(tokens)
+        exposed = (self.prefill + self.fits.prefill.residual(tokens, cached)
                    + max(eager[0](b, entries) - self.prefill_request, 0.0))
         issue = (self._at_drafts(lambda k: self._eager(k, b, entries)) if drafting
                  else self._eager(0, b, entries))
         return exposed + max(issue - exposed - long_kernels, 0.0)
 
     def step(self, contexts: Sequence[int], prefill: bool, drafting: bool,
-             long_kernels: float = 0.0, tokens: float = 0.0) -> float:
+             long_kernels: float = 0.0, tokens: float = 0.0, cached: float = 0.0) -> float:
         """`contexts`: each scheduled request's context after the step; `prefill`: some
         request computes more than a decode row (the step runs eager); `drafting`: the step's
         sampling requests then run their MTP drafts; `long_kernels`: a prefill step's kernel
         seconds beyond those of its requests as decode rows (`prefill_step`); `tokens`: its
-        prefill rows on this GPU (the fit's probe residual, `PrefillFit.residual`)."""
+        prefill rows on this GPU and `cached` the tokens before them (their mean, weighted by
+        rows): where the fit's probe residual is read (`PrefillFit.residual`)."""
         if not contexts:
             return 0.0
         b = len(contexts)
         entries = sum(-(-c // self.block_tokens) for c in contexts)
         if prefill:
-            return self.prefill_step(b, entries, drafting, long_kernels, tokens)
+            return self.prefill_step(b, entries, drafting, long_kernels, tokens, cached)
         if self.graphs:
             return self._at_drafts(lambda k: self.fits.graphed[k](b, entries)) + self.gap
         return self._at_drafts(lambda k: self._eager(k, b, entries))

@@ -174,9 +174,11 @@ class StepTimeModel:
             short = self._kernels([(min(n, self.decode_rows), c) for n, c in batch], None,
                                   None, drafting)
             long_kernels = max(t.gpu - short.gpu, 0.0)
-        tokens = sum(n for n, _ in batch if n > self.decode_rows) / self.pcp
+        chunks = [(n, c - n) for n, c in batch if n > self.decode_rows]
+        tokens = sum(n for n, _ in chunks)
+        cached = sum(n * d for n, d in chunks) / tokens if tokens else 0.0
         cpu = self.cpu.step([c for _, c in batch], prefill, bool(drafting) and self.num_drafts > 0,
-                            long_kernels, tokens)
+                            long_kernels, tokens / self.pcp, cached)
         t = t + StepTime(host=self._hot_misses(batch), cpu=cpu)
         return replace(t, cpu_overlaps=self.async_scheduling)
 

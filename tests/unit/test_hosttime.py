@@ -140,18 +140,25 @@ def test_short_prefill_step_pays_the_eager_decode_host_of_its_requests(layers, d
     assert model.step(ctx, True, drafts > 0, 2 * (eager - exposed)) == pytest.approx(exposed)
 
 
-def test_probe_residual_is_interpolated_over_prefill_tokens():
-    """A probe's residuals (PrefillFit.by_tokens): linear between its sizes, the nearest end's
-    beyond them, added to the exposed part of a prefill step of that many tokens."""
-    fit = dataclasses.replace(H200_HOST.prefill, by_tokens=((1024, 1e-3), (4096, -2e-3)))
-    assert H200_HOST.prefill.residual(5000) == 0.0
+def test_probe_residual_is_interpolated_over_prefill_shapes():
+    """A probe's residuals (PrefillFit.by_shape): linear over tokens at each probed depth, then
+    over depth, the nearest end's value beyond them; added to the exposed part of a prefill
+    step of that shape."""
+    fit = dataclasses.replace(H200_HOST.prefill, by_shape=(
+        (0, 1024, 1e-3), (0, 4096, -2e-3), (8192, 1024, 3e-3), (8192, 4096, 4e-3)))
+    assert H200_HOST.prefill.residual(5000, 100) == 0.0
     assert [fit.residual(n) for n in (1, 1024, 2048, 4096, 10**6)] == \
         pytest.approx([1e-3, 1e-3, 0.0, -2e-3, -2e-3])
+    assert [fit.residual(n, 8192) for n in (512, 2048, 10**6)] == \
+        pytest.approx([3e-3, 3e-3 + 1e-3 / 3, 4e-3])
+    assert fit.residual(2048, 4096) == pytest.approx((0.0 + 3e-3 + 1e-3 / 3) / 2)
+    assert fit.residual(2048, 10**6) == fit.residual(2048, 8192)
     probed = HostTimeModel(2, 0, True, 64, GAP, dataclasses.replace(H200_HOST, prefill=fit))
     plain = HostTimeModel(2, 0, True, 64, GAP)
-    for tokens in (512, 2048, 8192):
-        assert probed.step([8192], True, False, LONG, tokens) - \
-            plain.step([8192], True, False, LONG, tokens) == pytest.approx(fit.residual(tokens))
+    for tokens, cached in ((512, 0), (2048, 4096), (8192, 16384)):
+        assert probed.step([cached + tokens], True, False, LONG, tokens, cached) - \
+            plain.step([cached + tokens], True, False, LONG, tokens, cached) == \
+            pytest.approx(fit.residual(tokens, cached))
 
 
 def test_projection_to_more_layers():

@@ -288,17 +288,19 @@ def test_calibration_smoke_with_this_machines_files(tmp_path, load_benchmark, mo
     given.clear()
     assert bench.main(["--smoke", "--parts", parts, "--decode-rows", rows,
                        "--prefill-rows", prefill]) == 0
-    # 2 contexts × 2 batches × 2 passes of decode, 4 passes of one prefill, then the 4 runs
-    probe, calibration = given[:12], given[12:]
-    assert len(probe) == 12 and all(f == want_fits for _, f in probe)
+    # 2 contexts × 2 batches × 2 passes of decode, 4 passes of two prefill shapes, then the 4
+    # runs
+    probe, calibration = given[:16], given[16:]
+    assert len(probe) == 16 and all(f == want_fits for _, f in probe)
     assert [f == want_fits for _, f in calibration] == [False, False, False, True]
     own = calibration[0][1]
     assert own.eager[0] != want_fits.eager[0] and "probe" in own.eager[0].source
-    # the prefill fit's residual measured at the probe's one size (the 256-token context), its
-    # per-step and per-layer parts kept
+    # the prefill fit's residual measured at the probe's shapes (the 256-token context: fresh,
+    # and 128 tokens over 128 cached), its per-step and per-layer parts kept
     assert (own.prefill.per_step, own.prefill.per_layer) == \
         (want_fits.prefill.per_step, want_fits.prefill.per_layer)
-    assert [n for n, _ in own.prefill.by_tokens] == [256] and not want_fits.prefill.by_tokens
+    assert [(d, n) for d, n, _ in own.prefill.by_shape] == [(0, 256), (128, 128)]
+    assert not want_fits.prefill.by_shape
     assert "probe" in own.prefill.source
     assert own == dataclasses.replace(want_fits, eager={**want_fits.eager, 0: own.eager[0]},
                                       prefill=own.prefill)

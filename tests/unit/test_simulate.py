@@ -392,7 +392,7 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in out.err
     # the decode host fit refitted from this process's probe (4 rows: 2 contexts × 2 batches)
     assert "probe: eager decode at 0 drafts, host = " in out.err and "(256, 2, " in out.err
-    assert "probe: prefill measured − priced " in out.err and " at 256 tokens" in out.err
+    assert "probe: prefill measured − priced " in out.err and " at 256 over 0" in out.err
     # An FP8 checkpoint: the CPU runner dequantizes it at load, so its matrices are bf16 too.
     assert bench.main(["--smoke", "--weights", "fp8", "--no-probe"]) == 0
     assert "simulated as --deployment 'tp1 kv=bf16 weights=bf16 enforce-eager'" in \
@@ -400,13 +400,18 @@ def test_calibration_script_smoke(tmp_path, monkeypatch, capsys):
 
 
 def test_calibration_probe_sizes(load_benchmark):
-    """The prefill probe's prompts: powers of two from 1,024 up to a whole chunk, none longer
-    than the context."""
+    """The prefill probe's sizes: powers of two from 1,024 up to a whole chunk, none longer
+    than the context; each prefilled fresh, and appended to a first turn at depth."""
     sizes = load_benchmark("simulate_calibration").probe_sizes
     assert sizes(8192, 32768) == [1024, 2048, 4096, 8192]
     assert sizes(8192, 8192) == [1024, 2048, 4096, 8192]
     assert sizes(8192, 6000) == [1024, 2048, 4096, 6000]
     assert sizes(8192, 256) == [256]
+    turns = load_benchmark("simulate_calibration").probe_turns
+    (fresh,), (deep,) = turns(0, 1024), turns(4096, 1024)
+    assert [t.input_tokens for t in fresh.turns] == [1024]
+    assert [t.input_tokens for t in deep.turns] == [4096, 5120]
+    assert deep.turns[1].hash_ids[:64] == deep.turns[0].hash_ids  # the first turn is its prefix
 
 
 def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engine_config,
