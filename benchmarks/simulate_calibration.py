@@ -124,10 +124,11 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
     from the calibration's (Vidur's way, taken to the process: the same machine's decode rows
     vary 10-25 % from process to process, docs/simulate.md). Steady decode batches of
     `batches` at half and the whole `context` run on the real runner (about `steps` decode
-    steps each); each full batch's decode steps give a row whose kernels are the model's GPU
-    time for it, so the fit is what the model's GPU parts leave of the measured step. Replaces
-    the fit of the runner's own kind (graphed or eager, its drafts) and moves the prefill
-    fit's per-step part (`probe_prefill`); the other kinds keep `fits`. `spilling`: the
+    steps each once the whole batch decodes); each full batch's decode steps give a row whose
+    kernels are the model's GPU time for it, so the fit is what the model's GPU parts leave of
+    the measured step. Replaces the fit of the runner's own kind (graphed or eager, its
+    drafts) and measures the prefill fit's residual (`probe_prefill`); the other kinds keep
+    `fits`. `spilling`: the
     runner's HiSparse MLA pages, handed out by the simulator's scheduler."""
     drafts = runner.config.num_speculative_tokens
     graph = runner.decode_graphs is not None and runner.decode_graphs.capture
@@ -136,9 +137,13 @@ def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: M
               file=sys.stderr)
         return fits
     rows = []
+    chunk = runner.config.scheduler.max_num_batched_tokens
     for ctx in (context // 2, context):
         for b in batches:
-            work = probe_sessions(b, ctx, steps * (1 + drafts))
+            # each request decodes while the later ones prefill (b · ⌈ctx / chunk⌉ steps at
+            # most), then `steps` more with the whole batch decoding
+            out = (steps + b * -(-ctx // chunk)) * (1 + drafts)
+            work = probe_sessions(b, ctx, out)
             for _ in range(2):  # the first untimed, as the calibration's own passes
                 first_use = FirstUse(runner)
                 sim = Simulator(model, spec, parts, work, b, num_blocks=num_blocks,
