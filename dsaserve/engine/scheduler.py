@@ -247,6 +247,7 @@ class Scheduler:
         fresh = request.status == RequestStatus.WAITING and not request.num_computed_tokens
         if not fresh or request.block_ids:
             raise RequestError(f"request {request.request_id!r} is not a fresh request")
+        self.kv.update_hashes(request)  # between steps, not in the step that admits it
         self.requests[request.request_id] = request
         self.waiting.append(request)
 

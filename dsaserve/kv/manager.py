@@ -75,7 +75,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        self._update_hashes(request)
+        self.update_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -140,7 +140,7 @@ class KVCacheManager:
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
             return
-        self._update_hashes(request)
+        self.update_hashes(request)
         for i in range(start, num_full):
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
@@ -168,7 +168,12 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self._queried.discard(request.request_id)
 
-    def _update_hashes(self, request: Request) -> None:
+    def update_hashes(self, request: Request) -> None:
+        """The hashes of the request's full blocks of known tokens (a no-op once they are
+        there): the scheduler hashes a prompt when it arrives, so that a long one's hashing is
+        not in the step that admits it (a 128K prompt: 2,048 SHA-256 blocks, 5–9 ms)."""
+        if not self.enable_caching:
+            return
         # Only tokens known on the host: an async step's placeholder is never hashed.
         num_known = request.num_tokens - request.num_output_placeholders
         # Cheap test first: building all_token_ids copies the whole token list.

@@ -29,6 +29,8 @@ from dsaserve.core import (
 )
 from dsaserve.engine.scheduler import Scheduler, iteration_token_buckets
 from dsaserve.kv import layout
+from dsaserve.kv import manager as manager_module
+from dsaserve.kv.prefix_cache import request_block_hashes
 
 NextToken = Callable[[list[int]], int]
 
@@ -251,6 +253,25 @@ def test_prefix_hits_reuse_the_right_kv(dcp: int, interleave: int) -> None:
     assert stats.prefix_cache_hits == turn2.num_cached_tokens
     assert stats.prefix_cache_queries == first.num_tokens - 3 + turn2.num_prompt_tokens + len(
         salted.prompt_token_ids)
+
+
+def test_a_prompt_is_hashed_when_it_arrives(monkeypatch) -> None:
+    """Its full blocks' hashes exist once it is added (a long prompt's hashing is not in the
+    step that admits it), and that step hashes nothing more; without prefix caching, none."""
+    sched = make_sched(block_size=4, max_model_len=64)
+    r = req("a", prompt(1, 14))
+    sched.add_request(r)
+    assert r.block_hashes == request_block_hashes(r.prompt_token_ids, 4, None)
+    assert len(r.block_hashes) == 3
+    hashed = []
+    monkeypatch.setattr(manager_module, "extend_block_hashes",
+                        lambda *a: hashed.append(a) or 0)
+    sched.schedule()
+    assert not hashed
+    plain = make_sched(block_size=4, caching=False, max_model_len=64)
+    r = req("b", prompt(1, 14))
+    plain.add_request(r)
+    assert r.block_hashes == []
 
 
 def test_identical_prompt_never_hits_its_last_token() -> None:
