@@ -24,6 +24,7 @@ import warnings
 
 import pytest
 import torch
+from staggered import run_staggered
 
 from dsaserve.bench import steplog
 from dsaserve.config import (
@@ -122,12 +123,6 @@ def test_decode_step_device_to_host_copies(model_dirs, k):
     print(f"k={k}: {len(caught)} synchronizing CUDA calls in one decode step")
 
 
-_SNIPPETS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n",
-             "class Stack:\n    def __init__(self):\n", "for i in range(10):\n",
-             "def is_prime(n):\n    if n < 2:\n"]
-_JOINS = [0, 0, 1, 3, 3]  # the step each snippet's request joins at
-
-
 def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool = False,
               step_log: str | None = None) -> tuple[dict[str, list[int]], LLMEngine]:
     """The trained tiny model (confident logits: bf16 batch-shape differences do not flip its
@@ -146,19 +141,7 @@ def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool 
     if k:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
     engine = LLMEngine.from_config(cfg)
-    tok = Tokenizer.from_pretrained(d)
-    outputs: dict[str, list[int]] = {}
-    for step in range(400):
-        for i, at in enumerate(_JOINS):
-            if at == step:
-                engine.add_request(f"r{i}", tok.encode(_SNIPPETS[i]), SamplingParams(
-                    max_tokens=24 + 8 * i, temperature=0.0, ignore_eos=True))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if step > max(_JOINS) and not engine.has_unfinished_requests():
-            break
-    engine.check_integrity()
-    return outputs, engine
+    return run_staggered(engine, Tokenizer.from_pretrained(d)), engine
 
 
 @pytest.mark.parametrize("k", [0, 3])

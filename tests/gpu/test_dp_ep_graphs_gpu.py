@@ -16,6 +16,7 @@ import dataclasses
 
 import pytest
 import torch
+from staggered import run_staggered
 
 from dsaserve.config import (
     AttentionConfig,
@@ -27,7 +28,6 @@ from dsaserve.config import (
     SchedulerConfig,
     SpecConfig,
 )
-from dsaserve.core import SamplingParams
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
 from dsaserve.model.presets import trained_model_dir
@@ -35,12 +35,6 @@ from dsaserve.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
-
-_SNIPPETS = ["def fibonacci(n):\n", "import os\n\n\ndef list_files(path):\n",
-             "class Stack:\n    def __init__(self):\n", "for i in range(10):\n",
-             "def is_prime(n):\n    if n < 2:\n"]
-_JOINS = [0, 0, 1, 3, 3]  # the step each snippet's request joins at
-
 
 def _generate(compilation: CompilationConfig, k: int, async_scheduling: bool
               ) -> tuple[dict[str, list[int]], list[tuple[int, ...]]]:
@@ -61,18 +55,7 @@ def _generate(compilation: CompilationConfig, k: int, async_scheduling: bool
     engine = LLMEngine.from_config(cfg)
     assert isinstance(engine, DataParallelEngine)
     try:
-        tok = Tokenizer.from_pretrained(d)
-        outputs: dict[str, list[int]] = {}
-        for step in range(400):
-            for i, at in enumerate(_JOINS):
-                if at == step:
-                    engine.add_request(f"r{i}", tok.encode(_SNIPPETS[i]), SamplingParams(
-                        max_tokens=24 + 8 * i, temperature=0.0, ignore_eos=True))
-            for out in engine.step():
-                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if step > max(_JOINS) and not engine.has_unfinished_requests():
-                break
-        engine.check_integrity()
+        outputs = run_staggered(engine, Tokenizer.from_pretrained(d))
         counts = [r.executor.call("dp_ep_counts")[0] for r in engine.replicas]
     finally:
         engine.shutdown()
