@@ -104,6 +104,9 @@ def sessions(num: int, turns: int, context: int, out: int, block: int = 64) -> l
 
 ACCEPTANCE = 2.99  # MTP's synthetic mean acceptance length (benchmarks/decode.py's)
 PROBE_BATCHES = (1, 2, 8)  # the probe's batch sizes (the calibration's concurrencies and 1)
+# decode steps per probe row once its batch decodes together: 16 gave rows whose noise (3–5 %
+# between neighbouring rows of one process) the fit's per-entry term chased (docs/simulate.md)
+PROBE_STEPS = 32
 
 
 def probe_sessions(batch: int, context: int, out: int, block: int = 64) -> list[TraceSession]:
@@ -119,7 +122,7 @@ def probe_sessions(batch: int, context: int, out: int, block: int = 64) -> list[
 
 def probe_fits(model: ModelConfig, spec, parts: Parts, fits: HostFits, runner: ModelRunner,
                context: int, num_blocks: int, batches: tuple[int, ...] = PROBE_BATCHES,
-               steps: int = 16, spilling: MlaSpilling | None = None) -> HostFits:
+               steps: int = PROBE_STEPS, spilling: MlaSpilling | None = None) -> HostFits:
     """The host fit of the runner's decode steps measured in this process, on a workload apart
     from the calibration's (Vidur's way, taken to the process: the same machine's decode rows
     vary 10-25 % from process to process, docs/simulate.md). Steady decode batches of
@@ -579,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         kinds: list[str] = []
         records: list[dict] = []
-        probe_batches, probe_steps = ((1, 2), 3) if args.smoke else (PROBE_BATCHES, 16)
+        probe_batches, probe_steps = ((1, 2), 3) if args.smoke else (PROBE_BATCHES, PROBE_STEPS)
         for context in contexts:
             max_len = 2 * context + 1024
             blocks = args.sessions * (max_len // 64 + 1)
