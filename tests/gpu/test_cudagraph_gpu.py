@@ -24,7 +24,7 @@ import warnings
 
 import pytest
 import torch
-from staggered import run_staggered
+from staggered import run_staggered, trained_config
 
 from dsaserve.bench import steplog
 from dsaserve.config import (
@@ -129,19 +129,9 @@ def _generate(compilation: CompilationConfig, k: int, *, async_scheduling: bool 
     argmax) on the triton backend, fp8_ds_mla KV; five requests of different lengths joining
     at three steps and leaving at different ones: running batches of 1 to 5 requests, padded
     (3 → 4, 5 → 8 requests; with MTP3 each request's slot holds 4 rows)."""
-    d = trained_model_dir()
-    cfg = EngineConfig(str(d), ModelConfig.from_file(d),
-                       cache=CacheConfig(block_size=64, num_gpu_blocks=128,
-                                         kv_cache_dtype="fp8_ds_mla"),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024,
-                                                 async_scheduling=async_scheduling),
-                       attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
-                       dtype="bfloat16", device="cuda", compilation=compilation,
-                       step_log=step_log)
-    if k:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+    cfg = trained_config(compilation, k, async_scheduling, step_log=step_log)
     engine = LLMEngine.from_config(cfg)
-    return run_staggered(engine, Tokenizer.from_pretrained(d)), engine
+    return run_staggered(engine, Tokenizer.from_pretrained(cfg.model_path)), engine
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -12,50 +12,32 @@ captured inside them. Run on the device machine with
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from staggered import run_staggered
+from staggered import run_staggered, trained_config
 
 from dsaserve.config import (
-    AttentionConfig,
-    CacheConfig,
     CompilationConfig,
-    EngineConfig,
-    ModelConfig,
     ParallelConfig,
-    SchedulerConfig,
-    SpecConfig,
 )
 from dsaserve.engine.dp import DataParallelEngine
 from dsaserve.engine.engine import LLMEngine
-from dsaserve.model.presets import trained_model_dir
 from dsaserve.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")]
 
+
 def _generate(compilation: CompilationConfig, k: int, async_scheduling: bool
               ) -> tuple[dict[str, list[int]], list[tuple[int, ...]]]:
     """DP2 + EP of the trained tiny model (triton backend, fp8_ds_mla KV) → (greedy tokens per
     request, each replica's `dp_ep_counts` at the end)."""
-    d = trained_model_dir()
-    cfg = EngineConfig(str(d), ModelConfig.from_file(d),
-                       cache=CacheConfig(block_size=64, num_gpu_blocks=128,
-                                         kv_cache_dtype="fp8_ds_mla"),
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_model_len=1024,
-                                                 async_scheduling=async_scheduling),
-                       attention=AttentionConfig(backend="triton", sparse_mla_force_mqa=True),
-                       parallel=ParallelConfig(data_parallel_size=2,
-                                               enable_expert_parallel=True),
-                       dtype="bfloat16", device="cuda", compilation=compilation)
-    if k:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig(num_speculative_tokens=k))
+    cfg = trained_config(compilation, k, async_scheduling, parallel=ParallelConfig(
+        data_parallel_size=2, enable_expert_parallel=True))
     engine = LLMEngine.from_config(cfg)
     assert isinstance(engine, DataParallelEngine)
     try:
-        outputs = run_staggered(engine, Tokenizer.from_pretrained(d))
+        outputs = run_staggered(engine, Tokenizer.from_pretrained(cfg.model_path))
         counts = [r.executor.call("dp_ep_counts")[0] for r in engine.replicas]
     finally:
         engine.shutdown()
