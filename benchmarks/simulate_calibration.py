@@ -397,7 +397,7 @@ class FirstUse:
 
     def _graphs(self) -> int:
         graphs = self.runner.decode_graphs
-        return 0 if graphs is None else len(graphs._graphs) + len(graphs._draft_graphs)
+        return 0 if graphs is None else graphs.num_graphs
 
     def measure(self, _: int, so: SchedulerOutput) -> tuple[float, ModelRunnerOutput]:
         """The simulator's MeasureStep: one step on the real runner, synchronised, timed."""

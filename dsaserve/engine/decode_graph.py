@@ -192,6 +192,11 @@ class DecodeGraphs:
         self.num_padding_steps = 0  # all-padding steps of a replica with no rows (DP + EP)
         self.num_padding_replays = 0  # of them, replayed from a graph
 
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured so far: target forwards and draft chains."""
+        return len(self._graphs) + len(self._draft_graphs)
+
     def size_for(self, counts: Sequence[int]) -> int | None:
         """The size a decode-only step whose requests have counts[r] rows runs at; None: it
         runs as it is (too large, or a request with more than q rows)."""

@@ -265,6 +265,7 @@ def test_captured_drafts_read_the_target_graph_output(model_dirs, engine_config,
         assert graphs.num_replays == 1 and graphs.num_draft_replays == 0
     else:
         assert len(captured) == 2 * len(graphs._graphs) == 2 * len(graphs._draft_graphs)
+        assert graphs.num_graphs == len(captured)
         assert graphs.num_replays == graphs.num_draft_replays == graphs.num_steps
 
 
