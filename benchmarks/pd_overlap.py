@@ -33,10 +33,10 @@ GPU: VRAM → VRAM; host memory on the CPU); "host-pool", a spilling HiSparse de
 host pool (VRAM → DRAM over NIXL on a GPU), its indexer keys and tail into GPU pages.
 Shared memory moves only host memory: on a GPU only NIXL runs (`--transports nixl`).
 
-`--profile-post DIR` profiles each row's posting step (what holds a READ inside it): its host
-functions (cProfile, printed) and a torch-profiler trace of its CPU and GPU activity, the READ's
-copies included (DIR/post_B<b>_<tokens>x<inflight>.json, for chrome://tracing or Perfetto). The
-profilers' overhead is in that row's "post step ms".
+`--profile-post DIR` profiles each measured row's posting step, not the warm-up's (what holds a
+READ inside it): its host functions (cProfile, printed) and a torch-profiler trace of its CPU and
+GPU activity, the READ's copies included (DIR/post_B<b>_<tokens>x<inflight>.json, for
+chrome://tracing or Perfetto). The profilers' overhead is in that row's "post step ms".
 """
 
 from __future__ import annotations
@@ -208,9 +208,10 @@ class Overlap:
                 raise RuntimeError(f"request {o.request_id}: {o.error}")
         return ms, [o.request_id for o in outs if o.new_token_ids]
 
-    def _posting_step(self, name: str) -> tuple[float, list[str]]:
-        """The step that posts every READ, under both profilers with --profile-post."""
-        if self.profile_post is None:
+    def _posting_step(self, name: str | None) -> tuple[float, list[str]]:
+        """The step that posts every READ, under both profilers with --profile-post (`name`:
+        its trace's; None: not profiled)."""
+        if self.profile_post is None or name is None:
             return self.step()
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
@@ -234,7 +235,8 @@ class Overlap:
             raise RuntimeError(f"{what}: {len(missing)} of the {len(self.decoders)} running "
                                "requests decoded no token (finished? raise --decode-budget)")
 
-    def measure(self, transport: str, into: str, tokens: int, inflight: int, steps: int) -> Row:
+    def measure(self, transport: str, into: str, tokens: int, inflight: int, steps: int,
+                profile: bool = True) -> Row:
         idle = []
         for _ in range(steps):
             ms, got = self.step()
@@ -248,7 +250,8 @@ class Overlap:
         for rid in reads:  # checked over the side channel here, before the clock starts
             self.d.add_request(rid, prompts[rid], once, kv_transfer_params=params[rid])
         receiving = self.d.scheduler.receiving
-        post_ms, got = self._posting_step(f"B{len(self.decoders)}_{tokens}x{inflight}")
+        post_ms, got = self._posting_step(
+            f"B{len(self.decoders)}_{tokens}x{inflight}" if profile else None)
         self._decoded_all(got, "posting step")
         read_ms, busy = post_ms, []
         while any(rid in receiving for rid in reads):
@@ -292,7 +295,7 @@ def _measure_all(args: argparse.Namespace, p: PrefillProcess, d: LLMEngine,
     for batch in args.batch:
         bench.start_decoders(batch, args.context, args.decode_budget)
         # warm-up (not reported): the first READ connects the agents and builds handles
-        bench.measure(transport, into, 4 * args.block_size, 1, args.warmup)
+        bench.measure(transport, into, 4 * args.block_size, 1, args.warmup, profile=False)
         for tokens in args.tokens:
             for inflight in args.inflight:
                 row = bench.measure(transport, into, tokens, inflight, args.steps)

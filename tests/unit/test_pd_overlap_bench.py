@@ -69,6 +69,8 @@ def test_posting_step_profiled(load_benchmark, model_dirs, tmp_path: Path, capsy
                              "--profile-post", str(tmp_path / "traces")])
     rows = bench.run_pair(args, model_dirs["tiny-glm5"], torch.device("cpu"), "shm", "pages")
     assert [(r.tokens, r.inflight) for r in rows] == [(512, 1)]
+    # a trace for each measured row, none for the warm-up's (the device call keeps few files)
+    assert [f.name for f in (tmp_path / "traces").iterdir()] == ["post_B2_512x1.json"]
     assert (tmp_path / "traces" / "post_B2_512x1.json").stat().st_size > 0
     err = capsys.readouterr().err
     assert "posting step B2_512x1: " in err and "connector.py" in err
