@@ -91,6 +91,9 @@
 #                                          #   and after the host-prep cuts, same call
 #   bash benchmarks/gpu_owed.sh 32         # part 32: the calibration with its prefill probe
 #                                          #   fresh and at depth, then part 31
+#   bash benchmarks/gpu_owed.sh 33         # part 33: P/D's posting step profiled with the
+#                                          #   prompt hashed at arrival; the calibration with
+#                                          #   its probe's rows at 32 steps
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -366,6 +369,11 @@ elif [ "$part" = 31 ] || [ "$part" = 32 ]; then
         [ "$(left)" -gt 60 ] && run 80 "prefill_4k_after_$i" python benchmarks/long_prefill.py \
             --lengths 4K --async-scheduling --out "$out/prefill_4k_after_$i.md"
     done
+elif [ "$part" = 33 ]; then
+    run 120 pd_overlap python benchmarks/pd_overlap.py --into pages --transports nixl \
+        --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md" \
+        --profile-post "$out/post_traces"
+    calibrate 280 $(gpu_files)
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
