@@ -94,6 +94,9 @@
 #   bash benchmarks/gpu_owed.sh 33         # part 33: P/D's posting step profiled with the
 #                                          #   prompt hashed at arrival; the calibration with
 #                                          #   its probe's rows at 32 steps
+#   bash benchmarks/gpu_owed.sh 34         # part 34: the simulator's files of this GPU (an
+#                                          #   H200 at last): parts, decode host rows at the
+#                                          #   calibration's batches, prefill host rows
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -374,6 +377,13 @@ elif [ "$part" = 33 ]; then
         --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md" \
         --profile-post "$out/post_traces"
     calibrate 280 $(gpu_files)
+elif [ "$part" = 34 ]; then
+    run 270 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
+        --heads 32 --indices uniform --parts "$out/parts.json"
+    run 140 decode_rows python benchmarks/decode.py --contexts 8192,32768 --batches 1,2,8 \
+        --steps 20 --rows-json "$out/decode_rows.json" --out "$out/decode_rows.md"
+    run "$(left)" prefill_host python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 \
+        --repeats 5 --no-ops --json "$out/prefill_host.json" --out "$out/prefill_host.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
