@@ -97,6 +97,9 @@
 #   bash benchmarks/gpu_owed.sh 34         # part 34: the simulator's files of this GPU (an
 #                                          #   H200 at last): parts, decode host rows at the
 #                                          #   calibration's batches, prefill host rows
+#   bash benchmarks/gpu_owed.sh 35         # part 35: the parts of part 34 (its kernels.py
+#                                          #   stopped at a variant l2_hint refused), then the
+#                                          #   calibration with this GPU's files
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -119,10 +122,14 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
 }
 left() { echo $((${PART_SECONDS:-585} - SECONDS)); }  # seconds left of this part
 gpu_name() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())"; }
-PREFILL_ROWS=docs/prefill_host_h100.json  # the one prefill host table measured
+PREFILL_ROWS=docs/prefill_host_h100.json  # the prefill host table of a GPU not measured
 gpu_files() {  # the simulator's files of this GPU (docs/parts_*.json, docs/decode_rows_*.json)
-    echo "--parts docs/parts_$(gpu_name).json --decode-rows docs/decode_rows_$(gpu_name).json" \
-        "--prefill-rows $PREFILL_ROWS"
+    local gpu rows
+    gpu=$(gpu_name)
+    rows=docs/prefill_host_$gpu.json
+    [ -f "$rows" ] || rows=$PREFILL_ROWS
+    echo "--parts docs/parts_$gpu.json --decode-rows docs/decode_rows_$gpu.json" \
+        "--prefill-rows $rows"
 }
 calibrate() {  # calibrate SECONDS FILES...: plain at 8K and 32K, then MTP3 at 8K in the rest
     local limit=$1
@@ -384,6 +391,14 @@ elif [ "$part" = 34 ]; then
         --steps 20 --rows-json "$out/decode_rows.json" --out "$out/decode_rows.md"
     run "$(left)" prefill_host python benchmarks/prefill_host.py --lengths 4K --layers 2,4,6 \
         --repeats 5 --no-ops --json "$out/prefill_host.json" --out "$out/prefill_host.md"
+elif [ "$part" = 35 ]; then
+    gpu=$(gpu_name)
+    if [ ! -f "docs/parts_$gpu.json" ]; then
+        run 250 parts python benchmarks/kernels.py --only ceilings,prefill,decode,indexer \
+            --heads 32 --indices uniform --parts "$out/parts.json"
+        cp "$out/parts.json" "docs/parts_$gpu.json"
+    fi
+    calibrate 280 $(gpu_files)
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
