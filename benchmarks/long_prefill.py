@@ -19,6 +19,9 @@ Per length it prints:
   - host: wall − GPU-busy (time the GPU waits for the host), and the profiled steps' CPU time
     outside synchronisation calls (the host's own work, launches included);
   - peak device memory;
+  - with --gaps N: from one more run, profiled with Python stacks, the device's idle time inside
+    the steps (lead / mid / tail gaps) by the host function that was running in it, the top N
+    (dsaserve/bench/gaps.py): which host code the GPU waits on;
   - the floor: `dsaserve plan`'s prefill FLOPs (plan/costmodel.prefill_flops) at the measured
     rates of the indexer logits and sparse MLA kernels, and wall / floor;
   - the floor with the weight matrices: that floor plus the prompt's pass through the layers'
@@ -41,6 +44,7 @@ wall, floor and the per-chunk table are given.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import resource
 import sys
@@ -51,6 +55,15 @@ from pathlib import Path
 
 import torch
 
+from dsaserve.bench.gaps import (
+    GapResult,
+    analyze,
+    complete,
+    gaps_table,
+    main_thread,
+    step_windows,
+    thread_frames,
+)
 from dsaserve.bench.profile import ORDER, Profile, summarize
 from dsaserve.config import (
     AttentionConfig,
@@ -96,6 +109,7 @@ class Result:
     peak_bytes: int | None
     floor: float
     floor_matrices: float  # the floor plus the weight matrices' FLOPs at the matmul rate
+    gaps: GapResult | None = None  # --gaps: the device's idle time by host function
 
 
 def matrices_seconds(flops, first: int, end: int, matmul_tflops: float) -> float:
@@ -219,10 +233,33 @@ def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> 
             print(f"warning: {human(length)}: profiled run gave token {again}, not {token}",
                   file=sys.stderr)
         profile = summarize(prof.events(), sum(s for _, _, s in prof_steps), on_device)
+    gaps = profile_gaps(engine, ids, args, on_device) if args.gaps and args.pcp == 1 else None
     wall = sum(s for _, _, s in steps)
     floor = floor_seconds(flops, 0, length, args.indexer_tflops, args.mla_tflops)
     matrices = matrices_seconds(flops, 0, length, args.matmul_tflops)
-    return Result(length, wall, steps, token, profile, peak, floor, floor + matrices)
+    return Result(length, wall, steps, token, profile, peak, floor, floor + matrices, gaps)
+
+
+def profile_gaps(engine: LLMEngine, ids: list[int], args: argparse.Namespace, on_device: bool
+                 ) -> GapResult:
+    """--gaps: one more run of the prompt, profiled with Python stacks (a run of its own: the
+    stack tracer slows the host, which would skew the other tables' profile), its Chrome trace
+    → the device's idle gaps inside the steps, by the host function running in them. On a CPU
+    there is no device activity: the whole of every step is "gap" (the smoke path)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_device:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        prefill(engine, ids, args.device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = complete(json.loads(path.read_text())["traceEvents"])
+    thread = main_thread(events)
+    # A step's wall runs to the end of the synchronisation after it; pipelined steps are timed
+    # back to back (prefill)
+    windows = step_windows(thread_frames(events, thread), contiguous=engine.async_scheduling)
+    return analyze(events, windows, thread)
 
 
 def report(args: argparse.Namespace, results: list[Result], flops) -> str:
@@ -260,6 +297,11 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
             if r.profile:
                 cells = " | ".join(f"{r.profile.by_category[c]:.3f}" for c in ORDER)
                 lines.append(f"| {human(r.length)} | {cells} |")
+    for r in results:
+        if r.gaps:
+            lines += ["", f"exposed host time of the {human(r.length)} prompt, by the host "
+                      "function the device waited on (a run of its own, profiled with Python "
+                      "stacks: the tracer slows the host)", "", gaps_table(r.gaps, args.gaps)]
     longest = max(results, key=lambda r: r.length)
     lines += ["", f"per chunk of the {human(longest.length)} prompt", "",
               "| chunk | first position | tokens | time (ms) | floor (ms) | time / floor "
@@ -299,6 +341,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "default: the backend as the engine builds it)")
     p.add_argument("--no-profile", dest="profile", action="store_false",
                    help="skip the profiled run (kernel categories, GPU busy, host CPU)")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="one more profiled run per prompt, with Python stacks: the device's "
+                        "idle gaps inside the steps attributed to the host functions running "
+                        "then, the top N (dsaserve/bench/gaps.py; 0: off)")
     p.add_argument("--model", type=Path, default=None, help="an existing checkpoint directory")
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
                    help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block scales "
@@ -323,6 +369,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--max-num-batched-tokens: must be >= 1")
     if args.pcp < 1:
         p.error("--prefill-context-parallel-size: must be >= 1")
+    if args.gaps < 0 or (args.gaps and args.pcp > 1):
+        p.error("--gaps: a count >= 0, in this process only (no --pcp)")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU here (--smoke runs on the CPU)")
     return args

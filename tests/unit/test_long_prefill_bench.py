@@ -78,10 +78,15 @@ def test_floor_is_the_issue_table(bench):
 def test_smoke_on_cpu(bench, tmp_path):
     out = tmp_path / "table.md"
     assert bench.main(["--smoke", "--lengths", "128,384", "--max-num-batched-tokens", "128",
-                       "--out", str(out)]) == 0
+                       "--gaps", "3", "--out", str(out)]) == 0
     text = out.read_text()
     assert "| 128 |" in text and "| 384 |" in text
     assert "CPU operator time by category" in text
+    # --gaps: no device work on a CPU, so every step is one gap (three chunks → three), each
+    # instant under the engine's step
+    section = text.split("exposed host time of the 384 prompt", 1)[1]
+    assert "mid 0.000 ms, tail 0.000 ms in 3 gaps" in section
+    assert "| engine.step > " in section
     # the per-chunk table of the longest prompt: three chunks of 128 at positions 0, 128, 256
     for i, first in enumerate((0, 128, 256)):
         assert f"| {i} | {first} | 128 |" in text
@@ -98,6 +103,7 @@ def test_smoke_async_scheduling_same_tokens(bench, tmp_path):
         rows = [line.split("|") for line in out.read_text().splitlines()
                 if line.startswith(("| 128 |", "| 384 |"))]
         tokens.append([r[-2].strip() for r in rows])
+        assert "exposed host time" not in out.read_text()  # --gaps is off by default
         if extra:
             assert "async scheduling" in out.read_text()
             for i, first in enumerate((0, 128, 256)):
