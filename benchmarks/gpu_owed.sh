@@ -100,6 +100,9 @@
 #   bash benchmarks/gpu_owed.sh 35         # part 35: the parts of part 34 (its kernels.py
 #                                          #   stopped at a variant l2_hint refused), then the
 #                                          #   calibration with this GPU's files
+#   bash benchmarks/gpu_owed.sh 36         # part 36: the 4K prefill step's idle gaps by host
+#                                          #   function (async), then P/D on this GPU: a bare
+#                                          #   NIXL READ/WRITE and end to end, 32K and 128K
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -399,6 +402,12 @@ elif [ "$part" = 35 ]; then
         cp "$out/parts.json" "docs/parts_$gpu.json"
     fi
     calibrate 280 $(gpu_files)
+elif [ "$part" = 36 ]; then
+    run 100 prefill_gaps python benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+        --gaps 20 --out "$out/prefill_gaps.md"
+    TAIL_LINES=8 run 130 pd_transfer python benchmarks/pd_transfer.py --backends nixl \
+        --memory vram --tokens 32768 131072 --repeat 2 --out "$out/pd_transfer.md"
+    run "$(left)" pd python benchmarks/pd_e2e.py --tokens 32768 131072 --out "$out/pd.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
