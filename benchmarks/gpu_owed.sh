@@ -403,7 +403,7 @@ elif [ "$part" = 35 ]; then
     fi
     calibrate 280 $(gpu_files)
 elif [ "$part" = 36 ]; then
-    run 100 prefill_gaps python benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+    run 90 prefill_gaps python benchmarks/long_prefill.py --lengths 4K --async-scheduling \
         --gaps 20 --out "$out/prefill_gaps.md"
     TAIL_LINES=8 run 130 pd_transfer python benchmarks/pd_transfer.py --backends nixl \
         --memory vram --tokens 32768 131072 --repeat 2 --out "$out/pd_transfer.md"
