@@ -27,12 +27,13 @@ from dsaserve.plan.steptime import StepTimeModel
 
 LONG = 1.0  # s of kernels: a prefill chunk whose kernels hide all issue work
 GAP = H200.kernel_overhead_us.value * 1e-6
-# Residual bounds of the step's wall time (kernels + fitted host). Eager rows fit within 8.2 %.
-# The graphed rows cannot all be within 5 %: at batch 8 the graphed MTP3 step measured faster
+# Residual bounds of the step's wall time (kernels + fitted host). Eager rows fit within 8.2 %,
+# graphed rows within 2.2 % but for one pair: at batch 8 the graphed MTP3 step measured faster
 # at 32,768 tokens (4.43 ms) than at 8,192 (4.97 ms) for more kernel time, which no host model
 # that grows with context reproduces; the fit splits the two (7.5 % below the first, 6.7 %
-# above the second), and every other graphed row fits within 2.2 %.
-GRAPHED_TOLERANCE, EAGER_TOLERANCE = 0.08, 0.10
+# above the second), and only they get the wider bound.
+GRAPHED_TOLERANCE, EAGER_TOLERANCE = 0.05, 0.10
+NON_MONOTONIC_PAIR, PAIR_TOLERANCE = {(8192, 8, 3, True), (32768, 8, 3, True)}, 0.08
 # The prefill rows: a line through three points whose host time is not linear in layers
 # (0.95, 0.99, 1.99 ms at 2, 4, 6): each row's host within 0.5 ms of the fit (the 4-layer row is
 # 0.32 ms below it), each step's wall (busy + fitted host) within 2 % (at most 1.1 % off).
@@ -50,6 +51,8 @@ def test_fit_reproduces_each_measured_decode_row(row):
                                      drafting=row.drafts > 0)
     wall = row.kernels_ms * 1e-3 + host
     tolerance = GRAPHED_TOLERANCE if row.graph else EAGER_TOLERANCE
+    if (row.context, row.batch, row.drafts, row.graph) in NON_MONOTONIC_PAIR:
+        tolerance = PAIR_TOLERANCE
     assert wall == pytest.approx(row.wall_ms * 1e-3, rel=tolerance)
 
 
