@@ -23,13 +23,12 @@ Projection to the model simulated (L layers, k drafts), the assumptions:
   measured pair of layers is one dense and one MoE layer; GLM-5.3's are mostly MoE, whose
   layers launch more (and sync once for the expert counts), so this is the low side;
 - prefill and mixed steps (eager: the graphs cover decode-only steps) are priced from the
-  prefill fit at L layers, measured, not extrapolated from 2: 2.30 ms + 0.252 ms per layer,
-  22 ms at 78 layers. The fit is from an H100 machine's host CPU (PREFILL_RUN), whose graphed
-  decode steps took 1.6–1.7× the H200 machine's wall on the same rows with the same kernels
-  (host time 2.1–2.3×, docs/decode.md), so on an H200 this is the high side.
+  prefill fit at L layers, measured, not extrapolated from 2: 0.270 ms + 0.260 ms per layer,
+  20.6 ms at 78 layers, on the H200 machine of the decode rows (PREFILL_RUN; an H100 machine's
+  host CPU had measured 2.30 ms + 0.252 ms per layer, 22 ms at 78).
 
 How a prefill or mixed step combines the two. The prefill rows measure the *exposed* host
-time of a step whose kernels are long (16 ms of them at 2 layers for 2 ms of host), not all
+time of a step whose kernels are long (15 ms of them at 2 layers for 1 ms of host), not all
 the host work it does: what the host issues while earlier kernels still run is hidden, and
 what the GPU waits for is the work before the first kernel (the batch's inputs, metadata,
 uploads), the syncs inside the forward (the MoE's expert counts, one per MoE layer: the per
@@ -50,7 +49,8 @@ of B requests with E block-table entries therefore costs
 so a step with a long chunk pays its exposed part alone (the prefill fit's rows: the drafts,
 issued while the MTP layer's pass over the chunk still runs, hide too), and a step of a few new
 tokens pays what an eager decode step of its requests pays (a 2-token chunk measured 5.5 ms on
-an H100 against that step's 5.5 ms, where the exposed part alone priced 3.3 ms: docs/simulate.md).
+an H100 against that step's 5.5 ms, where the exposed part alone priced 3.3 ms at that day's H100
+fits: docs/simulate.md).
 The exposed part's eager fits are at the measured 2 layers, not scaled by L: the per-request
 and per-entry work (inputs and block tables before the forward, sampling after it) does not
 repeat per layer, and the per-layer part of the eager fit is issue work, which the long
@@ -58,7 +58,7 @@ kernels hide; the small per-layer term of the prefill fit says so. Not measured:
 than 4K (the calibration's probe measures this process's chunk: benchmarks/
 simulate_calibration.py). The earlier long-prefill run (H200, 2 layers, 16K chunks, each prompt
 prefilled once, no warm-up) exposed 10–14 ms of host per step on its 128K–1M prompts against
-this fit's 2.8 ms at 2 layers; how much of that was first use and how much grows with the
+this fit's 0.8 ms at 2 layers; how much of that was first use and how much grows with the
 chunk or its depth in the prompt is not known, so a deep 16K chunk may cost more than this.
 
 Fitting: decode, per kind, least squares on relative error of the step's wall time (kernels +
@@ -86,12 +86,11 @@ import torch
 from dsaserve.config import ConfigError
 
 # The graphed rows replay the engine's own decode graphs, MTP drafts included (the table in
-# docs/decode_h200.md).
-DECODE_RUN = "H200 run, benchmarks/decode.py (docs/decode_h200.md), 2026-12-05, engine graphs"
-# An H100 machine's host CPU, not the H200 machine's of DECODE_RUN: on the same graphed decode
-# rows its steps took 1.6–1.7× the H200 machine's, kernels alike (docs/decode.md), so this fit is
-# the high side for an H200.
-PREFILL_RUN = ("H100 run, benchmarks/prefill_host.py (docs/prefill_host_h100.md, 2026-12-05), "
+# docs/decode_rows_h200.md; its rows in docs/decode_rows_h200.json).
+DECODE_RUN = ("H200 run, benchmarks/decode.py (docs/decode_rows_h200.md), 2026-12-06, engine "
+              "graphs")
+# The same H200 machine's host CPU as DECODE_RUN.
+PREFILL_RUN = ("H200 run, benchmarks/prefill_host.py (docs/prefill_host_h200.json, 2026-12-06), "
                "4K prompt at 2, 4, 6 layers, steady state")
 MEASURED_LAYERS = 2  # GLM-5.3-shaped: 1 dense + 1 MoE layer (+ the MTP layer with MTP)
 MEASURED_DRAFTS = 3  # MTP3 rows
@@ -120,25 +119,35 @@ def _rows(text: str) -> tuple[DecodeRow, ...]:
     return tuple(out)
 
 
-# GLM-5.3-shaped, 2 layers + MTP, bf16, fp8_ds_mla KV, one H200; median of 20 steps.
+# GLM-5.3-shaped, 2 layers + MTP, bf16, fp8_ds_mla KV, one H200; median of 20 steps, synchronous
+# steps (the async rows of the table are not fitted); docs/decode_rows_h200.json to 0.1 µs (the
+# fit on relative error moves by up to 0.8 % with the walls rounded to the µs).
 # context  batch  MTP3  graph  step wall (ms)  GPU kernels (ms)
 DECODE_H200 = _rows("""
-  8192   1  no  no    8.87  0.801
-  8192   1  yes no   19.36  2.700
-  8192   1  no  yes   1.76  0.830
-  8192   1  yes yes   4.63  2.725
-  8192  64  no  no    7.88  1.161
-  8192  64  yes no   32.77  5.099
-  8192  64  no  yes   2.72  1.186
-  8192  64  yes yes  13.95  5.137
-131072   1  no  no    6.72  0.932
-131072   1  yes no   21.79  3.001
-131072   1  no  yes   1.96  0.961
-131072   1  yes yes   5.16  3.019
-131072  64  no  no   11.59  1.848
-131072  64  yes no   59.89  8.133
-131072  64  no  yes   5.97  1.868
-131072  64  yes yes  24.07  8.040
+  8192   1  no  no     3.7250  0.7935
+  8192   1  yes no    12.0322  2.5718
+  8192   1  no  yes    1.5196  0.8092
+  8192   1  yes yes    3.8338  2.6050
+  8192   2  no  no     4.2036  0.8503
+  8192   2  yes no    12.3603  2.7644
+  8192   2  no  yes    1.6063  0.8714
+  8192   2  yes yes    4.1947  2.8187
+  8192   8  no  no     4.8108  0.9511
+  8192   8  yes no    13.2439  3.0906
+  8192   8  no  yes    1.7249  0.9672
+  8192   8  yes yes    4.9739  3.1202
+ 32768   1  no  no     4.2427  0.8371
+ 32768   1  yes no    12.4398  2.5992
+ 32768   1  no  yes    1.6221  0.8498
+ 32768   1  yes yes    3.9242  2.6521
+ 32768   2  no  no     4.3805  0.8884
+ 32768   2  yes no    12.4935  2.7574
+ 32768   2  no  yes    1.6614  0.9094
+ 32768   2  yes yes    3.9914  2.7827
+ 32768   8  no  no     4.3057  0.9586
+ 32768   8  yes no    12.5954  3.2563
+ 32768   8  no  yes    1.7573  0.9840
+ 32768   8  yes yes    4.4331  3.2507
 """)
 
 
@@ -157,13 +166,13 @@ class PrefillHostRow:
 
 
 # GLM-5.3-shaped (1 dense layer, the rest MoE), fp8_ds_mla, triton backend, bf16, eager, one
-# H100; after 3 warm-up steps, median of 5 (docs/prefill_host_h100.md).
+# H200; after 3 warm-up steps, median of 5 (docs/prefill_host_h200.json, to the µs).
 # layers  step wall (ms)  GPU busy (ms)
-PREFILL_HOST_H100 = tuple(PrefillHostRow(int(n), float(w), float(b)) for n, w, b in (
+PREFILL_HOST_H200 = tuple(PrefillHostRow(int(n), float(w), float(b)) for n, w, b in (
     line.split() for line in """
-  2  18.26  16.11
-  4  35.64  31.02
-  6  48.26  45.10
+  2  15.731  14.782
+  4  29.288  28.297
+  6  42.125  40.135
 """.strip().splitlines()))
 
 
@@ -293,7 +302,7 @@ class HostFits:
 
     @staticmethod
     def fit(decode: Sequence[DecodeRow] = DECODE_H200,
-            prefill: Sequence[PrefillHostRow] = PREFILL_HOST_H100,
+            prefill: Sequence[PrefillHostRow] = PREFILL_HOST_H200,
             decode_source: str = DECODE_RUN, prefill_source: str = PREFILL_RUN) -> HostFits:
         """ValueError naming the kind when the rows cannot fit one: each of graphed and eager at
         0 and MEASURED_DRAFTS drafts needs rows at >= 2 batches and >= 2 contexts (its three
@@ -321,7 +330,7 @@ class HostFits:
         --json` file; None keeps that half's default rows. ConfigError naming the file."""
         decode, decode_source = (DECODE_H200, DECODE_RUN) if decode_rows is None else \
             load_decode_rows(decode_rows)
-        prefill, prefill_source = (PREFILL_HOST_H100, PREFILL_RUN) if prefill_rows is None \
+        prefill, prefill_source = (PREFILL_HOST_H200, PREFILL_RUN) if prefill_rows is None \
             else load_prefill_rows(prefill_rows)
         try:
             return HostFits.fit(decode, prefill, decode_source, prefill_source)

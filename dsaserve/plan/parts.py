@@ -1,8 +1,8 @@
 """Measured parts of a step on one GPU: what the simulator's step-time model is built from.
 
 Every figure names the run it came from. "H200 run" figures are dsaserve's own kernels timed on one
-H200 (docs/kernels.md, ../ANCHORS side-by-side runs; `benchmarks/kernels.py`, CUDA graphs,
-fp8_ds_mla pages of 64, 64 heads, top-2048); "datasheet" figures are the vendor's; "assumed"
+H200 (`benchmarks/kernels.py --parts`, CUDA graphs, fp8_ds_mla pages of 64, top-2048: the run of
+2026-12-06, docs/parts_h200.json); "datasheet" figures are the vendor's; "assumed"
 figures are estimates that no run of ours has measured yet, listed so a calibration run can
 replace them (docs/simulate.md names each one).
 
@@ -61,30 +61,42 @@ class Curve:
         return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-_KERNELS = "H200 run, benchmarks/kernels.py (docs/kernels.md, 2026-12)"
-_SIDE = "H200 run beside FlashMLA (ANCHORS, 2026-12-04)"
+# The H200 machine's run of 2026-12-06 (docs/parts_h200.json, which `Parts.load` reads; its
+# figures here rounded to 4-5 digits, its sources as written): `python benchmarks/kernels.py
+# --only ceilings,prefill,decode,indexer --heads 32 --indices uniform --parts FILE`.
+_RUN = "NVIDIA H200 run, benchmarks/kernels.py, 2026-12-06; "
 
 
 @dataclass(frozen=True)
 class Parts:
-    """One GPU's measured rates. Defaults: the H200 (docs/kernels.md, ANCHORS)."""
+    """One GPU's measured rates. Defaults: the H200 (docs/parts_h200.json; the links: datasheets,
+    ECOSYSTEM)."""
 
     name: str = "H200"
-    hbm_bytes: int = 141 << 30  # datasheet
+    # What torch reports on that run's H200 (139.8 GiB; the datasheet's 141 GB).
+    hbm_bytes: int = 150_109_880_320
     # Sparse MLA decode, fp8_ds_mla, 64 heads, top-2048: µs per step by query rows (b · s_q).
     # 32 rows: b 32; 128: b 128 s_q 1; 512: b 128 s_q 4 (CUDA graph).
-    mla_decode_us: Curve = Curve((32, 128, 512), (41.1, 120.0, 466.6), "us", _KERNELS)
+    mla_decode_us: Curve = Curve(
+        (32, 128, 512), (40.52, 121.65, 473.13), "us",
+        _RUN + "decode gluon 32-row, prefetch L2 copies b=32 s_q=1, CUDA graph / decode gluon "
+        "32-row, prefetch L2 copies b=128 s_q=1, CUDA graph / decode gluon 32-row, prefetch L2 "
+        "copies b=128 s_q=4, CUDA graph")
     # Sparse MLA prefill, bf16 rows, uniform index draw over the context (the agentic case: a
     # turn's queries attend all over a long history), T = 4,096 / 16,384.
-    mla_prefill_tflops: Measured = Measured(453.0, "TFLOP/s", _SIDE + ", uniform draw")
+    mla_prefill_tflops: Measured = Measured(
+        448.6, "TFLOP/s", _RUN + "mean of: prefill gluon ping-pong T=4096 uniform indices / "
+        "prefill gluon ping-pong T=16384 uniform indices")
     # Indexer prefill logits + top-k, 32 heads (GLM-5.3's index_n_heads), T 4,096 × 128K keys.
-    indexer_prefill_tflops: Measured = Measured(886.6, "TFLOP/s", _SIDE)
+    indexer_prefill_tflops: Measured = Measured(
+        788.3, "TFLOP/s", _RUN + "indexer prefill logits+topk H=32, cuda top-k")
     # Indexer decode logits + top-k, b 64 × 64K keys, bytes of FP8 keys read per second.
-    indexer_decode_tbps: Measured = Measured(3.28, "TB/s", _SIDE)
+    indexer_decode_tbps: Measured = Measured(
+        2.681, "TB/s", _RUN + "indexer decode logits+topk b=64 s_q=1, cuda top-k, CUDA graph")
     # Ceilings of the same run: a dense bf16 / fp8 matmul and a device copy.
-    matmul_bf16_tflops: Measured = Measured(693.0, "TFLOP/s", _SIDE + ", ceilings")
-    matmul_fp8_tflops: Measured = Measured(1286.0, "TFLOP/s", _SIDE + ", ceilings")
-    hbm_tbps: Measured = Measured(4.25, "TB/s", _SIDE + ", ceilings (copy)")
+    matmul_bf16_tflops: Measured = Measured(700.2, "TFLOP/s", _RUN + "matmul bf16 8192^3")
+    matmul_fp8_tflops: Measured = Measured(1267.2, "TFLOP/s", _RUN + "matmul fp8 8192^3")
+    hbm_tbps: Measured = Measured(4.248, "TB/s", _RUN + "copy d2d (read + write)")
     # Links, per direction.
     nvlink_gbps: Measured = Measured(450.0, "GB/s", "datasheet (NVLink 4)")
     host_gbps: Measured = Measured(55.0, "GB/s", "H200 run, pinned host <-> GPU copies "

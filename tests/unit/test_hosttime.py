@@ -1,5 +1,5 @@
 """The simulator's host-time term (plan/hosttime.py): the fit reproduces every measured decode
-row of the H200 run and every prefill row of the H100 run, projects to more layers as stated,
+row and every prefill row of the H200 runs, projects to more layers as stated,
 and moves simulated latency the way the engine's host time does."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dsaserve.plan.hosttime import (
     DECODE_H200,
     H200_HOST,
     MEASURED_LAYERS,
-    PREFILL_HOST_H100,
+    PREFILL_HOST_H200,
     PREFILL_PROMPT,
     HostFits,
     HostTimeModel,
@@ -27,16 +27,17 @@ from dsaserve.plan.steptime import StepTimeModel
 
 LONG = 1.0  # s of kernels: a prefill chunk whose kernels hide all issue work
 GAP = H200.kernel_overhead_us.value * 1e-6
-# Residual bounds of the step's wall time (kernels + fitted host). Graphed rows fit within 2 %.
-# The eager rows cannot all be within 10 %: at batch 1 the 131,072-token step measured faster
-# (6.72 ms) than the 8,192-token one (8.87 ms) for more kernel time, which no host model that
-# grows with context reproduces; eager host time moves that much between runs (an earlier run
-# of the same day measured 4.95 and 6.55 ms for these two rows).
-GRAPHED_TOLERANCE, EAGER_TOLERANCE = 0.05, 0.20
-# The prefill rows: a line through three points whose host time is not monotonic in layers
-# (2.15, 4.61, 3.16 ms at 2, 4, 6): each row's host within 1.5 ms of the fit (the 4-layer row is
-# 1.30 ms above it), each step's wall (busy + fitted host) within 5 % (at most 3.7 % off).
-PREFILL_HOST_TOLERANCE_S, PREFILL_WALL_TOLERANCE = 1.5e-3, 0.05
+# Residual bounds of the step's wall time (kernels + fitted host). Eager rows fit within 8.2 %,
+# graphed rows within 2.2 % but for one pair: at batch 8 the graphed MTP3 step measured faster
+# at 32,768 tokens (4.43 ms) than at 8,192 (4.97 ms) for more kernel time, which no host model
+# that grows with context reproduces; the fit splits the two (7.5 % below the first, 6.7 %
+# above the second), and only they get the wider bound.
+GRAPHED_TOLERANCE, EAGER_TOLERANCE = 0.05, 0.10
+NON_MONOTONIC_PAIR, PAIR_TOLERANCE = {(8192, 8, 3, True), (32768, 8, 3, True)}, 0.08
+# The prefill rows: a line through three points whose host time is not linear in layers
+# (0.95, 0.99, 1.99 ms at 2, 4, 6): each row's host within 0.5 ms of the fit (the 4-layer row is
+# 0.32 ms below it), each step's wall (busy + fitted host) within 2 % (at most 1.1 % off).
+PREFILL_HOST_TOLERANCE_S, PREFILL_WALL_TOLERANCE = 0.5e-3, 0.02
 
 
 def _measured_model(row) -> HostTimeModel:
@@ -50,17 +51,20 @@ def test_fit_reproduces_each_measured_decode_row(row):
                                      drafting=row.drafts > 0)
     wall = row.kernels_ms * 1e-3 + host
     tolerance = GRAPHED_TOLERANCE if row.graph else EAGER_TOLERANCE
+    if (row.context, row.batch, row.drafts, row.graph) in NON_MONOTONIC_PAIR:
+        tolerance = PAIR_TOLERANCE
     assert wall == pytest.approx(row.wall_ms * 1e-3, rel=tolerance)
 
 
 def test_fit_residuals_summary():
-    """Most eager rows fit far better than their bound: the median residual is small."""
+    """Most rows fit far better than their bound: the median residual is small."""
     residuals = sorted(
         abs(row.kernels_ms * 1e-3 + _measured_model(row).step(
             [row.context] * row.batch, prefill=False, drafting=row.drafts > 0)
             - row.wall_ms * 1e-3) / (row.wall_ms * 1e-3) for row in DECODE_H200)
     assert residuals[len(residuals) // 2] < 0.02
-    assert sum(r > 0.10 for r in residuals) <= 2  # the eager batch-1 pair of the docstring
+    # the batch-8 rows of graphed MTP3 and of eager plain steps, and the 8K eager batch-1 row
+    assert sum(r > 0.05 for r in residuals) <= 5
 
 
 def test_fit_coefficients_are_non_negative_and_ordered():
@@ -74,7 +78,7 @@ def test_fit_coefficients_are_non_negative_and_ordered():
     assert H200_HOST.graphed[3](1, 128) > H200_HOST.graphed[0](1, 128)  # drafts cost host time
 
 
-@pytest.mark.parametrize("row", PREFILL_HOST_H100, ids=lambda r: f"layers{r.layers}")
+@pytest.mark.parametrize("row", PREFILL_HOST_H200, ids=lambda r: f"layers{r.layers}")
 def test_prefill_fit_reproduces_each_measured_prefill_row(row):
     """The measured step (one 4K prompt, alone, no drafts) at the measured layer count."""
     host = HostTimeModel(row.layers, 0, True, 64, GAP).step(
@@ -86,16 +90,16 @@ def test_prefill_fit_reproduces_each_measured_prefill_row(row):
 
 
 def test_prefill_fit_coefficients_and_projection_to_78_layers():
-    """host = 2.30 ms + 0.252 ms per layer (docs/prefill_host_h100.md): 22 ms at GLM-5.3's 78
-    layers, per layer a small part, not the ~0.46 s the 2-layer extrapolation gave."""
+    """host = 0.269 ms + 0.260 ms per layer (docs/prefill_host_h200.json): 20.6 ms at GLM-5.3's
+    78 layers, per layer a small part, not the ~0.46 s the 2-layer extrapolation gave."""
     fit = H200_HOST.prefill
-    assert fit.per_step == pytest.approx(2.30e-3, abs=0.01e-3)
-    assert fit.per_layer == pytest.approx(0.252e-3, abs=0.001e-3)
-    assert fit(78) == pytest.approx(22.0e-3, abs=0.05e-3)
+    assert fit.per_step == pytest.approx(0.269e-3, abs=0.001e-3)
+    assert fit.per_layer == pytest.approx(0.2603e-3, abs=0.0001e-3)
+    assert fit(78) == pytest.approx(20.57e-3, abs=0.01e-3)
     assert HostTimeModel(78, 0, True, 64, GAP).step([PREFILL_PROMPT], True, False, LONG) == \
         pytest.approx(fit(78))
     # residuals of a least-squares line sum to zero over its rows
-    assert sum(fit(r.layers) - r.host_ms * 1e-3 for r in PREFILL_HOST_H100) == \
+    assert sum(fit(r.layers) - r.host_ms * 1e-3 for r in PREFILL_HOST_H200) == \
         pytest.approx(0.0, abs=1e-9)
 
 
@@ -233,7 +237,7 @@ def test_refit_from_other_rows_changes_the_model():
     fits = HostFits.fit(doubled)
     assert fits.graphed[0](1, 128) == pytest.approx(2 * H200_HOST.graphed[0](1, 128), rel=0.05)
     prefill = tuple(dataclasses.replace(r, wall_ms=r.busy_ms + 2 * r.host_ms)
-                    for r in PREFILL_HOST_H100)
+                    for r in PREFILL_HOST_H200)
     assert HostFits.fit(prefill=prefill).prefill(78) == pytest.approx(2 * H200_HOST.prefill(78))
 
 

@@ -17,7 +17,7 @@ from dsaserve.config import ConfigError
 from dsaserve.plan.hosttime import (
     DECODE_H200,
     H200_HOST,
-    PREFILL_HOST_H100,
+    PREFILL_HOST_H200,
     HostFits,
     load_decode_rows,
     load_prefill_rows,
@@ -25,7 +25,8 @@ from dsaserve.plan.hosttime import (
 from dsaserve.plan.parts import H200, Curve, Measured, Parts, parts_json
 
 GPU = "NVIDIA H100 80GB HBM3"
-PREFILL_JSON = Path(__file__).resolve().parents[2] / "docs" / "prefill_host_h100.json"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+PREFILL_JSON = DOCS / "prefill_host_h200.json"
 
 
 def _kernel_rows(kernels) -> list:
@@ -228,17 +229,54 @@ def test_decode_rows_file_errors(tmp_path):
 
 
 def test_prefill_host_json_fits_as_its_rows():
-    """docs/prefill_host_h100.json is the run PREFILL_HOST_H100 holds (to its two decimals)."""
+    """docs/prefill_host_h100.json is the run PREFILL_HOST_H200 holds (to its two decimals)."""
     rows, source = load_prefill_rows(PREFILL_JSON)
-    assert [r.layers for r in rows] == [r.layers for r in PREFILL_HOST_H100]
-    for got, want in zip(rows, PREFILL_HOST_H100, strict=True):
-        assert got.wall_ms == pytest.approx(want.wall_ms, abs=5e-3)
-        assert got.busy_ms == pytest.approx(want.busy_ms, abs=5e-3)
-    assert "prefill_host_h100.json" in source
+    assert [r.layers for r in rows] == [r.layers for r in PREFILL_HOST_H200]
+    for got, want in zip(rows, PREFILL_HOST_H200, strict=True):
+        assert got.wall_ms == pytest.approx(want.wall_ms, abs=5e-4)
+        assert got.busy_ms == pytest.approx(want.busy_ms, abs=5e-4)
+    assert "prefill_host_h200.json" in source
     fits = HostFits.load(prefill_rows=PREFILL_JSON)
     assert fits.prefill.per_step == pytest.approx(H200_HOST.prefill.per_step, abs=2e-5)
     assert fits.prefill.per_layer == pytest.approx(H200_HOST.prefill.per_layer, abs=2e-6)
     assert fits.graphed == H200_HOST.graphed  # no decode file: the default rows
+
+
+def test_default_decode_rows_are_the_h200_file():
+    """docs/decode_rows_h200.json is the run DECODE_H200 holds (to 0.1 µs), and fits the same
+    host time to within what that rounding moves."""
+    rows, source = load_decode_rows(DOCS / "decode_rows_h200.json")
+    assert [(r.context, r.batch, r.drafts, r.graph) for r in rows] == \
+        [(r.context, r.batch, r.drafts, r.graph) for r in DECODE_H200]
+    for got, want in zip(rows, DECODE_H200, strict=True):
+        assert got.wall_ms == pytest.approx(want.wall_ms, abs=5e-5)
+        assert got.kernels_ms == pytest.approx(want.kernels_ms, abs=5e-5)
+    assert "H200" in source and "2026-12-06" in source
+    fits = HostFits.load(DOCS / "decode_rows_h200.json")
+    for kind in ("graphed", "eager"):
+        for k, fit in getattr(fits, kind).items():
+            default = getattr(H200_HOST, kind)[k]
+            for b, e in ((1, 128), (8, 8 * 512), (64, 64 * 2048)):
+                assert fit(b, e) == pytest.approx(default(b, e), rel=2e-3)
+
+
+def test_default_parts_are_the_h200_file():
+    """docs/parts_h200.json's figures are the defaults (rounded to 4-5 digits), sources and
+    all; the memory is that run's H200's."""
+    parts = Parts.load(DOCS / "parts_h200.json")
+    assert parts.hbm_bytes == H200.hbm_bytes
+    theirs = H200.figures()
+    measured = set(H200.figures()) - set(parts.kept(H200))
+    assert measured == {"mla_decode_us", "mla_prefill_tflops", "indexer_prefill_tflops",
+                        "indexer_decode_tbps", "matmul_bf16_tflops", "matmul_fp8_tflops",
+                        "hbm_tbps"}
+    for name in measured:
+        got, want = parts.figures()[name], theirs[name]
+        assert got.source == want.source and got.unit == want.unit
+        if isinstance(got, Curve):
+            assert got.xs == want.xs and got.ys == pytest.approx(want.ys, rel=2e-4)
+        else:
+            assert got.value == pytest.approx(want.value, rel=2e-4)
 
 
 def test_prefill_host_json_without_4k_rows_is_an_error(tmp_path):
