@@ -125,7 +125,7 @@ run() {  # run SECONDS NAME COMMAND...: the command's output into $out/NAME.log,
 }
 left() { echo $((${PART_SECONDS:-585} - SECONDS)); }  # seconds left of this part
 gpu_name() { python -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())"; }
-PREFILL_ROWS=docs/prefill_host_h100.json  # the prefill host table of a GPU not measured
+PREFILL_ROWS=docs/prefill_host_h200.json  # the prefill host table of a GPU not measured
 gpu_files() {  # the simulator's files of this GPU (docs/parts_*.json, docs/decode_rows_*.json)
     local gpu rows
     gpu=$(gpu_name)

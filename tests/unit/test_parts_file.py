@@ -229,7 +229,7 @@ def test_decode_rows_file_errors(tmp_path):
 
 
 def test_prefill_host_json_fits_as_its_rows():
-    """docs/prefill_host_h100.json is the run PREFILL_HOST_H200 holds (to its two decimals)."""
+    """docs/prefill_host_h200.json is the run PREFILL_HOST_H200 holds (to its two decimals)."""
     rows, source = load_prefill_rows(PREFILL_JSON)
     assert [r.layers for r in rows] == [r.layers for r in PREFILL_HOST_H200]
     for got, want in zip(rows, PREFILL_HOST_H200, strict=True):
