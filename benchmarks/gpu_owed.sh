@@ -103,6 +103,8 @@
 #   bash benchmarks/gpu_owed.sh 36         # part 36: the 4K prefill step's idle gaps by host
 #                                          #   function (async), then P/D on this GPU: a bare
 #                                          #   NIXL READ/WRITE and end to end, 32K and 128K
+#   bash benchmarks/gpu_owed.sh 37         # part 37: the calibration of a HiSparse engine
+#                                          #   priced at the overlap its runner measured
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -408,6 +410,9 @@ elif [ "$part" = 36 ]; then
     TAIL_LINES=8 run 130 pd_transfer python benchmarks/pd_transfer.py --backends nixl \
         --memory vram --tokens 32768 131072 --repeat 2 --out "$out/pd_transfer.md"
     run "$(left)" pd python benchmarks/pd_e2e.py --tokens 32768 131072 --out "$out/pd.md"
+elif [ "$part" = 37 ]; then
+    run 540 calibration_hisparse python benchmarks/simulate_calibration.py $(gpu_files) \
+        --hisparse --overlap measured --steps-json "$out/calibration_steps_hisparse.json"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \

@@ -33,8 +33,11 @@ sessions' windows (`--host-pool-gib`), hot buffers of the engine's default rows
 tail (`--device-mla-pages`), so long decoders' older pages spill and every decode beyond the
 hot buffer fetches its misses, from the host pool where spilled. Both passes' schedulers hand
 out the MLA pages as the engine's (`MlaSpilling`); the model is given the same pool, hot rows,
-window and admitted requests, and an assumed overlap of consecutive steps' selections
-(`--overlap`), printed beside the one the runner's miss counters give.
+window and admitted requests, and an overlap of consecutive steps' selections (`--overlap`):
+an assumed one, printed beside the one the runner's miss counters give, or `--overlap
+measured`, that one: the model then prices the pass at the misses the runner had (the overlap
+is the model's input, as the contexts are; what is calibrated is the price of a miss). The
+probe (above) still prices its own steps at the assumed default.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ PROBE_BATCHES = (1, 2, 8)  # the probe's batch sizes (the calibration's concurre
 # decode steps per probe row once its batch decodes together: 16 gave rows whose noise (3–5 %
 # between neighbouring rows of one process) the fit's per-entry term chased (docs/simulate.md)
 PROBE_STEPS = 32
+MEASURED = "measured"  # --overlap: the runner's misses of the measured pass
 
 
 def probe_sessions(batch: int, context: int, out: int, block: int = 64) -> list[TraceSession]:
@@ -345,30 +349,53 @@ def hisparse_counters(runner: ModelRunner) -> tuple[int, int]:
     return missed, from_host
 
 
-def hisparse_misses(context: int, c: int, sim: Simulator, runner: ModelRunner, overlap: float,
-                    before: tuple[int, int]) -> str:
-    """One line on the measured pass's misses: the rows its decode rows selected through hot
-    buffers (the model's rule, plan/steptime.py: a decode row beyond the buffer selects
-    min(context, top-k) rows per MLA layer, the MTP layer's when it drafts), the rows the
-    runner missed, so the overlap at which the model's misses would equal the runner's
-    (cold buffers at a request's first decode steps included), beside the assumed one; how
-    many were read from the host pool (the model: all; the runtime reads every miss there
-    but the rows its step wrote, kv/hisparse/fetch.py) and how many MLA blocks spilled."""
+@dataclasses.dataclass(frozen=True)
+class Misses:
+    """The measured pass's HiSparse misses: rows its decode rows selected through hot buffers
+    by the model's rule, rows the runner missed, of those read from the host pool."""
+
+    selected: int
+    missed: int
+    from_host: int
+
+    @property
+    def overlap(self) -> float | None:
+        """The overlap at which the model's misses equal the runner's (None: nothing selected
+        through a hot buffer)."""
+        return 1 - self.missed / self.selected if self.selected else None
+
+
+def hisparse_misses(sim: Simulator, runner: ModelRunner, before: tuple[int, int]) -> Misses:
+    """The misses of the pass `sim` ran (the runtime's device counters since `before`): the
+    rows selected by the model's rule (plan/steptime.py: a decode row beyond the buffer selects
+    min(context, top-k) rows per MLA layer, the MTP layer's when it drafts), so the overlap at
+    which the model's misses would equal the runner's (cold buffers at a request's first decode
+    steps included)."""
     model, cfg = runner.model_cfg, runner.config
     topk, hot, rows = model.index_topk, cfg.hisparse_buffer_rows, 1 + cfg.num_speculative_tokens
     layers = model.num_hidden_layers + (model.num_nextn_predict_layers if rows > 1 else 0)
     selected = layers * sum(min(ctx, topk) for batches, _ in sim.step_batches
                             for n, ctx in batches[0] if n <= rows and ctx > hot)
     missed, from_host = (a - b for a, b in zip(hisparse_counters(runner), before, strict=True))
+    return Misses(selected, missed, from_host)
+
+
+def misses_line(context: int, c: int, misses: Misses, sim: Simulator, runner: ModelRunner,
+                priced: float) -> str:
+    """One line on the measured pass's misses beside the overlap the model priced it at; how
+    many were read from the host pool (the model: all; the runtime reads every miss there but
+    the rows its step wrote, kv/hisparse/fetch.py) and how many MLA blocks spilled."""
     mla = sim.replicas[0].scheduler.mla
     spilled = f"{mla.num_spills:,} MLA blocks spilled" if mla is not None else "no spilling"
-    if not selected:
+    if misses.overlap is None:
         return (f"context {context:,}, c = {c}, HiSparse: no decode row beyond the hot buffer "
-                f"({hot} rows); {missed:,} rows missed; {spilled}")
-    return (f"context {context:,}, c = {c}, HiSparse: {missed:,} of {selected:,} rows selected "
-            f"through hot buffers missed: measured overlap {1 - missed / selected:.3f}, assumed "
-            f"{overlap}; {from_host / max(missed, 1):.1%} of the misses read from the host pool "
-            f"(the model: all; the rest were written this step); {spilled}")
+                f"({runner.config.hisparse_buffer_rows} rows); {misses.missed:,} rows missed; "
+                f"{spilled}")
+    return (f"context {context:,}, c = {c}, HiSparse: {misses.missed:,} of "
+            f"{misses.selected:,} rows selected through hot buffers missed: measured overlap "
+            f"{misses.overlap:.3f}, priced at {priced:.3f}; "
+            f"{misses.from_host / max(misses.missed, 1):.1%} of the misses read from the host "
+            f"pool (the model: all; the rest were written this step); {spilled}")
 
 
 class FirstUse:
@@ -506,9 +533,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device-mla-pages", type=int, default=None,
                     help="--hisparse: GPU MLA pages (hisparse_config.device_mla_pages; default: "
                          "one prefill's window beside each decoder's write tail)")
-    ap.add_argument("--overlap", type=float, default=DEFAULT_OVERLAP,
+    ap.add_argument("--overlap", type=overlap_arg, default=DEFAULT_OVERLAP,
                     help="--hisparse: the share of a step's selected rows the previous step "
-                         "selected, as the model assumes it (default: %(default)s)")
+                         "selected, as the model prices it: a number in (0, 1], or 'measured' "
+                         "(the runner's misses of the pass; default: %(default)s)")
     ap.add_argument("--steps-json", type=Path, default=None, metavar="FILE",
                     help="also write every measured step (kind, measured and predicted ms, "
                          "its batch, the model's parts) to this file")
@@ -534,9 +562,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              if value is not None]
     if given and not args.hisparse:
         ap.error(f"{given[0]}: needs --hisparse")
-    if not 0.0 < args.overlap <= 1.0:
-        ap.error(f"--overlap: must lie in (0, 1], got {args.overlap}")
     return args
+
+
+def overlap_arg(text: str) -> float | str:
+    """--overlap: 'measured', or a share in (0, 1]."""
+    if text == MEASURED:
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be 'measured' or lie in (0, 1], got {text!r}")
+    return value
 
 
 def load_parts(args: argparse.Namespace) -> tuple[Parts, HostFits]:
@@ -603,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.hisparse:
                 cfg = with_hisparse(cfg, args, context, max(*concurrency, *probe_batches))
             runner = ModelRunner(cfg)
-            spec = parse_deployment(deployment_spec(runner, args.overlap))
+            assumed = DEFAULT_OVERLAP if args.overlap == MEASURED else args.overlap
+            spec = parse_deployment(deployment_spec(runner, assumed))
             spilling = spilling_of(runner)
             print(f"context {context:,}: simulated as --deployment '{spec.spec}'",
                   file=sys.stderr)
@@ -626,12 +666,19 @@ def main(argv: list[str] | None = None) -> int:
                 measured = measured_sim.run()
                 print(f"context {context:,}, c = {c}, timed pass: {first_use.summary()}",
                       file=sys.stderr)
+                priced = spec
                 if args.hisparse:
-                    print(hisparse_misses(context, c, measured_sim, runner, args.overlap,
-                                          counted), file=sys.stderr)
-                e = errors(measured, Simulator(model, spec, parts, work, c, num_blocks=blocks,
-                                               host_fits=own, spilling=spilling).run())
-                files = errors(measured, Simulator(model, spec, parts, work, c,
+                    misses = hisparse_misses(measured_sim, runner, counted)
+                    if args.overlap == MEASURED and misses.overlap is not None:
+                        # the model's misses at the runner's count (an overlap of 0 or below
+                        # is more misses than rows: the model's floor is every row)
+                        priced = dataclasses.replace(spec, overlap=max(misses.overlap, 0.0))
+                    print(misses_line(context, c, misses, measured_sim, runner,
+                                      priced.overlap), file=sys.stderr)
+                e = errors(measured, Simulator(model, priced, parts, work, c,
+                                               num_blocks=blocks, host_fits=own,
+                                               spilling=spilling).run())
+                files = errors(measured, Simulator(model, priced, parts, work, c,
                                                    num_blocks=blocks, host_fits=fits,
                                                    spilling=spilling).run())
                 step = statistics.median(abs(p - m) / m for m, p in measured_sim.step_times)

@@ -455,11 +455,32 @@ def test_calibration_script_hisparse_smoke(load_benchmark, capsys):
     line = next(x for x in out.err.splitlines() if "HiSparse:" in x and "missed" in x)
     missed, selected = (int(x.replace(",", "")) for x in
                         line.split("HiSparse: ")[1].split(" rows")[0].split(" of "))
-    assert 0 < missed <= selected and "assumed 0.9" in line
+    assert 0 < missed <= selected and "priced at 0.900" in line
     assert int(line.split("; ")[-1].split(" MLA blocks spilled")[0].replace(",", "")) > 0
     with pytest.raises(SystemExit):
         bench.parse_args(["--host-pool-gib", "1"])
     assert "--host-pool-gib: needs --hisparse" in capsys.readouterr().err
+
+
+def test_calibration_hisparse_priced_at_the_measured_overlap(load_benchmark, capsys):
+    """--overlap measured: the model pass prices the runner's own misses (the overlap that
+    the miss counters give) instead of the assumed 0.9; the runner's pass is the same."""
+    bench = load_benchmark("simulate_calibration")
+    assert bench.main(["--smoke", "--hisparse", "--no-probe", "--overlap", "measured"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines()
+                if "HiSparse:" in x and "missed" in x)
+    measured = float(line.split("measured overlap ")[1].split(",")[0])
+    priced = float(line.split("priced at ")[1].split(";")[0])
+    assert priced == pytest.approx(max(measured, 0.0), abs=1e-3) and priced != 0.9
+    assert bench.Misses(100, 30, 30).overlap == pytest.approx(0.7)
+    assert bench.Misses(0, 5, 0).overlap is None  # nothing through a hot buffer: no figure
+    for bad in ("0", "1.5", "some"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--hisparse", "--overlap", bad])
+        assert "--overlap" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--overlap", "measured"])
+    assert "--overlap: needs --hisparse" in capsys.readouterr().err
 
 
 def test_mtp_at_synthetic_acceptance(tmp_path, weka_traces):
