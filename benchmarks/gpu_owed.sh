@@ -105,6 +105,9 @@
 #                                          #   NIXL READ/WRITE and end to end, 32K and 128K
 #   bash benchmarks/gpu_owed.sh 37         # part 37: the calibration of a HiSparse engine
 #                                          #   priced at the overlap its runner measured
+#   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
+#                                          #   with the padded layouts kept on the device
+#                                          #   (against docs/decode_h200_1206.md)
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -413,6 +416,9 @@ elif [ "$part" = 36 ]; then
 elif [ "$part" = 37 ]; then
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $(gpu_files) \
         --hisparse --overlap measured --steps-json "$out/calibration_steps_hisparse.json"
+elif [ "$part" = 38 ]; then
+    run 280 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,16,64 \
+        --steps 10 --fastest-only --out "$out/decode.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \

@@ -113,6 +113,22 @@ def pad_layout(counts: Sequence[int], q: int, size: int) -> PaddedLayout:
 
 
 @dataclass(frozen=True)
+class _LayoutTensors:
+    """A PaddedLayout on the device, as the step's gathers read it (never written)."""
+
+    src_rows: torch.Tensor  # [size] int64
+    writes: torch.Tensor  # [size] bool
+    src_reqs: torch.Tensor  # [size / q] int64
+    out_rows: torch.Tensor  # [N] int64
+
+
+# Layouts kept on the device, by (rows per request, size): a decode batch repeats its layout
+# step after step (every request one row, or 1 + k with MTP), so the host builds and uploads
+# it once, not at every step. Bounded: a batch whose counts keep changing stays cheap to hold.
+MAX_CACHED_LAYOUTS = 256
+
+
+@dataclass(frozen=True)
 class _PaddedStep:
     """The last step run through the buffers, for its drafts."""
 
@@ -184,6 +200,7 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._draft_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._layouts: dict[tuple[tuple[int, ...], int], _LayoutTensors] = {}
         self._last: _PaddedStep | None = None
         self.num_steps = 0  # steps run through the static buffers
         self.num_replays = 0  # of them, replayed from a graph
@@ -209,21 +226,19 @@ class DecodeGraphs:
                 meta: AttentionMetadata) -> torch.Tensor:
         """The target forward of the step (input_ids [N], its exact metadata), run at `size`
         → hidden [N, hidden] in the step's row order, as model(input_ids, meta) gives it."""
-        layout = pad_layout(counts, self.q, size)
-        src_rows, writes, src_reqs, out_rows = staging.upload([
-            torch.tensor(layout.src_rows), torch.tensor(layout.writes),
-            torch.tensor(layout.src_reqs), torch.tensor(layout.out_rows)], input_ids.device)
+        layout = self._layout(counts, size, input_ids.device)
+        src_rows, writes, src_reqs = layout.src_rows, layout.writes, layout.src_reqs
         # 1. the static buffers, by device gathers from the step's metadata
         self.input_ids[:size].copy_(input_ids[src_rows])
         self.positions[:size].copy_(meta.positions[src_rows])
-        self.slots[:size].copy_(torch.where(writes.bool(), meta.slot_mapping[src_rows], -1))
+        self.slots[:size].copy_(torch.where(writes, meta.slot_mapping[src_rows], -1))
         table = self.block_table[: size // self.q]  # [slots, W]
         width = min(meta.block_table.shape[1], table.shape[1])  # lookahead blocks past W: unread
         table[:, :width].copy_(meta.block_table[src_reqs, :width])
         table[:, width:] = -1
         if self.mla_table is not None:  # HiSparse spilling
             self.mla_slots[:size].copy_(
-                torch.where(writes.bool(), meta.mla_slot_mapping[src_rows], -1))
+                torch.where(writes, meta.mla_slot_mapping[src_rows], -1))
             mla_table = self.mla_table[: size // self.q]
             mla_table[:, :width].copy_(meta.mla_block_table[src_reqs, :width])
             mla_table[:, width:] = -1
@@ -233,8 +248,25 @@ class DecodeGraphs:
         self.num_steps += 1
         hidden, replayed = self._run(self._graphs, size, "decode forward", self._target(size))
         self.num_replays += replayed
-        self._last = _PaddedStep(size, len(counts), src_rows, out_rows, hidden)
-        return hidden[out_rows]
+        self._last = _PaddedStep(size, len(counts), src_rows, layout.out_rows, hidden)
+        return hidden[layout.out_rows]
+
+    def _layout(self, counts: Sequence[int], size: int, device: torch.device
+                ) -> _LayoutTensors:
+        """pad_layout(counts, q, size) on the device: uploaded the first time this batch shape
+        runs, then kept (MAX_CACHED_LAYOUTS, the oldest dropped first)."""
+        key = (tuple(counts), size)
+        cached = self._layouts.get(key)
+        if cached is None:
+            layout = pad_layout(counts, self.q, size)
+            src_rows, writes, src_reqs, out_rows = staging.upload([
+                torch.tensor(layout.src_rows), torch.tensor(layout.writes),
+                torch.tensor(layout.src_reqs), torch.tensor(layout.out_rows)], device)
+            cached = _LayoutTensors(src_rows, writes.bool(), src_reqs, out_rows)
+            if len(self._layouts) >= MAX_CACHED_LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]
+            self._layouts[key] = cached
+        return cached
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> torch.Tensor:

@@ -144,6 +144,29 @@ def test_prefill_and_large_batches_run_as_they_are(model_dirs, engine_config, mi
     assert small.padded_steps and all(len(c) <= 2 for _, c in small.padded_steps)
 
 
+def test_a_batch_layout_is_uploaded_once_and_kept_bounded(model_dirs, engine_config,
+                                                           monkeypatch):
+    """The padded layout of a batch shape is built and uploaded at its first step and reused
+    after (a decode batch repeats it every step); its values are pad_layout's; the kept
+    layouts stay within MAX_CACHED_LAYOUTS, the oldest dropped first."""
+    from dsaserve.engine import decode_graph
+
+    cfg = engine_config(model_dirs["tiny-glm5"], max_num_seqs=8, num_blocks=96)
+    graphs = LLMEngine.from_config(cfg).runner.decode_graphs
+    cpu = torch.device("cpu")
+    first = graphs._layout([1, 1, 1], 4, cpu)
+    assert graphs._layout((1, 1, 1), 4, cpu) is first  # a list or a tuple: the same shape
+    want = pad_layout([1, 1, 1], graphs.q, 4)
+    assert first.src_rows.tolist() == want.src_rows
+    assert first.writes.dtype == torch.bool and first.writes.tolist() == want.writes
+    assert (first.src_reqs.tolist(), first.out_rows.tolist()) == (want.src_reqs, want.out_rows)
+    assert graphs._layout([1, 1], 4, cpu) is not first
+    monkeypatch.setattr(decode_graph, "MAX_CACHED_LAYOUTS", 2)
+    graphs._layout([1], 4, cpu)  # a third shape: the oldest, [1, 1, 1], goes
+    assert len(graphs._layouts) == 2 and ((1, 1, 1), 4) not in graphs._layouts
+    assert graphs._layout([1, 1, 1], 4, cpu) is not first
+
+
 def test_a_decode_forward_that_cannot_be_captured_runs_eager(model_dirs, engine_config,
                                                              mixed_prompts, monkeypatch, caplog):
     """A capture that raises (a kernel CUDA cannot record) leaves the engine serving: the step
