@@ -553,7 +553,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "host time fits; default: the H200's")
     ap.add_argument("--prefill-rows", default=None, metavar="FILE",
                     help="this machine's prefill host rows (benchmarks/prefill_host.py --json); "
-                         "default: the H100 run's")
+                         "default: the H200 run's")
     args = ap.parse_args(argv)
     given = [flag for flag, value in (("--host-pool-gib", args.host_pool_gib),
                                       ("--device-buffer-size", args.buffer_size),
