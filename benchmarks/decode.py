@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
+from dsaserve.bench import gaps as bench_gaps
 from dsaserve.bench import profile as bench_profile
 from dsaserve.bench import steplog
 from dsaserve.bench import steps as bench_steps
@@ -201,6 +202,11 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
                   f"async {async_}, {args.steps} steps", file=sys.stderr)
             pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(
                 args.host_profile)
+        if args.gaps:  # its own steps: the stack tracer slows the Python it watches
+            print(f"exposed host time: context {context}, batch {batch}, MTP3 {mtp}, graph "
+                  f"{graph}, async {async_}, {args.steps} steps", file=sys.stderr)
+            print(bench_gaps.gaps_table(step_gaps(runner, again, args, async_), args.gaps),
+                  file=sys.stderr)
         emitted = [sum(map(len, out.sampled_token_ids.values())) / batch for out in outs]
         kernels = math.nan
         if args.device == "cuda":
@@ -238,6 +244,29 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return Row(context, batch, mtp, graph, async_, wall, kernels, per_step, note)
+
+
+def step_gaps(runner: ModelRunner, so: SchedulerOutput, args: argparse.Namespace,
+              async_: bool) -> bench_gaps.GapResult:
+    """--gaps: --steps more steps profiled with Python stacks → the device's idle time inside
+    them by the host function running then (dsaserve/bench/gaps.py). The windows: each
+    `ModelRunner.execute` to the end of the synchronisation after it, or, pipelined, the
+    first launch to the last read."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        if async_:
+            _pipelined(runner, so, args.steps, args.device)
+        for _ in range(0 if async_ else args.steps):
+            runner.execute(so)
+            _sync(args.device)
+    events = bench_gaps.profiler_events(prof)
+    thread = bench_gaps.main_thread(events)
+    windows = bench_gaps.step_windows(
+        bench_gaps.thread_frames(events, thread),
+        step=r"dsaserve/engine/runner\.py\(\d+\): (execute|submit)$", contiguous=async_)
+    return bench_gaps.analyze(events, windows, thread)
 
 
 def kernel_table(prof: torch.profiler.profile, steps: int, top: int) -> str:
@@ -326,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-profile", type=int, default=0, metavar="N",
                    help="print each row's kernels by category (time and launches) and its N "
                         "GPU kernels with the most device time")
+    p.add_argument("--gaps", type=int, default=0, metavar="N",
+                   help="print each row's device idle time inside its steps by the host "
+                        "function running then, the top N (more steps, profiled with Python "
+                        "stacks; dsaserve/bench/gaps.py)")
     p.add_argument("--fastest-only", action="store_true",
                    help="only the rows with graphs and --async-scheduling (with and without MTP3)")
     p.add_argument("--rows-json", type=Path, default=None, metavar="FILE",

@@ -107,7 +107,8 @@
 #                                          #   priced at the overlap its runner measured
 #   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
 #                                          #   with the padded layouts kept on the device
-#                                          #   (against docs/decode_h200_1206.md)
+#                                          #   (against docs/decode_h200_1206.md), then the
+#                                          #   host-bound 8K rows' idle gaps by host function
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -419,6 +420,8 @@ elif [ "$part" = 37 ]; then
 elif [ "$part" = 38 ]; then
     run 280 decode python benchmarks/decode.py --contexts 8192,131072 --batches 1,16,64 \
         --steps 10 --fastest-only --out "$out/decode.md"
+    TAIL_LINES=60 run "$(left)" decode_gaps python benchmarks/decode.py --contexts 8192 \
+        --batches 1,64 --steps 10 --fastest-only --gaps 12
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \

@@ -44,7 +44,6 @@ wall, floor and the per-chunk table are given.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import resource
 import sys
@@ -58,9 +57,9 @@ import torch
 from dsaserve.bench.gaps import (
     GapResult,
     analyze,
-    complete,
     gaps_table,
     main_thread,
+    profiler_events,
     step_windows,
     thread_frames,
 )
@@ -251,10 +250,7 @@ def profile_gaps(engine: LLMEngine, ids: list[int], args: argparse.Namespace, on
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities, with_stack=True) as prof:
         prefill(engine, ids, args.device)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = complete(json.loads(path.read_text())["traceEvents"])
+    events = profiler_events(prof)
     thread = main_thread(events)
     # A step's wall runs to the end of the synchronisation after it; pipelined steps are timed
     # back to back (prefill)

@@ -26,7 +26,9 @@ arithmetic over the frames' nesting, not sampling.
 from __future__ import annotations
 
 import bisect
+import json
 import re
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,6 +98,15 @@ def frame_label(name: str) -> tuple[str, str, bool]:
         return f"{short} ({m['file']}:{m['line']})", short, False
     short = f"{Path(rel).stem}.{m['func']}"
     return f"{short} ({rel}:{m['line']})", short, True
+
+
+def profiler_events(prof) -> list[dict]:
+    """A finished torch.profiler.profile's complete events, through its Chrome trace (the
+    Python frames of `with_stack=True` are in the trace, not in `prof.events()`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return complete(json.loads(path.read_text())["traceEvents"])
 
 
 def complete(events: list[dict]) -> list[dict]:

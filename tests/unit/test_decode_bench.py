@@ -26,3 +26,21 @@ def test_decode_benchmark_smoke(tmp_path, load_benchmark) -> None:
         assert steps == 2 and r[7].strip() == "–"  # no GPU time on the CPU
         assert float(r[9]) == per_step[(batch, mtp, async_)]
         assert (float(r[9]) == 1.0) == (mtp == "no")
+
+
+def test_decode_benchmark_gaps_smoke(load_benchmark, capsys) -> None:
+    """--gaps N: each row's steps profiled again with Python stacks, the idle time inside them
+    (on a CPU: all of it, no device) by the host function running then; the synchronised
+    steps' windows are their executes, the pipelined ones' one span."""
+    bench = load_benchmark("decode")
+    assert bench.main(["--smoke", "--device", "cpu", "--gaps", "2"]) == 0
+    err = capsys.readouterr().err
+    sections = err.split("exposed host time: ")[1:]
+    assert len(sections) == 8  # batches 1 and 2: plain, MTP3, async, async MTP3
+    for section in sections:
+        totals = next(line for line in section.splitlines()
+                      if line.startswith("exposed host time "))
+        assert "(100.0 %; GPU busy 0.000 ms)" in totals
+        gaps = int(totals.split(" in ")[1].split(" gaps")[0])
+        assert gaps == (1 if "async True" in section.splitlines()[0] else 2)
+        assert "| runner." in section  # the chains start at the runner's step
