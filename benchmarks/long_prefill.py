@@ -286,12 +286,13 @@ def report(args: argparse.Namespace, results: list[Result], flops) -> str:
                      f"{peak} | {r.token} |")
     if any(r.profile for r in results):
         unit = "kernel" if args.device == "cuda" else "CPU operator"
-        lines += ["", f"{unit} time by category (s)", "",
+        lines += ["", f"{unit} time by category (ms)", "",
                   "| prompt | " + " | ".join(ORDER) + " |",
                   "|---|" + "---:|" * len(ORDER)]
         for r in results:
             if r.profile:
-                cells = " | ".join(f"{r.profile.by_category[c]:.3f}" for c in ORDER)
+                # ms to the hundredth: a 4K step's categories are a few ms each
+                cells = " | ".join(f"{1e3 * r.profile.by_category[c]:.2f}" for c in ORDER)
                 lines.append(f"| {human(r.length)} | {cells} |")
     for r in results:
         if r.gaps:
