@@ -249,24 +249,18 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
 def step_gaps(runner: ModelRunner, so: SchedulerOutput, args: argparse.Namespace,
               async_: bool) -> bench_gaps.GapResult:
     """--gaps: --steps more steps profiled with Python stacks → the device's idle time inside
-    them by the host function running then (dsaserve/bench/gaps.py). The windows: each
-    `ModelRunner.execute` to the end of the synchronisation after it, or, pipelined, the
-    first launch to the last read."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+    them by the host function running then. The windows: each `ModelRunner.execute` to the
+    end of the synchronisation after it, or, pipelined, the first launch to the last read."""
+    def run() -> None:
         if async_:
             _pipelined(runner, so, args.steps, args.device)
         for _ in range(0 if async_ else args.steps):
             runner.execute(so)
             _sync(args.device)
-    events = bench_gaps.profiler_events(prof)
-    thread = bench_gaps.main_thread(events)
-    windows = bench_gaps.step_windows(
-        bench_gaps.thread_frames(events, thread),
-        step=r"dsaserve/engine/runner\.py\(\d+\): (execute|submit)$", contiguous=async_)
-    return bench_gaps.analyze(events, windows, thread)
+
+    return bench_gaps.profiled_gaps(
+        run, args.device == "cuda", step=r"dsaserve/engine/runner\.py\(\d+\): (execute|submit)$",
+        contiguous=async_)
 
 
 def kernel_table(prof: torch.profiler.profile, steps: int, top: int) -> str:

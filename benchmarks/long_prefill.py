@@ -54,15 +54,7 @@ from pathlib import Path
 
 import torch
 
-from dsaserve.bench.gaps import (
-    GapResult,
-    analyze,
-    gaps_table,
-    main_thread,
-    profiler_events,
-    step_windows,
-    thread_frames,
-)
+from dsaserve.bench.gaps import GapResult, gaps_table, profiled_gaps
 from dsaserve.bench.profile import ORDER, Profile, summarize
 from dsaserve.config import (
     AttentionConfig,
@@ -241,21 +233,11 @@ def measure(engine: LLMEngine, args: argparse.Namespace, length: int, flops) -> 
 
 def profile_gaps(engine: LLMEngine, ids: list[int], args: argparse.Namespace, on_device: bool
                  ) -> GapResult:
-    """--gaps: one more run of the prompt, profiled with Python stacks (a run of its own: the
-    stack tracer slows the host, which would skew the other tables' profile), its Chrome trace
-    → the device's idle gaps inside the steps, by the host function running in them. On a CPU
-    there is no device activity: the whole of every step is "gap" (the smoke path)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_device:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
-        prefill(engine, ids, args.device)
-    events = profiler_events(prof)
-    thread = main_thread(events)
-    # A step's wall runs to the end of the synchronisation after it; pipelined steps are timed
-    # back to back (prefill)
-    windows = step_windows(thread_frames(events, thread), contiguous=engine.async_scheduling)
-    return analyze(events, windows, thread)
+    """--gaps: one more run of the prompt, profiled with Python stacks → the device's idle gaps
+    inside its engine steps by the host function running in them (pipelined steps are timed
+    back to back: one span)."""
+    return profiled_gaps(lambda: prefill(engine, ids, args.device), on_device,
+                         contiguous=engine.async_scheduling)
 
 
 def report(args: argparse.Namespace, results: list[Result], flops) -> str:

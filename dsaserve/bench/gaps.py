@@ -30,6 +30,7 @@ import json
 import re
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,29 @@ def frame_label(name: str) -> tuple[str, str, bool]:
     return f"{short} ({rel}:{m['line']})", short, True
 
 
+ENGINE_STEP = r"dsaserve/engine/engine\.py\(\d+\): step$"  # an engine's step frame
+
+
+def profiled_gaps(run: Callable[[], object], on_device: bool, step: str = ENGINE_STEP,
+                  contiguous: bool = False) -> GapResult:
+    """run() under torch.profiler with Python stacks (its own run: the stack tracer slows the
+    host it watches) → its windows' idle gaps by host function. The windows: each frame
+    matching `step`, to the end of the synchronisation after it, or with `contiguous` (steps
+    timed back to back, pipelined) one span from the first to the last. On a CPU there is no
+    device activity: the whole of every window is gap."""
+    import torch  # the analysis itself needs no torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_device:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        run()
+    events = profiler_events(prof)
+    thread = main_thread(events)
+    windows = step_windows(thread_frames(events, thread), step=step, contiguous=contiguous)
+    return analyze(events, windows, thread)
+
+
 def profiler_events(prof) -> list[dict]:
     """A finished torch.profiler.profile's complete events, through its Chrome trace (the
     Python frames of `with_stack=True` are in the trace, not in `prof.events()`)."""
@@ -136,7 +160,7 @@ def thread_frames(events: list[dict], thread: tuple[object, object] | None) -> l
             and (e.get("pid"), e.get("tid")) == thread]
 
 
-def step_windows(frames: list[Frame], step: str = r"dsaserve/engine/engine\.py\(\d+\): step$",
+def step_windows(frames: list[Frame], step: str = ENGINE_STEP,
                  sync: str = r"\): synchronize$", contiguous: bool = False) -> list[Interval]:
     """The steps' windows (µs): each frame matching `step`, extended to the end of the first
     frame matching `sync` that starts after it and before the next step (the benchmark's
