@@ -412,7 +412,7 @@ elif [ "$part" = 36 ]; then
     run 90 prefill_gaps python benchmarks/long_prefill.py --lengths 4K --async-scheduling \
         --gaps 20 --out "$out/prefill_gaps.md"
     TAIL_LINES=8 run 130 pd_transfer python benchmarks/pd_transfer.py --backends nixl \
-        --memory vram --tokens 32768 131072 --repeat 2 --out "$out/pd_transfer.md"
+        --memory vram --tokens 32768 131072 --repeat 2
     run "$(left)" pd python benchmarks/pd_e2e.py --tokens 32768 131072 --out "$out/pd.md"
 elif [ "$part" = 37 ]; then
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $(gpu_files) \
