@@ -38,6 +38,7 @@ from triton.runtime.jit import mangle_type
 
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import (
+    fp8_linear,
     index_cache,
     indexer,
     indexer_gluon,
@@ -67,6 +68,10 @@ class Build:
     num_stages: int = 3
     gluon: bool = False  # a gluon.jit kernel (GluonASTSource)
     maxnreg: int | None = None
+    # integer arguments besides strides that the JIT specializes as divisible by 16 at the
+    # shapes the engine uses (a model dimension as a loop bound: the masks of its tiles are
+    # then known constant and the loads vectorized, as on the GPU)
+    divisible: tuple[str, ...] = ()
 
 
 def _cuobjdump() -> str:
@@ -80,7 +85,7 @@ def _cuobjdump() -> str:
 def resources(build: Build) -> dict[str, int]:
     """Compile one build for sm_90 → shared, registers, stack, wgmma and mma.sync counts."""
     aligned = [i for i, (name, t) in enumerate(build.signature.items())
-               if t.startswith("*") or name.startswith("stride")]
+               if t.startswith("*") or name.startswith("stride") or name in build.divisible]
     source = GluonASTSource if build.gluon else ASTSource
     src = source(fn=build.fn, signature=build.signature, constexprs=build.constexprs,
                  attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
@@ -411,6 +416,32 @@ def moe_builds() -> list[Build]:
                             moe_combine._moe_combine_kernel, combine,
                             {"K": 8, "BLOCK": moe_combine.BLOCK_H, "LIMITED": limited,
                              "SHARED": shared}, 4))
+    return builds + grouped_builds()
+
+
+def grouped_builds() -> list[Build]:
+    """The routed experts' grouped GEMM (kernels/triton/fp8_linear.py _grouped_kernel) at
+    GLM-5.3's shapes over 8 experts, with the tiles choose_grouped_config gives: bf16 experts
+    at decode (b = 1: 2 pairs; MTP3 at b = 64 would be 512: torch._grouped_mm), FP8 experts at
+    decode and prefill; the first projection with silu(gate) · up fused where it is used."""
+    sig = _sig({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "ends_ptr": "*i32",
+                "out_ptr": "*bf16"}, ["P", "N", "K", "stride_x", "num_nb", "num_kb", "E"],
+               ["E_P2", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SCALE", "GLU", "DOT_PRECISION"])
+    assert list(sig) == fp8_linear._grouped_kernel.arg_names
+    h, inter, e = 6144, 2048, 8
+    builds = []
+    for fp8, pairs, glu in ((False, 2, True), (False, 2, False), (True, 2, True),
+                            (True, 2, False), (True, 16384, False)):
+        n = inter if glu else 2 * inter
+        cfg = fp8_linear.choose_grouped_config(pairs, n, h, e, 1 if fp8 else 2)
+        consts = {"E_P2": e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "HAS_SCALE": fp8, "GLU": glu, "DOT_PRECISION": "tf32"}
+        builds.append(Build(
+            f"MoE grouped GEMM, {'FP8' if fp8 else 'bf16'} experts, {pairs} pairs"
+            + (", silu(gate) · up fused" if glu else "")
+            + f", {cfg.block_m}×{cfg.block_n}×{cfg.block_k} tiles",
+            fp8_linear._grouped_kernel, sig | {"w_ptr": "*fp8e4nv" if fp8 else "*bf16"},
+            consts, cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
     return builds
 
 

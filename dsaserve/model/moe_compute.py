@@ -4,7 +4,8 @@ Three formulations of the same sum `out[t] = Σ_j w[t, j] · expert_{ids[t, j]}(
 
 * **grouped** (CUDA, bf16, `torch._grouped_mm` present): the (token, choice) pairs sorted by
   expert, one grouped GEMM per projection over contiguous groups whose ends are computed on the
-  device; no host sync, one launch per projection whatever the routing.
+  device; no host sync, one launch per projection whatever the routing (decode-sized groups:
+  the Triton kernel, `triton_grouped`; larger ones: torch._grouped_mm).
 * **dense** (small batches elsewhere): every held expert on every token, weighted by a
   [N, E] matrix that is zero off the chosen experts; no host sync, E× the FLOPs, which a decode
   batch on the CPU can afford.
@@ -137,13 +138,36 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: tor
     return combine_reference(y, pos, w, limit, shared)
 
 
+# bf16 experts take the Triton grouped kernel (kernels/triton/fp8_linear.grouped_linear) up to
+# this many pairs per held expert on average: decode, where torch._grouped_mm (CUTLASS) streams
+# the experts' weights at ~2 TB/s, 42 % of an H200's copy rate (docs/decode.md); larger groups
+# (prefill, big verify batches) keep CUTLASS. A first guess: benchmarks/moe_grouped.py times
+# both at P = 2 … 512 pairs over 8 experts (GPU numbers owed).
+TRITON_GROUPED_MAX_MEAN_ROWS = 8
+
+
+def triton_grouped(num_pairs: int, num_experts: int) -> bool:
+    """Whether P sorted pairs over E held bf16 experts take the Triton grouped kernel rather
+    than torch._grouped_mm: mean rows per expert ≤ TRITON_GROUPED_MAX_MEAN_ROWS. Host-known
+    sizes only (a CUDA graph of a batch size always takes the same kernel)."""
+    return num_pairs <= TRITON_GROUPED_MAX_MEAN_ROWS * max(1, num_experts)
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, first: int, held_all: bool = False,
                     shared: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs (plus
-    `shared`, in its dtype, when given)."""
+    `shared`, in its dtype, when given): at decode sizes on CUDA the Triton kernel (silu(gate)
+    · up fused into the first), else torch._grouped_mm."""
     token_of, pos, offs = pair_layout(ids, first, w13.shape[0], held_all)
     xs = x[token_of]  # [P, H]
+    if (x.is_cuda and triton_grouped(xs.shape[0], w13.shape[0]) and w13.is_contiguous()
+            and w2.is_contiguous()):
+        from dsaserve.kernels.triton import fp8_linear
+
+        act = fp8_linear.grouped_linear(xs, w13, offs, glu=True)  # [P, I]
+        y = fp8_linear.grouped_linear(act, w2, offs)  # [P, H]
+        return combine(y, pos, weights, offs, held_all, shared)
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
     return combine(y, pos, weights, offs, held_all, shared)

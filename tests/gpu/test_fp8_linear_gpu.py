@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.moe_compute import sorted_pairs
@@ -207,3 +208,38 @@ def test_fp8_linear_replays_in_a_cuda_graph(g):
         torch.cuda.synchronize()
         assert torch.equal(out, fl.fp8_linear(x, wq, scale))
         _assert_close(out, fw.linear_reference(x, wq, scale))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 64], ids=["b1", "mtp3_b1", "b64"])
+def test_bf16_grouped_matches_grouped_mm(g, tokens):
+    """grouped_linear on bf16 experts (GLM-5.3-shaped: 8 experts, top 2), both projections and
+    the fused silu(gate) · up, against torch._grouped_mm and the unfused activation (bf16
+    rounding of the intermediates), rows past the last group 0; and moe_compute's grouped
+    path through it (decode sizes) against torch._grouped_mm's."""
+    from dsaserve.model import moe_compute
+
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90")
+    h, inter, e = _C["hidden_size"], _C["moe_intermediate_size"], 8
+    w13 = (torch.randn(e, 2 * inter, h, generator=g, device=DEV) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, inter, generator=g, device=DEV) / inter**0.5).bfloat16()
+    ids = torch.randint(0, 2 * e, (tokens, 2), generator=g, device=DEV)  # half held here
+    weights = torch.rand(tokens, 2, generator=g, device=DEV)
+    token_of, _, ends = sorted_pairs(ids, weights, first=0, count=e)
+    x = torch.randn(tokens, h, generator=g, device=DEV).bfloat16()
+    xs = x[token_of]
+    live = int(ends[-1])
+    ref13 = torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+    got13 = fl.grouped_linear(xs, w13, ends)
+    _assert_close(got13[:live], ref13[:live])
+    assert (got13[live:] == 0).all()
+    gate, up = got13.chunk(2, dim=-1)
+    _assert_close(fl.grouped_linear(xs, w13, ends, glu=True), F.silu(gate) * up)
+    act = (F.silu(gate) * up).contiguous()
+    _assert_close(fl.grouped_linear(act, w2, ends)[:live],
+                  torch._grouped_mm(act, w2.transpose(1, 2), offs=ends)[:live])
+    assert moe_compute.triton_grouped(2 * tokens, e) == (tokens <= 4)
+    got = moe_compute.routed_experts(x, (w13, w2), ids, weights, first=0, num_experts=2 * e)
+    want = moe_compute.looped_experts(x, (w13, w2), ids, weights, first=0)
+    big = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-8 * big)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from triton_interp import interpreted
 
 from dsaserve.kernels import fp8_weights as fw
@@ -189,6 +190,73 @@ def test_fp8_grouped_tiles_and_one_expert(fl):
     assert fl.choose_grouped_config(16384 * 8, 4096, 6144, 32).block_m == 128  # prefill
 
 
+def _dense_grouped_reference(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
+                             glu: bool) -> torch.Tensor:
+    """grouped_reference on unquantized experts w [E, W, K] (xs's dtype); with glu, F.silu(gate)
+    · up of its two halves, each rounded to the dtype as moe_compute's unfused path does."""
+    out = torch.zeros(xs.shape[0], w.shape[1], dtype=xs.dtype)  # [P, W]
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        out[start:end] = F.linear(xs[start:end], w[e])
+        start = max(start, end)
+    if not glu:
+        return out
+    gate, up = out.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16"])
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
+@pytest.mark.parametrize("counts,tail", [
+    ([3, 0, 20, 1, 0], 13),  # empty experts, a group over two tiles, rows past the end
+    ([0, 0, 0, 0, 0], 6),  # every row held elsewhere
+    ([1, 0, 0, 1, 0], 0),  # decode: one row per active expert, P not a multiple of the tile
+])
+def test_grouped_linear_unquantized_matches_reference(fl, dtype, glu, counts, tail):
+    """The bf16-experts form (no scales; fp32 and fp16 here, see the module docstring) over
+    the same irregular groups as the FP8 form, plain and with silu(gate) · up fused."""
+    e, n, k = len(counts), 48, 72
+    w = (torch.randn(e, 2 * n if glu else n, k, generator=_gen(1)) / k**0.5).to(dtype)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    p = sum(counts) + tail
+    xs = torch.randn(p, k, generator=_gen(p)).to(dtype)
+    out = torch.full((p, n), float("nan"), dtype=dtype)  # every element must be written
+    got = fl.grouped_linear(xs, w, ends, glu=glu, out=out)
+    assert got is out
+    want = _dense_grouped_reference(xs, w, ends, glu)
+    if glu and dtype == torch.float16:  # silu through another exp: within an fp16 step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-9, atol=1e-3)
+    else:
+        _assert_close(got, want)
+    assert (got[sum(counts):] == 0).all()
+
+
+def test_grouped_linear_tiles_and_fp8_glu(fl):
+    """Forced narrow tiles (16 columns, three k tiles of 32, 16-row tiles over a 37-row
+    group) on unquantized experts, and silu(gate) · up fused on FP8 experts (up's scale rows
+    start mid-matrix), against the unfused FP8 reference."""
+    counts = [37, 0, 2]
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    xs = torch.randn(41, 80, generator=_gen())
+    w = torch.randn(3, 40, 80, generator=_gen(2)) / 9
+    cfg = fl.Fp8LinearConfig(16, 16, 32)
+    _assert_close(fl.grouped_linear(xs, w, ends, config=cfg),
+                  _dense_grouped_reference(xs, w, ends, glu=False))
+    wq, scale = _experts(3, 2 * 130, 80)  # gate rows 0..129, up rows 130..259
+    gate, up = fw.grouped_reference(xs, wq, scale, ends).chunk(2, dim=-1)
+    _assert_close(fl.fp8_grouped(xs, wq, scale, ends, glu=True), F.silu(gate) * up)
+
+
+def test_grouped_config_choice(fl):
+    """bf16 experts at decode (≤ 8 rows per expert): narrow n tiles and deeper pipelining; FP8
+    and larger groups keep their tiles."""
+    bf16 = fl.choose_grouped_config(2, 2048, 6144, 8, weight_bytes=2)
+    assert (bf16.block_m, bf16.block_n) == (16, 32)
+    assert fl.choose_grouped_config(64, 6144, 2048, 8, weight_bytes=2).block_n == 32
+    assert fl.choose_grouped_config(2, 2048, 6144, 8) == fl.Fp8LinearConfig(16, 64)
+    assert fl.choose_grouped_config(512, 6144, 2048, 8, weight_bytes=2).block_m == 64
+
+
 def test_arguments_are_checked(fl):
     wq, scale = _weight(200, 300)
     x = torch.randn(2, 300)
@@ -203,5 +271,10 @@ def test_arguments_are_checked(fl):
     w3, s3 = wq[None], scale[None]
     with pytest.raises(ValueError, match="ends"):
         fl.fp8_grouped(x, w3, s3, torch.tensor([2]))  # int64 ends
+    with pytest.raises(ValueError, match="contiguous w"):
+        fl.grouped_linear(x, w3.float().half(), torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="N even"):
+        fl.grouped_linear(x, torch.randn(1, 3, 300), torch.tensor([2], dtype=torch.int32),
+                          glu=True)
     with pytest.raises(ValueError, match="block_k"):
         fl.Fp8LinearConfig(16, 64, 256)

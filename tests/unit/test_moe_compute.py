@@ -119,3 +119,15 @@ def test_unaligned_fp8_experts_take_the_dequantized_grouped_path():
     experts, d13, d2 = _fp8_experts(w13, w2)
     want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first)
     assert torch.equal(moe_compute.grouped_fp8_experts(x, experts, ids, weights, first), want)
+
+
+def test_triton_grouped_takes_decode_sized_groups():
+    """bf16 experts: the Triton grouped kernel for ≤ TRITON_GROUPED_MAX_MEAN_ROWS pairs per
+    held expert on average (b = 1 and MTP3 b = 1 at 8 experts, top 2), torch._grouped_mm above
+    (b = 64 and its MTP3 verify)."""
+    limit = moe_compute.TRITON_GROUPED_MAX_MEAN_ROWS
+    assert moe_compute.triton_grouped(2, 8) and moe_compute.triton_grouped(8, 8)
+    assert moe_compute.triton_grouped(limit * 8, 8)
+    assert not moe_compute.triton_grouped(limit * 8 + 1, 8)
+    assert not moe_compute.triton_grouped(512, 8)
+    assert moe_compute.triton_grouped(0, 0) and not moe_compute.triton_grouped(limit + 1, 0)

@@ -13,7 +13,8 @@
     backend.py           TritonBackend: the methods the registry expects, reference fallback
     norm.py              RMSNorm in one pass (the model's norms on a GPU)
     rotary.py            rotary embedding in one pass (the model's rotations on a GPU)
-    fp8_linear.py        weight-only FP8 GEMMs: dense (split K for decode), grouped MoE, dequant
+    fp8_linear.py        weight-only FP8 GEMMs: dense (split K for decode), dequant; the grouped
+                         MoE GEMM (FP8 or bf16 experts, silu(gate) · up optionally fused)
 
 Importing this package needs `triton`; nothing here is imported by the engine unless the
 "triton" backend is chosen.

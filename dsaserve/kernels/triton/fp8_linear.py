@@ -17,9 +17,13 @@ that a second kernel sums in split order (deterministic, unlike atomics). Above 
 (prefill, large verify batches) the weight is dequantized into a transient copy and cuBLAS
 multiplies: measured faster there (DEQUANTIZE_ABOVE_M).
 
-`fp8_grouped` is the MoE form (the FP8 counterpart of moe_compute's torch._grouped_mm): rows
-sorted by expert, group ends on the device, never read on the host, so one launch with a grid
-fixed by (P, N, E) serves any routing and is capturable in a CUDA graph.
+`grouped_linear` is the MoE form (moe_compute's grouped path): rows sorted by expert, group
+ends on the device, never read on the host, so one launch with a grid fixed by (P, N, E) serves
+any routing and is capturable in a CUDA graph. The same kernel takes FP8 experts (`fp8_grouped`:
+the FP8 counterpart of torch._grouped_mm, at every batch size) or bf16 ones (HAS_SCALE off:
+moe_compute routes decode-sized groups to it, where torch._grouped_mm streams the experts at
+~42 % of the copy rate, docs/decode.md), and may fuse silu(gate) · up into the first
+projection (GLU).
 
 No autotuning: tiles are chosen by a pure function of (M, N, K, SMs) — nothing is timed at
 start-up or during graph capture. benchmarks/fp8_linear.py --sweep times the alternatives.
@@ -309,38 +313,33 @@ def fp8_dequantize(wq: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, n_
 
 
 # --------------------------------------------------------------------------------------------
-# Grouped (MoE): fp8_grouped
+# Grouped (MoE): grouped_linear (bf16 or FP8 experts), fp8_grouped
 # --------------------------------------------------------------------------------------------
-def choose_grouped_config(p: int, n: int, k: int, e: int) -> Fp8LinearConfig:
+def choose_grouped_config(p: int, n: int, k: int, e: int, weight_bytes: int = 1
+                          ) -> Fp8LinearConfig:
     """Rows per tile near twice the mean rows per expert (most groups fit in one tile, so most
     experts' weights are read once), between 16 and 64 in decode; prefill-sized groups take
-    the dense kernel's large tiles."""
+    the dense kernel's large tiles. weight_bytes 2 (bf16 experts, grouped_linear at decode):
+    with ≤ 8 rows per expert on average the kernel only streams weights, so its n tiles are
+    narrow (32 rows: at b = 1 and GLM-5.3's w13, 2 experts × 128 tiles ≈ 2 programs per SM)
+    with more loads in flight (num_stages 5); not yet tuned on a GPU (benchmarks/moe_grouped.py
+    --sweep times the alternatives)."""
     mean = p / max(1, e)
     if mean > 128:
         return Fp8LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
     block_m = min(64, max(16, triton.next_power_of_2(int(2 * mean))))
+    if weight_bytes > 1 and mean <= 8:
+        return Fp8LinearConfig(block_m, 32, 128, num_warps=4, num_stages=5)
     return Fp8LinearConfig(block_m, 64 if block_m <= 32 else 128)
 
 
-# The row count changes from step to step: not specialized on.
-@triton.jit(do_not_specialize=["P"])
-def _fp8_grouped_kernel(
-    x_ptr,  # [P, K] rows sorted by expert, rows stride_x apart, unit last stride
-    w_ptr,  # [E, N, K] e4m3, contiguous
-    s_ptr,  # [E, Nb, Kb] fp32, contiguous
-    ends_ptr,  # [E] int32: rows of expert e are ends[e − 1] .. ends[e] (ends[−1] = 0)
-    out_ptr,  # [P, N] in x's dtype
-    P, N, K, stride_x, num_nb, num_kb, E,
-    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Row tile t finds its group on the device (fp8_weights.grouped_tiles lists the same map):
-    group e owns tiles cum[e] − tiles[e] .. cum[e] − 1 (tiles[e] = ⌈rows of e / BLOCK_M⌉, cum
-    their running sum); tiles past cum[E − 1] cover the rows past the last group (written 0);
-    tiles past those have no rows (their stores are masked off)."""
-    t = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    dtype = x_ptr.dtype.element_ty
+@triton.jit
+def _tile_rows(ends_ptr, t, P, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile t's group and rows, found on the device (fp8_weights.grouped_tiles lists the
+    same map): group e owns tiles cum[e] − tiles[e] .. cum[e] − 1 (tiles[e] = ⌈rows of e /
+    BLOCK_M⌉, cum their running sum); tiles past cum[E − 1] cover the rows past the last
+    group, e = E (written 0); tiles past those have no rows (first row ≥ end row = P).
+    → (e, first row, end row)."""
     ex = tl.arange(0, E_P2)
     ex_live = ex < E
     ends = tl.load(ends_ptr + ex, mask=ex_live, other=0)  # [E_P2]
@@ -348,67 +347,140 @@ def _fp8_grouped_kernel(
     tiles = tl.where(ex_live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
     cum = tl.cumsum(tiles, axis=0)  # [E_P2] tile end of each group
     e = tl.sum((ex_live & (cum <= t)).to(tl.int32), axis=0)  # groups wholly before tile t
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_live = cols < N
+    mine = ex == e
     if e < E:
-        mine = ex == e
         first_row = (tl.sum(tl.where(mine, starts, 0), axis=0)
                      + (t - tl.sum(tl.where(mine, cum - tiles, 0), axis=0)) * BLOCK_M)
         end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
-        rows = first_row + tl.arange(0, BLOCK_M)
-        row_live = rows < end_row
+    else:  # rows past the last group (pairs of experts held elsewhere)
+        last = tl.sum(tl.where(ex == E - 1, ends, 0), axis=0)
+        first_row = last + (t - tl.sum(tiles, axis=0)) * BLOCK_M
+        end_row = P
+    return e, first_row, end_row
+
+
+@triton.jit
+def _weight_tile(w_ptr, s_ptr, cols, col_live, k0, K, num_kb, dtype: tl.constexpr,
+                 BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Weight rows `cols` of one expert, columns k0 .. k0 + BLOCK_K, in `dtype`: FP8 bytes
+    times their block scale (HAS_SCALE), else the stored values (already `dtype`)."""
+    if HAS_SCALE:
+        w = _dequant_tile(w_ptr, s_ptr, cols, col_live, k0, K, 0, 0, num_kb, dtype, BLOCK_K,
+                          True)
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :],
+                    mask=col_live[:, None] & (ks < K)[None, :], other=0.0)
+    return w
+
+
+# The row count changes from step to step: not specialized on.
+@triton.jit(do_not_specialize=["P"])
+def _grouped_kernel(
+    x_ptr,  # [P, K] rows sorted by expert, rows stride_x apart, unit last stride
+    w_ptr,  # [E, W, K] contiguous: e4m3 (HAS_SCALE) or x's dtype; W = 2N with GLU, else N
+    s_ptr,  # [E, Nb, Kb] fp32, contiguous (HAS_SCALE; else unused)
+    ends_ptr,  # [E] int32: rows of expert e are ends[e − 1] .. ends[e] (ends[−1] = 0)
+    out_ptr,  # [P, N] in x's dtype
+    P, N, K, stride_x, num_nb, num_kb, E,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (row tile t, n tile): out[rows, cols] = x[rows] · W_e[cols]ᵀ, or with GLU
+    silu(x · W_e[cols]ᵀ) · (x · W_e[N + cols]ᵀ) (W_e's gate rows then its up rows), each
+    product rounded to x's dtype first, as moe_compute's unfused path rounds them."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    dtype = x_ptr.dtype.element_ty
+    e, first_row, end_row = _tile_rows(ends_ptr, t, P, E, E_P2, BLOCK_M)
+    rows = first_row + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_live = rows < end_row
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
+    col_live = cols < N
+    out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    live = row_live[:, None] & col_live[None, :]
+    if e < E:
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
-        w_e = w_ptr + e.to(tl.int64) * N * K
+        w_rows = N  # weight rows per expert
+        if GLU:
+            w_rows = 2 * N
+        w_e = w_ptr + e.to(tl.int64) * w_rows * K
         s_e = s_ptr + e * num_nb * num_kb
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if GLU:
+            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + ks[None, :], mask=row_live[:, None] & (ks < K)[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_K]
-            w = _dequant_tile(w_e, s_e, cols, col_live, k0, K, 0, 0, num_kb, dtype, BLOCK_K,
-                              True)  # [BLOCK_N, BLOCK_K]
+            w = _weight_tile(w_e, s_e, cols, col_live, k0, K, num_kb, dtype, BLOCK_K,
+                             HAS_SCALE)  # [BLOCK_N, BLOCK_K]
             acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_live[:, None] & col_live[None, :])
+            if GLU:
+                w_up = _weight_tile(w_e, s_e, cols + N, col_live, k0, K, num_kb, dtype,
+                                    BLOCK_K, HAS_SCALE)  # [BLOCK_N, BLOCK_K]
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+        if GLU:
+            gate = acc.to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu
+            acc = act * acc_up.to(dtype).to(tl.float32)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
     else:  # rows past the last group (pairs of experts held elsewhere): zeros
-        last = tl.sum(tl.where(ex == E - 1, ends, 0), axis=0)
-        total = tl.sum(tiles, axis=0)
-        rows = last + (t - total) * BLOCK_M + tl.arange(0, BLOCK_M)
-        zeros = tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], zeros,
-                 mask=(rows < P)[:, None] & col_live[None, :])
+        tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=live)
 
 
-def fp8_grouped(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
-                config: Fp8LinearConfig | None = None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """xs [P, K] rows sorted by expert, wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32, ends [E]
-    int32 on the device (non-decreasing, ≤ P: moe_compute.sorted_pairs' group ends) → [P, N]
-    in xs's dtype; rows past ends[E − 1] are 0 (fp8_weights.grouped_reference).
+def grouped_linear(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
+                   scale: torch.Tensor | None = None, glu: bool = False,
+                   config: Fp8LinearConfig | None = None, out: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The routed experts' grouped GEMM. xs [P, K] rows sorted by expert; w [E, W, K]: xs's
+    dtype, or e4m3 with scale [E, Nb, Kb] fp32 (one byte per weight); ends [E] int32 on the
+    device (non-decreasing, ≤ P: moe_compute's group ends) → [P, N] in xs's dtype, N = W, or
+    with glu N = W / 2 and out = silu(xs · gateᵀ) · (xs · upᵀ) (gate: rows [0, N) of each
+    expert, up: rows [N, 2N); the first projection and its activation in one pass). Rows past
+    ends[E − 1] are 0 (fp8_weights.grouped_reference).
 
     `ends` is never read on the host: the grid depends on (P, N, E) only, so a CUDA graph
     captured once replays with any routing. out: a contiguous [P, N] buffer to write (every
     element is written), else a new one."""
-    _check_weight("fp8_grouped", xs, wq, scale)
-    if wq.dim() != 3 or wq.shape[0] < 1 or ends.shape != (wq.shape[0],) \
-            or ends.dtype != torch.int32:
-        raise ValueError(f"fp8_grouped: need wq [E, N, K] and ends [E] int32, got wq "
-                         f"{list(wq.shape)}, ends {list(ends.shape)} {ends.dtype}")
+    what = "grouped_linear"
+    if scale is not None:
+        _check_weight(what, xs, w, scale)
+    elif (xs.dim() != 2 or xs.stride(-1) != 1 or xs.dtype not in _DTYPES or w.dtype != xs.dtype
+          or not w.is_contiguous() or w.shape[-1] != xs.shape[-1]):
+        raise ValueError(f"{what}: need xs [P, K] (unit last stride) and contiguous w [E, N, K] "
+                         f"of its dtype, got xs {list(xs.shape)} {xs.dtype}, w {list(w.shape)} "
+                         f"{w.dtype}")
+    if w.dim() != 3 or w.shape[0] < 1 or ends.shape != (w.shape[0],) \
+            or ends.dtype != torch.int32 or glu and w.shape[1] % 2:
+        raise ValueError(f"{what}: need w [E, N, K] (N even with glu) and ends [E] int32, got "
+                         f"w {list(w.shape)}, ends {list(ends.shape)} {ends.dtype}")
     p, k = xs.shape
-    e, n, _ = wq.shape
+    e, n = w.shape[0], w.shape[1] // 2 if glu else w.shape[1]
     if out is None:
         out = torch.empty(p, n, dtype=xs.dtype, device=xs.device)
     elif out.shape != (p, n) or out.dtype != xs.dtype or not out.is_contiguous():
-        raise ValueError(f"fp8_grouped: out must be contiguous [{p}, {n}] {xs.dtype}, got "
+        raise ValueError(f"{what}: out must be contiguous [{p}, {n}] {xs.dtype}, got "
                          f"{list(out.shape)} {out.dtype}")
     if p == 0 or n == 0:
         return out
-    cfg = config or choose_grouped_config(p, n, k, e)
+    cfg = config or choose_grouped_config(p, n, k, e, 1 if scale is not None else 2)
     grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _fp8_grouped_kernel[grid](
-        xs, wq, scale, ends, out, p, n, k, xs.stride(0), scale.shape[1], scale.shape[2], e,
+    s = scale if scale is not None else w  # not read without HAS_SCALE
+    num_nb, num_kb = scale.shape[1:] if scale is not None else (1, 1)
+    _grouped_kernel[grid](
+        xs, w, s, ends, out, p, n, k, xs.stride(0), num_nb, num_kb, e,
         E_P2=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=_dot_precision(xs.dtype),
+        BLOCK_K=cfg.block_k, HAS_SCALE=scale is not None, GLU=glu,
+        DOT_PRECISION=_dot_precision(xs.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
+
+
+def fp8_grouped(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, ends: torch.Tensor,
+                config: Fp8LinearConfig | None = None, out: torch.Tensor | None = None,
+                glu: bool = False) -> torch.Tensor:
+    """grouped_linear on FP8 experts: wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32 (the FP8
+    counterpart of moe_compute's torch._grouped_mm; same contract)."""
+    return grouped_linear(xs, wq, ends, scale, glu, config, out)

@@ -1,0 +1,43 @@
+"""benchmarks/moe_grouped.py on a CPU machine: its --smoke run (tiny shapes, the Triton kernels
+interpreted, every variant checked against its reference, the table printed), --help, and a
+clear refusal of a real run without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import interpreted
+
+
+@pytest.fixture(scope="module")
+def fl():
+    yield from interpreted("dsaserve.kernels.triton.fp8_linear")
+
+
+def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):
+    bench = load_benchmark("moe_grouped")
+    out = tmp_path / "table.md"
+    assert bench.main(["--smoke", "--sweep", "--pairs", "2,8,512", "--out", str(out)]) == 0
+    table = out.read_text()
+    assert "| pairs | proj | kernel |" in table
+    for pairs in (2, 8):  # 512 is dropped from a smoke run (the interpreter is slow)
+        for proj in ("w13", "w13+act", "w2"):
+            for kernel in ("torch._grouped_mm", "triton bf16 16×32×128", "triton fp8"):
+                assert f"| {pairs} | {proj} | {kernel}" in table
+            assert f"| {pairs} | {proj} | triton bf16 sweep best" in table
+    assert "| 512 |" not in table and "CHECK FAILED" not in table
+    assert table in capsys.readouterr().out
+
+
+def test_help_and_errors(load_benchmark, capsys):
+    bench = load_benchmark("moe_grouped")
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--help"])
+    assert e.value.code == 0 and "--sweep" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--smoke", "--copies", "0"])
+    assert e.value.code == 2 and "--copies" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            bench.main([])
+        assert e.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err
