@@ -105,6 +105,9 @@
 #                                          #   NIXL READ/WRITE and end to end, 32K and 128K
 #   bash benchmarks/gpu_owed.sh 37         # part 37: the calibration of a HiSparse engine
 #                                          #   priced at the overlap its runner measured
+#   bash benchmarks/gpu_owed.sh 39         # part 39: the experts' grouped GEMM at decode
+#                                          #   sizes (Triton against torch._grouped_mm), MTP3
+#                                          #   at 16 layers with it
 #   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
 #                                          #   with the padded layouts kept on the device
 #                                          #   (against docs/decode_h200_1206.md), then the
@@ -422,6 +425,16 @@ elif [ "$part" = 38 ]; then
         --steps 10 --fastest-only --out "$out/decode.md"
     TAIL_LINES=60 run "$(left)" decode_gaps python benchmarks/decode.py --contexts 8192 \
         --batches 1,64 --steps 10 --fastest-only --gaps 12
+elif [ "$part" = 39 ]; then
+    # the routed experts' grouped GEMM at decode sizes: Triton (bf16, FP8) against
+    # torch._grouped_mm, then MTP3 at 16 layers with it (against docs/decode_16l_h100*.md)
+    run 100 moe_gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py
+    TAIL_LINES=40 run 150 moe_grouped python benchmarks/moe_grouped.py --out "$out/moe_grouped.md"
+    TAIL_LINES=40 run 270 decode16 python benchmarks/decode.py --layers 16 --contexts 8192 \
+        --batches 1,64 --steps 10 --fastest-only --kernel-profile 12 --out "$out/decode16.md"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" moe_sweep python \
+        benchmarks/moe_grouped.py --pairs 2 --sweep
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
