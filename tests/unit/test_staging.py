@@ -50,3 +50,16 @@ def test_byte_offsets_example():
     parts = [torch.zeros(5, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
              torch.zeros(0, dtype=torch.int64), torch.zeros(5, dtype=torch.int32)]
     assert staging.byte_offsets(parts) == ([0, 48, 64, 64], 96)
+
+
+@pytest.mark.parametrize("parts", [[torch.arange(3), torch.zeros(2, 0, dtype=torch.int64)],
+                                   [torch.zeros(0, dtype=torch.int32)], []],
+                         ids=["empty_last", "only_empty", "none"])
+def test_packed_empty_parts(parts):
+    """Empty parts (at the buffer's end too) come back empty, in their shapes and dtypes."""
+    offsets, total = staging.byte_offsets(parts)
+    host = torch.empty(max(total, staging.ALIGN), dtype=torch.uint8)
+    staging.pack(parts, host, offsets)
+    got = staging.unpack(host.clone(), parts, offsets)
+    assert [(g.shape, g.dtype) for g in got] == [(p.shape, p.dtype) for p in parts]
+    assert all(torch.equal(g, p) for g, p in zip(got, parts, strict=True))
