@@ -65,8 +65,9 @@ class AttentionMetadata:
     # say what a row may see, and nothing may read pages up to seq_lens
     bounded_seq_lens: bool = False
     # what backends derive from this step's host values once and reuse in every layer (the
-    # indexer's plan); lives as long as the metadata (a captured graph holds its own), and a
-    # dataclasses.replace of it starts empty
+    # indexer's plan; the indexer's limits and the sparse MLA slots, kept with the device
+    # tensor they came from); lives as long as the metadata (a captured graph holds its own),
+    # and a dataclasses.replace of it starts empty
     derived: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False,
                                     compare=False)
     # HiSparse spilling: the MLA cache has its own pages (kv/hisparse/mla_pages.py); None: the

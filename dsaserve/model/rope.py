@@ -61,6 +61,8 @@ class RotaryTable:
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] → cos, sin [N, dim/2] fp32."""
         angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        if self.attention_factor == 1.0:  # (default RoPE: two launches fewer per step)
+            return angles.cos(), angles.sin()
         return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 

@@ -9,6 +9,7 @@ any data; everything else exactly or to fp32 tolerance.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import random
@@ -277,6 +278,41 @@ def test_indexer_bounded_metadata_follows_positions_across_steps(k, fp8):
         again_scores, _ = ReferenceBackend().indexer_topk(q, w, cache, bounded, topk)
         assert torch.equal(again_scores, ref_scores)
     assert len(bounded.derived) == 1  # one plan, built at the first step
+
+
+def test_indexer_limits_are_kept_for_one_step_and_its_positions(k):
+    """The visible-key limits [T] are the same for every indexer layer of a step: the first
+    layer's are kept on the step's metadata (one entry) and the second reads them; moved
+    positions (a new tensor, on new metadata) and the next step's metadata compute their own,
+    each equal to what its positions give: min(position + 1, its request's keys)."""
+    g = _gen()
+    heads, head_dim, block_size, topk = 16, 32, 16, 8
+
+    def run(meta):
+        cache = torch.zeros(formats.index_cache_shape(16, block_size, True, head_dim),
+                            dtype=torch.uint8)
+        q = torch.randn(meta.num_tokens, heads, head_dim, generator=g)
+        w = torch.randn(meta.num_tokens, heads, generator=g)
+        k.indexer.indexer_topk(q, w, cache, meta, topk)
+        kept = [v for key, v in meta.derived.items() if key[0] == "indexer_limits"]
+        assert len(kept) == 1 and kept[0][0] is meta.positions
+        limits, limits_i32 = kept[0][1]
+        seq = torch.tensor(meta.seq_lens)[meta.req_indices]
+        assert torch.equal(limits, torch.minimum(meta.positions + 1, seq))
+        assert torch.equal(limits_i32, limits.to(torch.int32))
+        return kept[0][1]
+
+    meta = _index_meta(g, 1, 0, block_size)
+    first = run(meta)
+    assert run(meta) is first  # the step's second layer: the same tensors
+    moved = dataclasses.replace(meta, positions=(meta.positions - 1).clamp(min=0))
+    assert run(moved) is not first
+    # (the same metadata object with another positions tensor: not the kept one's)
+    object.__setattr__(meta, "positions", meta.positions.clone())
+    assert run(meta) is not first
+    other = AttentionMetadata.for_requests((30, 4), (3, 4), scattered_block_table([2, 1], g),
+                                           block_size)
+    assert not torch.equal(run(other)[0], first[0][:7])
 
 
 def test_window_merge_keeps_the_best_and_breaks_ties_by_index(k):

@@ -284,9 +284,30 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
     return plan
 
 
-def _limits(meta: AttentionMetadata, plan: _StepPlan) -> torch.Tensor:
-    """[T] int64: the local keys among positions [0, pos] of each query (its visible keys),
-    from the device positions; at most its request's local length."""
+def _limits(meta: AttentionMetadata, plan: _StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """([T] int64, the same as int32): the local keys among positions [0, pos] of each query
+    (its visible keys), from the device positions; at most its request's local length. The
+    same for every indexer layer of a step: kept on the step's metadata with the positions
+    tensor they came from (rows moved on the device are a new tensor and new metadata), and
+    reused by its other indexer layers (a GLM-5.3 step has 21). Computed at every call from
+    bounded metadata (engine/decode_graph.py: one object whose positions are rewritten in
+    place from step to step) and under a CUDA graph's capture (the graph must compute them
+    itself, not read its eager warm-up's)."""
+    fresh = meta.bounded_seq_lens or (plan.local_lens.is_cuda
+                                      and torch.cuda.is_current_stream_capturing())
+    key = ("indexer_limits", id(plan))
+    kept = None if fresh else meta.derived.get(key)
+    if kept is not None and kept[0] is meta.positions:
+        return kept[1]
+    limits = _visible_keys(meta, plan)
+    found = (limits, limits.to(torch.int32))
+    if not fresh:
+        meta.derived[key] = (meta.positions, found)
+    return found
+
+
+def _visible_keys(meta: AttentionMetadata, plan: _StepPlan) -> torch.Tensor:
+    """_limits' [T] int64 values."""
     device = plan.local_lens.device
     # (no-op conversions skipped: each is a host op of every indexer layer)
     pos, req = meta.positions, meta.req_indices
@@ -447,11 +468,11 @@ def _logits(q: torch.Tensor, weights: torch.Tensor, index_cache: torch.Tensor,
     if start % block_size or start < 0 or length < 0 or start + length > plan.s_out:
         raise ValueError(f"indexer: window ({start}, {length}) must start on a block boundary "
                          f"inside the {plan.s_out} local keys")
-    tiles, limits = plan.tiles, _limits(meta, plan)
+    tiles, (limits, limits_i32) = plan.tiles, _limits(meta, plan)
     if rows is not None:  # the kernel sees the pass's rows as a step of their own
         tiles = rows.tiles
         limits = limits[rows.first : rows.end]
-    limits_i32 = limits.to(torch.int32)
+        limits_i32 = limits.to(torch.int32)  # (its own allocation: aligned for the kernels)
     if window is None:
         block_table = plan.block_table
     else:  # the kernel sees the window as a sequence of its own
