@@ -428,7 +428,7 @@ elif [ "$part" = 38 ]; then
 elif [ "$part" = 39 ]; then
     # the routed experts' grouped GEMM at decode sizes: Triton (bf16, FP8) against
     # torch._grouped_mm, then MTP3 at 16 layers with it (against docs/decode_16l_h100*.md)
-    run 150 gpu_tests python -m pytest -q -rf --tb=short tests/gpu/test_fp8_linear_gpu.py \
+    run 150 gpu_tests python -m pytest -q -m "gpu or not gpu" -rf --tb=short tests/gpu/test_fp8_linear_gpu.py \
         tests/unit/test_staging.py tests/gpu/test_block_table_gpu.py tests/gpu/test_sampler_gpu.py
     TAIL_LINES=40 run 150 moe_grouped python benchmarks/moe_grouped.py --out "$out/moe_grouped.md"
     TAIL_LINES=40 run 270 decode16 python benchmarks/decode.py --layers 16 --contexts 8192 \
