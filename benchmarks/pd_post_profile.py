@@ -15,7 +15,10 @@ only their addresses matter to the posting step (a CPU prefill of 128K tokens wo
 hours). B requests decode on the decode engine; then the held request is added and the next
 step, which posts its READs, runs under cProfile. Per row: the posting step, an idle step, the
 connector's "posting" timer (`ConnectorWorker.read_times`), the transport READs and their
-segments (descriptors), and the profile's parts.
+segments (descriptors), the profile's parts, and when within the posting step the running
+requests' forward was launched and the READs were posted (`Stamps`: ms from the step's start;
+the order the runner establishes is the forward first, so that on a GPU the step's kernels are
+queued before the host spends its time posting).
 
 Rows run in order in one engine (a 256-token warm-up, then `--tokens`), so a row's READ lands
 partly in blocks the row before freed, as in a serving engine. Shared memory's copy thread is
@@ -70,7 +73,7 @@ PARTS = [
     ("connector posting (start_receives)", ("connector.py:start_receives",)),
     ("prefix hashes (extend_block_hashes)", ("prefix_cache.py:extend_block_hashes",)),
     ("scheduler (schedule)", ("scheduler.py:schedule",)),
-    ("model forward (runner.execute)", ("runner.py:execute",)),
+    ("model forward (runner.execute)", ("runner.py:execute", "runner.py:submit")),
 ]
 
 
@@ -86,6 +89,9 @@ class Row:
     nbytes: int
     parts: dict[str, float]  # label → cumulative ms in the profiled step
     profile: str  # the profile's top functions
+    forward_at_ms: float  # step start → the running requests' forward called
+    post_from_ms: float  # step start → the connector's posting (start_receives) began
+    post_to_ms: float  # step start → it returned
 
 
 class CountingReads:
@@ -101,6 +107,35 @@ class CountingReads:
         self.segments += len(segments or ())
         self.nbytes += sum(n for _, _, n in segments or ())
         return self.inner(peer, local, remote, segments, notify)
+
+
+class Stamps:
+    """When, within a step, the runner calls the model forward and the connector posts its
+    READs (host clock, first call of each since `reset`)."""
+
+    def __init__(self, runner, connector: ConnectorWorker) -> None:
+        self.at: dict[str, float] = {}
+        forward, post = runner._forward, connector.start_receives
+
+        def timed_forward(*a, **k):
+            self.at.setdefault("forward", time.perf_counter())
+            return forward(*a, **k)
+
+        def timed_post(*a, **k):
+            self.at.setdefault("post_from", time.perf_counter())
+            try:
+                return post(*a, **k)
+            finally:
+                self.at.setdefault("post_to", time.perf_counter())
+        runner._forward = timed_forward
+        connector.start_receives = timed_post  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        self.at.clear()
+
+    def ms(self, key: str, t0: float) -> float:
+        """ms from t0 to the stamp; NaN if it did not happen."""
+        return (self.at[key] - t0) * 1e3 if key in self.at else float("nan")
 
 
 class HeldCopies:
@@ -170,14 +205,15 @@ def config(args: argparse.Namespace, model_dir: Path, backend: str) -> EngineCon
         cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                           num_gpu_blocks=blocks),
         scheduler=SchedulerConfig(max_num_seqs=args.batch + 1, max_num_batched_tokens=4096,
-                                  max_model_len=max(max_len, args.context + decoded + 1)),
+                                  max_model_len=max(max_len, args.context + decoded + 1),
+                                  async_scheduling=args.async_scheduling),
         attention=AttentionConfig(backend="reference", sparse_mla_force_mqa=True),
         dtype=args.dtype, device="cpu",
         disagg=DisaggConfig(kv_role="kv_consumer", backend=backend, side_channel_port=0))
 
 
-def _step(d: LLMEngine) -> float:
-    t0 = time.perf_counter()
+def _step(d: LLMEngine, t0: float | None = None) -> float:
+    t0 = time.perf_counter() if t0 is None else t0
     for o in d.step():
         if o.error is not None:
             raise RuntimeError(f"request {o.request_id}: {o.error}")
@@ -203,6 +239,7 @@ def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row
     connector = runner.connector
     p = HeldPrefill(backend, runner.caches, args.block_size)
     counts = CountingReads(connector.transport)
+    stamps = Stamps(runner, connector)
     held = HeldCopies(connector.transport) if backend == "shm" and args.hold_copies else None
     g = torch.Generator().manual_seed(0)
     vocab = d.config.model.vocab_size
@@ -224,9 +261,13 @@ def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row
             if held is not None:
                 held.hold()
             prof = cProfile.Profile()
-            prof.enable()
-            post_ms = _step(d)
+            stamps.reset()
+            if args.profile:
+                prof.enable()
+            t0 = time.perf_counter()
+            post_ms = _step(d, t0)
             prof.disable()
+            at = {k: stamps.ms(k, t0) for k in ("forward", "post_from", "post_to")}
             if held is not None:
                 held.release()
             while rid in d.scheduler.requests:  # READs land; its first token
@@ -234,13 +275,15 @@ def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row
                 p.drain()
             # the timer is added up when the request's READs landed (`poll_receives`)
             timer_ms = (connector.read_times.post_s - before.post_s) * 1e3
-            stats = pstats.Stats(prof)
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)
+            parts, text = {label: float("nan") for label, _ in PARTS}, io.StringIO()
+            if args.profile:
+                parts = _parts(pstats.Stats(prof))
+                pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)
             if n:
                 rows.append(Row(backend, tokens, post_ms, idle, timer_ms,
                                 counts.reads - reads, counts.segments - segments,
-                                counts.nbytes - nbytes, _parts(stats), text.getvalue()))
+                                counts.nbytes - nbytes, parts, text.getvalue(),
+                                at["forward"], at["post_from"], at["post_to"]))
                 print(row_line(rows[-1]), file=sys.stderr)
         for i in range(args.batch):
             d.abort_request(f"dec{i}")
@@ -258,14 +301,16 @@ def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row
 def row_line(r: Row) -> str:
     parts = " | ".join(f"{ms:.1f}" for ms in r.parts.values())
     return (f"| {r.transport} | {r.tokens:,} | {r.idle_ms:.1f} | {r.post_ms:.1f} | "
+            f"{r.forward_at_ms:.1f} | {r.post_from_ms:.1f}–{r.post_to_ms:.1f} | "
             f"{r.timer_ms:.1f} | {r.reads} | {r.segments:,} | {r.nbytes / 2**20:.1f} | {parts} |")
 
 
 def table(rows: list[Row]) -> list[str]:
     labels = [label for label, _ in PARTS]
-    return ["| transport | prompt | idle step ms | post step ms | posting timer ms | READs | "
-            "segments | MiB | " + " | ".join(f"{x} ms" for x in labels) + " |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels),
+    return ["| transport | prompt | idle step ms | post step ms | forward at ms | posting ms | "
+            "posting timer ms | READs | segments | MiB | "
+            + " | ".join(f"{x} ms" for x in labels) + " |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels),
             *map(row_line, rows)]
 
 
@@ -286,6 +331,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="shm: let the copy thread run during the posting step (default: held "
                          "until it ends, so the step's host work is timed alone)")
     ap.add_argument("--top", type=int, default=25, help="profile lines printed per row")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the decode engine schedules one step ahead (as the GPU runs measured)")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="time the posting step without cProfile (its parts then NaN)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     if ap.parse_args(argv).smoke:
         ap.set_defaults(transports="shm", tokens=[1024], batch=2, context=16, steps=1, top=5)

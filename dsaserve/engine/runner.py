@@ -568,27 +568,45 @@ class ModelRunner:
 
     # ---- the step --------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        # 0. P/D: prompts' KV READs from prefill engines posted; they land while this and
-        #    later steps run (their requests are not scheduled until then), and are polled
-        #    after the forward; held blocks their consumers have read (disagg/connector.py)
+        # 0. P/D: ended requests' READs cancelled and their parts released; the step launched;
+        #    only then the new prompts' KV READs posted, so that the running requests' kernels
+        #    are queued before the host spends its time on the READs' plans and posts (their
+        #    requests are not scheduled until the READs land, polled after the forward;
+        #    held blocks their consumers have read: disagg/connector.py)
         if self.connector is not None:
-            so = self._start_receives(so)
-            return self._poll_transfers(so, self._execute_tiered(so))
+            so, dests = self._release_receives(so)
+            if self.copier is not None:
+                self._start_copies(so)
+            pending = self._launch(so, non_blocking=True)  # waited for after the posting
+            self._post_receives(so, dests)
+            out = pending.result()
+            if self.copier is not None:
+                out = self.copier.report(out)
+            return self._poll_transfers(so, out)
         return self._execute_tiered(so)
 
-    def _start_receives(self, so: SchedulerOutput) -> SchedulerOutput:
-        """P/D: ended requests' READs still in flight (aborted while receiving) cancelled
-        before anything else (their blocks and host window may be another request's this
-        step); then MLA pages and ended requests (a read into a spilling HiSparse rank needs
-        the request's pages and a host window the ended ones give back); then the step's READs
-        posted → the step with those parts applied."""
+    def _release_receives(self, so: SchedulerOutput
+                          ) -> tuple[SchedulerOutput, dict[str, HostDest]]:
+        """P/D, before the step is launched: ended requests' READs still in flight (aborted
+        while receiving) cancelled before anything else (their blocks and host window may be
+        another request's this step); then MLA pages and ended requests (a read into a
+        spilling HiSparse rank needs the request's pages and a host window the ended ones give
+        back); then the new READs' host windows reserved → the step with those parts applied,
+        and the windows (`_post_receives` posts the READs into them after the launch)."""
         assert self.connector is not None
         self.connector.cancel_receives(so.finished_request_ids)
         self._apply_releases(so)
         so = replace(so, mla_pages=(), finished_request_ids=(), host_keep=(),
                      host_restore=(), host_drop=())
-        self.connector.start_receives(so.kv_recvs, self._host_dests(so.kv_recvs))
-        return so
+        return so, self._host_dests(so.kv_recvs)
+
+    def _post_receives(self, so: SchedulerOutput, dests: dict[str, HostDest]) -> None:
+        """P/D, once the step is launched: the step's READs posted. Their destination blocks
+        were allocated by the scheduler and are written by no request of this step (a
+        receiving request is scheduled only once its READs landed)."""
+        assert self.connector is not None
+        if so.kv_recvs:
+            self.connector.start_receives(so.kv_recvs, dests)
 
     def _poll_transfers(self, so: SchedulerOutput, out: ModelRunnerOutput) -> ModelRunnerOutput:
         """P/D, after the forward is launched: READs landed or failed, held blocks read."""
@@ -616,15 +634,19 @@ class ModelRunner:
         """--async-scheduling: launch the step and return at once; its results come through
         a non-blocking copy that `PendingOutput.result()` waits for (engine/async_scheduler.py).
         Requests that continue from the previous step take its samples (and drafts) on the
-        device. Transfers beside the step (P/D READs of a consumer, host-tier copies) start
-        before the launch and are polled after it; what landed comes with the step's output."""
+        device. Transfers beside the step start around the launch (host-tier copies before it, P/D
+        READs of a consumer after it) and are polled after it; what landed comes with the
+        step's output."""
         if self.connector is None and self.copier is None:
             return self._launch(so, non_blocking=True)
+        dests: dict[str, HostDest] = {}
         if self.connector is not None:
-            so = self._start_receives(so)
+            so, dests = self._release_receives(so)
         if self.copier is not None:
             self._start_copies(so)
         pending = self._launch(so, non_blocking=True)
+        if self.connector is not None:  # the READs posted behind the step's kernels (execute)
+            self._post_receives(so, dests)
         landed = ModelRunnerOutput(sampled_token_ids={})
         if self.copier is not None:
             landed = self.copier.report(landed)

@@ -214,6 +214,48 @@ def test_others_decode_while_a_read_is_in_flight(model_dirs, engine_config, mixe
         d.shutdown()
 
 
+@pytest.mark.parametrize("scheduling", ["sync", "async"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_step_is_launched_before_its_reads_are_posted(model_dirs, engine_config,
+                                                          mixed_prompts, backend, scheduling,
+                                                          monkeypatch):
+    """The step that admits a request whose KV is READ launches the running requests' forward
+    first and only then posts the READs (the host's plans and posts no longer delay the
+    others' kernels: docs/disagg.md, "the posting step"); the READ request still decodes to
+    the aggregated engine's greedy output, and the other one too."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompts = mixed_prompts()[:2]
+    reference = LLMEngine.from_config(config).generate(prompts, SAMPLING)
+    p, d = _engines(config, backend,
+                    decode_config=_async(config) if scheduling == "async" else None)
+    try:
+        run = Driver(p, d)
+        run.add_decoding("a", prompts[0])
+        events: list[str] = []  # in call order, within the posting step
+        forward, post = d.runner._forward, d.runner.connector.start_receives
+
+        def recorded_forward(*args, **kw):
+            events.append("forward")
+            return forward(*args, **kw)
+
+        def recorded_post(recvs, *args, **kw):
+            events.append("post " + ",".join(r.request_id for r in recvs))
+            return post(recvs, *args, **kw)
+
+        monkeypatch.setattr(d.runner, "_forward", recorded_forward)
+        monkeypatch.setattr(d.runner.connector, "start_receives", recorded_post)
+        run.add("b", prompts[1])
+        run.step()  # schedules a's next token and b's READs: a's forward, then b's posting
+        assert events == ["forward", "post b"], events
+        assert "b" in d.scheduler.requests and not run.errors
+        run.drain()
+        assert events.count("post b") == 1 and not run.errors
+        assert [run.tokens["a"], run.tokens["b"]] == reference
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 def test_a_read_failing_midway_frees_everything(model_dirs, engine_config, mixed_prompts):
     """One READ fails after the others landed: the request ends with the reason (once nothing
     is in flight), the others keep decoding to the reference, the producer frees the unread

@@ -25,3 +25,5 @@ def test_smoke_reads_into_reused_blocks_coalesce(load_benchmark, tmp_path: Path)
         assert r.segments <= 3 * r.reads, r.segments  # a few runs each: not one per block (130)
         assert set(r.parts) == {label for label, _ in bench.PARTS}
         assert r.post_ms > 0 and r.profile
+        # the running requests' forward is called before the READs are posted (runner.submit)
+        assert r.forward_at_ms < r.post_from_ms <= r.post_to_ms < r.post_ms
