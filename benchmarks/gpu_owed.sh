@@ -108,6 +108,8 @@
 #   bash benchmarks/gpu_owed.sh 39         # part 39: the experts' grouped GEMM at decode
 #                                          #   sizes (Triton against torch._grouped_mm), MTP3
 #                                          #   at 16 layers with it
+#   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
+#                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
 #                                          #   with the padded layouts kept on the device
 #                                          #   (against docs/decode_h200_1206.md), then the
@@ -435,6 +437,25 @@ elif [ "$part" = 39 ]; then
         --batches 1,64 --steps 10 --fastest-only --kernel-profile 12 --out "$out/decode16.md"
     [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" moe_sweep python \
         benchmarks/moe_grouped.py --pairs 2 --sweep
+elif [ "$part" = 40 ]; then
+    # this session's host cuts, before (old/: the tree at 26bf5d1, `mkdir old && git archive
+    # 26bf5d1 | tar -x -C old`, deleted after) and after, alternating on one machine: the 4K
+    # prefill step (packed uploads, limits per step) and the P/D posting step (the step
+    # launched before its READs are posted)
+    for i in 1 2; do
+        run 75 "prefill_4k_before_$i" env PYTHONPATH="$PWD/old" python \
+            old/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+            --out "$out/prefill_4k_before_$i.md"
+        run 75 "prefill_4k_after_$i" python benchmarks/long_prefill.py --lengths 4K \
+            --async-scheduling --out "$out/prefill_4k_after_$i.md"
+    done
+    for tree in before after; do
+        dir=$([ "$tree" = before ] && echo old || echo .)
+        [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 110 "pd_overlap_$tree" \
+            env PYTHONPATH="$PWD/$dir" python "$dir/benchmarks/pd_overlap.py" --into pages \
+            --transports nixl --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 \
+            --out "$out/pd_overlap_$tree.md"
+    done
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
