@@ -90,6 +90,7 @@ def allocate_ms(n: int, repeats: int) -> list[float]:
         t0 = time.perf_counter()
         taken = pool.allocate(n)
         times.append((time.perf_counter() - t0) * 1e3)
+        assert pool.num_cached_blocks == n, "every block taken evicted a cached one"
         held = taken + pool.allocate(n)  # untimed: the pool full again, to be re-cached
     return times
 

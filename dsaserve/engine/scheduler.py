@@ -301,11 +301,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_tokens = req.num_tokens
-            if req.num_output_placeholders and self._ends_with_token_in_flight(req, num_tokens):
+            req_tokens = req.num_tokens  # read once (a property): passed on below
+            if req.num_output_placeholders and self._ends_with_token_in_flight(req, req_tokens):
                 i += 1  # async: the step in flight samples its last token
                 continue
-            num_known = num_tokens - req.num_computed_tokens
+            num_known = req_tokens - req.num_computed_tokens
             assert num_known > 0, f"running request {req.request_id!r} has nothing to compute"
             drafts = self._drafts_to_verify(req) if req.spec_token_ids else ()
             n = min(num_known + len(drafts), budget)
@@ -321,7 +321,7 @@ class Scheduler:
                 spec[req.request_id] = drafts
             budget -= n
             if req.request_id in self._runner_num_tokens:
-                cached.append(self._cached_request_data(req, num_tokens))
+                cached.append(self._cached_request_data(req, req_tokens))
             else:  # its prefix came from the host tier: the runner has not seen it yet
                 new.append(self._new_request_data(req))
             i += 1
