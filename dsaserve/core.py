@@ -162,13 +162,10 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
 
-    @property
-    def finished(self) -> bool:
-        return self in (
-            RequestStatus.FINISHED_STOPPED,
-            RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
-        )
+    def __init__(self, value: str) -> None:
+        # A plain attribute fixed per member: read several times per request per step (a
+        # property building a tuple of members cost ~0.6 µs a read).
+        self.finished: bool = value in ("stop", "length", "abort")
 
 
 PLACEHOLDER_TOKEN_ID = -1  # an output token sampled on the device, not yet read (async)

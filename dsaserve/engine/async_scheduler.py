@@ -68,11 +68,12 @@ class AsyncScheduler(Scheduler):
     def schedule(self) -> SchedulerOutput:
         so = super().schedule()
         step: list[tuple[Request, int]] = []
+        spec = so.scheduled_spec_token_ids
         for request_id, n in so.num_scheduled_tokens.items():
             req = self.requests[request_id]
             # their KV is written by the time anything reads it; with drafts, as if every
             # draft is accepted (the update takes the rejected ones back)
-            num_drafts = len(so.scheduled_spec_token_ids.get(request_id, ()))
+            num_drafts = len(spec.get(request_id, ()))
             req.num_computed_tokens += n
             span = 0
             if req.num_computed_tokens - num_drafts == req.num_tokens:  # the step samples
@@ -139,18 +140,17 @@ class AsyncScheduler(Scheduler):
         at = req.num_output_tokens
         outs = req.output_token_ids
         assert outs[at : at + span] == [PLACEHOLDER_TOKEN_ID] * span, "no placeholders to resolve"
-        del outs[at : at + span]
-        req.num_output_placeholders -= span
-        was_running = req.status == RequestStatus.RUNNING
+        was_running = req.status is RequestStatus.RUNNING
         emitted: list[int] = []
-        for token in tokens:
-            outs.insert(at + len(emitted), token)
+        for token in tokens:  # each placeholder in turn becomes its token (no list shift)
+            outs[at + len(emitted)] = token
+            req.num_output_placeholders -= 1
             emitted.append(token)
             self._check_stop(req)
-            if req.is_finished:
+            if req.status.finished:
                 break
         params = None
-        if req.is_finished:
+        if req.status.finished:
             del outs[at + len(emitted) :]
             req.num_output_placeholders = 0
             req.spec_token_ids = []
@@ -162,17 +162,23 @@ class AsyncScheduler(Scheduler):
                 # them (a later turn extending this conversation hits them): earlier updates
                 # could not, their tokens being placeholders then. No step in flight writes
                 # them: it writes at or past the last token's position.
-                self._rollback_blocks(req)
+                self._rollback_blocks(req, req.num_tokens)
                 self._cache_blocks(req)
             if self.connector is not None and self.connector.should_hold(req):
                 params = self._hold_finished(req, was_running)
             else:
                 self._release(req)
-        elif was_running:
-            req.num_computed_tokens -= span - len(emitted)  # the rejected drafts' rows
-            if not req.num_output_placeholders:  # no later step continues from its drafts
-                req.spec_token_ids = list(runner_output.draft_token_ids.get(req.request_id, ()))
-            self._rollback_blocks(req)
+        else:
+            num_rejected = span - len(emitted)
+            if num_rejected:  # the rejected drafts' placeholders go
+                del outs[at + len(emitted) : at + span]
+                req.num_output_placeholders -= num_rejected
+            if was_running:
+                req.num_computed_tokens -= num_rejected  # and their rows
+                if not req.num_output_placeholders:  # no later step continues from its drafts
+                    req.spec_token_ids = list(
+                        runner_output.draft_token_ids.get(req.request_id, ()))
+                self._rollback_blocks(req, req.num_tokens)
         new_tokens = tuple(emitted)
         return self._make_output(req, new_tokens, params,
                                  token_logprobs(req, new_tokens, runner_output))

@@ -301,15 +301,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self._ends_with_token_in_flight(req):
+            req_tokens = req.num_tokens  # read once (a property): passed on below
+            if req.num_output_placeholders and self._ends_with_token_in_flight(req, req_tokens):
                 i += 1  # async: the step in flight samples its last token
                 continue
-            num_known = req.num_tokens - req.num_computed_tokens
+            num_known = req_tokens - req.num_computed_tokens
             assert num_known > 0, f"running request {req.request_id!r} has nothing to compute"
-            drafts = self._drafts_to_verify(req)
+            drafts = self._drafts_to_verify(req) if req.spec_token_ids else ()
             n = min(num_known + len(drafts), budget)
             drafts = drafts[: n - num_known] if n > num_known else ()
-            if not self._allocate_or_preempt(req, n + self._lookahead(req, n)):
+            if not self._allocate_or_preempt(req, n + self._lookahead(n, num_known)):
                 break  # req itself was preempted (or waits): nothing after it gets KV
             if self.mla is not None and not self._mla_pages_or_preempt(req, n):
                 break
@@ -320,7 +321,7 @@ class Scheduler:
                 spec[req.request_id] = drafts
             budget -= n
             if req.request_id in self._runner_num_tokens:
-                cached.append(self._cached_request_data(req))
+                cached.append(self._cached_request_data(req, req_tokens))
             else:  # its prefix came from the host tier: the runner has not seen it yet
                 new.append(self._new_request_data(req))
             i += 1
@@ -354,8 +355,7 @@ class Scheduler:
             self.mla.evict_host_kept(host_blocks_to_evict(
                 self.hisparse_host, self._num_active(), self.mla.num_host_kept))
         keep, restore, drop = self.mla.take_host_changes() if self.mla else ((), (), ())
-        for request_id in num_scheduled:
-            self._last_scheduled[request_id] = self._step
+        self._last_scheduled.update(dict.fromkeys(num_scheduled, self._step))
         self._step += 1
         if num_tokens := self.config.max_num_batched_tokens - budget:
             self.iteration_token_counts[bisect.bisect_left(self.iteration_token_bounds,
@@ -394,23 +394,29 @@ class Scheduler:
             # notified their producers: the claims of those aborted while receiving end
             self.connector.cancelled(scheduler_output.finished_request_ids)
             outputs += self._finish_remote(runner_output)
+        # ~64 requests a decode step: each field read once per request (dict and property
+        # reads are a visible part of a step's host time)
+        spec = scheduler_output.scheduled_spec_token_ids
+        sampled = runner_output.sampled_token_ids
+        proposed = runner_output.draft_token_ids
         for request_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status is not RequestStatus.RUNNING:
                 continue  # aborted after schedule(); its output is already in `outputs`
             # 1. the scheduled known tokens are now in the KV cache (drafts: only accepted ones)
-            drafts = scheduler_output.scheduled_spec_token_ids.get(request_id, ())
-            req.num_computed_tokens += n - len(drafts)
-            if req.num_computed_tokens > req.num_tokens:
+            drafts = spec.get(request_id, ()) if spec else ()
+            num_computed = req.num_computed_tokens + n - len(drafts)
+            num_tokens = req.num_tokens
+            req.num_computed_tokens = num_computed
+            if num_computed > num_tokens:
                 raise RuntimeError(
-                    f"request {request_id!r}: {req.num_computed_tokens} tokens computed of "
-                    f"{req.num_tokens}"
+                    f"request {request_id!r}: {num_computed} tokens computed of {num_tokens}"
                 )
             # 2. tokens are emitted exactly when every known token is computed: 1 + the
             #    accepted drafts (whose KV is then valid too)
-            tokens = runner_output.sampled_token_ids.get(request_id) or []
+            tokens = sampled.get(request_id) or []
             new_tokens: tuple[int, ...] = ()
-            if req.num_computed_tokens == req.num_tokens:
+            if num_computed == num_tokens:
                 if not tokens:
                     raise RuntimeError(
                         f"runner output: no sampled token for request {request_id!r}, "
@@ -426,26 +432,28 @@ class Scheduler:
                 new_tokens = self._append_tokens(req, tokens)
                 # every kept token but the last was an input of this step (its KV is written)
                 req.num_computed_tokens += len(new_tokens) - 1
+                num_tokens += len(new_tokens)
             elif tokens:
                 raise RuntimeError(
                     f"runner output: a token for request {request_id!r} mid-prefill "
-                    f"({req.num_computed_tokens} of {req.num_tokens} computed)"
+                    f"({num_computed} of {num_tokens} computed)"
                 )
             # 3. drafts for the next step; blocks that held only rejected drafts go back; full
             #    computed blocks become findable (and go to the host tier); finished requests
             #    give back their blocks
-            req.spec_token_ids = [] if req.is_finished else list(
-                runner_output.draft_token_ids.get(request_id, ()))
-            self._rollback_blocks(req)
+            finished = req.status.finished
+            if req.spec_token_ids or proposed:
+                req.spec_token_ids = [] if finished else list(proposed.get(request_id, ()))
+            self._rollback_blocks(req, num_tokens)
             self._cache_blocks(req)
             params = None
-            if req.is_finished:
+            if finished:
                 self.running.remove(req)
                 if self.connector is not None and self.connector.should_hold(req):
                     params = self._hold(req)
                 else:
                     self._release(req)
-            if new_tokens or req.is_finished:
+            if new_tokens or finished:
                 outputs.append(self._make_output(req, new_tokens, params,
                                                  token_logprobs(req, new_tokens, runner_output)))
         return outputs
@@ -479,19 +487,18 @@ class Scheduler:
                    self.config.max_model_len - req.num_tokens)
         return tuple(req.spec_token_ids[: max(room - 1, 0)])
 
-    def _ends_with_token_in_flight(self, req: Request) -> bool:
-        """--async-scheduling: the token an in-flight step samples for `req` (a placeholder)
-        reaches max_tokens or max_model_len, so nothing is left to schedule (always False
-        without placeholders: such a request has finished)."""
+    def _ends_with_token_in_flight(self, req: Request, num_tokens: int) -> bool:
+        """--async-scheduling: the token an in-flight step samples for `req` (of `num_tokens`
+        tokens, placeholders included) reaches max_tokens or max_model_len, so nothing is left
+        to schedule (always False without placeholders: such a request has finished)."""
         return req.num_output_placeholders > 0 and (
             len(req.output_token_ids) >= req.sampling_params.max_tokens
-            or req.num_tokens >= self.config.max_model_len)
+            or num_tokens >= self.config.max_model_len)
 
-    def _lookahead(self, req: Request, n: int) -> int:
+    def _lookahead(self, n: int, num_known: int) -> int:
         """Slots past the scheduled tokens the MTP draft steps write: k − 1 when this step
-        samples (its n tokens reach the request's last known token), else 0."""
-        samples = req.num_computed_tokens + n >= req.num_tokens
-        return self.num_lookahead if samples else 0
+        samples (its n tokens reach the request's `num_known` uncomputed known ones), else 0."""
+        return self.num_lookahead if n >= num_known else 0
 
     def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[int, ...]:
         """Append emitted tokens one at a time with the stop rules: a stop in the middle of an
@@ -499,7 +506,7 @@ class Scheduler:
         for i, token in enumerate(tokens):
             req.output_token_ids.append(token)
             self._check_stop(req)
-            if req.is_finished:
+            if req.status.finished:
                 return tuple(tokens[: i + 1])
         return tuple(tokens)
 
@@ -509,13 +516,15 @@ class Scheduler:
         for pos in range(num_accepted):
             self.spec_num_accepted_per_pos[pos] += 1
 
-    def _rollback_blocks(self, req: Request) -> None:
-        """Give back blocks past the request's tokens (reserved for drafts that were rejected or
-        for lookahead); the runner learns through the next diff's num_kept_blocks."""
-        kept = self.kv.free_blocks_after(req, req.num_tokens)
-        if req.request_id in self._runner_num_blocks:
-            self._runner_num_blocks[req.request_id] = min(
-                self._runner_num_blocks[req.request_id], kept)
+    def _rollback_blocks(self, req: Request, num_tokens: int) -> None:
+        """Give back blocks past the request's `num_tokens` tokens (reserved for drafts that were
+        rejected or for lookahead); the runner learns through the next diff's num_kept_blocks."""
+        if len(req.block_ids) <= cdiv(num_tokens, self.block_size):
+            return  # none: most steps (no lookahead held, no draft rejected)
+        kept = self.kv.free_blocks_after(req, num_tokens)
+        known = self._runner_num_blocks.get(req.request_id)
+        if known is not None and kept < known:
+            self._runner_num_blocks[req.request_id] = kept
 
     def _cache_blocks(self, req: Request) -> None:
         """The request's full computed blocks become findable, and go to the host tier."""
@@ -838,19 +847,19 @@ class Scheduler:
             eos_token_ids=req.eos_token_ids,
         )
 
-    def _cached_request_data(self, req: Request) -> CachedRequestData:
+    def _cached_request_data(self, req: Request, num_tokens: int) -> CachedRequestData:
         """What changed for the runner: the tokens the host knows since the last diff (async
         scheduling: placeholders are not sent; the runner takes them on the device), the new
-        blocks, and the computed length."""
-        known_tokens = self._runner_num_tokens[req.request_id]
-        known_blocks = self._runner_num_blocks[req.request_id]
-        num_known = req.num_tokens - req.num_output_placeholders
-        self._runner_num_tokens[req.request_id] = num_known
-        self._runner_num_blocks[req.request_id] = len(req.block_ids)
-        new_tokens = _tokens_from(req, known_tokens)
+        blocks, and the computed length (`num_tokens`: the request's, read by the caller)."""
+        request_id = req.request_id
+        known_tokens = self._runner_num_tokens[request_id]
+        known_blocks = self._runner_num_blocks[request_id]
+        num_known = num_tokens - req.num_output_placeholders
+        self._runner_num_tokens[request_id] = num_known
+        self._runner_num_blocks[request_id] = len(req.block_ids)
         return CachedRequestData(
-            request_id=req.request_id,
-            new_token_ids=new_tokens[: len(new_tokens) - req.num_output_placeholders],
+            request_id=request_id,
+            new_token_ids=_tokens_between(req, known_tokens, num_known),
             new_block_ids=tuple(req.block_ids[known_blocks:]),
             num_computed_tokens=req.num_computed_tokens,
             num_kept_blocks=known_blocks,
@@ -906,7 +915,7 @@ class Scheduler:
     def _make_output(req: Request, new_tokens: tuple[int, ...],
                      kv_transfer_params: KVTransferParams | None = None,
                      logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
-        finished = req.is_finished
+        finished = req.status.finished
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=new_tokens,
@@ -1043,12 +1052,13 @@ class Scheduler:
             )
 
 
-def _tokens_from(req: Request, start: int) -> tuple[int, ...]:
-    """req.all_token_ids[start:] without copying the (possibly 1M-token) prompt."""
-    num_prompt = req.num_prompt_tokens
+def _tokens_between(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """req.all_token_ids[start:end] (end >= the prompt's length) without copying the (possibly
+    1M-token) prompt."""
+    num_prompt = len(req.prompt_token_ids)
     if start >= num_prompt:
-        return tuple(req.output_token_ids[start - num_prompt :])
-    return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids)
+        return tuple(req.output_token_ids[start - num_prompt : end - num_prompt])
+    return tuple(req.prompt_token_ids[start:]) + tuple(req.output_token_ids[: end - num_prompt])
 
 
 def token_logprobs(req: Request, new_tokens: tuple[int, ...],

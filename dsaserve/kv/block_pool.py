@@ -10,13 +10,16 @@ Freeing appends to the tail. Invariants (check_integrity): free + in use = total
 for blocks outside the free queue; the hash map and the per-block hashes agree.
 
 `events` (a KVEventSink, a no-op unless KV events are enabled) hears every hash that becomes
-findable (stored) and every hash that allocation evicts (removed): a router replays them.
+findable (stored) and every hash that allocation evicts (removed: one call per allocation, its
+hashes in free-queue order, as many single allocations would report them one by one): a router
+replays them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
 
 from dsaserve.kv.events import NULL_SINK, KVEventSink
 
@@ -69,18 +72,24 @@ class BlockPool:
 
     # ---- paired verbs: allocate / free, touch / free --------------------------------------------
     def allocate(self, n: int) -> list[int]:
-        """Take `n` blocks from the head of the free queue (ref 0 → 1), evicting their hashes.
+        """Take `n` blocks from the head of the free queue (ref 0 → 1), evicting their hashes:
+        the same blocks, order, events and state as `n` calls of `allocate(1)`.
 
         Raises OutOfBlocksError when fewer than `n` are free (nothing is taken then).
         """
-        if n > len(self._free):
-            raise OutOfBlocksError(f"allocate: need {n} blocks, only {len(self._free)} free")
-        block_ids = []
-        for _ in range(n):
-            block_id, _ = self._free.popitem(last=False)
-            self._evict(block_id)
-            self._ref[block_id] = 1
-            block_ids.append(block_id)
+        free = self._free
+        if n > len(free):
+            raise OutOfBlocksError(f"allocate: need {n} blocks, only {len(free)} free")
+        # In bulk (a P/D READ's 2,048 blocks at 128K, each evicting a cached one, took ~2 ms on
+        # an H200's host one at a time): the head's ids read at once, each unlinked by a `del`
+        # (no popitem call per block), the hashes evicted and reported in one pass.
+        block_ids = list(islice(free, max(n, 0)))
+        for block_id in block_ids:
+            del free[block_id]
+        self._evict_all(block_ids)
+        ref = self._ref
+        for block_id in block_ids:
+            ref[block_id] = 1
         return block_ids
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -131,15 +140,26 @@ class BlockPool:
     def uncache(self, block_id: int) -> None:
         """Make the block unfindable (its contents are going away: HiSparse spilled its MLA
         page); a block without a hash is left as it is."""
-        self._evict(block_id)
+        self._evict_all((block_id,))
 
-    def _evict(self, block_id: int) -> None:
-        block_hash = self._hash[block_id]
-        if block_hash is not None:
-            del self._cached[block_hash]
-            self._hash[block_id] = None
-            self.events.removed([block_hash])
-            if self.on_evict is not None:
+    def _evict_all(self, block_ids: Sequence[int]) -> None:
+        """Drop the hashes of those of `block_ids` that hold one, in order: one `removed`
+        event for all of them (the hashes in that order), then `on_evict` per block."""
+        if not self._cached:
+            return  # nothing is findable (caching off, or a cold pool): nothing to evict
+        hashes, cached = self._hash, self._cached
+        evicted = [block_id for block_id in block_ids if hashes[block_id] is not None]
+        if not evicted:
+            return
+        removed = []
+        for block_id in evicted:
+            block_hash = hashes[block_id]
+            del cached[block_hash]
+            hashes[block_id] = None
+            removed.append(block_hash)
+        self.events.removed(removed)
+        if self.on_evict is not None:
+            for block_id in evicted:
                 self.on_evict(block_id)
 
     # ---- invariants -----------------------------------------------------------------------------

@@ -104,11 +104,13 @@ class KVCacheManager:
         free space: touching them takes them out of the free queue.
         """
         hits = list(new_computed_blocks)
+        num_new_blocks = self.num_new_blocks(request, num_new_tokens, len(hits))
+        if not hits and not num_new_blocks:
+            return []  # most decode steps: the request's last block has room
         if hits and request.block_ids:
             raise ValueError(
                 f"new_computed_blocks: request {request.request_id!r} already holds blocks"
             )
-        num_new_blocks = self.num_new_blocks(request, num_new_tokens, len(hits))
         num_free_hits = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             return None
@@ -133,13 +135,17 @@ class KVCacheManager:
         requests (and this one after a preemption) find them."""
         if not self.enable_caching:
             return
-        # async scheduling: a computed position may hold a placeholder (its step is in flight)
-        num_known = request.num_tokens - request.num_output_placeholders
-        num_full = min(min(request.num_computed_tokens, num_known) // self.block_size,
-                       len(request.block_ids))
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:
-            return
+            return  # most steps: no block filled up
+        if request.num_output_placeholders:
+            # async scheduling: a computed position may hold a placeholder (its step is in
+            # flight): only blocks of known tokens
+            num_known = request.num_tokens - request.num_output_placeholders
+            num_full = min(num_full, num_known // self.block_size)
+            if num_full <= start:
+                return
         self.update_hashes(request)
         for i in range(start, num_full):
             self.pool.cache_block(request.block_ids[i], request.block_hashes[i])

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from dsaserve.kv.block_pool import BlockPool, OutOfBlocksError
+from dsaserve.kv.events import KVEventSink
 
 
 def h(i: int) -> bytes:
@@ -144,4 +145,91 @@ def test_random_operations_keep_invariants() -> None:
     for blocks in held:
         pool.free(blocks)
     assert pool.num_free_blocks == 16
+    pool.check_integrity()
+
+
+class _Log(KVEventSink):
+    """Records the pool's `removed` calls and its `on_evict` calls, in one sequence."""
+
+    def __init__(self) -> None:
+        self.removed_calls: list[list[bytes]] = []
+        self.evicted: list[int] = []
+
+    def removed(self, block_hashes: list[bytes], medium: str = "GPU") -> None:
+        self.removed_calls.append(list(block_hashes))
+
+
+def _state(pool: BlockPool) -> tuple:
+    return list(pool._ref), list(pool._hash), dict(pool._cached), list(pool._free)
+
+
+def test_allocating_n_blocks_at_once_equals_n_single_allocations() -> None:
+    """Bulk allocation: the same blocks in the same order, the same hashes evicted (reported in
+    one `removed` call, in free-queue order) and `on_evict` calls, the same state after, from
+    many random pool histories (cached free blocks, plain free ones, touched hits)."""
+    rng = random.Random(1)
+    next_hash = 0
+    for trial in range(200):
+        logs = [_Log(), _Log()]
+        pools = [BlockPool(24, enable_caching=trial % 5 != 0, events=log) for log in logs]
+        for pool, log in zip(pools, logs, strict=True):
+            pool.on_evict = log.evicted.append
+        held: list[list[int]] = []
+        for _ in range(rng.randint(0, 80)):  # the same history on both pools
+            op = rng.random()
+            if op < 0.35 and pools[0].num_free_blocks:
+                n = rng.randint(1, min(4, pools[0].num_free_blocks))
+                got = [pool.allocate(n) for pool in pools]
+                assert got[0] == got[1]
+                held.append(got[0])
+            elif op < 0.7 and held:
+                block = rng.choice(rng.choice(held))
+                if pools[0].block_hash(block) is None:
+                    next_hash += 1
+                    for pool in pools:
+                        pool.cache_block(block, h(next_hash))
+            elif op < 0.8 and held:
+                shared = rng.choice(held)[:1]
+                for pool in pools:
+                    pool.touch(shared)
+                held.append(list(shared))
+            elif held:
+                blocks = held.pop(rng.randrange(len(held)))
+                for pool in pools:
+                    pool.free(blocks)
+        for blocks in held[::2]:  # about half of what is held goes back, cached or not
+            for pool in pools:
+                pool.free(blocks)
+        for log in logs:
+            log.removed_calls.clear()
+            log.evicted.clear()
+        n = rng.randint(0, pools[0].num_free_blocks)
+        bulk = pools[0].allocate(n)
+        singles = [b for _ in range(n) for b in pools[1].allocate(1)]
+        assert bulk == singles
+        assert len(logs[0].removed_calls) <= 1, "one removed event per allocation"
+        assert sum(logs[0].removed_calls, []) == sum(logs[1].removed_calls, [])
+        assert all(len(call) == 1 for call in logs[1].removed_calls)
+        assert logs[0].evicted == logs[1].evicted
+        assert [b for b in bulk if pools[0].block_hash(b) is None] == bulk
+        assert _state(pools[0]) == _state(pools[1])
+        for pool in pools:
+            pool.check_integrity()
+
+
+def test_a_bulk_allocation_evicts_and_reports_in_lru_order() -> None:
+    log = _Log()
+    pool = BlockPool(6, enable_caching=True, events=log)
+    pool.on_evict = log.evicted.append
+    a = pool.allocate(3)
+    b = pool.allocate(3)
+    for i, block in enumerate(a + b):
+        if block != b[1]:  # one free block without a hash among them
+            pool.cache_block(block, h(i))
+    pool.free(a)  # queue: a2 a1 a0
+    pool.free(b)  # queue: a2 a1 a0 b2 b1 b0
+    assert pool.allocate(5) == [a[2], a[1], a[0], b[2], b[1]]
+    assert log.removed_calls == [[h(2), h(1), h(0), h(5)]]
+    assert log.evicted == [a[2], a[1], a[0], b[2]]
+    assert pool.lookup(h(3)) == b[0] and pool.num_free_blocks == 1
     pool.check_integrity()
