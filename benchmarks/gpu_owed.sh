@@ -110,6 +110,7 @@
 #                                          #   at 16 layers with it
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
+#   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
 #   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
 #                                          #   with the padded layouts kept on the device
 #                                          #   (against docs/decode_h200_1206.md), then the
@@ -456,6 +457,22 @@ elif [ "$part" = 40 ]; then
             --transports nixl --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 \
             --out "$out/pd_overlap_$tree.md"
     done
+elif [ "$part" = 41 ]; then
+    # parts 39 and 40 shortened into one call (little device time left): the grouped experts
+    # and MTP3 at 16 layers, then the 4K prefill step before (out/old: the tree at 26bf5d1,
+    # `mkdir -p out/old && git archive 26bf5d1 | tar -x -C out/old`, carried) and after, the
+    # P/D posting step after, the packed uploads' GPU tests
+    TAIL_LINES=40 run 120 moe_grouped python benchmarks/moe_grouped.py --out "$out/moe_grouped.md"
+    TAIL_LINES=30 run 200 decode16 python benchmarks/decode.py --layers 16 --contexts 8192 \
+        --batches 1,64 --steps 10 --fastest-only --out "$out/decode16.md"
+    [ "$(left)" -gt 70 ] && run 70 prefill_4k_before env PYTHONPATH="$PWD/out/old" python \
+        out/old/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+        --out "$out/prefill_4k_before.md"
+    [ "$(left)" -gt 70 ] && run 70 prefill_4k_after python benchmarks/long_prefill.py \
+        --lengths 4K --async-scheduling --out "$out/prefill_4k_after.md"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=12 run "$(left)" pd_overlap python \
+        benchmarks/pd_overlap.py --into pages --transports nixl --batch 16 \
+        --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
