@@ -59,17 +59,23 @@ from dsaserve.engine.engine import LLMEngine
 from dsaserve.model.dsa import LayerCache
 from dsaserve.model.make_model import make_model
 
-# GLM-5.3 cut to 4 layers (make_model's rule: index_skip_topk_offset 3, index_topk_freq 4)
-GLM53_4_LAYERS = {"num_hidden_layers": 4, "num_nextn_predict_layers": 1,
-                  "indexer_types": ["full", "full", "full", "shared"],
-                  "max_position_embeddings": 1 << 20}
+
+def glm53_layers(n: int) -> dict:
+    """GLM-5.3 cut to `n` layers (+ MTP), its indexer schedule kept (make_model's rule:
+    index_skip_topk_offset 3, index_topk_freq 4: full on layers 0-2, then every 4th)."""
+    return {"num_hidden_layers": n, "num_nextn_predict_layers": 1,
+            "indexer_types": ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(n)],
+            "max_position_embeddings": 1 << 20}
+
+
+GLM53_4_LAYERS = glm53_layers(4)  # full, full, full, shared
 
 # the profile's parts: (label, substrings of "file:function" that start it), first match wins
 PARTS = [
     ("plans (plan_transfer)", ("relayout.py:plan_transfer",)),
     ("segments (plan_segments)", ("descriptors.py:plan_segments",)),
     ("segments → lists (for_read)", ("descriptors.py:for_read",)),
-    ("transport READs (read)", ("transport.py:read",)),
+    ("transport READs (read)", ("transport.py:read", "transport.py:read_regions")),
     ("connector posting (start_receives)", ("connector.py:start_receives",)),
     ("prefix hashes (extend_block_hashes)", ("prefix_cache.py:extend_block_hashes",)),
     ("scheduler (schedule)", ("scheduler.py:schedule",)),
@@ -84,7 +90,7 @@ class Row:
     post_ms: float  # the whole posting step (host clock around LLMEngine.step)
     idle_ms: float  # median idle step, the same B requests
     timer_ms: float  # ConnectorWorker.read_times.post_s of the request
-    reads: int  # transport.read calls
+    reads: int  # transfers posted (transport.read and read_regions calls)
     segments: int  # their segments (NIXL: descriptors per side)
     nbytes: int
     parts: dict[str, float]  # label → cumulative ms in the profiled step
@@ -95,18 +101,30 @@ class Row:
 
 
 class CountingReads:
-    """Wraps a transport's `read` to count calls, segments and bytes."""
+    """Wraps a transport's `read` (one region pair) and `read_regions` (several, one transfer)
+    to count transfers, segments and bytes."""
 
     def __init__(self, transport: KVTransport) -> None:
-        self.transport, self.inner = transport, transport.read
         self.reads = self.segments = self.nbytes = 0
-        transport.read = self  # type: ignore[method-assign]
+        read = transport.read
 
-    def __call__(self, peer, local, remote, segments=None, notify=b""):
+        def counted_read(peer, local, remote, segments=None, notify=b""):
+            self._count([(local, remote, segments)])
+            return read(peer, local, remote, segments, notify)
+        transport.read = counted_read  # type: ignore[method-assign]
+        if hasattr(transport, "read_regions"):  # absent before one transfer per peer
+            regions = transport.read_regions
+
+            def counted_regions(peer, items, notify=b""):
+                self._count(items)
+                return regions(peer, items, notify)
+            transport.read_regions = counted_regions  # type: ignore[method-assign]
+
+    def _count(self, items) -> None:
         self.reads += 1
-        self.segments += len(segments or ())
-        self.nbytes += sum(n for _, _, n in segments or ())
-        return self.inner(peer, local, remote, segments, notify)
+        for _, _, segments in items:
+            self.segments += len(segments or ())
+            self.nbytes += sum(n for _, _, n in segments or ())
 
 
 class Stamps:
@@ -325,6 +343,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--context", type=int, default=128, help="their prompts' tokens")
     ap.add_argument("--steps", type=int, default=5, help="idle steps (their median)")
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4,
+                    help="GLM-5.3's layers kept (+ MTP; its indexer schedule): the READs' parts")
     ap.add_argument("--kv-cache-dtype", default="fp8_ds_mla", choices=("auto", "fp8_ds_mla"))
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--free-copies", dest="hold_copies", action="store_false",
@@ -355,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model("tiny-glm5", Path(tmp) / "tiny", with_mtp=True,
-                               overrides=GLM53_4_LAYERS)
+                               overrides=glm53_layers(args.layers))
         for backend in args.transports:
             rows += measure(args, model_dir, backend)
     for r in rows:

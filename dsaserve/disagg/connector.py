@@ -63,6 +63,7 @@ from dsaserve.disagg.staging import (
     worth_staging,
 )
 from dsaserve.disagg.transport import (
+    Item,
     KVTransport,
     SideChannel,
     TransferError,
@@ -680,14 +681,16 @@ class ConnectorWorker:
                 continue
             posted.staged.append(StagedReads(pool, buf))  # given back when the READs settle
             buffers.append((posted.staged[-1], pairs))
-        # 3. the READs
+        # 3. the READs: gathered per (peer, local memory kind), each group posted as one
+        #    transfer (a posting costs the same for one segment list as for one per layer)
+        reads: dict[tuple[str, str], list[Item]] = {}
         for job, pair, layers in zero:
             self.pairs_zero_copy += 1
             for i, layer in enumerate(layers):
                 for part, segs in layer.items():
                     name = f"L{i}.{part}"
-                    self._read(posted, peers[pair.src_rank], job.local_name(i, name), name,
-                               descriptors.for_read(segs))
+                    self._gather(reads, peers[pair.src_rank], job.local_name(i, name), name,
+                                 descriptors.for_read(segs))
         for into, pairs in buffers:
             base = 0
             for job, pair, sp in pairs:
@@ -695,15 +698,21 @@ class ConnectorWorker:
                 for i, layer in enumerate(sp.reads):
                     for part, segs in layer.items():
                         segs = segs + torch.tensor([0, base, 0])  # the pair's share
-                        self._read(posted, peers[pair.src_rank], into.buffer.name,
-                                   f"L{i}.{part}", descriptors.for_read(segs))
+                        self._gather(reads, peers[pair.src_rank], into.buffer.name,
+                                     f"L{i}.{part}", descriptors.for_read(segs))
                 into.scatters.append((sp, base, job.targets))
                 base += sp.nbytes
+        for (peer, _), items in reads.items():
+            posted.transfers.append(self.transport.read_regions(peer, items))
+            self.bytes_received += sum(n for _, _, segs in items for _, _, n in segs)
 
-    def _read(self, posted: PostedRead, peer: str, local: str, remote: str,
-              segments: list[tuple[int, int, int]]) -> None:
-        posted.transfers.append(self.transport.read(peer, local, remote, segments))
-        self.bytes_received += sum(n for _, _, n in segments)
+    def _gather(self, reads: dict[tuple[str, str], list[Item]], peer: str, local: str,
+                remote: str, segments: list[tuple[int, int, int]]) -> None:
+        """One READ item into the group of its peer and local memory kind: the host pool's
+        READs land in DRAM while the caches are VRAM on a GPU, and one NIXL transfer's
+        descriptors share one kind (the producer's caches are all of one)."""
+        mem = self.transport.regions[local].mem
+        reads.setdefault((peer, mem), []).append((local, remote, segments))
 
     @staticmethod
     def _targets(caches: Sequence[LayerCache]) -> list[dict[str, list[torch.Tensor]]]:

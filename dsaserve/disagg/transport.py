@@ -6,6 +6,9 @@
     buf = t.allocate("kv", nbytes)  # registered    dst = t.allocate("kv", nbytes)
     side = SideChannel(t.metadata)  # 127.0.0.1 ──► peer = t.add_peer(fetch_metadata(port))
                                                     h = t.read(peer, "kv", "kv", notify=b"req-1")
+                                                    (or over several regions, one transfer:
+                                                    h = t.read_regions(peer, [("L0.kv", "L0.kv",
+                                                            segs0), ("L1.kv", …)], b"req-1"))
                                                     t.wait(h, timeout_s)      # bytes are here
                                                     (or t.poll(h) once a step: True when done)
     t.wait_notification(peer, b"req-1", timeout_s)  ◄── the notification: the producer may free
@@ -13,8 +16,11 @@
 
 A transfer moves `segments` [(local offset, remote offset, nbytes)] between two registered
 regions (the whole region by default), so a plan's runs can later become descriptors without a
-staging copy. The notification goes to the peer once the data has moved (NIXL's semantics: READ
-notifies the data's owner, WRITE the receiver). Posting never moves the bytes itself: NIXL hands
+staging copy; `read_regions` / `write_regions` post one transfer over several (local region,
+remote region, segments) items, with one handle and one notification (`read` / `write` are its
+one-item case): a request's READs cost one posting per peer, not one per layer and part. The
+notification goes to the peer once the data has moved (NIXL's semantics: READ notifies the
+data's owner, WRITE the receiver). Posting never moves the bytes itself: NIXL hands
 them to UCX, shared memory to the transport's copy thread (`CopyThread`); `cancel` returns once
 nothing more of that transfer can land, and `close` cancels whatever is still in flight.
 
@@ -47,6 +53,7 @@ from dsaserve.disagg.shmcopy import CopyState, CopyThread
 logger = logging.getLogger(__name__)
 
 Segments = Sequence[tuple[int, int, int]]  # (local offset, remote offset, nbytes)
+Item = tuple[str, str, Segments | None]  # (local region, remote region, segments) of a transfer
 
 
 class TransferError(RuntimeError):
@@ -148,16 +155,41 @@ class KVTransport(abc.ABC):
                                     f"({local.nbytes} B) or {remote.name!r} ({remote.nbytes} B)")
         return segments
 
+    def _items(self, peer: str, items: Sequence[Item]
+               ) -> list[tuple[Region, Region, list[tuple[int, int, int]]]]:
+        """Each item's regions and its non-empty segments, every item checked before any is
+        posted (a bad one posts nothing)."""
+        out = []
+        for local, remote, segments in items:
+            mine, theirs = self._region(local), self._peer_region(peer, remote)
+            out.append((mine, theirs,
+                        [s for s in self._segments(mine, theirs, segments) if s[2] > 0]))
+        return out
+
     # ---- transfers ---------------------------------------------------------------------------
-    @abc.abstractmethod
     def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
              notify: bytes = b"") -> Transfer:
         """Pull the peer's region `remote` into our region `local`; the peer gets `notify`."""
+        return self._post("READ", peer, [(local, remote, segments)], notify)
 
-    @abc.abstractmethod
     def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
               notify: bytes = b"") -> Transfer:
         """Push our region `local` into the peer's region `remote`; the peer gets `notify`."""
+        return self._post("WRITE", peer, [(local, remote, segments)], notify)
+
+    def read_regions(self, peer: str, items: Sequence[Item], notify: bytes = b"") -> Transfer:
+        """One READ over several (local region, remote region, segments) items: one handle,
+        done once every item landed, and one notification then. NIXL: the items' local regions
+        share one memory kind (DRAM or VRAM), and their remote regions one (group by kind)."""
+        return self._post("READ", peer, items, notify)
+
+    def write_regions(self, peer: str, items: Sequence[Item], notify: bytes = b"") -> Transfer:
+        """One WRITE over several items (as `read_regions`, the other way)."""
+        return self._post("WRITE", peer, items, notify)
+
+    @abc.abstractmethod
+    def _post(self, op: str, peer: str, items: Sequence[Item], notify: bytes) -> Transfer:
+        """Post one transfer ("READ": theirs → ours, "WRITE": ours → theirs) over `items`."""
 
     @abc.abstractmethod
     def poll(self, xfer: Transfer) -> bool:
@@ -422,31 +454,21 @@ class ShmTransport(KVTransport):
             self._remote[key] = torch.frombuffer(mapped, dtype=torch.uint8)[: region.nbytes]
         return self._remote[key]
 
-    def _copy(self, peer: str, local: str, remote: str, segments: Segments | None,
-              notify: bytes, pull: bool) -> Transfer:
-        """Checked here, copied on the copy thread (the notification once the bytes moved)."""
-        mine = self._region(local)
-        theirs = self._remote_bytes(peer, remote)
-        pairs = []  # (destination, source) byte ranges
-        for lo, ro, n in self._segments(mine, self._peer_region(peer, remote), segments):
-            if n:
-                a, b = mine.tensor[lo: lo + n], theirs[ro: ro + n]
-                pairs.append((a, b) if pull else (b, a))
+    def _post(self, op: str, peer: str, items: Sequence[Item], notify: bytes) -> Transfer:
+        """Checked here, copied on the copy thread as one job over every item (the
+        notification once all their bytes moved)."""
+        self._check_peer_alive(peer)
+        pairs = []  # (destination, source) byte ranges, every item's
+        for mine, theirs, segs in self._items(peer, items):
+            remote = self._remote_bytes(peer, theirs.name)
+            for lo, ro, n in segs:
+                a, b = mine.tensor[lo: lo + n], remote[ro: ro + n]
+                pairs.append((a, b) if op == "READ" else (b, a))
 
         def on_done() -> None:
             if notify:
                 self.send_notification(peer, notify)
         return Transfer(peer, notify, self.copies.submit(pairs, on_done))
-
-    def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
-             notify: bytes = b"") -> Transfer:
-        self._check_peer_alive(peer)
-        return self._copy(peer, local, remote, segments, notify, pull=True)
-
-    def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
-              notify: bytes = b"") -> Transfer:
-        self._check_peer_alive(peer)
-        return self._copy(peer, local, remote, segments, notify, pull=False)
 
     def poll(self, xfer: Transfer) -> bool:
         if xfer.done:
@@ -627,18 +649,27 @@ class NixlTransport(KVTransport):
         self.peers[name] = Peer(name, regions)
         return name
 
-    def _post(self, op: str, peer: str, local: str, remote: str, segments: Segments | None,
-              notify: bytes) -> Transfer:
-        mine, theirs = self._region(local), self._peer_region(peer, remote)
-        segs = [s for s in self._segments(mine, theirs, segments) if s[2] > 0]
-        if not segs:
+    def _post(self, op: str, peer: str, items: Sequence[Item], notify: bytes) -> Transfer:
+        """One descriptor list per side over every item's segments, one NIXL request."""
+        checked = [(mine, theirs, segs) for mine, theirs, segs in self._items(peer, items)
+                   if segs]
+        if not checked:
             if notify:
                 self.send_notification(peer, notify)
             return Transfer(peer, notify)
+        # a descriptor list has one memory type: a transfer over DRAM and VRAM is two
+        kinds = ({mine.mem for mine, _, _ in checked}, {theirs.mem for _, theirs, _ in checked})
+        if len(kinds[0]) > 1 or len(kinds[1]) > 1:
+            raise TransferError(
+                f"{self.name}: one {op} over local memory {sorted(kinds[0])} and remote memory "
+                f"{sorted(kinds[1])}: a transfer's regions share one kind on each side; post "
+                "one transfer per (local kind, remote kind)")
         local_descs = self._agent.get_xfer_descs(
-            [(mine.address + lo, n, mine.device) for lo, _, n in segs], mine.mem)
+            [(mine.address + lo, n, mine.device)
+             for mine, _, segs in checked for lo, _, n in segs], checked[0][0].mem)
         remote_descs = self._agent.get_xfer_descs(
-            [(theirs.address + ro, n, theirs.device) for _, ro, n in segs], theirs.mem)
+            [(theirs.address + ro, n, theirs.device)
+             for _, theirs, segs in checked for _, ro, n in segs], checked[0][1].mem)
         try:
             handle = self._agent.initialize_xfer(op, local_descs, remote_descs, peer, notify)
             state = self._agent.transfer(handle)
@@ -649,14 +680,6 @@ class NixlTransport(KVTransport):
         xfer = Transfer(peer, notify, handle)
         self._in_flight.add(xfer)
         return xfer
-
-    def read(self, peer: str, local: str, remote: str, segments: Segments | None = None,
-             notify: bytes = b"") -> Transfer:
-        return self._post("READ", peer, local, remote, segments, notify)
-
-    def write(self, peer: str, local: str, remote: str, segments: Segments | None = None,
-              notify: bytes = b"") -> Transfer:
-        return self._post("WRITE", peer, local, remote, segments, notify)
 
     def poll(self, xfer: Transfer) -> bool:
         if xfer.done:

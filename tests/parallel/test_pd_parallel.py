@@ -374,14 +374,15 @@ def test_pd_staged_into_a_spilling_hisparse_host_pool(parallel_config, engine_co
         try:
             worker, rt = d.runner.connector, d.runner.hisparse
             reads: dict[tuple[str, str], int] = {}  # bytes READ per (local, remote) region
-            real_read = worker.transport.read
+            real_read = worker.transport.read_regions
 
-            def read(peer, local, remote, segments):
-                reads[local, remote] = reads.get((local, remote), 0) + sum(
-                    n for _, _, n in segments)
-                return real_read(peer, local, remote, segments)
+            def read(peer, items, notify=b""):
+                for local, remote, segments in items:
+                    reads[local, remote] = reads.get((local, remote), 0) + sum(
+                        n for _, _, n in segments)
+                return real_read(peer, items, notify)
 
-            monkeypatch.setattr(worker.transport, "read", read)
+            monkeypatch.setattr(worker.transport, "read_regions", read)
             names = list(descriptors.cache_regions(d.runner.caches))  # read_blocks' order
             kv_regions = [k for k, name in enumerate(names) if name.endswith(".kv")]
             ids = [f"r{k}" for k in range(3)]

@@ -170,3 +170,62 @@ def test_nixl_cancel_waits_for_the_transfer_to_end(monkeypatch, caplog) -> None:
             assert agent.calls[-1] == "release" and "bytes may still land" in caplog.text
         finally:
             t._agent = real
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_regions_is_one_transfer_over_every_item(backend: str) -> None:
+    """One READ over items of three region pairs (layers and parts, as a request's READs): each
+    item's segments land, nothing else is written, one handle, one notification once all
+    landed; an item with no segment and a bad item (posting nothing) are handled."""
+    gen = torch.Generator().manual_seed(1)
+    with make_transport(backend, f"p-multi-{backend}") as prod, \
+            make_transport(backend, f"d-multi-{backend}") as cons:
+        srcs = {name: prod.allocate(name, n) for name, n in
+                (("L0.kv", 4096), ("L0.index", 1024), ("L1.kv", 4096))}
+        for t in srcs.values():
+            t.copy_(torch.randint(1, 256, t.shape, dtype=torch.uint8, generator=gen))
+        dsts = {name: cons.allocate(name, n) for name, n in (("a", 4096), ("b", 2048))}
+        peer, back = cons.add_peer(prod.metadata()), prod.add_peer(cons.metadata())
+        items = [("a", "L0.kv", [(0, 100, 300), (1000, 3000, 96)]),
+                 ("b", "L0.index", [(0, 0, 1024)]),
+                 ("a", "L1.kv", [(2000, 0, 500)]),
+                 ("b", "L1.kv", [])]  # nothing of it: skipped
+        xfer = cons.read_regions(peer, items, notify=b"req-multi")
+        cons.wait(xfer, timeout_s=10)
+        want = {name: torch.zeros_like(t) for name, t in dsts.items()}
+        for local, remote, segs in items:
+            for lo, ro, n in segs:
+                want[local][lo: lo + n] = srcs[remote][ro: ro + n]
+        for name, t in dsts.items():
+            assert torch.equal(t, want[name]), name
+        prod.wait_notification(back, b"req-multi", timeout_s=10)
+        with pytest.raises(TransferTimeout):  # one notification, not one per item
+            prod.wait_notification(back, b"req-multi", timeout_s=0.2)
+
+        # every item checked before anything is posted: a bad one moves nothing
+        dsts["a"].zero_()
+        with pytest.raises(TransferError, match="outside"):
+            cons.read_regions(peer, [("a", "L0.kv", [(0, 0, 8)]), ("b", "L1.kv", [(0, 0, 4096)])])
+        # nothing of it in flight: a later transfer on the same agent lands alone
+        cons.wait(cons.read_regions(peer, [("a", "L1.kv", [(8, 8, 8)])]), timeout_s=10)
+        assert not bool(dsts["a"][:8].any()) and torch.equal(dsts["a"][8:16], srcs["L1.kv"][8:16])
+        # nothing to move at all: done, the notification still goes
+        cons.wait(cons.read_regions(peer, [("a", "L0.kv", [])], notify=b"empty"), timeout_s=10)
+        prod.wait_notification(back, b"empty", timeout_s=10)
+
+
+@pytest.mark.skipif(not transport.nixl_available(), reason=NO_NIXL)
+def test_nixl_refuses_one_transfer_over_two_memory_kinds() -> None:
+    """A NIXL descriptor list has one memory type: items into DRAM and VRAM are two transfers
+    (the connector groups them by kind); mixing them is a clear error, before any posting."""
+    import dataclasses
+
+    with make_transport("nixl", "p-kinds") as prod, make_transport("nixl", "d-kinds") as cons:
+        prod.allocate("src", 64)
+        cons.allocate("host", 64)
+        cons.allocate("gpu", 64)
+        # a VRAM region's bookkeeping (no GPU here): refused before NIXL is asked anything
+        cons.regions["gpu"] = dataclasses.replace(cons.regions["gpu"], mem="VRAM")
+        peer = cons.add_peer(prod.metadata())
+        with pytest.raises(TransferError, match="share one kind"):
+            cons.read_regions(peer, [("host", "src", None), ("gpu", "src", None)])

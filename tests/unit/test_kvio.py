@@ -554,14 +554,15 @@ def _reads_by_region(worker: ConnectorWorker,
                      monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, str], int]:
     """Bytes READ per (local region, remote region), recorded as the worker posts them."""
     out: dict[tuple[str, str], int] = {}
-    real = worker.transport.read
+    real = worker.transport.read_regions
 
-    def read(peer: str, local: str, remote: str, segments):
-        key = (local, remote)
-        out[key] = out.get(key, 0) + sum(n for _, _, n in segments)
-        return real(peer, local, remote, segments)
+    def read_regions(peer: str, items, notify: bytes = b""):
+        for local, remote, segments in items:
+            key = (local, remote)
+            out[key] = out.get(key, 0) + sum(n for _, _, n in segments)
+        return real(peer, items, notify)
 
-    monkeypatch.setattr(worker.transport, "read", read)
+    monkeypatch.setattr(worker.transport, "read_regions", read_regions)
     return out
 
 

@@ -39,9 +39,12 @@ LONG_TIMEOUT_S = 120.0  # a producer's abort timeout: "at its next step" is well
 
 
 class SlowReads:
-    """Every READ a transport posts from now on stays in flight for `polls` polls: its bytes
-    land (the real READ runs) only at the last one, where READ number `fail` (in posting
-    order) fails instead. A cancelled READ never lands."""
+    """Every READ a transport posts from now on (`read`, or `read_regions`: one transfer over
+    several items, as the connector posts a request's) stays in flight for `polls` polls: its
+    items' bytes land (the real READ runs, item by item) only at the last one, where item
+    number `fail` (in posting order, over every transfer) fails instead: the transfer fails,
+    its other items landed ("mid-way"). A cancelled READ never lands. The counts are of
+    items."""
 
     def __init__(self, transport: KVTransport, polls: int, fail: int | None = None) -> None:
         self.transport, self.polls, self.fail = transport, polls, fail
@@ -49,14 +52,19 @@ class SlowReads:
         self.real_cancel = transport.cancel
         self.num_posted = self.num_landed = self.num_cancelled = 0
         transport.read = self.read  # type: ignore[method-assign]
+        transport.read_regions = self.read_regions  # type: ignore[method-assign]
         transport.poll = self.poll  # type: ignore[method-assign]
         transport.cancel = self.cancel  # type: ignore[method-assign]
 
     def read(self, peer: str, local: str, remote: str, segments=None,
              notify: bytes = b"") -> Transfer:
-        handle = {"index": self.num_posted, "polls": 0,
-                  "args": (peer, local, remote, segments, notify)}
-        self.num_posted += 1
+        return self.read_regions(peer, [(local, remote, segments)], notify)
+
+    def read_regions(self, peer: str, items, notify: bytes = b"") -> Transfer:
+        first = self.num_posted
+        self.num_posted += len(items)
+        handle = {"indices": range(first, self.num_posted), "polls": 0, "peer": peer,
+                  "items": list(items), "notify": notify}
         return Transfer(peer, notify, handle)
 
     def poll(self, xfer: Transfer) -> bool:
@@ -67,10 +75,15 @@ class SlowReads:
         if h["polls"] < self.polls:
             return False
         xfer.done = True
-        if h["index"] == self.fail:
+        for index, (local, remote, segments) in zip(h["indices"], h["items"], strict=True):
+            if index != self.fail:
+                self.transport.wait(self.real_read(h["peer"], local, remote, segments),
+                                    timeout_s=10)
+                self.num_landed += 1
+        if self.fail in h["indices"]:
             raise TransferError("the prefill engine went away mid-READ")
-        self.transport.wait(self.real_read(*h["args"]), timeout_s=10)
-        self.num_landed += 1
+        if h["notify"]:
+            self.transport.send_notification(h["peer"], h["notify"])
         return True
 
     def cancel(self, xfer: Transfer) -> None:
@@ -78,10 +91,11 @@ class SlowReads:
             return self.real_cancel(xfer)
         if not xfer.done:
             xfer.done = True
-            self.num_cancelled += 1
+            self.num_cancelled += len(xfer.handle["items"])
 
     def restore(self) -> None:
-        del self.transport.read, self.transport.poll, self.transport.cancel  # the class's
+        del self.transport.read, self.transport.read_regions  # the class's
+        del self.transport.poll, self.transport.cancel
 
 
 class HeldCopies:

@@ -15,7 +15,7 @@ import pytest
 
 from dsaserve.config import ConfigError, DisaggConfig, OffloadConfig
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
-from dsaserve.disagg import offline
+from dsaserve.disagg import descriptors, offline
 from dsaserve.disagg.transport import nixl_available
 from dsaserve.engine.engine import LLMEngine
 
@@ -263,6 +263,50 @@ def test_pd_into_a_hisparse_decode_engine(model_dirs, engine_config, dtype):
         rt = d.runner.hisparse
         assert int(rt.rows_from_host) > 0  # the transferred prefix was read from the host pool
         assert not rt.entries and len(rt._free_blocks) == rt.num_host_blocks
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_posts_one_read_per_peer(model_dirs, engine_config, mixed_prompts, monkeypatch,
+                                           backend):
+    """A request's READs (every layer and part) are one transport call per producer rank and
+    memory kind: here one rank, all of one kind → one `read_regions`, no per-layer `read`; its
+    items move exactly the bytes counted, those the prompt needs."""
+    config = engine_config(model_dirs["tiny-glm5"])
+    prompt = mixed_prompts()[0]
+    p, d = _engines(config, backend)
+    try:
+        worker = d.runner.connector
+        calls: list[tuple[str, list]] = []
+        real = worker.transport.read_regions
+
+        def read_regions(peer, items, notify=b""):
+            calls.append((peer, list(items)))
+            return real(peer, items, notify)
+
+        def read(*args, **kw):
+            raise AssertionError("a per-layer read was posted")
+
+        monkeypatch.setattr(worker.transport, "read_regions", read_regions)
+        monkeypatch.setattr(worker.transport, "read", read)
+        from dsaserve.disagg.kvio import row_bytes
+
+        before = _received(d)
+        params = _prefill(p, "one", prompt)
+        _decode(p, d, "one", prompt, params)
+        assert len(calls) == 1
+        peer, items = calls[0]
+        assert peer in worker.transport.peers
+        # every layer's parts in the one call
+        assert {remote for _, remote, _ in items} == set(
+            descriptors.cache_regions(d.runner.caches))
+        moved = sum(n for _, _, segs in items for _, _, n in segs)
+        assert moved == _received(d) - before == (
+            (len(prompt) - 1) * row_bytes(d.runner.caches).per_token)
+        for e in (p, d):
+            e.check_integrity()
     finally:
         p.shutdown()
         d.shutdown()

@@ -258,7 +258,7 @@ def test_failed_read_and_abort_give_the_host_window_back(model_dirs, engine_conf
         def dead(*args, **kwargs):
             raise TransferError("the prefill engine is gone")
 
-        monkeypatch.setattr(transport, "read", dead)
+        monkeypatch.setattr(transport, "read_regions", dead)
         d.add_request("x", prompt, GREEDY, kv_transfer_params=offline.prefill(p, "x", prompt))
         outs = d.step()
         assert [o.request_id for o in outs] == ["x"] and "gone" in outs[0].error

@@ -155,3 +155,37 @@ def test_a_transport_that_never_copied_has_no_thread() -> None:
         t.allocate("x", 10)
         assert isinstance(t, ShmTransport) and t.copies.thread is None
     assert set(_copy_threads()) == before
+
+
+def test_cancel_of_a_multi_region_read(monkeypatch) -> None:
+    """A READ over several regions is one copy job: cancelled mid-way (inside its second item),
+    nothing more of any item lands, and no notification goes."""
+    monkeypatch.setattr(shmcopy, "CHUNK", 1024)
+    gate = ChunkGate(monkeypatch)
+    prod, cons, peer, back, src, dst = _pair()
+    src2 = prod.allocate("src2", N)
+    src2.fill_(7)
+    dst2 = cons.allocate("dst2", N)
+    peer = cons.add_peer(prod.metadata())  # src2 is known to the consumer now
+    try:
+        xfer = cons.read_regions(peer, [("dst", "src", [(0, 0, 1024)]),
+                                        ("dst2", "src2", [(0, 0, 3072)])], notify=b"multi")
+        gate.allow(2)  # the first item and the first chunk of the second land
+        gate.wait_reached(3)
+        assert not cons.poll(xfer)
+        cancelled = threading.Event()
+        canceller = threading.Thread(target=lambda: (cons.cancel(xfer), cancelled.set()))
+        canceller.start()
+        gate.allow(1)  # the chunk in progress lands; the rest never starts
+        assert cancelled.wait(10)
+        canceller.join()
+        assert xfer.handle.state is CopyState.CANCELLED and cons.poll(xfer)
+        assert gate.copied == 3
+        assert torch.equal(dst[:1024], src[:1024]) and not bool(dst[1024:].any())
+        assert bool((dst2[:2048] == 7).all()) and not bool(dst2[2048:].any())
+        with pytest.raises(TransferTimeout):
+            prod.wait_notification(back, b"multi", timeout_s=0.05)
+    finally:
+        gate.allow(100)
+        cons.close()
+        prod.close()
