@@ -682,7 +682,8 @@ class ConnectorWorker:
             posted.staged.append(StagedReads(pool, buf))  # given back when the READs settle
             buffers.append((posted.staged[-1], pairs))
         # 3. the READs: gathered per (peer, local memory kind), each group posted as one
-        #    transfer (a posting costs the same for one segment list as for one per layer)
+        #    transfer; a posting has a fixed cost (NIXL: the descriptor lists, initialize_xfer,
+        #    transfer), paid once per peer rather than per layer and part
         reads: dict[tuple[str, str], list[Item]] = {}
         for job, pair, layers in zero:
             self.pairs_zero_copy += 1

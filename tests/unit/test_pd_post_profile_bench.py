@@ -1,7 +1,7 @@
 """benchmarks/pd_post_profile.py (the P/D posting step's host time by part) runs on the CPU at
 tiny size over shared memory, a request's READs are one transfer, and a READ into blocks another
-request freed posts a few segments per layer and tensor, not one per block (the freed blocks come back in descending order; a new
-request's table takes them ascending)."""
+request freed posts a few segments per layer and tensor, not one per block (the freed blocks
+come back in descending order; a new request's table takes them ascending)."""
 
 from __future__ import annotations
 
