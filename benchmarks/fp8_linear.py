@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dsaserve.bench import gpu_timing
 from dsaserve.bench.argtypes import positive_ints
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.presets import GLM_5_3
@@ -104,36 +105,8 @@ def _check(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _time(calls: list[Callable[[], object]], graph: bool) -> float:
     """Microseconds per call: from a CUDA graph of every call in turn (each on its own weight
-    copy; per call: replay / len(calls)), or eagerly (the first) with L2 flushed before each
-    run."""
-    import triton.testing
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()  # compile and allocate outside any capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    if not graph:
-        return 1e3 * float(triton.testing.do_bench(calls[0], warmup=25, rep=200,
-                                                   return_mode="median"))
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for call in calls:
-            call()
-    ms = float(triton.testing.do_bench(g.replay, warmup=10, rep=200, return_mode="median"))
-    return 1e3 * ms / len(calls)
-
-
-def hbm_roofline_tbps() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s)."""
-    import triton.testing
-
-    src = torch.empty(1 << 30, device=DEV, dtype=torch.bfloat16).uniform_()
-    dst = torch.empty_like(src)
-    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median"))
-    return 2 * src.numel() * 2 / ms / 1e9
+    copy), or eagerly (the first) with L2 flushed before each run."""
+    return gpu_timing.graph_us(calls) if graph else gpu_timing.eager_us(calls[0])
 
 
 def _label(cfg, split: int | None = None) -> str:
@@ -319,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
              f"triton {triton.__version__}")
     print(where, flush=True)
-    roof = args.hbm_tbps or hbm_roofline_tbps()
+    roof = args.hbm_tbps or gpu_timing.copy_rate_tbps(DEV)
     print(f"HBM roofline {roof:.2f} TB/s", flush=True)
     rows = []
     for proj in projections(GLM_5_3):

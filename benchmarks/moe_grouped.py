@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from dsaserve.bench import gpu_timing
 from dsaserve.bench.argtypes import positive_ints
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.presets import GLM_5_3
@@ -155,31 +156,7 @@ def time_calls(calls: list[Callable[[], object]], cuda: bool) -> float:
         for call in calls:
             call()
         return 1e6 * (time.perf_counter() - t0) / len(calls)
-    import triton.testing
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls:
-            call()  # compile and allocate outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    ms = float(triton.testing.do_bench(graph.replay, warmup=10, rep=300, return_mode="median"))
-    return 1e3 * ms / len(calls)
-
-
-def copy_rate_tbps() -> float:
-    """Device-to-device copy of 2 GiB, bytes read + written per second (TB/s)."""
-    import triton.testing
-
-    src = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16).uniform_()
-    dst = torch.empty_like(src)
-    ms = float(triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median"))
-    return 2 * src.numel() * 2 / ms / 1e9
+    return gpu_timing.graph_us(calls, rep_ms=300)
 
 
 def sweep_configs(block_m: int) -> list:
@@ -326,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"{torch.cuda.get_device_name() if on_cuda else 'CPU (interpreter, smoke)'}, "
              f"torch {torch.__version__}, triton {triton.__version__}")
     print(where, flush=True)
-    copy_tbps = copy_rate_tbps() if on_cuda else math.nan
+    copy_tbps = gpu_timing.copy_rate_tbps() if on_cuda else math.nan
     print(f"device copy rate {copy_tbps:.2f} TB/s", flush=True)
     g = torch.Generator(device=s.device).manual_seed(0)
     copies = [make_experts(s, g) for _ in range(1 if args.smoke else args.copies)]
