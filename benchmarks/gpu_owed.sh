@@ -439,19 +439,19 @@ elif [ "$part" = 39 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" moe_sweep python \
         benchmarks/moe_grouped.py --pairs 2 --sweep
 elif [ "$part" = 40 ]; then
-    # this session's host cuts, before (old/: the tree at 26bf5d1, `mkdir old && git archive
-    # 26bf5d1 | tar -x -C old`, deleted after) and after, alternating on one machine: the 4K
-    # prefill step (packed uploads, limits per step) and the P/D posting step (the step
+    # the host cuts of 2026-12-07, before (out/old: the tree at 26bf5d1, `mkdir -p out/old
+    # && git archive 26bf5d1 | tar -x -C out/old`, carried) and after, alternating on one
+    # machine: the 4K prefill step (packed uploads, limits per step) and the P/D posting step (the step
     # launched before its READs are posted)
     for i in 1 2; do
-        run 75 "prefill_4k_before_$i" env PYTHONPATH="$PWD/old" python \
-            old/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
+        run 75 "prefill_4k_before_$i" env PYTHONPATH="$PWD/out/old" python \
+            out/old/benchmarks/long_prefill.py --lengths 4K --async-scheduling \
             --out "$out/prefill_4k_before_$i.md"
         run 75 "prefill_4k_after_$i" python benchmarks/long_prefill.py --lengths 4K \
             --async-scheduling --out "$out/prefill_4k_after_$i.md"
     done
     for tree in before after; do
-        dir=$([ "$tree" = before ] && echo old || echo .)
+        dir=$([ "$tree" = before ] && echo out/old || echo .)
         [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 110 "pd_overlap_$tree" \
             env PYTHONPATH="$PWD/$dir" python "$dir/benchmarks/pd_overlap.py" --into pages \
             --transports nixl --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 \
