@@ -21,7 +21,11 @@ measurements per backend and request size:
      by segment from registered caches into registered caches (descriptors), or staged, one
      segment per source page into a registered staging buffer, then scattered into the pages;
      beside it the zero-copy READ of the same pair, whatever was chosen: how the segment count
-     costs.
+     costs;
+  4. posting: the host time of posting one request's READs over L region pairs (a layer's MLA
+     rows and indexer keys each), as L `read` calls against one `read_regions` (what the
+     connector posts since), two agents in one process, tiny segments: the per-transfer cost a
+     request pays per layer before and none after (9 pairs: 4 layers + MTP; 156: GLM-5.3).
 
 The "16 GPUs" column is the cost model: a DP decode rank receives the request's whole KV over its
 own 400 Gb/s InfiniBand link (50 GB/s), the 8 prefill ranks sending 1/8 each in parallel, so the
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import statistics
 import sys
 import time
 
@@ -45,6 +50,8 @@ from dsaserve.model.dsa import LayerCache
 from dsaserve.model.presets import preset_config
 from dsaserve.plan import costmodel
 
+TABLES = ("transport", "relayout", "zerocopy", "posting")
+POSTING_PAIRS = (9, 24, 156)  # region pairs of 4, 16 and 78 layers + MTP (MLA rows, keys)
 IB_GBPS = 50.0  # 400 Gb/s InfiniBand per GPU, one direction, GB/s
 L, R, D = 512, 64, 128  # GLM-5.3 latent, RoPE and indexer widths
 
@@ -255,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="where the transport table's regions live: host memory, or each "
                          "process's GPU (NIXL only; UCX's own variables, e.g. UCX_TLS or "
                          "UCX_PROTO_INFO=y, choose and show its transports)")
-    ap.add_argument("--tables", default="transport,relayout,zerocopy",
-                    help="which tables, comma-separated (transport, relayout, zerocopy)")
+    ap.add_argument("--tables", default=",".join(TABLES),
+                    help=f"which tables, comma-separated ({', '.join(TABLES)})")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, one repeat (CI)")
     args = ap.parse_args(argv)
     wanted = set(args.tables.split(","))
-    if not wanted or wanted - {"transport", "relayout", "zerocopy"}:
-        ap.error(f"--tables: expected some of transport,relayout,zerocopy, got {args.tables!r}")
+    if not wanted or wanted - set(TABLES):
+        ap.error(f"--tables: expected some of {','.join(TABLES)}, got {args.tables!r}")
     # One copy thread per process, as a connector's transfer thread would have; on a small shared
     # machine torch's default intra-op threads also contend with each other (10x slower here).
     torch.set_num_threads(1)
@@ -288,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         print_relayout(args)
     if "zerocopy" in wanted:
         print_zero_copy(args, backends)
+    if "posting" in wanted:
+        print_posting(backends, (2, 4) if args.smoke else POSTING_PAIRS,
+                      5 if args.smoke else 300)
     return 0
 
 
@@ -341,6 +351,45 @@ def print_zero_copy(args: argparse.Namespace, backends: list[str]) -> None:
                                                        interleave, args.repeat, "zero-copy")
                 print(f"| {backend} | {tokens:,} | {interleave} | {path} | {nseg:,} | "
                       f"{gbps:.2f} | {zc_nseg:,} | {zc_gbps:.2f} |")
+
+
+
+def measure_posting(backend: str, pairs: int, repeat: int) -> tuple[float, float]:
+    """Host ms of posting READs over `pairs` region pairs of two 656-byte segments each: as
+    `pairs` `read` calls, then as one `read_regions` (each posting waited for before the
+    next; medians of `repeat`)."""
+    with transport.make_transport(backend, "post-prefill") as p, \
+            transport.make_transport(backend, "post-decode") as d:
+        for i in range(pairs):
+            p.allocate(f"r{i}", 1 << 13)
+            d.allocate(f"r{i}", 1 << 13)
+        peer = d.add_peer(p.metadata())
+        p.add_peer(d.metadata())
+        items = [(f"r{i}", f"r{i}", [(0, 0, 656), (4096, 4096, 656)]) for i in range(pairs)]
+        each, one = [], []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            xfers = [d.read(peer, *item) for item in items]
+            each.append(time.perf_counter() - start)
+            for x in xfers:
+                d.wait(x, 60)
+            start = time.perf_counter()
+            x = d.read_regions(peer, items)
+            one.append(time.perf_counter() - start)
+            d.wait(x, 60)
+    return 1e3 * statistics.median(each), 1e3 * statistics.median(one)
+
+
+def print_posting(backends: list[str], pair_counts: tuple[int, ...], repeat: int) -> None:
+    print()
+    print(f"Posting one request's READs (two agents, one process; medians of {repeat})")
+    print()
+    print("| backend | region pairs | one `read` per pair (ms) | one `read_regions` (ms) | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for backend in backends:
+        for pairs in pair_counts:
+            each, one = measure_posting(backend, pairs, repeat)
+            print(f"| {backend} | {pairs} | {each:.3f} | {one:.3f} | {each / one:.1f}× |")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ def test_pd_transfer_smoke(capsys, monkeypatch):
     # scales apart, against 128 rows × 3 zero-copy segments
     assert "| shm | 1,024 | 64 | zero-copy | 4 | " in out
     assert "| shm | 1,024 | 1 | staged | 5 | " in out and " | 384 | " in out
+    # posting: both forms timed over 2 and 4 region pairs
+    assert "| shm | 2 | " in out and "| shm | 4 | " in out
 
 
 @pytest.mark.parametrize("transport", [
