@@ -226,7 +226,7 @@ class Overlap:
         self.profile_post.mkdir(parents=True, exist_ok=True)
         trace.export_chrome_trace(str(self.profile_post / f"post_{name}.json"))
         print(f"posting step {name}: {out[0]:.2f} ms under the profilers; its host functions:\n"
-              + cprofile_top(host, 25), file=sys.stderr)
+              + cprofile_top(host, 25, focus=r"connector|transport"), file=sys.stderr)
         return out
 
     def _decoded_all(self, got: list[str], what: str) -> None:

@@ -89,13 +89,17 @@ def summarize(events, wall: float, on_device: bool) -> Profile:
     return Profile(by_cat, union_length(spans), max(wall - sync, 0.0), len(spans), host)
 
 
-def cprofile_top(profiler: cProfile.Profile, lines: int = 30) -> str:
+def cprofile_top(profiler: cProfile.Profile, lines: int = 30, focus: str | None = None) -> str:
     """A cProfile run's functions by cumulative time, then by their own time, `lines` each,
-    then who called its waits and sleeps (a wait says little without its caller); the
-    benchmarks' `--profile` of host work (pd_e2e.py, hisparse_engine.py)."""
+    then those whose file or name matches the regex `focus` whatever their rank (the part a
+    benchmark is about can fall below the top lines on a slower host), then who called its
+    waits and sleeps (a wait says little without its caller); the benchmarks' `--profile` of
+    host work (pd_e2e.py, hisparse_engine.py, pd_overlap.py)."""
     buf = io.StringIO()
     for key in ("cumulative", "tottime"):
         pstats.Stats(profiler, stream=buf).sort_stats(key).print_stats(lines)
+    if focus is not None:
+        pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(focus)
     pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_callers(
         r"\(wait\)|\(_wait\)|sleep|acquire")
     return "\n".join(x for x in buf.getvalue().splitlines() if x.strip())
