@@ -186,8 +186,14 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
 
     token_of, pos, offs = pair_layout(ids, first, experts.num_experts, held_all)
     xs = x[token_of]  # [P, H]
-    gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
-    y = fp8_linear.fp8_grouped((F.silu(gate) * up).contiguous(), experts.w2, experts.s2, offs)
+    if triton_grouped(xs.shape[0], experts.num_experts):
+        # decode sizes: silu(gate) · up fused into the first projection (its tiles are 16 rows,
+        # so two accumulators fit; prefill tiles of 128 × 128 would not, and keep the split)
+        act = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs, glu=True)  # [P, I]
+    else:
+        gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).contiguous()  # [P, I]
+    y = fp8_linear.fp8_grouped(act, experts.w2, experts.s2, offs)  # [P, H]
     return combine(y, pos, weights, offs, held_all, shared)
 
 

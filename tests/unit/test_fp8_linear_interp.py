@@ -278,3 +278,36 @@ def test_arguments_are_checked(fl):
                           glu=True)
     with pytest.raises(ValueError, match="block_k"):
         fl.Fp8LinearConfig(16, 64, 256)
+
+
+@pytest.mark.parametrize("tokens", [2, 40], ids=["decode-fused", "larger-unfused"])
+def test_fp8_experts_path_matches_dequantized(fl, tokens):
+    """moe_compute.grouped_fp8_experts on block-aligned FP8 experts (I = 128) through the
+    interpreted kernel: at decode sizes (≤ TRITON_GROUPED_MAX_MEAN_ROWS pairs per expert) the
+    activation is fused into the first projection, above it the first projection's halves are
+    activated apart; both give the looped reference on the same experts dequantized (fp32,
+    every expert held, top 2 of 4)."""
+    from dsaserve.model import moe_compute
+    from dsaserve.model.fp8 import BlockRange, Fp8Experts
+
+    e, hidden, inter, top = 4, 64, B, 2
+    g = _gen(7)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(tokens)])
+    weights = torch.rand(tokens, top, generator=g)
+    halves = [quantize_fp8_blocks(w13[i, h * inter:(h + 1) * inter]) for i in range(e)
+              for h in (0, 1)]
+    down = [quantize_fp8_blocks(w2[i]) for i in range(e)]
+    experts = Fp8Experts(
+        torch.stack([torch.cat((halves[2 * i][0], halves[2 * i + 1][0])) for i in range(e)]),
+        torch.stack([q for q, _ in down]),
+        torch.stack([torch.cat((halves[2 * i][1], halves[2 * i + 1][1])) for i in range(e)]),
+        torch.stack([s for _, s in down]), BlockRange(0, inter))
+    assert experts.aligned
+    fused = moe_compute.triton_grouped(tokens * top, e)
+    assert fused == (tokens == 2)
+    got = moe_compute.grouped_fp8_experts(x, experts, ids, weights, 0, held_all=True)
+    want = moe_compute.looped_experts(x, experts.dequantized(x.dtype), ids, weights, 0)
+    _assert_close(got, want)
