@@ -477,7 +477,9 @@ def _path(d: LLMEngine, p: HeldPrefill, clock: PhaseClock, rid: str, prompt: lis
     out[("total", "to the first decoded token")] = total
     forwards = sum(ms for (_, label), ms in out.items() if label == "· forward")
     out[("total", "host, less the forwards")] = total - forwards
-    for name in STAGES:
+    for name in STAGES:  # every key in every run (a short prompt's READ may need no poll)
+        for label, _, _ in PHASES:
+            out.setdefault((name, label), 0.0)
         whole = out.setdefault((name, WHOLE), 0.0)
         out[(name, REST)] = whole - sum(out.get((name, label), 0.0) for label in TOP[name])
     return polls, out
