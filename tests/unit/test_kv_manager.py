@@ -159,3 +159,26 @@ def test_hits_only_for_a_request_without_blocks() -> None:
     m.allocate_slots(a, 5)
     with pytest.raises(ValueError, match="new_computed_blocks"):
         m.allocate_slots(a, 1, [3])
+
+
+@pytest.mark.parametrize("cached_blocks", [0, 1, 17, 40, 63])
+def test_a_lazy_lookup_finds_the_same_hits_hashing_only_what_it_walks(cached_blocks) -> None:
+    """A P/D arrival's lookup (`lazy`) hashes its blocks only as far as the walk goes (its
+    prompt is hashed once its READs are posted), and finds the same hits as a full lookup;
+    the hashes it made are the prompt's first ones, the rest appended later unchanged."""
+    m = KVCacheManager(160, BS, enable_caching=True)
+    prompt = list(range(64 * BS + 3))
+    if cached_blocks:
+        done = make("done", prompt[: cached_blocks * BS])
+        run_prefill(m, done)
+        m.free(done)
+    eager, lazy = make("eager", prompt), make("lazy", prompt)
+    want = m.get_computed_blocks(eager)
+    assert m.get_computed_blocks(lazy, lazy=True) == want
+    assert len(want[0]) == min(cached_blocks, 64)
+    walked = len(lazy.block_hashes)
+    assert len(want[0]) < walked <= 2 * len(want[0]) + 16  # doubling from 16 blocks
+    assert lazy.block_hashes == eager.block_hashes[:walked]
+    m.update_hashes(lazy)
+    assert lazy.block_hashes == eager.block_hashes == request_block_hashes(prompt, BS, None)
+    assert m.get_computed_blocks(lazy, lazy=True) == want  # hashed already: nothing more

@@ -310,3 +310,44 @@ def test_a_request_posts_one_read_per_peer(model_dirs, engine_config, mixed_prom
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_decode_request_is_hashed_once_its_reads_are_posted(model_dirs, engine_config,
+                                                             mixed_prompts, monkeypatch):
+    """A P/D arrival's prompt is not hashed in add_request: the lookup before its READs hashes
+    only the blocks it walks (16 of 24, none cached), and the step that posts them hashes the
+    rest while they are in flight (what the first token waited for at 128K: 4–5 ms). Its
+    hashes are then a local prompt's, and the output the aggregated engine's."""
+    from dsaserve.kv.prefix_cache import request_block_hashes
+
+    config = engine_config(model_dirs["tiny-glm5"], block_size=8)
+    prompt = [t for p in mixed_prompts() for t in p][:200]  # 25 full blocks of 8
+    assert len(prompt) == 200
+    reference = LLMEngine.from_config(config).generate([prompt], GREEDY)[0]
+    p, d = _engines(config)
+    try:
+        params = _prefill(p, "r", prompt)
+        seen = []
+        post = d.runner.connector.start_receives
+
+        def posting(recvs, dests=None):
+            seen.append(len(d.scheduler.requests["r"].block_hashes))
+            return post(recvs, dests)
+        monkeypatch.setattr(d.runner.connector, "start_receives", posting)
+        d.add_request("r", prompt, GREEDY, kv_transfer_params=params)
+        req = d.scheduler.requests["r"]
+        assert req.block_hashes == []
+        tokens = [t for o in d.step() for t in o.new_token_ids]
+        assert seen == [16]  # posted with the lookup's hashes only
+        assert req.block_hashes == request_block_hashes(prompt, 8, None)
+        while d.has_unfinished_requests():
+            tokens += [t for o in d.step() for t in o.new_token_ids]
+            p.step()
+        assert tokens == reference
+        while p.has_unfinished_requests():
+            p.step()
+        for e in (p, d):
+            e.check_integrity()
+    finally:
+        p.shutdown()
+        d.shutdown()
