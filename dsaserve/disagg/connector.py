@@ -244,9 +244,12 @@ class ConnectorScheduler:
             "held": {rid: list(h.request.block_ids) for rid, h in self.held.items()},
         }
         # each held request's digest once, when it is first held (a 128K prompt's: ~0.3 ms),
-        # not at every claim of it
-        known = self._view[1]
-        digests = {rid: known.get(rid) or blocks_digest(ids) for rid, ids in snap["held"].items()}
+        # not at every claim of it; taken again if the id is held with other blocks (freed and
+        # prefilled again between two publishes)
+        (old, known) = self._view
+        before = old.get("held", {})
+        digests = {rid: known[rid] if before.get(rid) == ids else blocks_digest(ids)
+                   for rid, ids in snap["held"].items()}
         self._snapshot = json.dumps(snap).encode()
         self._view = (snap, digests)
 
