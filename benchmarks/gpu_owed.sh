@@ -111,6 +111,9 @@
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
+#   bash benchmarks/gpu_owed.sh 42         # part 42: P/D end to end before and after the
+#                                          #   decode path's cuts (a P/D arrival hashed while
+#                                          #   its READs fly), then the bare NIXL VRAM READ
 #   bash benchmarks/gpu_owed.sh 38         # part 38: decode at 2 layers, graphs + async,
 #                                          #   with the padded layouts kept on the device
 #                                          #   (against docs/decode_h200_1206.md), then the
@@ -473,6 +476,18 @@ elif [ "$part" = 41 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=12 run "$(left)" pd_overlap python \
         benchmarks/pd_overlap.py --into pages --transports nixl --batch 16 \
         --tokens 131072,131072 --inflight 1 --steps 10 --out "$out/pd_overlap.md"
+elif [ "$part" = 42 ]; then
+    # P/D on this GPU before (out/old, as part 41) and after the decode path's cuts of
+    # 2026-12-07 (its prompt hashed while the READs fly, the claim's answer one request's):
+    # end to end at 32K and 128K (the READ step split into posting and flight), then the
+    # bare NIXL VRAM READ that part 36 could not run
+    for tree in before after; do
+        dir=$([ "$tree" = before ] && echo out/old || echo .)
+        run 130 "pd_$tree" env PYTHONPATH="$PWD/$dir" python "$dir/benchmarks/pd_e2e.py" \
+            --tokens 32768 131072 --out "$out/pd_$tree.md"
+    done
+    [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" pd_transfer python \
+        benchmarks/pd_transfer.py --backends nixl --memory vram --tokens 32768 131072 --repeat 2
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
