@@ -20,20 +20,18 @@ CUDA-only kernels' launchers (Gluon, the CUDA extension) and every launch's own 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
-import pstats
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from dsaserve.bench import steps
+from dsaserve.bench import host_cpu, steps
+from dsaserve.bench.host_cpu import tiny_glm53
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -44,48 +42,15 @@ from dsaserve.config import (
 )
 from dsaserve.engine.host_ops import OpCounter, gpu_branches
 from dsaserve.engine.runner import ModelRunner
-from dsaserve.kernels.triton import indexer
-from dsaserve.model.make_model import make_model
 
 BLOCK = 64
 FUNCS = ("_prepare", "_metadata", "_flat_ids", "upload", "_step_plan", "_workspace_plan",
          "cos_sin", "_limits", "run_slots", "apply", "pending", "_sample", "_tiles",
          "workspace_pages")
-SMALL = 1 << 20  # stubbed launches zero integer tensors below this many elements
-
-
-@contextlib.contextmanager
-def stubbed() -> Iterator[None]:
-    """Triton launches do nothing but zero their small integer tensors (indices a later torch
-    op reads); the indexer's top-k gives zeros."""
-    from triton.runtime.jit import KernelInterface
-
-    def getitem(kernel, grid):
-        def launch(*args, **kwargs):
-            for a in args:
-                if isinstance(a, torch.Tensor) and a.dtype in (torch.int32, torch.int64) \
-                        and a.numel() < SMALL:
-                    a.zero_()
-        return launch
-
-    def select(scored, k, config, index_dtype):
-        rows = scored[0].shape[0]
-        return torch.empty(rows, k), torch.zeros(1, k, dtype=index_dtype).expand(rows, k)
-
-    saved = KernelInterface.__getitem__, indexer._select
-    KernelInterface.__getitem__, indexer._select = getitem, select
-    try:
-        yield
-    finally:
-        KernelInterface.__getitem__, indexer._select = saved
 
 
 def make_runner(root: Path, tokens: int, layers: int) -> ModelRunner:
-    path = make_model("tiny-glm5", root / "m", with_mtp=False, overrides={
-        "num_hidden_layers": layers, "indexer_types": ["full"] * layers, "index_topk": 2048,
-        "max_position_embeddings": 2 * tokens + BLOCK, "hidden_size": 64,
-        "intermediate_size": 64, "moe_intermediate_size": 32, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "q_lora_rank": 32, "index_n_heads": 4})
+    path = tiny_glm53(root, layers, 2 * tokens + BLOCK)
     return ModelRunner(EngineConfig(
         model_path=str(path), model=ModelConfig.from_file(path),
         cache=CacheConfig(block_size=BLOCK, kv_cache_dtype="fp8_ds_mla",
@@ -105,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ops", action="store_true", help="also count one step's ops and launches")
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # a shared CPU's contention swamps small steps
-    with tempfile.TemporaryDirectory() as tmp, gpu_branches(), stubbed():
+    with tempfile.TemporaryDirectory() as tmp, gpu_branches(), host_cpu.stubbed():
         runner = make_runner(Path(tmp), args.tokens, args.layers)
         vocab = runner.config.model.vocab_size
         last: tuple[str, ...] = ()
@@ -128,14 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeats):
             prof = cProfile.Profile()
             walls.append(step(f"t{i}", 10 + i, prof))
-            for (path, _, name), (_, _, _, ct, _) in pstats.Stats(prof).stats.items():
-                if "/dsaserve/" in path and name in FUNCS:
-                    cum[f"{path.rsplit('/dsaserve/', 1)[1]} {name}"].append(ct)
+            for key, (_, ct) in host_cpu.function_times(prof, dsaserve_only=True).items():
+                if key.rsplit(" ", 1)[1] in FUNCS:
+                    cum[key].append(ct)
         print(f"{args.tokens} tokens, {args.layers} layers: step wall (cProfiled) median "
               f"{1e3 * statistics.median(walls):.1f} ms")
         print("cumulative ms per step (median), GPU-path host functions:")
-        for name, v in sorted(cum.items(), key=lambda kv: -statistics.median(kv[1])):
-            print(f"  {1e3 * statistics.median(v):7.3f}  {name}")
+        print("\n".join(host_cpu.median_lines(cum)))
         if args.ops:
             so = steps.prefill(args.tokens, vocab, BLOCK, "ops", seed=99, finished=last)
             with OpCounter(runner.model.model.layers, stub_launches=True) as ops:

@@ -141,14 +141,19 @@ class AsyncScheduler(Scheduler):
         outs = req.output_token_ids
         assert outs[at : at + span] == [PLACEHOLDER_TOKEN_ID] * span, "no placeholders to resolve"
         was_running = req.status is RequestStatus.RUNNING
-        emitted: list[int] = []
-        for token in tokens:  # each placeholder in turn becomes its token (no list shift)
-            outs[at + len(emitted)] = token
-            req.num_output_placeholders -= 1
-            emitted.append(token)
-            self._check_stop(req)
-            if req.status.finished:
-                break
+        if self._none_stops(req, tokens, at):  # most steps: every token at once
+            emitted = list(tokens)
+            outs[at : at + len(tokens)] = tokens
+            req.num_output_placeholders -= len(tokens)
+        else:
+            emitted = []
+            for token in tokens:  # each placeholder in turn becomes its token (no list shift)
+                outs[at + len(emitted)] = token
+                req.num_output_placeholders -= 1
+                emitted.append(token)
+                self._check_stop(req)
+                if req.status.finished:
+                    break
         params = None
         if req.status.finished:
             del outs[at + len(emitted) :]
@@ -180,8 +185,9 @@ class AsyncScheduler(Scheduler):
                         runner_output.draft_token_ids.get(req.request_id, ()))
                 self._rollback_blocks(req, req.num_tokens)
         new_tokens = tuple(emitted)
-        return self._make_output(req, new_tokens, params,
-                                 token_logprobs(req, new_tokens, runner_output))
+        return self._make_output(req, new_tokens, params, None
+                                 if req.sampling_params.logprobs is None
+                                 else token_logprobs(req, new_tokens, runner_output))
 
     def _hold_finished(self, req: Request, was_running: bool) -> KVTransferParams:
         """P/D producer: the prompt's last step was read, so its KV is written; its blocks

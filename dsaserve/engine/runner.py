@@ -852,12 +852,15 @@ class ModelRunner:
             k = max(batch.num_drafts[r] for r in verify)
             # rows of each verifying request: its last token and its drafts ([M, k+1], padded
             # by repeating the last row; padded rows are never read)
-            rows = [[min(qsl[r + 1] - 1 - batch.num_drafts[r] + i, qsl[r + 1] - 1)
-                     for i in range(k + 1)] for r in verify]
+            # (numpy: a Python min per row was ~1 µs a request at b = 64)
+            last = np.array([qsl[r + 1] - 1 for r in verify])  # [M] each one's last row
+            num_drafts_h = np.array([batch.num_drafts[r] for r in verify])  # [M]
+            rows = np.minimum((last - num_drafts_h)[:, None] + np.arange(k + 1),
+                              last[:, None])  # [M, k+1]
             rows_d, draft_ids, num_drafts, param_rows_d, *at = staging.upload([
-                torch.tensor(rows).flatten(),
+                torch.from_numpy(rows).flatten(),
                 torch.tensor([self._drafts_of(batch, r, k) for r in verify]),  # [M, k]
-                torch.tensor([batch.num_drafts[r] for r in verify]),  # [M]
+                torch.from_numpy(num_drafts_h),  # [M]
                 torch.from_numpy(param_rows[len(plain):]),  # [M]
                 *(self._token_positions(batch, verify) if masking else ())], dev)
             if batch.device_ids is not None:  # async: drafts proposed on the device (their

@@ -458,8 +458,9 @@ class Scheduler:
                 else:
                     self._release(req)
             if new_tokens or finished:
-                outputs.append(self._make_output(req, new_tokens, params,
-                                                 token_logprobs(req, new_tokens, runner_output)))
+                outputs.append(self._make_output(
+                    req, new_tokens, params, None if req.sampling_params.logprobs is None
+                    else token_logprobs(req, new_tokens, runner_output)))
         return outputs
 
     def decode_context_lens(self, so: SchedulerOutput) -> list[int] | None:
@@ -507,6 +508,9 @@ class Scheduler:
     def _append_tokens(self, req: Request, tokens: list[int]) -> tuple[int, ...]:
         """Append emitted tokens one at a time with the stop rules: a stop in the middle of an
         accepted run drops the rest."""
+        if self._none_stops(req, tokens, req.num_output_tokens):  # most steps: all at once
+            req.output_token_ids += tokens
+            return tuple(tokens)
         for i, token in enumerate(tokens):
             req.output_token_ids.append(token)
             self._check_stop(req)
@@ -869,13 +873,31 @@ class Scheduler:
         num_known = num_tokens - req.num_output_placeholders
         self._runner_num_tokens[request_id] = num_known
         self._runner_num_blocks[request_id] = len(req.block_ids)
-        return CachedRequestData(
+        return CachedRequestData.of(  # one per running request per step: the cheap form
             request_id=request_id,
             new_token_ids=_tokens_between(req, known_tokens, num_known),
             new_block_ids=tuple(req.block_ids[known_blocks:]),
             num_computed_tokens=req.num_computed_tokens,
             num_kept_blocks=known_blocks,
         )
+
+    def _none_stops(self, req: Request, tokens: list[int], num_output: int) -> bool:
+        """Whether appending `tokens` after `num_output` output tokens, each checked by
+        `_check_stop`, leaves `req` running: none is an EOS (unless ignore_eos) or stop id and
+        the last stays below max_tokens and max_model_len. A cheap sufficient test (an EOS
+        below min_tokens answers False: `_check_stop` decides then), so the caller may skip
+        the per-token checks (~1 µs a token)."""
+        params = req.sampling_params
+        num_output += len(tokens)
+        if (num_output >= params.max_tokens
+                or len(req.prompt_token_ids) + num_output >= self.config.max_model_len):
+            return False
+        eos = () if params.ignore_eos else req.eos_token_ids
+        stops = params.stop_token_ids
+        for t in tokens:  # 1 to k + 1 of them: a loop, not a generator
+            if t in eos or t in stops:
+                return False
+        return True
 
     def _check_stop(self, req: Request) -> None:
         """Stop rules after a token is appended: EOS / stop ids (not before min_tokens, where
@@ -928,15 +950,17 @@ class Scheduler:
                      kv_transfer_params: KVTransferParams | None = None,
                      logprobs: tuple[TokenLogprob, ...] | None = None) -> RequestOutput:
         finished = req.status.finished
-        return RequestOutput(
+        # RequestOutput.of: one per request per step, ~4x cheaper than RequestOutput(...)
+        return RequestOutput.of(
             request_id=req.request_id,
             new_token_ids=new_tokens,
             finished=finished,
             finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=req.num_prompt_tokens,
+            num_prompt_tokens=len(req.prompt_token_ids),
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=len(req.output_token_ids) - req.num_output_placeholders,
             kv_transfer_params=kv_transfer_params,
+            error=None,
             # a request that asked gets entries (none for no new token); others get None
             logprobs=(logprobs or ()) if req.sampling_params.logprobs is not None else None,
             stop_token_id=req.stop_token_id if finished else None,
