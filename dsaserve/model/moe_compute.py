@@ -153,20 +153,36 @@ def triton_grouped(num_pairs: int, num_experts: int) -> bool:
     return num_pairs <= TRITON_GROUPED_MAX_MEAN_ROWS * max(1, num_experts)
 
 
+def held_pairs(num_pairs: int, held: int, num_experts: int | None) -> int:
+    """The pairs of a batch's P = N·k that this rank's `held` experts take, from host sizes
+    alone: all of them without EP (num_experts None: unknown, or every expert here), else
+    their share under even routing, P · held / num_experts (EP8 at b = 64, top 8 of 256: 64
+    of 512 pairs, 2 per held expert; counting all 512 over the 32 held read 16 and sent the
+    batch to CUTLASS). The grouped kernels still take every pair (those held elsewhere sort
+    past the last group and are skipped); this only picks the kernel and its tiles."""
+    if num_experts is None or num_experts <= held:
+        return num_pairs
+    return -(-num_pairs * held // num_experts)
+
+
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor, first: int, held_all: bool = False,
-                    shared: torch.Tensor | None = None) -> torch.Tensor:
+                    shared: torch.Tensor | None = None, num_experts: int | None = None
+                    ) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H], w2 [E, H, I] → [N, H] fp32 through two grouped GEMMs (plus
     `shared`, in its dtype, when given): at decode sizes on CUDA the Triton kernel (silu(gate)
-    · up fused into the first), else torch._grouped_mm."""
+    · up fused into the first), else torch._grouped_mm. num_experts: the model's routed
+    experts, when known (under EP the pairs these E take are estimated from it: held_pairs)."""
     token_of, pos, offs = pair_layout(ids, first, w13.shape[0], held_all)
     xs = x[token_of]  # [P, H]
-    if (x.is_cuda and triton_grouped(xs.shape[0], w13.shape[0]) and w13.is_contiguous()
+    held = held_pairs(xs.shape[0], w13.shape[0], num_experts)
+    if (x.is_cuda and triton_grouped(held, w13.shape[0]) and w13.is_contiguous()
             and w2.is_contiguous()):
         from dsaserve.kernels.triton import fp8_linear
 
-        act = fp8_linear.grouped_linear(xs, w13, offs, glu=True)  # [P, I]
-        y = fp8_linear.grouped_linear(act, w2, offs)  # [P, H]
+        cfg = fp8_linear.choose_grouped_config(held, w2.shape[2], x.shape[1], w13.shape[0], 2)
+        act = fp8_linear.grouped_linear(xs, w13, offs, glu=True, config=cfg)  # [P, I]
+        y = fp8_linear.grouped_linear(act, w2, offs, config=cfg)  # [P, H]
         return combine(y, pos, weights, offs, held_all, shared)
     gate, up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)  # [P, H]
@@ -175,25 +191,30 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
 
 def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
                         weights: torch.Tensor, first: int, held_all: bool = False,
-                        shared: torch.Tensor | None = None) -> torch.Tensor:
+                        shared: torch.Tensor | None = None, num_experts: int | None = None
+                        ) -> torch.Tensor:
     """grouped_experts on FP8 experts: the FP8 grouped kernel reads one byte per weight. Experts
     whose gate/up halves do not start on a block (I not a multiple of 128, or a TP shard
     starting inside one: tiny models) are dequantized first and take the bf16 path."""
     if not experts.aligned:
         w13, w2 = experts.dequantized(x.dtype)
-        return grouped_experts(x, w13, w2, ids, weights, first, held_all, shared)
+        return grouped_experts(x, w13, w2, ids, weights, first, held_all, shared, num_experts)
     from dsaserve.kernels.triton import fp8_linear
 
-    token_of, pos, offs = pair_layout(ids, first, experts.num_experts, held_all)
+    e = experts.num_experts
+    token_of, pos, offs = pair_layout(ids, first, e, held_all)
     xs = x[token_of]  # [P, H]
-    if triton_grouped(xs.shape[0], experts.num_experts):
+    held = held_pairs(xs.shape[0], e, num_experts)
+    cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
+    w13, s13 = experts.w13, experts.s13
+    if triton_grouped(held, e):
         # decode sizes: silu(gate) · up fused into the first projection (its tiles are 16 rows,
         # so two accumulators fit; prefill tiles of 128 × 128 would not, and keep the split)
-        act = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs, glu=True)  # [P, I]
+        act = fp8_linear.fp8_grouped(xs, w13, s13, offs, config=cfg, glu=True)  # [P, I]
     else:
-        gate, up = fp8_linear.fp8_grouped(xs, experts.w13, experts.s13, offs).chunk(2, dim=-1)
+        gate, up = fp8_linear.fp8_grouped(xs, w13, s13, offs, config=cfg).chunk(2, dim=-1)
         act = (F.silu(gate) * up).contiguous()  # [P, I]
-    y = fp8_linear.fp8_grouped(act, experts.w2, experts.s2, offs)  # [P, H]
+    y = fp8_linear.fp8_grouped(act, experts.w2, experts.s2, offs, config=cfg)  # [P, H]
     return combine(y, pos, weights, offs, held_all, shared)
 
 
@@ -254,8 +275,9 @@ def routed_experts(x: torch.Tensor, experts: ExpertWeights, ids: torch.Tensor,
     if grouped_mm_available(x, w13):
         held_all = first == 0 and w13.shape[0] == num_experts
         if fp8:
-            return grouped_fp8_experts(x, experts, ids, weights, first, held_all, shared)
-        return grouped_experts(x, *experts, ids, weights, first, held_all, shared)
+            return grouped_fp8_experts(x, experts, ids, weights, first, held_all, shared,
+                                       num_experts)
+        return grouped_experts(x, *experts, ids, weights, first, held_all, shared, num_experts)
     if x.shape[0] * w13.shape[0] <= DENSE_MAX_TOKEN_EXPERTS:
         return _plus(dense_experts(x, experts, ids, weights, first), shared)
     return _plus(looped_experts(x, experts, ids, weights, first), shared)

@@ -130,13 +130,13 @@ def test_fp8_grouped_matches_reference(g, p, e, proj):
     assert (got[int(ends[-1]):] == 0).all()
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 2048], ids=["decode-glu", "decode", "prefill"])
+@pytest.mark.parametrize("tokens", [4, 64, 2048], ids=["b4", "decode", "prefill"])
 def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     """model/moe_compute.py's grouped path on FP8 experts aligned to the block grid (GLM-5.3's
-    I = 2048): both FP8 grouped products, SiLU between (fused into the first at 4 tokens: 32
-    pairs ≤ TRITON_GROUPED_MAX_MEAN_ROWS per local expert), the routing weights, the experts
-    held elsewhere (EP8 rank 1) adding nothing — against grouped_experts on the dequantized
-    weights, within bf16 rounding of the intermediate."""
+    I = 2048): both FP8 grouped products, SiLU between (fused into the first at 4 and 64
+    tokens: the 32 held experts take ~4 and ~64 of the 32 and 512 pairs, moe_compute.held_pairs),
+    the routing weights, the experts held elsewhere (EP8 rank 1) adding nothing — against
+    grouped_experts on the dequantized weights, within bf16 rounding of the intermediate."""
     from dsaserve.model import moe_compute
     from dsaserve.model.fp8 import BlockRange, Fp8Experts
 

@@ -280,13 +280,15 @@ def test_arguments_are_checked(fl):
         fl.Fp8LinearConfig(16, 64, 256)
 
 
-@pytest.mark.parametrize("tokens", [2, 40], ids=["decode-fused", "larger-unfused"])
-def test_fp8_experts_path_matches_dequantized(fl, tokens):
+@pytest.mark.parametrize("tokens,total", [(2, 4), (40, 4), (40, 16)],
+                         ids=["decode-fused", "larger-unfused", "ep-fused"])
+def test_fp8_experts_path_matches_dequantized(fl, tokens, total):
     """moe_compute.grouped_fp8_experts on block-aligned FP8 experts (I = 128) through the
-    interpreted kernel: at decode sizes (≤ TRITON_GROUPED_MAX_MEAN_ROWS pairs per expert) the
-    activation is fused into the first projection, above it the first projection's halves are
-    activated apart; both give the looped reference on the same experts dequantized (fp32,
-    every expert held, top 2 of 4)."""
+    interpreted kernel: at decode sizes (≤ TRITON_GROUPED_MAX_MEAN_ROWS pairs per held expert,
+    moe_compute.held_pairs) the activation is fused into the first projection, above it the
+    first projection's halves are activated apart; both give the looped reference on the same
+    experts dequantized (fp32, top 2; 4 experts held of `total`: with 16, EP, 80 pairs of
+    which the 4 held take ~20, fused, where 80 over 4 would not be)."""
     from dsaserve.model import moe_compute
     from dsaserve.model.fp8 import BlockRange, Fp8Experts
 
@@ -295,7 +297,7 @@ def test_fp8_experts_path_matches_dequantized(fl, tokens):
     x = torch.randn(tokens, hidden, generator=g)
     w13 = torch.randn(e, 2 * inter, hidden, generator=g) / hidden**0.5
     w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
-    ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(tokens)])
+    ids = torch.stack([torch.randperm(total, generator=g)[:top] for _ in range(tokens)])
     weights = torch.rand(tokens, top, generator=g)
     halves = [quantize_fp8_blocks(w13[i, h * inter:(h + 1) * inter]) for i in range(e)
               for h in (0, 1)]
@@ -306,8 +308,9 @@ def test_fp8_experts_path_matches_dequantized(fl, tokens):
         torch.stack([torch.cat((halves[2 * i][1], halves[2 * i + 1][1])) for i in range(e)]),
         torch.stack([s for _, s in down]), BlockRange(0, inter))
     assert experts.aligned
-    fused = moe_compute.triton_grouped(tokens * top, e)
-    assert fused == (tokens == 2)
-    got = moe_compute.grouped_fp8_experts(x, experts, ids, weights, 0, held_all=True)
+    held = moe_compute.held_pairs(tokens * top, e, total)
+    assert moe_compute.triton_grouped(held, e) == (tokens == 2 or total > e)
+    got = moe_compute.grouped_fp8_experts(x, experts, ids, weights, 0, held_all=total == e,
+                                          num_experts=total)
     want = moe_compute.looped_experts(x, experts.dequantized(x.dtype), ids, weights, 0)
     _assert_close(got, want)

@@ -131,3 +131,15 @@ def test_triton_grouped_takes_decode_sized_groups():
     assert not moe_compute.triton_grouped(limit * 8 + 1, 8)
     assert not moe_compute.triton_grouped(512, 8)
     assert moe_compute.triton_grouped(0, 0) and not moe_compute.triton_grouped(limit + 1, 0)
+
+
+def test_held_pairs_under_expert_parallelism():
+    """The pairs a rank's experts take, from host sizes: all of them without EP; their share
+    under EP (EP8 at b = 64, top 8 of 256: 64 of 512, so the Triton kernel at 2 per expert),
+    rounded up."""
+    assert moe_compute.held_pairs(512, 32, None) == 512
+    assert moe_compute.held_pairs(512, 32, 32) == 512
+    assert moe_compute.held_pairs(512, 32, 256) == 64
+    assert moe_compute.triton_grouped(moe_compute.held_pairs(512, 32, 256), 32)
+    assert not moe_compute.triton_grouped(512, 32)
+    assert moe_compute.held_pairs(8, 32, 256) == 1 and moe_compute.held_pairs(0, 32, 256) == 0
