@@ -890,7 +890,7 @@ class Scheduler:
         params = req.sampling_params
         num_output += len(tokens)
         if (num_output >= params.max_tokens
-                or len(req.prompt_token_ids) + num_output >= self.config.max_model_len):
+                or req.num_prompt_tokens + num_output >= self.config.max_model_len):
             return False
         eos = () if params.ignore_eos else req.eos_token_ids
         stops = params.stop_token_ids
@@ -956,9 +956,9 @@ class Scheduler:
             new_token_ids=new_tokens,
             finished=finished,
             finish_reason=req.status.value if finished else None,
-            num_prompt_tokens=len(req.prompt_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=max(req.num_cached_tokens, 0),
-            num_output_tokens=len(req.output_token_ids) - req.num_output_placeholders,
+            num_output_tokens=req.num_output_tokens,
             kv_transfer_params=kv_transfer_params,
             error=None,
             # a request that asked gets entries (none for no new token); others get None

@@ -180,6 +180,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: t
             and w2.is_contiguous()):
         from dsaserve.kernels.triton import fp8_linear
 
+        # the tiles follow the rows per held expert and the weight bytes: one config for both
         cfg = fp8_linear.choose_grouped_config(held, w2.shape[2], x.shape[1], w13.shape[0], 2)
         act = fp8_linear.grouped_linear(xs, w13, offs, glu=True, config=cfg)  # [P, I]
         y = fp8_linear.grouped_linear(act, w2, offs, config=cfg)  # [P, H]
@@ -205,6 +206,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
     token_of, pos, offs = pair_layout(ids, first, e, held_all)
     xs = x[token_of]  # [P, H]
     held = held_pairs(xs.shape[0], e, num_experts)
+    # the tiles follow the rows per held expert (one config for all three products)
     cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     w13, s13 = experts.w13, experts.s13
     if triton_grouped(held, e):
