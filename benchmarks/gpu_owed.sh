@@ -440,7 +440,7 @@ elif [ "$part" = 39 ]; then
     TAIL_LINES=40 run 270 decode16 python benchmarks/decode.py --layers 16 --contexts 8192 \
         --batches 1,64 --steps 10 --fastest-only --kernel-profile 12 --out "$out/decode16.md"
     [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" moe_sweep python \
-        benchmarks/moe_grouped.py --pairs 2 --sweep
+        benchmarks/moe_grouped.py --pairs 2 --sweep bf16
 elif [ "$part" = 40 ]; then
     # the host cuts of 2026-12-07, before (out/old: the tree at 26bf5d1, `mkdir -p out/old
     # && git archive 26bf5d1 | tar -x -C out/old`, carried) and after, alternating on one

@@ -2,7 +2,7 @@
 Triton kernel (kernels/triton/fp8_linear.grouped_linear) on bf16 and FP8 experts (issue #28).
 
     python benchmarks/moe_grouped.py --out docs/moe_grouped_h200.md
-    python benchmarks/moe_grouped.py --pairs 2,8 --sweep     # every candidate bf16 tile
+    python benchmarks/moe_grouped.py --pairs 2,8 --sweep fp8 # every candidate FP8 tile
     python benchmarks/moe_grouped.py --smoke                 # CPU: tiny shapes, interpreter
 
 The experts of `presets.glm53_shaped` (GLM-5.3's hidden 6144 and moe_intermediate 2048; 8
@@ -160,8 +160,8 @@ def time_calls(calls: list[Callable[[], object]], cuda: bool) -> float:
 
 
 def sweep_configs(block_m: int) -> list:
-    """Candidate tiles for the bf16 kernel (--sweep): the default rows per tile (block_m),
-    narrow to wide n tiles, k tiles of 64 and 128, warps and pipeline depth."""
+    """Candidate tiles (--sweep): the default rows per tile (block_m), narrow to wide n tiles,
+    k tiles of 64 and 128, warps and pipeline depth."""
     from dsaserve.kernels.triton.fp8_linear import Fp8LinearConfig
 
     return [Fp8LinearConfig(block_m, bn, bk, warps, stages)
@@ -173,8 +173,18 @@ def _label(cfg) -> str:
     return f"{cfg.block_m}×{cfg.block_n}×{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
+def _timed(calls: list[Callable[[], object]], cuda: bool, what: str) -> float:
+    """time_calls, or nan (printed) when the launch fails: a tile whose pipeline does not fit
+    the SM's shared memory must not end the table."""
+    try:
+        return time_calls(calls, cuda)
+    except Exception as err:  # triton's OutOfResources, a CUDA launch error
+        print(f"  {what}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+        return math.nan
+
+
 def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
-                sweep: bool) -> list[Row]:
+                sweep: tuple[str, ...]) -> list[Row]:
     from dsaserve.kernels.triton import fp8_linear as fl
 
     token_of, ends = routing(s, pairs, g)
@@ -192,53 +202,59 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
     cases = [
         ("w13", lambda c: partial(torch_grouped, xs, c.w13, ends),
          lambda c, **kw: partial(fl.grouped_linear, xs, c.w13, ends, **kw),
-         lambda c: partial(fl.fp8_grouped, xs, *c.q13, ends)),
+         lambda c, **kw: partial(fl.fp8_grouped, xs, *c.q13, ends, **kw)),
         ("w13+act", lambda c: partial(torch_grouped_act, xs, c.w13, ends),
          lambda c, **kw: partial(fl.grouped_linear, xs, c.w13, ends, glu=True, **kw),
-         lambda c: partial(fl.fp8_grouped, xs, *c.q13, ends, glu=True)),
+         lambda c, **kw: partial(fl.fp8_grouped, xs, *c.q13, ends, glu=True, **kw)),
         ("w2", lambda c: partial(torch_grouped, act, c.w2, ends),
          lambda c, **kw: partial(fl.grouped_linear, act, c.w2, ends, **kw),
-         lambda c: partial(fl.fp8_grouped, act, *c.q2, ends)),
+         lambda c, **kw: partial(fl.fp8_grouped, act, *c.q2, ends, **kw)),
     ]
     fp8_refs = {"w13": lambda: fw.grouped_reference(xs, *e0.q13, ends),
                 "w13+act": lambda: _act(fw.grouped_reference(xs, *e0.q13, ends)),
                 "w2": lambda: fw.grouped_reference(act, *e0.q2, ends)}
+    cuda = s.device == "cuda"
     rows = []
     for proj, torch_call, bf16_call, fp8_call in cases:
         key = "w2" if proj == "w2" else "w13"
-        want = torch_call(e0)()
         is_act = proj == "w13+act"
-        bf16_ok = _check(bf16_call(e0)(), want, live, f"P={pairs} {proj} triton bf16", is_act)
-        fp8_ok = _check(fp8_call(e0)(), fp8_refs[proj](), live, f"P={pairs} {proj} triton fp8",
-                        is_act)
-        cuda = s.device == "cuda"
-        ref = time_calls([torch_call(c) for c in copies], cuda)
         n = 2 * i if key == "w13" else h
-        cfg = fl.choose_grouped_config(pairs, i if is_act else n,
-                                       h if key == "w13" else i, s.experts, weight_bytes=2)
-        bf16 = time_calls([bf16_call(c) for c in copies], cuda)
-        fp8 = time_calls([fp8_call(c) for c in copies], cuda)
-        rows += [Row(pairs, proj, "torch._grouped_mm", ref, bf16_bytes[key], ref),
-                 Row(pairs, proj, f"triton bf16 {_label(cfg)}{bf16_ok}", bf16, bf16_bytes[key],
-                     ref),
-                 Row(pairs, proj, f"triton fp8{fp8_ok}", fp8, fp8_bytes[key], ref)]
-        print(f"  P={pairs:<4} {proj:<8} torch {ref:8.1f} us  triton bf16 {bf16:8.1f} us  "
-              f"fp8 {fp8:8.1f} us  ({active} experts)", flush=True)
-        if sweep:
-            best = (bf16, _label(cfg))
+        ref = time_calls([torch_call(c) for c in copies], cuda)
+        rows.append(Row(pairs, proj, "torch._grouped_mm", ref, bf16_bytes[key], ref))
+        kinds = {"bf16": (bf16_call, torch_call(e0)(), bf16_bytes[key], 2),
+                 "fp8": (fp8_call, fp8_refs[proj](), fp8_bytes[key], 1)}
+        line = f"  P={pairs:<4} {proj:<8} torch {ref:8.1f} us"
+        for kind, (call, want, nbytes, weight_bytes) in kinds.items():
+            cfg = fl.choose_grouped_config(pairs, i if is_act else n, h if key == "w13" else i,
+                                           s.experts, weight_bytes=weight_bytes)
+            what = f"P={pairs} {proj} triton {kind} {_label(cfg)}"
+            us, ok = math.nan, ""
+            try:
+                ok = _check(call(e0)(), want, live, what, is_act)
+                us = _timed([call(c) for c in copies], cuda, what)
+            except Exception as err:  # out of resources at launch: a row that says so
+                print(f"  {what}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                ok = f" ({type(err).__name__})"
+            rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg)}{ok}", us, nbytes, ref))
+            line += f"  triton {kind} {us:8.1f} us"
+            if kind not in sweep:
+                continue
+            best = (us, _label(cfg))
             # a smoke run (CPU) tries two, to keep the sweep's code path alive
             for c in sweep_configs(cfg.block_m)[:None if cuda else 2]:
                 try:
-                    if _check(bf16_call(e0, config=c)(), want, live, _label(c), is_act):
+                    if _check(call(e0, config=c)(), want, live, _label(c), is_act):
                         continue
-                    us = time_calls([bf16_call(cp, config=c) for cp in copies], cuda)
                 except Exception as err:  # out of resources: skip the shape
-                    print(f"    {_label(c)}: {type(err).__name__}", flush=True)
+                    print(f"    {kind} {_label(c)}: {type(err).__name__}", flush=True)
                     continue
-                print(f"    {_label(c)}: {us:.1f} us", flush=True)
-                best = min(best, (us, _label(c)))
-            rows.append(Row(pairs, proj, f"triton bf16 sweep best {best[1]}", best[0],
-                            bf16_bytes[key], ref))
+                t = _timed([call(cp, config=c) for cp in copies], cuda, _label(c))
+                print(f"    {kind} {_label(c)}: {t:.1f} us", flush=True)
+                if not math.isnan(t) and not t >= best[0]:
+                    best = (t, _label(c))
+            rows.append(Row(pairs, proj, f"triton {kind} sweep best {best[1]}", best[0],
+                            nbytes, ref))
+        print(line + f"  ({active} experts)", flush=True)
     return rows
 
 
@@ -264,6 +280,14 @@ def report(rows: list[Row], copy_tbps: float, where: str, s: Shape) -> str:
     return "\n".join(lines)
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k for k in text.split(",") if k)
+    if not kinds or set(kinds) - {"bf16", "fp8"}:
+        raise argparse.ArgumentTypeError(f"kernels to sweep: bf16, fp8 (comma-separated), "
+                                         f"got {text!r}")
+    return kinds
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=positive_ints, default=DEFAULT_PAIRS,
@@ -272,8 +296,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--copies", type=int, default=4,
                    help="expert copies cycled through per graph replay (default %(default)s: "
                         "2.4 GB of bf16 experts, ~50× an H200's L2)")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time every candidate bf16 tile (the best one gets a row)")
+    p.add_argument("--sweep", type=_kinds, default=(), metavar="KINDS",
+                   help="also time every candidate tile of these kernels, comma-separated "
+                        "(bf16, fp8; the best one gets a row)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU under Triton's interpreter, no real timing "
                         "(with --sweep: two tiles)")

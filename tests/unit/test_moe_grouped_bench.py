@@ -17,14 +17,16 @@ def fl():
 def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):
     bench = load_benchmark("moe_grouped")
     out = tmp_path / "table.md"
-    assert bench.main(["--smoke", "--sweep", "--pairs", "2,8,512", "--out", str(out)]) == 0
+    argv = ["--smoke", "--sweep", "bf16,fp8", "--pairs", "2,8,512", "--out", str(out)]
+    assert bench.main(argv) == 0
     table = out.read_text()
     assert "| pairs | proj | kernel |" in table
     for pairs in (2, 8):  # 512 is dropped from a smoke run (the interpreter is slow)
         for proj in ("w13", "w13+act", "w2"):
             for kernel in ("torch._grouped_mm", "triton bf16 16×32×128", "triton fp8"):
                 assert f"| {pairs} | {proj} | {kernel}" in table
-            assert f"| {pairs} | {proj} | triton bf16 sweep best" in table
+            for kind in ("bf16", "fp8"):
+                assert f"| {pairs} | {proj} | triton {kind} sweep best" in table
     assert "| 512 |" not in table and "CHECK FAILED" not in table
     assert table in capsys.readouterr().out
 
@@ -37,6 +39,9 @@ def test_help_and_errors(load_benchmark, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(["--smoke", "--copies", "0"])
     assert e.value.code == 2 and "--copies" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--smoke", "--sweep", "bf16,int4"])
+    assert e.value.code == 2 and "--sweep" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as e:
             bench.main([])
