@@ -118,6 +118,9 @@
 #                                          #   with the padded layouts kept on the device
 #                                          #   (against docs/decode_h200_1206.md), then the
 #                                          #   host-bound 8K rows' idle gaps by host function
+#   bash benchmarks/gpu_owed.sh 43         # part 43: the FP8 grouped kernel's decode tiles, the
+#                                          #   bf16 kernel at 16 and 64 rows per expert, b = 64
+#                                          #   at 16 layers with it
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -488,6 +491,17 @@ elif [ "$part" = 42 ]; then
     done
     [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" pd_transfer python \
         benchmarks/pd_transfer.py --backends nixl --memory vram --tokens 32768 131072 --repeat 2
+elif [ "$part" = 43 ]; then
+    # the FP8 grouped kernel's decode tiles (part 39: 27–36 % of the copy rate at 2 pairs,
+    # slower than bf16's), the bf16 kernel at 16 and 64 rows per expert with its tiles that
+    # fit, then b = 64 at 16 layers with the Triton kernel up to 16 rows per expert
+    TAIL_LINES=30 run 290 moe_fp8_sweep python benchmarks/moe_grouped.py --pairs 2,8 \
+        --sweep fp8 --out "$out/moe_fp8_sweep.md"
+    TAIL_LINES=12 run 70 moe_big python benchmarks/moe_grouped.py --pairs 128,512 \
+        --out "$out/moe_big.md"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" decode16_b64 python benchmarks/decode.py \
+        --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
+        --out "$out/decode16_b64.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
