@@ -108,6 +108,8 @@
 #   bash benchmarks/gpu_owed.sh 39         # part 39: the experts' grouped GEMM at decode
 #                                          #   sizes (Triton against torch._grouped_mm), MTP3
 #                                          #   at 16 layers with it
+#   bash benchmarks/gpu_owed.sh 44         # part 44: the FP8 grouped kernel at 16 and 64 rows
+#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -121,6 +123,8 @@
 #   bash benchmarks/gpu_owed.sh 43         # part 43: the FP8 grouped kernel's decode tiles, the
 #                                          #   bf16 kernel at 16 and 64 rows per expert, b = 64
 #                                          #   at 16 layers with it
+#   bash benchmarks/gpu_owed.sh 44         # part 44: the FP8 grouped kernel at 16 and 64 rows
+#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -459,7 +463,7 @@ elif [ "$part" = 40 ]; then
     for tree in before after; do
         dir=$([ "$tree" = before ] && echo out/old || echo .)
         [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 110 "pd_overlap_$tree" \
-            env PYTHONPATH="$PWD/$dir" python "$dir/benchmarks/pd_overlap.py" --into pages \
+            env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/pd_overlap.py" --into pages \
             --transports nixl --batch 16 --tokens 131072,131072 --inflight 1 --steps 10 \
             --out "$out/pd_overlap_$tree.md"
     done
@@ -486,7 +490,7 @@ elif [ "$part" = 42 ]; then
     # bare NIXL VRAM READ that part 36 could not run
     for tree in before after; do
         dir=$([ "$tree" = before ] && echo out/old || echo .)
-        run 130 "pd_$tree" env PYTHONPATH="$PWD/$dir" python "$dir/benchmarks/pd_e2e.py" \
+        run 130 "pd_$tree" env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/pd_e2e.py" \
             --tokens 32768 131072 --out "$out/pd_$tree.md"
     done
     [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" pd_transfer python \
@@ -502,6 +506,14 @@ elif [ "$part" = 43 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" decode16_b64 python benchmarks/decode.py \
         --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
         --out "$out/decode16_b64.md"
+elif [ "$part" = 44 ]; then
+    # the FP8 grouped kernel at 16 and 64 rows per expert (its prefill-sized tiles there),
+    # then the deployment's weights at 16 layers, b = 1 and 64
+    TAIL_LINES=30 run 300 moe_fp8_big python benchmarks/moe_grouped.py --pairs 128,512 \
+        --sweep fp8 --out "$out/moe_fp8_big.md"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=16 run "$(left)" decode16_fp8 python benchmarks/decode.py \
+        --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
+        --out "$out/decode16_fp8.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \

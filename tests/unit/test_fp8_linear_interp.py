@@ -248,12 +248,13 @@ def test_grouped_linear_tiles_and_fp8_glu(fl):
 
 
 def test_grouped_config_choice(fl):
-    """bf16 experts at decode (≤ 8 rows per expert): narrow n tiles and deeper pipelining; FP8
-    and larger groups keep their tiles."""
+    """Experts at decode (≤ 8 rows per expert): narrow n tiles and deeper pipelining (FP8 one
+    stage deeper); larger groups keep their tiles."""
     bf16 = fl.choose_grouped_config(2, 2048, 6144, 8, weight_bytes=2)
     assert (bf16.block_m, bf16.block_n) == (16, 32)
     assert fl.choose_grouped_config(64, 6144, 2048, 8, weight_bytes=2).block_n == 32
-    assert fl.choose_grouped_config(2, 2048, 6144, 8) == fl.Fp8LinearConfig(16, 64)
+    assert fl.choose_grouped_config(2, 2048, 6144, 8) == fl.Fp8LinearConfig(16, 32, 128, 4, 6)
+    assert fl.choose_grouped_config(128, 2048, 6144, 8) == fl.Fp8LinearConfig(32, 64)
     # 64 rows of bf16: tiles whose 4-stage pipeline fits an SM's shared memory
     wide = fl.choose_grouped_config(512, 6144, 2048, 8, weight_bytes=2)
     assert wide.block_m == 64 and wide.block_n * wide.block_k <= 64 * 64

@@ -319,17 +319,20 @@ def choose_grouped_config(p: int, n: int, k: int, e: int, weight_bytes: int = 1
                           ) -> Fp8LinearConfig:
     """Rows per tile near twice the mean rows per expert (most groups fit in one tile, so most
     experts' weights are read once), between 16 and 64 in decode; prefill-sized groups take
-    the dense kernel's large tiles. weight_bytes 2 (bf16 experts, grouped_linear at decode):
-    with ≤ 8 rows per expert on average the kernel only streams weights, so its n tiles are
-    narrow (32 rows: at b = 1 and GLM-5.3's w13, 2 experts × 128 tiles ≈ 2 programs per SM)
-    with more loads in flight (num_stages 5); not yet tuned on a GPU (benchmarks/moe_grouped.py
-    --sweep times the alternatives)."""
+    the dense kernel's large tiles. With ≤ 8 rows per expert on average the kernel only streams
+    weights, so its n tiles are narrow (32 rows: at b = 1 and GLM-5.3's w13, 2 experts × 128
+    tiles ≈ 2 programs per SM) with more loads in flight: 5 stages for bf16 experts
+    (weight_bytes 2), 6 for FP8. `benchmarks/moe_grouped.py --sweep` on an H100 (docs/decode.md,
+    2026-12-07): the FP8 experts' w13 + activation and w2 at 2 and 8 pairs over 8 experts take
+    176 µs in sum with these tiles against 220 with the 64-column tiles they had (the best of
+    30 tiles: 175)."""
     mean = p / max(1, e)
     if mean > 128:
         return Fp8LinearConfig(128, 128, 64, num_warps=8, num_stages=3)
     block_m = min(64, max(16, triton.next_power_of_2(int(2 * mean))))
-    if weight_bytes > 1 and mean <= 8:
-        return Fp8LinearConfig(block_m, 32, 128, num_warps=4, num_stages=5)
+    if mean <= 8:
+        return Fp8LinearConfig(block_m, 32, 128, num_warps=4, num_stages=5 if weight_bytes > 1
+                               else 6)
     if weight_bytes > 1 and block_m >= 64:
         # bf16 tiles of 64 × 128 × 128 over 4 stages asked 320 KB of shared memory (an H100
         # SM has 227 KB): the launch failed at P = 512 over 8 experts
