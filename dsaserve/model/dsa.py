@@ -628,6 +628,11 @@ class DsaForCausalLM(nn.Module):
         """hidden [M, hidden] → logits [M, vocab] fp32."""
         return self.lm_head(hidden).float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, hidden] → [M] int64, compute_logits' argmax without its fp32 copy of the
+        logits (MTP drafts: widening to fp32 is exact, so the same token, ties included)."""
+        return self.lm_head(hidden).argmax(-1)
+
     # ---- construction ---------------------------------------------------------------------------
     @staticmethod
     def build(

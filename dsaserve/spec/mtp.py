@@ -102,11 +102,11 @@ def draft_chain(
     # 1. step 0 over the step's rows (prefill chunks included: it fills the MTP cache)
     h = model.forward_mtp(next_ids, hidden, meta, caches)  # [N, hidden]
     h = h[rows]  # [D, hidden]
-    token = model.compute_logits(h).argmax(-1)  # [D] d1
+    token = model.greedy_tokens(h)  # [D] d1
     drafts = [token]
     # 2. steps 1..k−1: one token per drafting request, one position further each time
     for j in range(1, k):
         h = model.forward_mtp(token, h, step_metadata(j), caches)  # [D, hidden]
-        token = model.compute_logits(h).argmax(-1)
+        token = model.greedy_tokens(h)
         drafts.append(token)
     return torch.stack(drafts, dim=1)  # [D, k]
