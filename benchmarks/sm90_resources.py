@@ -422,8 +422,9 @@ def moe_builds() -> list[Build]:
 def grouped_builds() -> list[Build]:
     """The routed experts' grouped GEMM (kernels/triton/fp8_linear.py _grouped_kernel) at
     GLM-5.3's shapes over 8 experts, with the tiles choose_grouped_config gives: bf16 experts
-    at decode (b = 1: 2 pairs; MTP3 at b = 64 would be 512: torch._grouped_mm), FP8 experts at
-    decode and prefill; the first projection with silu(gate) · up fused where it is used."""
+    and FP8 experts at decode (2, 128 and 512 pairs: 0.25, 16 and 64 rows per expert, b = 1,
+    b = 64 and its MTP3 verify), FP8 experts at prefill; the first projection with silu(gate)
+    · up fused where it is used (moe_compute.triton_grouped)."""
     sig = _sig({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "ends_ptr": "*i32",
                 "out_ptr": "*bf16"}, ["P", "N", "K", "stride_x", "num_nb", "num_kb", "E"],
                ["E_P2", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SCALE", "GLU", "DOT_PRECISION"])
@@ -431,7 +432,9 @@ def grouped_builds() -> list[Build]:
     h, inter, e = 6144, 2048, 8
     builds = []
     for fp8, pairs, glu in ((False, 2, True), (False, 2, False), (True, 2, True),
-                            (True, 2, False), (True, 16384, False)):
+                            (True, 2, False), (False, 128, True), (False, 512, True),
+                            (False, 512, False), (True, 128, True), (True, 512, True),
+                            (True, 512, False), (True, 16384, False)):
         n = inter if glu else 2 * inter
         cfg = fp8_linear.choose_grouped_config(pairs, n, h, e, 1 if fp8 else 2)
         consts = {"E_P2": e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,

@@ -140,11 +140,11 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: tor
 
 # bf16 experts take the Triton grouped kernel (kernels/triton/fp8_linear.grouped_linear) up to
 # this many pairs per held expert on average: decode, where torch._grouped_mm (CUTLASS) streams
-# the experts' weights at 46–69 % of the copy rate; larger groups (prefill, big verify
-# batches) keep CUTLASS. benchmarks/moe_grouped.py on an H100 (docs/decode.md), w13 with its
-# activation + w2 over 8 experts: 1.36× CUTLASS at 0.25 rows per expert, 1.25× at 1, 1.16× at
-# 16 (b = 64 of the GLM-5.3-shaped model, top 2 of 8); 64 not measured.
-TRITON_GROUPED_MAX_MEAN_ROWS = 16
+# the experts' weights at 46–69 % of the copy rate; larger groups (prefill chunks) keep
+# CUTLASS. benchmarks/moe_grouped.py on an H100 (docs/decode.md), w13 with its activation + w2
+# over 8 experts: 1.36× CUTLASS at 0.25 rows per expert, 1.25× at 1, 1.16× at 16 (b = 64 of the
+# GLM-5.3-shaped model, top 2 of 8), 1.04× at 64 (its MTP3 verify); above 64 not measured.
+TRITON_GROUPED_MAX_MEAN_ROWS = 64
 
 
 def triton_grouped(num_pairs: int, num_experts: int) -> bool:
@@ -159,7 +159,7 @@ def held_pairs(num_pairs: int, held: int, num_experts: int | None) -> int:
     alone: all of them without EP (num_experts None: unknown, or every expert here), else
     their share under even routing, P · held / num_experts (EP8 at b = 64, top 8 of 256: 64
     of 512 pairs, 2 per held expert; counting all 512 over the 32 held reads 16, 8× too many,
-    and at b = 128 sends the batch to CUTLASS). The grouped kernels still take every pair
+    and at b = 512 sends the batch to CUTLASS). The grouped kernels still take every pair
     (those held elsewhere sort past the last group and are skipped); this only picks the
     kernel and its tiles."""
     if num_experts is None or num_experts <= held:

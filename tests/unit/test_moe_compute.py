@@ -123,13 +123,13 @@ def test_unaligned_fp8_experts_take_the_dequantized_grouped_path():
 
 def test_triton_grouped_takes_decode_sized_groups():
     """bf16 experts: the Triton grouped kernel for ≤ TRITON_GROUPED_MAX_MEAN_ROWS pairs per
-    held expert on average (b = 1, MTP3 b = 1 and b = 64 at 8 experts, top 2),
-    torch._grouped_mm above (MTP3's verify at b = 64)."""
+    held expert on average (b = 1 and 64 and their MTP3 verifies at 8 experts, top 2),
+    torch._grouped_mm above (prefill chunks)."""
     limit = moe_compute.TRITON_GROUPED_MAX_MEAN_ROWS
     assert moe_compute.triton_grouped(2, 8) and moe_compute.triton_grouped(8, 8)
     assert moe_compute.triton_grouped(limit * 8, 8)
     assert not moe_compute.triton_grouped(limit * 8 + 1, 8)
-    assert not moe_compute.triton_grouped(512, 8)
+    assert moe_compute.triton_grouped(512, 8) and not moe_compute.triton_grouped(16384, 8)
     assert moe_compute.triton_grouped(0, 0) and not moe_compute.triton_grouped(limit + 1, 0)
 
 
@@ -141,6 +141,6 @@ def test_held_pairs_under_expert_parallelism():
     assert moe_compute.held_pairs(512, 32, 32) == 512
     assert moe_compute.held_pairs(512, 32, 256) == 64
     assert moe_compute.triton_grouped(moe_compute.held_pairs(512, 32, 256), 32)
-    assert moe_compute.triton_grouped(moe_compute.held_pairs(1024, 32, 256), 32)
-    assert not moe_compute.triton_grouped(1024, 32)  # b = 128, all pairs over the held
+    assert moe_compute.triton_grouped(moe_compute.held_pairs(4096, 32, 256), 32)
+    assert not moe_compute.triton_grouped(4096, 32)  # b = 512, all pairs over the held
     assert moe_compute.held_pairs(8, 32, 256) == 1 and moe_compute.held_pairs(0, 32, 256) == 0

@@ -333,11 +333,12 @@ def choose_grouped_config(p: int, n: int, k: int, e: int, weight_bytes: int = 1
     if mean <= 8:
         return Fp8LinearConfig(block_m, 32, 128, num_warps=4, num_stages=5 if weight_bytes > 1
                                else 6)
-    if weight_bytes > 1 and block_m >= 64:
-        # bf16 tiles of 64 × 128 × 128 over 4 stages asked 320 KB of shared memory (an H100
-        # SM has 227 KB): the launch failed at P = 512 over 8 experts
+    if block_m >= 64:
+        # 64 × 128 × 128 tiles over 4 stages: bf16 asked 320 KB of shared memory (an H100 SM
+        # has 227 KB; the launch failed at P = 512 over 8 experts), FP8 spilled (255 registers
+        # and a stack, sm90_resources.py; 30 % of the copy rate at 512 pairs)
         return Fp8LinearConfig(block_m, 64, 64)
-    return Fp8LinearConfig(block_m, 64 if block_m <= 32 else 128)
+    return Fp8LinearConfig(block_m, 64)
 
 
 @triton.jit
