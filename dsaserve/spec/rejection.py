@@ -66,13 +66,29 @@ def num_accepted_drafts(
         p_draft = probs[:, :k].gather(-1, draft_ids.clamp(min=0)[..., None])[..., 0]  # [R, k]
         accept = uniforms < p_draft
     else:
-        # the target's verdict is ignored; a step may verify fewer than k drafts
-        accept = uniforms < conditional_rates[None, :k]
-        if masked_drafts is not None:  # except min_tokens': the masked target gives them p = 0
-            accept &= ~masked_drafts
-    positions = torch.arange(k, device=draft_ids.device)[None, :]  # [1, k]
-    accept &= positions < num_drafts[:, None]
-    return accept.long().cumprod(-1).sum(-1)  # length of the leading run of accepts
+        accept = synthetic_accepts(uniforms, conditional_rates, masked_drafts)
+    return leading_run(accept, num_drafts)
+
+
+def synthetic_accepts(uniforms: torch.Tensor,  # [R, k] U[0, 1)
+                      conditional_rates: torch.Tensor,  # [≥ k] P(accept i | 0..i−1)
+                      masked_drafts: torch.Tensor | None = None,  # [R, k] bool
+                      ) -> torch.Tensor:  # [R, k] bool
+    """Synthetic mode's verdict per draft: the target's is ignored (a step may verify fewer
+    than k drafts), except min_tokens': the masked target gives a stop-id draft p = 0."""
+    accept = uniforms < conditional_rates[None, :uniforms.shape[1]]
+    if masked_drafts is not None:
+        accept &= ~masked_drafts
+    return accept
+
+
+def leading_run(accept: torch.Tensor,  # [R, k] bool: draft i passes its test
+                num_drafts: torch.Tensor,  # [R] int64, d_r ≤ k
+                ) -> torch.Tensor:  # [R] int64
+    """The accepted drafts per request: the leading run of passes among its d_r drafts."""
+    positions = torch.arange(accept.shape[1], device=accept.device)[None, :]  # [1, k]
+    accept = accept & (positions < num_drafts[:, None])
+    return accept.long().cumprod(-1).sum(-1)
 
 
 def recovery_probs(
@@ -128,20 +144,44 @@ def rejection_sample_on_device(
     # wants to end. Synthetic acceptance ignores the target's verdict but keeps this one: a
     # stop-id draft below min_tokens ends the accepted run, and the token after it is drawn
     # from the masked target row, so a request never ends before min_tokens in either mode.
-    probs = sampling_probs(mask_stop_ids(logits, batch), batch)  # [R, k+1, V]
+    logits = mask_stop_ids(logits, batch)
     masked_drafts = None if conditional_rates is None else masked_stop_ids(draft_ids, batch)
-    # 1. one uniform per draft (greedy targets need none: u = 0 accepts exactly the argmax;
-    #    synthetic mode draws for every request)
-    if batch.any_sampled or conditional_rates is not None:
-        uniforms = draft_uniforms(num_reqs, k, batch, logits.device)
-    else:
-        uniforms = torch.zeros(num_reqs, k, device=logits.device)
+    if not batch.any_sampled:
+        return _greedy_verify(logits, draft_ids, num_drafts, batch, conditional_rates,
+                              masked_drafts)
+    probs = sampling_probs(logits, batch)  # [R, k+1, V]
+    # 1. one uniform per draft (a greedy row's is harmless: against its one-hot p, u < p(x)
+    #    iff x is the argmax)
+    uniforms = draft_uniforms(num_reqs, k, batch, logits.device)
     accepted = num_accepted_drafts(probs, draft_ids, num_drafts, uniforms, conditional_rates,
                                    masked_drafts)
     # 2. the token after the accepted run: a sample of the residual or of the bonus row
     final = recovery_probs(probs, draft_ids, num_drafts, accepted,
                            residual=conditional_rates is None)  # [R, V]
     return accepted, sample_probs(final, batch)
+
+
+def _greedy_verify(
+    logits: torch.Tensor,  # [R, k+1, V] fp32, min_tokens' stop ids masked
+    draft_ids: torch.Tensor,  # [R, k] int64
+    num_drafts: torch.Tensor,  # [R] int64
+    batch: SamplingBatch,  # every row greedy
+    conditional_rates: torch.Tensor | None,
+    masked_drafts: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample_on_device when every row is greedy, from the rows' argmaxes alone: p
+    is one-hot at each row's argmax, so u < p(x) is x == argmax, and the residual at a
+    rejection (x ≠ argmax) and the bonus row are one-hot at the argmax. The same tokens and
+    the same draws (synthetic mode's uniforms), without the [R, k+1, V] distributions, their
+    residual and the race over them: one pass over the logits instead of about eight."""
+    target = logits.argmax(-1)  # [R, k+1]
+    if conditional_rates is None:
+        accept = draft_ids == target[:, :-1]
+    else:
+        uniforms = draft_uniforms(*draft_ids.shape, batch, logits.device)
+        accept = synthetic_accepts(uniforms, conditional_rates, masked_drafts)
+    accepted = leading_run(accept, num_drafts)  # [R]
+    return accepted, target.gather(1, accepted[:, None])[:, 0]
 
 
 def emitted_tokens(draft_ids: torch.Tensor, accepted: torch.Tensor,

@@ -11,11 +11,19 @@ import torch
 
 from dsaserve.config import ConfigError, SpecConfig
 from dsaserve.core import SamplingParams
-from dsaserve.engine.sampler import SamplingBatch, sampling_probs
+from dsaserve.engine.sampler import (
+    SamplingBatch,
+    mask_stop_ids,
+    masked_stop_ids,
+    sample_probs,
+    sampling_probs,
+)
 from dsaserve.spec.rejection import (
+    draft_uniforms,
     num_accepted_drafts,
     recovery_probs,
     rejection_sample,
+    rejection_sample_on_device,
 )
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -68,6 +76,45 @@ def _emitted(params: SamplingParams, logits: torch.Tensor, draft: list[int], tri
 def _tv(samples: torch.Tensor, p: torch.Tensor) -> float:
     freq = torch.bincount(samples, minlength=p.numel()).float() / samples.numel()
     return 0.5 * (freq - p).abs().sum().item()
+
+
+@pytest.mark.parametrize("synthetic", [False, True], ids=["target", "synthetic"])
+def test_all_greedy_verify_equals_the_distributions_path(synthetic: bool) -> None:
+    """An all-greedy batch is verified from its rows' argmaxes alone: the same accepted
+    counts, tokens and draws as the general path (one-hot distributions, their residual and
+    the race), with ties in the logits, drafts matching the argmax at random depths,
+    min_tokens masking stop ids (EOS 1 below min_tokens in some rows) and padded drafts."""
+    g = torch.Generator().manual_seed(3)
+    reqs, k, vocab = 64, 3, 12
+    logits = torch.randint(0, 4, (reqs, k + 1, vocab), generator=g).float()  # many ties
+    target = logits.argmax(-1)
+    drafts = torch.where(torch.rand(reqs, k, generator=g) < 0.7, target[:, :k],
+                         torch.randint(0, vocab, (reqs, k), generator=g))
+    num = torch.randint(0, k + 1, (reqs,), generator=g)
+    drafts = torch.where(torch.arange(k)[None, :] < num[:, None], drafts, -1)
+    params = [SamplingParams(temperature=0.0, min_tokens=2 * (r % 3)) for r in range(reqs)]
+    outputs = [r % 4 for r in range(reqs)]
+    rates = torch.tensor([0.9, 0.6, 0.3]) if synthetic else None
+
+    def batch() -> SamplingBatch:
+        return SamplingBatch.of(params, [None] * reqs, torch.device("cpu"),
+                                torch.Generator().manual_seed(11), num_output_tokens=outputs,
+                                eos_token_ids=(1,), vocab_size=vocab)
+
+    b = batch()
+    assert not b.any_sampled and b.stop_ids is not None
+    accepted, tokens = rejection_sample_on_device(logits, drafts, num, b, rates)
+    # the general path, spelled out (what the function ran for every batch before)
+    b = batch()
+    probs = sampling_probs(mask_stop_ids(logits, b), b)
+    uniforms = (draft_uniforms(reqs, k, b, logits.device) if synthetic
+                else torch.zeros(reqs, k))
+    want_acc = num_accepted_drafts(probs, drafts, num, uniforms, rates,
+                                   masked_stop_ids(drafts, b) if synthetic else None)
+    want_tok = sample_probs(recovery_probs(probs, drafts, num, want_acc,
+                                           residual=not synthetic), b)
+    assert torch.equal(accepted, want_acc) and torch.equal(tokens, want_tok)
+    assert 0 < int(accepted.sum()) < int(num.sum())  # some accepted, some rejected
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8),
