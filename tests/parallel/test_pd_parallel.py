@@ -1,8 +1,9 @@
 """P/D between multi-rank engines on gloo processes (shared memory transport): greedy output
-through a prefill engine whose KV is DCP-sharded (PCP2 × DCP2 at interleave 1, READ staged, and
-= block size, READ zero-copy; TP2 × DCP2) and a decode engine (1 rank, DP2, DP2 + EP) equals
-the single-rank engine's, bf16 and fp8_ds_mla, MTP3 on one cell (the decode side's drafts read the
-MTP rows that came over), and with --async-scheduling on both sides (the prefill engine's
+through a prefill engine (1 rank, or DCP-sharded: PCP2 × DCP2 at interleave 1, READ staged, and
+= block size, READ zero-copy; TP2 × DCP2) and a decode engine (1 rank, DP2, DP2 + EP, a spilling
+HiSparse engine) equals the single-rank engine's, bf16 and fp8_ds_mla, MTP3 on the cells of every
+prefill layout into DP2 and HiSparse (the decode side accepts the single rank's drafts: they read
+the MTP rows that came over), and with --async-scheduling on both sides (the prefill engine's
 params equal its sync ones); the bytes each request moved are what the layouts require; nothing
 leaks on either side. A decode engine of two ranks or two replicas shut down mid-READ gives its
 claims back."""
@@ -71,37 +72,52 @@ def _read_paths(decode) -> tuple[int, int]:
     return sum(s for s, _ in paths), sum(z for _, z in paths)
 
 
-@pytest.mark.parametrize("prefill_layout,decode_layout,dtype,path", [
-    (dict(pcp=2, dcp=2, interleave=1), {}, "auto", "staged"),
-    (dict(pcp=2, dcp=2, interleave=1), {}, "fp8_ds_mla", "staged"),
-    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2), "fp8_ds_mla", "zero-copy"),
-    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2, ep=True), "auto", "zero-copy"),
-    (dict(pcp=2, dcp=2, interleave=16), {}, "auto", "zero-copy"),
-    (dict(tp=2, dcp=2), {}, "fp8_ds_mla", "staged"),
+@pytest.mark.parametrize("prefill_layout,decode_layout,dtype,path,mtp", [
+    (dict(pcp=2, dcp=2, interleave=1), {}, "auto", "staged", False),
+    (dict(pcp=2, dcp=2, interleave=1), {}, "fp8_ds_mla", "staged", False),
+    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2), "fp8_ds_mla", "zero-copy", False),
+    (dict(pcp=2, dcp=2, interleave=16), dict(dp=2, ep=True), "auto", "zero-copy", False),
+    (dict(pcp=2, dcp=2, interleave=16), {}, "auto", "zero-copy", False),
+    (dict(tp=2, dcp=2), {}, "fp8_ds_mla", "staged", False),
+    (dict(tp=2, dcp=2), dict(dp=2), "fp8_ds_mla", "staged", True),
+    ({}, dict(dp=2), "auto", "zero-copy", True),
+    (dict(pcp=2, dcp=2, interleave=1), dict(dp=2), "auto", "staged", True),
 ], ids=["pcp2dcp2-i1-to-1rank-bf16", "pcp2dcp2-i1-to-1rank-fp8", "pcp2dcp2-i16-to-dp2-fp8",
-        "pcp2dcp2-i16-to-dp2ep-bf16", "pcp2dcp2-i16-to-1rank-bf16", "tp2dcp2-to-1rank-fp8"])
-def test_pd_equals_single_rank(parallel_config, reference_outputs, prompts, greedy,
-                               prefill_layout, decode_layout, dtype, path, hang_guard):
+        "pcp2dcp2-i16-to-dp2ep-bf16", "pcp2dcp2-i16-to-1rank-bf16", "tp2dcp2-to-1rank-fp8",
+        "tp2dcp2-to-dp2-fp8-mtp3", "1rank-to-dp2-bf16-mtp3", "pcp2dcp2-i1-to-dp2-bf16-mtp3"])
+def test_pd_equals_single_rank(parallel_config, reference_outputs, draftable_dirs, prompts,
+                               greedy, prefill_layout, decode_layout, dtype, path, mtp,
+                               hang_guard):
     """Interleave 1 (one zero-copy segment per row) READs staged, interleave = block size
-    zero-copy: every (prefill DCP rank → decode rank) pair of every request went that way.
-    DP + EP on the decode side: the reference deployment's decode layout (the replicas step
-    together while one READs)."""
+    (and one prefill rank: whole pages) zero-copy: every (prefill DCP rank → decode rank) pair
+    of every request went that way. DP + EP on the decode side: the reference deployment's
+    decode layout (the replicas step together while one READs). With MTP3 on both sides (a
+    draftable checkpoint) the decode side also accepts as many drafts as the single-rank
+    engine: its drafts read the MTP layer's rows that were moved."""
     prompts, reference = prompts[:2], reference_outputs[:2]
-    if dtype != "auto":
-        ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype))
+    spec = SpecConfig(num_speculative_tokens=3) if mtp else None
+    model = draftable_dirs["tiny-glm5"] if mtp else None
+    accepted = 0
+    if dtype != "auto" or mtp:
+        ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype, spec, model))
         reference = ref_engine.generate(prompts, greedy)
+        accepted = ref_engine.stats().spec_decode_num_accepted_tokens
         ref_engine.shutdown()
     with hang_guard(300):
-        p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype))
-        d = LLMEngine.from_config(_with(parallel_config(**decode_layout), "kv_consumer", dtype))
+        p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype,
+                                        spec, model))
+        d = LLMEngine.from_config(_with(parallel_config(**decode_layout), "kv_consumer", dtype,
+                                        spec, model))
         try:
             hits = _hits(d)
             assert offline.generate(p, d, prompts, greedy) == reference
+            assert d.stats().spec_decode_num_accepted_tokens == accepted
+            assert accepted > 0 or not mtp
             # bytes: every prompt position but the last, less what the decode side had cached
             moved = sum(len(q) - 1 for q in prompts) - (_hits(d) - hits)
             assert _received(d) == moved * _per_token(d)
-            pairs = 2 * len(prompts)  # both prefill DCP ranks → the request's decode rank
-            assert _read_paths(d) == ((pairs, 0) if path == "staged" else (0, pairs))
+            pairs = prefill_layout.get("dcp", 1) * len(prompts)  # each prefill DCP rank → the
+            assert _read_paths(d) == ((pairs, 0) if path == "staged" else (0, pairs))  # decoder
             _check_no_leak(p, d)
         finally:
             p.shutdown()
@@ -323,6 +339,55 @@ def _spilling_consumer(engine_config, model_dir):
         plain, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20),
         disagg=DisaggConfig(kv_role="kv_consumer", backend="shm", side_channel_port=0))
     return plain, consumer
+
+
+@pytest.mark.parametrize("prefill_layout,dtype", [
+    (dict(tp=2, dcp=2), "fp8_ds_mla"), (dict(pcp=2, dcp=2, interleave=16), "auto"),
+], ids=["tp2dcp2-fp8", "pcp2dcp2-i16-bf16"])
+def test_pd_into_a_spilling_hisparse_engine_with_mtp3(parallel_config, engine_config,
+                                                      draftable_dirs, prefill_layout, dtype,
+                                                      hang_guard):
+    """MTP3 on both sides, a DCP-sharded prefill engine (TP2 × DCP2, PCP2 × DCP2 at interleave
+    = block size) into a spilling HiSparse decode engine: greedy output and accepted drafts
+    equal the aggregated engine's (the drafts read the MTP layer's rows that were moved, the
+    spilled ones from the host pool); nothing leaks on either side."""
+    from dsaserve.kv.hisparse.admission import min_mla_pages, write_tail_pages
+
+    spec = SpecConfig(num_speculative_tokens=3)
+    path = draftable_dirs["tiny-glm5"]
+    block = 4
+    plain = engine_config(path, block_size=block, num_blocks=100, max_model_len=128)
+    plain = dataclasses.replace(plain, speculative=spec, cache=dataclasses.replace(
+        plain.cache, kv_cache_dtype=dtype))
+    buffer = 4 * plain.model.index_topk  # the top-k union of a verify step's 4 rows
+    pages = min_mla_pages(buffer + 2, block) + write_tail_pages(3, block)  # lookahead 2
+    att = dataclasses.replace(plain.attention, hisparse_config_given=True,
+                              hisparse_device_buffer_size=buffer,
+                              hisparse_device_mla_pages=pages)
+    consumer = dataclasses.replace(
+        plain, attention=att, hisparse=HiSparseConfig(host_pool_bytes=16 << 20),
+        disagg=DisaggConfig(kv_role="kv_consumer", backend="shm", side_channel_port=0))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    # longer than the pages hold: their early blocks' MLA rows go to the host pool
+    prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (90, 100)]
+    assert -(-(90 + greedy.max_tokens) // block) > pages
+    ref = LLMEngine.from_config(plain)
+    want = ref.generate(prompts, greedy)
+    accepted = ref.stats().spec_decode_num_accepted_tokens
+    ref.shutdown()
+    with hang_guard(300):
+        p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype,
+                                        spec, path))
+        d = LLMEngine.from_config(consumer)
+        try:
+            assert offline.generate(p, d, prompts, greedy) == want
+            assert accepted > 0 and d.stats().spec_decode_num_accepted_tokens == accepted
+            assert d.runner.connector.mla_rows_to_host > 0
+            _check_no_leak(p, d)
+        finally:
+            p.shutdown()
+            d.shutdown()
 
 
 def _prefill_rows(p, params, positions: list[int], regions: list[int]) -> list[list[bytes]]:
