@@ -61,6 +61,15 @@ def _check_no_leak(*engines) -> None:
         assert s.num_free_blocks == s.num_total_blocks, "a KV block leaked"
 
 
+def _reference(config, prompts, params) -> tuple[list, int]:
+    """An aggregated engine's greedy outputs and the drafts it accepted."""
+    engine = LLMEngine.from_config(config)
+    try:
+        return engine.generate(prompts, params), engine.stats().spec_decode_num_accepted_tokens
+    finally:
+        engine.shutdown()
+
+
 def _hits(decode) -> int:
     return decode.stats().prefix_cache_hits
 
@@ -99,10 +108,8 @@ def test_pd_equals_single_rank(parallel_config, reference_outputs, draftable_dir
     model = draftable_dirs["tiny-glm5"] if mtp else None
     accepted = 0
     if dtype != "auto" or mtp:
-        ref_engine = LLMEngine.from_config(_with(parallel_config(), None, dtype, spec, model))
-        reference = ref_engine.generate(prompts, greedy)
-        accepted = ref_engine.stats().spec_decode_num_accepted_tokens
-        ref_engine.shutdown()
+        reference, accepted = _reference(_with(parallel_config(), None, dtype, spec, model),
+                                         prompts, greedy)
     with hang_guard(300):
         p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype,
                                         spec, model))
@@ -372,10 +379,7 @@ def test_pd_into_a_spilling_hisparse_engine_with_mtp3(parallel_config, engine_co
     # longer than the pages hold: their early blocks' MLA rows go to the host pool
     prompts = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (90, 100)]
     assert -(-(90 + greedy.max_tokens) // block) > pages
-    ref = LLMEngine.from_config(plain)
-    want = ref.generate(prompts, greedy)
-    accepted = ref.stats().spec_decode_num_accepted_tokens
-    ref.shutdown()
+    want, accepted = _reference(plain, prompts, greedy)
     with hang_guard(300):
         p = LLMEngine.from_config(_with(parallel_config(**prefill_layout), "kv_producer", dtype,
                                         spec, path))
