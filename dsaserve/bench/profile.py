@@ -39,8 +39,7 @@ _SYNC = re.compile(r"cuda(Device|Stream|Event)Synchronize|cudaMemcpy$", re.IGNOR
 # GEMM libraries' kernels, by the start of their names: their template arguments may name
 # anything (a CUTLASS grouped GEMM's epilogue holds a "...Copy..." type, which the copies rule
 # would take: 3.6 ms of a 16-layer step's experts were once counted as copies)
-_GEMM_LIBRARY = re.compile(r"^(_ZN\d+|void )?(cutlass|nvjet|cublas|sm90_xmma|cutlass_80)",
-                           re.IGNORECASE)
+_GEMM_LIBRARY = re.compile(r"^(_ZN\d+|void )?(cutlass|nvjet|cublas|sm90_xmma)", re.IGNORECASE)
 
 
 def classify(name: str) -> str:
