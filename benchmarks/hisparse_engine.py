@@ -579,7 +579,7 @@ def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> 
                                  seed=12)[0], args.warmup)
             while consumer.has_unfinished_requests():
                 step()
-            producer.drain()
+            producer.drain(tick=consumer.step)
             out.clear()
             prompt = prompts(model.vocab_size, 1, n, seed=11)[0]  # section 3's
             prefill = send("long", prompt, args.warmup + args.steps + 2)
@@ -600,7 +600,7 @@ def long_pd_section(args: argparse.Namespace, model_dir: Path, pages: Pages) -> 
             gpu_kv = (consumer.runner.num_mla_pages * pages.mla
                       + consumer.runner.num_blocks * pages.index)
             _end(consumer, ["long"], args.smoke)
-            producer.drain()  # its blocks were read and freed; its invariants
+            producer.drain(tick=consumer.step)  # its blocks were read and freed; its invariants
     finally:
         torch.set_num_threads(threads)
         if consumer is not None:

@@ -139,7 +139,7 @@ def _measure(p: PrefillProcess, d: LLMEngine, prompt: list[int], device: torch.d
             read_s = time.perf_counter() - t0
         if any(o.new_token_ids for o in outs) and first_s is None:
             first_s = time.perf_counter() - t0
-    p.drain()  # the producer freed the blocks read; its invariants
+    p.drain(tick=d.step)  # the producer freed the blocks read; its invariants
     d.check_integrity()
     moved = sum(d.executor.call("kv_bytes_received")) - before
     # the slowest rank's posting and flight (one rank here); the rest of the READ step is the

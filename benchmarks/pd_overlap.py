@@ -262,7 +262,7 @@ class Overlap:
         nbytes = sum(self.d.executor.call("kv_bytes_received")) - before
         while any(rid in self.d.scheduler.requests for rid in reads):  # their first token
             self.step()
-        self.p.drain()  # the producer learnt they were read and freed them; its invariants
+        self.p.drain(tick=self.d.step)  # the producer learnt they were read and freed them
         self.d.check_integrity()
         return Row(transport, into, len(self.decoders), tokens, inflight, idle, busy, post_ms,
                    read_ms, nbytes)
@@ -305,7 +305,7 @@ def _measure_all(args: argparse.Namespace, p: PrefillProcess, d: LLMEngine,
         d.abort_request(rid)
     d.step()  # tells the runner which requests ended
     d.check_integrity()  # with no request live: every block free
-    p.drain()  # the same there
+    p.drain(tick=d.step)  # the same there
     return rows
 
 

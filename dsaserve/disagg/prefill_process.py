@@ -29,7 +29,7 @@ import signal
 import time
 import traceback
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -47,6 +47,7 @@ from dsaserve.engine.executor import cpu_threads_per_worker, reap
 
 T = TypeVar("T")
 
+TICK_S = 0.01  # `drain`'s tick: how often it calls back while it waits
 _STOP_TIMEOUT_S = 30.0  # the child's graceful exit (its engine's shutdown), then SIGTERM, SIGKILL
 
 
@@ -133,10 +134,15 @@ class PrefillProcess:
         self._send(Prefill(request_id, tuple(prompt)))
         return self._expect(KVTransferParams, self._timeout_s, f"prefill of {request_id!r}")
 
-    def drain(self, timeout_s: float = 30.0) -> None:
-        """Wait until the engine there holds nothing (its blocks read), then its invariants."""
+    def drain(self, timeout_s: float = 30.0, tick: Callable[[], object] | None = None) -> None:
+        """Wait until the engine there holds nothing (its blocks read), then its invariants.
+        tick: called every ~10 ms while waiting, e.g. the consumer engine's `step` when it is in
+        this process. Without a NIXL progress thread (as on a CPU) the notification a READ
+        carries to this producer can still need the consumer agent's progress after the READ
+        completed; a consumer that is not stepped would leave it unsent (seen under a loaded CI:
+        the drain timed out)."""
         self._send(Drain(timeout_s))
-        self._expect(Drained, timeout_s + self._timeout_s, "drain")
+        self._expect(Drained, timeout_s + self._timeout_s, "drain", tick)
 
     def close(self) -> None:
         """Stop the child (gracefully, then by signal); idempotent."""
@@ -154,7 +160,8 @@ class PrefillProcess:
         except OSError:  # BrokenPipeError: the child is gone
             self._raise_dead()
 
-    def _expect(self, kind: type[T], timeout_s: float, what: str) -> T:
+    def _expect(self, kind: type[T], timeout_s: float, what: str,
+                tick: Callable[[], object] | None = None) -> T:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll():
             left = deadline - time.monotonic()
@@ -162,9 +169,12 @@ class PrefillProcess:
                 self.close()
                 raise PrefillProcessError(f"prefill process: {what}: no answer within "
                                           f"{timeout_s:.0f} s")
-            wait([self._conn, self._proc.sentinel], timeout=left)
+            wait([self._conn, self._proc.sentinel], timeout=left if tick is None else
+                 min(left, TICK_S))
             if not self._proc.is_alive() and not self._conn.poll():
                 self._raise_dead()
+            if tick is not None:
+                tick()
         try:
             message = self._conn.recv()
         except (EOFError, OSError):

@@ -68,7 +68,8 @@ def test_pd_across_processes_equals_aggregated(parallel_config, prompts, referen
                     cached = d.stats().prefix_cache_hits - hits  # the decode side's own blocks
                     moved = sum(d.executor.call("kv_bytes_received")) - before
                     assert moved == (len(prompt) - 1 - cached) * per_token > 0
-                    p.drain()  # the producer learnt the blocks were read and freed them; checked
+                    p.drain(tick=d.step)  # the producer learnt the blocks were read and freed
+                    # them; checked
                     d.check_integrity()
                 pid, agents = p.pid, list(p.agents)
             assert not p.is_alive()
