@@ -142,7 +142,7 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: tor
 # this many pairs per held expert on average: decode, where torch._grouped_mm (CUTLASS) streams
 # the experts' weights at 46–69 % of the copy rate; larger groups (prefill chunks) keep
 # CUTLASS. benchmarks/moe_grouped.py on an H100 (docs/decode.md), w13 with its activation + w2
-# over 8 experts: 1.36× CUTLASS at 0.25 rows per expert, 1.25× at 1, 1.16× at 16 (b = 64 of the
+# over 8 experts: 1.37× CUTLASS at 0.25 rows per expert, 1.24× at 1, 1.16× at 16 (b = 64 of the
 # GLM-5.3-shaped model, top 2 of 8), 1.04× at 64 (its MTP3 verify); above 64 not measured.
 TRITON_GROUPED_MAX_MEAN_ROWS = 64
 
