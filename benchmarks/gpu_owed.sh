@@ -109,7 +109,8 @@
 #                                          #   sizes (Triton against torch._grouped_mm), MTP3
 #                                          #   at 16 layers with it
 #   bash benchmarks/gpu_owed.sh 44         # part 44: the FP8 grouped kernel at 16 and 64 rows
-#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64
+#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64,
+#                                          #   bf16 b = 64 with its verify on the Triton kernel
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -124,7 +125,8 @@
 #                                          #   bf16 kernel at 16 and 64 rows per expert, b = 64
 #                                          #   at 16 layers with it
 #   bash benchmarks/gpu_owed.sh 44         # part 44: the FP8 grouped kernel at 16 and 64 rows
-#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64
+#                                          #   per expert, FP8 weights at 16 layers, b = 1, 64,
+#                                          #   bf16 b = 64 with its verify on the Triton kernel
 # each part under 10 minutes on one H200 (every step bounded).
 #
 # nixl is not installed on the device machine: put the nixl-cu13 1.5.1 wheel in .whl/ (see
@@ -511,9 +513,14 @@ elif [ "$part" = 44 ]; then
     # then the deployment's weights at 16 layers, b = 1 and 64
     TAIL_LINES=30 run 300 moe_fp8_big python benchmarks/moe_grouped.py --pairs 128,512 \
         --sweep fp8 --out "$out/moe_fp8_big.md"
-    [ "$(left)" -gt 60 ] && TAIL_LINES=16 run "$(left)" decode16_fp8 python benchmarks/decode.py \
+    [ "$(left)" -gt 60 ] && TAIL_LINES=16 run 170 decode16_fp8 python benchmarks/decode.py \
         --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
         --out "$out/decode16_fp8.md"
+    # bf16 b = 64 again: its MTP3 verify (64 rows per expert) on the Triton kernel since the
+    # threshold is 64 (part 43 ran it on CUTLASS: 16.75 ms)
+    [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" decode16_b64 python benchmarks/decode.py \
+        --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
+        --out "$out/decode16_b64.md"
 elif [ "$part" = 29 ]; then
     files=$(gpu_files)
     run 540 calibration_hisparse python benchmarks/simulate_calibration.py $files --hisparse \
