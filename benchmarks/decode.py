@@ -116,8 +116,7 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, d
     )
     if mtp:
         cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(
-            '{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
-            '"synthetic", "synthetic_acceptance_length": 2.99}'))
+            bench_steps.MTP3_SYNTHETIC))
     return cfg
 
 

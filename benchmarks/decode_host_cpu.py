@@ -8,8 +8,9 @@ The counterpart of prefill_host_cpu.py (bench/host_cpu.py: the same tiny-glm5 ch
 GLM-5.3's attention widths and tiny matrices, fp8_ds_mla, the triton backend taking the GPU
 path's branches on CPU tensors with every Triton launch stubbed). Each row is an `LLMEngine`
 (scheduler, in-process runner, outputs) with b running requests decoding at a context of
---context tokens, plain or MTP3 with synthetic acceptance 2.99 (benchmarks/decode.py's
-SpecConfig), sync or --async-scheduling; a timed step is one `LLMEngine.step()`: schedule →
+--context tokens, plain or MTP3 with synthetic acceptance 2.99 (bench/steps.py's
+MTP3_SYNTHETIC, as benchmarks/decode.py), sync or --async-scheduling; a timed step is one
+`LLMEngine.step()`: schedule →
 the runner's whole step (its diff, metadata, the padded decode path's buffers, sampling, MTP's
 rejection and draft inputs) → update_from_output → the RequestOutputs (async: step k + 1
 launched, step k's results read). As on a GPU with CUDA graphs (the issue's setting), decode
@@ -60,6 +61,7 @@ import torch
 
 from dsaserve.bench import host_cpu
 from dsaserve.bench.argtypes import positive_ints
+from dsaserve.bench.steps import MTP3_SYNTHETIC
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
@@ -76,8 +78,6 @@ from dsaserve.engine.host_ops import OpCounter, gpu_branches
 from dsaserve.engine.runner import ModelRunner
 
 BLOCK = 64
-MTP3 = ('{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
-        '"synthetic", "synthetic_acceptance_length": 2.99}')
 
 
 @contextlib.contextmanager
@@ -135,7 +135,7 @@ def make_engine(model_dir: Path, batch: int, context: int, num_steps: int, mtp: 
         dtype="float32", device="cpu", compilation=CompilationConfig(
             cudagraph_capture_sizes=(batch * (1 + k),), enforce_eager=eager))
     if mtp:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(MTP3))
+        cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(MTP3_SYNTHETIC))
     return LLMEngine(cfg, ModelRunner(cfg), tokenizer=None)
 
 

@@ -228,13 +228,14 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
             cfg = fl.choose_grouped_config(pairs, i if is_act else n, h if key == "w13" else i,
                                            s.experts, weight_bytes=weight_bytes)
             what = f"P={pairs} {proj} triton {kind} {_label(cfg)}"
-            us, ok = math.nan, ""
+            us = math.nan
             try:
                 ok = _check(call(e0)(), want, live, what, is_act)
-                us = _timed([call(c) for c in copies], cuda, what)
             except Exception as err:  # out of resources at launch: a row that says so
                 print(f"  {what}: {type(err).__name__}: {str(err)[:120]}", flush=True)
                 ok = f" ({type(err).__name__})"
+            else:
+                us = _timed([call(c) for c in copies], cuda, what)
             rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg)}{ok}", us, nbytes, ref))
             line += f"  triton {kind} {us:8.1f} us"
             if kind not in sweep:

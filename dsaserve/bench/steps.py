@@ -14,6 +14,10 @@ import torch
 from dsaserve.core import NewRequestData, SamplingParams, SchedulerOutput
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+# The decode benchmarks' MTP3 (--speculative-config): synthetic acceptance at issue #28's
+# mean acceptance length, vLLM's semantics
+MTP3_SYNTHETIC = ('{"method": "mtp", "num_speculative_tokens": 3, "rejection_sample_method": '
+                  '"synthetic", "synthetic_acceptance_length": 2.99}')
 
 
 def blocks_per_request(tokens: int, block_size: int) -> int:

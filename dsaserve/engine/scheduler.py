@@ -511,6 +511,10 @@ class Scheduler:
         if self._none_stops(req, tokens, req.num_output_tokens):  # most steps: all at once
             req.output_token_ids += tokens
             return tuple(tokens)
+        return self._append_each(req, tokens)
+
+    def _append_each(self, req: Request, tokens: list[int]) -> tuple[int, ...]:
+        """`_append_tokens` without its fast path: every token checked in turn."""
         for i, token in enumerate(tokens):
             req.output_token_ids.append(token)
             self._check_stop(req)

@@ -54,16 +54,6 @@ def _request(params: SamplingParams, num_output: int) -> Request:
                    output_token_ids=[6] * num_output)
 
 
-def _per_token(sched: Scheduler, req: Request, tokens: list[int]) -> tuple[int, ...]:
-    """Scheduler._append_tokens without its fast path: every token checked in turn."""
-    for i, token in enumerate(tokens):
-        req.output_token_ids.append(token)
-        sched._check_stop(req)
-        if req.status.finished:
-            return tuple(tokens[: i + 1])
-    return tuple(tokens)
-
-
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_append_all_at_once_equals_per_token_checks(ignore_eos):
     max_model_len = 14
@@ -80,6 +70,6 @@ def test_append_all_at_once_equals_per_token_checks(ignore_eos):
         if 6 + num_output >= max_model_len or num_output >= max_tokens:
             continue  # such a request has finished already
         fast, slow = _request(params, num_output), _request(params, num_output)
-        assert sched._append_tokens(fast, tokens) == _per_token(sched, slow, tokens)
+        assert sched._append_tokens(fast, tokens) == sched._append_each(slow, tokens)
         assert (fast.output_token_ids, fast.status, fast.stop_token_id) == (
             slow.output_token_ids, slow.status, slow.stop_token_id)
