@@ -1,14 +1,17 @@
-"""Weight-only FP8 GEMMs (kernels/triton/fp8_linear.py) against bf16 cuBLAS, GLM-5.3 shapes.
+"""FP8-weight GEMMs (kernels/triton/fp8_linear.py, fp8_w8a8.py) against bf16 cuBLAS, GLM-5.3 shapes.
 
     python benchmarks/fp8_linear.py --out docs/fp8_linear_h200.md
     python benchmarks/fp8_linear.py --m 1,16,64 --only q_a,kv_a --sweep   # every candidate tile
 
 Per projection (N × K from the glm-5.3 preset) and batch rows M, three ways to compute x · Wᵀ:
 
-  fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight; above
-             DEQUANTIZE_ABOVE_M rows it is itself the dequantized matmul: "deq + cuBLAS")
+  fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight): the
+             weight-only kernel up to DEQUANTIZE_ABOVE_M rows, above them W8A8 (the
+             activations quantized per row and 128 columns, FP8 tensor cores; its time
+             includes the quantization), checked against fp8_weights.w8a8_reference
   bf16       F.linear on the weight dequantized at load (cuBLAS; 2 bytes per weight)
-  deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear
+  deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear (fp8_linear's path above
+             DEQUANTIZE_ABOVE_M rows before W8A8: the previous version)
 
 with the weight bytes each reads per call over its time (GB/s) against the HBM roofline (the
 device-to-device copy, read + write, measured here; --hbm-tbps to give one). Decode sizes
@@ -114,6 +117,25 @@ def _label(cfg, split: int | None = None) -> str:
     return s + (f" split {split}" if split and split > 1 else "")
 
 
+def sweep_w8a8_configs(m: int) -> list:
+    """W8A8 candidates above DEQUANTIZE_ABOVE_M rows: m and n tiles, warps, stages, bands."""
+    from dsaserve.kernels.triton.fp8_w8a8 import W8a8Config
+
+    out = set()
+    for bm in (64, 128):
+        for bn in (64, 128, 256):
+            for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
+                for group in (1, 8):
+                    out.add(W8a8Config(bm, bn, warps, stages, group))
+    return sorted(out, key=lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages,
+                                      c.group_m))
+
+
+def _w8a8_label(cfg) -> str:
+    return (f"W8A8 {cfg.block_m}×{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+            f"g{cfg.group_m}")
+
+
 def sweep_configs(m: int) -> list:
     """Candidate launch shapes for --sweep at batch rows m: the bucket's block_m with other n / k
     tiles, warps and stages; split K as chosen, off, and forced to 2, 4 and 8 (decode: the 64-row
@@ -146,10 +168,16 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     scratch = torch.empty_like(bf[0])
     x = torch.randn(m, p.k, generator=g, device=DEV).bfloat16()
     want = F.linear(x, bf[0])
-    cfg = fl.choose_config(m, p.n, p.k)
-    split = fl.choose_split_k(m, p.n, p.k, cfg, torch.cuda.get_device_properties(DEV)
-                              .multi_processor_count)
-    _check(fl.fp8_linear(x, *ws[0]), want, f"{p.name} M={m}")
+    w8a8 = m > fl.DEQUANTIZE_ABOVE_M
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    if w8a8:
+        want_fp8 = fw.w8a8_reference(x, *ws[0])
+        label = _w8a8_label(fl.fp8_w8a8.choose_config(m, p.n, sms))
+    else:
+        want_fp8 = want
+        cfg = fl.choose_config(m, p.n, p.k)
+        label = _label(cfg, fl.choose_split_k(m, p.n, p.k, cfg, sms))
+    _check(fl.fp8_linear(x, *ws[0]), want_fp8, f"{p.name} M={m}")
     _check(F.linear(x, fl.fp8_dequantize(*ws[0], torch.bfloat16, out=scratch)), want, "deq")
     def deq_linear(wq: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return F.linear(x, fl.fp8_dequantize(wq, s, torch.bfloat16, out=scratch))
@@ -158,18 +186,24 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     bf16 = _time([partial(F.linear, x, w) for w in bf], graph)
     deq = _time([partial(deq_linear, wq, s) for wq, s in ws], graph)
     row = Row(p.name, p.n, p.k, m, fp8, bf16, deq, ws[0][0].numel() + ws[0][1].numel() * 4,
-              _label(cfg, split) if m <= fl.DEQUANTIZE_ABOVE_M else "deq + cuBLAS")
+              label)
     if args.sweep:
         best = (fp8, row.config)
-        for c in sweep_configs(m):
+        if w8a8:
+            run = fl.fp8_w8a8.w8a8_linear
+            candidates = [(c, _w8a8_label(c)) for c in sweep_w8a8_configs(m)]
+        else:
+            run = fl.fp8_linear
+            candidates = [(c, _label(c, c.split_k)) for c in sweep_configs(m)]
+        for c, name in candidates:
             try:
-                _check(fl.fp8_linear(x, *ws[0], config=c), want, _label(c))
-                us = _time([partial(fl.fp8_linear, x, wq, s, config=c) for wq, s in ws], graph)
+                _check(run(x, *ws[0], config=c), want_fp8, name)
+                us = _time([partial(run, x, wq, s, config=c) for wq, s in ws], graph)
             except Exception as e:  # out of resources: skip the shape
-                print(f"    {_label(c)}: {type(e).__name__}", flush=True)
+                print(f"    {name}: {type(e).__name__}", flush=True)
                 continue
-            print(f"    {_label(c, c.split_k or split)}: {us:.1f} us", flush=True)
-            best = min(best, (us, _label(c, c.split_k or split)))
+            print(f"    {name}: {us:.1f} us", flush=True)
+            best = min(best, (us, name))
         row.config += f" (sweep best: {best[1]}, {best[0]:.1f} us)"
     return row
 
@@ -223,8 +257,11 @@ def bench_grouped(cfg: dict) -> list[GroupedRow]:
 
 
 def report(rows: list[Row], grouped: list[GroupedRow], roof: float, where: str) -> str:
+    from dsaserve.kernels.triton.fp8_linear import DEQUANTIZE_ABOVE_M
+
     lines = [
-        f"Weight-only FP8 GEMMs, GLM-5.3 shapes, bf16 activations, {where}; HBM roofline "
+        f"FP8-weight GEMMs (weight-only up to {DEQUANTIZE_ABOVE_M} rows, W8A8 above), GLM-5.3 "
+        f"shapes, bf16 activations, {where}; HBM roofline "
         f"{roof:.2f} TB/s (device copy, read + write). Times in µs per call; decode sizes "
         "from CUDA graphs over weight copies that overflow L2, the rest eager (L2 flushed). "
         "GB/s: weight bytes read per call / time (fp8: e4m3 + scales; bf16: 2 bytes per "

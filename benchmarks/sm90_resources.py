@@ -3,7 +3,8 @@
     python benchmarks/sm90_resources.py [--only sparse_mla,sparse_mla_gluon,indexer,...]
                                         [--check]
       (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
-       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch, moe)
+       indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch, moe,
+       w8a8)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -39,6 +40,7 @@ from triton.runtime.jit import mangle_type
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import (
     fp8_linear,
+    fp8_w8a8,
     index_cache,
     indexer,
     indexer_gluon,
@@ -448,12 +450,36 @@ def grouped_builds() -> list[Build]:
     return builds
 
 
+def w8a8_builds() -> list[Build]:
+    """W8A8 above 64 rows (kernels/triton/fp8_w8a8.py): the activation quantization and the
+    GEMM with the tiles choose_config gives at 256 rows (MTP3 verification at b = 64) and at a
+    prefill chunk, GLM-5.3's q_a and o_proj."""
+    quant = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
+                 ["M", "K", "stride_x", "k_off", "num_kb"], ["BLOCK_R", "AMAX_FLOOR", "QMAX"])
+    assert list(quant) == fp8_w8a8._act_quant_kernel.arg_names
+    builds = [Build("W8A8 activation quantization, 16 rows × 128", fp8_w8a8._act_quant_kernel,
+                    quant, {"BLOCK_R": 16, "AMAX_FLOOR": 1e-10, "QMAX": 448.0}, 4)]
+    gemm = _sig({"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
+                 "out_ptr": "*bf16"}, ["M", "N", "K", "n_off", "k_off", "num_kb"],
+                ["BLOCK_M", "BLOCK_N", "GROUP_M", "K_ALIGNED", "FP8_DOT"])
+    assert list(gemm) == fp8_w8a8._w8a8_kernel.arg_names
+    for m, (name, n) in ((256, ("q_a", 2048)), (256, ("o_proj", 6144)), (4096, ("o_proj", 6144))):
+        cfg = fp8_w8a8.choose_config(m, n, 132)
+        builds.append(Build(f"W8A8 GEMM, {m} rows, {name}, {cfg.block_m}×{cfg.block_n} tiles",
+                            fp8_w8a8._w8a8_kernel, gemm,
+                            {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                             "GROUP_M": cfg.group_m, "K_ALIGNED": True, "FP8_DOT": True},
+                            cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
+    return builds
+
+
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds, "residency": residency_builds,
-         "residency_mtp": residency_mtp_builds, "fetch": fetch_builds, "moe": moe_builds}
+         "residency_mtp": residency_mtp_builds, "fetch": fetch_builds, "moe": moe_builds,
+         "w8a8": w8a8_builds}
 
 
 def main() -> None:

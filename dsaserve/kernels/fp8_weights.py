@@ -119,6 +119,45 @@ def linear_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_o
     return F.linear(x, dequantize(wq, scale, x.dtype, n_off, k_off))
 
 
+FP8_E4M3_MAX = 448.0
+# The smallest activation-group maximum a scale is made from: an all-zero group quantizes to
+# zeros with a finite scale (the scale, not the quotient, would otherwise be 0 / 0).
+ACT_AMAX_FLOOR = 1e-10
+
+
+def quantize_activations(x: torch.Tensor, k_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8: x [M, K] → (xq [M, K] e4m3, xs [M, Kb] fp32), one scale per row and 128-column
+    group, the groups on the weight's scale grid (group g: columns k with (k + k_off) // 128
+    == g, so a shard's first group is 128 − k_off wide). xs = max(amax, floor) / 448 and
+    xq = e4m3(fp32(x) / xs), rounded to nearest even: DeepSeek-V3's activation quantization
+    (per token, 1 × 128), as vLLM, SGLang and transformers' FineGrainedFP8 run these models."""
+    m, k = x.shape
+    kb = num_blocks(k, k_off)
+    padded = x.new_zeros(m, kb * FP8_BLOCK, dtype=torch.float32)
+    padded[:, k_off : k_off + k] = x.float()
+    groups = padded.view(m, kb, FP8_BLOCK)
+    xs = groups.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR) / FP8_E4M3_MAX  # [M, Kb]
+    q = (groups / xs[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(m, kb * FP8_BLOCK)[:, k_off : k_off + k].contiguous(), xs
+
+
+def w8a8_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
+                   k_off: int = 0) -> torch.Tensor:
+    """x [M, K], wq [N, K] e4m3, scale [Nb, Kb] fp32 → [M, N] in x's dtype: x quantized per
+    row and 128-column group (`quantize_activations`), each group's product of the FP8 values
+    scaled by its activation and weight scales, summed over the groups in fp32."""
+    check_weight(wq, scale, n_off, k_off)
+    xq, xs = quantize_activations(x, k_off)
+    n, k = wq.shape
+    acc = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+    s_rows = scale[(torch.arange(n, device=x.device) + n_off) // FP8_BLOCK]  # [N, Kb]
+    for g in range(xs.shape[1]):
+        lo, hi = max(0, g * FP8_BLOCK - k_off), min(k, (g + 1) * FP8_BLOCK - k_off)
+        part = xq[:, lo:hi].float() @ wq[:, lo:hi].float().T  # [M, N]
+        acc += part * xs[:, g : g + 1] * s_rows[:, g]
+    return acc.to(x.dtype)
+
+
 def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
                       ends: torch.Tensor) -> torch.Tensor:
     """xs [P, K] rows sorted by expert, wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32, ends [E]

@@ -29,11 +29,10 @@ import torch
 from safetensors.torch import save_file
 
 from dsaserve.config import ConfigError, ModelConfig
-from dsaserve.kernels.fp8_weights import FP8_BLOCK
+from dsaserve.kernels.fp8_weights import FP8_BLOCK, FP8_E4M3_MAX
 from dsaserve.model.presets import DEEPSEEK_V3_2, REAL_PRESETS, TINY_PRESETS, preset_config
 from dsaserve.tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
-FP8_E4M3_MAX = 448.0
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Init = Literal["matrix", "embed", "norm", "noise", "router_bias"]

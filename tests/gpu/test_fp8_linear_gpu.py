@@ -1,5 +1,6 @@
-"""The FP8-weight GEMMs (kernels/triton/fp8_linear.py) on the GPU at GLM-5.3 shapes, against the
-PyTorch reference (kernels/fp8_weights.py: cuBLAS on the dequantized weight).
+"""The FP8-weight GEMMs (kernels/triton/fp8_linear.py, fp8_w8a8.py) on the GPU at GLM-5.3 shapes,
+against the PyTorch references (kernels/fp8_weights.py: cuBLAS on the dequantized weight; above
+DEQUANTIZE_ABOVE_M rows of bf16 / fp16, the W8A8 product of the quantized activations).
 
 Tolerances, from the output magnitude: both sides compute with the same weight values
 (dtype(fp32(wq) · scale), checked bit for bit below) and accumulate in fp32, so they differ by
@@ -7,7 +8,8 @@ the summation order (≈ 2^-20 of the output's scale, the tensor cores' fp32 acc
 included) and by the final rounding of two nearby fp32 sums to the activation dtype (at most
 one step: 2^-7 relative in bf16): rtol one step of the dtype, atol 2^-10 of the largest
 |output| for the elements near 0. A wrong scale block or a lost k tile moves outputs by
-O(1) relative, far outside.
+O(1) relative, far outside. W8A8 against its reference: the same FP8 values and scales, the
+FP8 MMAs' own accumulation of each 128-column group (below fp32, far below the bf16 step).
 
 Run on the device machine: `pytest -m gpu tests/gpu/test_fp8_linear_gpu.py`.
 """
@@ -57,6 +59,15 @@ def _weight(n: int, k: int, g: torch.Generator, batch: tuple[int, ...] = ()):
     return wq, scale
 
 
+def _want(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
+          k_off: int = 0) -> torch.Tensor:
+    """What fp8_linear computes: W8A8 above the threshold for bf16 / fp16, else the product
+    with the dequantized weight."""
+    if x.shape[0] > fl.DEQUANTIZE_ABOVE_M and x.dtype != torch.float32:
+        return fw.w8a8_reference(x, wq, scale, n_off, k_off)
+    return fw.linear_reference(x, wq, scale, n_off, k_off)
+
+
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype and got.shape == want.shape
     step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-20}
@@ -65,12 +76,27 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
                                atol=2.0**-10 * big)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 4096])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 4096])
 @pytest.mark.parametrize("name,n,k", SHAPES, ids=SHAPE_IDS)
 def test_fp8_linear_matches_reference(g, name, n, k, m):
     wq, scale = _weight(n, k, g)
     x = torch.randn(m, k, generator=g, device=DEV).bfloat16()
-    _assert_close(fl.fp8_linear(x, wq, scale), fw.linear_reference(x, wq, scale))
+    _assert_close(fl.fp8_linear(x, wq, scale), _want(x, wq, scale))
+
+
+@pytest.mark.parametrize("m,k_off", [(300, 0), (4096, 100)])
+def test_act_quant_bytes_equal_reference(g, m, k_off):
+    """The GPU's rounding to e4m3 is the reference's (round to nearest even, saturating
+    quotients clamped first); the scales are IEEE quotients on both sides."""
+    from dsaserve.kernels.triton import fp8_w8a8
+
+    x = torch.randn(m, 3000, generator=g, device=DEV).bfloat16()
+    x[0] = 0
+    x[1, :500] *= 1e-6  # subnormal quotients
+    xq, xs = fp8_w8a8.act_quant(x, k_off)
+    want_q, want_s = fw.quantize_activations(x, k_off)
+    assert torch.equal(xs, want_s)
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
@@ -78,7 +104,7 @@ def test_fp8_linear_matches_reference(g, name, n, k, m):
 def test_fp8_linear_other_dtypes(g, dtype, m):
     wq, scale = _weight(576, 6144, g)
     x = torch.randn(m, 6144, generator=g, device=DEV).to(dtype)
-    _assert_close(fl.fp8_linear(x, wq, scale), fw.linear_reference(x, wq, scale))
+    _assert_close(fl.fp8_linear(x, wq, scale), _want(x, wq, scale))
 
 
 @pytest.mark.parametrize("m", [1, 64, 4096])
@@ -90,7 +116,7 @@ def test_fp8_linear_tp_shard(g, m):
     s, k_off = fw.shard_scale(s, 1, 100, 3100)
     shard = wq[192:1192, 100:3100].contiguous()
     x = torch.randn(m, 3000, generator=g, device=DEV).bfloat16()
-    want = fw.linear_reference(x, shard, s.contiguous(), n_off, k_off)
+    want = _want(x, shard, s.contiguous(), n_off, k_off)
     _assert_close(fl.fp8_linear(x, shard, s.contiguous(), n_off, k_off), want)
 
 

@@ -32,7 +32,7 @@ B = fw.FP8_BLOCK
 
 @pytest.fixture(scope="module")
 def fl():
-    yield from interpreted("dsaserve.kernels.triton.fp8_linear")
+    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8", "dsaserve.kernels.triton.fp8_linear")
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -66,9 +66,10 @@ DTYPES = [torch.float32, torch.float16]
     (1, 200, 300, 0, 0),
     (5, 130, 260, 64, 0),  # a shard of rows from the middle of a block
     (64, 70, 150, 0, 37),  # of columns: k tiles straddle two scale blocks
-    (130, 40, 200, 5, 100),  # above DEQUANTIZE_ABOVE_M: dequantized, then a matmul
 ])
 def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
+    """Up to DEQUANTIZE_ABOVE_M rows (above it: test_kernel_above_the_dequantize_threshold for
+    fp32, tests/unit/test_fp8_w8a8_interp.py for the W8A8 path of fp16 and bf16)."""
     wq, scale = _shard(n, k, n_off, k_off)
     x = torch.randn(m, k, generator=_gen(m)).to(dtype)
     _assert_close(fl.fp8_linear(x, wq, scale, n_off, k_off),

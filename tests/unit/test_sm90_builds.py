@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # The parts whose every build is clean (the plain Triton sparse MLA and indexer kernels have
 # configurations that spill by design; docs/kernels.md lists them; so does the residency kernel
 # at MTP sizes, docs/hisparse.md).
-PARTS = "sparse_mla_gluon,sparse_mla_pingpong,indexer_gluon,row_topk,writers,residency,fetch,moe"
+PARTS = ("sparse_mla_gluon,sparse_mla_pingpong,indexer_gluon,row_topk,writers,residency,fetch,moe,"
+         "w8a8")
 CUDA_RESOURCES = ROOT / "benchmarks" / "cuda_resources.py"
 
 

@@ -31,7 +31,6 @@ start-up or during graph capture. benchmarks/fp8_linear.py --sweep times the alt
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels.fp8_weights import FP8_BLOCK, check_weight, grouped_row_tiles
+from dsaserve.kernels.triton import fp8_w8a8
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -117,17 +117,6 @@ def choose_split_k(m: int, n: int, k: int, cfg: Fp8LinearConfig, num_sms: int) -
                    L2_PARTIAL_BYTES // (4 * cfg.block_m * n))
     splits = max(1, min(by_sms, by_k, by_bytes))
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty split
-
-
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 8  # interpreter runs: small, but exercises the split path
-    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -241,13 +230,15 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     m, k = x.shape
     n = wq.shape[0]
     if config is None and m > DEQUANTIZE_ABOVE_M:
-        # the same weight values (dtype(fp32(wq) · scale)), an fp32-accumulated product
+        if x.dtype != torch.float32:  # the served dtypes: FP8 tensor cores (fp8_w8a8.py)
+            return fp8_w8a8.w8a8_linear(x, wq, scale, n_off, k_off)
+        # fp32 (test models): the same weight values (dtype(fp32(wq) · scale)), exactly
         return torch.nn.functional.linear(x, fp8_dequantize(wq, scale, x.dtype, n_off, k_off))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or choose_config(m, n, k)
-    split = cfg.split_k or choose_split_k(m, n, k, cfg, _num_sms(x.device))
+    split = cfg.split_k or choose_split_k(m, n, k, cfg, fp8_w8a8.device_sms(x.device))
     k_tiles = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty split

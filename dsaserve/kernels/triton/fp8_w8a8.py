@@ -1,0 +1,224 @@
+"""W8A8 block-FP8 GEMMs: the activations quantized per row and 128 columns, FP8 tensor cores.
+
+Above 64 rows (prefill chunks, MTP verification of large batches) the weight-only kernel of
+fp8_linear.py dequantized each matrix into a transient bf16 copy for cuBLAS: 1 byte read, 2
+written and 2 read again per weight, and bf16 tensor cores. Here the weight is read once as
+stored and multiplied on FP8 tensor cores (twice bf16's rate):
+
+    act_quant      x [M, K] bf16 → xq [M, K] e4m3, xs [M, Kb] fp32 (one scale per row and
+                   128-column group on the weight's scale grid; fp8_weights.quantize_activations)
+    w8a8_linear    program (m tile, n tile), swizzled in GROUP_M row bands for L2 reuse:
+                     for each 128-column group kb (one weight scale block):
+                       part [BLOCK_M, BLOCK_N] = xq[:, kb] · Wq[:, kb]ᵀ   FP8 MMA, fp32 result
+                       acc += part · xs[:, kb] · S[n // 128, kb]          fp32, in registers
+                   y = dtype(acc)
+
+Each group's product is scaled into an fp32 accumulator before the next (DeepSeek-V3's
+recipe: FP8 MMAs accumulate at reduced precision, so partial sums are promoted every 128 K
+elements). This is how DeepSeek's reference inference, vLLM, SGLang and transformers'
+FineGrainedFP8 run block-FP8 checkpoints; the reference is fp8_weights.w8a8_reference. The
+activations' rounding to e4m3 makes the product differ from the dequantized model's by
+~2^-5 of a row's scale per group, so fp8_linear keeps the exact weight-only kernel where it is
+as fast (decode, M ≤ 64) and for fp32 activations (test models compared bit for bit).
+
+No autotuning: tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsaserve.kernels.fp8_weights import (
+    ACT_AMAX_FLOOR,
+    FP8_BLOCK,
+    FP8_E4M3_MAX,
+    check_weight,
+    num_blocks,
+)
+
+
+@dataclass(frozen=True)
+class W8a8Config:
+    """Launch shape of w8a8_linear: BLOCK_K is one scale group (128)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8  # m tiles of one band, run before the band's next n tile (L2 reuse)
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"W8a8Config.{name}: a power of two >= 16, got {v}")
+        if self.group_m < 1:
+            raise ValueError(f"W8a8Config.group_m: must be >= 1, got {self.group_m}")
+
+
+# Candidate tiles, widest first. Each thread holds the fp32 accumulator and one group's product
+# (two [BLOCK_M, BLOCK_N] tiles): in the sm_90 builds 64 × 128 per warpgroup takes 232–234
+# registers without spills, 128 × 128 on 8 warps spills (benchmarks/sm90_resources.py --only
+# w8a8); 64 × 256 on 8 warps is two warpgroups sharing one activation tile.
+PREFILL_TILES = (W8a8Config(64, 256, 8, 3), W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
+VERIFY_TILES = (W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
+
+
+def choose_config(m: int, n: int, num_sms: int) -> W8a8Config:
+    """The widest tiles that still give every SM a program: 64 × 256 for prefill-sized M,
+    64 × 128 up to 256 rows (MTP verification), 64 × 64 for narrow projections such as kv_a."""
+    tiles = PREFILL_TILES if m > 256 else VERIFY_TILES
+    for cfg in tiles:
+        if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= num_sms:
+            return cfg
+    return tiles[-1]
+
+
+@functools.cache
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_sms(device: torch.device) -> int:
+    """The SMs of a CUDA device (cached); 8 elsewhere (interpreter runs: small, but past one
+    tile)."""
+    if device.type != "cuda":
+        return 8
+    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit(do_not_specialize=["M"])
+def _act_quant_kernel(
+    x_ptr,  # [M, K], rows stride_x apart, unit last stride
+    q_ptr,  # [M, K] e4m3, contiguous
+    s_ptr,  # [M, Kb] fp32, contiguous
+    M, K, stride_x, k_off, num_kb,
+    BLOCK_R: tl.constexpr, AMAX_FLOOR: tl.constexpr, QMAX: tl.constexpr,
+):
+    """One 128-column group of BLOCK_R rows: scale = max(amax, floor) / 448, q = x / scale."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    ks = g * 128 - k_off + tl.arange(0, 128)
+    row_live = rows < M
+    live = row_live[:, None] & ((ks >= 0) & (ks < K))[None, :]
+    rows64 = rows.to(tl.int64)
+    x = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=live,
+                other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR)  # [BLOCK_R]
+    s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -QMAX, QMAX)  # IEEE division: the reference's
+    tl.store(q_ptr + rows64[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live)
+    tl.store(s_ptr + rows64 * num_kb + g, s, mask=row_live)
+
+
+def act_quant(x: torch.Tensor, k_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_weights.quantize_activations on the GPU: x [M, K] (unit last stride) → (xq [M, K]
+    e4m3, xs [M, Kb] fp32)."""
+    m, k = x.shape
+    kb = num_blocks(k, k_off)
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if m and k:
+        block_r = 16
+        _act_quant_kernel[(triton.cdiv(m, block_r), kb)](
+            x, xq, xs, m, k, x.stride(0), k_off, kb, BLOCK_R=block_r,
+            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=FP8_E4M3_MAX, num_warps=4)
+    return xq, xs
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_kernel(
+    xq_ptr,  # [M, K] e4m3, contiguous
+    xs_ptr,  # [M, Kb] fp32, contiguous
+    w_ptr,  # [N, K] e4m3, contiguous
+    s_ptr,  # [Nb, Kb] fp32, contiguous
+    out_ptr,  # [M, N]
+    M, N, K, n_off, k_off, num_kb,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    K_ALIGNED: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    band = GROUP_M * num_n  # programs of one band of GROUP_M m tiles
+    first_m = (pid // band) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % band) % band_m
+    pid_n = (pid % band) // band_m
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = output columns
+    row_live = rows < M
+    col_live = cols < N
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    s_row = s_ptr + ((cols + n_off) // 128) * num_kb  # [BLOCK_N] each column's scale row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, num_kb):
+        if K_ALIGNED:  # k_off = 0, left out of the addresses: the loads stay vectorized
+            ks = kb * 128 + tl.arange(0, 128)
+            k_live = ks < K
+        else:  # group kb's columns (the first 128 − k_off wide)
+            ks = kb * 128 - k_off + tl.arange(0, 128)
+            k_live = (ks >= 0) & (ks < K)
+        a = tl.load(xq_ptr + rows64[:, None] * K + ks[None, :],
+                    mask=row_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, 128]
+        b = tl.load(w_ptr + cols64[:, None] * K + ks[None, :],
+                    mask=col_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_N, 128]
+        if FP8_DOT:
+            part = tl.dot(a, tl.trans(b))
+        else:  # Triton's CPU interpreter multiplies FP8 operands as raw bytes: exact fp32
+            part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        xs = tl.load(xs_ptr + rows64 * num_kb + kb, mask=row_live, other=0.0)  # [BLOCK_M]
+        ws = tl.load(s_row + kb, mask=col_live, other=0.0)  # [BLOCK_N]
+        acc += part * xs[:, None] * ws[None, :]
+    out = rows64[:, None] * N + cols[None, :]
+    tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty),
+             mask=row_live[:, None] & col_live[None, :])
+
+
+def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
+                k_off: int = 0, config: W8a8Config | None = None) -> torch.Tensor:
+    """x [M, K] (bf16 or fp16, unit last stride), wq [N, K] e4m3, scale [Nb, Kb] fp32 (offsets
+    as in fp8_weights) → [M, N] in x's dtype: fp8_weights.w8a8_reference's product. No host
+    sync; allocates xq, xs and the output."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"w8a8_linear: x must be bf16 or fp16 [M, K] with unit last stride, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if wq.shape[-1] != x.shape[1]:
+        raise ValueError(f"w8a8_linear: x has K = {x.shape[1]}, the weight {wq.shape[-1]}")
+    return w8a8_matmul(*act_quant(x, k_off), wq, scale, x.dtype, n_off, k_off, config)
+
+
+def w8a8_matmul(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                dtype: torch.dtype, n_off: int = 0, k_off: int = 0,
+                config: W8a8Config | None = None) -> torch.Tensor:
+    """The product of quantized activations (act_quant's xq [M, K] e4m3, xs [M, Kb] fp32) and
+    the weight → [M, N] in `dtype`."""
+    check_weight(wq, scale, n_off, k_off, "w8a8_matmul")
+    m, k = xq.shape
+    n = wq.shape[0]
+    if (wq.shape[1] != k or xs.shape != (m, scale.shape[1])
+            or not all(t.is_contiguous() for t in (xq, xs, wq, scale))):
+        raise ValueError(f"w8a8_matmul: xq {list(xq.shape)}, xs {list(xs.shape)}, weight "
+                         f"{list(wq.shape)}, scale {list(scale.shape)}: K or the groups "
+                         "disagree, or one is not contiguous")
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or choose_config(m, n, device_sms(xq.device))
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _w8a8_kernel[grid](
+        xq, xs, wq, scale, out, m, n, k, n_off, k_off, scale.shape[1],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        K_ALIGNED=k_off == 0, FP8_DOT=xq.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+assert FP8_BLOCK == 128, "the kernels' groups are 128 columns wide"

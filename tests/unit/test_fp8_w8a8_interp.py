@@ -1,0 +1,187 @@
+"""W8A8 block-FP8 GEMMs (kernels/triton/fp8_w8a8.py) run by Triton's CPU interpreter against
+their PyTorch reference (kernels/fp8_weights.py: quantize_activations, w8a8_reference), and the
+reference against the definition it stands for. Skipped when triton is not installed.
+
+What the interpreter cannot do is checked on the GPU (tests/gpu/test_fp8_linear_gpu.py):
+- FP8 MMAs: it holds FP8 operands as bytes, so there the kernel multiplies them as fp32 (exact:
+  a product of two e4m3 values fits in fp32); the groups on the weight's scale grid, the
+  scaling of each group's product and the tiles are the same code;
+- rounding to e4m3: Triton 3.6's interpreter truncates where rounding carries into the exponent
+  (−127 → −64) and flushes subnormals, so act_quant's bytes are compared with the interpreter's
+  own conversion of the reference quotients, and the GEMMs take the reference's quantized
+  activations (w8a8_matmul).
+Activations are fp16 here (the interpreter's bf16 dot is broken, test_fp8_linear_interp.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from triton_interp import interpreted
+
+from dsaserve.kernels import fp8_weights as fw
+from dsaserve.model.make_model import quantize_fp8_blocks
+
+B = fw.FP8_BLOCK
+
+
+@pytest.fixture(scope="module")
+def w8():
+    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8")
+
+
+@pytest.fixture(scope="module")
+def fl():
+    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8", "dsaserve.kernels.triton.fp8_linear")
+
+
+@pytest.fixture(scope="module")
+def to_e4m3(w8):
+    """The interpreter's own fp32 → e4m3 conversion (made while `w8` holds it interpreted)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def convert(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(q_ptr + i, tl.load(x_ptr + i, mask=i < n).to(q_ptr.dtype.element_ty),
+                 mask=i < n)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        convert[(triton.cdiv(x.numel(), 1024),)](x.contiguous(), q, x.numel(), BLOCK=1024)
+        return q
+
+    return run
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _shard(n: int, k: int, n_off: int, k_off: int, seed: int = 0):
+    g = _gen(100 + seed)
+    w = torch.randn(n + n_off, k + k_off, generator=g) * torch.rand(n + n_off, 1, generator=g)
+    wq, scale = quantize_fp8_blocks(w)
+    return wq[n_off:, k_off:].contiguous(), scale
+
+
+def _activations(m: int, k: int, dtype=torch.float16) -> torch.Tensor:
+    g = _gen(m + k)
+    # rows of very different scales, a zero row and a zero group: every scale path
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g))
+    x[m // 2] = 0
+    x[0, : min(k, 100)] = 0
+    return x.to(dtype)
+
+
+def test_quantize_activations_rounds_each_group_once():
+    """Groups on the weight's scale grid (the first 128 − k_off wide): each value's error is
+    at most half an e4m3 step of its group's scale; zero groups give zeros, finite scales."""
+    k_off = 37
+    x = _activations(9, 300, torch.float32)
+    xq, xs = fw.quantize_activations(x, k_off)
+    assert xq.dtype == torch.float8_e4m3fn and xs.shape == (9, fw.num_blocks(300, k_off))
+    group = (torch.arange(300) + k_off) // B  # [K] each column's group
+    back = xq.float() * xs[:, group]
+    err = (back - x).abs()
+    # 3 mantissa bits: 2^-4 relative for normals; subnormals (below 2^-6 · scale) 2^-10 · scale
+    assert (err <= 2.0**-4 * x.abs() + 2.0**-10 * xs[:, group] * (1 + 1e-6)).all()
+    for g in range(xs.shape[1]):  # each group's largest value maps to ±448 exactly
+        cols = group == g
+        amax = x[:, cols].abs().amax(1)
+        live = amax > 0
+        assert torch.equal(xq[live][:, cols].float().abs().amax(1),
+                           torch.full((int(live.sum()),), 448.0))
+    assert torch.isfinite(xs).all() and (xq[9 // 2].float() == 0).all()
+
+
+def test_w8a8_reference_is_the_product_of_the_quantized_values():
+    n, k, n_off, k_off = 150, 260, 64, 37
+    wq, scale = _shard(n, k, n_off, k_off)
+    x = _activations(11, k, torch.float32)
+    xq, xs = fw.quantize_activations(x, k_off)
+    col_group = (torch.arange(k) + k_off) // B
+    row_block = (torch.arange(n) + n_off) // B
+    xd = xq.float() * xs[:, col_group]
+    wd = wq.float() * scale[row_block][:, col_group]
+    want = xd.double() @ wd.double().T
+    got = fw.w8a8_reference(x, wq, scale, n_off, k_off)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max())
+    # and close to the dequantized model's product: activation rounding only
+    exact = fw.linear_reference(x, wq, scale, n_off, k_off)
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
+
+
+@pytest.mark.parametrize("m,k,k_off", [(5, 300, 0), (40, 260, 37), (17, 128, 0), (3, 90, 100)])
+def test_act_quant_equals_reference(w8, to_e4m3, m, k, k_off):
+    x = _activations(m, k + 11)[:, 11:]  # rows of a wider buffer
+    xq, xs = w8.act_quant(x, k_off)
+    _, want_s = fw.quantize_activations(x, k_off)
+    assert torch.equal(xs, want_s)
+    group = (torch.arange(k) + k_off) // B
+    quotient = (x.float() / want_s[:, group]).clamp(-448, 448)  # the reference's, unrounded
+    assert torch.equal(xq.view(torch.uint8), to_e4m3(quotient).view(torch.uint8))
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """The kernel and the reference multiply the same FP8 values and scale each group's
+    product alike; they differ by fp32 summation order and the final fp16 rounding."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    big = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-10, atol=1e-5 * big)
+
+
+@pytest.mark.parametrize("m,n,k,n_off,k_off", [
+    (1, 200, 300, 0, 0),
+    (70, 130, 260, 64, 0),  # a shard of rows from the middle of a block
+    (130, 40, 200, 5, 100),  # of columns: the first group 28 wide
+    (65, 257, 129, 0, 0),  # partial tiles and groups everywhere
+])
+def test_w8a8_linear_matches_reference(w8, m, n, k, n_off, k_off):
+    wq, scale = _shard(n, k, n_off, k_off)
+    x = _activations(m, k)
+    got = w8.w8a8_matmul(*fw.quantize_activations(x, k_off), wq, scale, x.dtype, n_off, k_off)
+    _assert_close(got, fw.w8a8_reference(x, wq, scale, n_off, k_off))
+
+
+def test_w8a8_bands_of_m_tiles(w8):
+    """Small forced tiles: 10 m tiles in bands of 3 (the last band 1 tile) × 5 n tiles, every
+    program id mapped to one (m, n) tile."""
+    wq, scale = _shard(80, 200, 0, 0)
+    x = _activations(150, 200)
+    cfg = w8.W8a8Config(16, 16, group_m=3)
+    got = w8.w8a8_matmul(*fw.quantize_activations(x), wq, scale, x.dtype, config=cfg)
+    _assert_close(got, fw.w8a8_reference(x, wq, scale))
+
+
+def test_tiles_fill_the_device(w8):
+    assert w8.choose_config(256, 16384, 132) == w8.W8a8Config(64, 128, 4, 4)  # q_b at verify
+    assert w8.choose_config(256, 2048, 132).block_n == 64  # q_a: 64 programs at 128 columns
+    assert w8.choose_config(256, 576, 132).block_n == 64  # kv_a: the narrowest there is
+    assert w8.choose_config(4096, 6144, 132) == w8.W8a8Config(64, 256, 8, 3)  # prefill
+    assert w8.choose_config(300, 576, 132).block_n == 64  # nothing fills 132 SMs: the narrowest
+
+
+def test_fp8_linear_takes_w8a8_above_the_threshold(fl):
+    """fp16 / bf16 activations above DEQUANTIZE_ABOVE_M rows: W8A8; fp32 (test models): the
+    exact dequantized product."""
+    wq, scale = _shard(40, 200, 5, 100)
+    m = fl.DEQUANTIZE_ABOVE_M + 1
+    x = _activations(m, 200)
+    assert torch.equal(fl.fp8_linear(x, wq, scale, 5, 100),
+                       fl.fp8_w8a8.w8a8_linear(x, wq, scale, 5, 100))
+    x32 = x.float()
+    assert torch.equal(fl.fp8_linear(x32, wq, scale, 5, 100),
+                       fw.linear_reference(x32, wq, scale, 5, 100))
+
+
+def test_bad_input_is_named(w8):
+    wq, scale = _shard(40, 200, 0, 0)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        w8.w8a8_linear(torch.zeros(3, 200), wq, scale)
+    with pytest.raises(ValueError, match="K = 100"):
+        w8.w8a8_linear(torch.zeros(3, 100, dtype=torch.float16), wq, scale)
+    xq, xs = fw.quantize_activations(torch.zeros(3, 200))
+    with pytest.raises(ValueError, match="groups disagree"):
+        w8.w8a8_matmul(xq, xs[:, :1].contiguous(), wq, scale, torch.float16)
