@@ -1,4 +1,5 @@
-"""Block-FP8 weights (weight-only FP8, "w8a16"): the layout maths and the PyTorch reference.
+"""Block-FP8 weights ("w8a16", and "w8a8" above 64 rows): the layout maths and the PyTorch
+references.
 
 DeepSeek-V3.2 / GLM-5.x checkpoints store a matrix W [N, K] (out × in) as float8_e4m3fn bytes Wq
 with one fp32 scale per 128 × 128 block, `weight_scale_inv` S [⌈N/128⌉, ⌈K/128⌉]:
@@ -10,9 +11,12 @@ with one fp32 scale per 128 × 128 block, `weight_scale_inv` S [⌈N/128⌉, ⌈
       128    │ S[1,0] │   S[1,1]   │S[1,2]│
              └────────┴────────────┴──────┘
 
-The weight value every path computes with is dtype(fp32(Wq) · S) — the same value loading the
-checkpoint dequantized in fp32 and casting it to the model dtype gives — and activations stay in
-their own dtype (they are not quantized); products accumulate in fp32.
+The weight value the weight-only paths compute with is dtype(fp32(Wq) · S) — the same value
+loading the checkpoint dequantized in fp32 and casting it to the model dtype gives — and
+activations stay in their own dtype; products accumulate in fp32. Above 64 rows of bf16 / fp16
+activations the GPU runs W8A8 instead (kernels/triton/fp8_w8a8.py): the activations quantized
+per row and 128 columns (`quantize_activations`), FP8 products scaled per group
+(`w8a8_reference`), as DeepSeek-V3's own inference and the serving engines run these models.
 
 A tensor-parallel shard of W may start inside a block: rows 192 .. 383 of a 128-blocked matrix
 keep the scale rows of blocks 1 .. 2, and their row 0 is row 64 of block 1 (`n_off` = 64):
@@ -23,8 +27,8 @@ keep the scale rows of blocks 1 .. 2, and their row 0 is row 64 of block 1 (`n_o
                                  ├─ n_off ─┤
 
 Element (n, k) of a shard uses S_shard[(n + n_off) // 128, (k + k_off) // 128], 0 ≤ off < 128.
-Pure PyTorch, runs anywhere; the Triton kernels (kernels/triton/fp8_linear.py) are tested
-against these functions.
+Pure PyTorch, runs anywhere; the Triton kernels (kernels/triton/fp8_linear.py, fp8_w8a8.py) are
+tested against these functions.
 """
 
 from __future__ import annotations

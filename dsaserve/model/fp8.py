@@ -3,10 +3,14 @@
 DeepSeek-V3.2 and GLM-5.x checkpoints store their matrices as float8_e4m3fn with one fp32 scale
 per 128 × 128 block (`X.weight`, `X.weight_scale_inv`; W ≈ Wq · S[r // 128, c // 128]). The
 modules here hold both exactly as stored, so the weights take one byte per value in memory (the
-real models fit, decode reads half the bytes), and the product uses the weight value
-dequantized(r, c) = x.dtype(fp32(Wq[r, c]) · S[...]) — the value dequantizing at load gave, so
-outputs are unchanged: on CUDA the kernel (kernels/triton/fp8_linear.py) forms it per tile;
-elsewhere the reference dequantizes the matrix, then F.linear (bit-equal to dequantizing at load).
+real models fit, decode reads half the bytes). Up to 64 rows (decode), and for fp32 activations,
+the product uses the weight value dequantized(r, c) = x.dtype(fp32(Wq[r, c]) · S[...]) — the
+value dequantizing at load gave, so outputs are unchanged: on CUDA the kernel
+(kernels/triton/fp8_linear.py) forms it per tile; elsewhere the reference dequantizes the
+matrix, then F.linear (bit-equal to dequantizing at load). Above 64 rows of bf16 / fp16 on CUDA
+(prefill, MTP verification of large batches) it is W8A8 (kernels/triton/fp8_w8a8.py): the
+activations quantized per row and 128 columns, FP8 tensor cores, as DeepSeek-V3's inference,
+vLLM, SGLang and transformers run these checkpoints.
 
 Tensor parallelism keeps a contiguous range of a matrix's rows (or columns), which may start inside
 a block; the module keeps the scale blocks that cover its range and where the range starts in the

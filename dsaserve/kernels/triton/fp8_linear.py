@@ -14,8 +14,9 @@ accumulates in fp32, so it differs from the dequantize-at-load model only in sum
 Decode (M ≤ 64) is bound by the weight bytes: one m tile, so every weight byte is read once;
 when the n tiles alone leave SMs idle the K range is split, each split writing fp32 partials
 that a second kernel sums in split order (deterministic, unlike atomics). Above 64 rows
-(prefill, large verify batches) the weight is dequantized into a transient copy and cuBLAS
-multiplies: measured faster there (DEQUANTIZE_ABOVE_M).
+(prefill, large verify batches) bf16 and fp16 activations take W8A8 (fp8_w8a8.py: FP8 tensor
+cores, the weight read once); fp32 ones (test models) the weight dequantized into a transient
+copy and cuBLAS, exactly (DEQUANTIZE_ABOVE_M).
 
 `grouped_linear` is the MoE form (moe_compute's grouped path): rows sorted by expert, group
 ends on the device, never read on the host, so one launch with a grid fixed by (P, N, E) serves
@@ -67,12 +68,13 @@ class Fp8LinearConfig:
             raise ValueError(f"Fp8LinearConfig.split_k: must be >= 1, got {self.split_k}")
 
 
-# Above this many rows `fp8_linear` dequantizes the weight into a transient copy in the
-# activation dtype and lets cuBLAS multiply. Measured on an H100 at GLM-5.3's projections
-# (docs/fp8_weights.md): at M = 256 that is faster for 10 of the 11 shapes and 1.54× in sum,
-# at M ≥ 4096 ~1.8× (cuBLAS's tensor-core pipeline against a kernel that dequantizes each
-# weight tile once per m tile); at M = 64 this kernel is 1.29× faster in sum (one byte per
-# weight, read once). The 64 < M ≤ 256 and M > 256 tile shapes the kernel had are deleted.
+# Above this many rows `fp8_linear` leaves the weight-only kernel: W8A8 for bf16 / fp16, the
+# weight dequantized into a transient copy and cuBLAS for fp32. Measured on an H100 at GLM-5.3's
+# projections (docs/fp8_weights.md): the dequantized copy + cuBLAS was faster than this kernel
+# at M = 256 for 10 of the 11 shapes (1.54× in sum) and ~1.8× at M ≥ 4096 (cuBLAS's
+# tensor-core pipeline against a kernel that dequantizes each weight tile once per m tile);
+# at M = 64 this kernel is 1.29× faster in sum (one byte per weight, read once). The 64 < M ≤
+# 256 and M > 256 tile shapes the kernel had are deleted.
 DEQUANTIZE_ABOVE_M = 64
 
 
