@@ -112,7 +112,7 @@
 #                                          #   per expert, FP8 weights at 16 layers, b = 1, 64,
 #                                          #   bf16 b = 64 with its verify on the Triton kernel
 #   bash benchmarks/gpu_owed.sh 45         # part 45: W8A8 above 64 rows (tests, GEMMs at 256
-#                                          #   and 4096 rows, FP8 MTP3 at b = 64), its tiles
+#                                          #   and 4096 rows, their tiles)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -512,18 +512,14 @@ elif [ "$part" = 43 ]; then
         --out "$out/decode16_b64.md"
 elif [ "$part" = 45 ]; then
     # W8A8 for FP8 projections above 64 rows (fp8_w8a8.py): its GPU tests (act_quant's bytes,
-    # the product against its reference, the engine with FP8 weights), the GEMMs at 256 and
-    # 4096 rows against dequantize + cuBLAS (the path before) and bf16 cuBLAS, then MTP3 at
-    # b = 64 with FP8 weights (its verify's 256 rows: 20.3 ms with dequantize + cuBLAS)
-    TAIL_LINES=12 run 170 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
+    # the product against its reference), the GEMMs at 256 and 4096 rows against dequantize +
+    # cuBLAS (the path before) and bf16 cuBLAS, then its tiles at 256 and 4096 rows
+    TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py
     TAIL_LINES=30 run 120 w8a8 python benchmarks/fp8_linear.py --m 256,4096 --no-grouped \
         --out "$out/w8a8.md"
-    [ "$(left)" -gt 60 ] && TAIL_LINES=16 run 180 decode16_fp8_b64 python benchmarks/decode.py \
-        --layers 16 --weights fp8 --contexts 8192 --batches 64 --steps 10 --fastest-only \
-        --out "$out/decode16_fp8_b64.md"
-    [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" w8a8_sweep python \
-        benchmarks/fp8_linear.py --m 256 --only q_a,kv_a,o_proj --no-grouped --sweep
+    [ "$(left)" -gt 60 ] && TAIL_LINES=60 run "$(left)" w8a8_sweep python \
+        benchmarks/fp8_linear.py --m 256,4096 --only q_a,kv_a,o_proj --no-grouped --sweep
 elif [ "$part" = 44 ]; then
     # the FP8 grouped kernel at 16 and 64 rows per expert (its prefill-sized tiles there),
     # then the deployment's weights at 16 layers, b = 1 and 64

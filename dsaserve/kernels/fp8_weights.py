@@ -140,7 +140,10 @@ def quantize_activations(x: torch.Tensor, k_off: int = 0) -> tuple[torch.Tensor,
     padded = x.new_zeros(m, kb * FP8_BLOCK, dtype=torch.float32)
     padded[:, k_off : k_off + k] = x.float()
     groups = padded.view(m, kb, FP8_BLOCK)
-    xs = groups.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR) / FP8_E4M3_MAX  # [M, Kb]
+    amax = groups.abs().amax(-1).clamp(min=ACT_AMAX_FLOOR)  # [M, Kb]
+    # divided by a tensor: a CUDA tensor divided by a Python number is multiplied by its
+    # rounded reciprocal instead (one ulp off in some rows); this is the IEEE quotient anywhere
+    xs = amax / amax.new_tensor(FP8_E4M3_MAX)
     q = (groups / xs[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.view(m, kb * FP8_BLOCK)[:, k_off : k_off + k].contiguous(), xs
 

@@ -6,10 +6,9 @@ What the interpreter cannot do is checked on the GPU (tests/gpu/test_fp8_linear_
 - FP8 MMAs: it holds FP8 operands as bytes, so there the kernel multiplies them as fp32 (exact:
   a product of two e4m3 values fits in fp32); the groups on the weight's scale grid, the
   scaling of each group's product and the tiles are the same code;
-- rounding to e4m3: Triton 3.6's interpreter truncates where rounding carries into the exponent
-  (−127 → −64) and flushes subnormals, so act_quant's bytes are compared with the interpreter's
-  own conversion of the reference quotients, and the GEMMs take the reference's quantized
-  activations (w8a8_matmul).
+- Triton's own fp32 → e4m3 conversion (it truncates in the interpreter, −127 → −64, and rounds
+  twice on the GPU): act_quant rounds to the e4m3 grid itself first, so its bytes equal the
+  reference's here and there.
 Activations are fp16 here (the interpreter's bf16 dot is broken, test_fp8_linear_interp.py).
 """
 
@@ -33,26 +32,6 @@ def w8():
 @pytest.fixture(scope="module")
 def fl():
     yield from interpreted("dsaserve.kernels.triton.fp8_w8a8", "dsaserve.kernels.triton.fp8_linear")
-
-
-@pytest.fixture(scope="module")
-def to_e4m3(w8):
-    """The interpreter's own fp32 → e4m3 conversion (made while `w8` holds it interpreted)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def convert(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(q_ptr + i, tl.load(x_ptr + i, mask=i < n).to(q_ptr.dtype.element_ty),
-                 mask=i < n)
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
-        convert[(triton.cdiv(x.numel(), 1024),)](x.contiguous(), q, x.numel(), BLOCK=1024)
-        return q
-
-    return run
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -114,14 +93,27 @@ def test_w8a8_reference_is_the_product_of_the_quantized_values():
 
 
 @pytest.mark.parametrize("m,k,k_off", [(5, 300, 0), (40, 260, 37), (17, 128, 0), (3, 90, 100)])
-def test_act_quant_equals_reference(w8, to_e4m3, m, k, k_off):
+def test_act_quant_equals_reference(w8, m, k, k_off):
     x = _activations(m, k + 11)[:, 11:]  # rows of a wider buffer
     xq, xs = w8.act_quant(x, k_off)
-    _, want_s = fw.quantize_activations(x, k_off)
+    want_q, want_s = fw.quantize_activations(x, k_off)
     assert torch.equal(xs, want_s)
-    group = (torch.arange(k) + k_off) // B
-    quotient = (x.float() / want_s[:, group]).clamp(-448, 448)  # the reference's, unrounded
-    assert torch.equal(xq.view(torch.uint8), to_e4m3(quotient).view(torch.uint8))
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_rounding_to_e4m3_ties_to_even(w8):
+    """Every e4m3 value, the midpoints between neighbours (ties: to the even mantissa), and
+    points just either side of them, subnormals included."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()  # [-448 .. 448]
+    mid = (grid[1:] + grid[:-1]) / 2
+    q = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1])])
+    x = q.view(-1, 1).repeat(1, 128).to(torch.float16)  # fp16 holds every one of them
+    x[:, 0] = 448  # each row's scale 1: the quotients are the values themselves
+    xq, xs = w8.act_quant(x)
+    assert (xs == 1).all()
+    want = x.float().to(torch.float8_e4m3fn)  # PyTorch: one rounding, ties to even
+    assert torch.equal(xq.view(torch.uint8), want.view(torch.uint8))
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -92,6 +92,23 @@ def device_sms(device: torch.device) -> int:
     return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@triton.jit
+def _round_to_e4m3(q):
+    """q (fp32, |q| ≤ 448) rounded to the nearest e4m3 value, ties to even, in fp32
+    arithmetic: the step at q's binade (3 mantissa bits; 2^-9 below the smallest normal
+    2^-6); v = |q| / step (≤ 16, exact: a power of two), v + 1.5·2^23 − 1.5·2^23 rounds it to
+    an integer, and q's sign bit goes back on (−0 stays −0, as PyTorch's cast keeps it). The
+    cast to e4m3 after it is then exact: Triton's own conversion from fp32 rounds twice on the
+    GPU (through fp16: 0.1 % of the bytes differ from one rounding) and truncates in its CPU
+    interpreter."""
+    bits = q.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # the step's exponent (zeros: −9)
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_step = ((127 - e) << 23).to(tl.float32, bitcast=True)  # exact: no division
+    r = ((tl.abs(q) * inv_step + 12582912.0) - 12582912.0) * step
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(
     x_ptr,  # [M, K], rows stride_x apart, unit last stride
@@ -112,6 +129,7 @@ def _act_quant_kernel(
     amax = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR)  # [BLOCK_R]
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     q = tl.clamp(tl.math.div_rn(x, s[:, None]), -QMAX, QMAX)  # IEEE division: the reference's
+    q = _round_to_e4m3(q)
     tl.store(q_ptr + rows64[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live)
     tl.store(s_ptr + rows64 * num_kb + g, s, mask=row_live)
 
