@@ -6,12 +6,16 @@
 Per projection (N × K from the glm-5.3 preset) and batch rows M, three ways to compute x · Wᵀ:
 
   fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight): the
-             weight-only kernel up to DEQUANTIZE_ABOVE_M rows, above them W8A8 (the
+             weight-only kernel up to WEIGHT_ONLY_MAX_M rows, then W8A8 up to W8A8_MAX_M (the
              activations quantized per row and 128 columns, FP8 tensor cores; its time
-             includes the quantization), checked against fp8_weights.w8a8_reference
+             includes the quantization; checked against fp8_weights.w8a8_reference), then
+             itself the dequantized copy + cuBLAS
   bf16       F.linear on the weight dequantized at load (cuBLAS; 2 bytes per weight)
   deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear (fp8_linear's path above
-             DEQUANTIZE_ABOVE_M rows before W8A8: the previous version)
+             WEIGHT_ONLY_MAX_M rows before W8A8: the previous version)
+
+--sweep above WEIGHT_ONLY_MAX_M times the W8A8 tiles (at any M: where fp8_linear does not use
+W8A8, the table's fp8 column is the dequantized copy and the sweep shows what W8A8 would take).
 
 with the weight bytes each reads per call over its time (GB/s) against the HBM roofline (the
 device-to-device copy, read + write, measured here; --hbm-tbps to give one). Decode sizes
@@ -118,13 +122,16 @@ def _label(cfg, split: int | None = None) -> str:
 
 
 def sweep_w8a8_configs(m: int) -> list:
-    """W8A8 candidates above DEQUANTIZE_ABOVE_M rows: m and n tiles, warps, stages, bands."""
+    """W8A8 candidates above WEIGHT_ONLY_MAX_M rows: m and n tiles, warps, stages, bands (tiles
+    that spill in the sm_90 build left out: 128 × 128 on 4 warps, 256 columns)."""
     from dsaserve.kernels.triton.fp8_w8a8 import W8a8Config
 
     out = set()
     for bm in (64, 128):
-        for bn in (64, 128, 256):
-            for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
+        for bn in (64, 128):
+            for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                if bm * bn > 64 * 128 and warps == 4:
+                    continue
                 for group in (1, 8):
                     out.add(W8a8Config(bm, bn, warps, stages, group))
     return sorted(out, key=lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages,
@@ -168,13 +175,15 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     scratch = torch.empty_like(bf[0])
     x = torch.randn(m, p.k, generator=g, device=DEV).bfloat16()
     want = F.linear(x, bf[0])
-    w8a8 = m > fl.DEQUANTIZE_ABOVE_M
+    w8a8 = fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    want_fp8 = want
     if w8a8:
         want_fp8 = fw.w8a8_reference(x, *ws[0])
         label = _w8a8_label(fl.fp8_w8a8.choose_config(m, p.n, sms))
+    elif m > fl.WEIGHT_ONLY_MAX_M:
+        label = "deq + cuBLAS"
     else:
-        want_fp8 = want
         cfg = fl.choose_config(m, p.n, p.k)
         label = _label(cfg, fl.choose_split_k(m, p.n, p.k, cfg, sms))
     _check(fl.fp8_linear(x, *ws[0]), want_fp8, f"{p.name} M={m}")
@@ -189,8 +198,9 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
               label)
     if args.sweep:
         best = (fp8, row.config)
-        if w8a8:
+        if m > fl.WEIGHT_ONLY_MAX_M:
             run = fl.fp8_w8a8.w8a8_linear
+            want_fp8 = fw.w8a8_reference(x, *ws[0])
             candidates = [(c, _w8a8_label(c)) for c in sweep_w8a8_configs(m)]
         else:
             run = fl.fp8_linear
@@ -257,10 +267,11 @@ def bench_grouped(cfg: dict) -> list[GroupedRow]:
 
 
 def report(rows: list[Row], grouped: list[GroupedRow], roof: float, where: str) -> str:
-    from dsaserve.kernels.triton.fp8_linear import DEQUANTIZE_ABOVE_M
+    from dsaserve.kernels.triton.fp8_linear import W8A8_MAX_M, WEIGHT_ONLY_MAX_M
 
     lines = [
-        f"FP8-weight GEMMs (weight-only up to {DEQUANTIZE_ABOVE_M} rows, W8A8 above), GLM-5.3 "
+        f"FP8-weight GEMMs (weight-only up to {WEIGHT_ONLY_MAX_M} rows, W8A8 up to {W8A8_MAX_M}, "
+        "then the dequantized copy + cuBLAS), GLM-5.3 "
         f"shapes, bf16 activations, {where}; HBM roofline "
         f"{roof:.2f} TB/s (device copy, read + write). Times in µs per call; decode sizes "
         "from CUDA graphs over weight copies that overflow L2, the rest eager (L2 flushed). "

@@ -1,6 +1,7 @@
 """The FP8-weight GEMMs (kernels/triton/fp8_linear.py, fp8_w8a8.py) on the GPU at GLM-5.3 shapes,
 against the PyTorch references (kernels/fp8_weights.py: cuBLAS on the dequantized weight; above
-DEQUANTIZE_ABOVE_M rows of bf16 / fp16, the W8A8 product of the quantized activations).
+WEIGHT_ONLY_MAX_M up to W8A8_MAX_M rows of bf16 / fp16, the W8A8 product of the quantized
+activations).
 
 Tolerances, from the output magnitude: both sides compute with the same weight values
 (dtype(fp32(wq) · scale), checked bit for bit below) and accumulate in fp32, so they differ by
@@ -61,9 +62,9 @@ def _weight(n: int, k: int, g: torch.Generator, batch: tuple[int, ...] = ()):
 
 def _want(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
           k_off: int = 0) -> torch.Tensor:
-    """What fp8_linear computes: W8A8 above the threshold for bf16 / fp16, else the product
+    """What fp8_linear computes: W8A8 between the thresholds for bf16 / fp16, else the product
     with the dequantized weight."""
-    if x.shape[0] > fl.DEQUANTIZE_ABOVE_M and x.dtype != torch.float32:
+    if fl.WEIGHT_ONLY_MAX_M < x.shape[0] <= fl.W8A8_MAX_M and x.dtype != torch.float32:
         return fw.w8a8_reference(x, wq, scale, n_off, k_off)
     return fw.linear_reference(x, wq, scale, n_off, k_off)
 

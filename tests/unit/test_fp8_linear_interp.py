@@ -68,7 +68,7 @@ DTYPES = [torch.float32, torch.float16]
     (64, 70, 150, 0, 37),  # of columns: k tiles straddle two scale blocks
 ])
 def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
-    """Up to DEQUANTIZE_ABOVE_M rows (above it: test_kernel_above_the_dequantize_threshold for
+    """Up to WEIGHT_ONLY_MAX_M rows (above it: test_kernel_above_the_dequantize_threshold for
     fp32, tests/unit/test_fp8_w8a8_interp.py for the W8A8 path of fp16 and bf16)."""
     wq, scale = _shard(n, k, n_off, k_off)
     x = torch.randn(m, k, generator=_gen(m)).to(dtype)
@@ -77,9 +77,9 @@ def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
 
 
 def test_kernel_above_the_dequantize_threshold(fl):
-    """Above DEQUANTIZE_ABOVE_M the default is the dequantized matmul; the kernel still runs
+    """Above WEIGHT_ONLY_MAX_M the default is the dequantized matmul; the kernel still runs
     there with an explicit config (the benchmark's sweep), over several m tiles."""
-    m = fl.DEQUANTIZE_ABOVE_M + 66
+    m = fl.WEIGHT_ONLY_MAX_M + 66
     wq, scale = _shard(40, 200, 5, 100)
     x = torch.randn(m, 200, generator=_gen(m))
     want = fw.linear_reference(x, wq, scale, 5, 100)

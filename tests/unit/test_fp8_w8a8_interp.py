@@ -6,9 +6,8 @@ What the interpreter cannot do is checked on the GPU (tests/gpu/test_fp8_linear_
 - FP8 MMAs: it holds FP8 operands as bytes, so there the kernel multiplies them as fp32 (exact:
   a product of two e4m3 values fits in fp32); the groups on the weight's scale grid, the
   scaling of each group's product and the tiles are the same code;
-- Triton's own fp32 → e4m3 conversion (it truncates in the interpreter, −127 → −64, and rounds
-  twice on the GPU): act_quant rounds to the e4m3 grid itself first, so its bytes equal the
-  reference's here and there.
+- Triton's own fp32 → e4m3 conversion (it truncates in the interpreter, −127 → −64): act_quant
+  rounds to the e4m3 grid itself first, so its bytes equal the reference's here and there.
 Activations are fp16 here (the interpreter's bf16 dot is broken, test_fp8_linear_interp.py).
 """
 
@@ -150,22 +149,23 @@ def test_w8a8_bands_of_m_tiles(w8):
 def test_tiles_fill_the_device(w8):
     assert w8.choose_config(256, 16384, 132) == w8.W8a8Config(64, 128, 4, 4)  # q_b at verify
     assert w8.choose_config(256, 2048, 132).block_n == 64  # q_a: 64 programs at 128 columns
-    assert w8.choose_config(256, 576, 132).block_n == 64  # kv_a: the narrowest there is
-    assert w8.choose_config(4096, 6144, 132) == w8.W8a8Config(64, 256, 8, 3)  # prefill
-    assert w8.choose_config(300, 576, 132).block_n == 64  # nothing fills 132 SMs: the narrowest
+    assert w8.choose_config(256, 576, 132).block_n == 64  # kv_a: nothing fills 132 SMs
 
 
 def test_fp8_linear_takes_w8a8_above_the_threshold(fl):
-    """fp16 / bf16 activations above DEQUANTIZE_ABOVE_M rows: W8A8; fp32 (test models): the
-    exact dequantized product."""
+    """fp16 / bf16 activations from WEIGHT_ONLY_MAX_M + 1 to W8A8_MAX_M rows: W8A8; above, and
+    fp32 (test models) at any size: the dequantized product."""
     wq, scale = _shard(40, 200, 5, 100)
-    m = fl.DEQUANTIZE_ABOVE_M + 1
-    x = _activations(m, 200)
+    for m in (fl.WEIGHT_ONLY_MAX_M + 1, fl.W8A8_MAX_M):
+        x = _activations(m, 200)
+        assert torch.equal(fl.fp8_linear(x, wq, scale, 5, 100),
+                           fl.fp8_w8a8.w8a8_linear(x, wq, scale, 5, 100))
+        x32 = x.float()
+        assert torch.equal(fl.fp8_linear(x32, wq, scale, 5, 100),
+                           fw.linear_reference(x32, wq, scale, 5, 100))
+    x = _activations(fl.W8A8_MAX_M + 1, 200)
     assert torch.equal(fl.fp8_linear(x, wq, scale, 5, 100),
-                       fl.fp8_w8a8.w8a8_linear(x, wq, scale, 5, 100))
-    x32 = x.float()
-    assert torch.equal(fl.fp8_linear(x32, wq, scale, 5, 100),
-                       fw.linear_reference(x32, wq, scale, 5, 100))
+                       fw.linear_reference(x, wq, scale, 5, 100))
 
 
 def test_bad_input_is_named(w8):

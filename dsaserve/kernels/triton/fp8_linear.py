@@ -13,10 +13,11 @@ accumulates in fp32, so it differs from the dequantize-at-load model only in sum
 
 Decode (M ≤ 64) is bound by the weight bytes: one m tile, so every weight byte is read once;
 when the n tiles alone leave SMs idle the K range is split, each split writing fp32 partials
-that a second kernel sums in split order (deterministic, unlike atomics). Above 64 rows
-(prefill, large verify batches) bf16 and fp16 activations take W8A8 (fp8_w8a8.py: FP8 tensor
-cores, the weight read once); fp32 ones (test models) the weight dequantized into a transient
-copy and cuBLAS, exactly (DEQUANTIZE_ABOVE_M).
+that a second kernel sums in split order (deterministic, unlike atomics). From 65 to 256 rows
+(MTP3 verification up to b = 64) bf16 and fp16 activations take W8A8 (fp8_w8a8.py: FP8 tensor
+cores, the weight read once); above that (prefill) and for fp32 activations (test models) the
+weight is dequantized into a transient copy and cuBLAS multiplies, exactly
+(WEIGHT_ONLY_MAX_M, W8A8_MAX_M).
 
 `grouped_linear` is the MoE form (moe_compute's grouped path): rows sorted by expert, group
 ends on the device, never read on the host, so one launch with a grid fixed by (P, N, E) serves
@@ -68,18 +69,22 @@ class Fp8LinearConfig:
             raise ValueError(f"Fp8LinearConfig.split_k: must be >= 1, got {self.split_k}")
 
 
-# Above this many rows `fp8_linear` leaves the weight-only kernel: W8A8 for bf16 / fp16, the
-# weight dequantized into a transient copy and cuBLAS for fp32. Measured on an H100 at GLM-5.3's
-# projections (docs/fp8_weights.md): the dequantized copy + cuBLAS was faster than this kernel
-# at M = 256 for 10 of the 11 shapes (1.54× in sum) and ~1.8× at M ≥ 4096 (cuBLAS's
-# tensor-core pipeline against a kernel that dequantizes each weight tile once per m tile);
-# at M = 64 this kernel is 1.29× faster in sum (one byte per weight, read once). The 64 < M ≤
-# 256 and M > 256 tile shapes the kernel had are deleted.
-DEQUANTIZE_ABOVE_M = 64
+# Above this many rows `fp8_linear` leaves the weight-only kernel. Measured on an H100 at
+# GLM-5.3's projections (docs/fp8_weights.md): the dequantized copy + cuBLAS was faster than
+# this kernel at M = 256 for 10 of the 11 shapes (1.54× in sum) and ~1.8× at M ≥ 4096
+# (cuBLAS's tensor-core pipeline against a kernel that dequantizes each weight tile once per m
+# tile); at M = 64 this kernel is 1.29× faster in sum (one byte per weight, read once). The
+# 64 < M ≤ 256 and M > 256 tile shapes the kernel had are deleted.
+WEIGHT_ONLY_MAX_M = 64
+# Up to this many rows bf16 / fp16 activations then take W8A8, above it the dequantized copy +
+# cuBLAS. Measured on an H100 (docs/fp8_weights.md): at 16 layers, b = 64 with MTP3 (256
+# verify rows) W8A8 took the step from 20.3 to 17.7 ms; at 4,096 rows the Triton W8A8 kernel
+# reaches 545–610 TFLOP/s and is 0.80–0.95× the dequantized copy + cuBLAS (0.44× on kv_a).
+W8A8_MAX_M = 256
 
 
 def choose_config(m: int, n: int, k: int) -> Fp8LinearConfig:
-    """Tiles by M bucket (M ≤ DEQUANTIZE_ABOVE_M): one m tile (the weight streamed once) and
+    """Tiles by M bucket (M ≤ WEIGHT_ONLY_MAX_M): one m tile (the weight streamed once) and
     narrow n tiles (more programs). Larger M reach the kernel only with an explicit config
     (benchmarks/fp8_linear.py --sweep); they get the largest bucket's tiles here."""
     if m <= 16:
@@ -226,15 +231,16 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     (fp8_weights.dequantize's layout, offsets included) → x · Wᵀ [M, N] in x's dtype.
 
     config: the launch shape (default: choose_config by M, split_k by the grid and SMs; above
-    DEQUANTIZE_ABOVE_M rows, the weight dequantized into a transient copy and cuBLAS).
+    WEIGHT_ONLY_MAX_M rows W8A8 up to W8A8_MAX_M for bf16 / fp16, else the weight dequantized
+    into a transient copy and cuBLAS).
     No host sync; allocates its output (and fp32 partials when the K range is split)."""
     _check_weight("fp8_linear", x, wq, scale, n_off, k_off)
     m, k = x.shape
     n = wq.shape[0]
-    if config is None and m > DEQUANTIZE_ABOVE_M:
-        if x.dtype != torch.float32:  # the served dtypes: FP8 tensor cores (fp8_w8a8.py)
+    if config is None and m > WEIGHT_ONLY_MAX_M:
+        if m <= W8A8_MAX_M and x.dtype != torch.float32:  # FP8 tensor cores (fp8_w8a8.py)
             return fp8_w8a8.w8a8_linear(x, wq, scale, n_off, k_off)
-        # fp32 (test models): the same weight values (dtype(fp32(wq) · scale)), exactly
+        # the same weight values (dtype(fp32(wq) · scale)), an fp32-accumulated product
         return torch.nn.functional.linear(x, fp8_dequantize(wq, scale, x.dtype, n_off, k_off))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -260,7 +266,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
 
 
 # --------------------------------------------------------------------------------------------
-# Dequantization (a copy in the activation dtype: fp8_linear above DEQUANTIZE_ABOVE_M rows)
+# Dequantization (a copy in the activation dtype: fp8_linear above WEIGHT_ONLY_MAX_M rows)
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _dequantize_kernel(

@@ -1,13 +1,13 @@
 """W8A8 block-FP8 GEMMs: the activations quantized per row and 128 columns, FP8 tensor cores.
 
-Above 64 rows (prefill chunks, MTP verification of large batches) the weight-only kernel of
+From 65 to 256 rows (MTP3 verification of batches up to 64) the weight-only kernel of
 fp8_linear.py dequantized each matrix into a transient bf16 copy for cuBLAS: 1 byte read, 2
-written and 2 read again per weight, and bf16 tensor cores. Here the weight is read once as
-stored and multiplied on FP8 tensor cores (twice bf16's rate):
+written and 2 read again per weight. Here the weight is read once as stored and multiplied on
+FP8 tensor cores:
 
     act_quant      x [M, K] bf16 → xq [M, K] e4m3, xs [M, Kb] fp32 (one scale per row and
                    128-column group on the weight's scale grid; fp8_weights.quantize_activations)
-    w8a8_linear    program (m tile, n tile), swizzled in GROUP_M row bands for L2 reuse:
+    w8a8_matmul    program (m tile, n tile), swizzled in GROUP_M row bands for L2 reuse:
                      for each 128-column group kb (one weight scale block):
                        part [BLOCK_M, BLOCK_N] = xq[:, kb] · Wq[:, kb]ᵀ   FP8 MMA, fp32 result
                        acc += part · xs[:, kb] · S[n // 128, kb]          fp32, in registers
@@ -21,7 +21,10 @@ activations' rounding to e4m3 makes the product differ from the dequantized mode
 ~2^-5 of a row's scale per group, so fp8_linear keeps the exact weight-only kernel where it is
 as fast (decode, M ≤ 64) and for fp32 activations (test models compared bit for bit).
 
-No autotuning: tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
+Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
+TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
+MMA), so fp8_linear stops using it there (W8A8_MAX_M; docs/fp8_weights.md). No autotuning:
+tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 """
 
 from __future__ import annotations
@@ -62,21 +65,18 @@ class W8a8Config:
 
 
 # Candidate tiles, widest first. Each thread holds the fp32 accumulator and one group's product
-# (two [BLOCK_M, BLOCK_N] tiles): in the sm_90 builds 64 × 128 per warpgroup takes 232–234
-# registers without spills, 128 × 128 on 8 warps spills (benchmarks/sm90_resources.py --only
-# w8a8); 64 × 256 on 8 warps is two warpgroups sharing one activation tile.
-PREFILL_TILES = (W8a8Config(64, 256, 8, 3), W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
-VERIFY_TILES = (W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
+# (two [BLOCK_M, BLOCK_N] tiles): 64 × 128 per warpgroup takes 234 registers without spills in
+# the sm_90 build (benchmarks/sm90_resources.py --only w8a8), 128 × 128 on 8 warps spills.
+TILES = (W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
 
 
 def choose_config(m: int, n: int, num_sms: int) -> W8a8Config:
-    """The widest tiles that still give every SM a program: 64 × 256 for prefill-sized M,
-    64 × 128 up to 256 rows (MTP verification), 64 × 64 for narrow projections such as kv_a."""
-    tiles = PREFILL_TILES if m > 256 else VERIFY_TILES
-    for cfg in tiles:
+    """The widest tiles that still give every SM a program: 64 × 128, else 64 × 64 (narrow
+    projections such as q_a and kv_a at 256 rows)."""
+    for cfg in TILES:
         if triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n) >= num_sms:
             return cfg
-    return tiles[-1]
+    return TILES[-1]
 
 
 @functools.cache
@@ -98,9 +98,9 @@ def _round_to_e4m3(q):
     arithmetic: the step at q's binade (3 mantissa bits; 2^-9 below the smallest normal
     2^-6); v = |q| / step (≤ 16, exact: a power of two), v + 1.5·2^23 − 1.5·2^23 rounds it to
     an integer, and q's sign bit goes back on (−0 stays −0, as PyTorch's cast keeps it). The
-    cast to e4m3 after it is then exact: Triton's own conversion from fp32 rounds twice on the
-    GPU (through fp16: 0.1 % of the bytes differ from one rounding) and truncates in its CPU
-    interpreter."""
+    cast to e4m3 after it is then exact, also in Triton's CPU interpreter, whose own conversion
+    truncates where rounding carries into the exponent (−127 → −64) and flushes subnormals (on
+    the GPU the conversion itself rounds once, as PyTorch's cast does: measured equal)."""
     bits = q.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3  # the step's exponent (zeros: −9)
     step = ((e + 127) << 23).to(tl.float32, bitcast=True)
