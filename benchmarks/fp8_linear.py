@@ -175,8 +175,9 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     scratch = torch.empty_like(bf[0])
     x = torch.randn(m, p.k, generator=g, device=DEV).bfloat16()
     want = F.linear(x, bf[0])
-    w8a8 = fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    w8a8 = (fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M
+            and fl.fp8_w8a8.fills_device(m, p.n, sms))
     want_fp8 = want
     if w8a8:
         want_fp8 = fw.w8a8_reference(x, *ws[0])

@@ -64,7 +64,9 @@ def _want(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0
           k_off: int = 0) -> torch.Tensor:
     """What fp8_linear computes: W8A8 between the thresholds for bf16 / fp16, else the product
     with the dequantized weight."""
-    if fl.WEIGHT_ONLY_MAX_M < x.shape[0] <= fl.W8A8_MAX_M and x.dtype != torch.float32:
+    m, n = x.shape[0], wq.shape[0]
+    if (fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M and x.dtype != torch.float32
+            and fl.fp8_w8a8.fills_device(m, n, fl.fp8_w8a8.device_sms(x.device))):
         return fw.w8a8_reference(x, wq, scale, n_off, k_off)
     return fw.linear_reference(x, wq, scale, n_off, k_off)
 

@@ -150,12 +150,14 @@ def test_tiles_fill_the_device(w8):
     assert w8.choose_config(256, 16384, 132) == w8.W8a8Config(64, 128, 4, 4)  # q_b at verify
     assert w8.choose_config(256, 2048, 132).block_n == 64  # q_a: 64 programs at 128 columns
     assert w8.choose_config(256, 576, 132).block_n == 64  # kv_a: nothing fills 132 SMs
+    assert w8.fills_device(256, 2048, 132)  # q_a: 128 programs
+    assert not w8.fills_device(256, 576, 132)  # kv_a: 36 programs
 
 
 def test_fp8_linear_takes_w8a8_above_the_threshold(fl):
     """fp16 / bf16 activations from WEIGHT_ONLY_MAX_M + 1 to W8A8_MAX_M rows: W8A8; above, and
     fp32 (test models) at any size: the dequantized product."""
-    wq, scale = _shard(40, 200, 5, 100)
+    wq, scale = _shard(300, 200, 5, 100)  # 5 n tiles: the interpreter's 8 SMs filled
     for m in (fl.WEIGHT_ONLY_MAX_M + 1, fl.W8A8_MAX_M):
         x = _activations(m, 200)
         assert torch.equal(fl.fp8_linear(x, wq, scale, 5, 100),
@@ -166,6 +168,9 @@ def test_fp8_linear_takes_w8a8_above_the_threshold(fl):
     x = _activations(fl.W8A8_MAX_M + 1, 200)
     assert torch.equal(fl.fp8_linear(x, wq, scale, 5, 100),
                        fw.linear_reference(x, wq, scale, 5, 100))
+    narrow = _shard(40, 200, 5, 100)  # 2 programs at 65 rows: too few for W8A8
+    x = _activations(fl.WEIGHT_ONLY_MAX_M + 1, 200)
+    assert torch.equal(fl.fp8_linear(x, *narrow, 5, 100), fw.linear_reference(x, *narrow, 5, 100))
 
 
 def test_bad_input_is_named(w8):

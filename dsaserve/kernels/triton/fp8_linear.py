@@ -76,10 +76,11 @@ class Fp8LinearConfig:
 # tile); at M = 64 this kernel is 1.29× faster in sum (one byte per weight, read once). The
 # 64 < M ≤ 256 and M > 256 tile shapes the kernel had are deleted.
 WEIGHT_ONLY_MAX_M = 64
-# Up to this many rows bf16 / fp16 activations then take W8A8, above it the dequantized copy +
-# cuBLAS. Measured on an H100 (docs/fp8_weights.md): at 16 layers, b = 64 with MTP3 (256
-# verify rows) W8A8 took the step from 20.3 to 17.7 ms; at 4,096 rows the Triton W8A8 kernel
-# reaches 545–610 TFLOP/s and is 0.80–0.95× the dequantized copy + cuBLAS (0.44× on kv_a).
+# Up to this many rows bf16 / fp16 activations then take W8A8 (where it fills the device:
+# fp8_w8a8.fills_device), above it the dequantized copy + cuBLAS. Measured on an H100
+# (docs/fp8_weights.md): at 16 layers, b = 64 with MTP3 (256 verify rows) W8A8 took the step
+# from 20.3 to 17.7 ms; at 4,096 rows the Triton W8A8 kernel reaches 545–610 TFLOP/s and is
+# 0.80–0.95× the dequantized copy + cuBLAS (0.44× on kv_a).
 W8A8_MAX_M = 256
 
 
@@ -238,8 +239,9 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     m, k = x.shape
     n = wq.shape[0]
     if config is None and m > WEIGHT_ONLY_MAX_M:
-        if m <= W8A8_MAX_M and x.dtype != torch.float32:  # FP8 tensor cores (fp8_w8a8.py)
-            return fp8_w8a8.w8a8_linear(x, wq, scale, n_off, k_off)
+        if (m <= W8A8_MAX_M and x.dtype != torch.float32
+                and fp8_w8a8.fills_device(m, n, fp8_w8a8.device_sms(x.device))):
+            return fp8_w8a8.w8a8_linear(x, wq, scale, n_off, k_off)  # FP8 tensor cores
         # the same weight values (dtype(fp32(wq) · scale)), an fp32-accumulated product
         return torch.nn.functional.linear(x, fp8_dequantize(wq, scale, x.dtype, n_off, k_off))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -70,6 +70,15 @@ class W8a8Config:
 TILES = (W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
 
 
+def fills_device(m: int, n: int, num_sms: int) -> bool:
+    """Whether an [m, n] product has programs for at least half the SMs at the narrowest
+    tiles. Below that the K loop's latency, not the bytes, sets the time, and the dequantized
+    copy + cuBLAS is faster: kv_a (576 × 6144) at 256 rows, 36 programs on 132 SMs, took 24.2
+    µs against 15.5 (q_a, 128 programs: 24.4 against 29.4; docs/fp8_weights.md)."""
+    narrow = TILES[-1]
+    return 2 * triton.cdiv(m, narrow.block_m) * triton.cdiv(n, narrow.block_n) >= num_sms
+
+
 def choose_config(m: int, n: int, num_sms: int) -> W8a8Config:
     """The widest tiles that still give every SM a program: 64 × 128, else 64 × 64 (narrow
     projections such as q_a and kv_a at 256 rows)."""
