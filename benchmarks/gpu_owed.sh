@@ -113,6 +113,8 @@
 #                                          #   bf16 b = 64 with its verify on the Triton kernel
 #   bash benchmarks/gpu_owed.sh 45         # part 45: W8A8 from 65 to 256 rows (tests, its
 #                                          #   tiles at 256 rows from graphs)
+#   bash benchmarks/gpu_owed.sh 46         # part 46: W8A8 FP8 experts at verify sizes (tests,
+#                                          #   grouped GEMMs, FP8 MTP3 at b = 64)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -510,6 +512,17 @@ elif [ "$part" = 43 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" decode16_b64 python benchmarks/decode.py \
         --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
         --out "$out/decode16_b64.md"
+elif [ "$part" = 46 ]; then
+    # W8A8 for the FP8 experts at 17-64 rows per expert (fp8_w8a8.w8a8_grouped): the GPU tests,
+    # the grouped GEMMs at 128 and 512 pairs (w8a8 rows beside the weight-only FP8 kernel), then
+    # MTP3 at b = 64 with FP8 weights (17.7 ms with W8A8 for the dense projections only)
+    TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py
+    TAIL_LINES=40 run 100 moe_w8a8 python benchmarks/moe_grouped.py --pairs 128,512 \
+        --out "$out/moe_w8a8.md"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=16 run "$(left)" decode16_fp8_b64 python \
+        benchmarks/decode.py --layers 16 --weights fp8 --contexts 8192 --batches 64 --steps 10 \
+        --fastest-only --out "$out/decode16_fp8_b64.md"
 elif [ "$part" = 45 ]; then
     # W8A8 for FP8 projections from 65 to 256 rows (fp8_w8a8.py): its GPU tests (act_quant's
     # bytes, the product against its reference), then its tiles at 256 rows from CUDA graphs

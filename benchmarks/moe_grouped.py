@@ -14,6 +14,11 @@ b = 1, MTP3 at b = 1, b = 64, MTP3 at b = 64). Per projection:
              F.silu, the product | Triton bf16 and FP8 with it fused (glu=True)
   w2         torch._grouped_mm on bf16 | Triton bf16 | Triton FP8
 
+and FP8 in W8A8 (kernels/triton/fp8_w8a8.py: the activations quantized per row and 128
+columns, FP8 tensor cores; what moe_compute runs at 17–64 rows per expert): its w13 row is the
+quantization of xs and the product, its w2 row silu(gate) · up with its quantization (one
+kernel) and the product, so w13 + w2 is the whole MoE as w13+act + w2 is for the others.
+
 µs per call from a CUDA graph of --copies calls, each on its own copy of the experts (the
 engine's layers each read their own weights; the copies overflow L2), replay / copies, median
 of triton.testing.do_bench. Bytes: the weights of the experts that received pairs (what a
@@ -170,7 +175,8 @@ def sweep_configs(block_m: int) -> list:
 
 
 def _label(cfg) -> str:
-    return f"{cfg.block_m}×{cfg.block_n}×{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    block_k = getattr(cfg, "block_k", 128)  # W8A8: one scale group
+    return f"{cfg.block_m}×{cfg.block_n}×{block_k} w{cfg.num_warps} s{cfg.num_stages}"
 
 
 def _timed(calls: list[Callable[[], object]], cuda: bool, what: str) -> float:
@@ -210,6 +216,13 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
          lambda c, **kw: partial(fl.grouped_linear, act, c.w2, ends, **kw),
          lambda c, **kw: partial(fl.fp8_grouped, act, *c.q2, ends, **kw)),
     ]
+    h13 = torch_grouped(xs, e0.w13, ends)  # [P, 2I] w2's input before the activation (W8A8)
+    w8a8_cases = {
+        "w13": (lambda c, **kw: partial(_w8a8_product, xs, c.q13, ends, False, **kw),
+                lambda: fw.grouped_w8a8_reference(xs, *e0.q13, ends)),
+        "w2": (lambda c, **kw: partial(_w8a8_product, h13, c.q2, ends, True, **kw),
+               lambda: fw.grouped_w8a8_reference(_act(h13).contiguous(), *e0.q2, ends)),
+    }
     fp8_refs = {"w13": lambda: fw.grouped_reference(xs, *e0.q13, ends),
                 "w13+act": lambda: _act(fw.grouped_reference(xs, *e0.q13, ends)),
                 "w2": lambda: fw.grouped_reference(act, *e0.q2, ends)}
@@ -223,10 +236,14 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
         rows.append(Row(pairs, proj, "torch._grouped_mm", ref, bf16_bytes[key], ref))
         kinds = {"bf16": (bf16_call, torch_call(e0)(), bf16_bytes[key], 2),
                  "fp8": (fp8_call, fp8_refs[proj](), fp8_bytes[key], 1)}
+        if proj in w8a8_cases:
+            w8a8_call, w8a8_ref = w8a8_cases[proj]
+            kinds["w8a8"] = (w8a8_call, w8a8_ref(), fp8_bytes[key], 1)
         line = f"  P={pairs:<4} {proj:<8} torch {ref:8.1f} us"
         for kind, (call, want, nbytes, weight_bytes) in kinds.items():
-            cfg = fl.choose_grouped_config(pairs, i if is_act else n, h if key == "w13" else i,
-                                           s.experts, weight_bytes=weight_bytes)
+            cfg = (fl.fp8_w8a8.GROUPED_TILES if kind == "w8a8" else fl.choose_grouped_config(
+                pairs, i if is_act else n, h if key == "w13" else i, s.experts,
+                weight_bytes=weight_bytes))
             what = f"P={pairs} {proj} triton {kind} {_label(cfg)}"
             us = math.nan
             try:
@@ -238,7 +255,7 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
                 us = _timed([call(c) for c in copies], cuda, what)
             rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg)}{ok}", us, nbytes, ref))
             line += f"  triton {kind} {us:8.1f} us"
-            if kind not in sweep:
+            if kind not in sweep or kind == "w8a8":
                 continue
             best = (us, _label(cfg))
             # a smoke run (CPU) tries two, to keep the sweep's code path alive
@@ -257,6 +274,15 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
                             nbytes, ref))
         print(line + f"  ({active} experts)", flush=True)
     return rows
+
+
+def _w8a8_product(x: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor], ends: torch.Tensor,
+                  glu: bool) -> torch.Tensor:
+    """moe_compute's W8A8 step: x (or silu(gate) · up of x with glu) quantized, then the
+    grouped product with the FP8 experts q."""
+    from dsaserve.kernels.triton import fp8_w8a8
+
+    return fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(x, glu=glu), *q, ends, x.dtype)
 
 
 def _act(y: torch.Tensor) -> torch.Tensor:

@@ -451,14 +451,17 @@ def grouped_builds() -> list[Build]:
 
 
 def w8a8_builds() -> list[Build]:
-    """W8A8 from 65 to 256 rows (kernels/triton/fp8_w8a8.py): the activation quantization and
-    the GEMM with the tiles choose_config gives at 256 rows (MTP3 verification at b = 64),
-    GLM-5.3's q_a and o_proj."""
+    """W8A8 (kernels/triton/fp8_w8a8.py): the activation quantization (also of the MoE's
+    silu(gate) · up), the GEMM with the tiles choose_config gives at 256 rows (MTP3
+    verification at b = 64; GLM-5.3's q_a and o_proj) and the experts' grouped GEMM."""
     quant = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                 ["M", "K", "stride_x", "k_off", "num_kb"], ["BLOCK_R", "AMAX_FLOOR", "QMAX"])
+                 ["M", "K", "stride_x", "k_off", "num_kb"],
+                 ["BLOCK_R", "AMAX_FLOOR", "QMAX", "GLU"])
     assert list(quant) == fp8_w8a8._act_quant_kernel.arg_names
-    builds = [Build("W8A8 activation quantization, 16 rows × 128", fp8_w8a8._act_quant_kernel,
-                    quant, {"BLOCK_R": 16, "AMAX_FLOOR": 1e-10, "QMAX": 448.0}, 4)]
+    builds = [Build("W8A8 activation quantization, 16 rows × 128"
+                    + (", of silu(gate) · up" if glu else ""), fp8_w8a8._act_quant_kernel,
+                    quant, {"BLOCK_R": 16, "AMAX_FLOOR": 1e-10, "QMAX": 448.0, "GLU": glu}, 4)
+              for glu in (False, True)]
     gemm = _sig({"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32",
                  "out_ptr": "*bf16"}, ["M", "N", "K", "n_off", "k_off", "num_kb"],
                 ["BLOCK_M", "BLOCK_N", "GROUP_M", "K_ALIGNED", "FP8_DOT"])
@@ -470,6 +473,16 @@ def w8a8_builds() -> list[Build]:
                             {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                              "GROUP_M": cfg.group_m, "K_ALIGNED": True, "FP8_DOT": True},
                             cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
+    grouped = _sig({"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                    "s_ptr": "*fp32", "ends_ptr": "*i32", "out_ptr": "*bf16"},
+                   ["P", "N", "K", "num_nb", "num_kb", "E"],
+                   ["E_P2", "BLOCK_M", "BLOCK_N", "FP8_DOT"])
+    assert list(grouped) == fp8_w8a8._grouped_w8a8_kernel.arg_names
+    cfg = fp8_w8a8.GROUPED_TILES
+    builds.append(Build(f"W8A8 grouped GEMM, 8 experts, {cfg.block_m}×{cfg.block_n} tiles",
+                        fp8_w8a8._grouped_w8a8_kernel, grouped,
+                        {"E_P2": 8, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                         "FP8_DOT": True}, cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
     return builds
 
 

@@ -18,6 +18,11 @@ def _reload(names: tuple[str, ...], interpret: bool) -> list[ModuleType]:
     return [importlib.reload(importlib.import_module(name)) for name in names]
 
 
+# The FP8 GEMM modules in import order (each imports the ones before it).
+FP8_KERNELS = ("dsaserve.kernels.triton.grouped_tiles", "dsaserve.kernels.triton.fp8_w8a8",
+               "dsaserve.kernels.triton.fp8_linear")
+
+
 def interpreted(*names: str) -> Iterator[ModuleType]:
     """A module-scoped fixture's body: the kernel modules `names` under TRITON_INTERPRET=1 (the
     last one yielded), compiled again afterwards for anything imported later. Skips without

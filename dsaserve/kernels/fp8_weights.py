@@ -183,3 +183,17 @@ def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
             out[start:end] = linear_reference(xs[start:end], wq[e], scale[e])
         start = end
     return out
+
+
+def grouped_w8a8_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                           ends: torch.Tensor) -> torch.Tensor:
+    """grouped_reference in W8A8: each expert's rows through w8a8_reference (the activations'
+    quantization is per row, so grouping does not change it). Rows past ends[E-1] are 0."""
+    check_weight(wq, scale, 0, 0)
+    out = torch.zeros(xs.shape[0], wq.shape[1], dtype=xs.dtype, device=xs.device)  # [P, N]
+    start = 0
+    for e, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = w8a8_reference(xs[start:end], wq[e], scale[e])
+        start = end
+    return out

@@ -17,8 +17,9 @@ experts' contributions in fp32 in an order fixed by the routing (dense and loope
 expert; grouped: per token, the router's choice order, without atomics), so a batch gives the
 same bits every run. Experts kept in FP8 (model/fp8.py) take
 the same three paths: grouped through the FP8 grouped kernel (kernels/triton/fp8_linear.py) where
-their blocks line up with the gate/up halves, else every expert dequantized first; dense and looped
-through each expert's dequantized matrices.
+their blocks line up with the gate/up halves (at 17–64 rows per expert in W8A8 for bf16 / fp16:
+kernels/triton/fp8_w8a8.py), else every expert dequantized first; dense and looped through each
+expert's dequantized matrices.
 
     pairs (t, j) flattened:  p = t·k + j          expert e(p) = ids[t, j] − first
     sorted by e (stable):    order [P]            group ends: ends[e] = #pairs with expert ≤ e
@@ -147,6 +148,21 @@ def combine(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, ends: tor
 TRITON_GROUPED_MAX_MEAN_ROWS = 64
 
 
+# FP8 experts take W8A8 (kernels/triton/fp8_w8a8.w8a8_grouped: activations quantized per row
+# and 128 columns, FP8 tensor cores) above this many pairs per held expert on average, up to
+# TRITON_GROUPED_MAX_MEAN_ROWS: the weight-only FP8 kernel streams the experts at 68–78 % of
+# the copy rate at 16 rows per expert but 41–44 % at 64, where its in-kernel dequantization and
+# bf16 MMAs bound it (benchmarks/moe_grouped.py, an H100, docs/decode.md: the MTP3 verify of
+# b = 64 over 8 experts, top 2).
+W8A8_GROUPED_MIN_MEAN_ROWS = 16
+
+
+def w8a8_grouped(num_pairs: int, num_experts: int, dtype: torch.dtype) -> bool:
+    """Whether P sorted pairs over E held FP8 experts take W8A8 (host sizes only)."""
+    return (dtype != torch.float32 and num_pairs > W8A8_GROUPED_MIN_MEAN_ROWS * max(1, num_experts)
+            and triton_grouped(num_pairs, num_experts))
+
+
 def triton_grouped(num_pairs: int, num_experts: int) -> bool:
     """Whether P sorted pairs over E held bf16 experts take the Triton grouped kernel rather
     than torch._grouped_mm: mean rows per expert ≤ TRITON_GROUPED_MAX_MEAN_ROWS. Host-known
@@ -211,6 +227,13 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
     # the tiles follow the rows per held expert (one config for all three products)
     cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     w13, s13 = experts.w13, experts.s13
+    if w8a8_grouped(held, e, x.dtype):
+        from dsaserve.kernels.triton import fp8_w8a8
+
+        h13 = fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(xs), w13, s13, offs, x.dtype)  # [P, 2I]
+        act = fp8_w8a8.act_quant(h13, glu=True)  # silu(gate) · up quantized: [P, I], [P, Ib]
+        y = fp8_w8a8.w8a8_grouped(*act, experts.w2, experts.s2, offs, x.dtype)  # [P, H]
+        return combine(y, pos, weights, offs, held_all, shared)
     if triton_grouped(held, e):
         # decode sizes: silu(gate) · up fused into the first projection (its tiles are 16 rows,
         # so two accumulators fit; prefill tiles of 128 × 128 would not, and keep the split)

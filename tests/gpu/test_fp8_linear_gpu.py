@@ -159,13 +159,15 @@ def test_fp8_grouped_matches_reference(g, p, e, proj):
     assert (got[int(ends[-1]):] == 0).all()
 
 
-@pytest.mark.parametrize("tokens", [4, 64, 2048], ids=["b4", "decode", "prefill"])
+@pytest.mark.parametrize("tokens", [4, 64, 2048, 8192], ids=["b4", "decode", "w8a8", "prefill"])
 def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     """model/moe_compute.py's grouped path on FP8 experts aligned to the block grid (GLM-5.3's
     I = 2048): both FP8 grouped products, SiLU between (fused into the first at 4 and 64
     tokens: the 32 held experts take ~4 and ~64 of the 32 and 512 pairs, moe_compute.held_pairs),
     the routing weights, the experts held elsewhere (EP8 rank 1) adding nothing — against
-    grouped_experts on the dequantized weights, within bf16 rounding of the intermediate."""
+    grouped_experts on the dequantized weights, within bf16 rounding of the intermediate. At
+    2048 tokens (64 pairs per held expert) the path is W8A8: against the same sum of the W8A8
+    references (_w8a8_experts)."""
     from dsaserve.model import moe_compute
     from dsaserve.model.fp8 import BlockRange, Fp8Experts
 
@@ -178,10 +180,29 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     ids = torch.randint(0, 8 * e, (tokens, 8), generator=g, device=DEV)
     weights = torch.rand(tokens, 8, generator=g, device=DEV)
     got = moe_compute.routed_experts(x, experts, ids, weights, first=e, num_experts=8 * e)
-    d13, d2 = experts.dequantized(torch.bfloat16)
-    want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first=e)
+    held = moe_compute.held_pairs(ids.numel(), e, 8 * e)
+    assert moe_compute.w8a8_grouped(held, e, x.dtype) == (tokens == 2048)
+    if tokens == 2048:
+        want = _w8a8_experts(x, experts, ids, weights, first=e)
+    else:
+        d13, d2 = experts.dequantized(torch.bfloat16)
+        want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first=e)
     big = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-8 * big)
+
+
+def _w8a8_experts(x: torch.Tensor, experts, ids: torch.Tensor, weights: torch.Tensor,
+                  first: int) -> torch.Tensor:
+    """The routed experts in W8A8 from the PyTorch references: each projection through
+    fp8_weights.grouped_w8a8_reference, F.silu(gate) * up between, the same combine."""
+    from dsaserve.model import moe_compute
+
+    token_of, pos, ends = moe_compute.pair_layout(ids, first, experts.num_experts, False)
+    h13 = fw.grouped_w8a8_reference(x[token_of], experts.w13, experts.s13, ends)
+    gate, up = h13.chunk(2, dim=-1)
+    act = (F.silu(gate) * up).contiguous()
+    y = fw.grouped_w8a8_reference(act, experts.w2, experts.s2, ends)
+    return moe_compute.combine(y, pos, weights, ends, False, None)
 
 
 def test_fp8_grouped_replays_in_a_cuda_graph(g):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from triton_interp import interpreted
+from triton_interp import FP8_KERNELS, interpreted
 
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.make_model import quantize_fp8_blocks
@@ -32,7 +32,7 @@ B = fw.FP8_BLOCK
 
 @pytest.fixture(scope="module")
 def fl():
-    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8", "dsaserve.kernels.triton.fp8_linear")
+    yield from interpreted(*FP8_KERNELS)
 
 
 def _gen(seed: int = 0) -> torch.Generator:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import interpreted
+from triton_interp import FP8_KERNELS, interpreted
 
 from dsaserve.kernels import fp8_weights as fw
 from dsaserve.model.make_model import quantize_fp8_blocks
@@ -25,12 +25,12 @@ B = fw.FP8_BLOCK
 
 @pytest.fixture(scope="module")
 def w8():
-    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8")
+    yield from interpreted(*FP8_KERNELS[:2])
 
 
 @pytest.fixture(scope="module")
 def fl():
-    yield from interpreted("dsaserve.kernels.triton.fp8_w8a8", "dsaserve.kernels.triton.fp8_linear")
+    yield from interpreted(*FP8_KERNELS)
 
 
 def _gen(seed: int = 0) -> torch.Generator:
@@ -182,3 +182,38 @@ def test_bad_input_is_named(w8):
     xq, xs = fw.quantize_activations(torch.zeros(3, 200))
     with pytest.raises(ValueError, match="groups disagree"):
         w8.w8a8_matmul(xq, xs[:, :1].contiguous(), wq, scale, torch.float16)
+
+
+# silu(gate) = gate / (1 + exp(−gate)): exp overflows to inf for gate ≪ 0 and the quotient is
+# −0, as it should be; the interpreter's numpy warns about it
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_act_quant_of_the_moe_activation(w8):
+    """glu: silu(gate) · up of [M, 2K] rows (each rounded to the dtype, as F.silu and the
+    product round) quantized: against the reference of F.silu(gate) * up. The kernel's silu
+    (1 / (1 + exp)) may round an fp16 value one step away from F.silu's: then that byte may
+    differ by one e4m3 code, never more, and rarely."""
+    h = _activations(40, 2 * 260)
+    gate, up = h.chunk(2, dim=-1)
+    xq, xs = w8.act_quant(h, glu=True)
+    want_q, want_s = fw.quantize_activations(torch.nn.functional.silu(gate) * up)
+    torch.testing.assert_close(xs, want_s, rtol=2.0**-10, atol=0)
+    codes = (xq.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+    assert codes.max() <= 1 and (codes > 0).float().mean() < 0.01
+    with pytest.raises(ValueError, match="even width"):
+        w8.act_quant(h[:, :-1], glu=True)
+
+
+@pytest.mark.parametrize("counts,tail", [
+    ([3, 0, 70, 1, 0], 13),  # empty experts, a group over two tiles, rows past the end
+    ([0, 0, 0, 0, 0], 6),  # every row held elsewhere
+    ([65, 64, 0, 1, 7], 0),  # groups one row into a new tile, nothing past the end
+])
+def test_w8a8_grouped_matches_reference(w8, counts, tail):
+    experts = [_shard(130, 200, 0, 0, seed) for seed in range(len(counts))]
+    wq = torch.stack([q for q, _ in experts])
+    scale = torch.stack([s for _, s in experts])
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = _activations(sum(counts) + tail, 200)
+    got = w8.w8a8_grouped(*fw.quantize_activations(x), wq, scale, ends, x.dtype)
+    _assert_close(got, fw.grouped_w8a8_reference(x, wq, scale, ends))
+    assert (got[sum(counts):] == 0).all()

@@ -133,6 +133,17 @@ def test_triton_grouped_takes_decode_sized_groups():
     assert moe_compute.triton_grouped(0, 0) and not moe_compute.triton_grouped(limit + 1, 0)
 
 
+def test_w8a8_takes_the_fp8_experts_at_verify_sizes():
+    """FP8 experts in W8A8 above W8A8_GROUPED_MIN_MEAN_ROWS pairs per held expert up to the
+    Triton kernel's bound (b = 64's MTP3 verify: 512 pairs over 8 experts), bf16 / fp16 only;
+    b = 64 itself (128 pairs, 16 per expert) keeps the weight-only kernel."""
+    bf16 = torch.bfloat16
+    assert moe_compute.w8a8_grouped(512, 8, bf16) and moe_compute.w8a8_grouped(129, 8, bf16)
+    assert not moe_compute.w8a8_grouped(128, 8, bf16)  # b = 64: 16 per expert
+    assert not moe_compute.w8a8_grouped(513, 8, bf16)  # past the Triton kernel: prefill
+    assert not moe_compute.w8a8_grouped(512, 8, torch.float32)
+
+
 def test_held_pairs_under_expert_parallelism():
     """The pairs a rank's experts take, from host sizes: all of them without EP; their share
     under EP (EP8 at b = 64, top 8 of 256: 64 of 512, so the Triton kernel at 2 per expert),

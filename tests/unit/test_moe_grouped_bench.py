@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_interp import interpreted
+from triton_interp import FP8_KERNELS, interpreted
 
 
 @pytest.fixture(scope="module")
 def fl():
-    yield from interpreted("dsaserve.kernels.triton.fp8_linear")
+    yield from interpreted(*FP8_KERNELS)
 
 
 def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from dsaserve.kernels.fp8_weights import FP8_BLOCK, check_weight, grouped_row_tiles
 from dsaserve.kernels.triton import fp8_w8a8
+from dsaserve.kernels.triton.grouped_tiles import tile_rows
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -343,32 +344,6 @@ def choose_grouped_config(p: int, n: int, k: int, e: int, weight_bytes: int = 1
 
 
 @triton.jit
-def _tile_rows(ends_ptr, t, P, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Row tile t's group and rows, found on the device (fp8_weights.grouped_tiles lists the
-    same map): group e owns tiles cum[e] − tiles[e] .. cum[e] − 1 (tiles[e] = ⌈rows of e /
-    BLOCK_M⌉, cum their running sum); tiles past cum[E − 1] cover the rows past the last
-    group, e = E (written 0); tiles past those have no rows (first row ≥ end row = P).
-    → (e, first row, end row)."""
-    ex = tl.arange(0, E_P2)
-    ex_live = ex < E
-    ends = tl.load(ends_ptr + ex, mask=ex_live, other=0)  # [E_P2]
-    starts = tl.load(ends_ptr + ex - 1, mask=ex_live & (ex > 0), other=0)
-    tiles = tl.where(ex_live, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
-    cum = tl.cumsum(tiles, axis=0)  # [E_P2] tile end of each group
-    e = tl.sum((ex_live & (cum <= t)).to(tl.int32), axis=0)  # groups wholly before tile t
-    mine = ex == e
-    if e < E:
-        first_row = (tl.sum(tl.where(mine, starts, 0), axis=0)
-                     + (t - tl.sum(tl.where(mine, cum - tiles, 0), axis=0)) * BLOCK_M)
-        end_row = tl.sum(tl.where(mine, ends, 0), axis=0)
-    else:  # rows past the last group (pairs of experts held elsewhere)
-        last = tl.sum(tl.where(ex == E - 1, ends, 0), axis=0)
-        first_row = last + (t - tl.sum(tiles, axis=0)) * BLOCK_M
-        end_row = P
-    return e, first_row, end_row
-
-
-@triton.jit
 def _weight_tile(w_ptr, s_ptr, cols, col_live, k0, K, num_kb, dtype: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
     """Weight rows `cols` of one expert, columns k0 .. k0 + BLOCK_K, in `dtype`: FP8 bytes
@@ -401,7 +376,7 @@ def _grouped_kernel(
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     dtype = x_ptr.dtype.element_ty
-    e, first_row, end_row = _tile_rows(ends_ptr, t, P, E, E_P2, BLOCK_M)
+    e, first_row, end_row = tile_rows(ends_ptr, t, P, E, E_P2, BLOCK_M)
     rows = first_row + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_live = rows < end_row
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns

@@ -41,8 +41,10 @@ from dsaserve.kernels.fp8_weights import (
     FP8_BLOCK,
     FP8_E4M3_MAX,
     check_weight,
+    grouped_row_tiles,
     num_blocks,
 )
+from dsaserve.kernels.triton.grouped_tiles import tile_rows
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class W8a8Config:
 # (two [BLOCK_M, BLOCK_N] tiles): 64 × 128 per warpgroup takes 234 registers without spills in
 # the sm_90 build (benchmarks/sm90_resources.py --only w8a8), 128 × 128 on 8 warps spills.
 TILES = (W8a8Config(64, 128, 4, 4), W8a8Config(64, 64, 4, 4))
+# The experts' tiles at 16–64 rows per expert: one 64-row tile per expert's rows, the dense
+# kernel's narrow tile (many programs: each expert's weight is a small share of the work).
+GROUPED_TILES = W8a8Config(64, 64, 4, 4)
 
 
 def fills_device(m: int, n: int, num_sms: int) -> bool:
@@ -120,21 +125,29 @@ def _round_to_e4m3(q):
 
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(
-    x_ptr,  # [M, K], rows stride_x apart, unit last stride
+    x_ptr,  # [M, K] (GLU: [M, 2K], gate columns then up columns), rows stride_x apart
     q_ptr,  # [M, K] e4m3, contiguous
     s_ptr,  # [M, Kb] fp32, contiguous
     M, K, stride_x, k_off, num_kb,
-    BLOCK_R: tl.constexpr, AMAX_FLOOR: tl.constexpr, QMAX: tl.constexpr,
+    BLOCK_R: tl.constexpr, AMAX_FLOOR: tl.constexpr, QMAX: tl.constexpr, GLU: tl.constexpr,
 ):
-    """One 128-column group of BLOCK_R rows: scale = max(amax, floor) / 448, q = x / scale."""
+    """One 128-column group of BLOCK_R rows: scale = max(amax, floor) / 448, q = x / scale;
+    with GLU x = silu(gate) · up first, each rounded to x's dtype as the unfused ops round."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     ks = g * 128 - k_off + tl.arange(0, 128)
     row_live = rows < M
     live = row_live[:, None] & ((ks >= 0) & (ks < K))[None, :]
     rows64 = rows.to(tl.int64)
-    x = tl.load(x_ptr + rows64[:, None] * stride_x + ks[None, :], mask=live,
-                other=0.0).to(tl.float32)
+    at = x_ptr + rows64[:, None] * stride_x + ks[None, :]
+    x = tl.load(at, mask=live, other=0.0)
+    if GLU:
+        dtype = x_ptr.dtype.element_ty
+        gate = x.to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu
+        x = act * tl.load(at + K, mask=live, other=0.0).to(tl.float32)
+        x = x.to(dtype)
+    x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), 1), AMAX_FLOOR)  # [BLOCK_R]
     s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
     q = tl.clamp(tl.math.div_rn(x, s[:, None]), -QMAX, QMAX)  # IEEE division: the reference's
@@ -143,10 +156,16 @@ def _act_quant_kernel(
     tl.store(s_ptr + rows64 * num_kb + g, s, mask=row_live)
 
 
-def act_quant(x: torch.Tensor, k_off: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_weights.quantize_activations on the GPU: x [M, K] (unit last stride) → (xq [M, K]
-    e4m3, xs [M, Kb] fp32)."""
+    e4m3, xs [M, Kb] fp32). glu: x is [M, 2K] (gate, then up) and what is quantized is
+    silu(gate) · up, the MoE's activation between its two projections (k_off 0)."""
     m, k = x.shape
+    if glu:
+        if k % 2 or k_off:
+            raise ValueError(f"act_quant: glu needs an even width and k_off 0, got {k}, {k_off}")
+        k //= 2
     kb = num_blocks(k, k_off)
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     xs = torch.empty(m, kb, dtype=torch.float32, device=x.device)
@@ -154,7 +173,7 @@ def act_quant(x: torch.Tensor, k_off: int = 0) -> tuple[torch.Tensor, torch.Tens
         block_r = 16
         _act_quant_kernel[(triton.cdiv(m, block_r), kb)](
             x, xq, xs, m, k, x.stride(0), k_off, kb, BLOCK_R=block_r,
-            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=FP8_E4M3_MAX, num_warps=4)
+            AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=FP8_E4M3_MAX, GLU=glu, num_warps=4)
     return xq, xs
 
 
@@ -244,6 +263,86 @@ def w8a8_matmul(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: tor
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         K_ALIGNED=k_off == 0, FP8_DOT=xq.is_cuda,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Grouped (MoE experts at MTP3-verify sizes): w8a8_grouped
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["P"])
+def _grouped_w8a8_kernel(
+    xq_ptr,  # [P, K] e4m3, rows sorted by expert, contiguous
+    xs_ptr,  # [P, Kb] fp32, contiguous
+    w_ptr,  # [E, N, K] e4m3, contiguous
+    s_ptr,  # [E, Nb, Kb] fp32, contiguous
+    ends_ptr,  # [E] int32: rows of expert e are ends[e − 1] .. ends[e] (ends[−1] = 0)
+    out_ptr,  # [P, N]
+    P, N, K, num_nb, num_kb, E,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    """Program (row tile t of one expert, n tile): out[rows, cols] = the W8A8 product of the
+    rows' quantized activations with expert e's weight rows `cols`; rows past the last group
+    (pairs of experts held elsewhere) are 0."""
+    t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e, first_row, end_row = tile_rows(ends_ptr, t, P, E, E_P2, BLOCK_M)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_live = rows < end_row
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_live = cols < N
+    rows64 = rows.to(tl.int64)
+    out = out_ptr + rows64[:, None] * N + cols[None, :]
+    live = row_live[:, None] & col_live[None, :]
+    if e < E:
+        w_e = w_ptr + e.to(tl.int64) * N * K
+        s_row = s_ptr + (e * num_nb + cols // 128) * num_kb  # [BLOCK_N]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, num_kb):
+            ks = kb * 128 + tl.arange(0, 128)
+            k_live = ks < K
+            a = tl.load(xq_ptr + rows64[:, None] * K + ks[None, :],
+                        mask=row_live[:, None] & k_live[None, :], other=0.0)
+            b = tl.load(w_e + cols.to(tl.int64)[:, None] * K + ks[None, :],
+                        mask=col_live[:, None] & k_live[None, :], other=0.0)
+            if FP8_DOT:
+                part = tl.dot(a, tl.trans(b))
+            else:  # the interpreter (see _w8a8_kernel)
+                part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)),
+                              input_precision="ieee")
+            xs = tl.load(xs_ptr + rows64 * num_kb + kb, mask=row_live, other=0.0)
+            ws = tl.load(s_row + kb, mask=col_live, other=0.0)
+            acc += part * xs[:, None] * ws[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=live)
+
+
+def w8a8_grouped(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                 ends: torch.Tensor, dtype: torch.dtype, config: W8a8Config | None = None
+                 ) -> torch.Tensor:
+    """The routed experts' grouped GEMM in W8A8: act_quant's xq [P, K] e4m3 and xs [P, Kb] of
+    rows sorted by expert, wq [E, N, K] e4m3 with scale [E, Nb, Kb] fp32 (on the block grid),
+    ends [E] int32 on the device → [P, N] in `dtype` (fp8_weights.grouped_w8a8_reference).
+    `ends` is never read on the host: the grid depends on (P, N, E), capturable."""
+    check_weight(wq, scale, 0, 0, "w8a8_grouped")
+    p, k = xq.shape
+    e, n = wq.shape[0], wq.shape[1]
+    if (wq.dim() != 3 or wq.shape[2] != k or xs.shape != (p, scale.shape[2])
+            or ends.shape != (e,) or ends.dtype != torch.int32
+            or not all(t.is_contiguous() for t in (xq, xs, wq, scale))):
+        raise ValueError(f"w8a8_grouped: xq {list(xq.shape)}, xs {list(xs.shape)}, weight "
+                         f"{list(wq.shape)}, scale {list(scale.shape)}, ends {list(ends.shape)} "
+                         f"{ends.dtype}: shapes disagree or one is not contiguous")
+    out = torch.empty(p, n, dtype=dtype, device=xq.device)
+    if p == 0 or n == 0:
+        return out
+    cfg = config or GROUPED_TILES
+    grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _grouped_w8a8_kernel[grid](
+        xq, xs, wq, scale, ends, out, p, n, k, scale.shape[1], scale.shape[2], e,
+        E_P2=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        FP8_DOT=xq.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
