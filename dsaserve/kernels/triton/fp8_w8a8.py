@@ -177,6 +177,34 @@ def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False
     return xq, xs
 
 
+@triton.jit
+def _scaled_products(xq_ptr, xs_ptr, w_ptr, s_row, rows64, row_live, cols64, col_live, K, k_off,
+                     num_kb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     K_ALIGNED: tl.constexpr, FP8_DOT: tl.constexpr):
+    """Σ over the 128-column groups kb of xq[rows, kb] · W[cols, kb]ᵀ · xs[rows, kb] ·
+    S[cols, kb] → [BLOCK_M, BLOCK_N] fp32; s_row [BLOCK_N]: each column's row of scales."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for kb in range(0, num_kb):
+        if K_ALIGNED:  # k_off = 0, left out of the addresses: the loads stay vectorized
+            ks = kb * 128 + tl.arange(0, 128)
+            k_live = ks < K
+        else:  # group kb's columns (the first 128 − k_off wide)
+            ks = kb * 128 - k_off + tl.arange(0, 128)
+            k_live = (ks >= 0) & (ks < K)
+        a = tl.load(xq_ptr + rows64[:, None] * K + ks[None, :],
+                    mask=row_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, 128]
+        b = tl.load(w_ptr + cols64[:, None] * K + ks[None, :],
+                    mask=col_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_N, 128]
+        if FP8_DOT:
+            part = tl.dot(a, tl.trans(b))
+        else:  # Triton's CPU interpreter multiplies FP8 operands as raw bytes: exact fp32
+            part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        xs = tl.load(xs_ptr + rows64 * num_kb + kb, mask=row_live, other=0.0)  # [BLOCK_M]
+        ws = tl.load(s_row + kb, mask=col_live, other=0.0)  # [BLOCK_N]
+        acc += part * xs[:, None] * ws[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_kernel(
     xq_ptr,  # [M, K] e4m3, contiguous
@@ -203,25 +231,8 @@ def _w8a8_kernel(
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     s_row = s_ptr + ((cols + n_off) // 128) * num_kb  # [BLOCK_N] each column's scale row
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, num_kb):
-        if K_ALIGNED:  # k_off = 0, left out of the addresses: the loads stay vectorized
-            ks = kb * 128 + tl.arange(0, 128)
-            k_live = ks < K
-        else:  # group kb's columns (the first 128 − k_off wide)
-            ks = kb * 128 - k_off + tl.arange(0, 128)
-            k_live = (ks >= 0) & (ks < K)
-        a = tl.load(xq_ptr + rows64[:, None] * K + ks[None, :],
-                    mask=row_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, 128]
-        b = tl.load(w_ptr + cols64[:, None] * K + ks[None, :],
-                    mask=col_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_N, 128]
-        if FP8_DOT:
-            part = tl.dot(a, tl.trans(b))
-        else:  # Triton's CPU interpreter multiplies FP8 operands as raw bytes: exact fp32
-            part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        xs = tl.load(xs_ptr + rows64 * num_kb + kb, mask=row_live, other=0.0)  # [BLOCK_M]
-        ws = tl.load(s_row + kb, mask=col_live, other=0.0)  # [BLOCK_N]
-        acc += part * xs[:, None] * ws[None, :]
+    acc = _scaled_products(xq_ptr, xs_ptr, w_ptr, s_row, rows64, row_live, cols64, col_live, K,
+                           k_off, num_kb, BLOCK_M, BLOCK_N, K_ALIGNED, FP8_DOT)
     out = rows64[:, None] * N + cols[None, :]
     tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty),
              mask=row_live[:, None] & col_live[None, :])
@@ -297,22 +308,8 @@ def _grouped_w8a8_kernel(
     if e < E:
         w_e = w_ptr + e.to(tl.int64) * N * K
         s_row = s_ptr + (e * num_nb + cols // 128) * num_kb  # [BLOCK_N]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for kb in range(0, num_kb):
-            ks = kb * 128 + tl.arange(0, 128)
-            k_live = ks < K
-            a = tl.load(xq_ptr + rows64[:, None] * K + ks[None, :],
-                        mask=row_live[:, None] & k_live[None, :], other=0.0)
-            b = tl.load(w_e + cols.to(tl.int64)[:, None] * K + ks[None, :],
-                        mask=col_live[:, None] & k_live[None, :], other=0.0)
-            if FP8_DOT:
-                part = tl.dot(a, tl.trans(b))
-            else:  # the interpreter (see _w8a8_kernel)
-                part = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)),
-                              input_precision="ieee")
-            xs = tl.load(xs_ptr + rows64 * num_kb + kb, mask=row_live, other=0.0)
-            ws = tl.load(s_row + kb, mask=col_live, other=0.0)
-            acc += part * xs[:, None] * ws[None, :]
+        acc = _scaled_products(xq_ptr, xs_ptr, w_e, s_row, rows64, row_live, cols.to(tl.int64),
+                               col_live, K, 0, num_kb, BLOCK_M, BLOCK_N, True, FP8_DOT)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
     else:
         tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=live)
