@@ -219,9 +219,10 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
     h13 = torch_grouped(xs, e0.w13, ends)  # [P, 2I] w2's input before the activation (W8A8)
     w8a8_cases = {
         "w13": (lambda c, **kw: partial(_w8a8_product, xs, c.q13, ends, False, **kw),
-                lambda: fw.grouped_w8a8_reference(xs, *e0.q13, ends)),
+                lambda: fw.grouped_reference(xs, *e0.q13, ends, fw.w8a8_reference)),
         "w2": (lambda c, **kw: partial(_w8a8_product, h13, c.q2, ends, True, **kw),
-               lambda: fw.grouped_w8a8_reference(_act(h13).contiguous(), *e0.q2, ends)),
+               lambda: fw.grouped_reference(_act(h13).contiguous(), *e0.q2, ends,
+                                            fw.w8a8_reference)),
     }
     fp8_refs = {"w13": lambda: fw.grouped_reference(xs, *e0.q13, ends),
                 "w13+act": lambda: _act(fw.grouped_reference(xs, *e0.q13, ends)),

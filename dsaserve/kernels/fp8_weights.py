@@ -166,9 +166,11 @@ def w8a8_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off
 
 
 def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
-                      ends: torch.Tensor) -> torch.Tensor:
+                      ends: torch.Tensor, product=linear_reference) -> torch.Tensor:
     """xs [P, K] rows sorted by expert, wq [E, N, K] e4m3, scale [E, Nb, Kb] fp32, ends [E]
-    int (non-decreasing, ≤ P) → [P, N] in xs's dtype.
+    int (non-decreasing, ≤ P) → [P, N] in xs's dtype, each expert's rows through `product`
+    (linear_reference: the dequantized weight; w8a8_reference: W8A8, whose quantization is per
+    row, so grouping does not change it).
 
         rows   0 ........ ends[0] ........ ends[1] ... ends[E-1] ........ P
                │ expert 0 │    expert 1    │  ...   │   zeros (no group) │
@@ -180,20 +182,6 @@ def grouped_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
     start = 0
     for e, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = linear_reference(xs[start:end], wq[e], scale[e])
-        start = end
-    return out
-
-
-def grouped_w8a8_reference(xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
-                           ends: torch.Tensor) -> torch.Tensor:
-    """grouped_reference in W8A8: each expert's rows through w8a8_reference (the activations'
-    quantization is per row, so grouping does not change it). Rows past ends[E-1] are 0."""
-    check_weight(wq, scale, 0, 0)
-    out = torch.zeros(xs.shape[0], wq.shape[1], dtype=xs.dtype, device=xs.device)  # [P, N]
-    start = 0
-    for e, end in enumerate(ends.tolist()):
-        if end > start:
-            out[start:end] = w8a8_reference(xs[start:end], wq[e], scale[e])
+            out[start:end] = product(xs[start:end], wq[e], scale[e])
         start = end
     return out

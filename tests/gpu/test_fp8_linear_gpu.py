@@ -203,14 +203,15 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
 def _w8a8_experts(x: torch.Tensor, experts, ids: torch.Tensor, weights: torch.Tensor,
                   first: int) -> torch.Tensor:
     """The routed experts in W8A8 from the PyTorch references: each projection through
-    fp8_weights.grouped_w8a8_reference, F.silu(gate) * up between, the same combine."""
+    fp8_weights.grouped_reference with w8a8_reference, F.silu(gate) * up between, the same
+    combine."""
     from dsaserve.model import moe_compute
 
     token_of, pos, ends = moe_compute.pair_layout(ids, first, experts.num_experts, False)
-    h13 = fw.grouped_w8a8_reference(x[token_of], experts.w13, experts.s13, ends)
+    h13 = fw.grouped_reference(x[token_of], experts.w13, experts.s13, ends, fw.w8a8_reference)
     gate, up = h13.chunk(2, dim=-1)
     act = (F.silu(gate) * up).contiguous()
-    y = fw.grouped_w8a8_reference(act, experts.w2, experts.s2, ends)
+    y = fw.grouped_reference(act, experts.w2, experts.s2, ends, fw.w8a8_reference)
     return moe_compute.combine(y, pos, weights, ends, False, None)
 
 

@@ -215,5 +215,5 @@ def test_w8a8_grouped_matches_reference(w8, counts, tail):
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
     x = _activations(sum(counts) + tail, 200)
     got = w8.w8a8_grouped(*fw.quantize_activations(x), wq, scale, ends, x.dtype)
-    _assert_close(got, fw.grouped_w8a8_reference(x, wq, scale, ends))
+    _assert_close(got, fw.grouped_reference(x, wq, scale, ends, fw.w8a8_reference))
     assert (got[sum(counts):] == 0).all()

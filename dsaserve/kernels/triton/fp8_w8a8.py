@@ -320,8 +320,9 @@ def w8a8_grouped(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: to
                  ) -> torch.Tensor:
     """The routed experts' grouped GEMM in W8A8: act_quant's xq [P, K] e4m3 and xs [P, Kb] of
     rows sorted by expert, wq [E, N, K] e4m3 with scale [E, Nb, Kb] fp32 (on the block grid),
-    ends [E] int32 on the device → [P, N] in `dtype` (fp8_weights.grouped_w8a8_reference).
-    `ends` is never read on the host: the grid depends on (P, N, E), capturable."""
+    ends [E] int32 on the device → [P, N] in `dtype` (fp8_weights.grouped_reference with
+    w8a8_reference). `ends` is never read on the host: the grid depends on (P, N, E), so a
+    CUDA graph replays with any routing."""
     check_weight(wq, scale, 0, 0, "w8a8_grouped")
     p, k = xq.shape
     e, n = wq.shape[0], wq.shape[1]
