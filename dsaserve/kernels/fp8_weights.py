@@ -1,5 +1,5 @@
-"""Block-FP8 weights ("w8a16", and "w8a8" above 64 rows): the layout maths and the PyTorch
-references.
+"""Block-FP8 weights ("w8a16", and "w8a8" at MTP3-verify sizes): the layout maths and the
+PyTorch references.
 
 DeepSeek-V3.2 / GLM-5.x checkpoints store a matrix W [N, K] (out × in) as float8_e4m3fn bytes Wq
 with one fp32 scale per 128 × 128 block, `weight_scale_inv` S [⌈N/128⌉, ⌈K/128⌉]:
@@ -13,10 +13,11 @@ with one fp32 scale per 128 × 128 block, `weight_scale_inv` S [⌈N/128⌉, ⌈
 
 The weight value the weight-only paths compute with is dtype(fp32(Wq) · S) — the same value
 loading the checkpoint dequantized in fp32 and casting it to the model dtype gives — and
-activations stay in their own dtype; products accumulate in fp32. Above 64 rows of bf16 / fp16
-activations the GPU runs W8A8 instead (kernels/triton/fp8_w8a8.py): the activations quantized
-per row and 128 columns (`quantize_activations`), FP8 products scaled per group
-(`w8a8_reference`), as DeepSeek-V3's own inference and the serving engines run these models.
+activations stay in their own dtype; products accumulate in fp32. At 65–256 rows of bf16 / fp16
+activations (17–64 per expert for the MoE) the GPU runs W8A8 instead
+(kernels/triton/fp8_w8a8.py): the activations quantized per row and 128 columns
+(`quantize_activations`), FP8 products scaled per group (`w8a8_reference`), as DeepSeek-V3's
+own inference and the serving engines run these models.
 
 A tensor-parallel shard of W may start inside a block: rows 192 .. 383 of a 128-blocked matrix
 keep the scale rows of blocks 1 .. 2, and their row 0 is row 64 of block 1 (`n_off` = 64):

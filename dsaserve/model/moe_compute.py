@@ -157,7 +157,7 @@ TRITON_GROUPED_MAX_MEAN_ROWS = 64
 W8A8_GROUPED_MIN_MEAN_ROWS = 16
 
 
-def w8a8_grouped(num_pairs: int, num_experts: int, dtype: torch.dtype) -> bool:
+def w8a8_experts(num_pairs: int, num_experts: int, dtype: torch.dtype) -> bool:
     """Whether P sorted pairs over E held FP8 experts take W8A8 (host sizes only)."""
     return (dtype != torch.float32 and num_pairs > W8A8_GROUPED_MIN_MEAN_ROWS * max(1, num_experts)
             and triton_grouped(num_pairs, num_experts))
@@ -227,7 +227,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
     # the tiles follow the rows per held expert (one config for all three products)
     cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     w13, s13 = experts.w13, experts.s13
-    if w8a8_grouped(held, e, x.dtype):
+    if w8a8_experts(held, e, x.dtype):
         from dsaserve.kernels.triton import fp8_w8a8
 
         h13 = fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(xs), w13, s13, offs, x.dtype)  # [P, 2I]

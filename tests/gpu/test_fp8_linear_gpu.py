@@ -181,7 +181,7 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     weights = torch.rand(tokens, 8, generator=g, device=DEV)
     got = moe_compute.routed_experts(x, experts, ids, weights, first=e, num_experts=8 * e)
     held = moe_compute.held_pairs(ids.numel(), e, 8 * e)
-    assert moe_compute.w8a8_grouped(held, e, x.dtype) == (tokens == 2048)
+    assert moe_compute.w8a8_experts(held, e, x.dtype) == (tokens == 2048)
     if tokens == 2048:
         want = _w8a8_experts(x, experts, ids, weights, first=e)
     else:

@@ -138,10 +138,10 @@ def test_w8a8_takes_the_fp8_experts_at_verify_sizes():
     Triton kernel's bound (b = 64's MTP3 verify: 512 pairs over 8 experts), bf16 / fp16 only;
     b = 64 itself (128 pairs, 16 per expert) keeps the weight-only kernel."""
     bf16 = torch.bfloat16
-    assert moe_compute.w8a8_grouped(512, 8, bf16) and moe_compute.w8a8_grouped(129, 8, bf16)
-    assert not moe_compute.w8a8_grouped(128, 8, bf16)  # b = 64: 16 per expert
-    assert not moe_compute.w8a8_grouped(513, 8, bf16)  # past the Triton kernel: prefill
-    assert not moe_compute.w8a8_grouped(512, 8, torch.float32)
+    assert moe_compute.w8a8_experts(512, 8, bf16) and moe_compute.w8a8_experts(129, 8, bf16)
+    assert not moe_compute.w8a8_experts(128, 8, bf16)  # b = 64: 16 per expert
+    assert not moe_compute.w8a8_experts(513, 8, bf16)  # past the Triton kernel: prefill
+    assert not moe_compute.w8a8_experts(512, 8, torch.float32)
 
 
 def test_held_pairs_under_expert_parallelism():
