@@ -167,7 +167,7 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     the routing weights, the experts held elsewhere (EP8 rank 1) adding nothing — against
     grouped_experts on the dequantized weights, within bf16 rounding of the intermediate. At
     2048 tokens (64 pairs per held expert) the path is W8A8: against the same sum of the W8A8
-    references (_w8a8_experts)."""
+    references (_w8a8_moe_reference)."""
     from dsaserve.model import moe_compute
     from dsaserve.model.fp8 import BlockRange, Fp8Experts
 
@@ -183,7 +183,7 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     held = moe_compute.held_pairs(ids.numel(), e, 8 * e)
     assert moe_compute.w8a8_experts(held, e, x.dtype) == (tokens == 2048)
     if tokens == 2048:
-        want = _w8a8_experts(x, experts, ids, weights, first=e)
+        want = _w8a8_moe_reference(x, experts, ids, weights, first=e)
     else:
         d13, d2 = experts.dequantized(torch.bfloat16)
         want = moe_compute.grouped_experts(x, d13, d2, ids, weights, first=e)
@@ -200,7 +200,7 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
     assert (got - want).abs().max() <= 2.0**-5 * big
 
 
-def _w8a8_experts(x: torch.Tensor, experts, ids: torch.Tensor, weights: torch.Tensor,
+def _w8a8_moe_reference(x: torch.Tensor, experts, ids: torch.Tensor, weights: torch.Tensor,
                   first: int) -> torch.Tensor:
     """The routed experts in W8A8 from the PyTorch references: each projection through
     fp8_weights.grouped_reference with w8a8_reference, F.silu(gate) * up between, the same
