@@ -28,8 +28,9 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("norms + rotary", r"norm|rotary|rope|rms|silu|softmax"),
     ("copies", r"memcpy|memset|copy|cat|index_select|gather|scatter|index_put|fill|"
                r"write_mla|write_index|index_cache|mla_cache"),
+    # (W8A8's activation quantization with its GEMMs: the path's cost, as its tables count it)
     ("MoE + GEMMs", r"gemm|xmma|cutlass|nvjet|cublas|matmul|\bmm\b|addmm|bmm|linear|"
-                    r"aten::mm|einsum|grouped|moe|expert"),
+                    r"aten::mm|einsum|grouped|moe|expert|w8a8|act_quant"),
 )
 ORDER = [name for name, _ in CATEGORIES] + ["other"]
 _COMPILED = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in CATEGORIES]

@@ -58,6 +58,9 @@ def test_lengths_and_categories(bench):
         "13GemmUniversalIN4cute40AutoVectorizingCopyWithAssumedAlignmentILi128EEE": "MoE + GEMMs",
         "void cutlass::Kernel2<cutlass_80_simt_sgemm_64x64_8x5_tn_align1>": "MoE + GEMMs",
         "void at::native::vectorized_elementwise_kernel<4>": "other",
+        # W8A8 (kernels/triton/fp8_w8a8.py): the quantization goes with its GEMMs
+        "_w8a8_kernel": "MoE + GEMMs", "_grouped_w8a8_kernel": "MoE + GEMMs",
+        "_act_quant_kernel": "MoE + GEMMs",
     }
     assert {n: profile.classify(n) for n in names} == names
     # Overlapping and nested spans count once: [0, 3] ∪ [1, 2] ∪ [5, 6] = 4.
