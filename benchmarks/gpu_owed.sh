@@ -115,6 +115,8 @@
 #                                          #   tiles at 256 rows from graphs)
 #   bash benchmarks/gpu_owed.sh 46         # part 46: W8A8 FP8 experts at verify sizes (tests,
 #                                          #   grouped GEMMs, FP8 MTP3 at b = 64)
+#   bash benchmarks/gpu_owed.sh 47         # part 47: the FP8 GPU tests again, FP8 MTP3's
+#                                          #   kernels by category at b = 1 and 64
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -512,6 +514,14 @@ elif [ "$part" = 43 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=8 run "$(left)" decode16_b64 python benchmarks/decode.py \
         --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
         --out "$out/decode16_b64.md"
+elif [ "$part" = 47 ]; then
+    # the W8A8 MoE GPU test's bound as changed after part 46 (the whole file), then where FP8
+    # MTP3's step goes now, b = 1 and 64 (the W8A8 kernels counted as MoE + GEMMs)
+    TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
+    [ "$(left)" -gt 60 ] && TAIL_LINES=40 run "$(left)" decode16_fp8_profile python \
+        benchmarks/decode.py --layers 16 --weights fp8 --contexts 8192 --batches 1,64 \
+        --steps 10 --fastest-only --kernel-profile 12 --out "$out/decode16_fp8_profile.md"
 elif [ "$part" = 46 ]; then
     # W8A8 for the FP8 experts at 17-64 rows per expert (fp8_w8a8.w8a8_grouped): the GPU tests,
     # the grouped GEMMs at 128 and 512 pairs (w8a8 rows beside the weight-only FP8 kernel), then
