@@ -201,7 +201,7 @@ def test_moe_fp8_experts_match_their_dequantized_weights(g, tokens):
 
 
 def _w8a8_moe_reference(x: torch.Tensor, experts, ids: torch.Tensor, weights: torch.Tensor,
-                  first: int) -> torch.Tensor:
+                        first: int) -> torch.Tensor:
     """The routed experts in W8A8 from the PyTorch references: each projection through
     fp8_weights.grouped_reference with w8a8_reference, F.silu(gate) * up between, the same
     combine."""
