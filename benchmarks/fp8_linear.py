@@ -18,11 +18,12 @@ Per projection (N × K from the glm-5.3 preset) and batch rows M, three ways to 
 W8A8, the table's fp8 column is the dequantized copy and the sweep shows what W8A8 would take).
 
 with the weight bytes each reads per call over its time (GB/s) against the HBM roofline (the
-device-to-device copy, read + write, measured here; --hbm-tbps to give one). Decode sizes
-(M ≤ --graph-max-m) run from a CUDA graph that cycles over enough copies of the weight to
-overflow L2 (the engine's layers each read their own weights), time per call = replay / copies;
-larger M run eagerly through triton.testing.do_bench (L2 flushed before each run). Every
-configuration is checked against the bf16 product before it is timed.
+device-to-device copy, read + write, measured here; --hbm-tbps to give one). Decode and
+verify sizes (M ≤ --graph-max-m, default 256: the engine replays them from graphs, and eagerly
+their short kernels are launch-bound) run from a CUDA graph that cycles over enough copies of
+the weight to overflow L2 (the engine's layers each read their own weights), time per call =
+replay / copies; larger M run eagerly through triton.testing.do_bench (L2 flushed before each
+run). Every configuration is checked against its reference before it is timed.
 
 Grouped: fp8_grouped at decode (P = 64 · 8 pairs, E = 32 local experts, gate/up w13 and down
 w2) against torch._grouped_mm on the bf16 weights (moe_compute's grouped path), for routings
@@ -318,7 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="skip the grouped (MoE) rows")
     p.add_argument("--sweep", action="store_true",
                    help="also time every candidate fp8 tile shape (the best one is noted)")
-    p.add_argument("--graph-max-m", type=int, default=64,
+    p.add_argument("--graph-max-m", type=int, default=256,
                    help="M up to this run from CUDA graphs (default %(default)s)")
     p.add_argument("--hbm-tbps", type=float, default=None,
                    help="the HBM roofline in TB/s (default: the device copy, measured)")
