@@ -224,8 +224,6 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
     token_of, pos, offs = pair_layout(ids, first, e, held_all)
     xs = x[token_of]  # [P, H]
     held = held_pairs(xs.shape[0], e, num_experts)
-    # the tiles follow the rows per held expert (one config for all three products)
-    cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     w13, s13 = experts.w13, experts.s13
     if w8a8_experts(held, e, x.dtype):
         from dsaserve.kernels.triton import fp8_w8a8
@@ -234,6 +232,8 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
         act = fp8_w8a8.act_quant(h13, glu=True)  # silu(gate) · up quantized: [P, I], [P, Ib]
         y = fp8_w8a8.w8a8_grouped(*act, experts.w2, experts.s2, offs, x.dtype)  # [P, H]
         return combine(y, pos, weights, offs, held_all, shared)
+    # the tiles follow the rows per held expert (one config for all three products)
+    cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     if triton_grouped(held, e):
         # decode sizes: silu(gate) · up fused into the first projection (its tiles are 16 rows,
         # so two accumulators fit; prefill tiles of 128 × 128 would not, and keep the split)

@@ -66,10 +66,10 @@ DTYPES = [torch.float32, torch.float16]
     (1, 200, 300, 0, 0),
     (5, 130, 260, 64, 0),  # a shard of rows from the middle of a block
     (64, 70, 150, 0, 37),  # of columns: k tiles straddle two scale blocks
+    (130, 40, 200, 5, 100),  # above WEIGHT_ONLY_MAX_M, too narrow for W8A8: dequantized
 ])
 def test_fp8_linear_matches_reference(fl, dtype, m, n, k, n_off, k_off):
-    """Up to WEIGHT_ONLY_MAX_M rows (above it: test_kernel_above_the_dequantize_threshold for
-    fp32, tests/unit/test_fp8_w8a8_interp.py for the W8A8 path of fp16 and bf16)."""
+    """The weight-only paths (fp16 / bf16 in W8A8: tests/unit/test_fp8_w8a8_interp.py)."""
     wq, scale = _shard(n, k, n_off, k_off)
     x = torch.randn(m, k, generator=_gen(m)).to(dtype)
     _assert_close(fl.fp8_linear(x, wq, scale, n_off, k_off),
