@@ -59,6 +59,7 @@ from dsaserve.bench.profile import ORDER, Profile, summarize
 from dsaserve.config import (
     AttentionConfig,
     CacheConfig,
+    CompilationConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
@@ -150,6 +151,7 @@ def engine_config(args: argparse.Namespace, model_dir: Path) -> EngineConfig:
                                   async_scheduling=args.async_scheduling),
         attention=AttentionConfig(backend=args.attention_backend, sparse_mla_force_mqa=True),
         parallel=ParallelConfig(prefill_context_parallel_size=args.pcp),
+        compilation=CompilationConfig.from_json(args.compilation_config, args.enforce_eager),
         dtype=args.dtype, device=args.device,
     )
 
@@ -307,6 +309,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--prefill-context-parallel-size", "--pcp", dest="pcp", type=int, default=1)
+    p.add_argument("--compilation-config", default=None,
+                   help="vLLM's JSON, e.g. '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}' (no "
+                        "piecewise graphs for the prefill steps; the default captures chunks "
+                        "of up to 8,192 tokens in pieces)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: chunk k + 1 scheduled and launched "
                         "while chunk k runs")
