@@ -15,10 +15,15 @@ tokens runs at the smallest piecewise size ≥ n, over static buffers:
     …
     piece L       layer L − 1 after its attention; the final norm → hidden
 
-Padding rows (n ≤ row < size) carry stale but finite values and write nowhere (slot −1); the
-attention never reads them, and their outputs are dropped. One set of buffers at the largest
-size serves every size (each uses their first rows), and every graph allocates from one shared
-pool: the pieces of a step replay in order, so a graph's temporaries can reuse another's.
+Padding rows (n ≤ row < size) copy the step's last row: its token and position, and after each
+attention its output. They compute what that row computes, so the router sends them to that
+row's experts, and no other expert's weights are read for them (stale rows would route
+anywhere: at 256 experts a few live rows padded to 256 would read most of them). They write
+nowhere (slot −1), the attention never reads them, and their outputs are dropped.
+
+One set of buffers at the largest size serves every size (each uses their first rows), and
+every graph allocates from one shared pool: the pieces of a step replay in order, so a graph's
+temporaries can reuse another's.
 
 A size's L + 1 graphs are captured at its first step (warmed up once, captured, replayed), the
 attention calls between them run as usual; later steps of the size replay them. Graphs are
@@ -104,7 +109,10 @@ class PrefillGraphs:
         buf.input_ids[:n].copy_(input_ids)
         buf.positions[:n].copy_(meta.positions)
         buf.slots[:n].copy_(meta.slot_mapping)
-        buf.slots[n:].fill_(-1)  # padding rows write nowhere
+        if n < size:  # padding rows: copies of the last row that write nowhere
+            buf.input_ids[n:].copy_(input_ids[-1:].expand(size - n))
+            buf.positions[n:].copy_(meta.positions[-1:].expand(size - n))
+            buf.slots[n:].fill_(-1)
         self.num_steps += 1
         graphs = self._graphs.get(size)
         if graphs is None and self.capture:
@@ -153,7 +161,8 @@ class PrefillGraphs:
 
     def _attention(self, layer: int, buf: _Buffers, meta: AttentionMetadata,
                    prev_topk: torch.Tensor | None) -> torch.Tensor:
-        """Layer `layer`'s attention over the step's rows, eager: o [n] written (→ its topk)."""
+        """Layer `layer`'s attention over the step's n rows, eager: o written, its padding rows
+        the last row's (→ the layer's topk)."""
         n = meta.num_tokens
         attn = self.model.model.layers[layer].self_attn
         q_idx = buf.kept["q_idx"][:n] if attn.indexer is not None else None
@@ -161,6 +170,8 @@ class PrefillGraphs:
         o_lat, topk = attn.attend(buf.q_full[:n], q_idx, w_idx, prev_topk, meta,
                                   self.caches[layer], self.model.backend)
         attn.value_output(o_lat, buf.o[:n])
+        if n < buf.o.shape[0]:  # the padding rows go on as copies of the last row
+            buf.o[n:].copy_(buf.o[n - 1 : n].expand(buf.o.shape[0] - n, -1, -1))
         return topk
 
     def _piece(self, i: int, buf: _Buffers) -> Callable[[], None]:

@@ -4,7 +4,8 @@ static buffers, the pieces between the attention calls eager (graphs are capture
 on a GPU: tests/gpu/test_cudagraph_gpu.py). The engine's greedy output equals
 --enforce-eager's, with requests joining while others decode (mixed steps), chunked prompts,
 steps larger than the largest size (run as they are), MTP3, bf16 and fp8_ds_mla KV; the KV
-written is eager's (padding rows wrote nowhere); no block leaks."""
+written is eager's (padding rows wrote nowhere), and the padding rows end where the step's last
+row does (they computed what it computes: the same experts); no block leaks."""
 
 from __future__ import annotations
 
@@ -34,8 +35,15 @@ def _run(config, prompts, prepare=None) -> tuple[dict[str, list[int]], LLMEngine
         forward = pieces.forward
 
         def spy(size, input_ids, meta):
-            sizes.append((size, input_ids.shape[0]))
-            return forward(size, input_ids, meta)
+            n = input_ids.shape[0]
+            sizes.append((size, n))
+            hidden = forward(size, input_ids, meta)
+            # the padding rows computed what the last row computes (so they went to its
+            # experts): its hidden state
+            padded = pieces._buffers.out[:size]
+            torch.testing.assert_close(padded[n:], padded[n - 1 : n].expand(size - n, -1),
+                                       rtol=1e-5, atol=1e-5)
+            return hidden
 
         pieces.forward = spy
     outputs: dict[str, list[int]] = {}
