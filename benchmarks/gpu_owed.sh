@@ -117,9 +117,8 @@
 #                                          #   grouped GEMMs, FP8 MTP3 at b = 64)
 #   bash benchmarks/gpu_owed.sh 47         # part 47: the FP8 GPU tests again, FP8 MTP3's
 #                                          #   kernels by category at b = 1 and 64
-#   bash benchmarks/gpu_owed.sh 48         # part 48: piecewise graphs for prefill steps: the
-#                                          #   GPU tests, the 4K step's host share without and
-#                                          #   with them; cuBLAS block-scaled FP8 against W8A8
+#   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
+#                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
 #                                          #   posting step before and after the host cuts
 #   bash benchmarks/gpu_owed.sh 41         # part 41: parts 39 and 40 shortened, one call
@@ -518,23 +517,11 @@ elif [ "$part" = 43 ]; then
         --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
         --out "$out/decode16_b64.md"
 elif [ "$part" = 48 ]; then
-    # piecewise graphs for prefill and mixed steps (engine/prefill_graph.py): the GPU tests
-    # (their greedy tokens against the decode graphs alone), then the 4K prefill step's host
-    # share without them (FULL_DECODE_ONLY) and with them (the default), alternating
-    TAIL_LINES=12 run 200 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_cudagraph_gpu.py -k "piecewise or give_eager or captured_at_start_up"
-    for i in 1 2; do
-        [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 90 "prefill_4k_decode_only_$i" python \
-            benchmarks/long_prefill.py --lengths 4K --async-scheduling \
-            --compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY"}' \
-            --out "$out/prefill_4k_decode_only_$i.md"
-        [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 90 "prefill_4k_piecewise_$i" python \
-            benchmarks/long_prefill.py --lengths 4K --async-scheduling \
-            --out "$out/prefill_4k_piecewise_$i.md"
-        # (between the pairs) cuBLAS's block-scaled FP8 GEMM against our W8A8 kernel
-        [ "$i" = 1 ] && [ "$(left)" -gt 150 ] && TAIL_LINES=30 run 100 cublas_blockwise \
-            python benchmarks/fp8_cublas_blockwise.py --out "$out/cublas_blockwise.md"
-    done
+    # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
+    # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill
+    # graphs' GPU tests and 4K steps, at d4cea17: measured, deleted; docs/long_prefill.md.)
+    TAIL_LINES=30 run 150 cublas_blockwise python benchmarks/fp8_cublas_blockwise.py \
+        --out "$out/cublas_blockwise.md"
 elif [ "$part" = 47 ]; then
     # the W8A8 MoE GPU test's bound as changed after part 46 (the whole file), then where FP8
     # MTP3's step goes now, b = 1 and 64 (the W8A8 kernels counted as MoE + GEMMs)

@@ -310,9 +310,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--prefill-context-parallel-size", "--pcp", dest="pcp", type=int, default=1)
     p.add_argument("--compilation-config", default=None,
-                   help="vLLM's JSON, e.g. '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}' (no "
-                        "piecewise graphs for the prefill steps; the default captures chunks "
-                        "of up to 8,192 tokens in pieces)")
+                   help="the engine's --compilation-config JSON (vLLM's flag)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true",
                    help="the engine's --async-scheduling: chunk k + 1 scheduled and launched "

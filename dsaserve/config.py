@@ -455,28 +455,12 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """`--compilation-config` JSON (vLLM's flag; `cudagraph_capture_sizes`, `cudagraph_mode`
-    and `piecewise_capture_sizes` are read) and `--enforce-eager`. Capture sizes count tokens
-    of a decode batch (requests × (1 + drafts)); None: the default buckets up to the largest
-    decode batch (engine/cudagraph.py). `cudagraph_mode` (vLLM's values): FULL_AND_PIECEWISE
-    (the default) captures decode batches whole and the other steps in pieces between their
-    attention calls (engine/prefill_graph.py), at `piecewise_capture_sizes` (tokens; None:
-    multiples of 256 up to min(max_num_batched_tokens, 8192)); FULL_DECODE_ONLY the decode
-    batches only; NONE nothing, as --enforce-eager."""
+    """`--compilation-config` JSON (vLLM's flag; only `cudagraph_capture_sizes` is read) and
+    `--enforce-eager`. Capture sizes count tokens of a decode batch (requests × (1 + drafts));
+    None: the default buckets up to the largest decode batch (engine/cudagraph.py)."""
 
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     enforce_eager: bool = False
-    cudagraph_mode: Literal["NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] | None = None
-    piecewise_capture_sizes: tuple[int, ...] | None = None
-
-    MODES = ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-
-    @property
-    def mode(self) -> str:
-        """The mode in effect: NONE under --enforce-eager, else the flag's, else the default."""
-        if self.enforce_eager:
-            return "NONE"
-        return self.cudagraph_mode or "FULL_AND_PIECEWISE"
 
     @staticmethod
     def from_json(text: str | None, enforce_eager: bool = False) -> CompilationConfig:
@@ -484,26 +468,18 @@ class CompilationConfig:
         if not text:
             return CompilationConfig(enforce_eager=enforce_eager)
         raw = json_object(text, flag)
-        known = {"cudagraph_capture_sizes", "cudagraph_mode", "piecewise_capture_sizes"}
+        known = {"cudagraph_capture_sizes"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        sizes = {}
-        for key in ("cudagraph_capture_sizes", "piecewise_capture_sizes"):
-            value = raw.get(key)
-            if value is not None:
-                if not isinstance(value, list) or not all(
-                        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value):
-                    raise ConfigError(f"{flag}: {key} must be a list of integers >= 1, got "
-                                      f"{value!r}")
-                value = tuple(sorted(set(value)))
-            sizes[key] = value
-        mode = raw.get("cudagraph_mode")
-        if mode is not None and mode not in CompilationConfig.MODES:
-            raise ConfigError(f"{flag}: cudagraph_mode must be one of "
-                              f"{list(CompilationConfig.MODES)}, got {mode!r} (FULL and "
-                              "PIECEWISE alone are not supported)")
-        return CompilationConfig(enforce_eager=enforce_eager, cudagraph_mode=mode, **sizes)
+        sizes = raw.get("cudagraph_capture_sizes")
+        if sizes is not None:
+            if not isinstance(sizes, list) or not all(
+                    isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+                raise ConfigError(f"{flag}: cudagraph_capture_sizes must be a list of integers "
+                                  f">= 1, got {sizes!r}")
+            sizes = tuple(sorted(set(sizes)))
+        return CompilationConfig(cudagraph_capture_sizes=sizes, enforce_eager=enforce_eager)
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    type=_json_flag("--compilation-config", CompilationConfig.from_json),
                    help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '
                         "sizes (tokens) captured as CUDA graphs; default: buckets up to "
-                        "--max-num-seqs x (1 + drafts); \"cudagraph_mode\": "
-                        "FULL_AND_PIECEWISE (default: prefill steps in piecewise graphs too, "
-                        "at \"piecewise_capture_sizes\"), FULL_DECODE_ONLY or NONE "
-                        "(docs/decode.md)")
+                        "--max-num-seqs x (1 + drafts) (docs/decode.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never use CUDA graphs (always on the CPU)")
     g.add_argument("--async-scheduling", action="store_true",

@@ -33,9 +33,8 @@ def default_capture_sizes(max_num_seqs: int, num_speculative_tokens: int = 0) ->
 
 def decode_sizes(config: CompilationConfig, max_num_seqs: int,
                  num_speculative_tokens: int = 0) -> tuple[int, ...]:
-    """The sizes decode batches are padded to, on any device: none under --enforce-eager
-    (cudagraph_mode NONE)."""
-    if config.mode == "NONE":
+    """The sizes decode batches are padded to, on any device: none under --enforce-eager."""
+    if config.enforce_eager:
         return ()
     if config.cudagraph_capture_sizes is not None:
         return config.cudagraph_capture_sizes
@@ -48,26 +47,6 @@ def capture_sizes(config: CompilationConfig, device: torch.device, max_num_seqs:
     if device.type != "cuda":
         return ()
     return decode_sizes(config, max_num_seqs, num_speculative_tokens)
-
-
-# Piecewise sizes by default: multiples of this many tokens (a chunk pads by < 256 rows, ≤ 6 %
-# at 4K), up to DEFAULT_PIECEWISE_MAX tokens (the static buffers and the graphs' pool grow with
-# the largest: ~3 GB at 8K tokens for GLM-5.3's shapes).
-PIECEWISE_STEP = 256
-DEFAULT_PIECEWISE_MAX = 8192
-
-
-def piecewise_sizes(config: CompilationConfig, max_num_batched_tokens: int) -> tuple[int, ...]:
-    """The sizes a prefill or mixed step is padded to for piecewise graphs
-    (engine/prefill_graph.py): none unless cudagraph_mode is FULL_AND_PIECEWISE (the default);
-    the flag's `piecewise_capture_sizes`, else multiples of PIECEWISE_STEP up to
-    min(max_num_batched_tokens, DEFAULT_PIECEWISE_MAX)."""
-    if config.mode != "FULL_AND_PIECEWISE":
-        return ()
-    if config.piecewise_capture_sizes is not None:
-        return config.piecewise_capture_sizes
-    limit = min(max_num_batched_tokens, DEFAULT_PIECEWISE_MAX)
-    return tuple(range(PIECEWISE_STEP, limit + 1, PIECEWISE_STEP))
 
 
 def padded_size(num_tokens: int, sizes: Sequence[int]) -> int | None:

@@ -31,7 +31,6 @@ from dsaserve.disagg.receiving import ReadTimes
 from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
-from dsaserve.engine.prefill_graph import PrefillGraphs
 from dsaserve.engine.sampler import sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
 from dsaserve.engine.step_timer import StepTimer
@@ -260,8 +259,6 @@ class ModelRunner:
                 self.decode_graphs.warm_up()
             if self.lockstep is not None:
                 self.lockstep.reset()
-        # the other steps: piecewise graphs between the attention calls (None: as they are)
-        self.prefill_graphs = self._prefill_graphs(backend)
         # what the last step left on the device for a next step that continues from it
         self._last = _LastStep.empty(self.device)
         # [D] the first position each drafting request's rows wrote this step (_draft_inputs)
@@ -497,22 +494,6 @@ class ModelRunner:
                             self.block_size, self.device, capture, hisparse=self.hisparse,
                             mla_pages=self.mla_page_of is not None,
                             must_capture=self.lockstep is not None)
-
-    def _prefill_graphs(self, backend) -> PrefillGraphs | None:
-        """Prefill and mixed steps through piecewise graphs (engine/prefill_graph.py) under
-        cudagraph_mode FULL_AND_PIECEWISE (the default): captured on CUDA with a capturable
-        backend, run eager over the same buffers elsewhere only where the mode is set
-        explicitly (the CPU gains nothing from padding; tests set it). One rank only (the
-        pieces hold no collectives: TP, EP and context parallelism stay eager), no HiSparse."""
-        cfg = self.config
-        sizes = cudagraph.piecewise_sizes(cfg.compilation, cfg.scheduler.max_num_batched_tokens)
-        if (not sizes or self.groups.world_size > 1 or self.lockstep is not None
-                or self.hisparse is not None):
-            return None
-        capture = self.device.type == "cuda" and backend.capturable
-        if not capture and cfg.compilation.cudagraph_mode != "FULL_AND_PIECEWISE":
-            return None
-        return PrefillGraphs(self.model, self.caches, sizes, self.device, capture)
 
     def _kv_connector(self) -> ConnectorWorker | None:
         """P/D: this rank's transport, with the caches moved into (or registered as) memory
@@ -829,10 +810,6 @@ class ModelRunner:
     def _forward(self, batch: _Batch, size: int | None) -> torch.Tensor:
         """The target forward → hidden [N, hidden], at `size` through the padded path."""
         if size is None:
-            pieces = self.prefill_graphs
-            piece_size = None if pieces is None else pieces.size_for(batch.meta)
-            if piece_size is not None:
-                return pieces.forward(piece_size, batch.input_ids, batch.meta)
             return self.model(batch.input_ids, batch.meta, self.caches)
         qsl = batch.query_start_loc
         counts = [qsl[r + 1] - qsl[r] for r in range(len(batch.samples))]

@@ -173,9 +173,16 @@ class MLAAttention(nn.Module):
         prev_topk: torch.Tensor | None,  # [n, topk] from the previous full layer
         prefetch: cp_attention.ContextPrefetch | None = None,  # PCP × DCP: cached contexts
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n = x.shape[0]
         cos, sin = rope
         # 1. projections (this rank's heads under TP; the latent and the indexer are replicated)
-        qr, q_nope, q_rope, c, k_pe, idx_k = self._project(x, cos, sin)
+        qr = self.q_a_layernorm(self.q_a_proj(x))  # [n, q_lora]
+        q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope: before RoPE
+        kv = self.kv_a_proj_with_mqa(x)  # [n, L+R]
+        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [n, L]
+        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [n, R]
+        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [n, D]
 
         # 2. cache writes: all ranks compute, the owner writes (PCP: gather every rank's rows first)
         mla_meta = meta.for_mla()  # HiSparse spilling: MLA pages apart from the indexer's
@@ -195,82 +202,39 @@ class MLAAttention(nn.Module):
             backend.write_index_k(cache.index, slots, idx_k)
 
         # 3. attention → o [n, heads of this rank, v]
+        w_uk, w_uv, w_uv_t = self._w_uk_uv()
         if meta.use_dense:
-            w_uk, w_uv, _ = self._w_uk_uv()
             q_pe = apply_rope(q_rope, cos, sin, True)
             o, topk = self._dense_attention(q_nope, q_pe, mla_meta, cache, w_uk, w_uv), prev_topk
         else:
-            q_full, q_idx, w_idx = self._sparse_queries(x, qr, q_nope, q_rope, cos, sin)
+            q_full = self._absorbed_query(q_nope, q_rope, w_uk, cos, sin)  # [n, H, L+R]
+            if self.indexer is not None:
+                q_idx, w_idx = self.indexer.queries(qr, cos, sin), self.indexer.weights(x)
+            else:
+                q_idx = w_idx = None
             if meta.dcp_size > 1:
                 o_lat, topk = self._context_parallel(
                     q_full, q_idx, w_idx, prev_topk, meta, cache, backend, (c, k_pe, idx_k),
                     prefetch,
                 )
             else:
-                o_lat, topk = self.attend(q_full, q_idx, w_idx, prev_topk, meta, cache, backend)
-            o = self.value_output(o_lat)  # [n, H, v]
-        return self.output(o), topk
-
-    def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, ...]:
-        """x [n, hidden] (normalised) → qr [n, q_lora], q_nope [n, H, nope], q_rope [n, H, R]
-        (before RoPE), c [n, L], k_pe [n, R] (rotated), the index keys [n, D] (None without an
-        indexer)."""
-        n = x.shape[0]
-        qr = self.q_a_layernorm(self.q_a_proj(x))  # [n, q_lora]
-        q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
-        kv = self.kv_a_proj_with_mqa(x)  # [n, L+R]
-        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [n, L]
-        k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [n, R]
-        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [n, D]
-        return qr, q[..., : self.nope], q[..., self.nope :], c, k_pe, idx_k
-
-    def _sparse_queries(self, x: torch.Tensor, qr: torch.Tensor, q_nope: torch.Tensor,
-                        q_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        q_full: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The absorbed query [n, H, L+R] (written into q_full when given), the indexer's
-        queries [n, Hi, D] and weights [n, Hi] (None on a layer without an indexer)."""
-        w_uk = self._w_uk_uv()[0]
-        q_full = self._absorbed_query(q_nope, q_rope, w_uk, cos, sin, q_full)
-        if self.indexer is None:
-            return q_full, None, None
-        return q_full, self.indexer.queries(qr, cos, sin), self.indexer.weights(x)
-
-    def prepare(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_slots: torch.Tensor, index_slots: torch.Tensor, cache: LayerCache,
-                backend: AttentionBackend, q_full: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One rank's sparse layer up to its attention (no context parallelism): projections,
-        the new rows written at kv_slots / index_slots [n] (−1: skip), then `_sparse_queries`.
-        What a piece of a piecewise graph runs (engine/prefill_graph.py); needs no metadata."""
-        cos, sin = rope
-        qr, q_nope, q_rope, c, k_pe, idx_k = self._project(x, cos, sin)
-        backend.write_kv(cache.kv, kv_slots, c, k_pe)
-        if idx_k is not None:
-            backend.write_index_k(cache.index, index_slots, idx_k)
-        return self._sparse_queries(x, qr, q_nope, q_rope, cos, sin, q_full)
-
-    def attend(self, q_full: torch.Tensor, q_idx: torch.Tensor | None,
-               w_idx: torch.Tensor | None, prev_topk: torch.Tensor | None,
-               meta: AttentionMetadata, cache: LayerCache, backend: AttentionBackend
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sparse attention of one rank's rows over its whole context (no DCP): the indexer's
-        top-k on a full layer, prev_topk [n, topk] on a shared one → o_lat [n, H, L], topk."""
-        topk = prev_topk
-        if q_idx is not None:
-            _, topk = backend.indexer_topk(q_idx, w_idx, cache.index, meta, self.cfg.index_topk)
-        if topk is None:
-            raise RuntimeError(f"layer {self.layer_idx}: a shared layer needs earlier top-k")
-        o_lat, _lse = backend.sparse_mla_positions(
-            q_full, cache.kv, topk, meta.for_mla(), self.scale, self.kv_lora_rank
-        )  # [n, H, L]
-        return o_lat, topk
-
-    def output(self, o: torch.Tensor) -> torch.Tensor:
-        """o [n, H, v] → o_proj's [n, hidden] (summed over TP)."""
-        out = self.o_proj(o.reshape(o.shape[0], self.num_heads * self.v_dim))
-        return self.groups.tp.all_reduce(out)
+                topk = prev_topk
+                if q_idx is not None:
+                    _, topk = backend.indexer_topk(
+                        q_idx, w_idx, cache.index, meta, self.cfg.index_topk
+                    )
+                if topk is None:
+                    raise RuntimeError(
+                        f"layer {self.layer_idx}: a shared layer needs earlier top-k"
+                    )
+                o_lat, _lse = backend.sparse_mla_positions(
+                    q_full, cache.kv, topk, mla_meta, self.scale, self.kv_lora_rank
+                )  # [n, H, L]
+            if o_lat.dtype != w_uv.dtype:  # (a no-op .to is a host op all the same)
+                o_lat = o_lat.to(w_uv.dtype)
+            o = self._value_output(o_lat, w_uv_t)  # [n, H, v]
+        out = self.o_proj(o.reshape(n, self.num_heads * self.v_dim))
+        return self.groups.tp.all_reduce(out), topk
 
     def _context_parallel(self, q_full, q_idx, w_idx, prev_topk, meta, cache, backend,
                           new_rows, prefetch):
@@ -330,32 +294,24 @@ class MLAAttention(nn.Module):
         return o, topk
 
     def _absorbed_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
-                        cos: torch.Tensor, sin: torch.Tensor, q_full: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q_nope [n, H, nope] · W_UK [H, nope, L] (the absorbed query) beside RoPE(q_rope)
         [n, H, R]: [n, H, L+R], the product written in place by a batched matmul over the
         heads, the rotation in place by its kernel. (A concatenation of the product and q_pe
         copied all of q again: 1.2 GB and 1.46 ms per layer for a 16K-token chunk on an H200;
-        rotating into a tensor of its own and copying it in was a launch and a copy more.)
-        q_full: where to write it (a piecewise graph's static buffer), else a new tensor."""
+        rotating into a tensor of its own and copying it in was a launch and a copy more.)"""
         n, heads, _ = q_nope.shape
-        if q_full is None:
-            q_full = torch.empty(n, heads, self.kv_lora_rank + self.rope_dim,
-                                 dtype=q_nope.dtype, device=q_nope.device)
+        q_full = torch.empty(n, heads, self.kv_lora_rank + self.rope_dim, dtype=q_nope.dtype,
+                             device=q_nope.device)
         torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_full.transpose(0, 1)[..., :self.kv_lora_rank])
         apply_rope(q_rope, cos, sin, True, out=q_full[..., self.kv_lora_rank:])
         return q_full
 
-    def value_output(self, o_lat: torch.Tensor, o: torch.Tensor | None = None) -> torch.Tensor:
+    def _value_output(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
         """o_lat [n, H, L] · W_UVᵀ [H, L, v] → o [n, H, v], written in place in the token-major
-        layout o_proj reads (an einsum returns it head-major, and the reshape copied it); into
-        `o` when given (a piecewise graph's static buffer)."""
-        w_uv_t = self._w_uk_uv()[2]
-        if o_lat.dtype != w_uv_t.dtype:  # (a no-op .to is a host op all the same)
-            o_lat = o_lat.to(w_uv_t.dtype)
+        layout o_proj reads (an einsum returns it head-major, and the reshape copied it)."""
         n, heads, _ = o_lat.shape
-        if o is None:
-            o = torch.empty(n, heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
+        o = torch.empty(n, heads, self.v_dim, dtype=o_lat.dtype, device=o_lat.device)
         torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
         return o
 
@@ -547,13 +503,9 @@ class DecoderLayer(nn.Module):
     def forward(self, h, rope, meta, cache, backend, prev_topk, prefetch=None):
         attn, topk = self.self_attn(self.input_layernorm(h), rope, meta, cache, backend, prev_topk,
                                     prefetch)
-        return self.finish(h, attn), topk
-
-    def finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The layer after its attention: h [n, hidden] + attn, then + the MLP (or MoE) of its
-        post-attention norm."""
         h = h + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, topk
 
 
 class SharedHead(nn.Module):

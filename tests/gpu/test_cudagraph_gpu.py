@@ -12,8 +12,6 @@ with `pytest -m gpu tests/gpu/test_cudagraph_gpu.py`.
   MTP3 the drafts of every padded step replayed from their own graph too);
 * every size's graph (and with MTP3 its drafts') is captured at start-up, largest first;
   decode steps at every batch size then replay and capture nothing;
-* prefill and mixed steps through piecewise graphs give the decode graphs' greedy tokens, each
-  size captured at its first step and replayed after;
 * with --async-scheduling (graphs on), without and with MTP3: the same greedy tokens, the graphs
   replayed, and the launch of a decode step reads nothing on the host (its inputs, and with
   MTP3 its drafts and positions, gathered on the device)."""
@@ -173,8 +171,7 @@ def test_every_graph_is_captured_at_start_up(k, monkeypatch):
         return engine
 
     monkeypatch.setattr(LLMEngine, "from_config", built)
-    # (the prefill steps' piecewise graphs are captured at their first step: not counted here)
-    _, engine = _generate(CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"), k)
+    _, engine = _generate(CompilationConfig(), k)
     graphs = engine.runner.decode_graphs
     largest_first = sorted(graphs.sizes, reverse=True)
     assert graphs.capture and len(largest_first) > 2
@@ -182,23 +179,6 @@ def test_every_graph_is_captured_at_start_up(k, monkeypatch):
     assert list(graphs._graphs) == largest_first  # no step added a size
     assert graphs.num_steps > 0 and graphs.num_replays == graphs.num_steps
     assert graphs.num_draft_replays == (graphs.num_steps if k else 0)
-
-
-@pytest.mark.parametrize("k", [0, 3])
-def test_piecewise_prefill_graphs_give_eager_tokens(k):
-    """Prefill and mixed steps replayed from piecewise graphs (engine/prefill_graph.py, the
-    default FULL_AND_PIECEWISE mode), with and without MTP3: the greedy tokens of the decode
-    graphs alone; each size captured at its first step and replayed at the later ones."""
-    decode_only_out, decode_only = _generate(CompilationConfig(cudagraph_mode="FULL_DECODE_ONLY"),
-                                             k)
-    assert decode_only.runner.prefill_graphs is None
-    out, engine = _generate(CompilationConfig(), k)
-    pieces = engine.runner.prefill_graphs
-    assert pieces is not None and pieces.capture and pieces.num_graphs > 0
-    assert pieces.num_replays > 0 and pieces.num_steps == pieces.num_replays + len(pieces._graphs)
-    print(f"k={k}: {pieces.num_steps} steps through the pieces, sizes {sorted(pieces._graphs)}, "
-          f"{pieces.num_graphs} graphs")
-    assert out == decode_only_out
 
 
 @pytest.mark.parametrize("k", [0, 3])
