@@ -8,8 +8,8 @@ Both start from the same act_quant (the activations quantized per row and 128 co
 their products should agree with fp8_weights.w8a8_reference to fp32 rounding; each is checked
 before it is timed. Times from a CUDA graph cycling over enough weight copies to overflow L2
 (benchmarks/fp8_linear.py's method): `triton` is w8a8_linear (act_quant included), `cublas`
-act_quant + scaled_mm. Where PyTorch or cuBLAS refuses the scaling on this GPU, the row says
-why: that is the answer too.
+act_quant + PyTorch's scaled_mm (or torch._scaled_mm where that one refuses). Where PyTorch or
+cuBLAS refuses the scaling on this GPU, the row says why: that is the answer too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from dsaserve.bench import gpu_timing
 from dsaserve.bench.argtypes import positive_ints
@@ -32,13 +33,29 @@ from fp8_linear import COLD_BYTES, MAX_COPIES, _check, _weight, projections  # n
 DEV = "cuda"
 
 
+def _v2(xq, xs_t, wq, scale, dtype):
+    """PyTorch's scaled_mm, whose recipes are named (torch.nn.functional.ScalingType)."""
+    from torch.nn.functional import ScalingType
+
+    return F.scaled_mm(xq, wq.t(), xs_t, ScalingType.BlockWise1x128, scale.t(),
+                       ScalingType.BlockWise128x128, output_dtype=dtype)
+
+
+def _v1(xq, xs_t, wq, scale, dtype):
+    """torch._scaled_mm, which infers the recipe from the scales' shapes and strides."""
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs_t, scale_b=scale.t(), out_dtype=dtype)
+
+
+API = {"scaled_mm": _v2, "_scaled_mm": _v1}
+
+
 def cublas_w8a8(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, api: str) -> torch.Tensor:
     """xq [M, K] e4m3 with xs [M, K/128], wq [N, K] e4m3 with scale [N/128, K/128] → [M, N]
     through cuBLAS's block-scaled GEMM (the scales' layouts as PyTorch checks them: the
     activations' outer-dim-major, the weight's transposed view of its row-major blocks)."""
     xs_t = xs.t().contiguous().t()  # [M, K/128], stride (1, M)
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs_t, scale_b=scale.t(), out_dtype=dtype)
+    return API[api](xq, xs_t, wq, scale, dtype)
 
 
 def bench(p, m: int, dtype: torch.dtype) -> dict:
@@ -53,14 +70,20 @@ def bench(p, m: int, dtype: torch.dtype) -> dict:
     _check(fp8_w8a8.w8a8_linear(x, *ws[0]), want, f"triton {p.name} M={m}")
     row["triton"] = gpu_timing.graph_us(
         [lambda wq=wq, s=s: fp8_w8a8.w8a8_linear(x, wq, s) for wq, s in ws])
-    try:
-        _check(cublas_w8a8(*fp8_w8a8.act_quant(x), *ws[0], dtype), want, f"cublas {p.name}")
+    row["cublas"], why = float("nan"), []
+    for api in API:  # the first PyTorch API that runs it and agrees with the reference
+        try:
+            _check(cublas_w8a8(*fp8_w8a8.act_quant(x), *ws[0], dtype, api), want,
+                   f"cublas {p.name}")
+        except Exception as e:  # refused here: that is the answer too
+            why.append(f"{api}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
+            continue
         row["cublas"] = gpu_timing.graph_us(
-            [lambda wq=wq, s=s: cublas_w8a8(*fp8_w8a8.act_quant(x), wq, s, dtype)
-             for wq, s in ws])
-    except (RuntimeError, AssertionError) as e:
-        row["cublas"] = float("nan")
-        row["why"] = str(e).splitlines()[0][:100]
+            [lambda wq=wq, s=s, api=api: cublas_w8a8(*fp8_w8a8.act_quant(x), wq, s, dtype,
+                                                     api) for wq, s in ws])
+        why = [api]
+        break
+    row["why"] = "; ".join(why).replace("|", "/")  # (a table cell)
     row["tflops"] = 2 * m * p.n * p.k / min(row["triton"], row["cublas"]
                                             if row["cublas"] == row["cublas"] else 1e30) / 1e6
     return row
