@@ -29,7 +29,6 @@ tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +43,7 @@ from dsaserve.kernels.fp8_weights import (
     grouped_row_tiles,
     num_blocks,
 )
+from dsaserve.kernels.triton.device import sm_count
 from dsaserve.kernels.triton.grouped_tiles import tile_rows
 
 
@@ -93,17 +93,10 @@ def choose_config(m: int, n: int, num_sms: int) -> W8a8Config:
     return TILES[-1]
 
 
-@functools.cache
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def device_sms(device: torch.device) -> int:
     """The SMs of a CUDA device (cached); 8 elsewhere (interpreter runs: small, but past one
     tile)."""
-    if device.type != "cuda":
-        return 8
-    return _device_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device, 8)
 
 
 @triton.jit

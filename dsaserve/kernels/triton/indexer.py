@@ -44,6 +44,7 @@ from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.triton import row_topk
+from dsaserve.kernels.triton.device import sm_count
 from dsaserve.kernels.triton.mla_cache import pow2_ceil, to_e4m3
 from dsaserve.kv import layout
 
@@ -276,8 +277,7 @@ def _step_plan(meta: AttentionMetadata, q: torch.Tensor, index_cache: torch.Tens
         tiles=tiles_d,
         block_table=meta.block_table.to(device=device, dtype=torch.int32).contiguous(),
         s_out=s_out, block_t=block_t, cuda_shape=cuda_shape,
-        num_sms=torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda" else 0,
+        num_sms=sm_count(device, 0),
         row_passes=tuple(row_passes),
     )
     meta.derived[key] = plan

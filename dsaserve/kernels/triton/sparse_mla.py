@@ -27,6 +27,7 @@ import triton.language as tl
 
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import l2_hint
+from dsaserve.kernels.triton.device import sm_count
 
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))  # base-2 lse → natural log
@@ -234,12 +235,6 @@ def choose_num_splits(num_programs: int, num_blocks: int, num_sms: int) -> int:
     return max(1, min(splits, _pow2_floor(max(1, num_blocks // 4))))
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter runs: small, but exercises the split path
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def check_sparse_mla_args(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.Tensor,
                           kv_lora_rank: int) -> tuple[bool, int, torch.Tensor]:
     """Validate the arguments of a sparse MLA call (shared by the Triton and Gluon kernels).
@@ -316,10 +311,11 @@ def sparse_mla_fwd(q: torch.Tensor, kv_cache: torch.Tensor, slot_indices: torch.
         unit = cfg.block_n
     head_blocks = triton.cdiv(num_heads, block_h)
     # Split sizes in units of 64 index positions for the ping-pong kernel, of blocks for the
-    # Triton one (a split keeps at least 4 of them).
+    # Triton one (a split keeps at least 4 of them). Interpreter runs count 4 SMs: small, but
+    # the split path runs.
     splits = cfg.num_splits or choose_num_splits(num_tokens * head_blocks,
                                                  triton.cdiv(topk, 64 if gluon else unit),
-                                                 _num_sms(q.device))
+                                                 sm_count(q.device, 4))
     # Index positions per split: whole units (trailing splits may then be empty: o = 0,
     # lse = −inf).
     per_split = triton.cdiv(triton.cdiv(topk, unit), splits) * unit

@@ -79,6 +79,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsaserve.kernels import formats
 from dsaserve.kernels.triton import l2_hint, mla_work, sparse_mla
+from dsaserve.kernels.triton.device import sm_count
 
 # The kernels built with an L2_MARK carry l2_hint's marker; the PTX rewrite is in Triton's
 # pipeline from here on (it leaves unmarked kernels alone).
@@ -727,7 +728,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, o: torch.Tensor
         o.zero_()
         lse.fill_(float("-inf"))
         return
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = sm_count(q.device, 0)
     grid, splits = mla_work.choose_grid(rows, blocks_per_row, sms, num_splits, num_ctas)
     if splits > 1:
         part_o = torch.empty(splits, num_tokens, num_heads, L.value, dtype=torch.float32,
