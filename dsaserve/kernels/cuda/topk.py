@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from dsaserve.kernels.cuda.build import build as _build
+from dsaserve.kernels.device import properties
 
 MAX_K = 4096  # kList in topk_rows.cu, the list length: k ≤ it
 CLUSTER_SIZES = (1, 2, 4, 8)  # blocks per row the kernel is built for (launch_for in the .cu)
@@ -82,7 +83,7 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor | None, limits: torc
         raise ValueError(f"topk_rows: index_dtype must be int32 or int64, got {index_dtype}")
     if threads not in (None, *THREADS):
         raise ValueError(f"topk_rows: threads must be one of {THREADS}, got {threads}")
-    props = torch.cuda.get_device_properties(logits.device)
+    props = properties(logits.device)
     if threads is None:
         threads = threads_per_row(num_rows, props.multi_processor_count)
     if cluster is None:

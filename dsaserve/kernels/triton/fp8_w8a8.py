@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsaserve.kernels.device import sm_count
 from dsaserve.kernels.fp8_weights import (
     ACT_AMAX_FLOOR,
     FP8_BLOCK,
@@ -43,7 +44,6 @@ from dsaserve.kernels.fp8_weights import (
     grouped_row_tiles,
     num_blocks,
 )
-from dsaserve.kernels.triton.device import sm_count
 from dsaserve.kernels.triton.grouped_tiles import tile_rows
 
 

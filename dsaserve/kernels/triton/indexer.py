@@ -42,9 +42,9 @@ import triton.language as tl
 from dsaserve.kernels import formats, staging
 from dsaserve.kernels.cuda import indexer_logits as cuda_logits
 from dsaserve.kernels.cuda import topk as cuda_topk
+from dsaserve.kernels.device import sm_count
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.triton import row_topk
-from dsaserve.kernels.triton.device import sm_count
 from dsaserve.kernels.triton.mla_cache import pow2_ceil, to_e4m3
 from dsaserve.kv import layout
 

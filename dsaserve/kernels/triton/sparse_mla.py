@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from dsaserve.kernels import formats
+from dsaserve.kernels.device import sm_count
 from dsaserve.kernels.triton import l2_hint
-from dsaserve.kernels.triton.device import sm_count
 
 LOG2E = math.log2(math.e)
 LN2 = tl.constexpr(math.log(2.0))  # base-2 lse → natural log

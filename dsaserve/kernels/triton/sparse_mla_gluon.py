@@ -78,8 +78,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dsaserve.kernels import formats
+from dsaserve.kernels.device import sm_count
 from dsaserve.kernels.triton import l2_hint, mla_work, sparse_mla
-from dsaserve.kernels.triton.device import sm_count
 
 # The kernels built with an L2_MARK carry l2_hint's marker; the PTX rewrite is in Triton's
 # pipeline from here on (it leaves unmarked kernels alone).
