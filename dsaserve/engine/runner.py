@@ -57,6 +57,7 @@ from dsaserve.kv.host_pool import (
     num_host_blocks,
 )
 from dsaserve.model.dsa import DsaForCausalLM, LayerCache, MoE
+from dsaserve.model.fused import fuse_model
 from dsaserve.model.loader import checkpoint_has_mtp, load_weights
 from dsaserve.parallel import pcp
 from dsaserve.parallel.groups import ParallelGroups
@@ -209,10 +210,12 @@ class ModelRunner:
             narrow=checkpoint_narrower(self.model_cfg, self.groups, config.parallel),
             first_expert=first_expert(self.model_cfg, self.groups, config.parallel),
         )
+        # projections of one input as one matrix: one GEMM (and quantization) per group
+        fused_groups = fuse_model(self.model)
         kept = sum(p.numel() for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn)
-        logger.info("weights: %.2f GiB on this rank (%s)", sum(
+        logger.info("weights: %.2f GiB on this rank (%s; %d projection groups fused)", sum(
             p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,
-            f"FP8 kept: {kept / 1e6:.1f}M values" if kept else self.dtype)
+            f"FP8 kept: {kept / 1e6:.1f}M values" if kept else self.dtype, fused_groups)
         # HiSparse spilling: the MLA cache has its own, smaller page count (0: one per block)
         self.num_mla_pages, sized_blocks = self._mla_page_count()
         self.num_blocks = sized_blocks or self._num_blocks()

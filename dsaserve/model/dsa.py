@@ -29,7 +29,7 @@ from dsaserve.kernels import formats
 from dsaserve.kernels.metadata import AttentionMetadata
 from dsaserve.kernels.registry import AttentionBackend, use_kernels
 from dsaserve.kv import layout
-from dsaserve.model import fp8, moe_compute
+from dsaserve.model import fp8, fused, moe_compute
 from dsaserve.model.precision import held_in_fp32
 from dsaserve.model.rope import RotaryTable, apply_rope
 from dsaserve.parallel import cp_attention, ep
@@ -107,14 +107,14 @@ class Indexer(nn.Module):
 
     # The RoPE part is the FIRST qk_rope_head_dim dims here (in MLA q it is the last):
     # apply_rope rotates the first 2·cos.shape[-1] columns and copies the rest.
-    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden] → keys [N, D] fp32 (LayerNorm, then RoPE)."""
-        return apply_rope(self.k_norm(self.wk(x)), cos, sin, self.interleaved)
+    def keys(self, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """k = wk(x) [N, D] → keys [N, D] fp32 (LayerNorm, then RoPE)."""
+        return apply_rope(self.k_norm(k), cos, sin, self.interleaved)
 
-    def queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """qr [N, q_lora] → queries [N, Hi, D] in the model dtype."""
-        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
-        return apply_rope(q, cos, sin, self.interleaved)
+    def queries(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q = wq_b(qr) [N, Hi·D] → queries [N, Hi, D] in the model dtype."""
+        return apply_rope(q.view(q.shape[0], self.n_heads, self.head_dim), cos, sin,
+                          self.interleaved)
 
     def weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] → per-head weights [N, Hi] fp32 with nh^-1/2 and D^-1/2 folded in."""
@@ -149,6 +149,35 @@ class MLAAttention(nn.Module):
         # Set by dsaserve.parallel.tp.shard_model when the engine has several ranks.
         self.groups = ParallelGroups.single()
         self.comm_backend = "ag_rs"
+        # After loading (fuse_projections): q_a, wk, kv_a as one product of x, q_b and wq_b as
+        # one of the q latent (model/fused.py); None: apart.
+        self.x_proj: fused.FusedProjections | None = None
+        self.qr_proj: fused.FusedProjections | None = None
+
+    def fuse_projections(self) -> int:
+        """Merge the projections that read one input (model/fused.py); the groups merged."""
+        wk = () if self.indexer is None else (self.indexer.wk,)
+        wq_b = () if self.indexer is None else (self.indexer.wq_b,)
+        self.x_proj = fused.fuse((self.q_a_proj, self.kv_a_proj_with_mqa, *wk))
+        self.qr_proj = fused.fuse((self.q_b_proj, *wq_b))
+        return (self.x_proj is not None) + (self.qr_proj is not None)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [n, hidden] → q_a(x) [n, q_lora], kv_a(x) [n, L+R], wk(x) [n, D] (None without
+        an indexer): one product when fused."""
+        if self.x_proj is not None:
+            q_a, kv, *k = self.x_proj(x)
+            return q_a, kv, k[0] if k else None
+        k = self.indexer.wk(x) if self.indexer is not None else None
+        return self.q_a_proj(x), self.kv_a_proj_with_mqa(x), k
+
+    def _project_q(self, qr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """qr [n, q_lora] → q_b(qr) [n, H·(nope+R)] and, when fused, wq_b(qr) [n, Hi·D]
+        (else None: computed where the indexer needs it)."""
+        if self.qr_proj is not None:
+            q, *q_idx = self.qr_proj(qr)
+            return q, q_idx[0] if q_idx else None
+        return self.q_b_proj(qr), None
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """kv_b_proj viewed per head: W_UK [H, nope, L], W_UV [H, v, L], W_UVᵀ [H, L, v]. The
@@ -176,13 +205,15 @@ class MLAAttention(nn.Module):
         n = x.shape[0]
         cos, sin = rope
         # 1. projections (this rank's heads under TP; the latent and the indexer are replicated)
-        qr = self.q_a_layernorm(self.q_a_proj(x))  # [n, q_lora]
-        q = self.q_b_proj(qr).view(n, self.num_heads, self.nope + self.rope_dim)
+        q_a, kv, idx_k = self._project(x)  # [n, q_lora], [n, L+R], [n, D] | None
+        qr = self.q_a_layernorm(q_a)  # [n, q_lora]
+        q, idx_q = self._project_q(qr)  # [n, H·(nope+R)], [n, Hi·D] | None
+        q = q.view(n, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope], q[..., self.nope :]  # q_rope: before RoPE
-        kv = self.kv_a_proj_with_mqa(x)  # [n, L+R]
         c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])  # [n, L]
         k_pe = apply_rope(kv[:, self.kv_lora_rank :], cos, sin, True)  # [n, R]
-        idx_k = self.indexer.keys(x, cos, sin) if self.indexer is not None else None  # [n, D]
+        if idx_k is not None:
+            idx_k = self.indexer.keys(idx_k, cos, sin)  # [n, D] fp32
 
         # 2. cache writes: all ranks compute, the owner writes (PCP: gather every rank's rows first)
         mla_meta = meta.for_mla()  # HiSparse spilling: MLA pages apart from the indexer's
@@ -209,7 +240,9 @@ class MLAAttention(nn.Module):
         else:
             q_full = self._absorbed_query(q_nope, q_rope, w_uk, cos, sin)  # [n, H, L+R]
             if self.indexer is not None:
-                q_idx, w_idx = self.indexer.queries(qr, cos, sin), self.indexer.weights(x)
+                if idx_q is None:
+                    idx_q = self.indexer.wq_b(qr)  # [n, Hi·D]
+                q_idx, w_idx = self.indexer.queries(idx_q, cos, sin), self.indexer.weights(x)
             else:
                 q_idx = w_idx = None
             if meta.dcp_size > 1:
@@ -350,9 +383,21 @@ class MLP(nn.Module):
         self.up_proj = fp8.linear(hidden, inter, fp8_kept)
         self.down_proj = fp8.linear(inter, hidden, fp8_kept)
         self.reduce: Group | None = None  # TP: the intermediate is sharded, outputs are summed
+        self.gate_up: fused.FusedProjections | None = None  # after loading: one product
+
+    def fuse_projections(self) -> int:
+        """Merge gate and up into one matrix (model/fused.py); the groups merged."""
+        self.gate_up = fused.fuse((self.gate_proj, self.up_proj))
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and isinstance(self.down_proj, fp8.Fp8Linear):
+            # [gate | up] in one product; silu(gate) · up formed while down's input is quantized
+            out = self.down_proj.forward_glu(self.gate_up.merged(x))
+        else:
+            gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x),
+                                                                         self.up_proj(x))
+            out = self.down_proj(F.silu(gate) * up)
         return self.reduce.all_reduce(out) if self.reduce is not None else out
 
 

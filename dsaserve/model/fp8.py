@@ -111,6 +111,21 @@ class Fp8Linear(nn.Module):
                                              self.rows.offset, self.cols.offset)
         return y.view(*lead, y.shape[-1])
 
+    def forward_glu(self, h: torch.Tensor) -> torch.Tensor:
+        """This projection of silu(gate) · up, h [..., 2·in] = [gate | up] (an MLP's fused
+        gate and up): on CUDA the activation is formed while quantized where the product is
+        W8A8 (fp8_linear.fp8_glu_linear, rounded as the unfused ops round)."""
+        lead = h.shape[:-1]
+        h2 = h.reshape(-1, h.shape[-1])  # [M, 2·in]
+        if h2.is_cuda:
+            from dsaserve.kernels.triton import fp8_linear
+
+            y = fp8_linear.fp8_glu_linear(h2.contiguous(), self.weight, self.weight_scale_inv,
+                                          self.rows.offset, self.cols.offset)
+            return y.view(*lead, y.shape[-1])
+        gate, up = h.chunk(2, dim=-1)
+        return self(torch.nn.functional.silu(gate) * up)
+
     def extra_repr(self) -> str:
         return (f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, fp8 128x128 blocks, "
                 f"rows {self.rows.start}:{self.rows.stop}, cols {self.cols.start}:{self.cols.stop}")

@@ -222,16 +222,20 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
 
     e = experts.num_experts
     token_of, pos, offs = pair_layout(ids, first, e, held_all)
-    xs = x[token_of]  # [P, H]
-    held = held_pairs(xs.shape[0], e, num_experts)
+    held = held_pairs(token_of.shape[0], e, num_experts)
     w13, s13 = experts.w13, experts.s13
     if w8a8_experts(held, e, x.dtype):
         from dsaserve.kernels.triton import fp8_w8a8
 
-        h13 = fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(xs), w13, s13, offs, x.dtype)  # [P, 2I]
+        # each row quantized once, then its bytes gathered per pair (the quantization is per
+        # row: the same bytes as quantizing the gathered rows, a third of the gather's bytes)
+        xq, xsc = fp8_w8a8.act_quant(x)  # [N, H] e4m3, [N, Hb]
+        xq = xq.view(torch.uint8)[token_of].view(xq.dtype)  # [P, H]
+        h13 = fp8_w8a8.w8a8_grouped(xq, xsc[token_of], w13, s13, offs, x.dtype)  # [P, 2I]
         act = fp8_w8a8.act_quant(h13, glu=True)  # silu(gate) · up quantized: [P, I], [P, Ib]
         y = fp8_w8a8.w8a8_grouped(*act, experts.w2, experts.s2, offs, x.dtype)  # [P, H]
         return combine(y, pos, weights, offs, held_all, shared)
+    xs = x[token_of]  # [P, H]
     # the tiles follow the rows per held expert (one config for all three products)
     cfg = fp8_linear.choose_grouped_config(held, experts.w2.shape[2], x.shape[1], e)
     if triton_grouped(held, e):

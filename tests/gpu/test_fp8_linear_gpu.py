@@ -305,3 +305,49 @@ def test_bf16_grouped_matches_grouped_mm(g, tokens):
     want = moe_compute.looped_experts(x, (w13, w2), ids, weights, first=0)
     big = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-8 * big)
+
+
+@pytest.mark.parametrize("m", [1, 64, 256, 4096])
+def test_fp8_glu_linear_equals_the_unfused_ops(g, m):
+    """The shared experts' down projection of silu(gate) · up, h = [gate | up] as the fused
+    gate_up gives it: on the W8A8 rows the activation is formed while quantized (its silu may
+    put a byte one e4m3 code away: within the W8A8 tolerance), elsewhere the unfused ops."""
+    inter, hidden = _C["moe_intermediate_size"], _C["hidden_size"]
+    wq, scale = _weight(hidden, inter, g)
+    h = torch.randn(m, 2 * inter, generator=g, device=DEV).bfloat16()
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    got = fl.fp8_glu_linear(h, wq, scale)
+    if fl._takes_w8a8(m, hidden, h):
+        _assert_close(got, fw.w8a8_reference(act, wq, scale))
+    else:
+        assert torch.equal(got, fl.fp8_linear(act, wq, scale))
+
+
+@pytest.mark.parametrize("m", [1, 64, 256, 4096])
+def test_fused_projections_equal_their_members(g, m):
+    """q_a, kv_a and the indexer's wk of one input as one matrix (model/fused.py): each member's
+    columns of the one product against the member alone, at GLM-5.3's shapes (the fused
+    product takes W8A8 at 256 rows where kv_a and wk alone would not: their references
+    follow the fused product's path)."""
+    from dsaserve.model import fp8, fused
+
+    hidden = _C["hidden_size"]
+    members = []
+    for name in ("q_a", "kv_a", "wk"):
+        n = dict((s[0], s[1]) for s in SHAPES)[name]
+        layer = fp8.Fp8Linear(hidden, n).to(DEV)
+        layer.weight.data, layer.weight_scale_inv.data = _weight(n, hidden, g)
+        members.append(layer)
+    x = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
+    wants = []
+    for layer in members:
+        merged_n = sum(mm.weight.shape[0] for mm in members)
+        if fl._takes_w8a8(m, merged_n, x):
+            wants.append(fw.w8a8_reference(x, layer.weight, layer.weight_scale_inv))
+        else:
+            wants.append(fw.linear_reference(x, layer.weight, layer.weight_scale_inv))
+    group = fused.fuse(members)
+    assert group is not None
+    for got, want in zip(group(x), wants, strict=True):
+        _assert_close(got.contiguous(), want)

@@ -320,3 +320,21 @@ def test_fp8_experts_path_matches_dequantized(fl, tokens, total):
                                           num_experts=total)
     want = moe_compute.looped_experts(x, experts.dequantized(x.dtype), ids, weights, 0)
     _assert_close(got, want)
+    if tokens == 160 and total == e:
+        # fp16 at 16–64 pairs per expert: W8A8 (each token quantized once, its bytes gathered
+        # per pair) against the products of the quantized values, per expert
+        from dsaserve.kernels import fp8_weights as fw
+
+        x16 = x[:64].half()
+        assert moe_compute.w8a8_experts(128, e, x16.dtype)
+        got = moe_compute.grouped_fp8_experts(x16, experts, ids[:64], weights[:64], 0,
+                                              held_all=True, num_experts=e)
+        want = torch.zeros(64, hidden)
+        for t in range(64):
+            for j in range(top):
+                i = int(ids[t, j])
+                h = fw.w8a8_reference(x16[t:t + 1], experts.w13[i], experts.s13[i])
+                act = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+                y = fw.w8a8_reference(act, experts.w2[i], experts.s2[i])
+                want[t] += weights[t, j] * y[0].float()
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())

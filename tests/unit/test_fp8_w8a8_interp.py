@@ -203,6 +203,30 @@ def test_act_quant_of_the_moe_activation(w8):
         w8.act_quant(h[:, :-1], glu=True)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_fp8_glu_linear_forms_the_activation_while_quantizing(fl):
+    """An MLP's fused [gate | up] through down: on the W8A8 path act_quant's GLU feeds the GEMM
+    (the product of its bytes, which may differ from the unfused ops' by one e4m3 code, rarely);
+    elsewhere (decode rows, fp32, a shard starting inside a block) the unfused ops."""
+    wq, scale = _shard(300, 260, 0, 0)
+    h = _activations(fl.WEIGHT_ONLY_MAX_M + 1, 2 * 260)
+    gate, up = h.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    got = fl.fp8_glu_linear(h, wq, scale)
+    assert torch.equal(got, fl.fp8_w8a8.w8a8_matmul(*fl.fp8_w8a8.act_quant(h, glu=True), wq,
+                                                    scale, h.dtype))
+    torch.testing.assert_close(got.float(), fw.w8a8_reference(act, wq, scale).float(),
+                               rtol=0.02, atol=0.02 * got.float().abs().max().item())
+    for rows in (h[:8], h.float()):  # the weight-only kernel's rows, fp32: the unfused ops
+        g, u = rows.chunk(2, dim=-1)
+        assert torch.equal(fl.fp8_glu_linear(rows, wq, scale),
+                           fl.fp8_linear(torch.nn.functional.silu(g) * u, wq, scale))
+    wq_s, scale_s = _shard(300, 260, 0, 30)
+    g, u = h.chunk(2, dim=-1)
+    assert torch.equal(fl.fp8_glu_linear(h, wq_s, scale_s, 0, 30),
+                       fl.fp8_linear(torch.nn.functional.silu(g) * u, wq_s, scale_s, 0, 30))
+
+
 @pytest.mark.parametrize("counts,tail", [
     ([3, 0, 70, 1, 0], 13),  # empty experts, a group over two tiles, rows past the end
     ([0, 0, 0, 0, 0], 6),  # every row held elsewhere
