@@ -252,7 +252,8 @@ def test_fp8_grouped_replays_in_a_cuda_graph(g):
 
 
 def test_fp8_linear_replays_in_a_cuda_graph(g):
-    """A decode projection with split K (its fp32 partials allocated inside the capture)."""
+    """A decode projection with split K (its fp32 partials allocated inside the capture, its
+    tiles' counters at the eager call before), replayed: the counters reset by each call."""
     wq, scale = _weight(2048, 6144, g)  # q_a: 32 n tiles, split
     x = torch.randn(1, 6144, generator=g, device=DEV).bfloat16()
     side = torch.cuda.Stream()

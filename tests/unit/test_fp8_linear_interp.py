@@ -111,7 +111,12 @@ def test_fp8_linear_split_k_and_strided_rows(fl):
     want = fw.linear_reference(x.contiguous(), wq, scale)
     _assert_close(fl.fp8_linear(x, wq, scale), want)
     forced = fl.Fp8LinearConfig(16, 32, 64, split_k=3)
-    _assert_close(fl.fp8_linear(x, wq, scale, config=forced), want)
+    once = fl.fp8_linear(x, wq, scale, config=forced)
+    _assert_close(once, want)
+    # each tile's last split summed the partials and reset its counter: the next call's
+    # last split is found again, and sums in the same order
+    assert not fl._tile_counters(x.device, 1).any()
+    assert torch.equal(fl.fp8_linear(x, wq, scale, config=forced), once)
 
 
 def test_split_k_choice(fl):

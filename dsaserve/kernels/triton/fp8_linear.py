@@ -13,7 +13,8 @@ accumulates in fp32, so it differs from the dequantize-at-load model only in sum
 
 Decode (M ≤ 64) is bound by the weight bytes: one m tile, so every weight byte is read once;
 when the n tiles alone leave SMs idle the K range is split, each split writing fp32 partials
-that a second kernel sums in split order (deterministic, unlike atomics). From 65 to 256 rows
+that the tile's last split to finish sums in split order (deterministic, unlike atomic adds
+of the partials; no second launch). From 65 to 256 rows
 (MTP3 verification up to b = 64) bf16 and fp16 activations take W8A8 (fp8_w8a8.py: FP8 tensor
 cores, the weight read once); above that (prefill) and for fp32 activations (test models) the
 weight is dequantized into a transient copy and cuBLAS multiplies, exactly
@@ -161,7 +162,9 @@ def _fp8_linear_kernel(
     x_ptr,  # [M, K], rows stride_x apart, unit last stride
     w_ptr,  # [N, K] e4m3, contiguous
     s_ptr,  # [Nb, Kb] fp32, contiguous
-    out_ptr,  # [M, N] in x's dtype, or fp32 partials [SPLIT_K, M, N] when SPLIT_K > 1
+    out_ptr,  # [M, N] in x's dtype
+    part_ptr,  # [SPLIT_K, M, N] fp32 partials when SPLIT_K > 1 (else unused)
+    count_ptr,  # [tiles] int32, zero between calls: the splits of each (m, n) tile done
     M, N, K, stride_x, n_off, k_off, num_kb,
     k_tiles_per_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -187,28 +190,45 @@ def _fp8_linear_kernel(
         w = _dequant_tile(w_ptr, s_ptr, cols, col_live, k0, K, n_off, k_off, num_kb, dtype,
                           BLOCK_K, K_ALIGNED)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    out = (split * M + rows.to(tl.int64))[:, None] * N + cols[None, :]
+    out = rows.to(tl.int64)[:, None] * N + cols[None, :]
     live = row_live[:, None] & col_live[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptr + out, acc.to(out_ptr.dtype.element_ty), mask=live)
     else:
-        tl.store(out_ptr + out, acc, mask=live)
+        # Each split stores its fp32 partial; the tile's last split to finish sums them all
+        # in split order (the same sum every run, whichever finishes last) and resets the
+        # tile's counter for the next call. The barrier and the counter's acq_rel order every
+        # thread's partial before the count, and the count before the sum's loads.
+        tl.store(part_ptr + split * M * N + out, acc, mask=live)
+        tl.debug_barrier()
+        tile = count_ptr + pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(tile, 1, sem="acq_rel")
+        if done == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptr + s * M * N + out, mask=live, other=0.0,
+                                 cache_modifier=".cg")  # from L2: other SMs wrote them
+            tl.store(out_ptr + out, total.to(out_ptr.dtype.element_ty), mask=live)
+            tl.atomic_xchg(tile, 0)
 
 
-@triton.jit(do_not_specialize=["numel"])
-def _sum_splits_kernel(
-    part_ptr,  # [SPLIT_K, numel] fp32
-    out_ptr,  # [numel]
-    numel,
-    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """out = Σ_s part[s] in split order (the same sum every run), cast to out's dtype."""
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    live = i < numel
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + s * numel + i, mask=live, other=0.0)
-    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K kernels' per-tile counters on `device`: zero between calls (each call's
+    last split resets its tile's), kept for the process (a CUDA graph replays with them).
+    One compute stream uses them at a time, as the engine's forward does."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # made in a graph's pool, they would outlive it: graphs are captured after an
+            # eager warm-up (engine/cudagraph.capture), which makes them
+            raise RuntimeError("fp8_linear: its split-K counters are made at the first "
+                               "eager call; run it once before capturing a CUDA graph")
+        counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = counters
+    return counters
 
 
 def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
@@ -276,18 +296,15 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     k_tiles = triton.cdiv(k, cfg.block_k)
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty split
-    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
+    counters = _tile_counters(x.device, grid[0] * grid[1])  # (unused without a split)
+    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     _fp8_linear_kernel[grid](
-        x, wq, scale, dst, m, n, k, x.stride(0), n_off, k_off, scale.shape[1], per_split,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split,
-        K_ALIGNED=k_off == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        x, wq, scale, out, part, counters, m, n, k, x.stride(0), n_off, k_off, scale.shape[1],
+        per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=split, K_ALIGNED=k_off == 0, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](dst, out, m * n, SPLIT_K=split,
-                                                         BLOCK=block, num_warps=4)
     return out
 
 
