@@ -34,11 +34,15 @@ class FusedProjections:
     def __init__(self, merged: nn.Module, bounds: Sequence[tuple[int, int]]) -> None:
         self.merged = merged
         self.bounds = tuple(bounds)  # member i's columns [a, b) of the merged output, call order
+        stored = sorted(range(len(bounds)), key=lambda i: bounds[i][0])
+        self._sizes = [bounds[i][1] - bounds[i][0] for i in stored]  # storage order
+        self._slot = [stored.index(i) for i in range(len(bounds))]  # call i → storage slot
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [M, K] → each member's output [M, n_i], views of one [M, Σ n_i] product."""
-        y = self.merged(x)
-        return tuple(y[..., a:b] for a, b in self.bounds)
+        """x [M, K] → each member's output [M, n_i], views of one [M, Σ n_i] product (one
+        split: one host op for all the views)."""
+        parts = self.merged(x).split(self._sizes, dim=-1)
+        return tuple(parts[j] for j in self._slot)
 
 
 def _storage_order(layers: Sequence[nn.Module]) -> list[int] | None:
