@@ -31,7 +31,7 @@ from dsaserve.disagg.receiving import ReadTimes
 from dsaserve.engine import cudagraph, step_results
 from dsaserve.engine.block_table import BlockTable, MirroredArray
 from dsaserve.engine.decode_graph import DecodeGraphs
-from dsaserve.engine.sampler import sample_on_device, top_logprobs
+from dsaserve.engine.sampler import chosen_logprobs, sample_on_device, top_logprobs
 from dsaserve.engine.sampling_table import SamplingTable
 from dsaserve.engine.step_timer import StepTimer
 from dsaserve.kernels import formats, staging
@@ -830,8 +830,9 @@ class ModelRunner:
         sampled_ids = [req_ids[r] for r in plain + verify]
         param_rows = self.block_table.rows(sampled_ids)
         tokens = lps = torch.zeros(0, dtype=torch.int64, device=dev)
-        # One log_softmax per row a token comes from (sampled or verified) serves both its
-        # token's log-probability and, when some live request asked, the row's top-W.
+        # The emitted tokens' log-probabilities: from each row's log-sum-exp alone
+        # (sampler.chosen_logprobs), or, while some live request asks for top-W log-probs,
+        # from one log_softmax per row that serves both.
         width = self.sampling.top_logprobs_width  # host-known: no read of the device
         emitted_from: list[torch.Tensor] = []  # [rows, V] log-probabilities, kept for the top-W
         # min_tokens: some live request masks its stop ids (host-known); the positions of the
@@ -843,11 +844,11 @@ class ModelRunner:
                  torch.from_numpy(param_rows[: len(plain)]),
                  *(self._token_positions(batch, plain) if masking else ())], dev)
             logits = self.model.compute_logits(hidden[last_rows])  # [M, V]
-            logprobs = logits.log_softmax(-1)  # [M, V]
+            logprobs = logits.log_softmax(-1) if width else None  # [M, V]
             params = self.sampling.batch(sampled_ids[: len(plain)], rows_d,
                                          self._moved_positions(batch, *at) if at else None)
             tokens, lps = sample_on_device(logits, params, logprobs)
-            if width:
+            if logprobs is not None:
                 emitted_from.append(logprobs)
         accepted = torch.zeros(0, dtype=torch.int64, device=dev)
         emitted = emitted_lps = torch.zeros(0, 1, dtype=torch.int64, device=dev)
@@ -879,10 +880,12 @@ class ModelRunner:
                 self._synthetic_rates)
             # token i of a run comes from row i: its log-probability there
             emitted = emitted_tokens(draft_ids, accepted, final)  # [M, k+1]
-            logprobs = logits.log_softmax(-1)  # [M, k+1, V]
-            emitted_lps = logprobs.gather(-1, emitted[..., None])[..., 0]
             if width:
+                logprobs = logits.log_softmax(-1)  # [M, k+1, V]
+                emitted_lps = logprobs.gather(-1, emitted[..., None])[..., 0]
                 emitted_from.append(logprobs.flatten(0, 1))
+            else:
+                emitted_lps = chosen_logprobs(logits, emitted)  # [M, k+1]
         # some live request asked for logprobs: the top-W of every row (plain rows, then the
         # verifying ones), a topk per group: the [rows, V] log-probabilities are never copied
         top_ids = top_lps = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dsaserve.core import SamplingParams
+from dsaserve.kernels.registry import use_kernels
 
 
 def make_generator(
@@ -201,6 +202,19 @@ def sample_probs(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return race(probs, exponential_noise(tuple(probs.shape), batch, probs.device))
 
 
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] fp32, tokens [...] int64 → log_softmax(logits)[token] [...] fp32. On
+    the GPU the tokens' logits minus each row's log-sum-exp, read once
+    (kernels/triton/logsumexp.py): no [..., V] log-probabilities written; elsewhere
+    log_softmax, then the gather."""
+    if not use_kernels(logits):
+        return logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    from dsaserve.kernels.triton import logsumexp
+
+    lse = logsumexp.row_logsumexp(logits.reshape(-1, logits.shape[-1]))  # [rows]
+    return logits.gather(-1, tokens[..., None])[..., 0] - lse.view(tokens.shape)
+
+
 def sample_on_device(
     logits: torch.Tensor,  # [R, V] fp32
     batch: SamplingBatch,
@@ -208,14 +222,16 @@ def sample_on_device(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row [R] int64 and its log-probability under the unfiltered distribution
     [R] fp32, both left on the device (the step copies its results to the host once). A caller
-    that also needs the rows' top-k passes their `logprobs`: one log_softmax serves both."""
-    if logprobs is None:
-        logprobs = logits.log_softmax(-1)  # [R, V]
+    that also needs the rows' top-k passes their `logprobs`: one log_softmax serves both;
+    else the chosen tokens' are computed alone (chosen_logprobs)."""
+    raw = logits
     logits = mask_stop_ids(logits, batch)  # min_tokens: after the raw log-probabilities
     if batch.any_sampled:
         tokens = sample_probs(sampling_probs(logits, batch), batch)  # [R]
     else:
         tokens = logits.argmax(-1)
+    if logprobs is None:
+        return tokens, chosen_logprobs(raw, tokens)
     return tokens, logprobs.gather(1, tokens[:, None])[:, 0]
 
 

@@ -78,3 +78,17 @@ def test_seeded_request_alone_and_batched(g):
         rows = torch.arange(len(ids), device=CUDA)
         batched.append(sample_on_device(logits, batch_table.batch(ids, rows))[0][4].item())
     assert alone == batched
+
+
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_chosen_logprobs_equal_log_softmax_on_the_vocabulary(g, rows):
+    """The emitted tokens' log-probabilities from each row's log-sum-exp (one read,
+    kernels/triton/logsumexp.py) against log_softmax's, at GLM-5.3's vocabulary: masked (−inf)
+    entries and logits of a trained model's spread."""
+    from dsaserve.engine.sampler import chosen_logprobs
+
+    logits = torch.randn(rows, 151552, device=CUDA, generator=g) * 6
+    logits[:, -100:] = float("-inf")
+    tokens = torch.randint(0, 151452, (rows,), device=CUDA, generator=g)
+    want = logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(chosen_logprobs(logits, tokens), want, rtol=1e-5, atol=1e-4)
