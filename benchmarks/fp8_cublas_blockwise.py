@@ -7,9 +7,10 @@ and 128 × 128 weight scales, the DeepSeek-V3 recipe) against our Triton W8A8 ke
 Both start from the same act_quant (the activations quantized per row and 128 columns), so
 their products should agree with fp8_weights.w8a8_reference to fp32 rounding; each is checked
 before it is timed. Times from a CUDA graph cycling over enough weight copies to overflow L2
-(benchmarks/fp8_linear.py's method): `triton` is w8a8_linear (act_quant included), `cublas`
-act_quant + PyTorch's scaled_mm (or torch._scaled_mm where that one refuses). Where PyTorch or
-cuBLAS refuses the scaling on this GPU, the row says why: that is the answer too.
+(benchmarks/fp8_linear.py's method): `triton` is w8a8_linear forced onto the Triton kernel
+(act_quant included), `cublas` act_quant with group-major scales + fp8_w8a8.block_scaled_mm
+(PyTorch's scaled_mm; w8a8_linear's choice where cublas_takes the shape). Where PyTorch or
+cuBLAS refuses the scaling on a GPU, the row says why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dsaserve.bench import gpu_timing
 from dsaserve.bench.argtypes import positive_ints
@@ -33,31 +33,6 @@ from fp8_linear import COLD_BYTES, MAX_COPIES, _check, _weight, projections  # n
 DEV = "cuda"
 
 
-def _v2(xq, xs_t, wq, scale, dtype):
-    """PyTorch's scaled_mm, whose recipes are named (torch.nn.functional.ScalingType)."""
-    from torch.nn.functional import ScalingType
-
-    return F.scaled_mm(xq, wq.t(), xs_t, ScalingType.BlockWise1x128, scale.t(),
-                       ScalingType.BlockWise128x128, output_dtype=dtype)
-
-
-def _v1(xq, xs_t, wq, scale, dtype):
-    """torch._scaled_mm, which infers the recipe from the scales' shapes and strides."""
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs_t, scale_b=scale.t(), out_dtype=dtype)
-
-
-API = {"scaled_mm": _v2, "_scaled_mm": _v1}
-
-
-def cublas_w8a8(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
-                dtype: torch.dtype, api: str) -> torch.Tensor:
-    """xq [M, K] e4m3 with xs [M, K/128], wq [N, K] e4m3 with scale [N/128, K/128] → [M, N]
-    through cuBLAS's block-scaled GEMM (the scales' layouts as PyTorch checks them: the
-    activations' outer-dim-major, the weight's transposed view of its row-major blocks)."""
-    xs_t = xs.t().contiguous().t()  # [M, K/128], stride (1, M)
-    return API[api](xq, xs_t, wq, scale, dtype)
-
-
 def bench(p, m: int, dtype: torch.dtype) -> dict:
     from dsaserve.kernels.triton import fp8_w8a8
 
@@ -67,23 +42,24 @@ def bench(p, m: int, dtype: torch.dtype) -> dict:
     x = torch.randn(m, p.k, generator=g, device=DEV).to(dtype)
     want = fw.w8a8_reference(x, *ws[0])
     row = {"name": p.name, "n": p.n, "k": p.k, "m": m}
-    _check(fp8_w8a8.w8a8_linear(x, *ws[0]), want, f"triton {p.name} M={m}")
-    row["triton"] = gpu_timing.graph_us(
-        [lambda wq=wq, s=s: fp8_w8a8.w8a8_linear(x, wq, s) for wq, s in ws])
-    row["cublas"], why = float("nan"), []
-    for api in API:  # the first PyTorch API that runs it and agrees with the reference
-        try:
-            _check(cublas_w8a8(*fp8_w8a8.act_quant(x), *ws[0], dtype, api), want,
-                   f"cublas {p.name}")
-        except Exception as e:  # refused here: that is the answer too
-            why.append(f"{api}: {type(e).__name__}: {str(e).splitlines()[0][:80]}")
-            continue
+    tiles = fp8_w8a8.choose_config(m, p.n, fp8_w8a8.device_sms(x.device))  # forces Triton
+
+    def triton_w8a8(wq, s):
+        return fp8_w8a8.w8a8_linear(x, wq, s, config=tiles)
+
+    def cublas_w8a8(wq, s):
+        return fp8_w8a8.block_scaled_mm(*fp8_w8a8.act_quant(x, outer_scales=True), wq, s, dtype)
+
+    _check(triton_w8a8(*ws[0]), want, f"triton {p.name} M={m}")
+    row["triton"] = gpu_timing.graph_us([lambda wq=wq, s=s: triton_w8a8(wq, s) for wq, s in ws])
+    row["cublas"], row["why"] = float("nan"), "scaled_mm"
+    try:
+        _check(cublas_w8a8(*ws[0]), want, f"cublas {p.name}")
+    except Exception as e:  # refused here: that is the answer too
+        row["why"] = f"{type(e).__name__}: {str(e).splitlines()[0][:80]}".replace("|", "/")
+    else:
         row["cublas"] = gpu_timing.graph_us(
-            [lambda wq=wq, s=s, api=api: cublas_w8a8(*fp8_w8a8.act_quant(x), wq, s, dtype,
-                                                     api) for wq, s in ws])
-        why = [api]
-        break
-    row["why"] = "; ".join(why).replace("|", "/")  # (a table cell)
+            [lambda wq=wq, s=s: cublas_w8a8(wq, s) for wq, s in ws])
     row["tflops"] = 2 * m * p.n * p.k / min(row["triton"], row["cublas"]
                                             if row["cublas"] == row["cublas"] else 1e30) / 1e6
     return row

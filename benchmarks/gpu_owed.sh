@@ -117,8 +117,9 @@
 #                                          #   grouped GEMMs, FP8 MTP3 at b = 64)
 #   bash benchmarks/gpu_owed.sh 47         # part 47: the FP8 GPU tests again, FP8 MTP3's
 #                                          #   kernels by category at b = 1 and 64
-#   bash benchmarks/gpu_owed.sh 49         # part 49: the fused projections: GPU tests, FP8
-#                                          #   at 16 layers before and after
+#   bash benchmarks/gpu_owed.sh 49         # part 49: the cuts after part 47 (fused
+#                                          #   projections, cuBLAS block-scaled, ...): GPU
+#                                          #   tests, FP8 at 16 layers after and before
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -519,20 +520,23 @@ elif [ "$part" = 43 ]; then
         --layers 16 --contexts 8192 --batches 64 --steps 10 --fastest-only \
         --out "$out/decode16_b64.md"
 elif [ "$part" = 49 ]; then
-    # the projections of one input fused (model/fused.py: q_a + kv_a + wk, q_b + wq_b, gate +
-    # up), the shared experts' silu · up formed while quantized, the experts' rows quantized
-    # before their gather: the GPU tests, then FP8 at 16 layers, b = 1 and 64, before (out/old:
-    # the tree at 0e4dc8d, `mkdir -p out/old && git archive 0e4dc8d | tar -x -C out/old`,
-    # carried) and after, alternating on one machine
-    TAIL_LINES=12 run 150 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
-    for tree in before after; do
-        dir=$([ "$tree" = before ] && echo out/old || echo .)
-        [ "$(left)" -gt 60 ] && TAIL_LINES=12 run 150 "decode16_fp8_$tree" \
-            env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/decode.py" \
-            --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 \
-            --fastest-only --kernel-profile 12 --out "$out/decode16_fp8_$tree.md"
-    done
+    # after part 47: the projections of one input fused (model/fused.py), the shared experts'
+    # silu · up formed while quantized, the experts' rows quantized before their gather,
+    # split K summed by the tile's last split, cuBLAS's block-scaled GEMM for the W8A8 rows
+    # where it takes the shape, the emitted tokens' log-probabilities from a row
+    # log-sum-exp: the GPU tests, then FP8 at 16 layers after (b = 1 and 64, profiled) and
+    # before (out/old: the tree at 0e4dc8d, `mkdir -p out/old && git archive 0e4dc8d | tar -x
+    # -C out/old`, carried; b = 64). (Its first run gave each tree 150 s: not enough.)
+    TAIL_LINES=12 run 130 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py \
+        tests/gpu/test_sampler_gpu.py
+    TAIL_LINES=40 run 260 decode16_fp8_after python benchmarks/decode.py --layers 16 \
+        --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
+        --kernel-profile 12 --out "$out/decode16_fp8_after.md"
+    [ "$(left)" -gt 90 ] && TAIL_LINES=8 run "$(left)" decode16_fp8_before \
+        env PYTHONPATH="$PWD/out/old:$PYTHONPATH" python out/old/benchmarks/decode.py \
+        --layers 16 --weights fp8 --contexts 8192 --batches 64 --steps 10 --fastest-only \
+        --out "$out/decode16_fp8_before.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill

@@ -173,6 +173,58 @@ def test_fp8_linear_takes_w8a8_above_the_threshold(fl):
     assert torch.equal(fl.fp8_linear(x, *narrow, 5, 100), fw.linear_reference(x, *narrow, 5, 100))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_act_quant_outer_scales_are_the_same_scales_group_major(w8):
+    """cuBLAS reads 1 × 128 scales group-major: the same values, strides (1, M)."""
+    x = _activations(37, 300)
+    xq, xs = w8.act_quant(x)
+    xq_o, xs_o = w8.act_quant(x, outer_scales=True)
+    assert xs_o.shape == xs.shape and xs_o.stride() == (1, 37)
+    assert torch.equal(xs_o, xs) and torch.equal(xq_o.view(torch.uint8), xq.view(torch.uint8))
+    g_o = w8.act_quant(torch.cat((x, x), dim=1), glu=True, outer_scales=True)[1]
+    assert torch.equal(g_o, w8.act_quant(torch.cat((x, x), dim=1), glu=True)[1])
+
+
+def test_cublas_takes_whole_blocks_on_cuda_only(w8):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert w8.cublas_takes(256, 16384, 2048, 0, 0, cuda) == hasattr(
+        torch.nn.functional, "scaled_mm")
+    assert not w8.cublas_takes(256, 16384, 2048, 0, 0, cpu)
+    assert not w8.cublas_takes(256, 2752, 6144, 0, 0, cuda)  # N inside a block (fused q_a, kv_a)
+    assert not w8.cublas_takes(256, 4096, 2048, 64, 0, cuda)  # a TP shard inside a block
+    assert not w8.cublas_takes(256, 4096, 2048, 0, 100, cuda)
+    assert not w8.cublas_takes(258, 4096, 2048, 0, 0, cuda)  # M not a multiple of 4
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+@pytest.mark.parametrize("glu", [False, True])
+def test_w8a8_linear_hands_cublas_group_major_scales(w8, monkeypatch, glu):
+    """Where cublas_takes the shape, w8a8_linear quantizes with group-major scales and calls
+    block_scaled_mm (stood in for here by the product of the quantized values: a CPU has no
+    block-scaled GEMM); the product is the W8A8 reference's."""
+    wq, scale = _shard(256, 384, 0, 0)
+    x = _activations(68, 2 * 384 if glu else 384)
+    seen = []
+
+    def product(xq, xs, wq_, scale_, dtype):
+        seen.append(xs.stride())
+        m = xq.shape[0]
+        xf = (xq.float().view(m, -1, B) * xs[:, :, None]).view(m, -1)
+        return (xf @ fw.dequantize(wq_, scale_, torch.float32).T).to(dtype)
+
+    monkeypatch.setattr(w8, "cublas_takes", lambda *shape: True)
+    monkeypatch.setattr(w8, "block_scaled_mm", product)
+    got = w8.w8a8_linear(x, wq, scale, glu=glu)
+    assert seen == [(1, 68)]
+    act = x
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) * up
+    want = fw.w8a8_reference(act, wq, scale)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-9,
+                               atol=2.0**-9 * want.float().abs().max().item())
+
+
 def test_bad_input_is_named(w8):
     wq, scale = _shard(40, 200, 0, 0)
     with pytest.raises(ValueError, match="bf16 or fp16"):

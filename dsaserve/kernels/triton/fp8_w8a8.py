@@ -21,10 +21,20 @@ activations' rounding to e4m3 makes the product differ from the dequantized mode
 ~2^-5 of a row's scale per group, so fp8_linear keeps the exact weight-only kernel where it is
 as fast (decode, M ≤ 64) and for fp32 activations (test models compared bit for bit).
 
+Where cuBLAS's block-scaled FP8 GEMM takes the shape (`cublas_takes`: CUDA, whole scale
+blocks, M a multiple of 4) w8a8_linear hands it the same quantized activations instead, their
+scales laid out group-major (PyTorch's scaled_mm, 1 × 128 and 128 × 128 scales): measured on
+an H100 (benchmarks/fp8_cublas_blockwise.py, docs/fp8_weights.md) it is 1.23–1.70× this
+kernel at 256 rows for q_b, o_proj and the shared down projection, 0.95–0.99× for the
+2,048–4,096-wide ones, and 1.35–1.73× at 1,024–4,096 rows. The Triton kernel stays for the
+rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and kv_a fused:
+2,752 columns), odd row counts.
+
 Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
 TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
-MMA), so fp8_linear stops using it there (W8A8_MAX_M; docs/fp8_weights.md). No autotuning:
-tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
+MMA), so fp8_linear stops using W8A8 there (W8A8_MAX_M; docs/fp8_weights.md; cuBLAS's 745–1,014
+TFLOP/s there would change that: not yet measured end to end). No autotuning: tiles are a pure
+function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -120,8 +131,8 @@ def _round_to_e4m3(q):
 def _act_quant_kernel(
     x_ptr,  # [M, K] (GLU: [M, 2K], gate columns then up columns), rows stride_x apart
     q_ptr,  # [M, K] e4m3, contiguous
-    s_ptr,  # [M, Kb] fp32, contiguous
-    M, K, stride_x, k_off, num_kb,
+    s_ptr,  # [M, Kb] fp32: row r's group g at r · stride_sr + g · stride_sg
+    M, K, stride_x, k_off, stride_sr, stride_sg,
     BLOCK_R: tl.constexpr, AMAX_FLOOR: tl.constexpr, QMAX: tl.constexpr, GLU: tl.constexpr,
 ):
     """One 128-column group of BLOCK_R rows: scale = max(amax, floor) / 448, q = x / scale;
@@ -146,14 +157,16 @@ def _act_quant_kernel(
     q = tl.clamp(tl.math.div_rn(x, s[:, None]), -QMAX, QMAX)  # IEEE division: the reference's
     q = _round_to_e4m3(q)
     tl.store(q_ptr + rows64[:, None] * K + ks[None, :], q.to(q_ptr.dtype.element_ty), mask=live)
-    tl.store(s_ptr + rows64 * num_kb + g, s, mask=row_live)
+    tl.store(s_ptr + rows64 * stride_sr + g * stride_sg, s, mask=row_live)
 
 
-def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False
+def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False, outer_scales: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_weights.quantize_activations on the GPU: x [M, K] (unit last stride) → (xq [M, K]
     e4m3, xs [M, Kb] fp32). glu: x is [M, 2K] (gate, then up) and what is quantized is
-    silu(gate) · up, the MoE's activation between its two projections (k_off 0)."""
+    silu(gate) · up, the MoE's activation between its two projections (k_off 0).
+    outer_scales: xs laid out group-major (strides (1, M)), as cuBLAS's block-scaled GEMM
+    reads 1 × 128 scales; else row-major (the Triton kernels')."""
     m, k = x.shape
     if glu:
         if k % 2 or k_off:
@@ -161,13 +174,35 @@ def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False
         k //= 2
     kb = num_blocks(k, k_off)
     xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    xs = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+    if outer_scales:
+        xs = torch.empty(kb, m, dtype=torch.float32, device=x.device).t()  # [M, Kb]
+    else:
+        xs = torch.empty(m, kb, dtype=torch.float32, device=x.device)
     if m and k:
         block_r = 16
         _act_quant_kernel[(triton.cdiv(m, block_r), kb)](
-            x, xq, xs, m, k, x.stride(0), k_off, kb, BLOCK_R=block_r,
+            x, xq, xs, m, k, x.stride(0), k_off, xs.stride(0), xs.stride(1), BLOCK_R=block_r,
             AMAX_FLOOR=ACT_AMAX_FLOOR, QMAX=FP8_E4M3_MAX, GLU=glu, num_warps=4)
     return xq, xs
+
+
+def cublas_takes(m: int, n: int, k: int, n_off: int, k_off: int,
+                 device: torch.device) -> bool:
+    """Whether cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm with DeepSeek's 1 × 128
+    activation and 128 × 128 weight scales, CUDA 12.9+) takes an [m, k] · [n, k]ᵀ product:
+    on CUDA, whole scale blocks (no shard starting inside one, N and K multiples of 128) and
+    M a multiple of 4 (cuBLASLt). Elsewhere the Triton kernel below."""
+    return (device.type == "cuda" and not n_off and not k_off and n % FP8_BLOCK == 0
+            and k % FP8_BLOCK == 0 and m % 4 == 0 and hasattr(F, "scaled_mm"))
+
+
+def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] e4m3 with xs [M, Kb] group-major (act_quant(outer_scales=True)), wq [N, K]
+    e4m3 with scale [Nb, Kb] → [M, N] in `dtype` through cuBLAS (cublas_takes says where);
+    each 128-column group's product scaled in fp32, as the Triton kernel's."""
+    return F.scaled_mm(xq, wq.t(), xs, F.ScalingType.BlockWise1x128, scale.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=dtype)
 
 
 @triton.jit
@@ -232,16 +267,23 @@ def _w8a8_kernel(
 
 
 def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
-                k_off: int = 0, config: W8a8Config | None = None) -> torch.Tensor:
+                k_off: int = 0, config: W8a8Config | None = None, glu: bool = False
+                ) -> torch.Tensor:
     """x [M, K] (bf16 or fp16, unit last stride), wq [N, K] e4m3, scale [Nb, Kb] fp32 (offsets
-    as in fp8_weights) → [M, N] in x's dtype: fp8_weights.w8a8_reference's product. No host
-    sync; allocates xq, xs and the output."""
+    as in fp8_weights) → [M, N] in x's dtype: fp8_weights.w8a8_reference's product. glu: x
+    is [M, 2K] = [gate | up] and the product is silu(gate) · up's (act_quant's GLU). cuBLAS
+    where it takes the shape (cublas_takes; config: the Triton kernel's tiles, forcing it).
+    No host sync; allocates xq, xs and the output."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"w8a8_linear: x must be bf16 or fp16 [M, K] with unit last stride, "
                          f"got {x.dtype} {tuple(x.shape)}")
-    if wq.shape[-1] != x.shape[1]:
-        raise ValueError(f"w8a8_linear: x has K = {x.shape[1]}, the weight {wq.shape[-1]}")
-    return w8a8_matmul(*act_quant(x, k_off), wq, scale, x.dtype, n_off, k_off, config)
+    k = x.shape[1] // 2 if glu else x.shape[1]
+    if wq.shape[-1] != k:
+        raise ValueError(f"w8a8_linear: x has K = {k}, the weight {wq.shape[-1]}")
+    if config is None and cublas_takes(x.shape[0], wq.shape[0], k, n_off, k_off, x.device):
+        check_weight(wq, scale, n_off, k_off, "w8a8_linear")
+        return block_scaled_mm(*act_quant(x, glu=glu, outer_scales=True), wq, scale, x.dtype)
+    return w8a8_matmul(*act_quant(x, k_off, glu), wq, scale, x.dtype, n_off, k_off, config)
 
 
 def w8a8_matmul(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
