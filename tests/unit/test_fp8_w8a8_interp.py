@@ -225,6 +225,27 @@ def test_w8a8_linear_hands_cublas_group_major_scales(w8, monkeypatch, glu):
                                atol=2.0**-9 * want.float().abs().max().item())
 
 
+def test_a_shape_cublas_refuses_falls_back_to_triton_once(w8, monkeypatch, caplog):
+    """A refusal at cuBLAS's checks (an older cuBLAS, another GPU) is warned about once and
+    that shape takes the Triton kernel from then on: the same product as forcing it."""
+    wq, scale = _shard(256, 384, 0, 0)
+    x = _activations(68, 384)
+    calls = []
+
+    def refuse(*args):
+        calls.append(1)
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(w8, "cublas_takes", lambda *shape: True)
+    monkeypatch.setattr(w8, "block_scaled_mm", refuse)
+    monkeypatch.setattr(w8, "_REFUSED", set())
+    forced = w8.w8a8_linear(x, wq, scale, config=w8.TILES[-1])
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            assert torch.equal(w8.w8a8_linear(x, wq, scale), forced)
+    assert len(calls) == 1 and "refused" in caplog.text
+
+
 def test_bad_input_is_named(w8):
     wq, scale = _shard(40, 200, 0, 0)
     with pytest.raises(ValueError, match="bf16 or fp16"):

@@ -39,6 +39,7 @@ function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,8 @@ from dsaserve.kernels.fp8_weights import (
     num_blocks,
 )
 from dsaserve.kernels.triton.grouped_tiles import tile_rows
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,11 @@ def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False, outer_scales: 
     return xq, xs
 
 
+# (N, K, dtype) of products cuBLAS refused on this process's GPU (an older cuBLAS, another
+# architecture): the Triton kernel takes them from then on, warned about once.
+_REFUSED: set[tuple[int, int, torch.dtype]] = set()
+
+
 def cublas_takes(m: int, n: int, k: int, n_off: int, k_off: int,
                  device: torch.device) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm with DeepSeek's 1 × 128
@@ -280,9 +288,21 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: i
     k = x.shape[1] // 2 if glu else x.shape[1]
     if wq.shape[-1] != k:
         raise ValueError(f"w8a8_linear: x has K = {k}, the weight {wq.shape[-1]}")
-    if config is None and cublas_takes(x.shape[0], wq.shape[0], k, n_off, k_off, x.device):
+    shape = (wq.shape[0], k, x.dtype)
+    if (config is None and shape not in _REFUSED
+            and cublas_takes(x.shape[0], wq.shape[0], k, n_off, k_off, x.device)):
         check_weight(wq, scale, n_off, k_off, "w8a8_linear")
-        return block_scaled_mm(*act_quant(x, glu=glu, outer_scales=True), wq, scale, x.dtype)
+        xq, xs = act_quant(x, glu=glu, outer_scales=True)
+        try:
+            return block_scaled_mm(xq, xs, wq, scale, x.dtype)
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            # refused at its checks: an eager call (the warm-up before any capture) learns it
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            logger.warning("cuBLAS's block-scaled FP8 GEMM refused [%d, %d] x [%d, %d]ᵀ "
+                           "(%s); the Triton W8A8 kernel takes this shape", x.shape[0], k,
+                           wq.shape[0], k, str(e).splitlines()[0] if str(e) else type(e))
+            _REFUSED.add(shape)
     return w8a8_matmul(*act_quant(x, k_off, glu), wq, scale, x.dtype, n_off, k_off, config)
 
 
