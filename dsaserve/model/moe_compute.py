@@ -229,7 +229,7 @@ def grouped_fp8_experts(x: torch.Tensor, experts: Fp8Experts, ids: torch.Tensor,
 
         # each row quantized once, then its bytes gathered per pair (the quantization is per
         # row: the same bytes as quantizing the gathered rows, a third of the gather's bytes)
-        xq, xsc = fp8_w8a8.act_quant(x)  # [N, H] e4m3, [N, Hb]
+        xq, xsc = fp8_w8a8.act_quant(x.contiguous())  # [N, H] e4m3, [N, Hb]
         xq = xq.view(torch.uint8)[token_of].view(xq.dtype)  # [P, H]
         h13 = fp8_w8a8.w8a8_grouped(xq, xsc[token_of], w13, s13, offs, x.dtype)  # [P, 2I]
         act = fp8_w8a8.act_quant(h13, glu=True)  # silu(gate) · up quantized: [P, I], [P, Ib]

@@ -294,8 +294,11 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     per_split = triton.cdiv(k_tiles, split)
     split = triton.cdiv(k_tiles, per_split)  # no empty split
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
-    counters = _tile_counters(x.device, grid[0] * grid[1])  # (unused without a split)
-    part = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    if split == 1:
+        part = counters = out  # (not read: SPLIT_K 1 compiles without them)
+    else:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counters = _tile_counters(x.device, grid[0] * grid[1])
     _fp8_linear_kernel[grid](
         x, wq, scale, out, part, counters, m, n, k, x.stride(0), n_off, k_off, scale.shape[1],
         per_split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
