@@ -80,7 +80,8 @@ def report(rows: list[dict], where: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--m", type=positive_ints, default=(128, 256, 1024, 4096))
-    p.add_argument("--only", default="q_a,q_b,o_proj,idx_wq_b,shared_gate|up,shared_down")
+    p.add_argument("--only", default="q_a,q_b,o_proj,idx_wq_b,shared_gate|up,shared_down,"
+                   "x_proj,qr_proj,shared_gate_up")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -79,6 +79,12 @@ def projections(cfg: dict) -> list[Projection]:
         Projection("routed_w2", h, inter),
         Projection("dense_gate|up", cfg["intermediate_size"], h),  # the first dense layers
         Projection("dense_down", h, cfg["intermediate_size"]),
+        # the engine's fused groups (model/fused.py): q_a + wk + kv_a, q_b + wq_b, gate + up
+        Projection("x_proj", q_lora + cfg["index_head_dim"] + cfg["kv_lora_rank"]
+                   + cfg["qk_rope_head_dim"], h),
+        Projection("qr_proj", heads * qk + cfg["index_n_heads"] * cfg["index_head_dim"],
+                   q_lora),
+        Projection("shared_gate_up", 2 * inter, h),
     ]
 
 
