@@ -455,7 +455,7 @@ def w8a8_builds() -> list[Build]:
     silu(gate) · up), the GEMM with the tiles choose_config gives at 256 rows (MTP3
     verification at b = 64; GLM-5.3's q_a and o_proj) and the experts' grouped GEMM."""
     quant = _sig({"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"},
-                 ["M", "K", "stride_x", "k_off", "num_kb"],
+                 ["M", "K", "stride_x", "k_off", "stride_sr", "stride_sg"],
                  ["BLOCK_R", "AMAX_FLOOR", "QMAX", "GLU"])
     assert list(quant) == fp8_w8a8._act_quant_kernel.arg_names
     builds = [Build("W8A8 activation quantization, 16 rows × 128"
