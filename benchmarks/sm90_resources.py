@@ -4,7 +4,7 @@
                                         [--check]
       (parts: sparse_mla, sparse_mla_gluon, sparse_mla_pingpong, sparse_mla_pingpong_fp8,
        indexer, indexer_gluon, row_topk, writers, residency, residency_mtp, fetch, moe,
-       w8a8)
+       w8a8, sampling)
 
 Compiles each kernel configuration ahead of time with Triton's own ptxas (no GPU needed) and
 prints one table row per build: shared memory, registers per thread, stack bytes (spills), and
@@ -45,6 +45,7 @@ from dsaserve.kernels.triton import (
     indexer,
     indexer_gluon,
     l2_hint,
+    logsumexp,
     moe_combine,
     moe_pairs,
     residency,
@@ -473,6 +474,20 @@ def w8a8_builds() -> list[Build]:
                             {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                              "GROUP_M": cfg.group_m, "K_ALIGNED": True, "FP8_DOT": True},
                             cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
+    # the weight-only kernel at decode with its K range split, the tile's last split summing
+    # the partials (b = 1: q_a's 32 n tiles)
+    dense = _sig({"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16",
+                  "part_ptr": "*fp32", "count_ptr": "*i32"},
+                 ["M", "N", "K", "stride_x", "n_off", "k_off", "num_kb", "k_tiles_per_split"],
+                 ["BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "K_ALIGNED", "DOT_PRECISION"])
+    assert list(dense) == fp8_linear._fp8_linear_kernel.arg_names
+    cfg = fp8_linear.choose_config(1, 2048, 6144)
+    split = fp8_linear.choose_split_k(1, 2048, 6144, cfg, 132)
+    builds.append(Build(f"FP8 weight-only GEMM, 1 row, q_a, {cfg.block_m}×{cfg.block_n} tiles, "
+                        f"K split {split}", fp8_linear._fp8_linear_kernel, dense,
+                        {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                         "SPLIT_K": split, "K_ALIGNED": True, "DOT_PRECISION": "tf32"},
+                        cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
     grouped = _sig({"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                     "s_ptr": "*fp32", "ends_ptr": "*i32", "out_ptr": "*bf16"},
                    ["P", "N", "K", "num_nb", "num_kb", "E"],
@@ -486,13 +501,21 @@ def w8a8_builds() -> list[Build]:
     return builds
 
 
+def sampling_builds() -> list[Build]:
+    """The emitted tokens' log-probabilities: a row's log-sum-exp (kernels/triton/logsumexp.py)."""
+    sig = _sig({"x_ptr": "*fp32", "out_ptr": "*fp32"}, ["V", "stride_x"], ["BLOCK"])
+    assert list(sig) == logsumexp._row_lse_kernel.arg_names
+    return [Build("row log-sum-exp, 2048 lanes", logsumexp._row_lse_kernel, sig,
+                  {"BLOCK": 2048}, 8)]
+
+
 PARTS = {"sparse_mla": sparse_mla_builds, "sparse_mla_gluon": sparse_mla_gluon_builds,
          "sparse_mla_pingpong": sparse_mla_pingpong_builds,
          "sparse_mla_pingpong_fp8": sparse_mla_pingpong_fp8_builds,
          "indexer": indexer_builds, "indexer_gluon": indexer_gluon_builds,
          "row_topk": row_topk_builds, "writers": writer_builds, "residency": residency_builds,
          "residency_mtp": residency_mtp_builds, "fetch": fetch_builds, "moe": moe_builds,
-         "w8a8": w8a8_builds}
+         "w8a8": w8a8_builds, "sampling": sampling_builds}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # configurations that spill by design; docs/kernels.md lists them; so does the residency kernel
 # at MTP sizes, docs/hisparse.md).
 PARTS = ("sparse_mla_gluon,sparse_mla_pingpong,indexer_gluon,row_topk,writers,residency,fetch,moe,"
-         "w8a8")
+         "w8a8,sampling")
 CUDA_RESOURCES = ROOT / "benchmarks" / "cuda_resources.py"
 
 
