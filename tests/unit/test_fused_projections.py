@@ -31,16 +31,23 @@ def _inside(view: torch.Tensor, whole: torch.Tensor) -> bool:
     return start <= view.data_ptr() < end
 
 
+def _assert_members(group, layers, x, want) -> None:
+    """Each member's columns of the group's product are its own output, and its weight (an FP8
+    one's scale too) is a view of the merged matrix."""
+    for w, g, m in zip(want, group(x), layers, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert _inside(m.weight, group.merged.weight)
+        if isinstance(m, fp8.Fp8Linear):
+            assert _inside(m.weight_scale_inv, group.merged.weight_scale_inv)
+
+
 def test_linear_group_gives_each_members_output_and_shares_its_storage():
     layers = [_linear(32, n, seed) for seed, n in enumerate((48, 16, 24))]
     x = torch.randn(5, 32)
     want = [m(x) for m in layers]
     group = fused.fuse(layers)
     assert group is not None
-    got = group(x)
-    for w, g, m in zip(want, got, layers, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-        assert _inside(m.weight, group.merged.weight)
+    _assert_members(group, layers, x, want)
     # a weight loaded again in place is what the merged product uses
     layers[1].weight.copy_(torch.zeros(16, 32))
     assert group(x)[1].abs().max() == 0
@@ -56,10 +63,8 @@ def test_fp8_group_puts_the_partial_block_member_last_and_stacks_the_scales():
     assert group is not None
     assert group.bounds == ((0, 256), (384, 584), (256, 384))
     assert group.merged.weight_scale_inv.shape == (2 + 1 + 2, 2)
-    for w, g, m in zip(want, group(x), layers, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
-        assert _inside(m.weight, group.merged.weight)
-        assert _inside(m.weight_scale_inv, group.merged.weight_scale_inv)
+    _assert_members(group, layers, x, want)
+    for w, m in zip(want, layers, strict=True):
         torch.testing.assert_close(m(x), w, rtol=0, atol=0)  # the members still work alone
 
 
