@@ -120,6 +120,9 @@
 #   bash benchmarks/gpu_owed.sh 49         # part 49: the cuts after part 47 (fused
 #                                          #   projections, cuBLAS block-scaled, ...): GPU
 #                                          #   tests, FP8 at 16 layers after and before
+#   bash benchmarks/gpu_owed.sh 50         # part 50: parts 49 and the key order in one
+#                                          #   call: the key order's kernels, the GPU tests,
+#                                          #   FP8 MTP3 at 16 layers after (profiled), before
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -536,6 +539,22 @@ elif [ "$part" = 49 ]; then
     [ "$(left)" -gt 90 ] && TAIL_LINES=8 run "$(left)" decode16_fp8_before \
         env PYTHONPATH="$PWD/out/old:$PYTHONPATH" python out/old/benchmarks/decode.py \
         --layers 16 --weights fp8 --contexts 8192 --batches 64 --steps 10 --fastest-only \
+        --out "$out/decode16_fp8_before.md"
+elif [ "$part" = 50 ]; then
+    # part 49 (no machine came for it) with the indexer's key order (row_topk.in_key_order:
+    # ranks counted over many programs at few rows, a 32-bit sort at many) in one call: the key
+    # order's kernels against each other, the GPU tests, FP8 MTP3 at 16 layers after (b = 1
+    # and 64, profiled), then before (out/old: the tree at 0e4dc8d, as part 49) in the rest
+    TAIL_LINES=12 run 50 key_order python benchmarks/key_order.py --out "$out/key_order.md"
+    TAIL_LINES=12 run 170 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py \
+        tests/gpu/test_sampler_gpu.py tests/gpu/test_topk_order_gpu.py
+    TAIL_LINES=40 run 230 decode16_fp8_after python benchmarks/decode.py --layers 16 \
+        --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
+        --kernel-profile 12 --out "$out/decode16_fp8_after.md"
+    [ "$(left)" -gt 90 ] && TAIL_LINES=8 run "$(left)" decode16_fp8_before \
+        env PYTHONPATH="$PWD/out/old:$PYTHONPATH" python out/old/benchmarks/decode.py \
+        --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
         --out "$out/decode16_fp8_before.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)

@@ -289,6 +289,11 @@ def indexer_gluon_builds() -> list[Build]:
     return builds
 
 
+def _key_order_sig(dtype: str, scalars: list[str], constexprs: list[str]) -> dict[str, str]:
+    return _sig({"values_ptr": "*fp32", "local_ptr": f"*{dtype}", "out_values_ptr": "*fp32",
+                 "out_local_ptr": f"*{dtype}"}, scalars, constexprs)
+
+
 def row_topk_builds() -> list[Build]:
     k = 2048
     return [
@@ -309,11 +314,16 @@ def row_topk_builds() -> list[Build]:
                     "list_ptr": "*i64", "val_ptr": "*fp32", "idx_ptr": "*i64"},
                    ["stride_l", "stride_c", "stride_o"], ["K", "C", "BLOCK"]),
               {"K": k, "C": 2 * k, "BLOCK": 1024}, 8),
-        *[Build(f"row_topk key order, {dtype} keys", row_topk._key_order_kernel,
-                _sig({"values_ptr": "*fp32", "local_ptr": f"*{dtype}", "out_values_ptr": "*fp32",
-                      "out_local_ptr": f"*{dtype}"}, ["num_rows", "K", "stride_v", "stride_l"],
-                     ["BLOCK"]),
+        *[Build(f"row_topk key order (64-bit sort), {dtype} keys", row_topk._key_sort64_kernel,
+                _key_order_sig(dtype, ["num_rows", "K", "stride_v", "stride_l"], ["BLOCK"]),
                 {"BLOCK": k}, 8) for dtype in ("i64", "i32")],
+        *[Build(f"row_topk key order (32-bit sort), {dtype} keys", row_topk._key_sort32_kernel,
+                _key_order_sig(dtype, ["num_rows", "K", "stride_v", "stride_l"],
+                               ["BLOCK", "LOG_BLOCK"]),
+                {"BLOCK": k, "LOG_BLOCK": 11}, 8) for dtype in ("i64", "i32")],
+        *[Build(f"row_topk key order (ranks), {dtype} keys", row_topk._key_rank_kernel,
+                _key_order_sig(dtype, ["K", "stride_v", "stride_l"], ["BI", "BJ"]),
+                {"BI": 64, "BJ": 128}, 4) for dtype in ("i64", "i32")],
     ]
 
 

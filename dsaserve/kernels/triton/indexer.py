@@ -570,7 +570,7 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
         else:
             values, local = row_topk.topk_rows(logits, group_max, limits, kk,
                                                list_len=config.list_len, index_dtype=index_dtype)
-        return _in_key_order(values, local)
+        return _in_key_order(values, local, length)
     values, local = torch.topk(logits, kk, dim=1, sorted=True)  # [T, kk]
     keep = torch.arange(kk, device=logits.device)[None, :] < limits.clamp(max=kk)[:, None]
     values, local = torch.where(keep, values, float("-inf")), torch.where(keep, local, -1)
@@ -580,16 +580,17 @@ def _select(scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor], k: int,
     return values, local.to(index_dtype)
 
 
-def _in_key_order(values: torch.Tensor, local: torch.Tensor
+def _in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The list kernels' top-k [T, k] with the chosen keys in ascending key order, padding
     (−1) last. They write a row's keys in the order their atomics filled the list, which
     changes from run to run, and sparse MLA sums over the keys in the order given: unsorted,
     the same step rounded differently from run to run (on the GPU: greedy tokens of one prompt
-    changed between runs, docs/hisparse.md). The key order is one sort of the 32-bit indices;
+    changed between runs, docs/hisparse.md). The key order is one launch (row_topk.in_key_order:
+    ranks at few rows, a sort per row at many; keys, the rows' length, picks the sort);
     torch.topk's order (by score) cost 5x the top-k itself at b = 64 and 2.4x on a 16K-row
     chunk (H100, tests/gpu/test_topk_order_gpu.py)."""
-    return row_topk.in_key_order(values, local)  # one launch
+    return row_topk.in_key_order(values, local, keys)  # one launch
 
 
 def _order_key(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

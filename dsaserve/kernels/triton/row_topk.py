@@ -281,8 +281,82 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
     return values, indices
 
 
+# A row's chosen keys are put in key order by one of three kernels, by what is cheapest where
+# (measured on an H100, docs/kernels.md "The top-k in key order"):
+#   _key_rank_kernel   few rows: each key's place is the count of the row's smaller keys, over
+#                      many programs per row (k² comparisons, spread over the GPU) — a sort's
+#                      one program per row leaves all but a few multiprocessors idle;
+#   _key_sort32_kernel many rows of at most PACK32_MAX_KEYS keys: one 32-bit sort per row (key
+#                      index above the entry's place in the list), the score read back by place;
+#   _key_sort64_kernel longer rows: one 64-bit sort per row (key index, score bits).
+RANK_MAX_ROWS = 64
+
+
+def pack32_max_keys(k: int) -> int:
+    """The longest rows whose key indices, shifted above a list place of log2(next_pow2(k))
+    bits, fit a positive int32 with one value to spare for the padding."""
+    return (1 << (31 - (triton.next_power_of_2(k) - 1).bit_length())) - 1
+
+
+@triton.jit
+def _key_rank_kernel(
+    values_ptr,  # [T, K] fp32, rows stride_v apart
+    local_ptr,  # [T, K] int32 or int64 (−1: none), rows stride_l apart
+    out_values_ptr,  # [T, K] fp32 contiguous
+    out_local_ptr,  # [T, K] local's dtype, contiguous
+    K, stride_v, stride_l,
+    BI: tl.constexpr,  # the keys this program places
+    BJ: tl.constexpr,  # the keys compared with them per step
+):
+    """The place of BI keys of row r in its key order: the number of the row's keys below each
+    (padding after every key, among itself in list order: K distinct int32 sort keys)."""
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BI + tl.arange(0, BI)
+    live_i = i < K
+    local_i = tl.load(local_ptr + r * stride_l + i, mask=live_i, other=-1)
+    pad = 2147483647 - K  # above any key index (< 2^30), below 2^31 − 1 for the K paddings
+    key_i = tl.where(local_i >= 0, local_i.to(tl.int32), pad + i)
+    place = tl.zeros([BI], dtype=tl.int32)
+    for j0 in range(0, K, BJ):
+        j = j0 + tl.arange(0, BJ)
+        local_j = tl.load(local_ptr + r * stride_l + j, mask=j < K, other=-1)
+        key_j = tl.where(local_j >= 0, local_j.to(tl.int32), pad + j)
+        key_j = tl.where(j < K, key_j, 2147483647)  # past K: below no key
+        place += tl.sum((key_j[None, :] < key_i[:, None]).to(tl.int32), axis=1)
+    value = tl.load(values_ptr + r * stride_v + i, mask=live_i)
+    tl.store(out_values_ptr + r * K + place, value, mask=live_i)
+    tl.store(out_local_ptr + r * K + place, local_i, mask=live_i)
+
+
 @triton.jit(do_not_specialize=["num_rows"])
-def _key_order_kernel(
+def _key_sort32_kernel(
+    values_ptr,  # [T, K] fp32, rows stride_v apart
+    local_ptr,  # [T, K] int32 or int64 (−1: none; keys < 2^(31 − LOG_BLOCK) − 1)
+    out_values_ptr,  # [T, K] fp32 contiguous
+    out_local_ptr,  # [T, K] local's dtype, contiguous
+    num_rows, K, stride_v, stride_l,
+    BLOCK: tl.constexpr,  # ≥ K, a power of two
+    LOG_BLOCK: tl.constexpr,
+):
+    """A row in key order by one int32 sort: the key index in the high bits, the entry's place
+    in the list in the low LOG_BLOCK; each score read back from its place."""
+    r = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    live = j < K
+    local = tl.load(local_ptr + r * stride_l + j, mask=live, other=-1)
+    pad: tl.constexpr = (1 << (31 - LOG_BLOCK)) - 1  # padding after every key
+    high = tl.where(local >= 0, local.to(tl.int32), pad)
+    key = tl.sort(tl.where(live, (high << LOG_BLOCK) | j, 2147483647))  # past K: last
+    place = key & (BLOCK - 1)
+    high = key >> LOG_BLOCK
+    value = tl.load(values_ptr + r * stride_v + place, mask=live)
+    tl.store(out_values_ptr + r * K + j, value, mask=live)
+    tl.store(out_local_ptr + r * K + j,
+             tl.where(high == pad, -1, high).to(out_local_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _key_sort64_kernel(
     values_ptr,  # [T, K] fp32, rows stride_v apart
     local_ptr,  # [T, K] int32 or int64 (−1: none), rows stride_l apart
     out_values_ptr,  # [T, K] fp32 contiguous
@@ -308,20 +382,44 @@ def _key_order_kernel(
              tl.where(high == 2**31 - 1, -1, high).to(out_local_ptr.dtype.element_ty), mask=live)
 
 
-def in_key_order(values: torch.Tensor, local: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = None,
+                 method: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A top-k's (scores [T, K] fp32, local key indices [T, K], −1: none) with each row's keys
     in ascending key order, padding (−1, its score) last, in one launch (PyTorch: a select, a
-    sort and two gathers). Keys of a row are distinct, so the order is unique."""
+    sort and two gathers). Keys of a row are distinct, so the order is unique (the paddings'
+    scores are taken as equal). keys: every key index is below it (the rows' length; None:
+    unknown, below 2^30). method: "rank", "sort32" or "sort64" (None: by rows and keys, see
+    RANK_MAX_ROWS)."""
     rows, k = local.shape
     out_values = torch.empty(rows, k, dtype=torch.float32, device=values.device)
     out_local = torch.empty(rows, k, dtype=local.dtype, device=local.device)
-    if rows and k:
-        block = triton.next_power_of_2(k)
-        _key_order_kernel[(rows,)](
+    if not rows or not k:
+        return out_values, out_local
+    block = triton.next_power_of_2(k)
+    if method is None:
+        method = ("rank" if rows <= RANK_MAX_ROWS else
+                  "sort32" if keys is not None and keys <= pack32_max_keys(k) else "sort64")
+    if method == "rank":
+        bi = 64
+        _key_rank_kernel[(rows, triton.cdiv(k, bi))](
+            values, local, out_values, out_local, k, values.stride(0), local.stride(0),
+            BI=bi, BJ=128, num_warps=4,
+        )
+    elif method == "sort32":
+        if keys is None or keys > pack32_max_keys(k):
+            raise ValueError(f"in_key_order: sort32 takes rows of at most {pack32_max_keys(k)} "
+                             f"keys, got {keys}")
+        _key_sort32_kernel[(rows,)](
+            values, local, out_values, out_local, rows, k, values.stride(0), local.stride(0),
+            BLOCK=block, LOG_BLOCK=block.bit_length() - 1, num_warps=max(1, min(8, block // 256)),
+        )
+    elif method == "sort64":
+        _key_sort64_kernel[(rows,)](
             values, local, out_values, out_local, rows, k, values.stride(0), local.stride(0),
             BLOCK=block, num_warps=max(1, min(8, block // 256)),
         )
+    else:
+        raise ValueError(f"in_key_order: method must be rank, sort32 or sort64, got {method!r}")
     return out_values, out_local
 
 
