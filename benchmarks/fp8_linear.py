@@ -6,10 +6,11 @@
 Per projection (N × K from the glm-5.3 preset) and batch rows M, three ways to compute x · Wᵀ:
 
   fp8        fp8_linear on the e4m3 weight and its 128 × 128 scales (1 byte per weight): the
-             weight-only kernel up to WEIGHT_ONLY_MAX_M rows, then W8A8 up to W8A8_MAX_M (the
-             activations quantized per row and 128 columns, FP8 tensor cores; its time
-             includes the quantization; checked against fp8_weights.w8a8_reference), then
-             itself the dequantized copy + cuBLAS
+             weight-only kernel up to WEIGHT_ONLY_MAX_M rows, then W8A8 (the activations
+             quantized per row and 128 columns, FP8 tensor cores: Triton's or cuBLAS's
+             block-scaled GEMM; its time includes the quantization; checked against
+             fp8_weights.w8a8_reference) where fp8_linear.takes_w8a8, else the dequantized
+             copy + cuBLAS
   bf16       F.linear on the weight dequantized at load (cuBLAS; 2 bytes per weight)
   deq+bf16   fp8_dequantize into a bf16 scratch, then F.linear (fp8_linear's path above
              WEIGHT_ONLY_MAX_M rows before W8A8: the previous version)
@@ -183,12 +184,11 @@ def bench_projection(p: Projection, m: int, args: argparse.Namespace) -> Row:
     x = torch.randn(m, p.k, generator=g, device=DEV).bfloat16()
     want = F.linear(x, bf[0])
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    w8a8 = (fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M
-            and fl.fp8_w8a8.fills_device(m, p.n, sms))
     want_fp8 = want
-    if w8a8:
+    if fl.takes_w8a8(x, p.n, p.k):
         want_fp8 = fw.w8a8_reference(x, *ws[0])
-        label = _w8a8_label(fl.fp8_w8a8.choose_config(m, p.n, sms))
+        label = ("cuBLAS block-scaled" if fl.fp8_w8a8.cublas_ready(p.n, p.k, 0, 0, x)
+                 else _w8a8_label(fl.fp8_w8a8.choose_config(m, p.n, sms)))
     elif m > fl.WEIGHT_ONLY_MAX_M:
         label = "deq + cuBLAS"
     else:

@@ -123,6 +123,9 @@
 #   bash benchmarks/gpu_owed.sh 50         # part 50: parts 49 and the key order in one
 #                                          #   call: the key order's kernels, the GPU tests,
 #                                          #   FP8 MTP3 at 16 layers after (profiled), before
+#   bash benchmarks/gpu_owed.sh 51         # part 51: W8A8 through cuBLAS for FP8 prefill:
+#                                          #   the GPU tests, the GEMMs at prefill rows, FP8
+#                                          #   prefill before and after
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -556,6 +559,23 @@ elif [ "$part" = 50 ]; then
         env PYTHONPATH="$PWD/out/old:$PYTHONPATH" python out/old/benchmarks/decode.py \
         --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
         --out "$out/decode16_fp8_before.md"
+elif [ "$part" = 51 ]; then
+    # FP8 prefill's products through cuBLAS's block-scaled GEMM (fp8_linear.takes_w8a8 above
+    # W8A8_MAX_M rows): the FP8 GPU tests (1,001 and 4,096 rows against w8a8_reference), the
+    # projections at prefill rows, then FP8 prefill at 4K-128K after and before (out/prev: the
+    # tree at 9298647, `mkdir -p out/prev && git archive 9298647 | tar -x -C out/prev`,
+    # carried), alternating
+    TAIL_LINES=12 run 150 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_fp8_model_gpu.py
+    TAIL_LINES=20 run 90 fp8_linear_prefill python benchmarks/fp8_linear.py --m 1024,4096,16384 \
+        --no-grouped --out "$out/fp8_linear_prefill.md"
+    for tree in after before; do
+        dir=$([ "$tree" = before ] && echo out/prev || echo .)
+        [ "$(left)" -gt 60 ] && TAIL_LINES=14 run 120 "prefill_fp8_$tree" \
+            env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/long_prefill.py" \
+            --weights fp8 --lengths 4K,32K,128K --async-scheduling --no-profile \
+            --out "$out/prefill_fp8_$tree.md"
+    done
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill

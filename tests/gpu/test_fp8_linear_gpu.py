@@ -1,7 +1,8 @@
 """The FP8-weight GEMMs (kernels/triton/fp8_linear.py, fp8_w8a8.py) on the GPU at GLM-5.3 shapes,
-against the PyTorch references (kernels/fp8_weights.py: cuBLAS on the dequantized weight; above
-WEIGHT_ONLY_MAX_M up to W8A8_MAX_M rows of bf16 / fp16, the W8A8 product of the quantized
-activations).
+against the PyTorch references (kernels/fp8_weights.py: cuBLAS on the dequantized weight; where
+fp8_linear.takes_w8a8 — above WEIGHT_ONLY_MAX_M rows of bf16 / fp16, up to W8A8_MAX_M where the
+Triton kernel fills the device and above it where cuBLAS's block-scaled GEMM takes the shape —
+the W8A8 product of the quantized activations).
 
 Tolerances, from the output magnitude: both sides compute with the same weight values
 (dtype(fp32(wq) · scale), checked bit for bit below) and accumulate in fp32, so they differ by
@@ -62,11 +63,10 @@ def _weight(n: int, k: int, g: torch.Generator, batch: tuple[int, ...] = ()):
 
 def _want(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
           k_off: int = 0) -> torch.Tensor:
-    """What fp8_linear computes: W8A8 between the thresholds for bf16 / fp16, else the product
-    with the dequantized weight."""
-    m, n = x.shape[0], wq.shape[0]
-    if (fl.WEIGHT_ONLY_MAX_M < m <= fl.W8A8_MAX_M and x.dtype != torch.float32
-            and fl.fp8_w8a8.fills_device(m, n, fl.fp8_w8a8.device_sms(x.device))):
+    """What fp8_linear computes: W8A8 where it takes it (bf16 / fp16 between the thresholds
+    where the Triton kernel fills the device, above them where cuBLAS takes the shape), else
+    the product with the dequantized weight."""
+    if fl.takes_w8a8(x, wq.shape[0], wq.shape[1], n_off, k_off):
         return fw.w8a8_reference(x, wq, scale, n_off, k_off)
     return fw.linear_reference(x, wq, scale, n_off, k_off)
 
@@ -79,7 +79,7 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
                                atol=2.0**-10 * big)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 256, 4096])
+@pytest.mark.parametrize("m", [1, 16, 64, 256, 1001, 4096])
 @pytest.mark.parametrize("name,n,k", SHAPES, ids=SHAPE_IDS)
 def test_fp8_linear_matches_reference(g, name, n, k, m):
     wq, scale = _weight(n, k, g)
@@ -319,7 +319,7 @@ def test_fp8_glu_linear_equals_the_unfused_ops(g, m):
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up
     got = fl.fp8_glu_linear(h, wq, scale)
-    if fl._takes_w8a8(m, hidden, h):
+    if fl.takes_w8a8(h, hidden, h.shape[1] // 2):
         _assert_close(got, fw.w8a8_reference(act, wq, scale))
     else:
         assert torch.equal(got, fl.fp8_linear(act, wq, scale))
@@ -344,7 +344,7 @@ def test_fused_projections_equal_their_members(g, m):
     wants = []
     for layer in members:
         merged_n = sum(mm.weight.shape[0] for mm in members)
-        if fl._takes_w8a8(m, merged_n, x):
+        if fl.takes_w8a8(x, merged_n, x.shape[1]):
             wants.append(fw.w8a8_reference(x, layer.weight, layer.weight_scale_inv))
         else:
             wants.append(fw.linear_reference(x, layer.weight, layer.weight_scale_inv))

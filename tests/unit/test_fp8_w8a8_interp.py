@@ -187,13 +187,11 @@ def test_act_quant_outer_scales_are_the_same_scales_group_major(w8):
 
 def test_cublas_takes_whole_blocks_on_cuda_only(w8):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert w8.cublas_takes(256, 16384, 2048, 0, 0, cuda) == hasattr(
-        torch.nn.functional, "scaled_mm")
-    assert not w8.cublas_takes(256, 16384, 2048, 0, 0, cpu)
-    assert not w8.cublas_takes(256, 2752, 6144, 0, 0, cuda)  # N inside a block (fused q_a, kv_a)
-    assert not w8.cublas_takes(256, 4096, 2048, 64, 0, cuda)  # a TP shard inside a block
-    assert not w8.cublas_takes(256, 4096, 2048, 0, 100, cuda)
-    assert not w8.cublas_takes(258, 4096, 2048, 0, 0, cuda)  # M not a multiple of 4
+    assert w8.cublas_takes(16384, 2048, 0, 0, cuda) == hasattr(torch.nn.functional, "scaled_mm")
+    assert not w8.cublas_takes(16384, 2048, 0, 0, cpu)
+    assert not w8.cublas_takes(2752, 6144, 0, 0, cuda)  # N inside a block (fused q_a, kv_a)
+    assert not w8.cublas_takes(4096, 2048, 64, 0, cuda)  # a TP shard inside a block
+    assert not w8.cublas_takes(4096, 2048, 0, 100, cuda)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -203,7 +201,7 @@ def test_w8a8_linear_hands_cublas_group_major_scales(w8, monkeypatch, glu):
     block_scaled_mm (stood in for here by the product of the quantized values: a CPU has no
     block-scaled GEMM); the product is the W8A8 reference's."""
     wq, scale = _shard(256, 384, 0, 0)
-    x = _activations(68, 2 * 384 if glu else 384)
+    x = _activations(67, 2 * 384 if glu else 384)  # padded to 68 rows for cuBLAS
     seen = []
 
     def product(xq, xs, wq_, scale_, dtype):
@@ -215,7 +213,7 @@ def test_w8a8_linear_hands_cublas_group_major_scales(w8, monkeypatch, glu):
     monkeypatch.setattr(w8, "cublas_takes", lambda *shape: True)
     monkeypatch.setattr(w8, "block_scaled_mm", product)
     got = w8.w8a8_linear(x, wq, scale, glu=glu)
-    assert seen == [(1, 68)]
+    assert seen == [(1, 68)] and got.shape == (67, 256) and got.is_contiguous()
     act = x
     if glu:
         gate, up = x.chunk(2, dim=-1)
@@ -223,6 +221,47 @@ def test_w8a8_linear_hands_cublas_group_major_scales(w8, monkeypatch, glu):
     want = fw.w8a8_reference(act, wq, scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=2.0**-9,
                                atol=2.0**-9 * want.float().abs().max().item())
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+def test_prefill_rows_take_w8a8_where_cublas_takes_the_shape(fl, monkeypatch, caplog):
+    """Above W8A8_MAX_M rows (prefill) fp8_linear takes W8A8 only through cuBLAS's block-scaled
+    GEMM (stood in for by the product of the quantized values): where cublas_takes the shape,
+    fp16 rows only; a shape cuBLAS refused (its first call on the Triton kernel) goes back to
+    the dequantized copy, as do shapes it does not take."""
+    w8 = fl.fp8_w8a8
+    wq, scale = _shard(256, 384, 0, 0)
+    x = _activations(fl.W8A8_MAX_M + 3, 384)
+    calls = []
+
+    def product(xq, xs, wq_, scale_, dtype):
+        calls.append(xq.shape[0])
+        m = xq.shape[0]
+        xf = (xq.float().view(m, -1, B) * xs[:, :, None]).view(m, -1)
+        return (xf @ fw.dequantize(wq_, scale_, torch.float32).T).to(dtype)
+
+    monkeypatch.setattr(w8, "cublas_takes", lambda n, k, n_off, k_off, device: not n_off)
+    monkeypatch.setattr(w8, "block_scaled_mm", product)
+    monkeypatch.setattr(w8, "_REFUSED", set())
+    assert fl.takes_w8a8(x, 256, 384) and not fl.takes_w8a8(x.float(), 256, 384)
+    assert torch.equal(fl.fp8_linear(x, wq, scale), w8.w8a8_linear(x, wq, scale))
+    assert calls == [fl.W8A8_MAX_M + 4] * 2
+    h = torch.cat((x, x), dim=1)
+    assert torch.equal(fl.fp8_glu_linear(h, wq, scale), w8.w8a8_linear(h, wq, scale, glu=True))
+    shard = _shard(300, 384, 5, 0)  # starts inside a block: not cuBLAS's
+    assert torch.equal(fl.fp8_linear(x, *shard, 5), fw.linear_reference(x, *shard, 5))
+
+    def refuse(*args):
+        raise RuntimeError("Invalid scaling configuration")
+
+    monkeypatch.setattr(w8, "block_scaled_mm", refuse)
+    wq2, scale2 = _shard(128, 384, 0, 0)  # a shape not tried yet
+    with caplog.at_level("WARNING"):
+        first = fl.fp8_linear(x, wq2, scale2)  # refused: the Triton W8A8 kernel this once
+    assert "refused" in caplog.text
+    assert torch.equal(first, w8.w8a8_matmul(*w8.act_quant(x), wq2, scale2, x.dtype))
+    assert not fl.takes_w8a8(x, 128, 384)
+    assert torch.equal(fl.fp8_linear(x, wq2, scale2), fw.linear_reference(x, wq2, scale2))
 
 
 def test_a_shape_cublas_refuses_falls_back_to_triton_once(w8, monkeypatch, caplog):

@@ -16,9 +16,10 @@ when the n tiles alone leave SMs idle the K range is split, each split writing f
 that the tile's last split to finish sums in split order (deterministic, unlike atomic adds
 of the partials; no second launch). From 65 to 256 rows
 (MTP3 verification up to b = 64) bf16 and fp16 activations take W8A8 (fp8_w8a8.py: FP8 tensor
-cores, the weight read once); above that (prefill) and for fp32 activations (test models) the
-weight is dequantized into a transient copy and cuBLAS multiplies, exactly
-(WEIGHT_ONLY_MAX_M, W8A8_MAX_M).
+cores, the weight read once), and above that (prefill) where cuBLAS's block-scaled GEMM takes
+the shape (whole 128 blocks, no shard offset); otherwise, and for fp32 activations (test
+models), the weight is dequantized into a transient copy and cuBLAS multiplies, exactly
+(WEIGHT_ONLY_MAX_M, W8A8_MAX_M, takes_w8a8).
 
 `grouped_linear` is the MoE form (moe_compute's grouped path): rows sorted by expert, group
 ends on the device, never read on the host, so one launch with a grid fixed by (P, N, E) serves
@@ -79,10 +80,11 @@ class Fp8LinearConfig:
 # 64 < M ≤ 256 and M > 256 tile shapes the kernel had are deleted.
 WEIGHT_ONLY_MAX_M = 64
 # Up to this many rows bf16 / fp16 activations then take W8A8 (where it fills the device:
-# fp8_w8a8.fills_device), above it the dequantized copy + cuBLAS. Measured on an H100
-# (docs/fp8_weights.md): at 16 layers, b = 64 with MTP3 (256 verify rows) W8A8 took the step
-# from 20.3 to 17.7 ms; at 4,096 rows the Triton W8A8 kernel reaches 545–610 TFLOP/s and is
-# 0.80–0.95× the dequantized copy + cuBLAS (0.44× on kv_a).
+# fp8_w8a8.fills_device); above it W8A8 only where cuBLAS's block-scaled GEMM takes the shape,
+# else the dequantized copy + cuBLAS. Measured on an H100 (docs/fp8_weights.md): at 16 layers,
+# b = 64 with MTP3 (256 verify rows) W8A8 took the step from 20.3 to 17.7 ms; at 4,096 rows
+# the Triton W8A8 kernel reaches 545–610 TFLOP/s and is 0.80–0.95× the dequantized copy +
+# cuBLAS (0.44× on kv_a), cuBLAS's block-scaled GEMM 745–1,014 TFLOP/s (1.35–1.73× Triton's).
 W8A8_MAX_M = 256
 
 
@@ -247,11 +249,17 @@ def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, scale: torch.Ten
     check_weight(wq, scale, n_off, k_off, what)
 
 
-def _takes_w8a8(m: int, n: int, x: torch.Tensor) -> bool:
-    """Whether an [m, n] product of x takes W8A8 (bf16 / fp16 rows from 65 to W8A8_MAX_M where
-    they fill the device), not the weight-only kernel or the dequantized copy."""
-    return (WEIGHT_ONLY_MAX_M < m <= W8A8_MAX_M and x.dtype != torch.float32
-            and fp8_w8a8.fills_device(m, n, fp8_w8a8.device_sms(x.device)))
+def takes_w8a8(x: torch.Tensor, n: int, k: int, n_off: int = 0, k_off: int = 0) -> bool:
+    """Whether the product of x's rows [M, k] with an [n, k] weight takes W8A8, not the
+    weight-only kernel (M ≤ WEIGHT_ONLY_MAX_M) or the dequantized copy: bf16 / fp16 rows, up
+    to W8A8_MAX_M where the Triton kernel fills the device (or cuBLAS takes the shape inside
+    w8a8_linear), above it where cuBLAS's block-scaled GEMM takes the shape (prefill)."""
+    m = x.shape[0]
+    if m <= WEIGHT_ONLY_MAX_M or x.dtype == torch.float32:
+        return False
+    if m <= W8A8_MAX_M:
+        return fp8_w8a8.fills_device(m, n, fp8_w8a8.device_sms(x.device))
+    return fp8_w8a8.cublas_ready(n, k, n_off, k_off, x)
 
 
 def fp8_glu_linear(h: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
@@ -261,8 +269,8 @@ def fp8_glu_linear(h: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off
     quantized (fp8_w8a8.act_quant's GLU, rounded as the unfused ops round; its silu may put a
     byte one e4m3 code away, rarely): no [M, K] intermediate and two elementwise launches
     fewer; elsewhere the unfused ops."""
-    m = h.shape[0]
-    if k_off == 0 and h.stride(-1) == 1 and h.shape[1] % 2 == 0 and _takes_w8a8(m, wq.shape[0], h):
+    if (k_off == 0 and h.stride(-1) == 1 and h.shape[1] % 2 == 0
+            and takes_w8a8(h, wq.shape[0], h.shape[1] // 2, n_off)):
         return fp8_w8a8.w8a8_linear(h, wq, scale, n_off, glu=True)
     gate, up = h.chunk(2, dim=-1)
     return fp8_linear(torch.nn.functional.silu(gate) * up, wq, scale, n_off, k_off)
@@ -274,14 +282,14 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
     (fp8_weights.dequantize's layout, offsets included) → x · Wᵀ [M, N] in x's dtype.
 
     config: the launch shape (default: choose_config by M, split_k by the grid and SMs; above
-    WEIGHT_ONLY_MAX_M rows W8A8 up to W8A8_MAX_M for bf16 / fp16, else the weight dequantized
-    into a transient copy and cuBLAS).
+    WEIGHT_ONLY_MAX_M rows W8A8 where takes_w8a8, else the weight dequantized into a transient
+    copy and cuBLAS).
     No host sync; allocates its output (and fp32 partials when the K range is split)."""
     _check_weight("fp8_linear", x, wq, scale, n_off, k_off)
     m, k = x.shape
     n = wq.shape[0]
     if config is None and m > WEIGHT_ONLY_MAX_M:
-        if _takes_w8a8(m, n, x):
+        if takes_w8a8(x, n, k, n_off, k_off):
             return fp8_w8a8.w8a8_linear(x, wq, scale, n_off, k_off)  # FP8 tensor cores
         # the same weight values (dtype(fp32(wq) · scale)), an fp32-accumulated product
         return torch.nn.functional.linear(x, fp8_dequantize(wq, scale, x.dtype, n_off, k_off))

@@ -22,19 +22,20 @@ activations' rounding to e4m3 makes the product differ from the dequantized mode
 as fast (decode, M ≤ 64) and for fp32 activations (test models compared bit for bit).
 
 Where cuBLAS's block-scaled FP8 GEMM takes the shape (`cublas_takes`: CUDA, whole scale
-blocks, M a multiple of 4) w8a8_linear hands it the same quantized activations instead, their
-scales laid out group-major (PyTorch's scaled_mm, 1 × 128 and 128 × 128 scales): measured on
+blocks; rows padded to a multiple of 4) w8a8_linear hands it the same quantized activations
+instead, their scales laid out group-major (PyTorch's scaled_mm, 1 × 128 and 128 × 128
+scales): measured on
 an H100 (benchmarks/fp8_cublas_blockwise.py, docs/fp8_weights.md) it is 1.23–1.70× this
 kernel at 256 rows for q_b, o_proj and the shared down projection, 0.95–0.99× for the
 2,048–4,096-wide ones, and 1.35–1.73× at 1,024–4,096 rows. The Triton kernel stays for the
 rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and kv_a fused:
-2,752 columns), odd row counts.
+2,752 columns).
 
 Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
 TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
-MMA), so fp8_linear stops using W8A8 there (W8A8_MAX_M; docs/fp8_weights.md; cuBLAS's 745–1,014
-TFLOP/s there would change that: not yet measured end to end). No autotuning: tiles are a pure
-function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
+MMA), so fp8_linear takes W8A8 there only where cuBLAS takes the shape (745–1,014 TFLOP/s,
+1.35–1.73× this kernel at 1,024–4,096 rows), else the dequantized copy (fp8_linear.route). No
+autotuning: tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 """
 
 from __future__ import annotations
@@ -163,24 +164,29 @@ def _act_quant_kernel(
     tl.store(s_ptr + rows64 * stride_sr + g * stride_sg, s, mask=row_live)
 
 
-def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False, outer_scales: bool = False
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False, outer_scales: bool = False,
+              rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_weights.quantize_activations on the GPU: x [M, K] (unit last stride) → (xq [M, K]
     e4m3, xs [M, Kb] fp32). glu: x is [M, 2K] (gate, then up) and what is quantized is
     silu(gate) · up, the MoE's activation between its two projections (k_off 0).
     outer_scales: xs laid out group-major (strides (1, M)), as cuBLAS's block-scaled GEMM
-    reads 1 × 128 scales; else row-major (the Triton kernels')."""
+    reads 1 × 128 scales; else row-major (the Triton kernels'). rows (≥ M): the outputs are
+    allocated with that many rows, those past M left unwritten (a GEMM's padding rows: each
+    output row reads its own input row only)."""
     m, k = x.shape
     if glu:
         if k % 2 or k_off:
             raise ValueError(f"act_quant: glu needs an even width and k_off 0, got {k}, {k_off}")
         k //= 2
     kb = num_blocks(k, k_off)
-    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    rows = m if rows is None else rows
+    if rows < m:
+        raise ValueError(f"act_quant: rows = {rows} < the {m} rows of x")
+    xq = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
     if outer_scales:
-        xs = torch.empty(kb, m, dtype=torch.float32, device=x.device).t()  # [M, Kb]
+        xs = torch.empty(kb, rows, dtype=torch.float32, device=x.device).t()  # [rows, Kb]
     else:
-        xs = torch.empty(m, kb, dtype=torch.float32, device=x.device)
+        xs = torch.empty(rows, kb, dtype=torch.float32, device=x.device)
     if m and k:
         block_r = 16
         _act_quant_kernel[(triton.cdiv(m, block_r), kb)](
@@ -194,14 +200,24 @@ def act_quant(x: torch.Tensor, k_off: int = 0, glu: bool = False, outer_scales: 
 _REFUSED: set[tuple[int, int, torch.dtype]] = set()
 
 
-def cublas_takes(m: int, n: int, k: int, n_off: int, k_off: int,
-                 device: torch.device) -> bool:
+# cuBLASLt's block-scaled GEMM takes M in multiples of this (its 1 × 128 scales' leading
+# dimension): other row counts are padded to it (act_quant's rows, the output sliced back).
+CUBLAS_ROWS = 4
+
+
+def cublas_takes(n: int, k: int, n_off: int, k_off: int, device: torch.device) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm with DeepSeek's 1 × 128
     activation and 128 × 128 weight scales, CUDA 12.9+) takes an [m, k] · [n, k]ᵀ product:
-    on CUDA, whole scale blocks (no shard starting inside one, N and K multiples of 128) and
-    M a multiple of 4 (cuBLASLt). Elsewhere the Triton kernel below."""
+    on CUDA, whole scale blocks (no shard starting inside one, N and K multiples of 128); any
+    M (padded to CUBLAS_ROWS). Elsewhere the Triton kernel below."""
     return (device.type == "cuda" and not n_off and not k_off and n % FP8_BLOCK == 0
-            and k % FP8_BLOCK == 0 and m % 4 == 0 and hasattr(F, "scaled_mm"))
+            and k % FP8_BLOCK == 0 and hasattr(F, "scaled_mm"))
+
+
+def cublas_ready(n: int, k: int, n_off: int, k_off: int, x: torch.Tensor) -> bool:
+    """cublas_takes the product of x's rows and the shape was not refused before."""
+    return ((n, k, x.dtype) not in _REFUSED
+            and cublas_takes(n, k, n_off, k_off, x.device))
 
 
 def block_scaled_mm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor,
@@ -289,12 +305,13 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: i
     if wq.shape[-1] != k:
         raise ValueError(f"w8a8_linear: x has K = {k}, the weight {wq.shape[-1]}")
     shape = (wq.shape[0], k, x.dtype)
-    if (config is None and shape not in _REFUSED
-            and cublas_takes(x.shape[0], wq.shape[0], k, n_off, k_off, x.device)):
+    if config is None and cublas_ready(wq.shape[0], k, n_off, k_off, x):
         check_weight(wq, scale, n_off, k_off, "w8a8_linear")
-        xq, xs = act_quant(x, glu=glu, outer_scales=True)
+        m = x.shape[0]
+        xq, xs = act_quant(x, glu=glu, outer_scales=True,
+                           rows=-(-m // CUBLAS_ROWS) * CUBLAS_ROWS)
         try:
-            return block_scaled_mm(xq, xs, wq, scale, x.dtype)
+            return block_scaled_mm(xq, xs, wq, scale, x.dtype)[:m]
         except (RuntimeError, ValueError, NotImplementedError) as e:
             # refused at its checks: an eager call (the warm-up before any capture) learns it
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
