@@ -371,3 +371,18 @@ def test_simulate_cli_takes_a_parts_file(tmp_path, load_benchmark, weka_traces, 
         unit="GB/s")))
     assert main(args + ["--parts", bad]) == 2
     assert "figures.hbm_tbps: unit 'GB/s'" in capsys.readouterr().err
+
+
+def test_kernels_compares_with_flashmla_per_draw_on_its_gpu_only(load_benchmark):
+    """FlashMLA's figures are per index draw and from CUDA graphs, measured on an H200 beside
+    these kernels: a ratio (> 1: ours faster) only on that GPU, none for a case it lacks."""
+    kernels = load_benchmark("kernels")
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    uniform = kernels.FLASHMLA_PREFILL_TFLOPS[(4096, "uniform")]
+    recent = kernels.FLASHMLA_PREFILL_TFLOPS[(4096, "recent")]
+    assert uniform < recent  # FlashMLA's own speed depends on the draw
+    assert kernels.flashmla_note(uniform / 2, uniform, True, h200).startswith("0.50x FlashMLA")
+    decode = kernels.FLASHMLA_DECODE_GRAPH_US[(32, 1)]
+    assert kernels.flashmla_note(decode / 2, decode, False, h200).startswith("2.00x FlashMLA")
+    assert "no ratio on this GPU" in kernels.flashmla_note(500.0, recent, True, h100)
+    assert kernels.flashmla_note(500.0, None, True, h200) == "no FlashMLA figure for this case"
