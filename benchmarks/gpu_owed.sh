@@ -126,6 +126,8 @@
 #   bash benchmarks/gpu_owed.sh 51         # part 51: W8A8 through cuBLAS for FP8 prefill:
 #                                          #   the GPU tests, the GEMMs at prefill rows, FP8
 #                                          #   prefill before and after
+#   bash benchmarks/gpu_owed.sh 52         # part 52: the experts' W8A8 grouped tiles swept
+#                                          #   at MTP3's b = 16 and 64 (128, 512 pairs)
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -576,6 +578,12 @@ elif [ "$part" = 51 ]; then
             --weights fp8 --lengths 4K,32K,128K --async-scheduling --no-profile \
             --out "$out/prefill_fp8_$tree.md"
     done
+elif [ "$part" = 52 ]; then
+    # the routed experts' W8A8 grouped GEMM at 17-64 rows per expert (part 47: 2.42 ms of the
+    # b = 64 MTP3 step, ~56 % of the copy rate on the weights): every candidate tile
+    # (moe_grouped.sweep_w8a8_configs) against GROUPED_TILES
+    TAIL_LINES=30 run "$(left)" moe_w8a8_sweep python benchmarks/moe_grouped.py \
+        --pairs 128,512 --sweep w8a8 --out "$out/moe_w8a8_sweep.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill

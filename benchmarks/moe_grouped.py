@@ -3,6 +3,7 @@ Triton kernel (kernels/triton/fp8_linear.grouped_linear) on bf16 and FP8 experts
 
     python benchmarks/moe_grouped.py --out docs/moe_grouped_h200.md
     python benchmarks/moe_grouped.py --pairs 2,8 --sweep fp8 # every candidate FP8 tile
+    python benchmarks/moe_grouped.py --pairs 512 --sweep w8a8 # the W8A8 tiles at MTP3's b = 64
     python benchmarks/moe_grouped.py --smoke                 # CPU: tiny shapes, interpreter
 
 The experts of `presets.glm53_shaped` (GLM-5.3's hidden 6144 and moe_intermediate 2048; 8
@@ -174,6 +175,16 @@ def sweep_configs(block_m: int) -> list:
             for warps, stages in ((2, 4), (4, 3), (4, 5), (4, 6), (8, 4))]
 
 
+def sweep_w8a8_configs() -> list:
+    """W8A8 candidate tiles (--sweep w8a8): rows and columns per tile, warps and pipeline
+    depth around fp8_w8a8.GROUPED_TILES (k tiles are one 128-column scale group)."""
+    from dsaserve.kernels.triton.fp8_w8a8 import W8a8Config
+
+    return [W8a8Config(bm, bn, warps, stages)
+            for bm in (32, 64) for bn in (64, 128, 256)
+            for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))]
+
+
 def _label(cfg) -> str:
     block_k = getattr(cfg, "block_k", 128)  # W8A8: one scale group
     return f"{cfg.block_m}×{cfg.block_n}×{block_k} w{cfg.num_warps} s{cfg.num_stages}"
@@ -256,11 +267,12 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
                 us = _timed([call(c) for c in copies], cuda, what)
             rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg)}{ok}", us, nbytes, ref))
             line += f"  triton {kind} {us:8.1f} us"
-            if kind not in sweep or kind == "w8a8":
+            if kind not in sweep:
                 continue
             best = (us, _label(cfg))
+            candidates = sweep_w8a8_configs() if kind == "w8a8" else sweep_configs(cfg.block_m)
             # a smoke run (CPU) tries two, to keep the sweep's code path alive
-            for c in sweep_configs(cfg.block_m)[:None if cuda else 2]:
+            for c in candidates[:None if cuda else 2]:
                 try:
                     if _check(call(e0, config=c)(), want, live, _label(c), is_act):
                         continue
@@ -278,12 +290,12 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
 
 
 def _w8a8_product(x: torch.Tensor, q: tuple[torch.Tensor, torch.Tensor], ends: torch.Tensor,
-                  glu: bool) -> torch.Tensor:
+                  glu: bool, config=None) -> torch.Tensor:
     """moe_compute's W8A8 step: x (or silu(gate) · up of x with glu) quantized, then the
-    grouped product with the FP8 experts q."""
+    grouped product with the FP8 experts q (config: its tiles, default GROUPED_TILES)."""
     from dsaserve.kernels.triton import fp8_w8a8
 
-    return fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(x, glu=glu), *q, ends, x.dtype)
+    return fp8_w8a8.w8a8_grouped(*fp8_w8a8.act_quant(x, glu=glu), *q, ends, x.dtype, config)
 
 
 def _act(y: torch.Tensor) -> torch.Tensor:
@@ -310,9 +322,9 @@ def report(rows: list[Row], copy_tbps: float, where: str, s: Shape) -> str:
 
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k for k in text.split(",") if k)
-    if not kinds or set(kinds) - {"bf16", "fp8"}:
-        raise argparse.ArgumentTypeError(f"kernels to sweep: bf16, fp8 (comma-separated), "
-                                         f"got {text!r}")
+    if not kinds or set(kinds) - {"bf16", "fp8", "w8a8"}:
+        raise argparse.ArgumentTypeError(f"kernels to sweep: bf16, fp8, w8a8 "
+                                         f"(comma-separated), got {text!r}")
     return kinds
 
 

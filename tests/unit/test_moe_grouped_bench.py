@@ -17,7 +17,7 @@ def fl():
 def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):
     bench = load_benchmark("moe_grouped")
     out = tmp_path / "table.md"
-    argv = ["--smoke", "--sweep", "bf16,fp8", "--pairs", "2,8,512", "--out", str(out)]
+    argv = ["--smoke", "--sweep", "bf16,fp8,w8a8", "--pairs", "2,8,512", "--out", str(out)]
     assert bench.main(argv) == 0
     table = out.read_text()
     assert "| pairs | proj | kernel |" in table
@@ -25,7 +25,7 @@ def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):
         for proj in ("w13", "w13+act", "w2"):
             for kernel in ("torch._grouped_mm", "triton bf16 16×32×128", "triton fp8"):
                 assert f"| {pairs} | {proj} | {kernel}" in table
-            for kind in ("bf16", "fp8"):
+            for kind in ("bf16", "fp8") + (("w8a8",) if proj != "w13+act" else ()):
                 assert f"| {pairs} | {proj} | triton {kind} sweep best" in table
     assert "| 512 |" not in table and "CHECK FAILED" not in table
     assert table in capsys.readouterr().out
