@@ -34,7 +34,7 @@ rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and
 Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
 TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
 MMA), so fp8_linear takes W8A8 there only where cuBLAS takes the shape (745–1,014 TFLOP/s,
-1.35–1.73× this kernel at 1,024–4,096 rows), else the dequantized copy (fp8_linear.route). No
+1.35–1.73× this kernel at 1,024–4,096 rows), else the dequantized copy (fp8_linear.takes_w8a8). No
 autotuning: tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 """
 

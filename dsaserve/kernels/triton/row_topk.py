@@ -281,14 +281,18 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
     return values, indices
 
 
-# A row's chosen keys are put in key order by one of three kernels, by what is cheapest where
-# (measured on an H100, docs/kernels.md "The top-k in key order"):
+# A row's chosen keys are put in key order by one of three kernels, by rows and row length
+# (benchmarks/key_order.py times them against each other; docs/decode.md, "The top-k's key
+# order by ranks at few rows"):
 #   _key_rank_kernel   few rows: each key's place is the count of the row's smaller keys, over
 #                      many programs per row (k² comparisons, spread over the GPU) — a sort's
 #                      one program per row leaves all but a few multiprocessors idle;
-#   _key_sort32_kernel many rows of at most PACK32_MAX_KEYS keys: one 32-bit sort per row (key
-#                      index above the entry's place in the list), the score read back by place;
+#   _key_sort32_kernel more rows, each of at most pack32_max_keys(k) keys: one 32-bit sort per
+#                      row (key index above the entry's place in the list), the score read
+#                      back by its place;
 #   _key_sort64_kernel longer rows: one 64-bit sort per row (key index, score bits).
+# Rows up to which the ranks are taken: 32 programs a row fill an H100's 132 SMs from ~4 rows
+# and stay about one wave up to ~32 (arithmetic; the GPU timing that sets it is owed).
 RANK_MAX_ROWS = 64
 
 
