@@ -128,6 +128,8 @@
 #                                          #   prefill before and after
 #   bash benchmarks/gpu_owed.sh 52         # part 52: the experts' W8A8 grouped tiles swept
 #                                          #   at MTP3's b = 16 and 64 (128, 512 pairs)
+#   bash benchmarks/gpu_owed.sh 53         # part 53: part 50's failing GPU test alone, then
+#                                          #   FP8 b = 64 at 16 layers with the rank count gone
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -584,6 +586,16 @@ elif [ "$part" = 52 ]; then
     # (moe_grouped.sweep_w8a8_configs) against GROUPED_TILES
     TAIL_LINES=30 run "$(left)" moe_w8a8_sweep python benchmarks/moe_grouped.py \
         --pairs 128,512 --sweep w8a8 --out "$out/moe_w8a8_sweep.md"
+elif [ "$part" = 53 ]; then
+    # part 50's one failing GPU test (graphed against eager, tiny-glm5, FP8 kept, fp32), then
+    # FP8 at 16 layers, b = 64 plain and MTP3, with the key order's rank count deleted (part
+    # 50: 155 µs a call at 64 rows against the 32-bit sort's 16.6)
+    PART_SECONDS=${PART_SECONDS:-240}
+    TAIL_LINES=20 run 60 failing_test python -m pytest -q -m gpu -rf --tb=short -x \
+        "tests/gpu/test_fp8_model_gpu.py::test_fp8_kept_graphs_equal_eager"
+    [ "$(left)" -gt 60 ] && TAIL_LINES=10 run "$(left)" decode16_fp8_b64 python \
+        benchmarks/decode.py --layers 16 --weights fp8 --contexts 8192 --batches 64 \
+        --steps 10 --fastest-only --out "$out/decode16_fp8_b64.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill

@@ -4,9 +4,10 @@ counts. Each result is checked against `in_key_order_reference` first.
 
     python benchmarks/key_order.py [--rows 1,4,16,64,256,1024,16384] [--out docs/x.md]
 
-rank: a key's place counted over many programs per row; sort32: one int32 sort per row (the
-key index above the list place); sort64: one int64 sort per row (the key index above the
-score's bits). The default (`method=None`) picks by rows (RANK_MAX_ROWS) and row length.
+sort32: one int32 sort per row (the key index above the list place); sort64: one int64 sort
+per row (the key index above the score's bits). The default (`method=None`) picks sort32
+where the rows are short enough (`pack32_max_keys`). (A rank count over many programs per row
+was timed here too, no faster at any row count: deleted; docs/decode.md.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dsaserve.kernels.triton import row_topk
 
 K = 2048
 KEYS = 131072  # the rows' length: sort32 takes it (≤ pack32_max_keys(2048) = 1,048,575)
-METHODS = ("rank", "sort32", "sort64")
+METHODS = ("sort32", "sort64")
 
 
 def chosen(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     head = (f"µs per call from CUDA graphs, k = {K}, rows of {KEYS} keys, "
-            f"{torch.cuda.get_device_name()}; default: RANK_MAX_ROWS = {row_topk.RANK_MAX_ROWS}")
+            f"{torch.cuda.get_device_name()}")
     lines = [head, "", "| rows | " + " | ".join(METHODS) + " | PyTorch sort | default | best |",
              "|---:|" + "---:|" * (len(METHODS) + 3)]
     print(head, flush=True)

@@ -321,9 +321,6 @@ def row_topk_builds() -> list[Build]:
                 _key_order_sig(dtype, ["num_rows", "K", "stride_v", "stride_l"],
                                ["BLOCK", "LOG_BLOCK"]),
                 {"BLOCK": k, "LOG_BLOCK": 11}, 8) for dtype in ("i64", "i32")],
-        *[Build(f"row_topk key order (ranks), {dtype} keys", row_topk._key_rank_kernel,
-                _key_order_sig(dtype, ["K", "stride_v", "stride_l"], ["BI", "BJ"]),
-                {"BI": 64, "BJ": 128}, 4) for dtype in ("i64", "i32")],
     ]
 
 

@@ -378,7 +378,7 @@ def _check_topk_rows(k, logits: torch.Tensor, limits: torch.Tensor, topk: int, *
         assert torch.equal(logits[t, idx[t, :n]], values[t, :n])
 
 
-@pytest.mark.parametrize("method", ["rank", "sort32", "sort64", None])
+@pytest.mark.parametrize("method", ["sort32", "sort64", None])
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("topk", [8, 48, 2048])
 def test_in_key_order_equals_the_sort(k, topk, index_dtype, method):
@@ -403,7 +403,7 @@ def test_in_key_order_equals_the_sort(k, topk, index_dtype, method):
 def test_in_key_order_at_its_bounds(k):
     """The 32-bit sort takes key indices up to pack32_max_keys − 1 (the largest shifted one
     just below the padding's) and refuses longer rows; the largest key indices of a 1M-key
-    row through the ranks and the 64-bit sort."""
+    row through the 64-bit sort (the default's choice there)."""
     assert k.row_topk.pack32_max_keys(2048) == (1 << 20) - 1
     assert k.row_topk.pack32_max_keys(2049) == (1 << 19) - 1
     top = 8
@@ -411,14 +411,14 @@ def test_in_key_order_at_its_bounds(k):
     local = torch.tensor([[most - 1, 0, -1, most - 2, 5, -1, 3, 1]])
     values = torch.tensor([[1.0, -2.0, float("-inf"), 0.5, -0.0, float("-inf"), 7.0, 2.0]])
     want = k.row_topk.in_key_order_reference(values, local)
-    for method in ("rank", "sort32", "sort64"):
+    for method in ("sort32", "sort64", None):
         got = k.row_topk.in_key_order(values, local, most, method)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), method
     with pytest.raises(ValueError, match="sort32 takes rows of at most"):
         k.row_topk.in_key_order(values, local, most + 1, "sort32")
     big = torch.tensor([[(1 << 20) + 3, (1 << 20) - 1, -1, (1 << 20) + 1, 2, -1, 9, 1 << 20]])
     want = k.row_topk.in_key_order_reference(values, big)
-    for method in ("rank", "sort64", None):
+    for method in ("sort64", None):
         got = k.row_topk.in_key_order(values, big, (1 << 20) + 4, method)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), method
 

@@ -281,55 +281,20 @@ def topk_rows(logits: torch.Tensor, group_max: torch.Tensor, limits: torch.Tenso
     return values, indices
 
 
-# A row's chosen keys are put in key order by one of three kernels, by rows and row length
-# (benchmarks/key_order.py times them against each other; docs/decode.md, "The top-k's key
-# order by ranks at few rows"):
-#   _key_rank_kernel   few rows: each key's place is the count of the row's smaller keys, over
-#                      many programs per row (k² comparisons, spread over the GPU) — a sort's
-#                      one program per row leaves all but a few multiprocessors idle;
-#   _key_sort32_kernel more rows, each of at most pack32_max_keys(k) keys: one 32-bit sort per
-#                      row (key index above the entry's place in the list), the score read
-#                      back by its place;
-#   _key_sort64_kernel longer rows: one 64-bit sort per row (key index, score bits).
-# Rows up to which the ranks are taken: 32 programs a row fill an H100's 132 SMs from ~4 rows
-# and stay about one wave up to ~32 (arithmetic; the GPU timing that sets it is owed).
-RANK_MAX_ROWS = 64
+# A row's chosen keys are put in key order by one sort per row (benchmarks/key_order.py, on an
+# H200 from CUDA graphs, k = 2,048; docs/decode.md "The top-k's key order"): an int32 sort
+# of the key index above the entry's place in the list where the row is at most
+# pack32_max_keys(k) keys long (16.4–16.8 µs from 1 to 128 rows, 28.9 at 256, 1,527 at 16,384),
+# else an int64 sort of the key index above the score's bits (28.8–29.2, 52.5, 2,942: the
+# kernel before). A rank count over many programs per row (each key's place = the number of
+# the row's keys below it, 32 programs a row) was no faster even at one row (17.9 µs; 155 at
+# 64 rows): deleted.
 
 
 def pack32_max_keys(k: int) -> int:
     """The longest rows whose key indices, shifted above a list place of log2(next_pow2(k))
     bits, fit a positive int32 with one value to spare for the padding."""
     return (1 << (31 - (triton.next_power_of_2(k) - 1).bit_length())) - 1
-
-
-@triton.jit
-def _key_rank_kernel(
-    values_ptr,  # [T, K] fp32, rows stride_v apart
-    local_ptr,  # [T, K] int32 or int64 (−1: none), rows stride_l apart
-    out_values_ptr,  # [T, K] fp32 contiguous
-    out_local_ptr,  # [T, K] local's dtype, contiguous
-    K, stride_v, stride_l,
-    BI: tl.constexpr,  # the keys this program places
-    BJ: tl.constexpr,  # the keys compared with them per step
-):
-    """The place of BI keys of row r in its key order: the number of the row's keys below each
-    (padding after every key, among itself in list order: K distinct int32 sort keys)."""
-    r = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BI + tl.arange(0, BI)
-    live_i = i < K
-    local_i = tl.load(local_ptr + r * stride_l + i, mask=live_i, other=-1)
-    pad = 2147483647 - K  # above any key index (< 2^30), below 2^31 − 1 for the K paddings
-    key_i = tl.where(local_i >= 0, local_i.to(tl.int32), pad + i)
-    place = tl.zeros([BI], dtype=tl.int32)
-    for j0 in range(0, K, BJ):
-        j = j0 + tl.arange(0, BJ)
-        local_j = tl.load(local_ptr + r * stride_l + j, mask=j < K, other=-1)
-        key_j = tl.where(local_j >= 0, local_j.to(tl.int32), pad + j)
-        key_j = tl.where(j < K, key_j, 2147483647)  # past K: below no key
-        place += tl.sum((key_j[None, :] < key_i[:, None]).to(tl.int32), axis=1)
-    value = tl.load(values_ptr + r * stride_v + i, mask=live_i)
-    tl.store(out_values_ptr + r * K + place, value, mask=live_i)
-    tl.store(out_local_ptr + r * K + place, local_i, mask=live_i)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -392,8 +357,8 @@ def in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = N
     in ascending key order, padding (−1, its score) last, in one launch (PyTorch: a select, a
     sort and two gathers). Keys of a row are distinct, so the order is unique (the paddings'
     scores are taken as equal). keys: every key index is below it (the rows' length; None:
-    unknown, below 2^30). method: "rank", "sort32" or "sort64" (None: by rows and keys, see
-    RANK_MAX_ROWS)."""
+    unknown). method: "sort32" or "sort64" (None: sort32 where the rows are at most
+    pack32_max_keys(K) keys long)."""
     rows, k = local.shape
     out_values = torch.empty(rows, k, dtype=torch.float32, device=values.device)
     out_local = torch.empty(rows, k, dtype=local.dtype, device=local.device)
@@ -401,15 +366,8 @@ def in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = N
         return out_values, out_local
     block = triton.next_power_of_2(k)
     if method is None:
-        method = ("rank" if rows <= RANK_MAX_ROWS else
-                  "sort32" if keys is not None and keys <= pack32_max_keys(k) else "sort64")
-    if method == "rank":
-        bi = 64
-        _key_rank_kernel[(rows, triton.cdiv(k, bi))](
-            values, local, out_values, out_local, k, values.stride(0), local.stride(0),
-            BI=bi, BJ=128, num_warps=4,
-        )
-    elif method == "sort32":
+        method = "sort32" if keys is not None and keys <= pack32_max_keys(k) else "sort64"
+    if method == "sort32":
         if keys is None or keys > pack32_max_keys(k):
             raise ValueError(f"in_key_order: sort32 takes rows of at most {pack32_max_keys(k)} "
                              f"keys, got {keys}")
@@ -423,7 +381,7 @@ def in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = N
             BLOCK=block, num_warps=max(1, min(8, block // 256)),
         )
     else:
-        raise ValueError(f"in_key_order: method must be rank, sort32 or sort64, got {method!r}")
+        raise ValueError(f"in_key_order: method must be sort32 or sort64, got {method!r}")
     return out_values, out_local
 
 
