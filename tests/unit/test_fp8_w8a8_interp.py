@@ -192,6 +192,8 @@ def test_cublas_takes_whole_blocks_on_cuda_only(w8):
     assert not w8.cublas_takes(2752, 6144, 0, 0, cuda)  # N inside a block (fused q_a, kv_a)
     assert not w8.cublas_takes(4096, 2048, 64, 0, cuda)  # a TP shard inside a block
     assert not w8.cublas_takes(4096, 2048, 0, 100, cuda)
+    assert not w8.cublas_takes(512, 128, 0, 0, cuda)  # K / 128 not a multiple of 4 (refused)
+    assert not w8.cublas_takes(128, 256, 0, 0, cuda)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")

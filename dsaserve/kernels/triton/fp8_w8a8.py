@@ -202,16 +202,19 @@ _REFUSED: set[tuple[int, int, torch.dtype]] = set()
 
 # cuBLASLt's block-scaled GEMM takes M in multiples of this (its 1 × 128 scales' leading
 # dimension): other row counts are padded to it (act_quant's rows, the output sliced back).
+# Its 128 × 128 weight scales need K / 128 a multiple of it too (PyTorch 2.11 on an H200
+# refused [128, 128], [512, 128] and [128, 256] weights: "scale_b must have shape 4 x 1"):
+# GLM-5.3's and DeepSeek-V3.2's K (2,048 … 18,432) all are.
 CUBLAS_ROWS = 4
 
 
 def cublas_takes(n: int, k: int, n_off: int, k_off: int, device: torch.device) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm with DeepSeek's 1 × 128
     activation and 128 × 128 weight scales, CUDA 12.9+) takes an [m, k] · [n, k]ᵀ product:
-    on CUDA, whole scale blocks (no shard starting inside one, N and K multiples of 128); any
-    M (padded to CUBLAS_ROWS). Elsewhere the Triton kernel below."""
+    on CUDA, whole scale blocks (no shard starting inside one, N a multiple of 128, K of
+    4 × 128); any M (padded to CUBLAS_ROWS). Elsewhere the Triton kernel below."""
     return (device.type == "cuda" and not n_off and not k_off and n % FP8_BLOCK == 0
-            and k % FP8_BLOCK == 0 and hasattr(F, "scaled_mm"))
+            and k % (CUBLAS_ROWS * FP8_BLOCK) == 0 and hasattr(F, "scaled_mm"))
 
 
 def cublas_ready(n: int, k: int, n_off: int, k_off: int, x: torch.Tensor) -> bool:
