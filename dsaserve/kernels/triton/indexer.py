@@ -587,7 +587,7 @@ def _in_key_order(values: torch.Tensor, local: torch.Tensor, keys: int | None = 
     changes from run to run, and sparse MLA sums over the keys in the order given: unsorted,
     the same step rounded differently from run to run (on the GPU: greedy tokens of one prompt
     changed between runs, docs/hisparse.md). The key order is one launch (row_topk.in_key_order:
-    ranks at few rows, a sort per row at many; keys, the rows' length, picks the sort);
+    a 32-bit sort per row where keys, the rows' length, allows it, else a 64-bit one);
     torch.topk's order (by score) cost 5x the top-k itself at b = 64 and 2.4x on a 16K-row
     chunk (H100, tests/gpu/test_topk_order_gpu.py)."""
     return row_topk.in_key_order(values, local, keys)  # one launch
