@@ -119,6 +119,20 @@ def test_fp8_linear_split_k_and_strided_rows(fl):
     assert torch.equal(fl.fp8_linear(x, wq, scale, config=forced), once)
 
 
+def test_split_k_counters_outgrown_are_kept(fl, monkeypatch):
+    """A grid larger than the counters replaces them, but the old buffer stays alive: a CUDA
+    graph captured before replays with its address, which must not become another tensor's."""
+    device = torch.device("cpu")
+    monkeypatch.setattr(fl, "_COUNTERS", {})
+    monkeypatch.setattr(fl, "_OUTGROWN", [])
+    small = fl._tile_counters(device, 10)
+    assert small.numel() == 4096 and fl._tile_counters(device, 4096) is small
+    big = fl._tile_counters(device, 5000)
+    assert big.numel() == 5000 and not big.any()
+    assert len(fl._OUTGROWN) == 1 and fl._OUTGROWN[0] is small
+    assert fl._tile_counters(device, 100) is big
+
+
 def test_split_k_choice(fl):
     cfg = fl.Fp8LinearConfig(16, 64)
     # enough n tiles for two programs per SM: no split

@@ -215,6 +215,10 @@ def _fp8_linear_kernel(
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Counters outgrown by a larger grid: kept, never freed, since a CUDA graph captured before
+# the growth replays with the old buffer's address (freed, its memory would be another
+# tensor's, and that graph's last-split test would read garbage).
+_OUTGROWN: list[torch.Tensor] = []
 
 
 def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -228,6 +232,8 @@ def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
             # eager warm-up (engine/cudagraph.capture), which makes them
             raise RuntimeError("fp8_linear: its split-K counters are made at the first "
                                "eager call; run it once before capturing a CUDA graph")
+        if counters is not None:
+            _OUTGROWN.append(counters)
         counters = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = counters
     return counters
