@@ -1,5 +1,5 @@
-"""The indexer's top-k put in key order (kernels/triton/row_topk.py `in_key_order`): its three
-kernels against each other and PyTorch's sort, from CUDA graphs, at decode and prefill row
+"""The indexer's top-k put in key order (kernels/triton/row_topk.py `in_key_order`): its two
+sorts against each other and PyTorch's, from CUDA graphs, at decode and prefill row
 counts. Each result is checked against `in_key_order_reference` first.
 
     python benchmarks/key_order.py [--rows 1,4,16,64,256,1024,16384] [--out docs/x.md]
