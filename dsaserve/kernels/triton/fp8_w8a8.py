@@ -24,18 +24,17 @@ as fast (decode, M ≤ 64) and for fp32 activations (test models compared bit fo
 Where cuBLAS's block-scaled FP8 GEMM takes the shape (`cublas_takes`: CUDA, whole scale
 blocks; rows padded to a multiple of 4) w8a8_linear hands it the same quantized activations
 instead, their scales laid out group-major (PyTorch's scaled_mm, 1 × 128 and 128 × 128
-scales): measured on
-an H100 (benchmarks/fp8_cublas_blockwise.py, docs/fp8_weights.md) it is 1.23–1.70× this
-kernel at 256 rows for q_b, o_proj and the shared down projection, 0.95–0.99× for the
-2,048–4,096-wide ones, and 1.35–1.73× at 1,024–4,096 rows. The Triton kernel stays for the
-rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and kv_a fused:
-2,752 columns).
+scales). Measured on an H100 (benchmarks/fp8_cublas_blockwise.py, docs/fp8_weights.md) it is
+1.23–1.70× this kernel at 256 rows for q_b, o_proj and the shared down projection, 0.95–0.99×
+for the 2,048–4,096-wide ones, and 1.35–1.73× at 1,024–4,096 rows. The Triton kernel stays
+for the rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and kv_a
+fused: 2,752 columns).
 
 Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
 TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
-MMA), so fp8_linear takes W8A8 there only where cuBLAS takes the shape (745–1,014 TFLOP/s,
-1.35–1.73× this kernel at 1,024–4,096 rows), else the dequantized copy (fp8_linear.takes_w8a8). No
-autotuning: tiles are a pure function of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
+MMA), so fp8_linear takes W8A8 there only where cuBLAS takes the shape (745–1,014 TFLOP/s),
+else the dequantized copy (fp8_linear.takes_w8a8). No autotuning: tiles are a pure function
+of (M, N, SMs) (benchmarks/fp8_linear.py --sweep).
 """
 
 from __future__ import annotations
@@ -307,7 +306,6 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: i
     k = x.shape[1] // 2 if glu else x.shape[1]
     if wq.shape[-1] != k:
         raise ValueError(f"w8a8_linear: x has K = {k}, the weight {wq.shape[-1]}")
-    shape = (wq.shape[0], k, x.dtype)
     if config is None and cublas_ready(wq.shape[0], k, n_off, k_off, x):
         check_weight(wq, scale, n_off, k_off, "w8a8_linear")
         m = x.shape[0]
@@ -322,7 +320,7 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: i
             logger.warning("cuBLAS's block-scaled FP8 GEMM refused [%d, %d] x [%d, %d]ᵀ "
                            "(%s); the Triton W8A8 kernel takes this shape", x.shape[0], k,
                            wq.shape[0], k, str(e).splitlines()[0] if str(e) else type(e))
-            _REFUSED.add(shape)
+            _REFUSED.add((wq.shape[0], k, x.dtype))  # cublas_ready's key
     return w8a8_matmul(*act_quant(x, k_off, glu), wq, scale, x.dtype, n_off, k_off, config)
 
 
