@@ -101,7 +101,8 @@ class Row:
 
 
 def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, device: str,
-            dtype: str, kv: str, async_: bool = False) -> EngineConfig:
+            dtype: str, kv: str, async_: bool = False, draft_lm_head: str = "auto"
+            ) -> EngineConfig:
     k = 3 if mtp else 0
     per_request = -(-(context + 2 * k + 2) // BLOCK)
     cfg = EngineConfig(
@@ -115,8 +116,9 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, d
         dtype=dtype, device=device, compilation=CompilationConfig(enforce_eager=not graph),
     )
     if mtp:
-        cfg = dataclasses.replace(cfg, speculative=SpecConfig.from_json(
-            bench_steps.MTP3_SYNTHETIC))
+        spec = SpecConfig.from_json(bench_steps.MTP3_SYNTHETIC)
+        cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(
+            spec, draft_lm_head=draft_lm_head))
     return cfg
 
 
@@ -156,7 +158,7 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     """One row; `step_log`: the timed steps' lines appended there (engine/step_log.py)."""
     k = 3 if mtp else 0
     cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
-                  args.kv_cache_dtype, async_)
+                  args.kv_cache_dtype, async_, args.draft_lm_head)
     log = None
     if step_log is not None:  # the runner times its steps (CUDA events), the log writes them
         cfg = dataclasses.replace(cfg, step_log=str(step_log))
@@ -337,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default="bf16", choices=("bf16", "fp8"),
                    help="the built checkpoint's matrices: bf16, or FP8 with 128x128 block scales "
                         "as the released checkpoints (kept in FP8 by the engine)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the built model's vocabulary (default: presets.glm53_shaped's 8,192; "
+                        "GLM-5.3's own is 154,880: its lm_head is read once per MTP draft)")
+    p.add_argument("--draft-lm-head", default="auto", choices=("auto", "fp8", "model"),
+                   help="the head MTP drafts read (--speculative-config's draft_lm_head; auto: "
+                        "an FP8 copy with --weights fp8)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
@@ -374,9 +382,14 @@ def main(argv: list[str] | None = None) -> int:
             model_dir, shape = make_model("tiny-glm5", Path(tmp) / "tiny",
                                           fp8=args.weights == "fp8"), "tiny-glm5"
         else:
+            overrides = glm53_shaped(args.layers, mtp=True)
+            if args.vocab_size is not None:
+                overrides["vocab_size"] = args.vocab_size
             model_dir = make_model("glm-5.3", Path(tmp) / "glm53", fp8=args.weights == "fp8",
-                                   overrides=glm53_shaped(args.layers, mtp=True))
-            shape = f"GLM-5.3-shaped, {args.layers} layers + MTP, {args.weights} weights"
+                                   overrides=overrides)
+            shape = (f"GLM-5.3-shaped, {args.layers} layers + MTP, {args.weights} weights, "
+                     f"vocabulary {overrides['vocab_size']:,}, drafts' head "
+                     f"{args.draft_lm_head}")
         rows, log_tables = [], []
         for context in args.contexts:
             log = log_dir / f"steps-{context}.jsonl"

@@ -130,6 +130,10 @@
 #                                          #   at MTP3's b = 16 and 64 (128, 512 pairs)
 #   bash benchmarks/gpu_owed.sh 53         # part 53: part 50's failing GPU test alone, then
 #                                          #   FP8 b = 64 at 16 layers with the rank count gone
+#   bash benchmarks/gpu_owed.sh 54         # part 54: the drafts' FP8 lm_head at GLM-5.3's
+#                                          #   vocabulary: the FP8 GPU tests, then MTP3 at 16
+#                                          #   layers, b = 1 and 64, drafts through the FP8
+#                                          #   copy and through lm_head
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -587,7 +591,8 @@ elif [ "$part" = 52 ]; then
     TAIL_LINES=30 run "$(left)" moe_w8a8_sweep python benchmarks/moe_grouped.py \
         --pairs 128,512 --sweep w8a8 --out "$out/moe_w8a8_sweep.md"
 elif [ "$part" = 53 ]; then
-    # part 50's one failing GPU test (graphed against eager, tiny-glm5, FP8 kept, fp32), then
+    # part 50's one failing GPU test (graphed against eager, tiny-glm5, FP8 kept, bf16: since
+    # against its padded steps run eager in both dtypes, and --enforce-eager in fp32), then
     # FP8 at 16 layers, b = 64 plain and MTP3, with the key order's rank count deleted (part
     # 50: 155 µs a call at 64 rows against the 32-bit sort's 16.6)
     PART_SECONDS=${PART_SECONDS:-240}
@@ -596,6 +601,20 @@ elif [ "$part" = 53 ]; then
     [ "$(left)" -gt 60 ] && TAIL_LINES=10 run "$(left)" decode16_fp8_b64 python \
         benchmarks/decode.py --layers 16 --weights fp8 --contexts 8192 --batches 64 \
         --steps 10 --fastest-only --out "$out/decode16_fp8_b64.md"
+elif [ "$part" = 54 ]; then
+    # MTP drafts through an FP8 copy of lm_head (SpecConfig.draft_lm_head, the default with FP8
+    # weights kept) at GLM-5.3's own vocabulary (154,880: a 1.9 GB bf16 head read once per
+    # draft; the benchmark's default 8,192 hides it): the FP8 model GPU tests (graphs against
+    # their padded eager steps, the draft head's greedy output), then 16 layers, b = 1 and 64,
+    # the drafts' head fp8 then model (lm_head), one machine
+    TAIL_LINES=12 run 150 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_model_gpu.py
+    for head in fp8 model; do
+        [ "$(left)" -gt 90 ] && TAIL_LINES=10 run "$(left)" "decode16_vocab_$head" python \
+            benchmarks/decode.py --layers 16 --weights fp8 --vocab-size 154880 \
+            --draft-lm-head "$head" --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
+            --out "$out/decode16_vocab_$head.md"
+    done
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill

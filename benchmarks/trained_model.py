@@ -101,11 +101,15 @@ def samples(model_dir: Path, tok: Tokenizer, files: list[Path], n: int) -> list[
     return out
 
 
-def mtp_acceptance(model_dir: Path, stream: torch.Tensor, n_prompts: int) -> dict:
+def mtp_acceptance(model_dir: Path, stream: torch.Tensor, n_prompts: int,
+                   draft_lm_head: str = "model") -> dict:
+    """MTP3's acceptance at temperature 1 and greedy, the drafts reading `draft_lm_head`
+    (SpecConfig: the checkpoint's lm_head, or its FP8 copy)."""
     out = {}
     prompts = eval_windows(stream, n_prompts, 192).tolist()
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, draft_lm_head=draft_lm_head)
     for label, temp in (("temperature 1", 1.0), ("greedy", 0.0)):
-        engine = _engine(model_dir, 1024, SpecConfig(method="mtp", num_speculative_tokens=3))
+        engine = _engine(model_dir, 1024, spec)
         params = [SamplingParams(max_tokens=128, temperature=temp, seed=i, ignore_eos=True)
                   for i in range(len(prompts))]
         engine.generate(prompts, params)
@@ -115,8 +119,9 @@ def mtp_acceptance(model_dir: Path, stream: torch.Tensor, n_prompts: int) -> dic
                    for a in s.spec_decode_num_accepted_tokens_per_pos]
         out[label] = {"mean_acceptance_length": s.spec_decode_mean_acceptance_length,
                       "acceptance_per_position": per_pos, "drafts": s.spec_decode_num_drafts}
-        print(f"MTP3 {label}: mean acceptance length {s.spec_decode_mean_acceptance_length:.3f}, "
-              f"per position {[round(p, 3) for p in per_pos]} over {s.spec_decode_num_drafts} "
+        print(f"MTP3 {label}, drafts through {draft_lm_head}: mean acceptance length "
+              f"{s.spec_decode_mean_acceptance_length:.3f}, per position "
+              f"{[round(p, 3) for p in per_pos]} over {s.spec_decode_num_drafts} "
               "verification steps")
     return out
 
@@ -201,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the training forward runs (loss, recall; 16K contexts need a GPU)")
     p.add_argument("--skip", nargs="*", default=[],
                    choices=["loss", "samples", "mtp", "overlap", "recall"])
+    p.add_argument("--draft-lm-heads", nargs="+", default=["model"], choices=["model", "fp8"],
+                   help="MTP acceptance with the drafts reading each head (--speculative-config's "
+                        "draft_lm_head)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.threads:
@@ -227,7 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if "samples" not in args.skip:
         results["samples"] = samples(model_dir, tok, files, args.samples)
     if "mtp" not in args.skip:
-        results["mtp3"] = mtp_acceptance(model_dir, stream, args.mtp_prompts)
+        for head in args.draft_lm_heads:
+            key = "mtp3" if head == "model" else f"mtp3 drafts {head}"
+            results[key] = mtp_acceptance(model_dir, stream, args.mtp_prompts, head)
     if "overlap" not in args.skip:
         results["topk_overlap"] = topk_overlap(model_dir, stream, args.contexts,
                                                args.decode_steps)

@@ -551,6 +551,8 @@ class ParallelConfig:
 
 
 RejectionSampleMethod = Literal["standard", "synthetic"]
+DraftLmHead = Literal["auto", "fp8", "model"]
+DRAFT_LM_HEADS: tuple[DraftLmHead, ...] = ("auto", "fp8", "model")
 
 
 @dataclass(frozen=True)
@@ -564,17 +566,28 @@ class SpecConfig:
     `synthetic_acceptance_length` (mean tokens per step, in [1, k + 1]) or
     `synthetic_acceptance_rates` (k non-increasing unconditional rates: entry i = P(the first
     i + 1 drafts are all accepted)). Both are normalised to `synthetic_acceptance_rates` here.
+
+    `draft_lm_head` (dsaserve's key): the head the drafts' argmax reads. "fp8": a block-FP8
+    copy of lm_head made at load (half the bytes a draft reads: GLM-5.3's 1.9 GB bf16 head →
+    0.95 GB, at the cost of that much memory); "model": the checkpoint's lm_head; "auto" (the
+    default): "fp8" where the engine keeps the checkpoint's FP8 weights, else "model". The
+    target's logits always use lm_head, so output is unchanged; a draft can differ only where
+    the MTP's top two logits lie within the quantization error (acceptance, not output).
     """
 
     method: Literal["mtp"] = "mtp"
     num_speculative_tokens: int = 1
     rejection_sample_method: RejectionSampleMethod = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
+    draft_lm_head: DraftLmHead = "auto"
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
         if self.method != "mtp":
             raise ConfigError(f"{flag}: method must be 'mtp', got {self.method!r}")
+        if self.draft_lm_head not in DRAFT_LM_HEADS:
+            raise ConfigError(f"{flag}: draft_lm_head must be one of {list(DRAFT_LM_HEADS)}, "
+                              f"got {self.draft_lm_head!r}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -627,7 +640,7 @@ class SpecConfig:
             return None
         raw = json_object(text, flag)
         known = {"method", "num_speculative_tokens", "rejection_sample_method",
-                 "synthetic_acceptance_length", "synthetic_acceptance_rates"}
+                 "synthetic_acceptance_length", "synthetic_acceptance_rates", "draft_lm_head"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -657,7 +670,8 @@ class SpecConfig:
             raise ConfigError(f"{flag}: rejection_sample_method 'synthetic' needs "
                               "synthetic_acceptance_length or synthetic_acceptance_rates")
         return SpecConfig(method=raw["method"], num_speculative_tokens=k,
-                          rejection_sample_method=method, synthetic_acceptance_rates=rates)
+                          rejection_sample_method=method, synthetic_acceptance_rates=rates,
+                          draft_lm_head=raw.get("draft_lm_head", "auto"))
 
 
 def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:

@@ -162,7 +162,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='MTP speculative decoding, JSON, e.g. \'{"method": "mtp", '
                         '"num_speculative_tokens": 3}\'; benchmarks: add '
                         '"rejection_sample_method": "synthetic" and '
-                        '"synthetic_acceptance_length": 2.99')
+                        '"synthetic_acceptance_length": 2.99; "draft_lm_head": "fp8" or '
+                        '"model" (default auto: fp8 with FP8 weights kept)')
     g.add_argument("--compilation-config", default=None,
                    type=_json_flag("--compilation-config", CompilationConfig.from_json),
                    help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '

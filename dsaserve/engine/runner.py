@@ -212,6 +212,8 @@ class ModelRunner:
         )
         # projections of one input as one matrix: one GEMM (and quantization) per group
         fused_groups = fuse_model(self.model)
+        if self._drafts_read_fp8_head(keep_fp8):
+            self.model.quantize_draft_head()  # before the KV blocks are counted: its memory
         kept = sum(p.numel() for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn)
         logger.info("weights: %.2f GiB on this rank (%s; %d projection groups fused)", sum(
             p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,
@@ -477,6 +479,16 @@ class ModelRunner:
         spilling."""
         blocks = self.block_table.blocks(request_id)
         return (blocks if self.mla_page_of is None else self.mla_page_of.host[blocks]).tolist()
+
+    def _drafts_read_fp8_head(self, keep_fp8: bool) -> bool:
+        """Whether MTP drafts read an FP8 copy of lm_head (SpecConfig.draft_lm_head; "auto":
+        where the checkpoint's FP8 weights are kept, the bytes that mode is for)."""
+        spec = self.config.speculative
+        if spec is None or not self.model.with_mtp:
+            return False
+        if spec.draft_lm_head == "auto":
+            return keep_fp8 and self.model_cfg.fp8_weights is not None
+        return spec.draft_lm_head == "fp8"
 
     def _decode_graphs(self, backend) -> DecodeGraphs | None:
         """Decode steps padded to capture sizes through static buffers (engine/decode_graph.py),

@@ -117,6 +117,37 @@ def grouped_tiles(ends: list[int], num_rows: int, block_m: int) -> list[tuple[in
     return out
 
 
+def quantize_blocks(w: torch.Tensor, rows_per_pass: int = 8192
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize a [out, in] matrix to float8_e4m3fn with one fp32 scale per 128 × 128 block
+    (the checkpoints' layout above; the last block row / column may be partial):
+
+        scale_inv[r // 128, c // 128] = max |w in the block| / 448,   w ≈ wq · scale_inv
+
+    → (wq [out, in] e4m3, scale_inv [⌈out/128⌉, ⌈in/128⌉] fp32), on w's device. Works through
+    `rows_per_pass` rows (a multiple of 128) at a time, so that quantizing a large matrix on a
+    GPU (a 154,880-row lm_head) needs a transient fp32 copy of one pass, not of the matrix."""
+    if rows_per_pass % FP8_BLOCK:
+        raise ValueError(f"quantize_blocks: rows_per_pass must be a multiple of {FP8_BLOCK}, "
+                         f"got {rows_per_pass}")
+    out_dim, in_dim = w.shape
+    cb = num_blocks(in_dim)
+    wq = torch.empty(out_dim, in_dim, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(num_blocks(out_dim), cb, dtype=torch.float32, device=w.device)
+    for r0 in range(0, out_dim, rows_per_pass):
+        part = w[r0:r0 + rows_per_pass]
+        rb = num_blocks(part.shape[0])
+        padded = part.new_zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
+        padded[:part.shape[0], :in_dim] = part.float()
+        blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)  # [rb, 128, cb, 128]
+        amax = blocks.abs().amax(dim=(1, 3))  # [rb, cb]
+        s = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # all-zero blocks
+        q = (blocks / s[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        wq[r0:r0 + part.shape[0]] = q.view(rb * FP8_BLOCK, -1)[:part.shape[0], :in_dim]
+        scale[r0 // FP8_BLOCK:r0 // FP8_BLOCK + rb] = s
+    return wq, scale
+
+
 def linear_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: int = 0,
                      k_off: int = 0) -> torch.Tensor:
     """x [M, K], wq [N, K] e4m3, scale [Nb, Kb] fp32 → x · Wᵀ [M, N] in x's dtype, W

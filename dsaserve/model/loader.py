@@ -35,8 +35,8 @@ from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.kernels.fp8_weights import quantize_blocks
 from dsaserve.model.fp8 import Fp8Linear
-from dsaserve.model.make_model import quantize_fp8_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def _load(
                         if value.dtype == torch.float8_e4m3fn:  # as stored
                             scale = _read_scale(reader, name, value, block)
                         else:  # a bf16 / fp32 checkpoint served with --quantization fp8
-                            value, scale = quantize_fp8_blocks(value.float())
+                            value, scale = quantize_blocks(value.float())
                         scale_dst, scale = _scale_destination(name, targets, scale)
                         _copy(scale_dst, scale, name + SCALE_SUFFIX)
                     else:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsaserve.config import ConfigError, ModelConfig
-from dsaserve.kernels.fp8_weights import FP8_BLOCK, FP8_E4M3_MAX
+from dsaserve.kernels.fp8_weights import FP8_BLOCK, quantize_blocks
 from dsaserve.model.presets import DEEPSEEK_V3_2, REAL_PRESETS, TINY_PRESETS, preset_config
 from dsaserve.tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer
 
@@ -167,30 +167,6 @@ def make_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     raise AssertionError(spec.init)
 
 
-def quantize_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize a [out, in] matrix to float8_e4m3fn with one fp32 scale per 128×128 block.
-
-         in →  0 .. 127 | 128 .. 255 | 256 .. in-1        scale_inv[r // 128, c // 128]
-        out 0  ┌────────┬────────────┬──────┐             = max|w in block| / 448
-         ..    │ (0,0)  │   (0,1)    │(0,2) │             w ≈ wq · scale_inv (per block)
-        127    ├────────┼────────────┼──────┤
-        128    │ (1,0)  │   (1,1)    │(1,2) │  ← the last row/column of blocks may be partial
-               └────────┴────────────┴──────┘
-
-    Returns (wq [out, in] e4m3, scale_inv [ceil(out/128), ceil(in/128)] fp32).
-    """
-    out_dim, in_dim = w.shape
-    rb, cb = -(-out_dim // FP8_BLOCK), -(-in_dim // FP8_BLOCK)
-    padded = torch.zeros(rb * FP8_BLOCK, cb * FP8_BLOCK, dtype=torch.float32)
-    padded[:out_dim, :in_dim] = w.float()
-    blocks = padded.view(rb, FP8_BLOCK, cb, FP8_BLOCK)  # [rb, 128, cb, 128]
-    amax = blocks.abs().amax(dim=(1, 3))  # [rb, cb]
-    scale = (amax / FP8_E4M3_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # all-zero blocks
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    wq = q.view(rb * FP8_BLOCK, cb * FP8_BLOCK)[:out_dim, :in_dim].to(torch.float8_e4m3fn)
-    return wq.contiguous(), scale
-
-
 # ------------------------------------------------------------------------------------------------
 # Config
 # ------------------------------------------------------------------------------------------------
@@ -282,7 +258,7 @@ def _stored_tensors(
     if spec.fp32:
         yield spec.name, w
     elif fp8 and spec.quantizable:
-        wq, scale = quantize_fp8_blocks(w)
+        wq, scale = quantize_blocks(w)
         yield spec.name, wq
         yield spec.name + "_scale_inv", scale
     else:

@@ -19,7 +19,8 @@ draft steps' lookahead rows write keys past the computed length; the next step o
 before anything reads them. A prefix hit is safe because the KV manager recomputes the last
 matched block (the key at a block's last position depends on the next block's first token).
 
-Drafts are greedy (the argmax of the MTP logits: vLLM's default draft_sample_method).
+Drafts are greedy (the argmax of the MTP logits: vLLM's default draft_sample_method), over
+lm_head or its FP8 copy (`draft_lm_head`, config.SpecConfig; DsaForCausalLM.draft_tokens).
 
 Nothing here reads device data on the host: how many drafts a request accepted decides which row
 drafting continues from and at which position, and both stay on the device. The draft steps'
@@ -102,11 +103,11 @@ def draft_chain(
     # 1. step 0 over the step's rows (prefill chunks included: it fills the MTP cache)
     h = model.forward_mtp(next_ids, hidden, meta, caches)  # [N, hidden]
     h = h[rows]  # [D, hidden]
-    token = model.greedy_tokens(h)  # [D] d1
+    token = model.draft_tokens(h)  # [D] d1
     drafts = [token]
     # 2. steps 1..k−1: one token per drafting request, one position further each time
     for j in range(1, k):
         h = model.forward_mtp(token, h, step_metadata(j), caches)  # [D, hidden]
-        token = model.greedy_tokens(h)
+        token = model.draft_tokens(h)
         drafts.append(token)
     return torch.stack(drafts, dim=1)  # [D, k]

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 
 from dsaserve.config import ModelConfig
-from dsaserve.model.make_model import _DTYPES, checkpoint_specs, quantize_fp8_blocks
+from dsaserve.kernels.fp8_weights import quantize_blocks
+from dsaserve.model.make_model import _DTYPES, checkpoint_specs
 from dsaserve.tokenizer import save_tokenizer
 
 
@@ -42,7 +43,7 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], raw: dict[str, Any],
         if spec.fp32:
             out[spec.name] = w.contiguous()
         elif fp8 and spec.quantizable:
-            out[spec.name], out[spec.name + "_scale_inv"] = quantize_fp8_blocks(w)
+            out[spec.name], out[spec.name + "_scale_inv"] = quantize_blocks(w)
         else:
             out[spec.name] = w.to(dtype).contiguous()
     return out

@@ -24,14 +24,20 @@ LAYOUTS = {
     "tp2_dcp2": dict(tp=2, dcp=2, max_num_batched_tokens=33),
     "dp2": dict(dp=2, max_num_batched_tokens=48),
 }
+# The drafts' head per layout (SpecConfig.draft_lm_head; "auto" is lm_head on the CPU): under
+# TP the FP8 copy is made on every rank from its whole (replicated) lm_head.
+DRAFT_HEADS = {"tp2_dcp2": "fp8"}
+
+
+def _spec(layout: str) -> SpecConfig:
+    return SpecConfig(num_speculative_tokens=3, draft_lm_head=DRAFT_HEADS.get(layout, "auto"))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def spec_engine(request, draftable, parallel_config, assert_gone
                 ) -> Iterator[LLMEngine | DataParallelEngine]:
     config = dataclasses.replace(parallel_config(**LAYOUTS[request.param]),
-                                 model_path=str(draftable),
-                                 speculative=SpecConfig(num_speculative_tokens=3))
+                                 model_path=str(draftable), speculative=_spec(request.param))
     engine = LLMEngine.from_config(config)
     yield engine
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else [engine]
@@ -57,8 +63,7 @@ def test_greedy_with_mtp_matches_single_rank(request, spec_engine, prompts, gree
         # layer's cache and its draft steps are right under this layout, not only the target.
         kw = {k: v for k, v in LAYOUTS[layout].items() if k == "max_num_batched_tokens"}
         single = LLMEngine.from_config(dataclasses.replace(
-            parallel_config(**kw), model_path=str(draftable),
-            speculative=SpecConfig(num_speculative_tokens=3)))
+            parallel_config(**kw), model_path=str(draftable), speculative=_spec(layout)))
         for _ in range(2):
             single.generate(prompts, greedy)
         assert _spec_counters(stats) == _spec_counters(single.stats())

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from triton_interp import FP8_KERNELS, interpreted
 
 from dsaserve.kernels import fp8_weights as fw
-from dsaserve.model.make_model import quantize_fp8_blocks
+from dsaserve.kernels.fp8_weights import quantize_blocks
 
 B = fw.FP8_BLOCK
 
@@ -42,7 +42,7 @@ def _gen(seed: int = 0) -> torch.Generator:
 def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = _gen(100 + seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3
-    return quantize_fp8_blocks(w)  # (wq [n, k] e4m3, scale [⌈n/128⌉, ⌈k/128⌉])
+    return quantize_blocks(w)  # (wq [n, k] e4m3, scale [⌈n/128⌉, ⌈k/128⌉])
 
 
 def _shard(n: int, k: int, n_off: int, k_off: int, seed: int = 0):
@@ -324,9 +324,9 @@ def test_fp8_experts_path_matches_dequantized(fl, tokens, total):
     w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
     ids = torch.stack([torch.randperm(total, generator=g)[:top] for _ in range(tokens)])
     weights = torch.rand(tokens, top, generator=g)
-    halves = [quantize_fp8_blocks(w13[i, h * inter:(h + 1) * inter]) for i in range(e)
+    halves = [quantize_blocks(w13[i, h * inter:(h + 1) * inter]) for i in range(e)
               for h in (0, 1)]
-    down = [quantize_fp8_blocks(w2[i]) for i in range(e)]
+    down = [quantize_blocks(w2[i]) for i in range(e)]
     experts = Fp8Experts(
         torch.stack([torch.cat((halves[2 * i][0], halves[2 * i + 1][0])) for i in range(e)]),
         torch.stack([q for q, _ in down]),

@@ -18,7 +18,7 @@ import torch
 from triton_interp import FP8_KERNELS, interpreted
 
 from dsaserve.kernels import fp8_weights as fw
-from dsaserve.model.make_model import quantize_fp8_blocks
+from dsaserve.kernels.fp8_weights import quantize_blocks
 
 B = fw.FP8_BLOCK
 
@@ -40,7 +40,7 @@ def _gen(seed: int = 0) -> torch.Generator:
 def _shard(n: int, k: int, n_off: int, k_off: int, seed: int = 0):
     g = _gen(100 + seed)
     w = torch.randn(n + n_off, k + k_off, generator=g) * torch.rand(n + n_off, 1, generator=g)
-    wq, scale = quantize_fp8_blocks(w)
+    wq, scale = quantize_blocks(w)
     return wq[n_off:, k_off:].contiguous(), scale
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from dsaserve.kernels import fp8_weights as fw
+from dsaserve.kernels.fp8_weights import quantize_blocks
 from dsaserve.model.loader import dequantize_fp8_blocks
-from dsaserve.model.make_model import quantize_fp8_blocks
 
 B = fw.FP8_BLOCK
 
@@ -26,7 +26,7 @@ def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """A random [n, k] matrix through the checkpoint maker's quantizer: (wq, scale)."""
     g = _gen(seed)
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3
-    return quantize_fp8_blocks(w)
+    return quantize_blocks(w)
 
 
 def _distinct(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:

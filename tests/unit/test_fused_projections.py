@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from dsaserve.kernels.fp8_weights import quantize_blocks
 from dsaserve.model import fp8, fused
-from dsaserve.model.make_model import quantize_fp8_blocks
 
 
 def _linear(n_in: int, n_out: int, seed: int) -> nn.Linear:
@@ -20,7 +20,7 @@ def _linear(n_in: int, n_out: int, seed: int) -> nn.Linear:
 def _fp8(n_in: int, n_out: int, seed: int) -> fp8.Fp8Linear:
     g = torch.Generator().manual_seed(seed)
     layer = fp8.Fp8Linear(n_in, n_out)
-    wq, scale = quantize_fp8_blocks(torch.randn(n_out, n_in, generator=g))
+    wq, scale = quantize_blocks(torch.randn(n_out, n_in, generator=g))
     layer.weight.data, layer.weight_scale_inv.data = wq, scale
     return layer
 

@@ -11,13 +11,13 @@ import torch
 from safetensors import safe_open
 
 from dsaserve.config import ConfigError, ModelConfig
+from dsaserve.kernels.fp8_weights import quantize_blocks
 from dsaserve.model.make_model import (
     add_parser,
     assign_shards,
     build_config,
     main,
     make_model,
-    quantize_fp8_blocks,
 )
 from dsaserve.model.presets import DEEPSEEK_V3_2, GLM_5_3
 
@@ -179,9 +179,9 @@ def test_fp8(glm: Path, tmp_path: Path) -> None:
     assert q["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (5, 1)
 
 
-def test_quantize_fp8_blocks_partial_blocks() -> None:
+def test_quantize_blocks_partial_blocks() -> None:
     w = torch.randn(200, 300, generator=torch.Generator().manual_seed(0))
-    wq, scale = quantize_fp8_blocks(w)
+    wq, scale = quantize_blocks(w)
     assert wq.shape == (200, 300) and scale.shape == (2, 3)
     for r in range(2):
         for c in range(3):
@@ -191,6 +191,17 @@ def test_quantize_fp8_blocks_partial_blocks() -> None:
             # The block's largest magnitude lands exactly on ±448.
             assert qb.abs().max() == 448
             assert ((qb * scale[r, c] - block).abs() <= block.abs() / 16 + scale[r, c] / 512).all()
+
+
+def test_quantize_blocks_in_passes_equals_whole() -> None:
+    """Passes of 128 rows (a large lm_head is quantized so on a GPU) give the whole matrix's
+    bytes and scales, the partial last block row included."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
+    whole, passes = quantize_blocks(w), quantize_blocks(w, rows_per_pass=128)
+    assert torch.equal(whole[0].view(torch.uint8), passes[0].view(torch.uint8))
+    assert torch.equal(whole[1], passes[1])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_blocks(w, rows_per_pass=100)
 
 
 def test_assign_shards_invariants() -> None:

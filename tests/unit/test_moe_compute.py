@@ -80,17 +80,17 @@ def test_decode_sized_batch_reads_nothing_on_the_host():
 def _fp8_experts(w13, w2, inter_range=None):
     """Quantize stacked experts as an FP8 checkpoint stores them (each projection on its own
     128-block grid) → (Fp8Experts, the dequantized w13 and w2 the model would use)."""
+    from dsaserve.kernels.fp8_weights import quantize_blocks
     from dsaserve.model.fp8 import BlockRange, Fp8Experts
-    from dsaserve.model.make_model import quantize_fp8_blocks
 
     inter = w2.shape[2]
     q13, s13, q2, s2 = [], [], [], []
     for e in range(w13.shape[0]):
-        (gq, gs), (uq, us) = (quantize_fp8_blocks(w13[e, :inter].float()),
-                              quantize_fp8_blocks(w13[e, inter:].float()))
+        (gq, gs), (uq, us) = (quantize_blocks(w13[e, :inter].float()),
+                              quantize_blocks(w13[e, inter:].float()))
         q13.append(torch.cat((gq, uq)))
         s13.append(torch.cat((gs, us)))
-        dq, ds = quantize_fp8_blocks(w2[e].float())
+        dq, ds = quantize_blocks(w2[e].float())
         q2.append(dq)
         s2.append(ds)
     experts = Fp8Experts(torch.stack(q13), torch.stack(q2), torch.stack(s13), torch.stack(s2),

@@ -205,6 +205,8 @@ def test_synthetic_rates_from_a_length_and_to_conditional() -> None:
      "only with"),
     ('{"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "fly"}',
      "'standard' or 'synthetic'"),
+    ('{"method": "mtp", "num_speculative_tokens": 2, "draft_lm_head": "int4"}',
+     r"draft_lm_head must be one of \['auto', 'fp8', 'model'\]"),
 ])
 def test_bad_speculative_config_names_the_flag(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match="--speculative-config") as e:

@@ -101,6 +101,35 @@ def test_drafts_are_accepted_on_a_draftable_checkpoint(engine_config, draftable,
     assert s.spec_decode_num_accepted_tokens == sum(per_pos) < s.spec_decode_num_draft_tokens
 
 
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+def test_fp8_draft_head_keeps_output_and_acceptance(engine_config, draftable, reference,
+                                                    mixed_prompts, preset):
+    """Drafts through the FP8 copy of lm_head (`draft_lm_head`): greedy output equals the
+    non-speculative run's (the target's logits keep lm_head), and the drafts are accepted as
+    often as through lm_head itself, within a few drafts (a draft can differ only where the
+    MTP's top two logits lie within the FP8 error)."""
+    runs = {}
+    for head in ("model", "fp8"):
+        spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3, '
+                                    f'"draft_lm_head": "{head}"}}')
+        engine = LLMEngine.from_config(dataclasses.replace(
+            engine_config(draftable[preset], max_num_batched_tokens=512, num_blocks=64),
+            speculative=spec))
+        model = engine.runner.model
+        assert (model.draft_head is not None) == (head == "fp8")
+        if head == "fp8":
+            assert model.draft_head.weight.dtype == torch.float8_e4m3fn
+            assert model.draft_head.weight.shape == model.lm_head.weight.shape
+        assert _run(engine, mixed_prompts()) == reference("draftable", preset)
+        runs[head] = engine.stats()
+    model, fp8 = runs["model"], runs["fp8"]
+    print(f"{preset}: accepted {model.spec_decode_num_accepted_tokens} of "
+          f"{model.spec_decode_num_draft_tokens} drafts through lm_head, "
+          f"{fp8.spec_decode_num_accepted_tokens} of {fp8.spec_decode_num_draft_tokens} "
+          "through its FP8 copy")
+    assert fp8.spec_decode_mean_acceptance_length > 0.95 * model.spec_decode_mean_acceptance_length
+
+
 def _cache_rows(runner: ModelRunner, layer: int, block_ids: list[int], n: int) -> torch.Tensor:
     """Layer `layer`'s latent KV rows [n, L+R] of positions 0..n−1 (and the index keys)."""
     slots, _ = layout.context_slots(n, block_ids, runner.block_size)
