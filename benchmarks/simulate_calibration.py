@@ -23,7 +23,7 @@ run on another GPU with the H200's figures compares that GPU with an H200, not t
 the engine.
 The simulated deployment is given the settings the real runner runs with (`deployment_spec`):
 its KV dtype, its weights (`--weights fp8`: the runner keeps the FP8 matrices on CUDA and
-multiplies them with bf16 activations, `weights=fp8-weight-only`; a bf16 checkpoint, or FP8
+multiplies them with bf16 activations, `weights=fp8-dsaserve`; a bf16 checkpoint, or FP8
 dequantized at load as on the CPU, `weights=bf16`), whether its decode steps replay CUDA graphs,
 its MTP drafts.
 
@@ -248,8 +248,9 @@ def deployment_spec(runner: ModelRunner, overlap: float = DEFAULT_OVERLAP) -> st
     `hisparse_words`, at the assumed `overlap`)."""
     cfg = runner.config
     # The model as built: FP8 layers only where the runner keeps the checkpoint's FP8 (CUDA);
-    # either way the activations, and so the products, are bf16 (or fp32)
-    weights = "fp8-weight-only" if keeps_fp8(runner.model.cfg) else "bf16"
+    # either way the activations are bf16 (or fp32); kept FP8 products take the engine's
+    # kernels by their rows (weight-only, W8A8, or dequantized), which fp8-dsaserve prices
+    weights = "fp8-dsaserve" if keeps_fp8(runner.model.cfg) else "bf16"
     words = ["tp1", "kv=" + ("fp8_ds_mla" if cfg.cache.kv_cache_dtype == "fp8_ds_mla" else
                              "bf16"), f"weights={weights}"]
     graphs = runner.decode_graphs

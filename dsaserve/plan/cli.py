@@ -76,7 +76,9 @@ LINES: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
         ("matrices_at_context", "matrices, prompt of --context",
          "L x 2 x the parameters one token passes (projections, MLPs, shared and top-k routed "
          "experts; no lm_head) / pcp; and its time at the --weights matmul peak (FP8 for fp8; "
-         "BF16 for fp8-weight-only and bf16, whose activations are bf16)"),
+         "BF16 for fp8-weight-only and bf16, whose activations are bf16; for fp8-dsaserve "
+         "each product at the peak of the kernel the engine runs it with, in one step of the "
+         "whole prompt)"),
         ("crossover", "crossover prompt length",
          "shortest prompt whose indexer FLOPs reach its sparse-MLA FLOPs (exact sums)"),
         ("crossover_asymptotic", "crossover, asymptotic",
@@ -188,8 +190,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
     sections["memory"] = _memory_lines(model, par, gpu, kv, weights, budget, context)
     sections["sparse_mla"] = _sparse_mla_lines(model, kv_dtype, tp, gpu)
     prefill = cm.prefill_flops(model, par)
-    matmul_tflops = cm.weight_format(args.weights).matmul_tflops(gpu.bf16_tflops,
-                                                                 gpu.fp8_tflops)
+    matmul_tflops = cm.prefill_matrices_tflops(model, par, args.weights, context,
+                                               gpu.bf16_tflops, gpu.fp8_tflops)
     sections["prefill"] = _prefill_lines(model, par, gpu, prefill, context, matmul_tflops)
     sections["dcp"] = _dcp_lines(cm.dcp_gather_cost(kv, context, dcp, gpu.link_gbps))
     host_pool = int(args.host_pool_gib * GIB)
@@ -296,7 +298,8 @@ def _prefill_lines(
     model: ModelConfig, par: ParallelConfig, gpu: GPUSpec, f: cm.PrefillFlops, context: int,
     matmul_tflops: float,
 ) -> list[Line]:
-    """`matmul_tflops`: the weight matrices' rate (the --weights mode's)."""
+    """`matmul_tflops`: the weight matrices' rate (the --weights mode's, for a prompt of
+    `context` tokens: costmodel.prefill_matrices_tflops)."""
     pcp, tp = par.prefill_context_parallel_size, par.tensor_parallel_size
     n_idx = len(model.full_indexer_layers)
     pair, row = cm.indexer_flops_per_pair(model), cm.mla_flops_per_row_head(model)
@@ -438,8 +441,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "%(default)s; bf16 is the engine's 'auto' for bf16 checkpoints)")
     m.add_argument("--weights", choices=cm.WEIGHT_DTYPES, default="fp8",
                    help="weight format: fp8 (128x128 block scales, activations in FP8 too, as "
-                        "vLLM and SGLang), fp8-weight-only (the same bytes, matrices at the BF16 "
-                        "rate: dsaserve's engine on CUDA) or bf16 (default: %(default)s)")
+                        "vLLM and SGLang), fp8-dsaserve (the same bytes, each product at the rate "
+                        "of the kernel dsaserve's engine on CUDA picks by its rows), "
+                        "fp8-weight-only (the same bytes, matrices at the BF16 rate) or bf16 "
+                        "(default: %(default)s)")
     m.add_argument("--gpu-memory-utilization", type=_fraction, default=0.9, metavar="F",
                    help="fraction of HBM the engine may use (default: %(default)s)")
     m.add_argument("--activation-reserve-gib", type=_non_negative_float,

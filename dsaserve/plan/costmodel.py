@@ -27,7 +27,7 @@ Conventions (docs/plan.md derives each DESIGN.md §2 number from them):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -43,7 +43,9 @@ from dsaserve.kv.hisparse.admission import (
 from dsaserve.model.precision import FP32_PARAMS
 
 KVDType = Literal["fp8_ds_mla", "bf16"]
-WeightDType = Literal["fp8", "fp8-weight-only", "bf16"]
+WeightDType = Literal["fp8", "fp8-dsaserve", "fp8-weight-only", "bf16"]
+# The kernel an FP8 product of bf16 activations takes (fp8_dense_path, fp8_experts_path).
+Fp8Path = Literal["weight-only", "w8a8", "dequantized"]
 KV_DTYPES: tuple[KVDType, ...] = ("fp8_ds_mla", "bf16")
 
 FP8_TILE = 128  # fp8_ds_mla quantizes the latent in tiles of 128 values, one fp32 scale each
@@ -173,36 +175,46 @@ def request_kv_bytes_per_gpu(kv: KVBytesPerToken, context: int, dcp: int) -> int
 class WeightFormat:
     """How an engine holds its weight matrices and the tensor-core rate it multiplies them at.
 
-        mode              held as                         matmul   served so by
-        fp8               e4m3 + fp32 128×128 scales       FP8      vLLM, SGLang (W8A8)
-        fp8-weight-only   e4m3 + fp32 128×128 scales       bf16     dsaserve on CUDA (model/fp8.py)
-        bf16              bf16                             bf16     FP8 checkpoints dequantized
-                                                                    at load; bf16 checkpoints
+        mode              held as                         matmul          served so by
+        fp8               e4m3 + fp32 128×128 scales       FP8             vLLM, SGLang (W8A8)
+        fp8-dsaserve      e4m3 + fp32 128×128 scales       by rows         dsaserve on CUDA
+        fp8-weight-only   e4m3 + fp32 128×128 scales       bf16            weight-only kernels
+        bf16              bf16                             bf16            FP8 checkpoints
+                                                                           dequantized at load;
+                                                                           bf16 checkpoints
 
     Weight-only FP8 reads one byte per weight but keeps activations in bf16, so its products run
     at the bf16 rate: like fp8 where weight reads bound a step (small-batch decode), like bf16
-    where FLOPs do (prefill). dsaserve's engine runs its MTP verify sizes (65–256 rows; 17–64
-    per expert) W8A8 since, at ~480 TFLOP/s on an H100 (docs/fp8_weights.md), between the two
-    ceilings; the mode still prices them at the bf16 rate (a recalibration with FP8 weights,
-    benchmarks/simulate_calibration.py, is owed)."""
+    where FLOPs do (prefill). dsaserve's engine picks the kernel of each product by its rows
+    (fp8_dense_path for a projection's step rows, fp8_experts_path for the experts' mean rows
+    per expert): weight-only in decode, W8A8 for MTP verification of large batches and for the
+    prefill projections cuBLAS takes, bf16 MMAs for the other prefill projections and the
+    prefill experts; `fp8-dsaserve` prices each product at its kernel's rate, and matrices held
+    unquantized (kv_b_proj, lm_head, eh_proj, the fp32 router) at bf16's."""
 
     fp8_held: bool  # quantized matrices: 1 B per value + one fp32 scale per block (else 2 B)
-    fp8_matmul: bool  # activations quantized too: the FP8 tensor-core rate (else bf16)
+    # "fp8": activations quantized too, every product at the FP8 rate; "bf16": every product at
+    # the bf16 rate; "by-rows": an FP8 product at its kernel's rate (Fp8Path), the rest at bf16
+    matmul: Literal["fp8", "bf16", "by-rows"]
 
     @property
     def param_bytes(self) -> int:
         """Bytes of one quantizable matrix value, in HBM and in a step's weight reads."""
         return 1 if self.fp8_held else BF16
 
-    def matmul_tflops(self, bf16: float, fp8: float) -> float:
-        """The matrices' rate, from a GPU's dense bf16 and FP8 ceilings."""
-        return fp8 if self.fp8_matmul else bf16
+    def matmul_tflops(self, bf16: float, fp8: float, path: Fp8Path | None = None) -> float:
+        """The rate of a product on kernel `path` (None: a matrix held unquantized), from a
+        GPU's dense bf16 and FP8 ceilings; the fixed modes ignore the path."""
+        if self.matmul == "by-rows":
+            return fp8 if path == "w8a8" else bf16
+        return fp8 if self.matmul == "fp8" else bf16
 
 
 WEIGHT_FORMATS: dict[WeightDType, WeightFormat] = {
-    "fp8": WeightFormat(fp8_held=True, fp8_matmul=True),
-    "fp8-weight-only": WeightFormat(fp8_held=True, fp8_matmul=False),
-    "bf16": WeightFormat(fp8_held=False, fp8_matmul=False),
+    "fp8": WeightFormat(fp8_held=True, matmul="fp8"),
+    "fp8-dsaserve": WeightFormat(fp8_held=True, matmul="by-rows"),
+    "fp8-weight-only": WeightFormat(fp8_held=True, matmul="bf16"),
+    "bf16": WeightFormat(fp8_held=False, matmul="bf16"),
 }
 WEIGHT_DTYPES: tuple[WeightDType, ...] = tuple(WEIGHT_FORMATS)
 
@@ -520,6 +532,170 @@ def matrix_flops_per_token(model: ModelConfig, par: ParallelConfig) -> int:
     params = (model.num_hidden_layers * w.attn + len(model.full_indexer_layers) * w.indexer
               + num_dense * w.dense_mlp + num_moe * (w.moe_shared + routed))
     return 2 * params
+
+
+# ---- FP8 products as dsaserve's engine runs them -------------------------------------------------
+# The engine's kernel choice for FP8 matrices and bf16 activations, restated here so that the plan
+# imports no kernel module (tests/unit/test_plan.py holds each equal to the engine's constant).
+FP8_WEIGHT_BLOCK = 128  # kernels/fp8_weights.FP8_BLOCK: the weights' scale block
+FP8_WEIGHT_ONLY_MAX_ROWS = 64  # kernels/triton/fp8_linear.WEIGHT_ONLY_MAX_M
+FP8_W8A8_MAX_ROWS = 256  # kernels/triton/fp8_linear.W8A8_MAX_M
+FP8_W8A8_NARROW_TILE = (64, 64)  # kernels/triton/fp8_w8a8.TILES[-1]: fills_device counts it
+FP8_CUBLAS_K_MULTIPLE = 512  # fp8_w8a8.CUBLAS_ROWS × FP8_BLOCK: cuBLAS's block-scaled K
+FP8_EXPERTS_W8A8_MIN_MEAN_ROWS = 16  # model/moe_compute.W8A8_GROUPED_MIN_MEAN_ROWS (exclusive)
+FP8_EXPERTS_W8A8_MAX_MEAN_ROWS = 64  # model/moe_compute.TRITON_GROUPED_MAX_MEAN_ROWS
+# SMs of an H100 or H200 SXM, the GPUs the engine's thresholds were measured on: whether a
+# 65–256-row product fills the device depends on it.
+DEVICE_SMS = 132
+
+
+def fp8_dense_path(rows: float, n: int, k: int, aligned: bool,
+                   num_sms: int = DEVICE_SMS) -> Fp8Path:
+    """The kernel dsaserve's engine multiplies [rows, k] bf16 activations by an [n, k] FP8
+    matrix with (kernels/triton/fp8_linear.takes_w8a8); `aligned`: the matrix's shard starts on
+    a scale block in both dimensions (a TP cut inside a block leaves an offset).
+
+        rows    1 ... 64      65 ... 256                 257 ...
+                weight-only   W8A8 (Triton or cuBLAS)    W8A8 (cuBLAS) where n % 128 = 0,
+                              where the narrowest tiles  k % 512 = 0 and aligned; else the
+                              give half the SMs a        weight dequantized to bf16 + cuBLAS
+                              program; else dequantized
+
+    Rows split over PCP ranks may be fractional here: a GPU multiplies whole rows."""
+    m = math.ceil(rows)
+    if m <= FP8_WEIGHT_ONLY_MAX_ROWS:
+        return "weight-only"
+    if m <= FP8_W8A8_MAX_ROWS:
+        tile_m, tile_n = FP8_W8A8_NARROW_TILE
+        programs = -(-m // tile_m) * -(-n // tile_n)
+        return "w8a8" if 2 * programs >= num_sms else "dequantized"
+    cublas = aligned and n % FP8_WEIGHT_BLOCK == 0 and k % FP8_CUBLAS_K_MULTIPLE == 0
+    return "w8a8" if cublas else "dequantized"
+
+
+def fp8_experts_path(mean_rows: float) -> Fp8Path:
+    """The kernel dsaserve's engine runs FP8 routed experts with, by the mean (token, expert)
+    pairs per held expert (model/moe_compute.w8a8_experts): W8A8 grouped from just above 16 up
+    to 64 (MTP verification of large batches), else the FP8 grouped kernel, which dequantizes
+    each tile and multiplies on bf16 tensor cores (decode; prefill at larger tiles)."""
+    if FP8_EXPERTS_W8A8_MIN_MEAN_ROWS < mean_rows <= FP8_EXPERTS_W8A8_MAX_MEAN_ROWS:
+        return "w8a8"
+    return "weight-only"
+
+
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """One product of FP8-held matrices one GPU runs per layer, [rows, k] · [n, k]ᵀ: projections
+    that read one input are one product (model/fused.py), so `n` is the group's and `values`
+    are its matrices' by the part (a MatrixParams field) each belongs to."""
+
+    n: int
+    k: int
+    aligned: bool  # every rank's shard starts on a scale block (cuBLAS needs it)
+    values: tuple[tuple[Part, int], ...]
+
+    def path(self, rows: float, num_sms: int = DEVICE_SMS) -> Fp8Path:
+        return fp8_dense_path(rows, self.n, self.k, self.aligned, num_sms)
+
+
+def _shard(size: int, ways: int) -> tuple[int, bool]:
+    """One rank's extent of a dimension split `ways` ways, and whether every rank's range starts
+    on a scale block."""
+    per = size // ways
+    return per, ways == 1 or per % FP8_WEIGHT_BLOCK == 0
+
+
+def _fused(members: Sequence[tuple[Part, int, bool]], k: int, k_aligned: bool
+           ) -> list[Fp8Gemm]:
+    """Projections (part, rows n, starts on a block) of one input of width k, as model/fused.py
+    merges them: one product when none starts inside a scale block and at most one ends inside
+    one (it goes last), else each apart."""
+    partial = sum(n % FP8_WEIGHT_BLOCK != 0 for _, n, _ in members)
+    if len(members) > 1 and all(start for _, _, start in members) and partial <= 1:
+        return [Fp8Gemm(sum(n for _, n, _ in members), k, k_aligned,
+                        tuple((part, n * k) for part, n, _ in members))]
+    return [Fp8Gemm(n, k, start and k_aligned, ((part, n * k),)) for part, n, start in members]
+
+
+def _glu_mlp(part: Part, inter: int, hidden: int, tp: int) -> list[Fp8Gemm]:
+    """An MLP split over TP: [gate | up] by rows, then down by columns."""
+    i, i_aligned = _shard(inter, tp)
+    return (_fused([(part, i, i_aligned), (part, i, i_aligned)], hidden, True)
+            + [Fp8Gemm(hidden, i, i_aligned, ((part, hidden * i),))])
+
+
+def fp8_gemms(model: ModelConfig, par: ParallelConfig, indexer: bool) -> tuple[Fp8Gemm, ...]:
+    """The FP8 products of a layer on one GPU as the engine runs them (model/dsa.py's
+    fuse_projections), `indexer`: the layer runs its own indexer:
+
+        x_proj    [q_a | wk | kv_a] · x            replicated (wk on indexer layers only)
+        qr_proj   [q_b / tp | wq_b] · q latent     (wq_b on indexer layers only)
+        o_proj    · (heads / tp) × v_head_dim
+        gate_up   [gate | up] / tp · x             the dense MLP's and the shared experts'
+        down      · intermediate / tp              (a layer runs one of the two)
+
+    Their values are matrix_params's FP8-held ones (tests/unit/test_plan.py); routed experts
+    are priced by fp8_experts_path."""
+    m, h, tp = model, model.hidden_size, par.tensor_parallel_size
+    q_b, q_b_aligned = _shard(m.num_attention_heads * m.qk_head_dim, tp)
+    o_k, o_aligned = _shard(m.num_attention_heads * m.v_head_dim, tp)
+    wk = [("indexer", m.index_head_dim, True)] if indexer else []
+    wq_b = [("indexer", m.index_n_heads * m.index_head_dim, True)] if indexer else []
+    return tuple(
+        _fused([("attn", m.q_lora_rank, True), *wk, ("attn", m.kv_cache_width, True)], h, True)
+        + _fused([("attn", q_b, q_b_aligned), *wq_b], m.q_lora_rank, True)
+        + [Fp8Gemm(h, o_k, o_aligned, (("attn", h * o_k),))]
+        + _glu_mlp("dense_mlp", m.intermediate_size, h, tp)
+        + _glu_mlp("moe_shared", m.moe_intermediate_size * m.n_shared_experts, h, tp))
+
+
+def matmul_seconds(gemms: Sequence[Fp8Gemm], w: MatrixParams, part: Part, rows: float,
+                   rate: Callable[[Fp8Path | None], float]) -> float:
+    """Seconds `rows` rows take through `part`'s matrices on one GPU at the tensor-core rate
+    alone: each FP8 product at `rate` of the kernel its rows take, the matrices held
+    unquantized at rate(None). `rate` in FLOP/s (a WeightFormat's matmul_tflops)."""
+    fp8 = 0
+    seconds = 0.0
+    for g in gemms:
+        values = sum(v for p, v in g.values if p == part)
+        if values:
+            fp8 += values
+            seconds += values / rate(g.path(rows))
+    return 2 * rows * (seconds + (getattr(w, part) - fp8) / rate(None))
+
+
+def prefill_matrices_tflops(model: ModelConfig, par: ParallelConfig, weight_dtype: WeightDType,
+                            tokens: int, bf16: float, fp8: float) -> float:
+    """The rate matrix_flops_per_token's matrices run at in a prefill step of `tokens` prompt
+    tokens, from a GPU's dense bf16 and FP8 ceilings: their FLOPs over the time each product
+    takes at its kernel's rate (one rate in the fixed weight modes). Each GPU multiplies its
+    tokens / pcp rows; the routed experts see tokens · k / E rows each (EP gathers every rank's
+    tokens; without it a GPU's own)."""
+    fmt = weight_format(weight_dtype)
+    if fmt.matmul != "by-rows":
+        return fmt.matmul_tflops(bf16, fp8)
+
+    def rate(path: Fp8Path | None) -> float:
+        return fmt.matmul_tflops(bf16, fp8, path)
+
+    w = matrix_params(model, par)
+    rows = tokens / par.prefill_context_parallel_size
+    with_idx, without = (fp8_gemms(model, par, True), fp8_gemms(model, par, False))
+    num_moe = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
+    num_idx = len(model.full_indexer_layers)
+    seconds = (num_idx * matmul_seconds(with_idx, w, "attn", rows, rate)
+               + (model.num_hidden_layers - num_idx) * matmul_seconds(without, w, "attn", rows,
+                                                                       rate)
+               + num_idx * matmul_seconds(with_idx, w, "indexer", rows, rate)
+               + (model.num_hidden_layers - num_moe) * matmul_seconds(with_idx, w, "dense_mlp",
+                                                                       rows, rate)
+               + num_moe * matmul_seconds(with_idx, w, "moe_shared", rows, rate))
+    k, e = model.num_experts_per_tok, model.n_routed_experts
+    expert_tokens = tokens if par.enable_expert_parallel else rows
+    routed = rows * k * 3 * model.hidden_size * model.moe_intermediate_size / (
+        par.tensor_parallel_size)
+    seconds += num_moe * 2 * routed / rate(fp8_experts_path(expert_tokens * k / e))
+    return matrix_flops_per_token(model, par) * rows / seconds
 
 
 # ---- prefill FLOPs: indexer against sparse MLA ---------------------------------------------------

@@ -17,8 +17,9 @@ prefill engine and a decode engine (P/D).
 
 Layout terms join with `x`: dp, tp, pcp, dcp take a count; `ep` may carry one, which must equal
 the GPUs its experts span (dp × pcp × tp). Options are `key=value`: router (prefix | load |
-round-robin), kv (fp8_ds_mla | bf16), weights (fp8 | fp8-weight-only | bf16: W8A8, FP8 weights
-with bf16 activations as dsaserve's engine runs on CUDA, or bf16), block-size, max-num-seqs,
+round-robin), kv (fp8_ds_mla | bf16), weights (fp8 | fp8-dsaserve | fp8-weight-only | bf16:
+W8A8; FP8 weights with bf16 activations as dsaserve's engine runs them on CUDA, each product's
+kernel by its rows; FP8 weights at the bf16 rate; or bf16), block-size, max-num-seqs,
 max-num-batched-tokens, gpu-memory-utilization, offload=SIZE (GiB of host KV tier per replica, as
 --kv-offloading-size), and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
 synthetic rates for a mean acceptance length L), max-model-len, and hisparse with host=SIZE
@@ -50,8 +51,9 @@ class Deployment:
     parallel: ParallelConfig  # data_parallel_size = replicas
     kv_dtype: cm.KVDType = "fp8_ds_mla"
     # the weight matrices in HBM and in the GEMMs (costmodel.WEIGHT_FORMATS): fp8 (block-scaled
-    # weights and activations, as vLLM and SGLang serve the checkpoints), fp8-weight-only (FP8
-    # weights at the bf16 rate: dsaserve's engine on CUDA) or bf16 (dequantized at load)
+    # weights and activations, as vLLM and SGLang serve the checkpoints), fp8-dsaserve
+    # (dsaserve's engine on CUDA: each product at the rate of the kernel its rows take),
+    # fp8-weight-only (FP8 weights at the bf16 rate) or bf16 (dequantized at load)
     weight_dtype: cm.WeightDType = "fp8"
     router: str = "prefix"
     block_size: int = 64

@@ -6,13 +6,17 @@ lock-step) layer by layer:
 
     gemm      dense projections, dense MLPs, shared experts, router, lm_head, MTP eh_proj:
               max(FLOPs at the matmul rate of the weight mode (costmodel.WeightFormat: FP8 for
-              W8A8, the default; bf16 for weight-only FP8, dsaserve's engine on CUDA, and for
-              bf16 weights), bytes at the HBM rate) — decode reads every matrix once a step, at
+              W8A8, the default; bf16 for weight-only FP8 and bf16 weights; for fp8-dsaserve,
+              the engine on CUDA, each FP8 product at the rate of the kernel the step's rows
+              take, costmodel.fp8_dense_path), bytes at the HBM rate) — decode reads every
+              matrix once a step, at
               the bytes the engine holds it in (costmodel.matrix_bytes, weight_bytes' tensors:
               FP8 matrices 1 B a value plus their block scales; kv_b_proj, router,
               weights_proj, eh_proj and lm_head as stored; everything 2 B in bf16)
     moe       routed experts: the same max(), over the experts this GPU holds that the step's
-              tokens touch (EP: the whole engine's tokens are dispatched to it)
+              tokens touch (EP: the whole engine's tokens are dispatched to it); fp8-dsaserve
+              multiplies at the rate of the kernel their mean rows per expert take
+              (costmodel.fp8_experts_path)
     indexer   prefill rows: causal (query, key) pairs at the measured prefill rate; decode rows:
               the FP8 keys read at the measured decode rate (DCP: this rank's 1/N of them)
     mla       decode rows: the measured 64-head decode curve, scaled by the keys and heads of this
@@ -137,8 +141,9 @@ class StepTimeModel:
         self.num_indexer = len(model.full_indexer_layers)
         self.w = cm.matrix_params(model, par)  # values: FLOPs
         self.w_bytes = cm.matrix_bytes(model, par, weight_dtype)  # held bytes: reads
-        self._matmul = cm.weight_format(weight_dtype).matmul_tflops(
-            parts.matmul_bf16_tflops.value, parts.matmul_fp8_tflops.value) * 1e12
+        self.weights = cm.weight_format(weight_dtype)
+        # the FP8 products of a layer with its own indexer (True) and of one without
+        self._fp8_gemms = {idx: cm.fp8_gemms(model, par, idx) for idx in (True, False)}
         # Measured decode cost of one query row at 64 heads over top-k keys, and the roofline's
         # bound for it, so that other head counts scale by their own bound (memory or compute).
         self._mla_row_roof64 = self._mla_row_roofline(64)
@@ -153,6 +158,11 @@ class StepTimeModel:
         cost = cm.sparse_mla_cost(self.model, self.kv.kv_dtype, heads)
         return max(cost.bytes / (self.parts.hbm_tbps.value * 1e12),
                    cost.flops / (self.parts.matmul_bf16_tflops.value * 1e12))
+
+    def _matmul(self, path: cm.Fp8Path | None) -> float:
+        """FLOP/s of a product on kernel `path` (None: a matrix held unquantized)."""
+        return self.weights.matmul_tflops(self.parts.matmul_bf16_tflops.value,
+                                          self.parts.matmul_fp8_tflops.value, path) * 1e12
 
     # ---- pricing --------------------------------------------------------------------------------
     def step(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None = None,
@@ -224,10 +234,12 @@ class StepTimeModel:
         rows = hot * (1 - hs.overlap) * (self.kv.num_layers + self.kv.num_mtp_layers)
         return rows * self.kv.mla_row / (self.parts.host_gbps.value * 1e9)
 
-    def _gemm(self, part: str, n_rows: float) -> float:
+    def _gemm(self, part: cm.Part, n_rows: float, indexer_layer: bool = True) -> float:
         """The matrices of `part` (a MatrixParams field) times `n_rows` rows: compute or
-        weight reads."""
-        return max(2 * n_rows * getattr(self.w, part) / self._matmul,
+        weight reads. `indexer_layer`: the layer runs its own indexer, whose projections are
+        fused with attention's (costmodel.fp8_gemms)."""
+        gemms = self._fp8_gemms[indexer_layer]
+        return max(cm.matmul_seconds(gemms, self.w, part, n_rows, self._matmul),
                    getattr(self.w_bytes, part) / (self.parts.hbm_tbps.value * 1e12))
 
     def _forward(self, batch: Sequence[tuple[int, int]], engine_tokens: int | None,
@@ -243,7 +255,8 @@ class StepTimeModel:
 
         # 1. dense matrices
         w = self.w
-        g = layers.all * gemm("attn", rows) + layers.indexer * gemm("indexer", rows)
+        g = (layers.indexer * (gemm("attn", rows) + gemm("indexer", rows))
+             + (layers.all - layers.indexer) * gemm("attn", rows, indexer_layer=False))
         g += layers.dense * gemm("dense_mlp", rows) + layers.moe * gemm("moe_shared", rows)
 
         # 2. routed experts: the tokens dispatched here, the distinct experts they touch
@@ -255,7 +268,9 @@ class StepTimeModel:
         else:
             assignments = rows * k
             touched = e * (1 - (1 - 1 / e) ** (rows * k))
-        moe = layers.moe * max(2 * assignments * w.expert / self._matmul,
+        # the kernel follows the mean pairs per held expert (EP: assignments over 1/ep of them)
+        rate = self._matmul(cm.fp8_experts_path(assignments / w.experts_here))
+        moe = layers.moe * max(2 * assignments * w.expert / rate,
                                touched * self.w_bytes.expert / hbm)
 
         # 3. indexer (replicated over TP: every TP rank scores every key)

@@ -366,6 +366,113 @@ def test_hisparse_concurrency(glm: ModelConfig) -> None:
 
 # ---- the CLI ----------------------------------------------------------------------------------
 PCP8 = ["--model", "glm-5.3", "--gpu", "h200", "--pcp", "8", "--dcp", "8", "--ep"]
+
+# ---- FP8 products as dsaserve's engine runs them ------------------------------------------------
+def test_fp8_thresholds_are_the_engines():
+    """The plan restates the engine's kernel thresholds (it imports no kernel module): each
+    must equal the engine's own constant."""
+    pytest.importorskip("triton")
+    from dsaserve.kernels.fp8_weights import FP8_BLOCK
+    from dsaserve.kernels.triton import fp8_linear, fp8_w8a8
+    from dsaserve.model import moe_compute
+
+    assert cm.FP8_WEIGHT_BLOCK == FP8_BLOCK
+    assert cm.FP8_WEIGHT_ONLY_MAX_ROWS == fp8_linear.WEIGHT_ONLY_MAX_M
+    assert cm.FP8_W8A8_MAX_ROWS == fp8_linear.W8A8_MAX_M
+    narrow = fp8_w8a8.TILES[-1]
+    assert cm.FP8_W8A8_NARROW_TILE == (narrow.block_m, narrow.block_n)
+    assert cm.FP8_CUBLAS_K_MULTIPLE == fp8_w8a8.CUBLAS_ROWS * FP8_BLOCK
+    assert cm.FP8_EXPERTS_W8A8_MIN_MEAN_ROWS == moe_compute.W8A8_GROUPED_MIN_MEAN_ROWS
+    assert cm.FP8_EXPERTS_W8A8_MAX_MEAN_ROWS == moe_compute.TRITON_GROUPED_MAX_MEAN_ROWS
+
+
+def test_fp8_dense_path_follows_the_engines_rule():
+    """fp8_dense_path against the engine's own predicates over rows and GLM-5.3's and
+    DeepSeek-V3.2's product shapes: weight-only up to 64 rows; to 256 W8A8 where
+    fp8_w8a8.fills_device, else dequantized; above, W8A8 where cublas_takes, else dequantized."""
+    pytest.importorskip("triton")
+    import torch
+
+    from dsaserve.kernels.triton import fp8_w8a8
+
+    cuda = torch.device("cuda")  # cublas_takes reads the device type only
+    shapes = [(2752, 6144), (2624, 7168), (6144, 2048), (2048, 2048), (512, 6144),
+              (6144, 256), (3072, 6144), (6144, 1536), (576, 6144), (4096, 1536)]
+    for n, k in shapes:
+        for aligned in (True, False):
+            for rows in (*range(1, 300), 1024, 4096, 16384):
+                path = cm.fp8_dense_path(rows, n, k, aligned)
+                if rows <= 64:
+                    assert path == "weight-only"
+                    continue
+                if rows <= 256:
+                    w8a8 = fp8_w8a8.fills_device(rows, n, cm.DEVICE_SMS)
+                else:
+                    w8a8 = fp8_w8a8.cublas_takes(n, k, 0 if aligned else 64, 0, cuda)
+                assert path == ("w8a8" if w8a8 else "dequantized"), (rows, n, k, aligned)
+    # the edges, by hand: q_b alone at TP8 (2,048 wide) gives 2·2·32 = 128 < 132 programs at
+    # 128 rows and 2·3·32 = 192 at 129; a 4K prefill's kv_a-bearing x_proj ends inside a block
+    assert cm.fp8_dense_path(128, 2048, 2048, True) == "dequantized"
+    assert cm.fp8_dense_path(129, 2048, 2048, True) == "w8a8"
+    assert cm.fp8_dense_path(4096, 2752, 6144, True) == "dequantized"
+    assert cm.fp8_dense_path(4096, 6144, 2048, True) == "w8a8"
+    assert cm.fp8_dense_path(64.5, 6144, 2048, True) == "w8a8"  # a PCP share: 65 whole rows
+
+
+def test_fp8_experts_path_follows_the_engines_rule():
+    """W8A8 for a mean of more than 16 and at most 64 pairs per held expert, as
+    moe_compute.w8a8_experts decides from host sizes; the FP8 grouped kernel (bf16 MMAs)
+    elsewhere."""
+    pytest.importorskip("triton")
+    import torch
+
+    from dsaserve.model import moe_compute
+
+    for experts in (1, 32, 256):
+        for pairs in range(0, 80 * experts, max(1, experts // 4)):
+            w8a8 = moe_compute.w8a8_experts(pairs, experts, torch.bfloat16)
+            assert (cm.fp8_experts_path(pairs / experts) == "w8a8") == w8a8, (pairs, experts)
+    assert [cm.fp8_experts_path(r) for r in (1, 16, 16.5, 64, 65)] == [
+        "weight-only", "weight-only", "w8a8", "w8a8", "weight-only"]
+
+
+@pytest.mark.parametrize("model_name", ["glm-5.3", "deepseek-v3.2"])
+@pytest.mark.parametrize("tp", [1, 8])
+def test_fp8_gemms_cover_the_fp8_matrices_once(model_name: str, tp: int):
+    """The fused products of a layer hold, part by part, exactly the FP8-held matrices that
+    matrix_params counts (an indexer layer's wk and wq_b among them), and GLM-5.3's fuse as
+    model/fused.py merges them."""
+    model = ModelConfig.from_hf(preset_config(model_name))
+    par = _layout(tp=tp)
+    fp8_only = cm._matrices_per_gpu(model, par, lambda t: t.values if t.held == "fp8" else 0)
+    for indexer in (True, False):
+        gemms = cm.fp8_gemms(model, par, indexer)
+        for part in ("attn", "indexer", "dense_mlp", "moe_shared", "lm_head", "mtp_proj"):
+            total = sum(v for g in gemms for p, v in g.values if p == part)
+            want = 0 if part == "indexer" and not indexer else getattr(fp8_only, part)
+            assert total == want, (part, indexer)
+        for g in gemms:
+            assert sum(v for _, v in g.values) == g.n * g.k
+    if model_name == "glm-5.3" and tp == 8:
+        shapes = [(g.n, g.k, g.aligned) for g in cm.fp8_gemms(model, par, True)]
+        assert shapes == [(2048 + 128 + 576, 6144, True), (2048 + 4096, 2048, True),
+                          (6144, 2048, True), (2 * 1536, 6144, True), (6144, 1536, True),
+                          (2 * 256, 6144, True), (6144, 256, True)]
+        plain = [(g.n, g.k) for g in cm.fp8_gemms(model, par, False)][:2]
+        assert plain == [(2048 + 576, 6144), (2048, 2048)]
+
+
+def test_weight_modes_rates():
+    """fp8 multiplies at the FP8 peak and fp8-weight-only and bf16 at the bf16 peak whatever
+    the kernel; fp8-dsaserve at the FP8 peak on W8A8 alone, matrices held unquantized at bf16."""
+    rates = {w: [cm.weight_format(w).matmul_tflops(1.0, 2.0, path)
+                 for path in ("weight-only", "w8a8", "dequantized", None)]
+             for w in cm.WEIGHT_DTYPES}
+    assert rates == {"fp8": [2.0] * 4, "fp8-dsaserve": [1.0, 2.0, 1.0, 1.0],
+                     "fp8-weight-only": [1.0] * 4, "bf16": [1.0] * 4}
+    assert cm.weight_bytes(ModelConfig.from_hf(preset_config("glm-5.3")), "fp8-dsaserve") == (
+        cm.weight_bytes(ModelConfig.from_hf(preset_config("glm-5.3")), "fp8"))
+
 TP8 = ["--model", "glm-5.3", "--gpu", "h200", "--tp", "8", "--ep"]
 
 
@@ -447,7 +554,7 @@ def test_cli_pd_decode_pages(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cli_weight_modes(capsys: pytest.CaptureFixture[str]) -> None:
     """--weights fp8-weight-only: fp8's memory, the prompt's matrices at the BF16 peak (bf16's
-    time); fp8 at the FP8 peak."""
+    time); fp8 at the FP8 peak; fp8-dsaserve between them."""
     p = {w: _json([*TP8, "--weights", w], capsys) for w in cm.WEIGHT_DTYPES}
     assert p["fp8-weight-only"]["inputs"]["weights"] == "fp8-weight-only"
     assert p["fp8-weight-only"]["memory"] == p["fp8"]["memory"]
@@ -457,6 +564,10 @@ def test_cli_weight_modes(capsys: pytest.CaptureFixture[str]) -> None:
     for w in ("fp8-weight-only", "bf16"):
         assert matrices[w] == pytest.approx({"flops": matrices["fp8"]["flops"],
                                              "seconds": matrices["fp8"]["flops"] / 989e12})
+    # fp8-dsaserve: the prompt's projections cuBLAS takes at the FP8 peak, the rest at BF16's
+    assert matrices["fp8-dsaserve"]["flops"] == matrices["fp8"]["flops"]
+    assert (matrices["fp8"]["seconds"] < matrices["fp8-dsaserve"]["seconds"]
+            < matrices["bf16"]["seconds"])
 
 
 def test_cli_weights_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,7 +22,7 @@ from dsaserve.model.make_model import make_model
 from dsaserve.plan import costmodel as cm
 from dsaserve.plan.cli import load_model
 from dsaserve.plan.deployment import parse_deployment
-from dsaserve.plan.parts import H200, Curve
+from dsaserve.plan.parts import H200, Curve, Measured
 from dsaserve.plan.simtrace import load_traces
 from dsaserve.plan.simulate import Simulator, replica_kv_capacity
 from dsaserve.plan.steptime import StepTimeModel
@@ -89,7 +89,7 @@ def test_weights_in_bf16_price_the_matrices_at_the_bf16_rate():
 
 
 def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
-    """weights=fp8-weight-only (the engine on CUDA: FP8 matrices, bf16 activations): the memory
+    """weights=fp8-weight-only (FP8 matrices, bf16 activations, weight-only kernels): the memory
     of fp8; a decode step, bound by weight reads, priced as fp8's plus at most its FLOPs at the
     bf16 rate (exactly fp8's for one row); a prefill chunk, bound by FLOPs, as bf16's."""
     _, model = load_model("glm-5.3")
@@ -114,6 +114,56 @@ def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
     # (the lm_head of the one sampled row is a weight read: one byte a value, not bf16's two)
     assert w8.step(prefill).gemm == pytest.approx(b16.step(prefill).gemm, rel=1e-3)
     assert w8.step(prefill).gemm > 1.5 * f8.step(prefill).gemm
+
+
+
+def test_dsaserve_fp8_prices_each_product_at_its_kernels_rate():
+    """weights=fp8-dsaserve (the engine on CUDA): fp8's memory and weight reads; a decode step
+    of up to 64 rows as weight-only FP8; MTP3 verification of b = 64 (256 rows) between fp8 and
+    weight-only; a 4K prefill's projections each at its kernel's rate (GLM-5.3 at TP8: x_proj
+    ends inside a block and the shared experts' down is 256 wide, so both are dequantized and
+    run at bf16; the rest cuBLAS W8A8) and its experts (128 rows each) at bf16, where a 1K
+    prefill's (32 rows each) are W8A8."""
+    _, m = load_model("glm-5.3")
+    par = parse_deployment("tp8 weights=fp8-dsaserve").parallel
+    assert parse_deployment("tp8 weights=fp8-dsaserve").weight_dtype == "fp8-dsaserve"
+    f8, ds, w8 = (StepTimeModel(m, par, H200, weight_dtype=w)
+                  for w in ("fp8", "fp8-dsaserve", "fp8-weight-only"))
+    for rows in (1, 16, 64):
+        decode = [(1, 8192)] * rows
+        assert ds.step(decode) == w8.step(decode)
+    verify = StepTimeModel(m, par, H200, num_drafts=3, weight_dtype="fp8-dsaserve")
+    f8_verify, w8_verify = (StepTimeModel(m, par, H200, num_drafts=3, weight_dtype=w)
+                            for w in ("fp8", "fp8-weight-only"))
+    batch, drafting = [(4, 8192)] * 64, [8192] * 64
+    times = [t.step(batch, drafting=drafting).gemm for t in (f8_verify, verify, w8_verify)]
+    assert times[0] < times[1] < times[2]
+
+    bf16, fp8 = H200.matmul_bf16_tflops.value * 1e12, H200.matmul_fp8_tflops.value * 1e12
+    h, tp, heads, rows = m.hidden_size, 8, m.num_attention_heads, 4096
+    q_a, kv_a, wk = m.q_lora_rank * h, m.kv_cache_width * h, m.index_head_dim * h
+    q_b = heads * m.qk_head_dim * m.q_lora_rank // tp
+    kv_b = heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank // tp
+    o = h * heads * m.v_head_dim // tp
+    wq_b, weights_proj = m.index_n_heads * m.index_head_dim * m.q_lora_rank, m.index_n_heads * h
+    dense, shared = m.intermediate_size * h // tp, m.moe_intermediate_size * h // tp
+    router = m.n_routed_experts * h
+    per_row = (78 * ((q_a + kv_a + kv_b) / bf16 + (q_b + o) / fp8)
+               + 21 * (wk / bf16 + wq_b / fp8 + weights_proj / bf16)
+               + 3 * 3 * dense / fp8 + 75 * (2 * shared / fp8 + (shared + router) / bf16))
+    lm_head = cm.matrix_bytes(m, par, "fp8-dsaserve").lm_head / (H200.hbm_tbps.value * 1e12)
+    prefill = [(rows, rows)]
+    assert ds.step(prefill).gemm == pytest.approx(2 * rows * per_row + lm_head, rel=1e-9)
+    assert f8.step(prefill).gemm < ds.step(prefill).gemm < w8.step(prefill).gemm
+    assert ds.step(prefill).moe == w8.step(prefill).moe
+    # experts of up to 64 rows are bound by their weight reads on an H200: with HBM 100× as
+    # fast, the FLOPs show the kernel (1K prompt: 32 rows per expert, W8A8; 4K: 128, bf16)
+    fast = dataclasses.replace(H200, hbm_tbps=Measured(480.0, "TB/s", "test"))
+    f8, ds, w8 = (StepTimeModel(m, par, fast, weight_dtype=w)
+                  for w in ("fp8", "fp8-dsaserve", "fp8-weight-only"))
+    short = [(1024, 1024)]
+    assert ds.step(short).moe == f8.step(short).moe < w8.step(short).moe
+    assert f8.step(prefill).moe < ds.step(prefill).moe == w8.step(prefill).moe
 
 
 def test_a_decode_row_reads_each_matrix_at_the_bytes_the_engine_holds():
@@ -417,7 +467,7 @@ def test_calibration_probe_sizes(load_benchmark):
 def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engine_config,
                                                   capsys):
     """--weights picks the checkpoint's matrices (bf16 unless asked); a runner that keeps an FP8
-    checkpoint in FP8 (the engine on CUDA) is simulated as weights=fp8-weight-only."""
+    checkpoint in FP8 (the engine on CUDA) is simulated as weights=fp8-dsaserve."""
     bench = load_benchmark("simulate_calibration")
     assert bench.parse_args([]).weights == "bf16"
     assert bench.parse_args(["--weights", "fp8", "--mtp", "3"]).weights == "fp8"
@@ -426,8 +476,8 @@ def test_calibration_script_arguments_and_weights(tmp_path, load_benchmark, engi
     assert "--weights" in capsys.readouterr().err
     config = engine_config(make_model("tiny-glm5", tmp_path / "fp8", fp8=True), num_blocks=8)
     kept = ModelRunner(dataclasses.replace(config, keep_fp8_weights=True))
-    assert bench.deployment_spec(kept) == "tp1 kv=bf16 weights=fp8-weight-only enforce-eager"
-    assert parse_deployment(bench.deployment_spec(kept)).weight_dtype == "fp8-weight-only"
+    assert bench.deployment_spec(kept) == "tp1 kv=bf16 weights=fp8-dsaserve enforce-eager"
+    assert parse_deployment(bench.deployment_spec(kept)).weight_dtype == "fp8-dsaserve"
     dequantized = ModelRunner(dataclasses.replace(config, keep_fp8_weights=False))
     assert bench.deployment_spec(dequantized) == "tp1 kv=bf16 weights=bf16 enforce-eager"
 
