@@ -197,7 +197,7 @@ class StepTimeModel:
         """The step's GPU kernels: the target forward and its lm_head, then with MTP the MTP
         layer over every row of the step (its step 0, which fills its cache: prefill chunks
         included) and, for each drafting request, k − 1 more one-row MTP forwards and k lm_heads
-        (spec/mtp.py)."""
+        (spec/mtp.py; `_draft_lm_head`)."""
         m = self.model
         sampled = len(batch) if num_sampled is None else num_sampled
         main = _Layers(m.num_hidden_layers, self.num_moe, self.num_dense, self.num_indexer)
@@ -218,9 +218,22 @@ class StepTimeModel:
                     gemm=self._gemm("mtp_proj", d))
                 for _ in range(self.num_drafts - 1):
                     t = t + one
-                t = t + StepTime(gemm=self.num_drafts * self._gemm("lm_head", d))
+                t = t + StepTime(gemm=self.num_drafts * self._draft_lm_head(d))
                 forwards += self.num_drafts - 1
         return t + StepTime(small=forwards * self.parts.layer_kernels_us.value * 1e-6)
+
+    def _draft_lm_head(self, rows: float) -> float:
+        """One draft's argmax over `rows` rows: lm_head as held, or in fp8-dsaserve its FP8
+        copy (SpecConfig.draft_lm_head, the engine's default with FP8 weights kept): one byte a
+        value and an fp32 scale per 128 × 128 block, at the rate of the kernel its rows take."""
+        if self.weights.matmul != "by-rows":
+            return self._gemm("lm_head", rows)
+        values = self.w.lm_head
+        held = values + cm.FP32 * values / cm.FP8_WEIGHT_BLOCK ** 2
+        path = cm.fp8_dense_path(rows, values // self.model.hidden_size, self.model.hidden_size,
+                                 aligned=True)
+        return max(2 * rows * values / self._matmul(path),
+                   held / (self.parts.hbm_tbps.value * 1e12))
 
     def _hot_misses(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of host-link reads for the step's hot-buffer misses: per hot decode request
