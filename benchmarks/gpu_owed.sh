@@ -134,6 +134,10 @@
 #                                          #   vocabulary: the FP8 GPU tests, then MTP3 at 16
 #                                          #   layers, b = 1 and 64, drafts through the FP8
 #                                          #   copy and through lm_head
+#   bash benchmarks/gpu_owed.sh 55         # part 55: the grouped GEMM's K split at decode:
+#                                          #   its GPU tests, the splits swept at 2, 8 and 128
+#                                          #   pairs, FP8 16 layers b = 1 and 64 after and
+#                                          #   before (out/old: the tree at a2ef128, carried)
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -614,6 +618,23 @@ elif [ "$part" = 54 ]; then
             benchmarks/decode.py --layers 16 --weights fp8 --vocab-size 154880 \
             --draft-lm-head "$head" --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
             --out "$out/decode16_vocab_$head.md"
+    done
+elif [ "$part" = 55 ]; then
+    # the routed experts' grouped GEMM with its K range split for decode-sized groups
+    # (fp8_linear.choose_grouped_split; part 50: 1.03 ms of the b = 1 step for 1.13 GB of
+    # experts, ~27 % of the copy rate): its GPU tests (b = 1 split, graphs), the splits swept,
+    # then FP8 at 16 layers after and before (out/old: the tree at a2ef128, `mkdir -p out/old
+    # && git archive a2ef128 | tar -x -C out/old`, carried), one machine
+    TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_linear_gpu.py -k "grouped"
+    TAIL_LINES=40 run 150 moe_split_sweep python benchmarks/moe_grouped.py --pairs 2,8,128 \
+        --sweep split --out "$out/moe_split_sweep.md"
+    for tree in after before; do
+        dir=$([ "$tree" = before ] && echo out/old || echo .)
+        [ "$(left)" -gt 90 ] && TAIL_LINES=10 run "$(left)" "decode16_fp8_$tree" \
+            env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/decode.py" \
+            --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 \
+            --fastest-only --out "$out/decode16_fp8_$tree.md"
     done
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)

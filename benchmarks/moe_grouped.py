@@ -4,6 +4,7 @@ Triton kernel (kernels/triton/fp8_linear.grouped_linear) on bf16 and FP8 experts
     python benchmarks/moe_grouped.py --out docs/moe_grouped_h200.md
     python benchmarks/moe_grouped.py --pairs 2,8 --sweep fp8 # every candidate FP8 tile
     python benchmarks/moe_grouped.py --pairs 512 --sweep w8a8 # the W8A8 tiles at MTP3's b = 64
+    python benchmarks/moe_grouped.py --pairs 2,8,128 --sweep split  # K splits of the default tile
     python benchmarks/moe_grouped.py --smoke                 # CPU: tiny shapes, interpreter
 
 The experts of `presets.glm53_shaped` (GLM-5.3's hidden 6144 and moe_intermediate 2048; 8
@@ -36,6 +37,7 @@ each call once with the host clock, and prints the same table: it keeps the scri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -185,9 +187,18 @@ def sweep_w8a8_configs() -> list:
             for warps, stages in ((4, 3), (4, 4), (4, 5), (8, 3), (8, 4))]
 
 
-def _label(cfg) -> str:
+def sweep_splits(cfg) -> list:
+    """The default tile with its K range split 1 to 12 ways (--sweep split;
+    fp8_linear.choose_grouped_split picks one for decode-sized groups)."""
+    return [dataclasses.replace(cfg, split_k=k) for k in (1, 2, 3, 4, 5, 6, 8, 12)]
+
+
+def _label(cfg, split: int | None = None) -> str:
+    """A tile's label; `split`: its K splits when the config leaves them to the kernel."""
     block_k = getattr(cfg, "block_k", 128)  # W8A8: one scale group
-    return f"{cfg.block_m}×{cfg.block_n}×{block_k} w{cfg.num_warps} s{cfg.num_stages}"
+    split = getattr(cfg, "split_k", None) or split
+    return (f"{cfg.block_m}×{cfg.block_n}×{block_k} w{cfg.num_warps} s{cfg.num_stages}"
+            + (f" k{split}" if split and split > 1 else ""))
 
 
 def _timed(calls: list[Callable[[], object]], cuda: bool, what: str) -> float:
@@ -253,10 +264,12 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
             kinds["w8a8"] = (w8a8_call, w8a8_ref(), fp8_bytes[key], 1)
         line = f"  P={pairs:<4} {proj:<8} torch {ref:8.1f} us"
         for kind, (call, want, nbytes, weight_bytes) in kinds.items():
+            out_n, depth = i if is_act else n, h if key == "w13" else i
             cfg = (fl.fp8_w8a8.GROUPED_TILES if kind == "w8a8" else fl.choose_grouped_config(
-                pairs, i if is_act else n, h if key == "w13" else i, s.experts,
-                weight_bytes=weight_bytes))
-            what = f"P={pairs} {proj} triton {kind} {_label(cfg)}"
+                pairs, out_n, depth, s.experts, weight_bytes=weight_bytes))
+            split = None if kind == "w8a8" else fl.choose_grouped_split(
+                pairs, out_n, depth, s.experts, cfg, fl.fp8_w8a8.device_sms(x.device))
+            what = f"P={pairs} {proj} triton {kind} {_label(cfg, split)}"
             us = math.nan
             try:
                 ok = _check(call(e0)(), want, live, what, is_act)
@@ -265,12 +278,18 @@ def bench_pairs(s: Shape, copies: list[Experts], pairs: int, g: torch.Generator,
                 ok = f" ({type(err).__name__})"
             else:
                 us = _timed([call(c) for c in copies], cuda, what)
-            rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg)}{ok}", us, nbytes, ref))
+            rows.append(Row(pairs, proj, f"triton {kind} {_label(cfg, split)}{ok}", us, nbytes,
+                            ref))
             line += f"  triton {kind} {us:8.1f} us"
-            if kind not in sweep:
+            candidates = []
+            if kind in sweep:
+                candidates += (sweep_w8a8_configs() if kind == "w8a8"
+                               else sweep_configs(cfg.block_m))
+            if kind != "w8a8" and "split" in sweep:
+                candidates += sweep_splits(cfg)
+            if not candidates:
                 continue
-            best = (us, _label(cfg))
-            candidates = sweep_w8a8_configs() if kind == "w8a8" else sweep_configs(cfg.block_m)
+            best = (us, _label(cfg, split))
             # a smoke run (CPU) tries two, to keep the sweep's code path alive
             for c in candidates[:None if cuda else 2]:
                 try:
@@ -322,9 +341,10 @@ def report(rows: list[Row], copy_tbps: float, where: str, s: Shape) -> str:
 
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k for k in text.split(",") if k)
-    if not kinds or set(kinds) - {"bf16", "fp8", "w8a8"}:
-        raise argparse.ArgumentTypeError(f"kernels to sweep: bf16, fp8, w8a8 "
-                                         f"(comma-separated), got {text!r}")
+    if not kinds or set(kinds) - {"bf16", "fp8", "w8a8", "split"}:
+        raise argparse.ArgumentTypeError(f"kernels to sweep: bf16, fp8, w8a8, split (the K "
+                                         f"splits of the bf16 and FP8 default tiles; "
+                                         f"comma-separated), got {text!r}")
     return kinds
 
 
@@ -338,7 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "2.4 GB of bf16 experts, ~50× an H200's L2)")
     p.add_argument("--sweep", type=_kinds, default=(), metavar="KINDS",
                    help="also time every candidate tile of these kernels, comma-separated "
-                        "(bf16, fp8; the best one gets a row)")
+                        "(bf16, fp8, w8a8; split: the default tiles' K splits; the best one "
+                        "gets a row)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes on the CPU under Triton's interpreter, no real timing "
                         "(with --sweep: two tiles)")

@@ -434,10 +434,13 @@ def grouped_builds() -> list[Build]:
     GLM-5.3's shapes over 8 experts, with the tiles choose_grouped_config gives: bf16 experts
     and FP8 experts at decode (2, 128 and 512 pairs: 0.25, 16 and 64 rows per expert, b = 1,
     b = 64 and its MTP3 verify), FP8 experts at prefill; the first projection with silu(gate)
-    · up fused where it is used (moe_compute.triton_grouped)."""
+    · up fused where it is used (moe_compute.triton_grouped); the K range split as
+    choose_grouped_split splits it on 132 SMs."""
     sig = _sig({"x_ptr": "*bf16", "w_ptr": "*bf16", "s_ptr": "*fp32", "ends_ptr": "*i32",
-                "out_ptr": "*bf16"}, ["P", "N", "K", "stride_x", "num_nb", "num_kb", "E"],
-               ["E_P2", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SCALE", "GLU", "DOT_PRECISION"])
+                "out_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"},
+               ["P", "N", "K", "stride_x", "num_nb", "num_kb", "E", "k_tiles_per_split"],
+               ["E_P2", "BLOCK_M", "BLOCK_N", "BLOCK_K", "HAS_SCALE", "GLU", "DOT_PRECISION",
+                "SPLIT_K"])
     assert list(sig) == fp8_linear._grouped_kernel.arg_names
     h, inter, e = 6144, 2048, 8
     builds = []
@@ -447,12 +450,15 @@ def grouped_builds() -> list[Build]:
                             (True, 512, False), (True, 16384, False)):
         n = inter if glu else 2 * inter
         cfg = fp8_linear.choose_grouped_config(pairs, n, h, e, 1 if fp8 else 2)
+        split = fp8_linear.choose_grouped_split(pairs, n, h, e, cfg, 132)
         consts = {"E_P2": e, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "HAS_SCALE": fp8, "GLU": glu, "DOT_PRECISION": "tf32"}
+                  "BLOCK_K": cfg.block_k, "HAS_SCALE": fp8, "GLU": glu, "DOT_PRECISION": "tf32",
+                  "SPLIT_K": split}
         builds.append(Build(
             f"MoE grouped GEMM, {'FP8' if fp8 else 'bf16'} experts, {pairs} pairs"
             + (", silu(gate) · up fused" if glu else "")
-            + f", {cfg.block_m}×{cfg.block_n}×{cfg.block_k} tiles",
+            + f", {cfg.block_m}×{cfg.block_n}×{cfg.block_k} tiles"
+            + (f", K split {split}" if split > 1 else ""),
             fp8_linear._grouped_kernel, sig | {"w_ptr": "*fp8e4nv" if fp8 else "*bf16"},
             consts, cfg.num_warps, cfg.num_stages, divisible=("N", "K")))
     return builds

@@ -215,10 +215,35 @@ def _w8a8_moe_reference(x: torch.Tensor, experts, ids: torch.Tensor, weights: to
     return moe_compute.combine(y, pos, weights, ends, False, None)
 
 
-def test_fp8_grouped_replays_in_a_cuda_graph(g):
+@pytest.mark.parametrize("glu", [False, True], ids=["w13", "w13+act"])
+def test_fp8_grouped_split_k_at_b1(g, glu):
+    """b = 1 of the benchmark model's experts (8, top 2): two tiles' rows, so the K range is
+    split (fp8_linear.choose_grouped_split); the reference's result, and a second call (the
+    tile counters reset by the first) gives the same bits."""
+    e = 8
+    h, inter = _C["hidden_size"], _C["moe_intermediate_size"]
+    wq, scale = _weight(2 * inter, h, g, batch=(e,))
+    ids = torch.tensor([[1, 5]], device=DEV)
+    token_of, _, ends = sorted_pairs(ids, torch.rand(1, 2, generator=g, device=DEV), first=0,
+                                     count=e)
+    xs = torch.randn(1, h, generator=g, device=DEV).bfloat16()[token_of]
+    n = inter if glu else 2 * inter
+    cfg = fl.choose_grouped_config(2, n, h, e)
+    assert fl.choose_grouped_split(2, n, h, e, cfg, fl.fp8_w8a8.device_sms(xs.device)) > 1
+    got = fl.fp8_grouped(xs, wq, scale, ends, glu=glu)
+    want = fw.grouped_reference(xs, wq, scale, ends)
+    if glu:
+        gate, up = want.chunk(2, dim=-1)
+        want = F.silu(gate) * up
+    _assert_close(got, want)
+    assert torch.equal(got, fl.fp8_grouped(xs, wq, scale, ends, glu=glu))
+
+
+@pytest.mark.parametrize("e,tokens,k_top", [(32, 64, 8), (8, 1, 2)], ids=["decode", "b1"])
+def test_fp8_grouped_replays_in_a_cuda_graph(g, e, tokens, k_top):
     """Captured once with one routing, replayed with others written into the same inputs:
-    the grid does not depend on the routing and `ends` is never read on the host."""
-    e, tokens, k_top = 32, 64, 8
+    the grid does not depend on the routing and `ends` is never read on the host (b1: the K
+    range split, the split-K counters reset by every replay)."""
     h, inter = _C["hidden_size"], _C["moe_intermediate_size"]
     wq, scale = _weight(2 * inter, h, g, batch=(e,))
     x = torch.randn(tokens, h, generator=g, device=DEV).bfloat16()

@@ -267,6 +267,54 @@ def test_grouped_linear_tiles_and_fp8_glu(fl):
     _assert_close(fl.fp8_grouped(xs, wq, scale, ends, glu=True), F.silu(gate) * up)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-form", "fp8"])
+@pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
+def test_grouped_split_k_matches_reference_and_repeats(fl, fp8, glu):
+    """The K range split over three programs per tile (seven k tiles of 32: 3 + 3 + 1), each
+    tile's last split summing the partials: the reference's result, over empty experts, a
+    group over two row tiles and rows past the last group; a second call (the tile counters
+    reset by the first) gives the same bits."""
+    counts, tail = [3, 0, 20, 1, 0], 5
+    e, n, k = len(counts), 40, 200
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    p = sum(counts) + tail
+    xs = torch.randn(p, k, generator=_gen(p)) / k**0.5  # gates of order 1: no exp overflow
+    cfg = fl.Fp8LinearConfig(16, 16, 32, split_k=3)
+    if fp8:
+        wq, scale = _experts(e, 2 * n if glu else n, k)
+        got = fl.fp8_grouped(xs, wq, scale, ends, config=cfg, glu=glu)
+        again = fl.fp8_grouped(xs, wq, scale, ends, config=cfg, glu=glu)
+        want = fw.grouped_reference(xs, wq, scale, ends)
+        if glu:
+            gate, up = want.chunk(2, dim=-1)
+            want = F.silu(gate) * up
+    else:
+        w = torch.randn(e, 2 * n if glu else n, k, generator=_gen(1)) / k**0.5
+        got = fl.grouped_linear(xs, w, ends, glu=glu, config=cfg)
+        again = fl.grouped_linear(xs, w, ends, glu=glu, config=cfg)
+        want = _dense_grouped_reference(xs, w, ends, glu)
+    _assert_close(got, want)
+    assert torch.equal(got, again)
+    assert (got[sum(counts):] == 0).all()
+    assert not fl._tile_counters(xs.device, 1).any()  # every tile's counter back at zero
+
+
+def test_grouped_split_choice(fl):
+    """Decode-sized groups split K for about GROUPED_PROGRAMS_PER_SM streaming programs per
+    SM: GLM-5.3's experts at b = 1 (2 pairs over 8 experts, 132 SMs): w13 + silu's 2 × 64 n
+    tiles → 5 splits of its 48 k tiles, w2's 2 × 192 → 2; at b = 64 (16 per expert) 3; none
+    above 16 pairs per expert, and never under MIN_K_TILES_PER_SPLIT k tiles a split."""
+    w13 = fl.choose_grouped_config(2, 2048, 6144, 8)
+    assert fl.choose_grouped_split(2, 2048, 6144, 8, w13, 132) == 5
+    w2 = fl.choose_grouped_config(2, 6144, 2048, 8)
+    assert fl.choose_grouped_split(2, 6144, 2048, 8, w2, 132) == 2
+    b64 = fl.choose_grouped_config(128, 2048, 6144, 8)
+    assert fl.choose_grouped_split(128, 2048, 6144, 8, b64, 132) == 3  # b = 64: 8 × 32 tiles
+    verify = fl.choose_grouped_config(512, 2048, 6144, 8)
+    assert fl.choose_grouped_split(512, 2048, 6144, 8, verify, 132) == 1
+    assert fl.choose_grouped_split(2, 2048, 256, 8, w13, 132) == 1  # 2 k tiles
+
+
 def test_grouped_config_choice(fl):
     """Experts at decode (≤ 8 rows per expert): narrow n tiles and deeper pipelining (FP8 one
     stage deeper); larger groups keep their tiles."""

@@ -31,6 +31,18 @@ def test_smoke_run_prints_the_table(fl, load_benchmark, capsys, tmp_path):
     assert table in capsys.readouterr().out
 
 
+def test_smoke_split_sweep(fl, load_benchmark, tmp_path):
+    """--sweep split: the default bf16 and FP8 tiles with their K range split, each checked."""
+    bench = load_benchmark("moe_grouped")
+    out = tmp_path / "table.md"
+    assert bench.main(["--smoke", "--sweep", "split", "--pairs", "2", "--out", str(out)]) == 0
+    table = out.read_text()
+    for proj in ("w13", "w13+act", "w2"):
+        for kind in ("bf16", "fp8"):
+            assert f"| 2 | {proj} | triton {kind} sweep best" in table
+    assert "w8a8 sweep best" not in table and "CHECK FAILED" not in table
+
+
 def test_help_and_errors(load_benchmark, capsys):
     bench = load_benchmark("moe_grouped")
     with pytest.raises(SystemExit) as e:

@@ -397,6 +397,30 @@ def choose_grouped_config(p: int, n: int, k: int, e: int, weight_bytes: int = 1
     return Fp8LinearConfig(block_m, 64)
 
 
+# Decode-sized groups (at most this many pairs per expert on average: W8A8 takes more,
+# moe_compute.W8A8_GROUPED_MIN_MEAN_ROWS) only stream weights, and few tiles have rows: at
+# b = 1 and GLM-5.3's w13, 2 experts × 64 n tiles for 132 SMs, one program each, which ran at
+# ~27 % of the copy rate on an H200 (part 50: 1.03 ms of a 4.36 ms step for 1.13 GB of
+# experts). Their K range is split for about GROUPED_PROGRAMS_PER_SM streaming programs per SM.
+GROUPED_SPLIT_MAX_MEAN_ROWS = 16
+GROUPED_PROGRAMS_PER_SM = 4
+
+
+def choose_grouped_split(p: int, n: int, k: int, e: int, cfg: Fp8LinearConfig,
+                         num_sms: int) -> int:
+    """Splits of the K range of a grouped GEMM of p pairs over e experts (host sizes only: a
+    CUDA graph of a batch size always launches the same grid). The tiles with rows are at most
+    min(p, e) experts' n tiles (a decode group fits one row tile); split so that they give
+    every SM about GROUPED_PROGRAMS_PER_SM programs, each at least MIN_K_TILES_PER_SPLIT k
+    tiles long; 1 above GROUPED_SPLIT_MAX_MEAN_ROWS pairs per expert."""
+    if p > GROUPED_SPLIT_MAX_MEAN_ROWS * max(1, e):
+        return 1
+    streaming = min(p, e) * triton.cdiv(n, cfg.block_n)
+    by_sms = triton.cdiv(GROUPED_PROGRAMS_PER_SM * num_sms, streaming)
+    by_k = triton.cdiv(k, cfg.block_k) // MIN_K_TILES_PER_SPLIT
+    return max(1, min(by_sms, by_k))
+
+
 @triton.jit
 def _weight_tile(w_ptr, s_ptr, cols, col_live, k0, K, num_kb, dtype: tl.constexpr,
                  BLOCK_K: tl.constexpr, HAS_SCALE: tl.constexpr):
@@ -412,6 +436,17 @@ def _weight_tile(w_ptr, s_ptr, cols, col_live, k0, K, num_kb, dtype: tl.constexp
     return w
 
 
+@triton.jit
+def _grouped_store(acc, acc_up, out, live, dtype: tl.constexpr, GLU: tl.constexpr):
+    """A tile's product (fp32 sums) into out: with GLU silu(gate) · up, each product rounded
+    to x's dtype first, as moe_compute's unfused path rounds them."""
+    if GLU:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu
+        acc = act * acc_up.to(dtype).to(tl.float32)
+    tl.store(out, acc.to(out.dtype.element_ty), mask=live)
+
+
 # The row count changes from step to step: not specialized on.
 @triton.jit(do_not_specialize=["P"])
 def _grouped_kernel(
@@ -420,22 +455,29 @@ def _grouped_kernel(
     s_ptr,  # [E, Nb, Kb] fp32, contiguous (HAS_SCALE; else unused)
     ends_ptr,  # [E] int32: rows of expert e are ends[e − 1] .. ends[e] (ends[−1] = 0)
     out_ptr,  # [P, N] in x's dtype
-    P, N, K, stride_x, num_nb, num_kb, E,
+    part_ptr,  # [SPLIT_K, 1 + GLU, P, N] fp32 partials when SPLIT_K > 1 (else unused)
+    count_ptr,  # [row tiles · n tiles] int32, zero between calls: the splits of a tile done
+    P, N, K, stride_x, num_nb, num_kb, E, k_tiles_per_split,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr, GLU: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program (row tile t, n tile): out[rows, cols] = x[rows] · W_e[cols]ᵀ, or with GLU
-    silu(x · W_e[cols]ᵀ) · (x · W_e[N + cols]ᵀ) (W_e's gate rows then its up rows), each
-    product rounded to x's dtype first, as moe_compute's unfused path rounds them."""
+    """Program (row tile t, n tile, K split): out[rows, cols] = x[rows] · W_e[cols]ᵀ, or with
+    GLU silu(x · W_e[cols]ᵀ) · (x · W_e[N + cols]ᵀ) (W_e's gate rows then its up rows). With
+    the K range split (decode: few tiles have rows, so more programs stream the weights), each
+    split stores its fp32 sums and the tile's last split to finish adds them in split order
+    (the same sum every run), as _fp8_linear_kernel does."""
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     dtype = x_ptr.dtype.element_ty
     e, first_row, end_row = tile_rows(ends_ptr, t, P, E, E_P2, BLOCK_M)
     rows = first_row + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_live = rows < end_row
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns
     col_live = cols < N
-    out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    at = rows.to(tl.int64)[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N] in [P, N]
+    out = out_ptr + at
     live = row_live[:, None] & col_live[None, :]
     if e < E:
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
@@ -445,9 +487,11 @@ def _grouped_kernel(
         w_e = w_ptr + e.to(tl.int64) * w_rows * K
         s_e = s_ptr + e * num_nb * num_kb
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        if GLU:
-            acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU only
+        first = split * k_tiles_per_split
+        last = tl.minimum(first + k_tiles_per_split, tl.cdiv(K, BLOCK_K))
+        for kt in range(first, last):
+            k0 = kt * BLOCK_K
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + ks[None, :], mask=row_live[:, None] & (ks < K)[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_K]
@@ -458,12 +502,33 @@ def _grouped_kernel(
                 w_up = _weight_tile(w_e, s_e, cols + N, col_live, k0, K, num_kb, dtype,
                                     BLOCK_K, HAS_SCALE)  # [BLOCK_N, BLOCK_K]
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-        if GLU:
-            gate = acc.to(dtype).to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu
-            acc = act * acc_up.to(dtype).to(tl.float32)
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=live)
-    else:  # rows past the last group (pairs of experts held elsewhere): zeros
+        if SPLIT_K == 1:
+            _grouped_store(acc, acc_up, out, live, dtype, GLU)
+        else:
+            # the barrier and the counter's acq_rel order every thread's partial before the
+            # count, and the count before the last split's loads (from L2: other SMs wrote)
+            part = part_ptr + at
+            per_split = P * N
+            if GLU:
+                per_split = 2 * P * N
+            tl.store(part + split * per_split, acc, mask=live)
+            if GLU:
+                tl.store(part + split * per_split + P * N, acc_up, mask=live)
+            tl.debug_barrier()
+            tile = count_ptr + t * tl.num_programs(1) + pid_n
+            done = tl.atomic_add(tile, 1, sem="acq_rel")
+            if done == SPLIT_K - 1:
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    acc += tl.load(part + s * per_split, mask=live, other=0.0,
+                                   cache_modifier=".cg")
+                    if GLU:
+                        acc_up += tl.load(part + s * per_split + P * N, mask=live, other=0.0,
+                                          cache_modifier=".cg")
+                _grouped_store(acc, acc_up, out, live, dtype, GLU)
+                tl.atomic_xchg(tile, 0)
+    elif split == 0:  # rows past the last group (pairs of experts held elsewhere): zeros
         tl.store(out, tl.zeros([BLOCK_M, BLOCK_N], out_ptr.dtype.element_ty), mask=live)
 
 
@@ -478,9 +543,10 @@ def grouped_linear(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     expert, up: rows [N, 2N); the first projection and its activation in one pass). Rows past
     ends[E − 1] are 0 (fp8_weights.grouped_reference).
 
-    `ends` is never read on the host: the grid depends on (P, N, E) only, so a CUDA graph
-    captured once replays with any routing. out: a contiguous [P, N] buffer to write (every
-    element is written), else a new one."""
+    `ends` is never read on the host: the grid (and the K split, choose_grouped_split)
+    depends on (P, N, K, E) only, so a CUDA graph captured once replays with any routing.
+    out: a contiguous [P, N] buffer to write (every element is written), else a new one; a
+    split K range also allocates its fp32 partials and uses the split-K tile counters."""
     what = "grouped_linear"
     if scale is not None:
         _check_weight(what, xs, w, scale)
@@ -503,14 +569,23 @@ def grouped_linear(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
     if p == 0 or n == 0:
         return out
     cfg = config or choose_grouped_config(p, n, k, e, 1 if scale is not None else 2)
-    grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    split = cfg.split_k or choose_grouped_split(p, n, k, e, cfg, fp8_w8a8.device_sms(xs.device))
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per_split)  # no empty split
+    grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
+    if split == 1:
+        part = counters = out  # (not read: SPLIT_K 1 compiles without them)
+    else:
+        part = torch.empty(split, 1 + glu, p, n, dtype=torch.float32, device=xs.device)
+        counters = _tile_counters(xs.device, grid[0] * grid[1])
     s = scale if scale is not None else w  # not read without HAS_SCALE
     num_nb, num_kb = scale.shape[1:] if scale is not None else (1, 1)
     _grouped_kernel[grid](
-        xs, w, s, ends, out, p, n, k, xs.stride(0), num_nb, num_kb, e,
-        E_P2=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        xs, w, s, ends, out, part, counters, p, n, k, xs.stride(0), num_nb, num_kb, e,
+        per_split, E_P2=triton.next_power_of_2(e), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, HAS_SCALE=scale is not None, GLU=glu,
-        DOT_PRECISION=_dot_precision(xs.dtype),
+        DOT_PRECISION=_dot_precision(xs.dtype), SPLIT_K=split,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
