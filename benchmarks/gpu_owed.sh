@@ -138,6 +138,8 @@
 #                                          #   its GPU tests, the splits swept at 2, 8 and 128
 #                                          #   pairs, FP8 16 layers b = 1 and 64 after and
 #                                          #   before (out/old: the tree at a2ef128, carried)
+#   bash benchmarks/gpu_owed.sh 56         # part 56: the weight-only FP8 kernel's tiles and
+#                                          #   K splits swept at one row (b = 1), o_proj and q_b
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -636,6 +638,12 @@ elif [ "$part" = 55 ]; then
             --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 \
             --fastest-only --out "$out/decode16_fp8_$tree.md"
     done
+elif [ "$part" = 56 ]; then
+    # the dense products' weight-only FP8 kernel at b = 1 (part 50: 1.53 ms for 3.34 GB, 2.2
+    # TB/s): every candidate tile and K split (fp8_linear.py's sweep, ~250 a shape, each
+    # compiled: the log keeps what finished) at one row, o_proj and q_b (most of the bytes)
+    TAIL_LINES=60 run "$(left)" fp8_linear_b1_sweep python benchmarks/fp8_linear.py --m 1 \
+        --only o_proj,q_b --sweep --no-grouped --out "$out/fp8_linear_b1_sweep.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill
