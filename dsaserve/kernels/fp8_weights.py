@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 FP8_BLOCK = 128  # rows and columns sharing one scale
+FP8_E4M3_MAX = 448.0  # the largest finite e4m3 value: a block's (or group's) maximum maps to it
 
 
 def num_blocks(size: int, off: int = 0) -> int:
@@ -155,7 +156,6 @@ def linear_reference(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_o
     return F.linear(x, dequantize(wq, scale, x.dtype, n_off, k_off))
 
 
-FP8_E4M3_MAX = 448.0
 # The smallest activation-group maximum a scale is made from: an all-zero group quantizes to
 # zeros with a finite scale (the scale, not the quotient, would otherwise be 0 / 0).
 ACT_AMAX_FLOOR = 1e-10
