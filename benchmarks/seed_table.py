@@ -3,11 +3,13 @@ its baselines, on synthetic AgentX-like sessions (dsaserve.bench.traces), with `
 simulate`'s engine (docs/simulate.md has the table and the comparison).
 
     python benchmarks/seed_table.py [--sessions 64] [--turns 6] [--concurrency 8,16,32,64]
-                                    [--async-scheduling]
+                                    [--async-scheduling] [--reference-weights fp8-dsaserve]
 
 --async-scheduling runs every engine of every deployment with the engine flag (a step's host
 work overlaps the previous step's kernels: `plan/steptime.py`), the reference and the baselines
-alike.
+alike. --reference-weights prices the reference's matrices in another weight mode (default
+fp8, W8A8 as vLLM and SGLang run the checkpoints, as the baselines are priced; fp8-dsaserve: as
+dsaserve's engine runs them on CUDA, each product on the kernel its rows take).
 
 Prints, per deployment and concurrency, the simulate table; then the seed's four comparisons:
 the interactivity ratio at equal throughput (the reference's P90 E2E tok/s/user over each
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dsaserve.bench import traces
 from dsaserve.config import ConfigError
 from dsaserve.plan.cli import load_model
+from dsaserve.plan.costmodel import WEIGHT_DTYPES
 from dsaserve.plan.deployment import PDDeployment, parse_deployment
 from dsaserve.plan.parts import H200
 from dsaserve.plan.simengine import engine_capacity
@@ -122,10 +125,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--concurrency", default="8,16,32,64")
     p.add_argument("--async-scheduling", action="store_true",
                    help="every engine with --async-scheduling (host work under the kernels)")
+    p.add_argument("--reference-weights", choices=WEIGHT_DTYPES, default="fp8",
+                   help="the reference's weight mode (default %(default)s, as the baselines; "
+                        "fp8-dsaserve: as dsaserve's engine runs the FP8 checkpoint)")
     args = p.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     _, model = load_model("glm-5.3")
-    specs = [REFERENCE, *BASELINES]
+    reference = REFERENCE
+    if args.reference_weights != "fp8":
+        reference = with_engine_flag(REFERENCE, f"weights={args.reference_weights}")
+    specs = [reference, *BASELINES]
     if args.async_scheduling:
         specs = [with_engine_flag(s, "async-scheduling") for s in specs]
     reference, baselines = specs[0], specs[1:]

@@ -194,6 +194,12 @@ def test_seed_table_script_smoke(monkeypatch, capsys):
     assert bench.main(["--sessions", "2", "--turns", "2", "--concurrency", "1",
                        "--async-scheduling"]) == 0
     assert "async-scheduling; decode=" in capsys.readouterr().out
+    # --reference-weights: the reference's engines in that mode, the baselines as they were
+    assert bench.main(["--sessions", "2", "--turns", "2", "--concurrency", "1",
+                       "--reference-weights", "fp8-dsaserve"]) == 0
+    out = capsys.readouterr().out
+    assert "offload=512GiB weights=fp8-dsaserve; decode=" in out
+    assert out.count("weights=fp8-dsaserve") == 2 * out.count("pcp8xdcp8xep8")  # P and D
 
 
 def test_seed_table_reads_the_baseline_at_its_best_segment(monkeypatch):
