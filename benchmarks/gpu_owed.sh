@@ -140,6 +140,9 @@
 #                                          #   before (out/old: the tree at a2ef128, carried)
 #   bash benchmarks/gpu_owed.sh 56         # part 56: the weight-only FP8 kernel's tiles and
 #                                          #   K splits swept at one row (b = 1), o_proj and q_b
+#   bash benchmarks/gpu_owed.sh 57         # part 57: the experts at prefill sizes (128 to
+#                                          #   2,048 rows per expert): the weight-only FP8
+#                                          #   kernel against W8A8 (its tiles swept)
 #   bash benchmarks/gpu_owed.sh 48         # part 48: cuBLAS block-scaled FP8 against our
 #                                          #   W8A8 GEMM (once: the piecewise prefill graphs)
 #   bash benchmarks/gpu_owed.sh 40         # part 40: the 4K prefill step and the P/D
@@ -644,6 +647,14 @@ elif [ "$part" = 56 ]; then
     # compiled: the log keeps what finished) at one row, o_proj and q_b (most of the bytes)
     TAIL_LINES=60 run "$(left)" fp8_linear_b1_sweep python benchmarks/fp8_linear.py --m 1 \
         --only o_proj,q_b --sweep --no-grouped --out "$out/fp8_linear_b1_sweep.md"
+elif [ "$part" = 57 ]; then
+    # the routed experts at prefill: above 64 rows per expert the engine runs the weight-only
+    # FP8 grouped kernel (bf16 MMAs after a per-tile dequantization); the simulator prices
+    # it at the bf16 rate and finds the reference's prefill bound by it (docs/simulate.md,
+    # fp8-dsaserve). Whether W8A8 (FP8 MMAs) is faster there: both at 128, 512 and 2,048
+    # rows per expert, the W8A8 tiles swept
+    TAIL_LINES=40 run "$(left)" moe_prefill python benchmarks/moe_grouped.py \
+        --pairs 1024,4096,16384 --copies 2 --sweep w8a8 --out "$out/moe_prefill.md"
 elif [ "$part" = 48 ]; then
     # cuBLAS's block-scaled FP8 GEMM (PyTorch's scaled_mm, 1 x 128 and 128 x 128 scales)
     # against our W8A8 kernel from 128 to 4,096 rows. (Part 48 once ran the piecewise prefill
