@@ -578,7 +578,8 @@ elif [ "$part" = 50 ]; then
         --out "$out/decode16_fp8_before.md"
 elif [ "$part" = 51 ]; then
     # FP8 prefill's products through cuBLAS's block-scaled GEMM (fp8_linear.takes_w8a8 above
-    # W8A8_MAX_M rows): the FP8 GPU tests (1,001 and 4,096 rows against w8a8_reference), the
+    # W8A8_MAX_M rows; since, q_a + wk + kv_a padded to whole blocks takes it too: model/
+    # fused.py): the FP8 GPU tests (1,001 and 4,096 rows against w8a8_reference), the
     # projections at prefill rows, then FP8 prefill at 4K-128K after and before (out/prev: the
     # tree at 9298647, `mkdir -p out/prev && git archive 9298647 | tar -x -C out/prev`,
     # carried), alternating

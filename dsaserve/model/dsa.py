@@ -158,8 +158,9 @@ class MLAAttention(nn.Module):
         """Merge the projections that read one input (model/fused.py); the groups merged."""
         wk = () if self.indexer is None else (self.indexer.wk,)
         wq_b = () if self.indexer is None else (self.indexer.wq_b,)
-        self.x_proj = fused.fuse((self.q_a_proj, self.kv_a_proj_with_mqa, *wk))
-        self.qr_proj = fused.fuse((self.q_b_proj, *wq_b))
+        # whole blocks: at prefill sizes cuBLAS's block-scaled GEMM takes the padded product
+        self.x_proj = fused.fuse((self.q_a_proj, self.kv_a_proj_with_mqa, *wk), whole_blocks=True)
+        self.qr_proj = fused.fuse((self.q_b_proj, *wq_b), whole_blocks=True)
         return (self.x_proj is not None) + (self.qr_proj is not None)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

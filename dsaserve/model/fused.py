@@ -15,6 +15,13 @@ loader, the tensor-parallel cuts and the state dict see what they did; a weight 
 place lands in the merged matrix. An FP8 group needs every member but the last to end on a
 128-row scale block and none to start inside one (a TP shard may): the merged scale is then the
 members' scales stacked. Groups that cannot be fused (mixed kinds, such blocks) stay apart.
+
+`whole_blocks`: an FP8 group whose last member ends inside a block (GLM-5.3's q_a + wk + kv_a:
+2,048 + 128 + 576 = 21.5 blocks) gets zero rows up to the block's end, so that its product is
+whole blocks, the shape cuBLAS's block-scaled GEMM takes at prefill sizes (fp8_w8a8.cublas_takes:
+N a multiple of 128) instead of a dequantized bf16 copy of the matrix; the zero rows' output
+columns are dropped. The last block's scale is the partial member's (its zero rows change no
+maximum); decode reads the padding too (64 rows of 6,144 bytes here, 2 % of the group).
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ class FusedProjections:
         self.bounds = tuple(bounds)  # member i's columns [a, b) of the merged output, call order
         stored = sorted(range(len(bounds)), key=lambda i: bounds[i][0])
         self._sizes = [bounds[i][1] - bounds[i][0] for i in stored]  # storage order
+        padding = merged.weight.shape[0] - sum(self._sizes)  # whole_blocks' zero rows
+        if padding:
+            self._sizes.append(padding)  # a last piece, never returned
         self._slot = [stored.index(i) for i in range(len(bounds))]  # call i → storage slot
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -65,15 +75,20 @@ def _storage_order(layers: Sequence[nn.Module]) -> list[int] | None:
     return whole + partial if len(partial) <= 1 else None
 
 
-def fuse(layers: Sequence[nn.Module]) -> FusedProjections | None:
+def fuse(layers: Sequence[nn.Module], whole_blocks: bool = False) -> FusedProjections | None:
     """Merge projections of one input into one matrix; their weights (and FP8 scales) become
-    views of it. None, and nothing changed, when the group cannot be fused."""
+    views of it. None, and nothing changed, when the group cannot be fused. `whole_blocks`: an
+    FP8 group's rows padded with zeros to a whole scale block (the module's story)."""
     order = _storage_order(layers)
     if order is None:
         return None
     members = [layers[i] for i in order]
     with torch.no_grad():
-        weight = torch.cat([m.weight for m in members])  # [Σ n_i, K]
+        parts = [m.weight for m in members]
+        rows = sum(w.shape[0] for w in parts)
+        if whole_blocks and isinstance(members[0], fp8.Fp8Linear) and rows % fp8.BLOCK:
+            parts.append(parts[0].new_zeros(fp8.BLOCK - rows % fp8.BLOCK, parts[0].shape[1]))
+        weight = torch.cat(parts)  # [Σ n_i (+ padding), K]
         with torch.device("meta"):  # shapes only: the storage is the merged one
             merged = (fp8.Fp8Linear(weight.shape[1], weight.shape[0])
                       if isinstance(members[0], fp8.Fp8Linear)

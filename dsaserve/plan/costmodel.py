@@ -605,15 +605,18 @@ def _shard(size: int, ways: int) -> tuple[int, bool]:
     return per, ways == 1 or per % FP8_WEIGHT_BLOCK == 0
 
 
-def _fused(members: Sequence[tuple[Part, int, bool]], k: int, k_aligned: bool
-           ) -> list[Fp8Gemm]:
+def _fused(members: Sequence[tuple[Part, int, bool]], k: int, k_aligned: bool,
+           whole_blocks: bool = False) -> list[Fp8Gemm]:
     """Projections (part, rows n, starts on a block) of one input of width k, as model/fused.py
     merges them: one product when none starts inside a scale block and at most one ends inside
-    one (it goes last), else each apart."""
+    one (it goes last), else each apart; `whole_blocks`: the merged rows padded with zeros to a
+    whole block (its FLOPs, ≤ 127 rows, not counted), as the engine pads q_a + wk + kv_a."""
     partial = sum(n % FP8_WEIGHT_BLOCK != 0 for _, n, _ in members)
     if len(members) > 1 and all(start for _, _, start in members) and partial <= 1:
-        return [Fp8Gemm(sum(n for _, n, _ in members), k, k_aligned,
-                        tuple((part, n * k) for part, n, _ in members))]
+        rows = sum(n for _, n, _ in members)
+        if whole_blocks:
+            rows = -(-rows // FP8_WEIGHT_BLOCK) * FP8_WEIGHT_BLOCK
+        return [Fp8Gemm(rows, k, k_aligned, tuple((part, n * k) for part, n, _ in members))]
     return [Fp8Gemm(n, k, start and k_aligned, ((part, n * k),)) for part, n, start in members]
 
 
@@ -642,8 +645,9 @@ def fp8_gemms(model: ModelConfig, par: ParallelConfig, indexer: bool) -> tuple[F
     wk = [("indexer", m.index_head_dim, True)] if indexer else []
     wq_b = [("indexer", m.index_n_heads * m.index_head_dim, True)] if indexer else []
     return tuple(
-        _fused([("attn", m.q_lora_rank, True), *wk, ("attn", m.kv_cache_width, True)], h, True)
-        + _fused([("attn", q_b, q_b_aligned), *wq_b], m.q_lora_rank, True)
+        _fused([("attn", m.q_lora_rank, True), *wk, ("attn", m.kv_cache_width, True)], h, True,
+               whole_blocks=True)
+        + _fused([("attn", q_b, q_b_aligned), *wq_b], m.q_lora_rank, True, whole_blocks=True)
         + [Fp8Gemm(h, o_k, o_aligned, (("attn", h * o_k),))]
         + _glu_mlp("dense_mlp", m.intermediate_size, h, tp)
         + _glu_mlp("moe_shared", m.moe_intermediate_size * m.n_shared_experts, h, tp))

@@ -351,11 +351,13 @@ def test_fp8_glu_linear_equals_the_unfused_ops(g, m):
 
 
 @pytest.mark.parametrize("m", [1, 64, 256, 4096])
-def test_fused_projections_equal_their_members(g, m):
+@pytest.mark.parametrize("whole_blocks", [False, True], ids=["apart", "whole-blocks"])
+def test_fused_projections_equal_their_members(g, m, whole_blocks):
     """q_a, kv_a and the indexer's wk of one input as one matrix (model/fused.py): each member's
     columns of the one product against the member alone, at GLM-5.3's shapes (the fused
     product takes W8A8 at 256 rows where kv_a and wk alone would not: their references
-    follow the fused product's path)."""
+    follow the fused product's path); with whole_blocks (the engine's) padded to 2,816 rows,
+    which cuBLAS's block-scaled GEMM takes at prefill rows."""
     from dsaserve.model import fp8, fused
 
     hidden = _C["hidden_size"]
@@ -367,13 +369,15 @@ def test_fused_projections_equal_their_members(g, m):
         members.append(layer)
     x = torch.randn(m, hidden, generator=g, device=DEV).bfloat16()
     wants = []
+    merged_n = sum(mm.weight.shape[0] for mm in members)
+    if whole_blocks:
+        merged_n = -(-merged_n // 128) * 128
     for layer in members:
-        merged_n = sum(mm.weight.shape[0] for mm in members)
         if fl.takes_w8a8(x, merged_n, x.shape[1]):
             wants.append(fw.w8a8_reference(x, layer.weight, layer.weight_scale_inv))
         else:
             wants.append(fw.linear_reference(x, layer.weight, layer.weight_scale_inv))
-    group = fused.fuse(members)
-    assert group is not None
+    group = fused.fuse(members, whole_blocks=whole_blocks)
+    assert group is not None and group.merged.weight.shape[0] == merged_n
     for got, want in zip(group(x), wants, strict=True):
         _assert_close(got.contiguous(), want)

@@ -68,6 +68,31 @@ def test_fp8_group_puts_the_partial_block_member_last_and_stacks_the_scales():
         torch.testing.assert_close(m(x), w, rtol=0, atol=0)  # the members still work alone
 
 
+def test_fp8_group_in_whole_blocks_pads_zero_rows_and_drops_their_columns():
+    """whole_blocks: the same group's 584 rows padded to 640 (five whole blocks, the shape
+    cuBLAS's block-scaled GEMM takes: fp8_w8a8.cublas_takes on a CUDA device), the padding
+    zero bytes under the partial member's last scale; each member's output as before, the
+    padding's columns never returned; a group already in whole blocks is not padded."""
+    from dsaserve.kernels.triton import fp8_w8a8
+
+    layers = [_fp8(512, n, seed) for seed, n in enumerate((256, 200, 128))]
+    x = torch.randn(4, 512)
+    want = [m(x) for m in layers]
+    group = fused.fuse(layers, whole_blocks=True)
+    assert group is not None
+    assert group.merged.weight.shape == (640, 512)
+    assert group.merged.weight_scale_inv.shape == (5, 4)
+    assert not group.merged.weight[584:].view(torch.uint8).any()
+    assert fp8_w8a8.cublas_takes(640, 512, 0, 0, torch.device("cuda"))
+    outs = group(x)
+    assert [o.shape[1] for o in outs] == [256, 200, 128]
+    _assert_members(group, layers, x, want)
+    for w, m in zip(want, layers, strict=True):
+        torch.testing.assert_close(m(x), w, rtol=0, atol=0)
+    whole = fused.fuse([_fp8(512, 256, 7), _fp8(512, 128, 8)], whole_blocks=True)
+    assert whole.merged.weight.shape == (384, 512)
+
+
 @pytest.mark.parametrize("case", ["two partial blocks", "a shard inside a block", "mixed kinds",
                                   "other inputs", "one member"])
 def test_groups_that_cannot_be_fused_are_left_apart(case):

@@ -120,9 +120,9 @@ def test_weight_only_fp8_reads_like_fp8_and_multiplies_like_bf16():
 def test_dsaserve_fp8_prices_each_product_at_its_kernels_rate():
     """weights=fp8-dsaserve (the engine on CUDA): fp8's memory and weight reads; a decode step
     of up to 64 rows as weight-only FP8; MTP3 verification of b = 64 (256 rows) between fp8 and
-    weight-only; a 4K prefill's projections each at its kernel's rate (GLM-5.3 at TP8: x_proj
-    ends inside a block and the shared experts' down is 256 wide, so both are dequantized and
-    run at bf16; the rest cuBLAS W8A8) and its experts (128 rows each) at bf16, where a 1K
+    weight-only; a 4K prefill's projections each at its kernel's rate (GLM-5.3 at TP8: the
+    shared experts' down is 256 wide, so it is dequantized and runs at bf16; x_proj, padded to
+    whole blocks, and the rest cuBLAS W8A8) and its experts (128 rows each) at bf16, where a 1K
     prefill's (32 rows each) are W8A8."""
     _, m = load_model("glm-5.3")
     par = parse_deployment("tp8 weights=fp8-dsaserve").parallel
@@ -148,8 +148,8 @@ def test_dsaserve_fp8_prices_each_product_at_its_kernels_rate():
     wq_b, weights_proj = m.index_n_heads * m.index_head_dim * m.q_lora_rank, m.index_n_heads * h
     dense, shared = m.intermediate_size * h // tp, m.moe_intermediate_size * h // tp
     router = m.n_routed_experts * h
-    per_row = (78 * ((q_a + kv_a + kv_b) / bf16 + (q_b + o) / fp8)
-               + 21 * (wk / bf16 + wq_b / fp8 + weights_proj / bf16)
+    per_row = (78 * (kv_b / bf16 + (q_a + kv_a + q_b + o) / fp8)
+               + 21 * (wk / fp8 + wq_b / fp8 + weights_proj / bf16)
                + 3 * 3 * dense / fp8 + 75 * (2 * shared / fp8 + (shared + router) / bf16))
     lm_head = cm.matrix_bytes(m, par, "fp8-dsaserve").lm_head / (H200.hbm_tbps.value * 1e12)
     prefill = [(rows, rows)]

@@ -27,8 +27,8 @@ instead, their scales laid out group-major (PyTorch's scaled_mm, 1 × 128 and 12
 scales). Measured on an H100 (benchmarks/fp8_cublas_blockwise.py, docs/fp8_weights.md) it is
 1.23–1.70× this kernel at 256 rows for q_b, o_proj and the shared down projection, 0.95–0.99×
 for the 2,048–4,096-wide ones, and 1.35–1.73× at 1,024–4,096 rows. The Triton kernel stays
-for the rest: shards starting inside a block (TP), widths ending inside one (q_a, wk and kv_a
-fused: 2,752 columns).
+for the rest: shards starting inside a block (TP), widths ending inside one (model/fused.py
+pads q_a + wk + kv_a's 2,752 rows to whole blocks so that cuBLAS takes them).
 
 Above 256 rows (prefill) this kernel is slower than the dequantized copy + cuBLAS (545–610
 TFLOP/s at 4,096 rows on an H100: each group's product waits for its scaling before the next
