@@ -228,10 +228,10 @@ class StepTimeModel:
         value and an fp32 scale per 128 × 128 block, at the rate of the kernel its rows take."""
         if self.weights.matmul != "by-rows":
             return self._gemm("lm_head", rows)
-        values = self.w.lm_head
-        held = values + cm.FP32 * values / cm.FP8_WEIGHT_BLOCK ** 2
-        path = cm.fp8_dense_path(rows, values // self.model.hidden_size, self.model.hidden_size,
-                                 aligned=True)
+        values, h = self.w.lm_head, self.model.hidden_size
+        copy = cm.Tensor("lm_head", values // h, h, held="fp8")  # this GPU's rows
+        held = copy.nbytes(self.weights, cm.fp8_block(self.model))
+        path = cm.fp8_dense_path(rows, copy.rows, h, aligned=True)
         return max(2 * rows * values / self._matmul(path),
                    held / (self.parts.hbm_tbps.value * 1e12))
 

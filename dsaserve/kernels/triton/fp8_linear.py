@@ -131,6 +131,14 @@ def choose_split_k(m: int, n: int, k: int, cfg: Fp8LinearConfig, num_sms: int) -
     return triton.cdiv(k_tiles, triton.cdiv(k_tiles, splits))  # no empty split
 
 
+def _k_splits(k: int, block_k: int, split: int) -> tuple[int, int]:
+    """(splits, k tiles per split) of a K range asked to split `split` ways: as even as the
+    k tiles allow, with no empty split."""
+    k_tiles = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(k_tiles, split)
+    return triton.cdiv(k_tiles, per_split), per_split
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 x: full-precision products
 
@@ -304,9 +312,7 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, scale: torch.Tensor, n_off: in
         return out
     cfg = config or choose_config(m, n, k)
     split = cfg.split_k or choose_split_k(m, n, k, cfg, fp8_w8a8.device_sms(x.device))
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, per_split)  # no empty split
+    split, per_split = _k_splits(k, cfg.block_k, split)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), split)
     if split == 1:
         part = counters = out  # (not read: SPLIT_K 1 compiles without them)
@@ -570,9 +576,7 @@ def grouped_linear(xs: torch.Tensor, w: torch.Tensor, ends: torch.Tensor,
         return out
     cfg = config or choose_grouped_config(p, n, k, e, 1 if scale is not None else 2)
     split = cfg.split_k or choose_grouped_split(p, n, k, e, cfg, fp8_w8a8.device_sms(xs.device))
-    k_tiles = triton.cdiv(k, cfg.block_k)
-    per_split = triton.cdiv(k_tiles, split)
-    split = triton.cdiv(k_tiles, per_split)  # no empty split
+    split, per_split = _k_splits(k, cfg.block_k, split)
     grid = (grouped_row_tiles(p, e, cfg.block_m), triton.cdiv(n, cfg.block_n), split)
     if split == 1:
         part = counters = out  # (not read: SPLIT_K 1 compiles without them)
