@@ -675,9 +675,13 @@ class SpecConfig:
 
 
 def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
-    """The layout cuts the model into equal parts: TP its heads and intermediates, EP its
-    routed experts (over every replica's ranks with DP + EP)."""
+    """The layout cuts the model into equal parts: TP its heads and intermediates (and its
+    vocabulary into parts of at least one row), EP its routed experts (over every replica's
+    ranks with DP + EP)."""
     tp, ep = p.tensor_parallel_size, p.expert_parallel_size
+    if tp > cfg.vocab_size:
+        raise ConfigError(f"--tensor-parallel-size: {tp} ranks for a vocabulary of "
+                          f"{cfg.vocab_size} tokens")
     if tp > 1:
         for name in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
             if getattr(cfg, name) % tp:

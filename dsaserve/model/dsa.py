@@ -34,6 +34,7 @@ from dsaserve.model.precision import held_in_fp32
 from dsaserve.model.rope import RotaryTable, apply_rope
 from dsaserve.parallel import cp_attention, ep
 from dsaserve.parallel.groups import Group, ParallelGroups
+from dsaserve.parallel.vocab import VocabShard
 
 
 @dataclass
@@ -598,6 +599,8 @@ class DsaForCausalLM(nn.Module):
         self.draft_head: fp8.Fp8Linear | None = None  # quantize_draft_head's; None: lm_head
         self.rotary: RotaryTable | None = None
         self.groups = ParallelGroups.single()
+        # TP: this rank's rows of embed_tokens and lm_head (parallel/tp.py); None: every row
+        self.vocab: VocabShard | None = None
 
     @property
     def num_cache_layers(self) -> int:
@@ -615,7 +618,7 @@ class DsaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [N] → hidden [N, hidden] after the final norm."""
         rope = self._rope(meta.positions)
-        h = self.model.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         topk = None
         layers = self.cfg.num_hidden_layers
         prefetch = None
@@ -662,7 +665,7 @@ class DsaForCausalLM(nn.Module):
                                                         self.cfg.index_head_dim)
                 prefetch.start(layer)
         rope = self._rope(meta.positions)
-        e = self.model.embed_tokens(input_ids)
+        e = self._embed(input_ids)
         e = e.masked_fill((meta.positions == 0)[:, None], 0.0)  # position 0 carries no input (vLLM)
         u = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(prev_hidden)), dim=-1))
         h, _ = mtp(u, rope, meta, caches[layer], self.backend, None, prefetch)
@@ -671,16 +674,26 @@ class DsaForCausalLM(nn.Module):
             h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
         return h
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] → [N, hidden]."""
+        if self.vocab is None:
+            return self.model.embed_tokens(input_ids)
+        return self.vocab.embed(self.model.embed_tokens.weight, input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, hidden] → logits [M, vocab] fp32."""
-        return self.lm_head(hidden).float()
+        """hidden [M, hidden] → logits [M, vocab] fp32 (every column, on every rank)."""
+        logits = self.lm_head(hidden)
+        if self.vocab is not None:
+            logits = self.vocab.gather_logits(logits)
+        return logits.float()
 
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] → [M] int64, the MTP drafts' argmax: over lm_head's logits (as
         compute_logits' argmax, without its fp32 copy: widening is exact, so the same token,
         ties included), or over the FP8 copy's where quantize_draft_head made one."""
         head = self.lm_head if self.draft_head is None else self.draft_head
-        return head(hidden).argmax(-1)
+        logits = head(hidden)  # [M, vocab] or, under TP, this rank's columns
+        return logits.argmax(-1) if self.vocab is None else self.vocab.argmax(logits)
 
     def quantize_draft_head(self) -> None:
         """Give the drafts an FP8 copy of lm_head (128 × 128 blocks, as the checkpoints store

@@ -1,9 +1,10 @@
 """Sharding a loaded model over its engine's ranks (TP heads and intermediates, EP experts).
 
-TP shards attention heads (q_b_proj and kv_b_proj rows, o_proj columns) and the intermediate of
-dense MLPs, shared experts and — without EP — every routed expert; partial outputs are all-reduced
-over the TP group. The latent KV projection and the indexer stay replicated: every TP rank stores
-the whole latent cache and scores every query, which is why TP scales badly for this model.
+TP shards attention heads (q_b_proj and kv_b_proj rows, o_proj columns), the intermediate of
+dense MLPs, shared experts and — without EP — every routed expert, and the vocabulary (the rows of
+embed_tokens and lm_head: parallel/vocab.py); partial outputs are all-reduced over the TP group.
+The latent KV projection and the indexer stay replicated: every TP rank stores the whole latent
+cache and scores every query, which is why TP scales badly for this model.
 EP gives each rank n_routed_experts / EP size experts (the engine's ranks, or with DP + EP
 every replica's: ParallelConfig.expert_parallel_size).
 
@@ -26,6 +27,7 @@ from dsaserve.config import ModelConfig, ParallelConfig, check_divisible
 from dsaserve.model import fp8
 from dsaserve.model.dsa import MLP, DsaForCausalLM, Experts, MLAAttention, MoE
 from dsaserve.parallel.groups import ParallelGroups
+from dsaserve.parallel.vocab import VocabShard, vocab_ranges
 
 
 def _slice(p: nn.Parameter, view: torch.Tensor) -> None:
@@ -67,7 +69,11 @@ def shard_model(model: DsaForCausalLM, groups: ParallelGroups, p: ParallelConfig
                 if m.shared_experts is not None:
                     _shard_mlp(m.shared_experts, r, tp)
                 m.reduce = groups.tp
-    if tp > 1:  # dense FFN layers (not shared experts, which their MoE handles)
+    if tp > 1:  # the vocabulary, and dense FFN layers (not shared experts: their MoE's)
+        vocab = model.vocab = VocabShard.of(groups.tp, model.cfg.vocab_size)
+        _slice(model.model.embed_tokens.weight,
+               model.model.embed_tokens.weight[vocab.start : vocab.stop])
+        fp8.shard_linear(model.lm_head, rows=(vocab.start, vocab.stop))
         for layer in model.model.layers:
             if isinstance(layer.mlp, MLP):
                 _shard_mlp(layer.mlp, r, tp)
@@ -103,6 +109,7 @@ _HEAD_COLS = re.compile(r"\.self_attn\.o_proj\.weight$")
 _DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _SHARED = re.compile(r"\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
 _ROUTED = re.compile(r"\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")  # the target's (MTP copies: dropped)
 
 
 def expert_parallel(groups: ParallelGroups, p: ParallelConfig) -> bool:
@@ -124,12 +131,15 @@ def checkpoint_narrower(cfg: ModelConfig, groups: ParallelGroups, p: ParallelCon
         return None
     use_ep = expert_parallel(groups, p)
     heads = cfg.num_attention_heads
+    start, stop = vocab_ranges(cfg.vocab_size, tp)[r]
 
     def chunk(t: torch.Tensor, dim: int) -> torch.Tensor:
         size = t.shape[dim] // tp
         return t.narrow(dim, r * size, size)
 
     def narrow(name: str, t: torch.Tensor) -> torch.Tensor:
+        if name in _VOCAB:
+            return t[start:stop]
         if _HEAD_ROWS.search(name):
             return chunk(t.view(heads, -1, t.shape[1]), 0).reshape(-1, t.shape[1])
         if _HEAD_COLS.search(name):

@@ -96,6 +96,8 @@ def _worker(rank: int, world: int, init_file: str, config, out_path: str) -> Non
                 "indexer_rows": runner.model.backend.indexer_rows_scored,
                 "experts_held": runner.experts_held(),
                 "q_rows_held": runner.model.model.layers[0].self_attn.q_b_proj.weight.shape[0],
+                "vocab_rows_held": (runner.model.model.embed_tokens.weight.shape[0],
+                                    runner.model.lm_head.weight.shape[0]),
             },
             f"{out_path}.{rank}",
         )
@@ -211,6 +213,7 @@ def test_parallel_mode_matches_single_rank(model_dirs, engine_config_module, sin
         assert res["experts_held"] == m.n_routed_experts // (world if p.enable_expert_parallel
                                                               else 1)
         assert res["q_rows_held"] == m.num_attention_heads // p.tensor_parallel_size * m.qk_head_dim
+        assert res["vocab_rows_held"] == (m.vocab_size // p.tensor_parallel_size,) * 2
     # Each DCP rank stores exactly its own tokens: 1/N of every request, ± one interleave run.
     dcp = cfg.parallel.decode_context_parallel_size
     lengths = [len(t) for t in _schedule(cfg.model.vocab_size)[0].values()]

@@ -1,0 +1,87 @@
+"""The vocabulary cut over the TP ranks: each holds a contiguous range of the embedding's rows and
+of lm_head's (and of the drafts' FP8 copy of it), as vLLM's VocabParallelEmbedding and
+ParallelLMHead do.
+
+Replicated, GLM-5.3's two 154,880 × 6,144 bf16 matrices are 3.8 GB on every rank, and every
+decode step reads the whole 1.9 GB lm_head on every rank (an MTP3 step four times). Cut over
+TP8, each rank holds and reads an eighth; the price is one all-reduce of the step's embedded
+rows and one all-gather of its logits (or, for the drafts' argmax, of each rank's best (value,
+id) per row).
+
+The ranges are balanced (sizes differ by at most one row), so every vocabulary of at least TP
+rows cuts, divisible or not; the logits' gather pads the shorter parts by one column and strips
+it (fixed shapes: the gathers run inside decode CUDA graphs). Every result equals
+the replicated model's bit for bit given equal products: a looked-up row is summed with zeros
+only, the logits are the same columns put back in order, and the argmax takes the lowest id
+among equal maxima as torch.argmax does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dsaserve.parallel.groups import Group
+
+
+def vocab_ranges(vocab_size: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of each part, contiguous and in order: the first vocab_size % parts parts
+    one row longer than the others (so the gathers strip one padded column from the others)."""
+    if vocab_size < parts:
+        raise ValueError(f"a vocabulary of {vocab_size} cannot be cut in {parts} parts")
+    size, longer = divmod(vocab_size, parts)
+    stops = [(r + 1) * size + min(r + 1, longer) for r in range(parts)]
+    return list(zip([0, *stops[:-1]], stops, strict=True))
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's part of the vocabulary, and the group that holds the others."""
+
+    group: Group
+    vocab_size: int
+    start: int
+    stop: int
+
+    @staticmethod
+    def of(group: Group, vocab_size: int) -> VocabShard:
+        if vocab_size >= 1 << 24:  # argmax gathers ids as fp32 beside their values
+            raise ValueError(f"a vocabulary of {vocab_size} ids is over fp32's exact integers")
+        start, stop = vocab_ranges(vocab_size, group.size)[group.rank_in_group]
+        return VocabShard(group, vocab_size, start, stop)
+
+    @property
+    def width(self) -> int:
+        """Columns every rank's part is padded to for the gathers (the largest part)."""
+        return -(-self.vocab_size // self.group.size)
+
+    def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """weight [stop − start, hidden] this rank's rows, ids [N] global → [N, hidden], the
+        same rows on every rank: each rank looks up the ids it holds, zeros elsewhere, summed."""
+        local = ids - self.start
+        held = (local >= 0) & (local < weight.shape[0])  # [N]
+        rows = F.embedding(local.clamp(0, weight.shape[0] - 1), weight)
+        return self.group.all_reduce(rows.masked_fill(~held[:, None], 0))
+
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """local [M, stop − start] this rank's columns → [M, vocab] every column in order."""
+        m, width = local.shape[0], self.width
+        if local.shape[1] < width:
+            local = F.pad(local, (0, width - local.shape[1]))  # [M, width]
+        every = self.group.all_gather(local)  # [parts, M, width]
+        longer = self.vocab_size % self.group.size  # the parts of `width` columns come first
+        if longer == 0:
+            return every.permute(1, 0, 2).reshape(m, -1)
+        return torch.cat((every[:longer].permute(1, 0, 2).reshape(m, -1),
+                          every[longer:, :, : width - 1].permute(1, 0, 2).reshape(m, -1)), 1)
+
+    def argmax(self, local: torch.Tensor) -> torch.Tensor:
+        """local [M, stop − start] this rank's logits → [M] int64 the global argmax (the lowest
+        id among equal maxima, as over the whole row)."""
+        best, at = local.max(-1)  # [M] each; max's index is the first maximum's, as argmax's
+        pair = torch.stack((best.float(), (at + self.start).float()))  # [2, M]: ids < 2^24
+        every = self.group.all_gather(pair)  # [parts, 2, M], rank-major = id order
+        winner = every[:, 0].argmax(0)  # [M] the first rank holding the maximum
+        return every[:, 1].gather(0, winner[None])[0].long()
