@@ -65,6 +65,17 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)  # HF order: cast, then scale
 
+    def add(self, h: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h, d [N, dim] → (this norm of h + d, h + d): the residual stream's add made in the
+        norm's pass on a GPU (kernels/triton/norm.py), in the model's order (the sum rounded
+        to h's dtype, then normed)."""
+        if use_kernels(h):
+            from dsaserve.kernels.triton import norm
+
+            return norm.add_rms_norm(h, d, self.weight, self.eps)
+        h = h + d
+        return self(h), h
+
 
 class LayerNormFP32(nn.Module):
     """The indexer's k_norm: a real LayerNorm with bias, computed and stored in fp32."""
@@ -547,12 +558,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope, meta, cache, backend, prev_topk, prefetch=None):
-        attn, topk = self.self_attn(self.input_layernorm(h), rope, meta, cache, backend, prev_topk,
-                                    prefetch)
-        h = h + attn
-        h = h + self.mlp(self.post_attention_layernorm(h))
-        return h, topk
+    def forward(self, h, delta, rope, meta, cache, backend, prev_topk, prefetch=None):
+        """The residual stream comes in as h + delta (delta None: h alone) and leaves so: each
+        add is made in the pass of the norm that follows it (RMSNorm.add) → (h, delta, topk)."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add(h, delta)
+        attn, topk = self.self_attn(x, rope, meta, cache, backend, prev_topk, prefetch)
+        x, h = self.post_attention_layernorm.add(h, attn)
+        return h, self.mlp(x), topk
 
 
 class SharedHead(nn.Module):
@@ -618,7 +633,7 @@ class DsaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [N] → hidden [N, hidden] after the final norm."""
         rope = self._rope(meta.positions)
-        h = self._embed(input_ids)
+        h, delta = self._embed(input_ids), None  # the residual stream: h + delta
         topk = None
         layers = self.cfg.num_hidden_layers
         prefetch = None
@@ -630,8 +645,9 @@ class DsaForCausalLM(nn.Module):
         for i in range(layers):
             if prefetch is not None and i + 1 < layers:
                 prefetch.start(i + 1)
-            h, topk = self.model.layers[i](h, rope, meta, caches[i], self.backend, topk, prefetch)
-        h = self.model.norm(h)
+            h, delta, topk = self.model.layers[i](h, delta, rope, meta, caches[i], self.backend,
+                                                  topk, prefetch)
+        h = self.model.norm(h) if delta is None else self.model.norm.add(h, delta)[0]
         if meta.pcp is not None:  # every rank samples from the whole batch, in global order
             h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
         return h
@@ -668,8 +684,8 @@ class DsaForCausalLM(nn.Module):
         e = self._embed(input_ids)
         e = e.masked_fill((meta.positions == 0)[:, None], 0.0)  # position 0 carries no input (vLLM)
         u = mtp.eh_proj(torch.cat((mtp.enorm(e), mtp.hnorm(prev_hidden)), dim=-1))
-        h, _ = mtp(u, rope, meta, caches[layer], self.backend, None, prefetch)
-        h = mtp.shared_head.norm(h)
+        h, delta, _ = mtp(u, None, rope, meta, caches[layer], self.backend, None, prefetch)
+        h = mtp.shared_head.norm.add(h, delta)[0]
         if meta.pcp is not None:
             h = cp_attention.gather_new_rows(h, meta, self.groups.pcp)
         return h

@@ -340,6 +340,21 @@ def test_rms_norm_matches_pytorch(g, rows, dim):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,dim", [(16384, 6144), (3, 6144), (1, 100)])
+def test_add_rms_norm_matches_pytorch(g, rows, dim):
+    """norm.add_rms_norm (a decoder layer's residual add and the norm after it) against
+    PyTorch's add, then the module's arithmetic: the sum bit for bit, bf16."""
+    h = torch.randn(rows, dim, device=DEV, generator=g).bfloat16()
+    d = torch.randn(rows, dim, device=DEV, generator=g).bfloat16()
+    w = (torch.rand(dim, device=DEV, generator=g) + 0.5).bfloat16()
+    total = h + d
+    xf = total.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+    got, got_total = norm.add_rms_norm(h, d, w, 1e-6)
+    assert torch.equal(got_total, total)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-6)
+
+
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("shape,rope", [((16384, 64, 64), 64), ((3, 64), 64), ((5, 32, 128), 64)])
 def test_rotary_matches_pytorch(g, interleaved, shape, rope):

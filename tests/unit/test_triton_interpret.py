@@ -550,6 +550,30 @@ def test_rms_norm_matches_the_model(k, shape, cols, weight_dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,cols", [(5, 48), (3, 100), (0, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_the_model(k, rows, cols, dtype):
+    """norm.add_rms_norm against RMSNorm.add's PyTorch path (the add, then the norm): the sum
+    bit for bit (PyTorch's add rounds it to the rows' dtype as the kernel does), the norm to
+    fp32's rounding; h is left as it was; a d of another dtype is refused."""
+    from dsaserve.model.dsa import RMSNorm
+
+    g = _gen()
+    h = torch.randn(rows, cols, generator=g).to(dtype)
+    d = torch.randn(rows, cols, generator=g).to(dtype)
+    module = RMSNorm(cols, 1e-6)
+    module.weight.data = (torch.rand(cols, generator=g) + 0.5).to(dtype)
+    want, want_sum = module.add(h, d)
+    kept = h.clone()
+    got, got_sum = k.norm.add_rms_norm(h, d, module.weight, 1e-6)
+    assert torch.equal(got_sum, want_sum) and torch.equal(h, kept)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+    with pytest.raises(ValueError, match="one dtype"):
+        k.norm.add_rms_norm(h, d.double(), module.weight, 1e-6)
+
+
 # --------------------------------------------------------------------------------------------
 # Rotary embedding
 # --------------------------------------------------------------------------------------------
