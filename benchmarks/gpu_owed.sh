@@ -631,16 +631,20 @@ elif [ "$part" = 55 ]; then
     # experts, ~27 % of the copy rate): its GPU tests (b = 1 split, graphs), the splits swept,
     # then FP8 at 16 layers after and before (out/old: the tree at a2ef128, `mkdir -p out/old
     # && git archive a2ef128 | tar -x -C out/old`, carried), one machine
+    # (since: the residual adds inside the norms, norm.add_rms_norm: its GPU test too, and
+    # the after run profiled so that the norms' launches and the experts' time show apart)
     TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_fp8_linear_gpu.py -k "grouped"
-    TAIL_LINES=40 run 150 moe_split_sweep python benchmarks/moe_grouped.py --pairs 2,8,128 \
+        tests/gpu/test_fp8_linear_gpu.py tests/gpu/test_kernels_gpu.py -k "grouped or rms_norm"
+    TAIL_LINES=40 run 120 moe_split_sweep python benchmarks/moe_grouped.py --pairs 2,8,128 \
         --sweep split --out "$out/moe_split_sweep.md"
     for tree in after before; do
         dir=$([ "$tree" = before ] && echo out/old || echo .)
-        [ "$(left)" -gt 90 ] && TAIL_LINES=10 run "$(left)" "decode16_fp8_$tree" \
+        profile=$([ "$tree" = after ] && echo "--kernel-profile 12" || true)
+        limit=$([ "$tree" = after ] && echo 240 || left)
+        [ "$(left)" -gt 90 ] && TAIL_LINES=40 run "$limit" "decode16_fp8_$tree" \
             env PYTHONPATH="$PWD/$dir:$PYTHONPATH" python "$dir/benchmarks/decode.py" \
             --layers 16 --weights fp8 --contexts 8192 --batches 1,64 --steps 10 \
-            --fastest-only --out "$out/decode16_fp8_$tree.md"
+            --fastest-only $profile --out "$out/decode16_fp8_$tree.md"
     done
 elif [ "$part" = 56 ]; then
     # the dense products' weight-only FP8 kernel at b = 1 (part 50: 1.53 ms for 3.34 GB, 2.2
