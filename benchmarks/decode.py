@@ -101,8 +101,8 @@ class Row:
 
 
 def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, device: str,
-            dtype: str, kv: str, async_: bool = False, draft_lm_head: str = "auto"
-            ) -> EngineConfig:
+            dtype: str, kv: str, async_: bool = False, draft_lm_head: str = "auto",
+            draft_vocab: int = 0) -> EngineConfig:
     k = 3 if mtp else 0
     per_request = -(-(context + 2 * k + 2) // BLOCK)
     cfg = EngineConfig(
@@ -118,7 +118,8 @@ def _config(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool, d
     if mtp:
         spec = SpecConfig.from_json(bench_steps.MTP3_SYNTHETIC)
         cfg = dataclasses.replace(cfg, speculative=dataclasses.replace(
-            spec, draft_lm_head=draft_lm_head))
+            spec, draft_lm_head=draft_lm_head,
+            draft_vocab=tuple(range(draft_vocab)) if draft_vocab else None))
     return cfg
 
 
@@ -158,7 +159,7 @@ def measure(model_dir: Path, context: int, batch: int, mtp: bool, graph: bool,
     """One row; `step_log`: the timed steps' lines appended there (engine/step_log.py)."""
     k = 3 if mtp else 0
     cfg = _config(model_dir, context, batch, mtp, graph, args.device, args.dtype,
-                  args.kv_cache_dtype, async_, args.draft_lm_head)
+                  args.kv_cache_dtype, async_, args.draft_lm_head, args.draft_vocab)
     log = None
     if step_log is not None:  # the runner times its steps (CUDA events), the log writes them
         cfg = dataclasses.replace(cfg, step_log=str(step_log))
@@ -345,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-lm-head", default="auto", choices=("auto", "fp8", "model"),
                    help="the head MTP drafts read (--speculative-config's draft_lm_head; auto: "
                         "an FP8 copy with --weights fp8)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="MTP drafts over the first N token ids only (--speculative-config's "
+                        "draft_vocab; the acceptance stays the synthetic 2.99; 0: every token)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny model, contexts 40, batches 1 and 2, 2 steps (any device)")
     p.add_argument("--out", type=Path, default=None, help="also write the table (markdown)")
@@ -389,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                                    overrides=overrides)
             shape = (f"GLM-5.3-shaped, {args.layers} layers + MTP, {args.weights} weights, "
                      f"vocabulary {overrides['vocab_size']:,}, drafts' head "
-                     f"{args.draft_lm_head}")
+                     f"{args.draft_lm_head}"
+                     + (f" over {args.draft_vocab:,} tokens" if args.draft_vocab else ""))
         rows, log_tables = [], []
         for context in args.contexts:
             log = log_dir / f"steps-{context}.jsonl"

@@ -131,9 +131,10 @@
 #   bash benchmarks/gpu_owed.sh 53         # part 53: part 50's failing GPU test alone, then
 #                                          #   FP8 b = 64 at 16 layers with the rank count gone
 #   bash benchmarks/gpu_owed.sh 54         # part 54: the drafts' FP8 lm_head at GLM-5.3's
-#                                          #   vocabulary: the FP8 GPU tests, then MTP3 at 16
+#                                          #   vocabulary: its GPU tests, then MTP3 at 16
 #                                          #   layers, b = 1 and 64, drafts through the FP8
-#                                          #   copy and through lm_head
+#                                          #   copy, the copy's 32,768 first ids (a draft
+#                                          #   vocabulary) and lm_head
 #   bash benchmarks/gpu_owed.sh 55         # part 55: the grouped GEMM's K split at decode:
 #                                          #   its GPU tests, the splits swept at 2, 8 and 128
 #                                          #   pairs, FP8 16 layers b = 1 and 64 after and
@@ -614,15 +615,17 @@ elif [ "$part" = 53 ]; then
 elif [ "$part" = 54 ]; then
     # MTP drafts through an FP8 copy of lm_head (SpecConfig.draft_lm_head, the default with FP8
     # weights kept) at GLM-5.3's own vocabulary (154,880: a 1.9 GB bf16 head read once per
-    # draft; the benchmark's default 8,192 hides it): the FP8 model GPU tests (graphs against
-    # their padded eager steps, the draft head's greedy output), then 16 layers, b = 1 and 64,
-    # the drafts' head fp8 then model (lm_head), one machine
-    TAIL_LINES=12 run 150 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_fp8_model_gpu.py
-    for head in fp8 model; do
+    # draft; the benchmark's default 8,192 hides it): the draft-head GPU tests (over every
+    # token and over a draft vocabulary), then 16 layers, b = 1 and 64, the drafts' head fp8,
+    # fp8 over the first 32,768 ids (SpecConfig.draft_vocab), then model (lm_head), one machine
+    TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
+        tests/gpu/test_fp8_model_gpu.py -k "draft_head or graphs_equal"
+    for head in fp8 fp8-vocab32k model; do
         [ "$(left)" -gt 90 ] && TAIL_LINES=10 run "$(left)" "decode16_vocab_$head" python \
             benchmarks/decode.py --layers 16 --weights fp8 --vocab-size 154880 \
-            --draft-lm-head "$head" --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
+            --draft-lm-head "${head%-vocab32k}" \
+            --draft-vocab "$([ "$head" = fp8-vocab32k ] && echo 32768 || echo 0)" \
+            --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
             --out "$out/decode16_vocab_$head.md"
     done
 elif [ "$part" = 55 ]; then

@@ -8,6 +8,8 @@
 2. sample continuations: greedy, through the engine, from the openings of held-out files;
 3. MTP speculative decoding with 3 drafts through the engine (real rejection sampling at
    temperature 1, and greedy): mean acceptance length and per-position acceptance, vLLM's counters;
+   With --draft-vocab-sizes, the same over the N tokens most frequent in the training split
+   (--speculative-config's draft_vocab);
 4. top-k locality: the overlap |S_t ∩ S_{t-1}| / k of consecutive decode steps' top-k sets, per
    full-indexer layer, at each context (what a hot buffer of the last step's rows would hit);
 5. indexer recall: per full layer, how many of dense attention's top-k rows (attention summed over
@@ -35,6 +37,7 @@ from dsaserve.config import (
 from dsaserve.core import SamplingParams
 from dsaserve.engine.args import resolve_model
 from dsaserve.engine.engine import LLMEngine
+from dsaserve.spec import draft_vocab
 from dsaserve.tokenizer import Tokenizer
 from dsaserve.train import corpus
 from dsaserve.train.export import read_state
@@ -101,13 +104,27 @@ def samples(model_dir: Path, tok: Tokenizer, files: list[Path], n: int) -> list[
     return out
 
 
+def training_split_counts(model_dir: Path, tok: Tokenizer) -> list[list[int]]:
+    """The token ids of every training file (the held-out ones left out): what a draft
+    vocabulary is counted over, as a deployment would count its traffic."""
+    summary = json.loads((model_dir / "training.json").read_text())
+    every = summary["train_config"]["held_out_every"]
+    root = corpus.stdlib_root()
+    return [tok.encode(corpus.read_text(f))
+            for f in corpus.list_sources(root, summary["train_config"]["max_files"])
+            if not corpus.is_held_out(f.relative_to(root).as_posix(), every)]
+
+
 def mtp_acceptance(model_dir: Path, stream: torch.Tensor, n_prompts: int,
-                   draft_lm_head: str = "model") -> dict:
+                   draft_lm_head: str = "model", vocab: tuple[int, ...] | None = None) -> dict:
     """MTP3's acceptance at temperature 1 and greedy, the drafts reading `draft_lm_head`
-    (SpecConfig: the checkpoint's lm_head, or its FP8 copy)."""
+    (SpecConfig: the checkpoint's lm_head, or its FP8 copy), over `vocab` (SpecConfig's
+    draft_vocab; None: every token)."""
     out = {}
     prompts = eval_windows(stream, n_prompts, 192).tolist()
-    spec = SpecConfig(method="mtp", num_speculative_tokens=3, draft_lm_head=draft_lm_head)
+    spec = SpecConfig(method="mtp", num_speculative_tokens=3, draft_lm_head=draft_lm_head,
+                      draft_vocab=vocab)
+    over = "every token" if vocab is None else f"{len(vocab)} tokens"
     for label, temp in (("temperature 1", 1.0), ("greedy", 0.0)):
         engine = _engine(model_dir, 1024, spec)
         params = [SamplingParams(max_tokens=128, temperature=temp, seed=i, ignore_eos=True)
@@ -119,7 +136,7 @@ def mtp_acceptance(model_dir: Path, stream: torch.Tensor, n_prompts: int,
                    for a in s.spec_decode_num_accepted_tokens_per_pos]
         out[label] = {"mean_acceptance_length": s.spec_decode_mean_acceptance_length,
                       "acceptance_per_position": per_pos, "drafts": s.spec_decode_num_drafts}
-        print(f"MTP3 {label}, drafts through {draft_lm_head}: mean acceptance length "
+        print(f"MTP3 {label}, drafts through {draft_lm_head} over {over}: mean acceptance length "
               f"{s.spec_decode_mean_acceptance_length:.3f}, per position "
               f"{[round(p, 3) for p in per_pos]} over {s.spec_decode_num_drafts} "
               "verification steps")
@@ -209,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-lm-heads", nargs="+", default=["model"], choices=["model", "fp8"],
                    help="MTP acceptance with the drafts reading each head (--speculative-config's "
                         "draft_lm_head)")
+    p.add_argument("--draft-vocab-sizes", type=int, nargs="*", default=[],
+                   help="also MTP acceptance with the drafts restricted to the N tokens most "
+                        "frequent in the training split (--speculative-config's draft_vocab)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.threads:
@@ -238,6 +258,14 @@ def main(argv: list[str] | None = None) -> int:
         for head in args.draft_lm_heads:
             key = "mtp3" if head == "model" else f"mtp3 drafts {head}"
             results[key] = mtp_acceptance(model_dir, stream, args.mtp_prompts, head)
+        counts = training_split_counts(model_dir, tok) if args.draft_vocab_sizes else []
+        for size in args.draft_vocab_sizes:
+            vocab = tuple(draft_vocab.most_frequent(counts, size))
+            covered = torch.isin(stream, torch.tensor(vocab)).float().mean().item()
+            print(f"draft vocabulary of {size} tokens: {covered:.1%} of the held-out tokens")
+            results[f"mtp3 draft vocab {size}"] = mtp_acceptance(
+                model_dir, stream, args.mtp_prompts, args.draft_lm_heads[-1], vocab)
+            results[f"mtp3 draft vocab {size}"]["held_out_coverage"] = covered
     if "overlap" not in args.skip:
         results["topk_overlap"] = topk_overlap(model_dir, stream, args.contexts,
                                                args.decode_steps)

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     from dsaserve.plan import simulate_cli
     from dsaserve.router import cli as router_cli
     from dsaserve.serve import cli as serve_cli
+    from dsaserve.spec import cli as spec_cli
     from dsaserve.train import cli as train_cli
 
     parser = argparse.ArgumentParser(prog="dsaserve", description=__doc__.splitlines()[0])
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cli.add_parser(sub)
     simulate_cli.add_parser(sub)
     train_cli.add_parser(sub)
+    spec_cli.add_parser(sub)
     return parser
 
 

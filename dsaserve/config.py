@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from dsaserve.spec import draft_vocab
+
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 
 
@@ -573,6 +575,11 @@ class SpecConfig:
     default): "fp8" where the engine keeps the checkpoint's FP8 weights, else "model". The
     target's logits always use lm_head, so output is unchanged; a draft can differ only where
     the MTP's top two logits lie within the quantization error (acceptance, not output).
+
+    `draft_vocab` (dsaserve's key; SGLang's --speculative-token-map): a JSON file listing the
+    token ids drafts may propose (`dsaserve draft-vocab` writes one of the N most frequent in
+    a text); the drafts' head keeps only those rows (spec/draft_vocab.py). Held here as the
+    ids, ascending; None: every token.
     """
 
     method: Literal["mtp"] = "mtp"
@@ -580,6 +587,7 @@ class SpecConfig:
     rejection_sample_method: RejectionSampleMethod = "standard"
     synthetic_acceptance_rates: tuple[float, ...] | None = None
     draft_lm_head: DraftLmHead = "auto"
+    draft_vocab: tuple[int, ...] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
@@ -640,7 +648,8 @@ class SpecConfig:
             return None
         raw = json_object(text, flag)
         known = {"method", "num_speculative_tokens", "rejection_sample_method",
-                 "synthetic_acceptance_length", "synthetic_acceptance_rates", "draft_lm_head"}
+                 "synthetic_acceptance_length", "synthetic_acceptance_rates", "draft_lm_head",
+                 "draft_vocab"}
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{flag}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
@@ -669,9 +678,18 @@ class SpecConfig:
         if method == "synthetic" and rates is None:
             raise ConfigError(f"{flag}: rejection_sample_method 'synthetic' needs "
                               "synthetic_acceptance_length or synthetic_acceptance_rates")
+        vocab = raw.get("draft_vocab")
+        if vocab is not None:
+            if not isinstance(vocab, str):
+                raise ConfigError(f"{flag}: draft_vocab must be the path of a JSON list of "
+                                  f"token ids, got {vocab!r}")
+            try:
+                vocab = draft_vocab.read(vocab)
+            except draft_vocab.DraftVocabError as e:
+                raise ConfigError(f"{flag}: draft_vocab {e}") from e
         return SpecConfig(method=raw["method"], num_speculative_tokens=k,
                           rejection_sample_method=method, synthetic_acceptance_rates=rates,
-                          draft_lm_head=raw.get("draft_lm_head", "auto"))
+                          draft_lm_head=raw.get("draft_lm_head", "auto"), draft_vocab=vocab)
 
 
 def check_divisible(cfg: ModelConfig, p: ParallelConfig) -> None:
@@ -746,6 +764,12 @@ class EngineConfig:
                 "--speculative-config: method 'mtp' needs a model with an MTP layer "
                 "(num_nextn_predict_layers is 0 in its config.json)"
             )
+        if self.speculative is not None and self.speculative.draft_vocab is not None:
+            try:
+                draft_vocab.check(self.speculative.draft_vocab, self.model.vocab_size,
+                                  "draft_vocab")
+            except draft_vocab.DraftVocabError as e:
+                raise ConfigError(f"--speculative-config: {e}") from e
 
     @property
     def num_speculative_tokens(self) -> int:

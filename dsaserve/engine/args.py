@@ -163,7 +163,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"num_speculative_tokens": 3}\'; benchmarks: add '
                         '"rejection_sample_method": "synthetic" and '
                         '"synthetic_acceptance_length": 2.99; "draft_lm_head": "fp8" or '
-                        '"model" (default auto: fp8 with FP8 weights kept)')
+                        '"model" (default auto: fp8 with FP8 weights kept); "draft_vocab": a '
+                        "JSON file of the token ids drafts may propose (dsaserve draft-vocab)")
     g.add_argument("--compilation-config", default=None,
                    type=_json_flag("--compilation-config", CompilationConfig.from_json),
                    help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '

@@ -212,8 +212,11 @@ class ModelRunner:
         )
         # projections of one input as one matrix: one GEMM (and quantization) per group
         fused_groups = fuse_model(self.model)
-        if self._drafts_read_fp8_head(keep_fp8):
-            self.model.quantize_draft_head()  # before the KV blocks are counted: its memory
+        spec = config.speculative
+        vocab = None if spec is None or not self.model.with_mtp else spec.draft_vocab
+        quantize = self._drafts_read_fp8_head(keep_fp8)
+        if quantize or vocab is not None:  # before the KV blocks are counted: its memory
+            self.model.make_draft_head(vocab, quantize)
         kept = sum(p.numel() for p in self.model.parameters() if p.dtype == torch.float8_e4m3fn)
         logger.info("weights: %.2f GiB on this rank (%s; %d projection groups fused)", sum(
             p.numel() * p.element_size() for p in self.model.parameters()) / 2**30,

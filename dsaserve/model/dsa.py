@@ -17,7 +17,7 @@ belongs to and where its KV goes. Each layer:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -611,7 +611,10 @@ class DsaForCausalLM(nn.Module):
         self.backend = backend
         self.model = DsaModel(cfg, with_mtp)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
-        self.draft_head: fp8.Fp8Linear | None = None  # quantize_draft_head's; None: lm_head
+        # make_draft_head's: the drafts' head (None: lm_head) and the ids of its rows (None:
+        # every id, in order)
+        self.draft_head: nn.Module | None = None
+        self.draft_ids: torch.Tensor | None = None  # [rows] int64, ascending
         self.rotary: RotaryTable | None = None
         self.groups = ParallelGroups.single()
         # TP: this rank's rows of embed_tokens and lm_head (parallel/tp.py); None: every row
@@ -706,23 +709,40 @@ class DsaForCausalLM(nn.Module):
     def draft_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, hidden] → [M] int64, the MTP drafts' argmax: over lm_head's logits (as
         compute_logits' argmax, without its fp32 copy: widening is exact, so the same token,
-        ties included), or over the FP8 copy's where quantize_draft_head made one."""
+        ties included), or over the draft head's where make_draft_head made one (its rows only,
+        mapped back to their ids)."""
         head = self.lm_head if self.draft_head is None else self.draft_head
-        logits = head(hidden)  # [M, vocab] or, under TP, this rank's columns
-        return logits.argmax(-1) if self.vocab is None else self.vocab.argmax(logits)
+        logits = head(hidden)  # [M, rows held]: every id, this rank's (TP), or the draft ids'
+        if self.vocab is not None:
+            return self.vocab.argmax(logits, self.draft_ids)
+        best = logits.argmax(-1)
+        return best if self.draft_ids is None else self.draft_ids[best]
 
-    def quantize_draft_head(self) -> None:
-        """Give the drafts an FP8 copy of lm_head (128 × 128 blocks, as the checkpoints store
-        their matrices; model/fp8.py): a draft's argmax then reads one byte per weight, not
-        two. With GLM-5.3's vocabulary (154,880 × 6,144) that is 0.95 GB less per draft, ~0.2
-        ms on an H200, three times an MTP3 step: work only the speculative step does, so its
-        speed-up over plain decoding rises (docs/decode.md). The target's logits keep lm_head."""
-        w = self.lm_head.weight.detach()  # [vocab, hidden]
+    def make_draft_head(self, ids: Sequence[int] | None, quantize: bool) -> None:
+        """Give the drafts a head of their own: lm_head's rows of `ids` only (ascending; None:
+        every row; under TP the ids this rank's rows hold), and with `quantize` in block FP8
+        (128 × 128 blocks, as the checkpoints store their matrices; model/fp8.py), so that a
+        draft's argmax reads fewer bytes. GLM-5.3's lm_head is 154,880 × 6,144, 1.9 GB in bf16
+        (0.95 GB as FP8, ~0.2 ms less per draft on an H200), read three times an MTP3 step: work
+        only the speculative step does, so its speed-up over plain decoding rises
+        (docs/decode.md). The target's logits keep lm_head."""
+        w = self.lm_head.weight.detach()  # [rows held, hidden]
+        if ids is not None:
+            start = 0 if self.vocab is None else self.vocab.start
+            stop = start + w.shape[0]
+            held = torch.tensor([t for t in ids if start <= t < stop], dtype=torch.int64)
+            w = w[held.to(w.device) - start]
+            self.draft_ids = held.to(w.device)
+        quantize = quantize and w.shape[0] > 0  # (TP: no draft id may fall in this rank's rows)
         with torch.device("meta"):
-            head = fp8.Fp8Linear(w.shape[1], w.shape[0])
-        wq, scale = fp8_weights.quantize_blocks(w)
-        head.weight = nn.Parameter(wq, requires_grad=False)
-        head.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            head = fp8.Fp8Linear(w.shape[1], w.shape[0]) if quantize else _linear(w.shape[1],
+                                                                                   w.shape[0])
+        if quantize:
+            wq, scale = fp8_weights.quantize_blocks(w)
+            head.weight = nn.Parameter(wq, requires_grad=False)
+            head.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+        else:
+            head.weight = nn.Parameter(w.clone(), requires_grad=False)
         self.draft_head = head
 
     # ---- construction ---------------------------------------------------------------------------

@@ -77,11 +77,17 @@ class VocabShard:
         return torch.cat((every[:longer].permute(1, 0, 2).reshape(m, -1),
                           every[longer:, :, : width - 1].permute(1, 0, 2).reshape(m, -1)), 1)
 
-    def argmax(self, local: torch.Tensor) -> torch.Tensor:
-        """local [M, stop − start] this rank's logits → [M] int64 the global argmax (the lowest
-        id among equal maxima, as over the whole row)."""
-        best, at = local.max(-1)  # [M] each; max's index is the first maximum's, as argmax's
-        pair = torch.stack((best.float(), (at + self.start).float()))  # [2, M]: ids < 2^24
+    def argmax(self, local: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """local [M, C] this rank's logits: its columns in order, or those of `ids` [C] (global
+        ids, ascending, in this rank's range; C may be 0) → [M] int64 the global argmax (the
+        lowest id among equal maxima, as over the whole row)."""
+        if local.shape[1] == 0:  # no draft id in this rank's range: it never wins
+            best = torch.full(local.shape[:1], float("-inf"), device=local.device)
+            at = torch.zeros(local.shape[:1], dtype=torch.int64, device=local.device)
+        else:
+            best, at = local.max(-1)  # [M] each; max's index is the first maximum's
+            at = at + self.start if ids is None else ids[at]
+        pair = torch.stack((best.float(), at.float()))  # [2, M]: ids < 2^24 are exact
         every = self.group.all_gather(pair)  # [parts, 2, M], rank-major = id order
         winner = every[:, 0].argmax(0)  # [M] the first rank holding the maximum
         return every[:, 1].gather(0, winner[None])[0].long()

@@ -22,9 +22,11 @@ W8A8; FP8 weights with bf16 activations as dsaserve's engine runs them on CUDA, 
 kernel by its rows; FP8 weights at the bf16 rate; or bf16), block-size, max-num-seqs,
 max-num-batched-tokens, gpu-memory-utilization, offload=SIZE (GiB of host KV tier per replica, as
 --kv-offloading-size), and mtp=K with acceptance=L (K MTP drafts per step accepted at vLLM's
-synthetic rates for a mean acceptance length L), max-model-len, and hisparse with host=SIZE
-(GiB of host pool per replica; each rank keeps the whole pool, as the engine's host_pool_gib),
-hot-rows=N (hot-buffer rows per request and layer; default (k + 2) × top-k, the engine's) and
+synthetic rates for a mean acceptance length L) and draft-vocab=N (the drafts' head keeps N
+tokens: --speculative-config's draft_vocab; give the acceptance measured with it),
+max-model-len, and hisparse with host=SIZE (GiB of host pool per replica; each rank keeps the
+whole pool, as the engine's host_pool_gib), hot-rows=N (hot-buffer rows per request and layer;
+default (k + 2) × top-k, the engine's) and
 overlap=F (the share of a step's selected rows that the previous step selected too; default 0.9),
 enforce-eager (decode steps run eager, as the engine's --enforce-eager; default: replayed from
 CUDA graphs, as the engine) and async-scheduling (the engine's host work overlaps the kernels:
@@ -60,8 +62,10 @@ class Deployment:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
     gpu_memory_utilization: float = 0.9
-    # MTP drafts per step, accepted at fixed synthetic rates (vLLM's benchmark mode)
+    # MTP drafts per step, accepted at fixed synthetic rates (vLLM's benchmark mode), and the
+    # tokens the drafts' head keeps (SpecConfig's draft_vocab; 0: every token)
     speculative: SpecConfig | None = None
+    draft_vocab: int = 0
     offload_bytes: int = 0  # host KV tier of each replica, over its ranks (0: none)
     max_model_len: int | None = None  # None: the longest context the memory allows
     # Hybrid HiSparse: the host pool of each replica (0: off), hot rows per request and layer
@@ -237,12 +241,17 @@ def _parse_engine(text: str, spec: str) -> Deployment:
             kwargs[field_name] = _number(spec, key, value, float)
         elif field_name in ("max_model_len", "hot_rows"):
             kwargs[field_name] = _number(spec, key, value, int)
+        elif key == "draft-vocab":
+            if mtp is None:
+                raise ConfigError(f"--deployment {spec!r}: draft-vocab=N needs mtp=K")
+            kwargs["draft_vocab"] = _number(spec, key, value, int)
         elif key != "hisparse":
             raise ConfigError(f"--deployment {spec!r}: unknown option {key!r} (router, kv, "
                               "weights, block-size, max-num-seqs, max-num-batched-tokens, "
                               "max-model-len, "
-                              "gpu-memory-utilization, offload, mtp, acceptance, hisparse, host, "
-                              "hot-rows, overlap, enforce-eager, async-scheduling)")
+                              "gpu-memory-utilization, offload, mtp, acceptance, draft-vocab, "
+                              "hisparse, host, hot-rows, overlap, enforce-eager, "
+                              "async-scheduling)")
     _check_hisparse(spec, "hisparse" in options, parallel, kwargs)
     return Deployment(spec=text, parallel=parallel, **kwargs, **flags)  # type: ignore[arg-type]
 

@@ -218,7 +218,8 @@ class SimEngine:
                                        self.num_drafts, model.index_topk), d.overlap)
                                    if d.hisparse else None, graphs=not d.enforce_eager,
                                    async_scheduling=d.async_scheduling, block_size=d.block_size,
-                                   weight_dtype=d.weight_dtype, host_fits=host_fits)
+                                   weight_dtype=d.weight_dtype, host_fits=host_fits,
+                                   draft_vocab=d.draft_vocab)
         # Synthetic acceptance: dsaserve's own verification rule, fixed conditional rates.
         self._rates = torch.tensor(spec.conditional_rates) if spec is not None else None
         self._uniforms = torch.Generator().manual_seed(0)

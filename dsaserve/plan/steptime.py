@@ -118,17 +118,20 @@ class StepTimeModel:
                  kv_dtype: cm.KVDType = "fp8_ds_mla", num_drafts: int = 0,
                  hisparse: HiSparseReads | None = None, *, graphs: bool = True,
                  async_scheduling: bool = False, block_size: int = 64,
-                 host_fits: HostFits = H200_HOST, weight_dtype: cm.WeightDType = "fp8") -> None:
+                 host_fits: HostFits = H200_HOST, weight_dtype: cm.WeightDType = "fp8",
+                 draft_vocab: int = 0) -> None:
         """`hisparse`: decode rows read through hot buffers (None: from GPU pages). `graphs`:
         decode-only steps replay CUDA graphs (the engine's default; False: --enforce-eager);
         `async_scheduling`: the engine's host work overlaps the kernels (the engine's
         --async-scheduling: docs/decode.md). `weight_dtype`: the weight mode
         (costmodel.WEIGHT_FORMATS), which sets the matrices' matmul rate and the bytes a step
-        reads of them."""
+        reads of them. `draft_vocab`: the tokens the drafts' head keeps (SpecConfig's
+        draft_vocab; 0: every token)."""
         cm.check_layout(model, par)
         self.hisparse = hisparse
         self.model, self.par, self.parts = model, par, parts
         self.num_drafts = num_drafts  # MTP drafts per step (0: no speculative decoding)
+        self.draft_vocab = draft_vocab
         self.decode_rows = 1 + num_drafts  # a request's rows in a decode (verify) step
         self.kv = cm.kv_bytes_per_token(model, kv_dtype)
         self.tp, self.pcp, self.dcp = (par.tensor_parallel_size,
@@ -225,15 +228,19 @@ class StepTimeModel:
     def _draft_lm_head(self, rows: float) -> float:
         """One draft's argmax over `rows` rows: lm_head as held, or in fp8-dsaserve its FP8
         copy (SpecConfig.draft_lm_head, the engine's default with FP8 weights kept): one byte a
-        value and an fp32 scale per 128 × 128 block, at the rate of the kernel its rows take."""
+        value and an fp32 scale per 128 × 128 block, at the rate of the kernel its rows take.
+        With a draft vocabulary, its rows only; under TP priced as if one rank held them all
+        (the most frequent tokens crowd the low ids, so one rank's part: the slowest)."""
+        h = self.model.hidden_size
+        held = self.w.lm_head // h  # this GPU's rows of lm_head
+        keep = min(self.draft_vocab, held) if self.draft_vocab else held
         if self.weights.matmul != "by-rows":
-            return self._gemm("lm_head", rows)
-        values, h = self.w.lm_head, self.model.hidden_size
-        copy = cm.Tensor("lm_head", values // h, h, held="fp8")  # this GPU's rows
-        held = copy.nbytes(self.weights, cm.fp8_block(self.model))
+            return keep / held * self._gemm("lm_head", rows)
+        copy = cm.Tensor("lm_head", keep, h, held="fp8")
+        nbytes = copy.nbytes(self.weights, cm.fp8_block(self.model))
         path = cm.fp8_dense_path(rows, copy.rows, h, aligned=True)
-        return max(2 * rows * values / self._matmul(path),
-                   held / (self.parts.hbm_tbps.value * 1e12))
+        return max(2 * rows * keep * h / self._matmul(path),
+                   nbytes / (self.parts.hbm_tbps.value * 1e12))
 
     def _hot_misses(self, batch: Sequence[tuple[int, int]]) -> float:
         """Seconds of host-link reads for the step's hot-buffer misses: per hot decode request

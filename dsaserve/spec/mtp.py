@@ -20,7 +20,8 @@ before anything reads them. A prefix hit is safe because the KV manager recomput
 matched block (the key at a block's last position depends on the next block's first token).
 
 Drafts are greedy (the argmax of the MTP logits: vLLM's default draft_sample_method), over
-lm_head or its FP8 copy (`draft_lm_head`, config.SpecConfig; DsaForCausalLM.draft_tokens).
+lm_head or its FP8 copy (`draft_lm_head`, config.SpecConfig; DsaForCausalLM.draft_tokens), over
+every token or the ids of a draft vocabulary (`draft_vocab`, spec/draft_vocab.py).
 
 Nothing here reads device data on the host: how many drafts a request accepted decides which row
 drafting continues from and at which position, and both stay on the device. The draft steps'

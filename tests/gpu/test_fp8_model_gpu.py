@@ -81,12 +81,16 @@ def test_fp8_kept_graphs_equal_eager(fp8_dir, engine_config, monkeypatch, dtype)
         assert eager.generate(_prompts(), PARAMS) == tokens
 
 
-def test_fp8_draft_head_greedy_equals_plain(fp8_dir, engine_config):
+@pytest.mark.parametrize("vocab", [None, tuple(range(0, 512, 3))])
+def test_fp8_draft_head_greedy_equals_plain(fp8_dir, engine_config, vocab):
     """MTP3 with FP8 kept drafts through the FP8 copy of lm_head by default (the weight-only
-    kernel, inside the drafts' CUDA graph): greedy output equals plain decoding's."""
+    kernel, inside the drafts' CUDA graph), over every token or a draft vocabulary (a third of
+    the ids: the argmax's index mapped back to its id inside the graph): greedy output equals
+    plain decoding's."""
     plain = LLMEngine.from_config(_config(engine_config, fp8_dir, True, eager=False))
+    spec = SpecConfig(num_speculative_tokens=3, draft_vocab=vocab)
     mtp = LLMEngine.from_config(replace(_config(engine_config, fp8_dir, True, eager=False),
-                                        speculative=SpecConfig(num_speculative_tokens=3)))
+                                        speculative=spec))
     assert mtp.runner.model.draft_head is not None
     assert mtp.generate(_prompts(), PARAMS) == plain.generate(_prompts(), PARAMS)
     assert mtp.runner.decode_graphs.num_draft_replays > 0

@@ -24,13 +24,17 @@ LAYOUTS = {
     "tp2_dcp2": dict(tp=2, dcp=2, max_num_batched_tokens=33),
     "dp2": dict(dp=2, max_num_batched_tokens=48),
 }
-# The drafts' head per layout (SpecConfig.draft_lm_head; "auto" is lm_head on the CPU): under
-# TP the FP8 copy is made on every rank from its whole (replicated) lm_head.
+# The drafts' head per layout (SpecConfig.draft_lm_head; "auto" is lm_head on the CPU) and
+# vocabulary: under TP each rank makes the FP8 copy of its own rows of lm_head, and with a draft
+# vocabulary of the lower half of the ids (tiny presets: 512) the second rank holds none of it
+# (parallel/vocab.py: it never wins the argmax).
 DRAFT_HEADS = {"tp2_dcp2": "fp8"}
+DRAFT_VOCABS = {"tp2_dcp2": tuple(range(256))}
 
 
 def _spec(layout: str) -> SpecConfig:
-    return SpecConfig(num_speculative_tokens=3, draft_lm_head=DRAFT_HEADS.get(layout, "auto"))
+    return SpecConfig(num_speculative_tokens=3, draft_lm_head=DRAFT_HEADS.get(layout, "auto"),
+                      draft_vocab=DRAFT_VOCABS.get(layout))
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))

@@ -6,6 +6,8 @@ margin); synthetic acceptance lengths; the config's vLLM semantics and errors.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -212,3 +214,40 @@ def test_bad_speculative_config_names_the_flag(text: str, match: str) -> None:
     with pytest.raises(ConfigError, match="--speculative-config") as e:
         SpecConfig.from_json(text)
     assert e.match(match)
+
+
+@pytest.mark.parametrize("content,match", [
+    (None, "draft_vocab .*cannot be read"),
+    ("[1, 2", "not JSON"),
+    ("{}", "non-empty JSON list of token ids"),
+    ("[]", "non-empty JSON list of token ids"),
+    ("[1, -2]", "non-empty JSON list of token ids"),
+    ("[1, true]", "non-empty JSON list of token ids"),
+    ("[4, 1, 4]", "token ids repeat"),
+])
+def test_bad_draft_vocab_names_the_flag(tmp_path, content, match) -> None:
+    path = tmp_path / "vocab.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match="--speculative-config") as e:
+        SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 2, '
+                             f'"draft_vocab": "{path}"}}')
+    assert e.match(match)
+
+
+def test_draft_vocab_is_read_ascending_and_checked_against_the_model(tmp_path,
+                                                                     engine_config,
+                                                                     draftable_dirs) -> None:
+    path = tmp_path / "vocab.json"
+    path.write_text("[9, 2, 5]")
+    spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 2, '
+                                f'"draft_vocab": "{path}"}}')
+    assert spec.draft_vocab == (2, 5, 9)
+    assert "draft_vocab" not in repr(spec)  # (a real one holds ~10^4 ids)
+    cfg = engine_config(draftable_dirs["tiny-glm5"])
+    path.write_text(f"[2, {cfg.model.vocab_size}]")
+    spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 2, '
+                                f'"draft_vocab": "{path}"}}')
+    with pytest.raises(ConfigError, match=r"--speculative-config: draft_vocab: token id \d+ is "
+                                          "outside the model's vocabulary"):
+        dataclasses.replace(cfg, speculative=spec)

@@ -269,6 +269,28 @@ def test_an_mtp_draft_reads_its_eh_proj_as_stored():
         assert drafted == pytest.approx((2 * forward + 3 * head) / hbm, rel=1e-9)
 
 
+def test_a_draft_vocabulary_prices_its_rows_only():
+    """draft-vocab=N (SpecConfig's draft_vocab): each draft reads N rows of the head, under TP
+    as many as one rank holds at most; the target's lm_head is unchanged."""
+    _, m = load_model("glm-5.3")
+    for layout in ("dp8xep", "tp8"):
+        d = parse_deployment(f"{layout} mtp=3 acceptance=2.9 draft-vocab=32768 "
+                             "weights=fp8-dsaserve")
+        assert d.draft_vocab == 32768
+        sub = StepTimeModel(m, d.parallel, H200, num_drafts=3, weight_dtype=d.weight_dtype,
+                            draft_vocab=d.draft_vocab)
+        full = StepTimeModel(m, d.parallel, H200, num_drafts=3, weight_dtype=d.weight_dtype)
+        batch = [(4, 8192)]
+        assert sub.step(batch).gemm == full.step(batch).gemm  # no drafting: the target's head
+        held = m.vocab_size // d.parallel.tensor_parallel_size
+        keep = min(32768, held)
+        saved = full.step(batch, drafting=[8192]).gemm - sub.step(batch, drafting=[8192]).gemm
+        hbm = H200.hbm_tbps.value * 1e12
+        assert saved == pytest.approx(3 * (held - keep) * m.hidden_size / hbm, rel=0.01)
+    with pytest.raises(ConfigError, match="draft-vocab=N needs mtp=K"):
+        parse_deployment("dp8xep draft-vocab=1000")
+
+
 def test_curve_interpolates_and_extrapolates():
     c = Curve((32, 128), (40.0, 120.0), "us", "test")
     assert c(32) == 40.0 and c(80) == pytest.approx(80.0)

@@ -130,6 +130,64 @@ def test_fp8_draft_head_keeps_output_and_acceptance(engine_config, draftable, re
     assert fp8.spec_decode_mean_acceptance_length > 0.95 * model.spec_decode_mean_acceptance_length
 
 
+@pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
+def test_draft_vocab_keeps_output_and_bounds_the_drafts(engine_config, draftable, reference,
+                                                        mixed_prompts, tmp_path, preset):
+    """Drafts restricted to a vocabulary (`draft_vocab`, spec/draft_vocab.py), through the
+    model's rows and through an FP8 copy: greedy output equals the non-speculative run's every
+    time. With the tokens the output is made of, drafts are accepted about as often as over the
+    whole vocabulary (where the full argmax is one of them it is still the drafts' argmax);
+    with none of them, no draft can be right: acceptance length exactly 1."""
+    want = reference("draftable", preset)
+    emitted = sorted({t for out in want for t in out})
+    vocab = engine_config(draftable[preset]).model.vocab_size
+    subsets = {"emitted": emitted, "disjoint": [t for t in range(vocab) if t not in emitted]}
+    lengths = {}
+    for name, ids in subsets.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(str(ids))
+        for head in ("model", "fp8") if name == "emitted" else ("fp8",):
+            spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3, '
+                                        f'"draft_lm_head": "{head}", "draft_vocab": "{path}"}}')
+            engine = LLMEngine.from_config(dataclasses.replace(
+                engine_config(draftable[preset], max_num_batched_tokens=512, num_blocks=64),
+                speculative=spec))
+            model = engine.runner.model
+            assert model.draft_head.weight.shape[0] == len(ids)
+            assert model.draft_ids.tolist() == ids
+            assert _run(engine, mixed_prompts()) == want
+            lengths[name, head] = engine.stats().spec_decode_mean_acceptance_length
+    full = _engine(engine_config, draftable[preset], 3, max_num_batched_tokens=512,
+                   num_blocks=64)
+    _run(full, mixed_prompts())
+    everything = full.stats().spec_decode_mean_acceptance_length
+    print(f"{preset}: mean acceptance length {everything:.3f} over every token; {lengths}")
+    assert lengths["disjoint", "fp8"] == 1.0
+    assert lengths["emitted", "model"] > 0.95 * everything
+
+
+def test_draft_tokens_are_the_argmax_over_the_draft_vocab(model_dirs) -> None:
+    """DsaForCausalLM.draft_tokens with a draft vocabulary: the argmax of lm_head's logits over
+    those ids only, ties to the lowest id."""
+    from dsaserve.config import ModelConfig
+    from dsaserve.kernels.registry import get_backend
+    from dsaserve.model.dsa import DsaForCausalLM
+
+    cfg = ModelConfig.from_file(model_dirs["tiny-glm5"])
+    model = DsaForCausalLM.build(cfg, with_mtp=False, backend=get_backend("reference"),
+                                 dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    model.lm_head.weight.data = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)
+    ids = [3, 17, 18, 200, cfg.vocab_size - 1]
+    model.lm_head.weight.data[18] = model.lm_head.weight.data[17]  # a tie: 17 wins
+    hidden = torch.randn(6, cfg.hidden_size, generator=g)
+    hidden[0] = model.lm_head.weight.data[17] * 8
+    model.make_draft_head(ids, quantize=False)
+    logits = model.lm_head(hidden)[:, ids]
+    assert torch.equal(model.draft_tokens(hidden), torch.tensor(ids)[logits.argmax(-1)])
+    assert model.draft_tokens(hidden)[0] == 17
+
+
 def _cache_rows(runner: ModelRunner, layer: int, block_ids: list[int], n: int) -> torch.Tensor:
     """Layer `layer`'s latent KV rows [n, L+R] of positions 0..n−1 (and the index keys)."""
     slots, _ = layout.context_slots(n, block_ids, runner.block_size)
