@@ -619,7 +619,8 @@ elif [ "$part" = 54 ]; then
     # token and over a draft vocabulary), then 16 layers, b = 1 and 64, the drafts' head fp8,
     # fp8 over the first 32,768 ids (SpecConfig.draft_vocab), then model (lm_head), one machine
     TAIL_LINES=12 run 120 gpu_tests python -m pytest -q -m gpu -rf --tb=short \
-        tests/gpu/test_fp8_model_gpu.py -k "draft_head or graphs_equal"
+        tests/gpu/test_fp8_model_gpu.py tests/gpu/test_kernels_gpu.py \
+        -k "draft_head or graphs_equal or rms_norm"
     for head in fp8 fp8-vocab32k model; do
         [ "$(left)" -gt 90 ] && TAIL_LINES=10 run "$(left)" "decode16_vocab_$head" python \
             benchmarks/decode.py --layers 16 --weights fp8 --vocab-size 154880 \
