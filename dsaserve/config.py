@@ -596,6 +596,10 @@ class SpecConfig:
         if self.draft_lm_head not in DRAFT_LM_HEADS:
             raise ConfigError(f"{flag}: draft_lm_head must be one of {list(DRAFT_LM_HEADS)}, "
                               f"got {self.draft_lm_head!r}")
+        vocab = self.draft_vocab
+        if vocab is not None and not (vocab and vocab[0] >= 0 and all(
+                a < b for a, b in zip(vocab, vocab[1:], strict=False))):
+            raise ConfigError(f"{flag}: draft_vocab must hold token ids, ascending, none twice")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ConfigError(f"{flag}: num_speculative_tokens must be an integer >= 1, got {k!r}")

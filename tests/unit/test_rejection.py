@@ -243,6 +243,8 @@ def test_draft_vocab_is_read_ascending_and_checked_against_the_model(tmp_path,
     spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 2, '
                                 f'"draft_vocab": "{path}"}}')
     assert spec.draft_vocab == (2, 5, 9)
+    with pytest.raises(ConfigError, match="ascending"):
+        SpecConfig(num_speculative_tokens=2, draft_vocab=(5, 2))
     assert "draft_vocab" not in repr(spec)  # (a real one holds ~10^4 ids)
     cfg = engine_config(draftable_dirs["tiny-glm5"])
     path.write_text(f"[2, {cfg.model.vocab_size}]")
