@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 
 class RequestError(ValueError):
-    """Bad input from a client; the message is safe to return as an HTTP 400."""
+    """Bad input from a client; the message is safe to return as an HTTP 400. `param`: the
+    request field it names, where one does (OpenAI's error `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(RuntimeError):
@@ -40,23 +45,27 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
+                               "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}",
+                               "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(
-                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}"
-            )
+                f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+                "top_k")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}")
+            raise RequestError(f"seed must be a 64-bit integer, got {self.seed!r}", "seed")
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}")
+            raise RequestError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}",
+                               "min_tokens")
         if self.logprobs is not None and (
                 not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                 or self.logprobs < 0):
-            raise RequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
+            raise RequestError(f"logprobs must be None or an integer >= 0, got {self.logprobs!r}",
+                               "logprobs")
 
     def min_tokens_stop_ids(self, eos_token_ids: tuple[int, ...],
                             vocab_size: int) -> tuple[int, ...]:

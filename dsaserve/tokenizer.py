@@ -228,7 +228,11 @@ def _text_parts(message: dict[str, Any], index: int) -> list[str]:
             raise ChatTemplateError(
                 f"messages[{index}].content[{j}]: unsupported part type {kind!r}"
             )
-        texts.append(str(part.get("text", "")))
+        if not isinstance(text := part.get("text"), str):
+            got = "none" if text is None else type(text).__name__
+            raise ChatTemplateError(f"messages[{index}].content[{j}].text: expected a string, "
+                                    f"got {got}")
+        texts.append(text)
     return texts
 
 

@@ -19,7 +19,9 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from dsaserve.config import EngineConfig
+import torch
+
+from dsaserve.config import ConfigError, EngineConfig
 from dsaserve.core import (
     Completion,
     EngineDeadError,
@@ -150,6 +152,7 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine | DataParallelEngine:
         """world 1: the runner in this process; world > 1: one worker process per rank;
         --data-parallel-size > 1: a DataParallelEngine of that many such engines."""
+        check_device(config.device)
         if config.parallel.data_parallel_size > 1:
             from dsaserve.engine.dp import DataParallelEngine  # dp builds on this module
 
@@ -353,3 +356,14 @@ class LLMEngine:
                                *, cache_salt: str | None = None) -> list[Completion]:
         """generate, each prompt's tokens with their logprob entries (SamplingParams.logprobs)."""
         return run_completions(self, prompts, params, cache_salt=cache_salt)
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine has: a ConfigError naming the flag, where torch
+    would fail deep inside the model's build (an AssertionError without CUDA)."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    if index >= (count := torch.cuda.device_count()):
+        raise ConfigError(f"--device: {device} is not available (this machine has {count} CUDA "
+                          "devices)")

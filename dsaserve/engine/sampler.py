@@ -45,10 +45,12 @@ def make_generator(
 
 def row_values(params: SamplingParams) -> tuple[float, int, float]:
     """A request's row of a SamplingBatch: (temperature, 0 = greedy; top_k, 0 = off; top_p,
-    1 = off). A greedy request is temperature 0 whatever its other values."""
+    1 = off). A greedy request is temperature 0 whatever its other values. A top_k past
+    any vocabulary filters nothing: it is off too (the sampling table's int32 cannot hold
+    every client's number)."""
     if params.greedy:
         return 0.0, 0, 1.0
-    return params.temperature, max(params.top_k, 0), params.top_p
+    return params.temperature, params.top_k if 0 < params.top_k < 2**31 else 0, params.top_p
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,14 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _api_key(text: str) -> str:
+    # An empty key (`--api-key "$KEY"` with KEY unset) would silently serve without one.
+    if not text:
+        raise argparse.ArgumentTypeError("expected a non-empty key (omit the flag to serve "
+                                         "without one)")
+    return text
+
+
 def chat_template_arg(text: str) -> str:
     """Checked at parse time (a missing file or bad template fails at once); the flag keeps its
     text so that `--pd` can pass it on."""
@@ -63,7 +71,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     s.add_argument("--port", type=_port, default=8000, help="(default: %(default)s)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: MODEL as given)")
-    s.add_argument("--api-key", default=None,
+    s.add_argument("--api-key", type=_api_key, default=None,
                    help="require 'Authorization: Bearer <key>' on every route but /health "
                    "(default: $DSASERVE_API_KEY, else $VLLM_API_KEY, else none)")
     s.add_argument("--max-request-body-bytes", type=int_at_least(1), default=32 * 2**20,

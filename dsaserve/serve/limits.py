@@ -100,10 +100,13 @@ def check_lengths(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
                   prompt_field: str, max_tokens_field: str) -> None:
     """Prompt + requested output must fit in max_model_len; each error names the field to change.
 
-    The prompt must leave room for one output token (the engine's own rule, checked here first so
-    the error can name the field). `max_tokens` is checked only when the client sent it: a default
-    is capped to the context instead.
+    The prompt must hold a token and leave room for one output token (the engine's own rules,
+    checked here first so the error can name the field). `max_tokens` is checked only when the
+    client sent it: a default is capped to the context instead.
     """
+    if num_prompt_tokens == 0:
+        raise RequestLimitError(400, f"{prompt_field}: the prompt is empty (0 tokens)",
+                                prompt_field)
     if num_prompt_tokens >= max_model_len:
         raise RequestLimitError(400, f"{prompt_field}: prompt has {num_prompt_tokens} tokens; "
                                 f"max_model_len is {max_model_len}", prompt_field)

@@ -158,9 +158,11 @@ def tool_call_arguments_as_objects(messages: list[dict[str, Any]]) -> list[dict[
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
-        if not isinstance(calls, list):
+        if calls is None:
             out.append(m)
             continue
+        if not isinstance(calls, list):
+            raise PromptError(f"messages[{i}].tool_calls: expected a list of calls", "messages")
         fixed = []
         for j, call in enumerate(calls):
             function = call.get("function") if isinstance(call, dict) else None

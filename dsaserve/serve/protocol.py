@@ -39,7 +39,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk's usage so far
 
 
 class _SamplingFields(_Request):

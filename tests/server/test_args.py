@@ -18,6 +18,7 @@ from dsaserve.engine.args import (
     models_cache_dir,
     resolve_model,
 )
+from dsaserve.engine.engine import check_device
 from dsaserve.model.presets import DEFAULT_MODEL, preset_config
 from dsaserve.serve import cli as serve_cli
 
@@ -102,6 +103,8 @@ def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
     (["--attention-config", '{"sparse_mla_force_mqa": 1}'],
      "argument --attention-config: sparse_mla_force_mqa must be true or false"),
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    # `--api-key "$KEY"` with KEY unset: it served without a key
+    (["--api-key", ""], "argument --api-key: expected a non-empty key"),
     (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
     (["-tp", "0"], "argument -tp/--tensor-parallel-size: expected an integer >= 1"),
     (["--dcp-comm-backend", "nccl"], "argument --dcp-comm-backend: invalid choice"),
@@ -155,6 +158,17 @@ def test_bad_combinations_name_the_flag(model_dir: Path, argv, message, capsys) 
     with pytest.raises(SystemExit) as e:
         serve_cli.main([str(model_dir), *argv])
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_is_a_usage_error(model_dir: Path, capsys) -> None:
+    """Was a traceback from deep inside the model's build (AssertionError: Torch not compiled
+    with CUDA enabled); now a usage error naming --device, before any engine is built."""
+    with pytest.raises(ConfigError, match="--device: cuda:99 is not available"):
+        check_device("cuda:99")
+    check_device("cpu")
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), "--device", "cuda:99"])
+    assert e.value.code == 2 and "--device: cuda:99 is not available" in capsys.readouterr().err
 
 
 def test_speculative_config_reaches_the_engine_config(model_dir: Path) -> None:

@@ -84,9 +84,11 @@ def test_error_body_survives_surrogates_in_its_message() -> None:
     assert "\\ud800" in body.model_dump_json()
 
 
-# Each failed the engine step (NaN probabilities), killing the engine for every request: 503 after.
+# Each failed the engine step, killing the engine for every request (503 after): NaN
+# probabilities, and a top_k past int32 that overflowed the sampling table (it filters nothing).
 @pytest.mark.parametrize("params", [{"temperature": 1e-38}, {"temperature": 5e-324},
-                                    {"top_p": 1e-300}, {"temperature": 1e-30, "top_p": 1e-50}])
+                                    {"top_p": 1e-300}, {"temperature": 1e-30, "top_p": 1e-50},
+                                    {"top_k": 2**31}, {"top_k": 2**70}])
 def test_extreme_sampling_values_do_not_kill_the_engine(client, engine, params) -> None:
     r = client.post("/v1/completions", json={"prompt": "The harbour", "max_tokens": 4,
                                              "ignore_eos": True, "seed": 3} | params)
@@ -166,6 +168,41 @@ def test_lengths_beyond_the_model_are_400_naming_the_field(client, path, body, p
     error = r.json()["error"]
     assert error["param"] == param and fragment in error["message"]
     assert error["message"].startswith(f"{param}: ")
+
+
+# Each named no field (param null), or the wrong one: max_tokens -1 blamed min_tokens, and
+# max_completion_tokens 0 was "max_tokens must be ..."; an empty prompt quoted the request id.
+# Part texts that are no string were rendered as "5" or ""; tool_calls "x" reached the template.
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", "must be at least 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens", "must be at least 1"),
+    ("/v1/chat/completions", CHAT | {"max_completion_tokens": 0}, "max_completion_tokens",
+     "must be at least 1, got 0"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", "[0, 100]"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, "top_k", "got -2"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "the prompt is empty"),
+    ("/v1/completions", {"prompt": [[]]}, "prompt", "the prompt is empty"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 129}, "stop",
+     "at most 128 stop strings, got 129"),
+    ("/v1/chat/completions", CHAT | {"messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}, "messages",
+     "messages[0].content[0].text: expected a string, got none"),
+    ("/v1/chat/completions", CHAT | {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages",
+     "messages[0].content[0].text: expected a string, got int"),
+    ("/v1/chat/completions", CHAT | {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": "x"},
+        {"role": "user", "content": "hi"}]}, "messages",
+     "messages[0].tool_calls: expected a list of calls"),
+])
+def test_bad_values_are_400_naming_the_field(client, engine, path, body, param, fragment) -> None:
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and fragment in error["message"], error
+    assert param in error["message"]
+    assert engine.is_alive
 
 
 def test_lengths_that_fit_exactly_are_served(client) -> None:

@@ -367,6 +367,27 @@ def test_agentx_request_shape_raw_http(server, tok) -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": [9, 10, 11, 12]}),
+])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(server, path, body) -> None:
+    """vLLM's stream_options.continuous_usage_stats (it was accepted and ignored): each chunk
+    carries the usage so far, the completion tokens never shrinking, up to the final usage."""
+    body = body | {"stream": True, "max_tokens": 12, "ignore_eos": True,
+                   "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(e) for e in sse_events(r.iter_lines())[:-1]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-2] == 12
+    prompt_tokens = chunks[-1]["usage"]["prompt_tokens"]
+    assert all(c["usage"]["prompt_tokens"] == prompt_tokens for c in chunks)
+    assert all(c["usage"]["total_tokens"] == prompt_tokens + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input
 # ------------------------------------------------------------------------------------------------

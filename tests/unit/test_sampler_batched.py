@@ -208,6 +208,23 @@ def test_table_follows_the_diffs():
     assert sampling_probs(torch.tensor([[0.0, 2.0, 1.0]]), batch).tolist() == [[0, 1, 0]]
 
 
+def test_table_takes_a_top_k_past_int32_as_off():
+    """A client's top_k of 2**31 or more (it passes SamplingParams: no upper bound, as in vLLM)
+    filters nothing; written as is it overflowed the int32 row and failed the step for every
+    request (the engine died)."""
+    table = SamplingTable(2, CPU, seed=0)
+    table.add("huge", 0, SamplingParams(temperature=0.8, top_k=2**70))
+    table.add("edge", 1, SamplingParams(temperature=0.8, top_k=2**31 - 1))  # fits: kept
+    table.apply(table.pending())
+    table.check_integrity()
+    batch = table.batch(["huge", "edge"], torch.tensor([0, 1]))
+    assert batch.top_k.tolist() == [0, 2**31 - 1]
+    table.remove("huge")
+    table.remove("edge")
+    assert table.num_top_k == 0  # counted alike on the way in and out
+    table.check_integrity()
+
+
 def test_step_generator_is_the_same_on_every_rank():
     """Two tables (two ranks) seeded alike draw the same noise each step, and a new noise
     each step."""

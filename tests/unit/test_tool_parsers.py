@@ -105,6 +105,21 @@ def test_glm_malformed_or_unfinished_calls_stay_in_the_content(text) -> None:
     assert whole(text) == ("", text, [])
 
 
+# Schemas a client may send (only `parameters` being an object is checked): each raised inside the
+# output parser (AttributeError, TypeError), failing the response once the model wrote a call.
+@pytest.mark.parametrize("parameters", [
+    {"properties": ["city"]}, {"properties": "city"},
+    {"properties": {"city": {"anyOf": 5}}}, {"properties": {"city": {"oneOf": "string"}}},
+    {"properties": {"city": {"enum": 5}}}, {"properties": {"city": {"enum": "abc"}}},
+])
+@pytest.mark.parametrize("tool_parser", ["glm47", "deepseek_v32"])
+def test_malformed_parameter_schemas_read_values_as_json(parameters, tool_parser) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    text = (glm_call("f", {"city": "42"}) if tool_parser == "glm47"
+            else dsml(dsml_invoke("f", [("city", "42", False)])))
+    assert whole(text, tool_parser=tool_parser, tools=tools) == ("", "", [("f", {"city": 42})])
+
+
 def test_glm_a_call_after_a_malformed_one_is_still_read() -> None:
     text = "<tool_call>\n</tool_call>x" + glm_call("now", {})
     assert whole(text) == ("", "<tool_call>\n</tool_call>x", [("now", {})])

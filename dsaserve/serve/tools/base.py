@@ -156,10 +156,13 @@ class BlockToolParser(ABC):
         return out
 
     def param_types(self, name: str) -> dict[str, set[str]]:
-        """The JSON-schema types of each parameter of tool `name` ({} for an unknown tool)."""
+        """The JSON-schema types of each parameter of tool `name` ({} for an unknown tool, or a
+        schema whose `properties` is no object: the client's schema is not validated)."""
         for tool in self.tools:
             function = tool.get("function") or {}
             if function.get("name") == name:
-                props = (function.get("parameters") or {}).get("properties") or {}
+                props = (function.get("parameters") or {}).get("properties")
+                if not isinstance(props, dict):
+                    return {}
                 return {k: schema_types(v) for k, v in props.items() if isinstance(v, dict)}
         return {}

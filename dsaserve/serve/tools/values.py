@@ -57,10 +57,12 @@ def schema_types(schema: dict[str, Any]) -> set[str]:
         return {x for x in t if isinstance(x, str)}
     types: set[str] = set()
     for key in ("anyOf", "oneOf"):
-        for branch in schema.get(key) or []:
+        branches = schema.get(key)
+        for branch in branches if isinstance(branches, list) else []:
             if isinstance(branch, dict):
                 types |= schema_types(branch)
-    if not types and schema.get("enum") and all(isinstance(v, str) for v in schema["enum"]):
+    enum = schema.get("enum")
+    if not types and enum and isinstance(enum, list) and all(isinstance(v, str) for v in enum):
         types.add("string")
     return types
 
