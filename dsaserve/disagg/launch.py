@@ -83,9 +83,13 @@ def server_commands(model: str, spec: dict[str, list[str]], ports: dict[str, int
     return out
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_healthy(name: str, url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until the `name` server answers /health; a ConfigError naming --pd where it exits with
+    a usage error (status 2: a flag of its FLAGS, printed by it), else a RuntimeError."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc.poll() == 2:
+            raise ConfigError(f"{FLAG}: the {name} server refused its flags (its error is above)")
         if proc.poll() is not None:
             raise RuntimeError(f"{url}: the server exited with status {proc.returncode}")
         try:
@@ -167,7 +171,7 @@ def run_pd(args: argparse.Namespace, model: str) -> int:
                                           preexec_fn=die_with_parent))
         urls = {name: f"http://127.0.0.1:{ports[name]}" for name in _SIDES}
         for name, proc in zip(_SIDES, procs, strict=True):
-            wait_healthy(urls[name], proc, args.pd_start_timeout)
+            wait_healthy(name, urls[name], proc, args.pd_start_timeout)
         router = RouterConfig(prefill_backends=(urls["prefill"],),
                               decode_backends=(urls["decode"],), host=args.host, port=args.port,
                               tokenizer_mode=args.tokenizer_mode,

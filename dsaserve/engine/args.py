@@ -52,6 +52,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _seed(text: str) -> int:
+    """What torch's generators take (a larger one was a traceback from torch.manual_seed)."""
+    value = int_at_least(0)(text)
+    if value >= 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    return value
+
+
 def _fraction(text: str) -> float:
     """A float in (0, 1] (memory fractions)."""
     try:
@@ -143,7 +151,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fixed number of KV blocks instead of sizing from memory")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of identical prompt prefixes (default: on)")
-    g.add_argument("--seed", type=int_at_least(0), default=0,
+    g.add_argument("--seed", type=_seed, default=0,
                    help="engine seed for sampling (default: %(default)s)")
     g.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                    help="weight / activation dtype; auto: the checkpoint's")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsaserve.config import EngineConfig, ModelConfig
+from dsaserve.config import ConfigError, EngineConfig, ModelConfig
 from dsaserve.core import (
     PLACEHOLDER_TOKEN_ID,
     KVRecv,
@@ -347,8 +347,8 @@ class ModelRunner:
             need = per_block * blocks_per_seq * cfg.scheduler.max_num_seqs
             budget = min(_CPU_KV_BUDGET_BYTES - mla_bytes, need)
         num = int(budget // per_block)
-        if num < blocks_per_seq:
-            raise ValueError(
+        if num < blocks_per_seq:  # a usage error, not a traceback
+            raise ConfigError(
                 f"--gpu-memory-utilization: room for {max(num, 0)} KV blocks{where} but one "
                 f"request of --max-model-len {cfg.scheduler.max_model_len} needs {blocks_per_seq}"
             )

@@ -540,13 +540,20 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
         return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
         parts: list[str] = []
         param = None
         for err in e.errors():
             if err["type"] == "json_invalid":
                 reason = err.get("ctx", {}).get("error", err["msg"])
                 return error_response(400, f"malformed JSON body: {reason}")
+            if err["loc"] == ("body",) and err["type"] == "missing":
+                return error_response(400, "the body is empty: expected a JSON object")
+            if err["loc"] == ("body",) and isinstance(err.get("input"), bytes):
+                # FastAPI reads JSON only under a JSON Content-Type (`curl -d` sends a form's)
+                kind = request.headers.get("content-type")
+                return error_response(400, "the body must be a JSON object sent with "
+                                      f"Content-Type: application/json, not {kind}")
             loc = ".".join(str(p) for p in err["loc"][1:]) or "body"
             param = param or loc
             part = f"{loc}: {err['msg']}"

@@ -137,13 +137,15 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                           "the request", "chat_template_kwargs")
     if tools:
         kwargs = {**kwargs, "tools": tools}
+    messages = tool_call_arguments_as_objects(messages)
     try:
-        text = tokenizer.apply_chat_template(tool_call_arguments_as_objects(messages),
-                                             add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                              chat_template=template, **kwargs)
     except ChatTemplateError as e:  # already names the message or the template's complaint
         raise PromptError(str(e), "messages") from e
-    except jinja2.TemplateError as e:  # the template failed on these messages' shape
+    except (jinja2.TemplateError, TypeError, ValueError) as e:
+        # The template failed on these messages' shape: GLM's `'<tool_call>' + tc.name` with a
+        # name that is no string is a TypeError (vLLM's 400 too).
         raise PromptError(f"messages: the chat template failed: {e}", "messages") from e
     return tokenizer.encode(text)
 

@@ -105,6 +105,7 @@ def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
     (["--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
     # `--api-key "$KEY"` with KEY unset: it served without a key
     (["--api-key", ""], "argument --api-key: expected a non-empty key"),
+    (["--seed", str(2**64)], "argument --seed: expected an integer in [0, 2**64)"),  # traceback
     (["--port", "70000"], "argument --port: expected a port in [0, 65535], got '70000'"),
     (["-tp", "0"], "argument -tp/--tensor-parallel-size: expected an integer >= 1"),
     (["--dcp-comm-backend", "nccl"], "argument --dcp-comm-backend: invalid choice"),
@@ -169,6 +170,14 @@ def test_a_device_this_machine_lacks_is_a_usage_error(model_dir: Path, capsys) -
     with pytest.raises(SystemExit) as e:
         serve_cli.main([str(model_dir), "--device", "cuda:99"])
     assert e.value.code == 2 and "--device: cuda:99 is not available" in capsys.readouterr().err
+
+
+def test_no_room_for_one_request_is_a_usage_error(model_dir: Path, capsys) -> None:
+    """A block too large for the KV budget was a ValueError traceback from the model runner."""
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), "--device", "cpu", "--block-size", str(2**40)])
+    assert e.value.code == 2
+    assert "--gpu-memory-utilization: room for 0 KV blocks" in capsys.readouterr().err
 
 
 def test_speculative_config_reaches_the_engine_config(model_dir: Path) -> None:

@@ -367,3 +367,44 @@ def test_chat_template_kwargs_over_http(client) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     r = client.post("/v1/chat/completions", json=CHAT | {"chat_template_kwargs": "x"})
     assert r.status_code == 400 and "chat_template_kwargs" in r.json()["error"]["message"]
+
+
+# GLM's templates write a call as `'<tool_call>' + tc.name`: a name that is no string raised a
+# TypeError out of the template, a 500 (vLLM answers 400).
+GLM_LIKE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+            "{% for tc in m.tool_calls or [] %}{{ '<tool_call>' + tc.function.name }}{% endfor %}"
+            "{% endfor %}<|assistant|>")
+
+
+def test_a_template_failing_on_a_message_s_shape_is_a_400(engine) -> None:
+    app = create_app(engine, ServerConfig(served_model_name=MODEL_NAME, chat_template=GLM_LIKE))
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": 5}}]}
+    with TestClient(app) as c:
+        r = c.post("/v1/chat/completions", json=CHAT | {
+            "messages": [{"role": "user", "content": "hi"}, call,
+                         {"role": "user", "content": "and?"}]})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "messages"
+        assert error["message"].startswith("messages: the chat template failed: can only "
+                                           "concatenate str")
+        call["tool_calls"][0]["function"]["name"] = "get_time"
+        r = c.post("/v1/chat/completions", json=CHAT | {
+            "messages": [{"role": "user", "content": "hi"}, call,
+                         {"role": "user", "content": "and?"}]})
+        assert r.status_code == 200, r.text
+
+
+# FastAPI reads a body as JSON only under a JSON Content-Type: `curl -d` (a form's type) got
+# "body: Input should be a valid dictionary or object to extract fields from".
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_sent_without_a_json_content_type_is_a_400_saying_so(client, content_type) -> None:
+    r = client.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                    headers={"content-type": content_type})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"] == ("the body must be a JSON object sent with "
+                                            f"Content-Type: application/json, not {content_type}")
+    r = client.post("/v1/completions", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "the body is empty: expected a JSON object")

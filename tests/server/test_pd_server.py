@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +21,7 @@ import pytest
 from server_harness import MODEL_NAME, LiveServer, serve
 
 from dsaserve.core import KVTransferParams, RequestError, SamplingParams
-from dsaserve.disagg.launch import parse_pd_spec, server_commands, shared_flags
+from dsaserve.disagg.launch import parse_pd_spec, server_commands, shared_flags, wait_healthy
 from dsaserve.router.app import PREFILL_HEADER, create_router_app
 from dsaserve.router.config import RouterConfig
 
@@ -225,6 +227,19 @@ def test_pd_spec_parsing() -> None:
                          ("prefill: ; prefill:", "twice")]:
         with pytest.raises(ConfigError, match=message):
             parse_pd_spec(bad)
+
+
+def test_a_pd_server_refusing_its_flags_is_a_usage_error_naming_pd() -> None:
+    """`--pd 'prefill: --bogus'`: the server prints its usage error and exits 2; the launcher
+    added a RuntimeError traceback under it. Now a ConfigError naming --pd (a usage error)."""
+    from dsaserve.config import ConfigError
+
+    refused = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+    with pytest.raises(ConfigError, match="--pd: the prefill server refused its flags"):
+        wait_healthy("prefill", "http://127.0.0.1:1", refused, 60)
+    crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    with pytest.raises(RuntimeError, match="exited with status 1"):
+        wait_healthy("decode", "http://127.0.0.1:1", crashed, 60)
 
 
 def test_each_pd_server_takes_half_the_cores(monkeypatch) -> None:
