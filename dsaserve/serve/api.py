@@ -629,6 +629,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig) -> FastAPI:
                 yield _sse(error_body(500, f"engine failed: {e}"))
             except StreamOverflowError as e:
                 yield _sse(error_body(408, str(e)))
+            except Exception as e:  # a bug: this stream ends with its error (and [DONE]), as the
+                # 500 of a non-streaming request would, and the request is aborted (background)
+                logger.exception("unhandled error in a stream")
+                yield _sse(error_body(500, f"internal error: {type(e).__name__}: {e}"))
             yield _SSE_DONE
 
         # Starlette cancels the body when the client disconnects, then runs the background task.

@@ -15,9 +15,11 @@ from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_harness import MODEL_NAME, serve
+from test_server import assert_no_blocks_held
 
 from dsaserve.core import RequestError, RequestOutput, SamplingParams
 from dsaserve.engine.sampler import make_generator, sample
+from dsaserve.serve import api
 from dsaserve.serve.api import Generation, ServerConfig, create_app, error_body, find_stop
 from dsaserve.serve.async_engine import RequestStream
 from dsaserve.serve.limits import UNSUPPORTED_KEY, find_lone_surrogate
@@ -408,3 +410,23 @@ def test_a_body_sent_without_a_json_content_type_is_a_400_saying_so(client, cont
     r = client.post("/v1/completions", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         "the body is empty: expected a JSON object")
+
+
+def test_an_unexpected_error_inside_a_stream_ends_it_with_an_error_event(client, engine,
+                                                                          monkeypatch) -> None:
+    """A bug while formatting a chunk (here: logprobs) cut the connection with no [DONE], and the
+    request kept generating; now the stream ends as the 500 of a non-streaming request would,
+    and the request is aborted."""
+
+    def boom(*_: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(api.LogprobFormatter, "completion", boom)
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400, "logprobs": 1,
+                                             "ignore_eos": True, "stream": True})
+    assert r.status_code == 200
+    events = [line.removeprefix("data: ") for line in r.text.splitlines()
+              if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["message"] == "internal error: RuntimeError: boom"
+    assert_no_blocks_held(engine)
