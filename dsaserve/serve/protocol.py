@@ -1,8 +1,10 @@
 """OpenAI request and response bodies (pydantic), plus vLLM's extensions that benchmarks send.
 
 Requests accept unknown fields (clients send many we do not use) but type-check every field we read;
-values are range-checked once, by `SamplingParams`, so the messages match offline use. No string in
-a body may hold a lone UTF-16 surrogate (valid JSON, invalid Unicode: tokenizers cannot encode it).
+values are range-checked once, by `SamplingParams`, so the messages match offline use. A field sent
+as null is omitted (OpenAI's fields are nullable: `"n": null`, `"stream": null` ask for the default,
+which vLLM's Optional fields give too). No string in a body may hold a lone UTF-16 surrogate (valid
+JSON, invalid Unicode: tokenizers cannot encode it).
 Responses mirror OpenAI's JSON so the official client parses them unmodified.
 """
 
@@ -28,6 +30,13 @@ from dsaserve.serve.limits import find_lone_surrogate, unsupported
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_omitted(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
 
     @model_validator(mode="before")
     @classmethod

@@ -207,6 +207,24 @@ def test_bad_values_are_400_naming_the_field(client, engine, path, body, param, 
     assert engine.is_alive
 
 
+# OpenAI's fields are nullable: null asks for the default (vLLM's Optional fields take it too).
+# Each of these was a 400 ("n: Input should be a valid integer", "stream: ... valid boolean").
+@pytest.mark.parametrize("path, nulls", [
+    ("/v1/chat/completions", {"n": None, "stream": None, "presence_penalty": None,
+                              "frequency_penalty": None, "logprobs": None, "top_logprobs": None,
+                              "temperature": None, "stop": None, "seed": None}),
+    ("/v1/completions", {"n": None, "echo": None, "stream": None, "ignore_eos": None,
+                         "min_tokens": None, "presence_penalty": None, "logprobs": None}),
+])
+def test_null_fields_take_their_defaults(client, path, nulls) -> None:
+    base = CHAT if "chat" in path else {"prompt": "hi", "max_tokens": 3}
+    r = client.post(path, json=base | nulls)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = client.post(path, json=base | {"stream": True, "stream_options": {"include_usage": None}})
+    assert r.status_code == 200 and '"usage":{' not in r.text
+
+
 def test_lengths_that_fit_exactly_are_served(client) -> None:
     r = client.post("/v1/completions", json={"prompt": [5] * 500, "max_tokens": 12,
                                              "ignore_eos": True})
