@@ -214,6 +214,12 @@ class Request:
     # schedulings do not move it: as vLLM counts, the time it waits after a preemption is
     # part of its prefill or decode, not of its queueing.
     scheduled_time: float | None = None
+    # SamplingParams.stop_token_ids as a set: every emitted token is looked up in it (a list of
+    # a client's millions of ids scanned per token slowed every request of the engine)
+    stop_ids: frozenset[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.sampling_params.stop_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -897,7 +897,7 @@ class Scheduler:
                 or req.num_prompt_tokens + num_output >= self.config.max_model_len):
             return False
         eos = () if params.ignore_eos else req.eos_token_ids
-        stops = params.stop_token_ids
+        stops = req.stop_ids
         for t in tokens:  # 1 to k + 1 of them: a loop, not a generator
             if t in eos or t in stops:
                 return False
@@ -918,7 +918,7 @@ class Scheduler:
                 # reports itself, as vLLM's stop_reason does (it adds them to stop_token_ids)
                 req.stop_token_id = None if last == req.eos_token_ids[0] else last
                 return
-            if last in params.stop_token_ids:
+            if last in req.stop_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_token_id = last  # EOS, checked first, reports none (vLLM's order)
                 return

@@ -686,3 +686,12 @@ def test_spec_lookahead_counts_in_the_pool_check() -> None:
     with pytest.raises(ConfigError, match="2 lookahead tokens"):
         make_sched(block_size=4, num_blocks=16, max_model_len=64, num_speculative_tokens=3)
     make_sched(block_size=4, num_blocks=17, max_model_len=64, num_speculative_tokens=3)
+
+
+def test_a_request_looks_its_stop_ids_up_in_a_set() -> None:
+    """Every emitted token is checked against the request's stop ids: a set built once, not
+    the client's list scanned per token (millions of ids slowed every request)."""
+    from dsaserve.core import Request
+
+    req = Request("r", [1, 2], SamplingParams(stop_token_ids=tuple(range(10, 20_000, 2))))
+    assert isinstance(req.stop_ids, frozenset) and 12 in req.stop_ids and 13 not in req.stop_ids
