@@ -135,6 +135,8 @@
 #                                          #   layers, b = 1 and 64, drafts through the FP8
 #                                          #   copy, the copy's 32,768 first ids (a draft
 #                                          #   vocabulary) and lm_head
+#   bash benchmarks/gpu_owed.sh 58         # part 58: part 54 cut short: its tests, b = 1
+#                                          #   only, the FP8 head whole and over 32,768 ids
 #   bash benchmarks/gpu_owed.sh 55         # part 55: the grouped GEMM's K split at decode:
 #                                          #   its GPU tests, the splits swept at 2, 8 and 128
 #                                          #   pairs, FP8 16 layers b = 1 and 64 after and
@@ -628,6 +630,18 @@ elif [ "$part" = 54 ]; then
             --draft-vocab "$([ "$head" = fp8-vocab32k ] && echo 32768 || echo 0)" \
             --contexts 8192 --batches 1,64 --steps 10 --fastest-only \
             --out "$out/decode16_vocab_$head.md"
+    done
+elif [ "$part" = 58 ]; then
+    # part 54 cut to fit a short device budget: the norms' and draft heads' GPU tests, then b = 1
+    # only at GLM-5.3's vocabulary, the drafts through the FP8 copy, then its first 32,768 ids
+    TAIL_LINES=12 run 100 gpu_tests python -m pytest -q -m gpu -rf --tb=short -x \
+        tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_model_gpu.py \
+        -k "rms_norm or draft_head"
+    for vocab in 0 32768; do
+        [ "$(left)" -gt 60 ] && TAIL_LINES=10 run "$(left)" "decode16_b1_vocab$vocab" python \
+            benchmarks/decode.py --layers 16 --weights fp8 --vocab-size 154880 \
+            --draft-vocab "$vocab" --contexts 8192 --batches 1 --steps 10 --fastest-only \
+            --out "$out/decode16_b1_vocab$vocab.md"
     done
 elif [ "$part" = 55 ]; then
     # the routed experts' grouped GEMM with its K range split for decode-sized groups
