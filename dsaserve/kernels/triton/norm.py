@@ -12,7 +12,7 @@ rounded to x's dtype, then times the weight, rounded to the product's dtype (tor
 promotion of weight and x). Only the sum's order differs (fp32 rounding).
 
 With a residual (`add_rms_norm`), the residual stream's add comes into the same pass: h + d
-rounded to h's dtype (PyTorch's add), written back as the stream, then normed. A decoder layer's
+rounded to h's dtype (PyTorch's add), written as the new stream, then normed. A decoder layer's
 two adds were two more launches per layer, and at a prefill chunk two more passes over [N,
 hidden] each.
 """
@@ -32,7 +32,7 @@ def _rms_norm_kernel(
     w_ptr,  # [dim]
     out_ptr,  # [num_rows, dim] contiguous
     d_ptr,  # ADD: [num_rows, dim] contiguous, added to x first
-    sum_ptr,  # ADD: [num_rows, dim] contiguous, x + d in x's dtype (may be x itself)
+    sum_ptr,  # ADD: [num_rows, dim] contiguous, x + d in x's dtype
     num_rows, dim, stride_x, eps,
     BLOCK: tl.constexpr,  # ≥ dim, a power of two
     ADD: tl.constexpr,
