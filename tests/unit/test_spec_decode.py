@@ -101,6 +101,13 @@ def test_drafts_are_accepted_on_a_draftable_checkpoint(engine_config, draftable,
     assert s.spec_decode_num_accepted_tokens == sum(per_pos) < s.spec_decode_num_draft_tokens
 
 
+def _mtp3_engine(engine_config, model_dir, keys: str) -> LLMEngine:
+    """An MTP3 engine with `keys` added to its --speculative-config JSON."""
+    spec = SpecConfig.from_json(f'{{"method": "mtp", "num_speculative_tokens": 3, {keys}}}')
+    return LLMEngine.from_config(dataclasses.replace(
+        engine_config(model_dir, max_num_batched_tokens=512, num_blocks=64), speculative=spec))
+
+
 @pytest.mark.parametrize("preset", ["tiny-glm5", "tiny-dsv32"])
 def test_fp8_draft_head_keeps_output_and_acceptance(engine_config, draftable, reference,
                                                     mixed_prompts, preset):
@@ -110,11 +117,7 @@ def test_fp8_draft_head_keeps_output_and_acceptance(engine_config, draftable, re
     MTP's top two logits lie within the FP8 error)."""
     runs = {}
     for head in ("model", "fp8"):
-        spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3, '
-                                    f'"draft_lm_head": "{head}"}}')
-        engine = LLMEngine.from_config(dataclasses.replace(
-            engine_config(draftable[preset], max_num_batched_tokens=512, num_blocks=64),
-            speculative=spec))
+        engine = _mtp3_engine(engine_config, draftable[preset], f'"draft_lm_head": "{head}"')
         model = engine.runner.model
         assert (model.draft_head is not None) == (head == "fp8")
         if head == "fp8":
@@ -147,11 +150,8 @@ def test_draft_vocab_keeps_output_and_bounds_the_drafts(engine_config, draftable
         path = tmp_path / f"{name}.json"
         path.write_text(str(ids))
         for head in ("model", "fp8") if name == "emitted" else ("fp8",):
-            spec = SpecConfig.from_json('{"method": "mtp", "num_speculative_tokens": 3, '
-                                        f'"draft_lm_head": "{head}", "draft_vocab": "{path}"}}')
-            engine = LLMEngine.from_config(dataclasses.replace(
-                engine_config(draftable[preset], max_num_batched_tokens=512, num_blocks=64),
-                speculative=spec))
+            engine = _mtp3_engine(engine_config, draftable[preset],
+                                  f'"draft_lm_head": "{head}", "draft_vocab": "{path}"')
             model = engine.runner.model
             assert model.draft_head.weight.shape[0] == len(ids)
             assert model.draft_ids.tolist() == ids
