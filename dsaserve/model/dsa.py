@@ -720,20 +720,20 @@ class DsaForCausalLM(nn.Module):
 
     def make_draft_head(self, ids: Sequence[int] | None, quantize: bool) -> None:
         """Give the drafts a head of their own: lm_head's rows of `ids` only (ascending; None:
-        every row; under TP the ids this rank's rows hold), and with `quantize` in block FP8
+        every row; under TP an equal part of the ids per rank, parallel/vocab.py's
+        balanced_rows, a collective), and with `quantize` in block FP8
         (128 × 128 blocks, as the checkpoints store their matrices; model/fp8.py), so that a
         draft's argmax reads fewer bytes. GLM-5.3's lm_head is 154,880 × 6,144, 1.9 GB in bf16
         (0.95 GB as FP8, ~0.2 ms less per draft on an H200), read three times an MTP3 step: work
         only the speculative step does, so its speed-up over plain decoding rises
         (docs/decode.md). The target's logits keep lm_head."""
         w = self.lm_head.weight.detach()  # [rows held, hidden]
-        if ids is not None:
-            start = 0 if self.vocab is None else self.vocab.start
-            stop = start + w.shape[0]
-            held = torch.tensor([t for t in ids if start <= t < stop], dtype=torch.int64)
-            w = w[held.to(w.device) - start]
-            self.draft_ids = held.to(w.device)
-        quantize = quantize and w.shape[0] > 0  # (TP: no draft id may fall in this rank's rows)
+        if ids is not None and self.vocab is not None:
+            w, self.draft_ids = self.vocab.balanced_rows(w, ids)
+        elif ids is not None:
+            self.draft_ids = torch.tensor(ids, dtype=torch.int64, device=w.device)
+            w = w[self.draft_ids]
+        quantize = quantize and w.shape[0] > 0  # (TP: fewer draft ids than ranks)
         with torch.device("meta"):
             head = fp8.Fp8Linear(w.shape[1], w.shape[0]) if quantize else _linear(w.shape[1],
                                                                                    w.shape[0])

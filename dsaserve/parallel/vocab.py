@@ -2,6 +2,9 @@
 of lm_head's (and of the drafts' FP8 copy of it), as vLLM's VocabParallelEmbedding and
 ParallelLMHead do.
 
+A draft vocabulary (SpecConfig.draft_vocab) is cut otherwise: into equal parts of its ids, so that
+each rank's drafts read as many rows (`balanced_rows`).
+
 Replicated, GLM-5.3's two 154,880 × 6,144 bf16 matrices are 3.8 GB on every rank, and every
 decode step reads the whole 1.9 GB lm_head on every rank (an MTP3 step four times). Cut over
 TP8, each rank holds and reads an eighth; the price is one all-reduce of the step's embedded
@@ -18,6 +21,7 @@ among equal maxima as torch.argmax does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,10 +81,28 @@ class VocabShard:
         return torch.cat((every[:longer].permute(1, 0, 2).reshape(m, -1),
                           every[longer:, :, : width - 1].permute(1, 0, 2).reshape(m, -1)), 1)
 
+    def balanced_rows(self, weight: torch.Tensor, ids: Sequence[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """weight [stop − start, hidden] this rank's rows of lm_head, `ids` ascending (a draft
+        vocabulary) → (rows [n, hidden], their ids [n] int64) of this rank's equal part of
+        `ids`: the parts are balanced over the ranks whatever ranges the ids fall in (the most
+        frequent tokens crowd the low ids, one rank's range, which alone would read them all).
+        Each rank's missing rows come from their holders in one all-reduce, once (each row is
+        one rank's, zeros elsewhere: exact). The parts are in rank order, so `argmax` over them
+        keeps its tie rule."""
+        every_id = torch.tensor(ids, dtype=torch.int64, device=weight.device)
+        held = (every_id >= self.start) & (every_id < self.stop)
+        rows = torch.zeros(len(ids), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        rows[held] = weight[every_id[held] - self.start]
+        self.group.all_reduce(rows)
+        r, parts = self.group.rank_in_group, self.group.size
+        lo, hi = r * len(ids) // parts, (r + 1) * len(ids) // parts
+        return rows[lo:hi].clone(), every_id[lo:hi].clone()
+
     def argmax(self, local: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
         """local [M, C] this rank's logits: its columns in order, or those of `ids` [C] (global
-        ids, ascending, in this rank's range; C may be 0) → [M] int64 the global argmax (the
-        lowest id among equal maxima, as over the whole row)."""
+        ids, ascending, each rank's above the last rank's: `balanced_rows`; C may be 0) → [M]
+        int64 the global argmax (the lowest id among equal maxima, as over the whole row)."""
         if local.shape[1] == 0:  # no draft id in this rank's range: it never wins
             best = torch.full(local.shape[:1], float("-inf"), device=local.device)
             at = torch.zeros(local.shape[:1], dtype=torch.int64, device=local.device)

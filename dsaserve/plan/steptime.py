@@ -229,11 +229,11 @@ class StepTimeModel:
         """One draft's argmax over `rows` rows: lm_head as held, or in fp8-dsaserve its FP8
         copy (SpecConfig.draft_lm_head, the engine's default with FP8 weights kept): one byte a
         value and an fp32 scale per 128 × 128 block, at the rate of the kernel its rows take.
-        With a draft vocabulary, its rows only; under TP priced as if one rank held them all
-        (the most frequent tokens crowd the low ids, so one rank's part: the slowest)."""
+        With a draft vocabulary, its rows only: under TP an equal part per rank
+        (parallel/vocab.py's balanced_rows)."""
         h = self.model.hidden_size
         held = self.w.lm_head // h  # this GPU's rows of lm_head
-        keep = min(self.draft_vocab, held) if self.draft_vocab else held
+        keep = -(-self.draft_vocab // self.tp) if self.draft_vocab else held
         if self.weights.matmul != "by-rows":
             return keep / held * self._gemm("lm_head", rows)
         copy = cm.Tensor("lm_head", keep, h, held="fp8")

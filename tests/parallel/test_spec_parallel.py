@@ -25,9 +25,9 @@ LAYOUTS = {
     "dp2": dict(dp=2, max_num_batched_tokens=48),
 }
 # The drafts' head per layout (SpecConfig.draft_lm_head; "auto" is lm_head on the CPU) and
-# vocabulary: under TP each rank makes the FP8 copy of its own rows of lm_head, and with a draft
-# vocabulary of the lower half of the ids (tiny presets: 512) the second rank holds none of it
-# (parallel/vocab.py: it never wins the argmax).
+# vocabulary: under TP each rank makes the FP8 copy of its rows, and a draft vocabulary of the
+# lower half of the ids (tiny presets: 512), all in the first rank's range, is cut in equal parts
+# (parallel/vocab.py's balanced_rows: the second rank's rows come from the first).
 DRAFT_HEADS = {"tp2_dcp2": "fp8"}
 DRAFT_VOCABS = {"tp2_dcp2": tuple(range(256))}
 

@@ -1,6 +1,7 @@
 """The vocabulary cut over TP ranks (parallel/vocab.py): its ranges, and each collective piece
 against the replicated computation, bit for bit, in gloo processes: 2, 3 and 4 ranks, vocabularies
-that divide and that do not, argmax ties across and within parts. Each rank's logits are its
+that divide and that do not, argmax ties across and within parts, a draft vocabulary cut in equal
+parts whatever ranges its ids fall in. Each rank's logits are its
 columns of the replicated product (a narrower GEMM may round otherwise: the engine tests under TP
 compare within a tolerance)."""
 
@@ -46,6 +47,10 @@ def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     return embed, ids, head, hidden
 
 
+def _draft_vocabs(vocab: int) -> dict[str, list[int]]:
+    return {"crowded": [0, 1, 2, 3, vocab - 1], "few": [1]}
+
+
 def _worker(rank: int, world: int, init_file: str, vocab: int, out: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
@@ -56,9 +61,15 @@ def _worker(rank: int, world: int, init_file: str, vocab: int, out: str) -> None
         shard = VocabShard.of(group, vocab)
         embed, ids, head, hidden = _inputs(vocab)
         local = (hidden @ head.T)[:, shard.start : shard.stop]  # the replicated products'
+        # a draft vocabulary crowded into the first rank's range, and one of fewer ids than ranks
+        drafts = {}
+        for name, subset in _draft_vocabs(vocab).items():
+            rows, part = shard.balanced_rows(head[shard.start : shard.stop], subset)
+            columns = [subset.index(t) for t in part.tolist()]  # of the replicated products
+            drafts[name] = (rows, part, shard.argmax((hidden @ head[subset].T)[:, columns], part))
         torch.save({"embed": shard.embed(embed[shard.start : shard.stop], ids),
-                    "logits": shard.gather_logits(local), "argmax": shard.argmax(local)},
-                   f"{out}.{rank}")
+                    "logits": shard.gather_logits(local), "argmax": shard.argmax(local),
+                    "drafts": drafts}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -73,6 +84,13 @@ def test_vocab_parallel_pieces_equal_the_replicated_ones(vocab, world) -> None:
         mp.start_processes(_worker, args=(world, init, vocab, out), nprocs=world,
                            start_method="spawn", join=True)
         results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for name, subset in _draft_vocabs(vocab).items():  # equal parts in rank order, exact rows
+        parts = [res["drafts"][name] for res in results]
+        assert torch.cat([p[1] for p in parts]).tolist() == subset
+        assert max(len(p[1]) for p in parts) - min(len(p[1]) for p in parts) <= 1
+        assert torch.equal(torch.cat([p[0] for p in parts]), head[subset])
+        want = torch.tensor(subset)[(hidden @ head[subset].T).argmax(-1)]
+        assert all(torch.equal(p[2], want) for p in parts)
     for res in results:
         assert torch.equal(res["embed"], embed[ids])
         assert torch.equal(res["logits"], logits)

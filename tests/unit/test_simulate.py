@@ -271,7 +271,7 @@ def test_an_mtp_draft_reads_its_eh_proj_as_stored():
 
 def test_a_draft_vocabulary_prices_its_rows_only():
     """draft-vocab=N (SpecConfig's draft_vocab): each draft reads N rows of the head, under TP
-    as many as one rank holds at most; the target's lm_head is unchanged."""
+    an equal part of them per rank; the target's lm_head is unchanged."""
     _, m = load_model("glm-5.3")
     for layout in ("dp8xep", "tp8"):
         d = parse_deployment(f"{layout} mtp=3 acceptance=2.9 draft-vocab=32768 "
@@ -283,7 +283,7 @@ def test_a_draft_vocabulary_prices_its_rows_only():
         batch = [(4, 8192)]
         assert sub.step(batch).gemm == full.step(batch).gemm  # no drafting: the target's head
         held = m.vocab_size // d.parallel.tensor_parallel_size
-        keep = min(32768, held)
+        keep = 32768 // d.parallel.tensor_parallel_size
         saved = full.step(batch, drafting=[8192]).gemm - sub.step(batch, drafting=[8192]).gemm
         hbm = H200.hbm_tbps.value * 1e12
         assert saved == pytest.approx(3 * (held - keep) * m.hidden_size / hbm, rel=0.01)
