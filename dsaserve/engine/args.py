@@ -71,7 +71,7 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _json_flag(flag: str, parse: Callable[[str], object]) -> Callable[[str], str]:
+def json_flag(flag: str, parse: Callable[[str], object]) -> Callable[[str], str]:
     """An argparse type for a JSON flag: checked by its config's parser at parse time, so a typo
     is reported there; kept as text, built for real once the model and the other flags are
     known (e.g. the attention backend, the model's MTP layer, --enforce-eager)."""
@@ -160,13 +160,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "device (a bf16 checkpoint is quantized at load); default: an FP8 "
                         "checkpoint is kept in FP8 on a GPU, dequantized on the CPU")
     g.add_argument("--attention-config", default=None,
-                   type=_json_flag("--attention-config", AttentionConfig.from_json),
+                   type=json_flag("--attention-config", AttentionConfig.from_json),
                    help='JSON object, e.g. \'{"sparse_mla_force_mqa": true}\'')
     g.add_argument("--attention-backend", choices=("auto", "reference", "triton"), default="auto",
                    help="attention kernels; auto: triton on a CUDA device, reference on the CPU "
                         "(default: %(default)s)")
     g.add_argument("--speculative-config", default=None,
-                   type=_json_flag("--speculative-config", SpecConfig.from_json),
+                   type=json_flag("--speculative-config", SpecConfig.from_json),
                    help='MTP speculative decoding, JSON, e.g. \'{"method": "mtp", '
                         '"num_speculative_tokens": 3}\'; benchmarks: add '
                         '"rejection_sample_method": "synthetic" and '
@@ -174,7 +174,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         '"model" (default auto: fp8 with FP8 weights kept); "draft_vocab": a '
                         "JSON file of the token ids drafts may propose (dsaserve draft-vocab)")
     g.add_argument("--compilation-config", default=None,
-                   type=_json_flag("--compilation-config", CompilationConfig.from_json),
+                   type=json_flag("--compilation-config", CompilationConfig.from_json),
                    help='JSON, e.g. \'{"cudagraph_capture_sizes": [1, 2, 4, 8]}\': decode batch '
                         "sizes (tokens) captured as CUDA graphs; default: buckets up to "
                         "--max-num-seqs x (1 + drafts) (docs/decode.md)")

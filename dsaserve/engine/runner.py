@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dsaserve.config import ConfigError, EngineConfig, ModelConfig
+from dsaserve.config import ConfigError, EngineConfig, ModelConfig, physical_memory_bytes
 from dsaserve.core import (
     PLACEHOLDER_TOKEN_ID,
     KVRecv,
@@ -98,6 +98,20 @@ def cache_bytes_per_block(model: ModelConfig, num_layers: int, block_size: int, 
                           dtype: torch.dtype) -> int:
     """Bytes of one physical page over every cache layer (MLA rows + indexer keys where owned)."""
     return sum(cache_page_bytes(model, num_layers, block_size, fp8, dtype))
+
+
+def check_fits(flag: str, what: str, nbytes: int, device: torch.device) -> None:
+    """`nbytes` more fit on `device` (a CUDA device's free memory, the machine's RAM on the CPU):
+    else a ConfigError naming `flag`, where allocating them would be an out-of-memory traceback.
+    On the CPU the RAM is the bound: a lower bound on what fails, never a false alarm."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        where = f"{device} has {free / 2**30:.1f} GiB free"
+    else:
+        free = physical_memory_bytes()
+        where = f"the machine has {(free or 0) / 2**30:.1f} GiB of RAM"
+    if free is not None and nbytes > free:
+        raise ConfigError(f"{flag}: {what} need {nbytes / 2**30:.1f} GiB but {where}")
 
 
 def _flat_ids(seqs: Sequence[Sequence[int]], counts: Sequence[int]) -> torch.Tensor:
@@ -240,6 +254,7 @@ class ModelRunner:
                 # P/D reads land in the host pool directly (disagg/hostplan.py)
                 self.hisparse.host = self.connector.register_host_pool(self.hisparse.host)
         self.requests: dict[str, _ReqState] = {}
+        self._check_request_tables()
         # each request's block ids: a row from its first step to its end, on the device
         # across steps and updated from the diffs (engine/block_table.py)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
@@ -283,6 +298,26 @@ class ModelRunner:
         (it grows past it if a request ever needs more)."""
         tokens = self.config.scheduler.max_model_len + self.config.num_speculative_tokens
         return -(-tokens // (self.block_size * self.dcp_size))
+
+    def _check_request_tables(self) -> None:
+        """--max-num-seqs sizes a row per request up front, each the longest request's block
+        ids: the block table's host mirror and device copy, and by default the padded decode
+        path's static copy (`_decode_graphs`). A value whose rows cannot fit is a usage error,
+        not an allocation traceback (a lower bound: the other per-request buffers are smaller)."""
+        cfg = self.config
+        seqs = cfg.scheduler.max_num_seqs
+        width = self._max_blocks_per_request()
+        table = 4 * seqs * width  # [max_num_seqs, width] int32
+        padded = (not cfg.compilation.enforce_eager and self.groups.pcp.size == 1
+                  and self.dcp_size == 1 and cfg.compilation.cudagraph_capture_sizes is None)
+        on_device = table * (2 if padded else 1)
+        what = (f"{seqs} requests' block-table rows of {width} block ids (each running request "
+                f"also holds at least one of the {self.num_blocks} KV blocks)")
+        if self.device.type == "cuda":
+            check_fits("--max-num-seqs", what, table, torch.device("cpu"))  # the host mirror
+            check_fits("--max-num-seqs", what, on_device, self.device)
+        else:
+            check_fits("--max-num-seqs", what, table + on_device, self.device)
 
     def _mla_page_count(self) -> tuple[int, int | None]:
         """(MLA pages, KV blocks beside them, None: as `_num_blocks` says): the flag's pages,
@@ -334,7 +369,10 @@ class ModelRunner:
         per_block = index_page if self.num_mla_pages else mla_page + index_page
         mla_bytes = self.num_mla_pages * mla_page
         if cfg.cache.num_gpu_blocks is not None:
-            return cfg.cache.num_gpu_blocks
+            num = cfg.cache.num_gpu_blocks
+            check_fits("--num-gpu-blocks-override", f"{num} KV blocks",
+                       num * per_block + mla_bytes, self.device)
+            return num
         tokens_per_block = self.block_size * self.dcp_size
         blocks_per_seq = -(-cfg.scheduler.max_model_len // tokens_per_block)
         where = ""

@@ -103,6 +103,16 @@ def decode_batch(data: bytes) -> KVEventBatch:
 # ------------------------------------------------------------------------------------------------
 # Config (vLLM's --kv-events-config JSON)
 # ------------------------------------------------------------------------------------------------
+# --kv-events-config's keys: (key, JSON type, what the error says it must be)
+_KV_EVENTS_KEYS: tuple[tuple[str, type, str], ...] = (
+    ("enable_kv_cache_events", bool, "true or false"),
+    ("publisher", str, "a string"),
+    ("endpoint", str, "a string"),
+    ("topic", str, "a string"),
+    ("max_queue_size", int, "an integer"),
+)
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     enable_kv_cache_events: bool = False
@@ -117,20 +127,40 @@ class KVEventsConfig:
 
     @staticmethod
     def from_json(text: str) -> KVEventsConfig:
+        """vLLM's JSON; every key type-checked here (a string `"yes"` for a bool, a port past
+        65535 were accepted and failed later, or never)."""
         from dsaserve.config import ConfigError
 
+        flag = "--kv-events-config"
         try:
             raw = json.loads(text)
-            config = KVEventsConfig(**raw)
-        except (json.JSONDecodeError, TypeError) as e:
-            raise ConfigError(f"--kv-events-config: expected a JSON object with keys "
-                              f"enable_kv_cache_events, publisher, endpoint, topic: {e}") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag}: invalid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{flag}: expected a JSON object with keys enable_kv_cache_events, "
+                              f"publisher, endpoint, topic, max_queue_size, got {text!r}")
+        unknown = sorted(set(raw) - set(KVEventsConfig.__dataclass_fields__))
+        if unknown:
+            raise ConfigError(f"{flag}: unknown keys {unknown}")
+        for key, kind, expected in _KV_EVENTS_KEYS:
+            # bool is an int in Python: a `true` queue size is no more a number than "1" is
+            if key in raw and (not isinstance(raw[key], kind)
+                               or (kind is int and isinstance(raw[key], bool))):
+                raise ConfigError(f"{flag}: {key} must be {expected}, got {raw[key]!r}")
+        config = KVEventsConfig(**raw)
         if config.publisher not in ("null", "zmq"):
-            raise ConfigError(f"--kv-events-config: publisher must be 'null' or 'zmq', "
+            raise ConfigError(f"{flag}: publisher must be 'null' or 'zmq', "
                               f"got {config.publisher!r}")
-        if config.enabled and not config.endpoint.startswith("tcp://"):
-            raise ConfigError(f"--kv-events-config: endpoint must be tcp://HOST:PORT, "
-                              f"got {config.endpoint!r}")
+        if config.max_queue_size < 1:
+            raise ConfigError(f"{flag}: max_queue_size must be >= 1, got {config.max_queue_size}")
+        if config.enabled:
+            host, _, port = config.endpoint.removeprefix("tcp://").rpartition(":")
+            if not (config.endpoint.startswith("tcp://") and host and port.isdigit()):
+                raise ConfigError(f"{flag}: endpoint must be tcp://HOST:PORT, "
+                                  f"got {config.endpoint!r}")
+            if not 1 <= int(port) <= 65535:
+                raise ConfigError(f"{flag}: endpoint's port must be in [1, 65535], "
+                                  f"got {config.endpoint!r}")
         return config
 
     def replica_endpoint(self, rank: int) -> str:

@@ -9,18 +9,25 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 from dsaserve.config import ConfigError
-from dsaserve.engine.args import add_engine_args, engine_config_from_args, int_at_least
+from dsaserve.engine.args import (
+    add_engine_args,
+    engine_config_from_args,
+    int_at_least,
+    json_flag,
+)
+from dsaserve.kv.events import KVEventsConfig
 from dsaserve.model.presets import DEFAULT_MODEL
 from dsaserve.serve.prompt import TOKENIZER_MODES, check_chat_flags, load_chat_template
 from dsaserve.serve.tools.registry import REASONING_PARSERS, TOOL_PARSERS
 
 if TYPE_CHECKING:  # the HTTP stack loads only when serving (generate and plan need none of it)
-    from dsaserve.kv.events import KVEventsConfig
     from dsaserve.serve.api import ServerConfig
 
 _PROG = "dsaserve serve"
@@ -84,6 +91,7 @@ def _configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, refuse new requests (503) and let those in flight "
                    "finish for up to this long, then end them (default: %(default)s; 0: at once)")
     s.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   type=json_flag("--kv-events-config", KVEventsConfig.from_json),
                    help="publish prefix-cache BlockStored/BlockRemoved events for a router, "
                    "vLLM's form: '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
                    "\"endpoint\":\"tcp://127.0.0.1:5557\"}' (DP replica i binds port + i)")
@@ -126,8 +134,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def kv_events_config_from_args(args: argparse.Namespace) -> KVEventsConfig:
-    from dsaserve.kv.events import KVEventsConfig
-
     text = getattr(args, "kv_events_config", None)
     return KVEventsConfig.from_json(text) if text else KVEventsConfig()
 
@@ -158,6 +164,28 @@ def check_tool_flags(args: argparse.Namespace) -> None:
                           f"({', '.join(sorted(TOOL_PARSERS))})")
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """--host and --port can be listened on: bound once here (and closed), so that an address
+    this machine does not have, or a port in use, is a usage error before the engine is built;
+    uvicorn found it only after the model loaded, with a message naming neither flag."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:  # UnicodeError: an over-long label
+        raise ConfigError(f"--host: cannot resolve {host!r} ({e})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"--host: {host} is not an address of this machine "
+                                  f"({e.strerror})") from None
+            hint = "; another process uses the port" if e.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"--port: cannot listen on {host}:{port} "
+                              f"({e.strerror}{hint})") from None
+
+
 def model_from_args(args: argparse.Namespace) -> str:
     """MODEL and --model name the same thing; giving two different ones is an error."""
     if args.model_positional and args.model and args.model_positional != args.model:
@@ -178,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = model_from_args(args)
     check_tool_flags(args)  # before the engine is built: a bad flag fails at once
+    check_listen_address(args.host, args.port)
     if getattr(args, "pd", None) is not None:
         from dsaserve.disagg.launch import run_pd
 

@@ -19,13 +19,31 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
+    WrapValidator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from dsaserve.serve.limits import find_lone_surrogate, unsupported
+
+
+def _one_of(expected: str) -> WrapValidator:
+    """A union field's type error as one message at the field: "expected <expected>" (pydantic
+    names each branch it tried: `prompt.str: Input should be a valid string; prompt.list[int]:
+    ...`, with param "prompt.str")."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("union_type", "expected {expected}",
+                                      {"expected": expected}) from None
+
+    return WrapValidator(validate)
 
 
 class _Request(BaseModel):
@@ -62,7 +80,7 @@ class _SamplingFields(_Request):
     top_k: int | None = None  # vLLM extension
     # The range a torch generator takes: a larger seed must be a 400, not a failed engine step.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, _one_of("a string or a list of strings")] = None
     stop_token_ids: list[int] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
     min_tokens: int = 0  # vLLM extension
@@ -177,7 +195,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Annotated[str | list[int] | list[str] | list[list[int]],
+                      _one_of("a string, a list of strings, a list of token ids or a list of "
+                             "lists of token ids")]
     echo: bool = False
     logprobs: int | None = None  # the chosen tokens' and this many most likely (0 asks too)
     suffix: Any = unsupported("", why="no insertion")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,23 @@ def test_every_flag_reaches_the_config(model_dir: Path, tmp_path: Path) -> None:
     (["--step-log", "/no/such/dir/steps.jsonl"],
      "argument --step-log: cannot write '/no/such/dir/steps.jsonl': no directory '/no/such/dir'"),
     (["--step-log", "/"], "argument --step-log: '/' is a directory, expected a file"),
+    # --kv-events-config: a string for a bool, a port past 65535 were accepted
+    (["--kv-events-config", '{"enable_kv_cache_events": "yes"}'],
+     "argument --kv-events-config: enable_kv_cache_events must be true or false, got 'yes'"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+      '"endpoint": "tcp://127.0.0.1:99999"}'],
+     "argument --kv-events-config: endpoint's port must be in [1, 65535], got "
+     "'tcp://127.0.0.1:99999'"),
+    (["--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
+      '"endpoint": "tcp://127.0.0.1"}'],
+     "argument --kv-events-config: endpoint must be tcp://HOST:PORT"),
+    (["--kv-events-config", '{"max_queue_size": true}'],
+     "argument --kv-events-config: max_queue_size must be an integer, got True"),
+    (["--kv-events-config", '{"max_queue_size": 0}'],
+     "argument --kv-events-config: max_queue_size must be >= 1, got 0"),
+    (["--kv-events-config", '{"topic": 5}'], "argument --kv-events-config: topic must be a string"),
+    (["--kv-events-config", "[1]"], "argument --kv-events-config: expected a JSON object"),
+    (["--kv-events-config", '{"port": 1}'], "argument --kv-events-config: unknown keys ['port']"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--max-model", "10"], "unrecognized arguments: --max-model"),  # no abbreviations
 ])
@@ -178,6 +196,50 @@ def test_no_room_for_one_request_is_a_usage_error(model_dir: Path, capsys) -> No
         serve_cli.main([str(model_dir), "--device", "cpu", "--block-size", str(2**40)])
     assert e.value.code == 2
     assert "--gpu-memory-utilization: room for 0 KV blocks" in capsys.readouterr().err
+
+
+def test_a_listen_address_this_machine_lacks_is_a_usage_error(model_dir: Path, monkeypatch,
+                                                              capsys) -> None:
+    """--host 999.1.1.1 failed only once the engine was built, with uvicorn's message naming no
+    flag; now a usage error naming --host (or --port: a port in use), before any engine."""
+    from dsaserve.engine.engine import LLMEngine
+
+    def no_engine(*_: object) -> None:
+        raise AssertionError("the engine was built before the address was checked")
+
+    monkeypatch.setattr(LLMEngine, "from_config", no_engine)
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), "--host", "999.1.1.1"])
+    assert e.value.code == 2 and "--host: cannot resolve '999.1.1.1'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--host: cannot resolve"):
+        serve_cli.check_listen_address("no-such-host.invalid", 8000)
+    with pytest.raises(ConfigError, match="--host: 192.0.2.1 is not an address of this machine"):
+        serve_cli.check_listen_address("192.0.2.1", 0)  # TEST-NET-1: never a local address
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"--port: cannot listen on 127.0.0.1:{port} "
+                                              r"\(Address already in use"):
+            serve_cli.check_listen_address("127.0.0.1", port)
+    serve_cli.check_listen_address("127.0.0.1", 0)
+    serve_cli.check_listen_address("localhost", 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    # each was an out-of-memory traceback from the cache's or the block table's allocation
+    (["--num-gpu-blocks-override", str(10**12)],
+     "--num-gpu-blocks-override: 1000000000000 KV blocks need "),
+    (["--max-num-seqs", str(10**12)], "--max-num-seqs: 1000000000000 requests' block-table rows "
+     "of 64 block ids (each running request also holds at least one of the "),
+])
+def test_impossible_memory_requests_are_usage_errors(model_dir: Path, argv, message,
+                                                     capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        serve_cli.main([str(model_dir), "--device", "cpu", *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and "GiB of RAM" in err
+    assert "Traceback" not in err
 
 
 def test_speculative_config_reaches_the_engine_config(model_dir: Path) -> None:

@@ -197,6 +197,15 @@ def test_lengths_beyond_the_model_are_400_naming_the_field(client, path, body, p
         {"role": "assistant", "content": None, "tool_calls": "x"},
         {"role": "user", "content": "hi"}]}, "messages",
      "messages[0].tool_calls: expected a list of calls"),
+    # a union's error named its branches: param "prompt.str", "prompt.str: Input should be a
+    # valid string; prompt.list[int]: Input should be a valid list; ..."
+    ("/v1/completions", {"prompt": 5}, "prompt", "prompt: expected a string, a list of strings, "
+     "a list of token ids or a list of lists of token ids"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "prompt: expected a string"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop",
+     "stop: expected a string or a list of strings"),
+    ("/v1/chat/completions", CHAT | {"stop": ["a", 3]}, "stop",
+     "stop: expected a string or a list of strings"),
 ])
 def test_bad_values_are_400_naming_the_field(client, engine, path, body, param, fragment) -> None:
     r = client.post(path, json=body)
