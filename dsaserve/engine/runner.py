@@ -301,23 +301,19 @@ class ModelRunner:
 
     def _check_request_tables(self) -> None:
         """--max-num-seqs sizes a row per request up front, each the longest request's block
-        ids: the block table's host mirror and device copy, and by default the padded decode
-        path's static copy (`_decode_graphs`). A value whose rows cannot fit is a usage error,
-        not an allocation traceback (a lower bound: the other per-request buffers are smaller)."""
-        cfg = self.config
-        seqs = cfg.scheduler.max_num_seqs
+        ids: the block table's host mirror and its device copy (and the padded decode path a
+        static copy more). A value whose rows cannot fit is a usage error, not an allocation
+        traceback (a lower bound: the other per-request buffers are smaller)."""
+        seqs = self.config.scheduler.max_num_seqs
         width = self._max_blocks_per_request()
         table = 4 * seqs * width  # [max_num_seqs, width] int32
-        padded = (not cfg.compilation.enforce_eager and self.groups.pcp.size == 1
-                  and self.dcp_size == 1 and cfg.compilation.cudagraph_capture_sizes is None)
-        on_device = table * (2 if padded else 1)
         what = (f"{seqs} requests' block-table rows of {width} block ids (each running request "
                 f"also holds at least one of the {self.num_blocks} KV blocks)")
         if self.device.type == "cuda":
             check_fits("--max-num-seqs", what, table, torch.device("cpu"))  # the host mirror
-            check_fits("--max-num-seqs", what, on_device, self.device)
+            check_fits("--max-num-seqs", what, table, self.device)
         else:
-            check_fits("--max-num-seqs", what, table + on_device, self.device)
+            check_fits("--max-num-seqs", what, 2 * table, self.device)
 
     def _mla_page_count(self) -> tuple[int, int | None]:
         """(MLA pages, KV blocks beside them, None: as `_num_blocks` says): the flag's pages,
